@@ -1,0 +1,21 @@
+# The two entry points of the README: `make demo` and `make test`. Both set up .venv themselves.
+NPROC ?= 2
+STEPS ?= 200
+ARGS ?=
+
+.PHONY: env demo test test-all lint
+
+env:
+	bash scripts/setup_env.sh
+
+demo: env
+	.venv/bin/zerotrain run --nproc-per-node $(NPROC) examples/train_gpt.py --steps $(STEPS) $(ARGS)
+
+test: env
+	.venv/bin/python -m pytest -q
+
+test-all: env
+	.venv/bin/python -m pytest -q -m ''
+
+lint: env
+	.venv/bin/ruff check zerotrain tests examples bench
