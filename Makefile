@@ -19,3 +19,4 @@ test-all: env
 
 lint: env
 	.venv/bin/ruff check zerotrain tests examples bench
+	.venv/bin/ruff format --check zerotrain tests examples bench

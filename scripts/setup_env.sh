@@ -11,6 +11,7 @@ stamp=.venv/.zerotrain-installed
 if [ ! -f "$stamp" ] || [ requirements-test.txt -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements-test.txt
-  .venv/bin/python -m pip install -q --no-deps -e .
+  # compat mode: a plain .pth path entry, immune to which subpackages exist at install time
+  .venv/bin/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
   touch "$stamp"
 fi

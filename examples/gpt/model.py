@@ -1,0 +1,171 @@
+"""A small GPT: a decoder-only transformer for byte-level language modelling.
+
+GPT-2's layout (Radford et al. 2019): pre-LayerNorm blocks of causal self-attention and a GELU
+MLP, learned position embeddings, and an LM head tied to the token embedding (Press & Wolf,
+arXiv:1608.05859). Attention runs through `F.scaled_dot_product_attention`, which picks the
+fastest kernel available on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "gpt_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a `GPT`."""
+
+    vocab_size: int = 256
+    """Token ids are 0..vocab_size-1; 256 for the byte-level tokenizer of `gpt.data`."""
+    block_size: int = 128
+    """Longest sequence the model accepts (the number of learned positions)."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 256
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout on attention weights and residual branches; 0.0 keeps runs deterministic."""
+    bias: bool = False
+    """Biases in the Linear layers. Off by default: the attention key bias has an analytically
+    zero gradient (softmax is shift-invariant), so Adam would only move it by rounding noise."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig: n_head ({self.n_head}) must divide n_embd ({self.n_embd})"
+            )
+
+
+# Parameter counts as measured by `GPT(gpt_config(name)).num_parameters()`.
+PRESETS: dict[str, GPTConfig] = {
+    # 0.22M parameters: for tests, a training step takes milliseconds.
+    "tiny": GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=64),
+    # 4.83M parameters: loss falls visibly within 200 steps (a couple of minutes on 2 CPU cores).
+    "demo": GPTConfig(block_size=128, n_layer=6, n_head=8, n_embd=256),
+    # 31.7M parameters.
+    "30m": GPTConfig(block_size=256, n_layer=10, n_head=8, n_embd=512),
+}
+
+
+def gpt_config(name: str, **overrides: object) -> GPTConfig:
+    """The preset `name` ("tiny", "demo" or "30m") with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees only itself and earlier ones."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        # (batch, seq, 3 * width) -> 3 x (batch, n_head, seq, head_dim)
+        q, k, v = (
+            t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+            for t in self.qkv(x).split(width, dim=2)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, width)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward layer, 4x wide, GELU."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_mlp = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    ``model(idx)`` returns logits of shape (batch, seq, vocab_size); ``model(idx, targets)``
+    returns the mean cross-entropy loss, which is what a training loop passes to
+    ``engine.backward``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
+        self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_final = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.token_embedding.weight  # tied: one tensor, two uses
+        self.apply(self._init_weights)
+        # GPT-2 §2.3: scale the residual projections by 1/sqrt(number of residual layers) so the
+        # residual stream's variance does not grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        """Number of parameters, the tied embedding counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for token ids `idx` (batch, seq), or the mean loss against `targets`."""
+        seq = idx.shape[1]
+        if seq > self.config.block_size:
+            raise ValueError(
+                f"GPT: sequence length {seq} exceeds block_size {self.config.block_size}"
+            )
+        positions = torch.arange(seq, device=idx.device)
+        x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_final(x))
+        if targets is None:
+            return logits
+        # In fp32 whatever the model's dtype: log-softmax over the vocabulary in bf16/fp16
+        # loses the small probabilities that carry most of the loss.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

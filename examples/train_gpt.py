@@ -1,0 +1,195 @@
+"""Train a small GPT on the Python standard library's source code with ZeRO.
+
+    zerotrain run --nproc-per-node 2 examples/train_gpt.py --steps 200
+
+Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states across the
+ranks, stage 2 the gradients as well. Rank 0 prints a progress line every --print-every steps
+and a summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+from gpt.data import TokenWindows, train_val_datasets
+from gpt.model import GPT, PRESETS, gpt_config
+
+import zerotrain
+
+MB = 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2), default=2, help="ZeRO stage")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--model", choices=sorted(PRESETS), default="demo", help="GPT preset")
+    parser.add_argument("--micro-batch", type=int, default=8, help="windows per rank per step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument(
+        "--data", default=None, help="text file or directory (default: the stdlib's sources)"
+    )
+    parser.add_argument("--print-every", type=int, default=10, help="steps between lines")
+    parser.add_argument("--val-batches", type=int, default=8, help="held-out batches at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name in ("steps", "micro_batch", "grad_accum", "print_every", "val_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    """DeepSpeed-style config for the flags."""
+    warmup = max(1, min(100, args.steps // 10))
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": args.steps,
+                "warmup_num_steps": warmup,
+                "cos_min_ratio": 0.1,
+            },
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": args.precision == "bf16"},
+        "fp16": {"enabled": args.precision == "fp16"},
+        # The engine stays quiet; this script prints its own progress lines.
+        "steps_per_print": 10**9,
+    }
+
+
+def forever(loader) -> Iterator:
+    """Batches of `loader`, epoch after epoch, each epoch in a new shuffled order."""
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)  # the DistributedSampler that initialize() sets up
+        yield from loader
+        epoch += 1
+
+
+def peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return peak / MB if sys.platform == "darwin" else peak / 1024
+
+
+@torch.no_grad()
+def validation_loss(
+    engine, val_set: TokenWindows, batches: int, batch_size: int
+) -> tuple[float, int]:
+    """Mean loss over `batches` batches of windows spread evenly over `val_set`; returns
+    (loss, batches used). Every rank evaluates the same windows, so rank 0's value is the
+    global one."""
+    count = min(batches * batch_size, len(val_set))
+    indices = torch.linspace(0, len(val_set) - 1, count).long().tolist()
+    engine.eval()
+    losses = []
+    for start in range(0, count, batch_size):
+        xs, ys = zip(*(val_set[i] for i in indices[start : start + batch_size]), strict=True)
+        x, y = torch.stack(xs).to(engine.device), torch.stack(ys).to(engine.device)
+        losses.append(engine(x, y).item())
+    engine.train()
+    return sum(losses) / len(losses), len(losses)
+
+
+def main() -> None:
+    args = parse_args()
+    zerotrain.init_distributed()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+
+    config = gpt_config(args.model)
+    model = GPT(config)
+    train_set, val_set = train_val_datasets(config.block_size, args.data)
+    engine, _, train_loader, _ = zerotrain.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=train_set,
+        config=engine_config(args),
+    )
+    is_rank0 = engine.global_rank == 0
+    tokens_per_step = engine.train_batch_size() * config.block_size  # over all ranks
+    if is_rank0:
+        print(
+            f"GPT '{args.model}': {model.num_parameters():,} parameters | ZeRO stage "
+            f"{engine.zero_optimization_stage()} | {args.precision} | world {engine.world_size} "
+            f"| {engine.train_batch_size()} windows x {config.block_size} tokens per step | "
+            f"{len(train_set):,} training windows",
+            flush=True,
+        )
+
+    batches = forever(train_loader)
+    step_losses: list[float] = []
+    start = window_start = time.perf_counter()
+    window_first_step = 1
+    for step in range(1, args.steps + 1):
+        # The loss printed is rank 0's: the mean over its micro-batches of this step.
+        micro_losses = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            x, y = (t.to(engine.device) for t in next(batches))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            micro_losses.append(loss.item())
+        step_losses.append(sum(micro_losses) / len(micro_losses))
+
+        if is_rank0 and (step % args.print_every == 0 or step == args.steps):
+            now = time.perf_counter()
+            seconds_per_step = (now - window_start) / (step - window_first_step + 1)
+            window_start, window_first_step = now, step + 1
+            memory = engine.memory_breakdown()
+            print(
+                f"step {step:>5}/{args.steps} | loss {step_losses[-1]:.4f} | "
+                f"lr {engine.get_lr()[0]:.2e} | {tokens_per_step / seconds_per_step:,.0f} tok/s | "
+                f"{seconds_per_step:.3f} s/step | per rank (rank 0): model states "
+                f"{memory['total'] / MB:.1f} MB, peak RSS {peak_rss_mb():.0f} MB",
+                flush=True,
+            )
+    train_seconds = time.perf_counter() - start
+
+    val_loss, val_batches = validation_loss(engine, val_set, args.val_batches, args.micro_batch)
+    if is_rank0:
+        last = step_losses[-10:]
+        memory = engine.memory_breakdown()
+        rows = [
+            ("ZeRO stage", engine.zero_optimization_stage()),
+            ("world size", engine.world_size),
+            ("parameters", f"{model.num_parameters():,}"),
+            ("precision", args.precision),
+            ("first loss", f"{step_losses[0]:.4f}"),
+            ("final loss", f"{step_losses[-1]:.4f}"),
+            (f"mean loss, last {len(last)} steps", f"{sum(last) / len(last):.4f}"),
+            ("validation loss", f"{val_loss:.4f} ({val_batches} batches)"),
+            ("training time", f"{train_seconds:.1f} s ({train_seconds / args.steps:.3f} s/step)"),
+            ("tokens/s (all ranks)", f"{tokens_per_step * args.steps / train_seconds:,.0f}"),
+            (
+                "model states per rank (rank 0)",
+                f"{memory['total'] / MB:.1f} MB: parameters {memory['parameters'] / MB:.1f}, "
+                f"gradients {memory['gradients'] / MB:.1f}, "
+                f"optimizer states {memory['optimizer_states'] / MB:.1f} "
+                f"(ZeRO formula: {memory['formula_total'] / MB:.1f} MB)",
+            ),
+            ("peak RSS (rank 0)", f"{peak_rss_mb():.0f} MB"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        print("summary")
+        for name, value in rows:
+            print(f"  {name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Run a function on N spawned ranks over gloo and collect each rank's result.
+
+Spawning costs one torch import per rank on this 2-core machine, so a test should run its whole
+option grid inside one call rather than one call per option.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, out_dir, collective_timeout_s):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        import zerotrain
+
+        zerotrain.init_distributed(timeout=timedelta(seconds=collective_timeout_s))
+        result = fn(*args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # report everything, including assertion errors, to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        from zerotrain.comm import destroy_distributed
+
+        destroy_distributed()
+
+
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 240,
+    collective_timeout_s: float = 60,
+    may_die: tuple[int, ...] = (),
+):
+    """``fn(*args)`` on ``world_size`` ranks; returns the list of results in rank order.
+
+    ``fn`` must be a module-level function. A rank's exception is re-raised here with its
+    traceback; ranks still running after ``timeout`` seconds are killed and reported. Ranks in
+    ``may_die`` may exit without a result (their entry is the exit code).
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, port, args, out_dir, collective_timeout_s),
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path) and rank in may_die:
+                results.append(procs[rank].exitcode)
+                continue
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
+                continue
+            record = torch.load(path, weights_only=False)
+            if record["ok"]:
+                results.append(record["result"])
+            else:
+                errors.append(f"rank {rank}:\n{record['error']}")
+        if hung:
+            errors.insert(0, f"ranks {hung} still running after {timeout} s (killed)")
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        return results

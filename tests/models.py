@@ -1,0 +1,62 @@
+"""Small models with the awkward features that break ZeRO implementations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, SEQ = 11, 7, 13, 5
+
+
+class AwkwardModel(nn.Module):
+    """Tied embedding/head, a frozen layer, sizes no world size of 2-4 divides, a buffer.
+
+    Sizes: embedding 11x7=77, hidden 13x7=91 (+13), odd 5x7=35, frozen 13x13, head bias 11.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN)
+        self.frozen.requires_grad_(False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.odd = nn.Parameter(torch.randn(SEQ, DIM) * 0.1)  # 35 elements
+        self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.embed.weight  # tied, GPT-2 style
+        self.register_buffer("mix", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) + self.odd * self.mix
+        h = h + self.down(torch.tanh(self.frozen(torch.tanh(self.up(h)))))
+        logits = self.head(h)
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay on matrices, none on biases and 1-D tensors (the usual split)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_batches(steps: int, global_batch: int, seed: int = 1):
+    """``steps`` global batches of (idx, targets), each ``global_batch`` x SEQ tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (steps, global_batch, SEQ), generator=gen)
+    targets = torch.randint(0, VOCAB, (steps, global_batch, SEQ), generator=gen)
+    return idx, targets
+
+
+def micro_batch(batch: torch.Tensor, micro: int, rank: int, world: int, size: int) -> torch.Tensor:
+    """Rows of a global batch that ``rank`` sees in micro-step ``micro``."""
+    chunk = micro * world + rank
+    return batch[chunk * size : (chunk + 1) * size]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()

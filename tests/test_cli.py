@@ -1,0 +1,234 @@
+"""The torchrun command that `zerotrain run` builds; nothing is launched here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zerotrain
+from zerotrain import cli
+from zerotrain.cli import LaunchError, plan_launch
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def plan(argv, *, environ=None, cpu_count=8, cuda_devices=0):
+    return plan_launch(argv, environ=environ or {}, cpu_count=cpu_count, cuda_devices=cuda_devices)
+
+
+def test_single_node_defaults_to_standalone_and_one_process_without_cuda():
+    launch = plan(["train.py", "--steps", "3"])
+    assert launch.argv == [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "train.py",
+        "--steps",
+        "3",
+    ]
+    assert launch.env_overrides == {}  # one process keeps torch's default of all cores
+    assert not launch.dry_run
+
+
+def test_nproc_defaults_to_the_cuda_device_count():
+    launch = plan(["train.py"], cuda_devices=4)
+    assert launch.argv[launch.argv.index("--nproc-per-node") + 1] == "4"
+    assert launch.env_overrides == {}  # GPU jobs keep torchrun's own OMP_NUM_THREADS choice
+
+
+@pytest.mark.parametrize(
+    ("nproc", "cpu_count", "environ", "expected"),
+    [
+        ("2", 8, {}, {"OMP_NUM_THREADS": "4"}),
+        ("3", 8, {}, {"OMP_NUM_THREADS": "2"}),
+        ("4", 2, {}, {"OMP_NUM_THREADS": "1"}),  # more processes than cores: at least 1
+        ("2", 8, {"OMP_NUM_THREADS": "7"}, {}),  # the user's choice wins
+        ("1", 8, {}, {}),
+    ],
+)
+def test_omp_num_threads_splits_the_cores_between_cpu_processes(
+    nproc, cpu_count, environ, expected
+):
+    launch = plan(["--nproc-per-node", nproc, "train.py"], environ=environ, cpu_count=cpu_count)
+    assert launch.env_overrides == expected
+
+
+def test_omp_num_threads_is_left_to_torchrun_with_cuda():
+    assert plan(["--nproc-per-node", "2", "train.py"], cuda_devices=2).env_overrides == {}
+
+
+def test_multi_node_options_pass_through_in_order_without_standalone():
+    launcher = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29500",
+        "--rdzv_id=job42",
+        "--max-restarts",
+        "3",
+        "-r3",
+    ]
+    script = ["train.py", "--lr", "-1", "--nnodes", "5"]
+    launch = plan(["--nproc-per-node", "8", *launcher, *script], cuda_devices=8)
+    assert launch.argv == [*TORCHRUN, "--nproc-per-node", "8", *launcher, *script]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ["--master-addr", "10.0.0.1", "--master-port", "29600"],
+        ["--master_port=29600"],
+        ["--standalone"],  # given by the user: not added twice
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"],
+    ],
+)
+def test_rendezvous_options_replace_standalone(launcher):
+    launch = plan([*launcher, "train.py"])
+    assert launch.argv.count("--standalone") == launcher.count("--standalone")
+    assert launch.argv[len(TORCHRUN) + 2 :] == [*launcher, "train.py"]
+
+
+def test_torchrun_environment_variables_count_as_options():
+    environ = {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "node0:29500", "PET_RDZV_BACKEND": "c10d"}
+    launch = plan(["train.py"], environ=environ)
+    assert "--standalone" not in launch.argv
+
+
+def test_nproc_spellings():
+    for launcher in (["--nproc_per_node", "3"], ["--nproc-per-node=3"], ["--nproc_per_node=3"]):
+        launch = plan([*launcher, "train.py"])
+        assert launch.argv == [*TORCHRUN, "--standalone", "--nproc-per-node", "3", "train.py"]
+
+
+def test_arguments_after_the_script_belong_to_the_script():
+    launch = plan(["train.py", "--dry-run", "--help", "--nproc-per-node", "9"])
+    assert not launch.dry_run
+    assert launch.argv[-5:] == ["train.py", "--dry-run", "--help", "--nproc-per-node", "9"]
+    assert launch.argv[launch.argv.index("--nproc-per-node") + 1] == "1"
+
+
+def test_double_dash_ends_the_launcher_options():
+    launch = plan(["--nproc-per-node", "2", "--", "train.py", "--x"])
+    assert launch.argv[len(TORCHRUN) :] == [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "train.py",
+        "--x",
+    ]
+
+
+def test_module_mode_passes_through():
+    launch = plan(["-m", "my_package.train", "--epochs", "1"])
+    assert launch.argv[len(TORCHRUN) :] == [
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "my_package.train",
+        "--epochs",
+        "1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus", "train.py"], "unknown launcher option '--bogus'"),
+        (["--nproc-per-node", "2"], "missing SCRIPT"),
+        (["--", "-weird.py"], "starts with '-'; write ./-weird.py"),
+        (["--nproc-per-node", "0", "train.py"], "positive integer, got '0'"),
+        (["--nproc-per-node", "auto", "train.py"], "positive integer, got 'auto'"),
+        (["--nproc-per-node"], "--nproc-per-node needs a value"),
+        (["--nnodes", "2", "train.py"], "--nnodes 2 needs a rendezvous"),
+        (["--nnodes", "1:4", "train.py"], "--nnodes 1:4 needs a rendezvous"),
+    ],
+)
+def test_bad_command_lines_name_the_problem(argv, message):
+    with pytest.raises(LaunchError, match=message):
+        plan(argv)
+
+
+def test_an_invalid_torchrun_option_value_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan(["--max-restarts", "many", "train.py"])
+    assert exit_info.value.code == 2
+    assert "--max-restarts" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_command_with_its_environment(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cli, "_available_cpus", lambda: 4)
+    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    status = cli.main(["run", "--dry-run", "--nproc-per-node", "2", "train.py", "--name", "a b"])
+    assert status == 0
+    assert capsys.readouterr().out == (
+        f"OMP_NUM_THREADS=2 {sys.executable} -m torch.distributed.run --standalone "
+        "--nproc-per-node 2 train.py --name 'a b'\n"
+    )
+
+
+def test_main_reports_launch_errors_with_status_2(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    assert cli.main(["run", "--dry-run", "--bogus", "train.py"]) == 2
+    assert "unknown launcher option '--bogus'" in capsys.readouterr().err
+
+
+def test_run_help(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    assert cli.main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: zerotrain run")
+    assert "--nproc-per-node N" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"zerotrain {zerotrain.__version__}\n"
+
+
+def test_a_subcommand_is_required(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+
+
+def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
+    """The one test here that launches: torchrun, 2 processes of a script that only prints."""
+    script = tmp_path / "report.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],"
+        " 'threads', os.environ['OMP_NUM_THREADS'], 'args', sys.argv[1:], flush=True)\n"
+        "sys.exit(3 if '--fail' in sys.argv and os.environ['RANK'] == '1' else 0)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="5")
+
+    def run(*script_args):
+        command = [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "2"]
+        return subprocess.run(
+            [*command, str(script), *script_args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    ok = run("--x", "1")
+    assert ok.returncode == 0, ok.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 threads 5 args ['--x', '1']" in ok.stdout
+    failed = run("--fail")
+    assert failed.returncode != 0

@@ -1,0 +1,111 @@
+"""The communication layer: the only user of torch.distributed, bounded by timeouts."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import time
+
+import torch
+from distributed import run_distributed
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "zerotrain"
+
+
+# The launcher reads torchrun's own argument parser; it issues no collectives.
+LAUNCHER_ONLY = {"cli.py": ("torch.distributed.run", "torch.distributed.run.get_args_parser")}
+
+
+def test_only_comm_imports_torch_distributed():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "comm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            names = [n for n in names if n not in LAUNCHER_ONLY.get(path.name, ())]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offenders, f"only zerotrain/comm may import torch.distributed: {offenders}"
+
+
+def stalled_peer():
+    from zerotrain.comm import CollectiveError, Communicator
+
+    comm = Communicator()
+    if comm.rank == 1:
+        time.sleep(6)  # stalls past rank 0's collective timeout
+        return "slept"
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4))
+    except CollectiveError as err:
+        return {"message": str(err), "seconds": time.monotonic() - start}
+    return "no error"
+
+
+def test_stalled_rank_gives_error_naming_the_collective():
+    result, _ = run_distributed(stalled_peer, 2, collective_timeout_s=2, timeout=60)
+    assert isinstance(result, dict), result
+    assert "all_reduce of 16 bytes failed on rank 0 of 2" in result["message"]
+    assert result["seconds"] < 5
+
+
+def dead_peer():
+    import os
+
+    from zerotrain.comm import CollectiveError, Communicator
+
+    comm = Communicator()
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(3)  # dies without a word
+    try:
+        for _ in range(3):
+            out = torch.empty(8)
+            comm.all_gather(out, torch.ones(4))
+    except CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_dead_rank_gives_error_not_hang():
+    survivor, dead = run_distributed(dead_peer, 2, collective_timeout_s=5, timeout=60, may_die=(1,))
+    assert dead == 3
+    assert "all_gather of 32 bytes failed on rank 0 of 2" in survivor
+
+
+def collectives():
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    r, n = comm.rank, comm.world_size
+    t = torch.full((3,), float(r + 1))
+    comm.all_reduce(t)
+    gathered = torch.zeros(2 * n)
+    gathered[2 * r : 2 * r + 2] = r + 1
+    comm.all_gather(gathered, gathered[2 * r : 2 * r + 2])
+    shard = torch.zeros(2)
+    comm.reduce_scatter(shard, torch.arange(2.0 * n))
+    return {
+        "sum": t.tolist(),
+        "gathered": gathered.tolist(),
+        "shard": shard.tolist(),
+        "stats": {k: (v.calls, v.bytes) for k, v in comm.stats.items()},
+    }
+
+
+def test_collectives_and_byte_counts():
+    for rank, got in enumerate(run_distributed(collectives, 3)):
+        assert got["sum"] == [6.0] * 3
+        assert got["gathered"] == [1, 1, 2, 2, 3, 3]
+        assert got["shard"] == [3.0 * 2 * rank, 3.0 * (2 * rank + 1)]
+        assert got["stats"] == {
+            "all_reduce": (1, 12),
+            "all_gather": (1, 24),
+            "reduce_scatter": (1, 24),
+        }

@@ -1,0 +1,762 @@
+"""Tests of zerotrain.config: DeepSpeed configs load unchanged, every mistake is a ConfigError
+whose message names the key path and the fix, and docs/config.md matches the schema."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from zerotrain.config import (
+    BF16Config,
+    ConfigError,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroOptimizationConfig,
+    ZeroTrainConfig,
+    config_reference_markdown,
+    load_config,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The shape of DeepSpeed's own tutorial configs (ZeRO / Megatron GPT-2 and BERT pre-training):
+# Adam with params, WarmupLR, dynamic fp16 loss scaling, ZeRO stage 2 with 5e8 buckets.
+DEEPSPEED_TUTORIAL_JSON = """
+{
+  "train_batch_size": 64,
+  "train_micro_batch_size_per_gpu": 8,
+  "steps_per_print": 2000,
+  "optimizer": {
+    "type": "Adam",
+    "params": {"lr": 0.00015, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+  },
+  "scheduler": {
+    "type": "WarmupLR",
+    "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.00015, "warmup_num_steps": 1000}
+  },
+  "gradient_clipping": 1.0,
+  "fp16": {
+    "enabled": true,
+    "loss_scale": 0,
+    "loss_scale_window": 1000,
+    "initial_scale_power": 16,
+    "hysteresis": 2,
+    "min_loss_scale": 1
+  },
+  "zero_optimization": {
+    "stage": 2,
+    "allgather_partitions": true,
+    "allgather_bucket_size": 5e8,
+    "overlap_comm": true,
+    "reduce_scatter": true,
+    "reduce_bucket_size": 5e8,
+    "contiguous_gradients": true
+  },
+  "zero_allow_untested_optimizer": true,
+  "wall_clock_breakdown": false
+}
+"""
+
+SMALL = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 3,
+    "optimizer": {"type": "adamw", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+}
+SMALL_YAML = """\
+train_micro_batch_size_per_gpu: 2
+gradient_accumulation_steps: 3
+optimizer:
+  type: adamw
+  params: {lr: 1e-3, weight_decay: 0.1}
+bf16: {enabled: true}
+zero_optimization: {stage: 1, reduce_bucket_size: 5e8}
+"""
+
+
+def load_error(config: Any, world_size: int = 2) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, world_size=world_size)
+    return str(info.value)
+
+
+def unimplemented(path: str) -> str:
+    return (
+        f"`{path}` is a DeepSpeed option that zerotrain does not implement yet; "
+        "remove it from the config"
+    )
+
+
+def nested(path: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for "a.b", on top of a valid minimal config."""
+    *parents, leaf = path.split(".")
+    inner: dict[str, Any] = {leaf: value}
+    for parent in reversed(parents):
+        inner = {parent: inner}
+    if parents[:1] == ["optimizer"]:
+        inner["optimizer"].setdefault("type", "Adam")
+    return {"train_batch_size": 8, **inner}
+
+
+# --- DeepSpeed configs load unchanged --------------------------------------------------------
+
+
+def test_deepspeed_tutorial_config_loads_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(DEEPSPEED_TUTORIAL_JSON)
+    cfg = load_config(path, world_size=4)
+    assert (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    ) == (64, 8, 2)
+    assert cfg.optimizer == OptimizerConfig(
+        type="Adam",
+        params={"lr": 0.00015, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+    )
+    assert cfg.optimizer.params["betas"] == (0.9, 0.999)
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupLR"
+    assert cfg.scheduler.params == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.00015,
+        "warmup_num_steps": 1000,
+    }
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.fp16 == FP16Config(
+        enabled=True,
+        loss_scale=0.0,
+        loss_scale_window=1000,
+        initial_scale_power=16,
+        hysteresis=2,
+        min_loss_scale=1.0,
+    )
+    assert cfg.bf16.enabled is False
+    zero = cfg.zero_optimization
+    assert (
+        zero.stage,
+        zero.overlap_comm,
+        zero.contiguous_gradients,
+        zero.reduce_scatter,
+        zero.allgather_partitions,
+    ) == (2, True, True, True, True)
+    assert zero.reduce_bucket_size == 500_000_000 and type(zero.reduce_bucket_size) is int
+    assert zero.allgather_bucket_size == 500_000_000 and type(zero.allgather_bucket_size) is int
+    assert (cfg.steps_per_print, cfg.wall_clock_breakdown, cfg.seed) == (2000, False, None)
+    assert cfg.zero_allow_untested_optimizer is True
+
+
+def test_defaults_match_deepspeed() -> None:
+    assert ZeroTrainConfig().model_dump() == {
+        "train_batch_size": None,
+        "train_micro_batch_size_per_gpu": None,
+        "gradient_accumulation_steps": None,
+        "optimizer": None,
+        "scheduler": None,
+        "gradient_clipping": 0.0,
+        "fp16": {
+            "enabled": False,
+            "loss_scale": 0.0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "consecutive_hysteresis": False,
+            "min_loss_scale": 1.0,
+        },
+        "bf16": {"enabled": False},
+        "zero_optimization": {
+            "stage": 0,
+            "reduce_bucket_size": 500_000_000,
+            "allgather_bucket_size": 500_000_000,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "allgather_partitions": True,
+            "round_robin_gradients": False,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "seed": None,
+        "zero_allow_untested_optimizer": False,
+    }
+    assert OptimizerConfig(type="SGD").params == {}
+    assert BF16Config() == BF16Config(enabled=False)
+
+
+@pytest.mark.parametrize("source", ["dict", "json", "yaml", "yml", "str", "typed"])
+def test_every_input_form_gives_the_same_config(source: str, tmp_path: Path) -> None:
+    files = {
+        "json": json.dumps(SMALL),
+        "yaml": SMALL_YAML,
+        "yml": SMALL_YAML,
+        "str": json.dumps(SMALL),
+    }
+    if source == "dict":
+        config: Any = SMALL
+    elif source == "typed":
+        config = ZeroTrainConfig.model_validate(SMALL)
+    else:
+        path = tmp_path / f"cfg.{'json' if source == 'str' else source}"
+        path.write_text(files[source])
+        config = str(path) if source == "str" else path
+    cfg = load_config(config, world_size=4)
+    assert (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    ) == (24, 2, 3)
+    assert cfg.optimizer == OptimizerConfig(type="AdamW", params={"lr": 1e-3, "weight_decay": 0.1})
+    assert cfg.bf16.enabled is True and cfg.fp16.enabled is False
+    assert cfg.zero_optimization.stage == 1
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def test_yaml_reads_exponents_without_a_dot_as_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "train_batch_size: 8\noptimizer: {type: Adam, params: {lr: 1e-5, eps: 1E-8}}\n"
+        "zero_optimization: {stage: 2, allgather_bucket_size: 2e8}\n"
+    )
+    cfg = load_config(path, world_size=1)
+    assert cfg.optimizer is not None and cfg.optimizer.params == {"lr": 1e-5, "eps": 1e-8}
+    assert cfg.zero_optimization.allgather_bucket_size == 200_000_000
+
+
+def test_typed_input_is_rechecked_against_the_world_size() -> None:
+    cfg = load_config({"train_batch_size": 8}, world_size=2)
+    assert load_config(cfg, world_size=2) == cfg
+    assert load_error(cfg, world_size=4) == (
+        "train_batch_size (8) != train_micro_batch_size_per_gpu (4) * gradient_accumulation_steps"
+        " (1) * world_size (4) = 16; fix one of them, or leave one out to derive it"
+    )
+
+
+def test_configs_are_immutable_and_resolve_batch_returns_a_copy() -> None:
+    cfg = ZeroTrainConfig(train_batch_size=12)
+    resolved = cfg.resolve_batch(3)
+    assert (resolved.train_micro_batch_size_per_gpu, resolved.gradient_accumulation_steps) == (4, 1)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (None, None)
+    with pytest.raises(ValidationError):
+        cfg.train_batch_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [("adam", "Adam"), ("ADAMW", "AdamW"), ("AdamW", "AdamW"), ("sgd", "SGD"), ("lamb", "Lamb")],
+)
+def test_optimizer_type_any_capitalisation(name: str, canonical: str) -> None:
+    assert OptimizerConfig(type=name).type == canonical
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [
+        ("warmuplr", "WarmupLR"),
+        ("WARMUPDECAYLR", "WarmupDecayLR"),
+        ("warmupcosinelr", "WarmupCosineLR"),
+        ("onecycle", "OneCycle"),
+    ],
+)
+def test_scheduler_type_any_capitalisation(name: str, canonical: str) -> None:
+    params = {"total_num_steps": 10} if "decay" in name.lower() or "cosine" in name else {}
+    if canonical == "OneCycle":
+        params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}
+    assert SchedulerConfig(type=name, params=params).type == canonical
+
+
+def test_old_deepspeed_names_are_read_as_the_new_ones() -> None:
+    cfg = load_config(
+        {
+            "train_batch_size": 2,
+            "bfloat16": {"enabled": True},
+            "zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True},
+        },
+        world_size=1,
+    )
+    assert cfg.bf16.enabled is True
+    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+
+
+# --- batch arithmetic ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "world_size", "expected"),
+    [
+        ((32, 4, 2), 4, (32, 4, 2)),
+        ((32, 4, None), 4, (32, 4, 2)),
+        ((32, None, 2), 4, (32, 4, 2)),
+        ((None, 4, 2), 4, (32, 4, 2)),
+        ((32, None, None), 4, (32, 8, 1)),
+        ((None, 4, None), 4, (16, 4, 1)),
+        ((7, None, None), 1, (7, 7, 1)),
+        ((30, 5, None), 3, (30, 5, 2)),
+        ((None, 3, 5), 3, (45, 3, 5)),
+    ],
+)
+def test_batch_fields_are_derived(given: tuple, world_size: int, expected: tuple) -> None:
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    raw = {key: value for key, value in zip(keys, given, strict=True) if value is not None}
+    cfg = load_config(raw, world_size=world_size)
+    assert (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    ) == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "world_size", "message"),
+    [
+        (
+            (32, 4, 2),
+            3,
+            "train_batch_size (32) != train_micro_batch_size_per_gpu (4) * "
+            "gradient_accumulation_steps (2) * world_size (3) = 24; fix one of them, or leave one out "
+            "to derive it",
+        ),
+        (
+            (30, 4, None),
+            3,
+            "train_batch_size (30) is not divisible by train_micro_batch_size_per_gpu"
+            " (4) * world_size (3) = 12, so gradient_accumulation_steps cannot be derived; make "
+            "train_batch_size a multiple of 12 or set all three batch keys",
+        ),
+        (
+            (30, None, 4),
+            3,
+            "train_batch_size (30) is not divisible by gradient_accumulation_steps "
+            "(4) * world_size (3) = 12, so train_micro_batch_size_per_gpu cannot be derived; make "
+            "train_batch_size a multiple of 12 or set all three batch keys",
+        ),
+        (
+            (10, None, None),
+            3,
+            "train_batch_size (10) is not divisible by gradient_accumulation_steps"
+            " (1) * world_size (3) = 3, so train_micro_batch_size_per_gpu cannot be derived; make "
+            "train_batch_size a multiple of 3 or set all three batch keys",
+        ),
+        (
+            (None, None, 4),
+            2,
+            "only gradient_accumulation_steps is set; set train_batch_size or "
+            "train_micro_batch_size_per_gpu (or both)",
+        ),
+        (
+            (None, None, None),
+            2,
+            "no batch size is set; set train_batch_size or "
+            "train_micro_batch_size_per_gpu (or both)",
+        ),
+        ((0, None, None), 2, "train_batch_size: must be > 0, got 0"),
+        ((None, -4, None), 2, "train_micro_batch_size_per_gpu: must be > 0, got -4"),
+        ((8, None, 0), 2, "gradient_accumulation_steps: must be > 0, got 0"),
+        ((2.5, None, None), 1, "train_batch_size: must be an integer, got 2.5"),
+        ((True, None, None), 1, "train_batch_size: must be a number, got true"),
+    ],
+)
+def test_batch_errors_show_the_arithmetic(given: tuple, world_size: int, message: str) -> None:
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    raw = {key: value for key, value in zip(keys, given, strict=True) if value is not None}
+    assert load_error(raw, world_size) == message
+
+
+def test_no_config_fails_for_want_of_a_batch_size() -> None:
+    assert load_error(None) == (
+        "no batch size is set; set train_batch_size or train_micro_batch_size_per_gpu (or both)"
+    )
+
+
+@pytest.mark.parametrize("world_size", [0, -1, True, 2.0])
+def test_world_size_must_be_a_positive_integer(world_size: Any) -> None:
+    assert load_error({"train_batch_size": 8}, world_size) == (
+        f"world_size: must be a positive integer, got {world_size!r}"
+    )
+
+
+# --- errors: unknown, unimplemented, "auto", values ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"train_batch_sze": 8}, "train_batch_sze: unknown key; did you mean 'train_batch_size'?"),
+        (
+            nested("zero_optimization.stag", 2),
+            "zero_optimization.stag: unknown key; did you mean 'stage'?",
+        ),
+        (
+            nested("fp16.loss_scale_windw", 10),
+            "fp16.loss_scale_windw: unknown key; did you mean 'loss_scale_window'?",
+        ),
+        (
+            nested("optimizer.params.lrr", 0.1),
+            "optimizer.params.lrr: unknown key; did you mean 'lr'?",
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}},
+            },
+            "scheduler.params.warmup_num_step: unknown key; did you mean 'warmup_num_steps'?",
+        ),
+        ({"train_batch_size": 8, "xyzzy": 1}, "xyzzy: unknown key"),
+        (
+            nested("optimizer.params.momentum", 0.9),
+            "optimizer.params.momentum: not a parameter of Adam; only of SGD",
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}},
+            },
+            "optimizer.params.adam_w_mode: not a parameter of AdamW; only of Adam",
+        ),
+        (
+            nested("optimizer.params.max_grad_norm", 1.0),
+            "optimizer.params.max_grad_norm: not an "
+            "optimizer parameter; use the top-level `gradient_clipping` instead",
+        ),
+    ],
+)
+def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> None:
+    assert load_error(config) == message
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        *[
+            "activation_checkpointing",
+            "flops_profiler",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comms_logger",
+            "checkpoint",
+            "amp",
+            "aio",
+            "sparse_attention",
+            "pipeline",
+            "compression_training",
+            "data_efficiency",
+            "autotuning",
+            "elasticity",
+            "communication_data_type",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+            "sparse_gradients",
+            "dump_state",
+            "memory_breakdown",
+            "zero_force_ds_cpu_optimizer",
+            "data_types",
+            "eigenvalue",
+            "progressive_layer_drop",
+            "curriculum_learning",
+        ],
+        *[
+            f"zero_optimization.{key}"
+            for key in (
+                "offload_optimizer",
+                "offload_param",
+                "zero_hpz_partition_size",
+                "zero_quantized_weights",
+                "zero_quantized_gradients",
+                "mics_shard_size",
+                "cpu_offload",
+                "sub_group_size",
+                "elastic_checkpoint",
+            )
+        ],
+        "fp16.auto_cast",
+        "bf16.immediate_grad_update",
+        "optimizer.legacy_fusion",
+    ],
+)
+def test_unimplemented_deepspeed_options_are_rejected(path: str) -> None:
+    assert load_error(nested(path, {"enabled": True})) == unimplemented(path)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    config = {
+        "train_batch_sze": 8,
+        "wandb": {"enabled": True},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "gradient_clipping": "auto",
+    }
+    assert load_error(config).splitlines() == [
+        "train_batch_sze: unknown key; did you mean 'train_batch_size'?",
+        unimplemented("wandb"),
+        unimplemented("zero_optimization.offload_optimizer"),
+        'gradient_clipping: "auto" must be resolved before passing the config to zerotrain '
+        "(HuggingFace's Trainer does that for DeepSpeed); set a concrete value",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"train_batch_size": "auto"}, "train_batch_size"),
+        (
+            nested("zero_optimization.reduce_bucket_size", "auto"),
+            "zero_optimization.reduce_bucket_size",
+        ),
+        (nested("optimizer.params.lr", "auto"), "optimizer.params.lr"),
+        (nested("optimizer.params.betas", [0.9, "auto"]), "optimizer.params.betas.1"),
+        (
+            {
+                "train_batch_size": 8,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "Auto"}},
+            },
+            "scheduler.params.warmup_max_lr",
+        ),
+        (nested("fp16.enabled", "auto"), "fp16.enabled"),
+    ],
+)
+def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
+    assert load_error(config) == (
+        f'{path}: "auto" must be resolved before passing the config to zerotrain '
+        "(HuggingFace's Trainer does that for DeepSpeed); set a concrete value"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            nested("zero_optimization.stage", 4),
+            "zero_optimization.stage: must be between 0 and 3, got 4",
+        ),
+        (
+            nested("zero_optimization.stage", -1),
+            "zero_optimization.stage: must be between 0 and 3, got -1",
+        ),
+        (
+            nested("zero_optimization.reduce_bucket_size", 1.5),
+            "zero_optimization.reduce_bucket_size: must be an integer, got 1.5",
+        ),
+        (
+            {"train_batch_size": 8, "zero_optimization": True},
+            "zero_optimization: must be a mapping, got true",
+        ),
+        (
+            {"train_batch_size": 8, "gradient_clipping": -1.0},
+            "gradient_clipping: must be >= 0, got -1.0",
+        ),
+        (nested("fp16.enabled", "maybe"), 'fp16.enabled: must be true or false, got "maybe"'),
+        (nested("fp16.loss_scale_window", 0), "fp16.loss_scale_window: must be > 0, got 0"),
+        (nested("fp16.loss_scale", -1), "fp16.loss_scale: must be >= 0, got -1"),
+        ({"train_batch_size": 8, "optimizer": {}}, "optimizer.type: required key is missing"),
+        (
+            nested("optimizer.type", "adamx"),
+            "optimizer.type: unknown optimizer 'adamx'; did you mean "
+            "'Adam'? zerotrain supports Adam, AdamW, SGD, Lamb",
+        ),
+        (
+            nested("optimizer.type", "OneBitAdam"),
+            "optimizer.type: 'OneBitAdam' is a DeepSpeed "
+            "optimizer that zerotrain does not implement yet; use one of Adam, AdamW, SGD, Lamb",
+        ),
+        (
+            nested("optimizer.type", 5),
+            "optimizer.type: must be one of 'Adam', 'AdamW', 'SGD' or 'Lamb', got 5",
+        ),
+        (nested("optimizer.params.lr", "x"), 'optimizer.params.lr: must be a number, got "x"'),
+        (
+            nested("optimizer.params.betas", [0.9]),
+            "optimizer.params.betas: must be a list of two numbers, got [0.9]",
+        ),
+        (
+            nested("optimizer.params.betas", [0.9, 1.0]),
+            "optimizer.params.betas.1: must be < 1, got 1.0",
+        ),
+        (
+            nested("scheduler.type", "LRRangeTest"),
+            "scheduler.type: 'LRRangeTest' is a DeepSpeed "
+            "scheduler that zerotrain does not implement yet; use one of WarmupLR, WarmupDecayLR, "
+            "WarmupCosineLR, OneCycle",
+        ),
+        (
+            {"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR"}},
+            "scheduler.params.total_num_steps: required key is missing",
+        ),
+        (
+            {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {}}},
+            "scheduler.params.cycle_min_lr: required key is missing\n"
+            "scheduler.params.cycle_max_lr: required key is missing",
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}},
+            },
+            "scheduler.params.warmup_type: must be one of 'log' or 'linear', got \"cos\"",
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "0"}},
+            },
+            "scheduler.params.warmup_min_lr: must be a number or a list of numbers (one per param "
+            'group), got "0"',
+        ),
+    ],
+)
+def test_bad_values_name_the_path(config: dict, message: str) -> None:
+    assert load_error(config) == message
+
+
+def test_per_param_group_learning_rates_are_accepted() -> None:
+    config = {
+        "train_batch_size": 8,
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": [0, 0], "warmup_max_lr": [1e-3, 1e-4]},
+        },
+    }
+    scheduler = load_config(config, world_size=1).scheduler
+    assert scheduler is not None
+    assert scheduler.params == {"warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [1e-3, 1e-4]}
+
+
+def test_stage_3_is_not_implemented_yet() -> None:
+    assert load_error(nested("zero_optimization.stage", 3)) == (
+        "zero_optimization.stage: stage 3 is not implemented yet; use 0, 1 or 2"
+    )
+    # Its keys are part of the schema already.
+    zero = ZeroOptimizationConfig(
+        stage=2, stage3_prefetch_bucket_size=7, stage3_max_live_parameters=11
+    )
+    assert (zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters) == (7, 11)
+
+
+@pytest.mark.parametrize("bf16_key", ["bf16", "bfloat16"])
+def test_fp16_and_bf16_together_are_rejected(bf16_key: str) -> None:
+    config = {"train_batch_size": 8, "fp16": {"enabled": True}, bf16_key: {"enabled": True}}
+    assert load_error(config) == (
+        "fp16.enabled and bf16.enabled are both true; enable at most one of them"
+    )
+
+
+def test_bf16_under_both_names_is_rejected() -> None:
+    config = {"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}
+    assert load_error(config) == "`bfloat16` is DeepSpeed's old name for `bf16`; set only `bf16`"
+
+
+# --- files -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("missing.json", None, "{path}: config file does not exist; check the path"),
+        ("list.json", "[1, 2]", "{path}: the top level must be a mapping of config keys, got list"),
+        ("scalar.yaml", "8\n", "{path}: the top level must be a mapping of config keys, got int"),
+        ("empty.yml", "", "{path}: the top level must be a mapping of config keys, got NoneType"),
+        (
+            "cfg.toml",
+            "a = 1",
+            "{path}: not a .json, .yaml or .yml file; rename it, or pass the config as a dict",
+        ),
+        (
+            "ds_config",
+            "{}",
+            "{path}: not a .json, .yaml or .yml file; rename it, or pass the config as a dict",
+        ),
+    ],
+)
+def test_file_errors_name_the_path(
+    name: str, text: str | None, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    assert load_error(path) == message.format(path=path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "kind"),
+    [
+        ("bad.json", '{"train_batch_size": 8,}', "JSON"),
+        ("dup.json", '{"train_batch_size": 8, "train_batch_size": 16}', "JSON"),
+        ("bad.yaml", "train_batch_size: [8\n", "YAML"),
+    ],
+)
+def test_unparsable_files_name_the_path(name: str, text: str, kind: str, tmp_path: Path) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    message = load_error(str(path))
+    assert message.startswith(f"{path}: not valid {kind} (")
+    assert message.endswith("); fix the file syntax")
+    if name == "dup.json":
+        assert "duplicate key 'train_batch_size'" in message
+
+
+def test_other_config_objects_are_rejected() -> None:
+    assert load_error([("train_batch_size", 8)]) == (
+        "config: must be a dict, a path or a ZeroTrainConfig, got list"
+    )
+
+
+# --- documentation -----------------------------------------------------------------------
+
+
+def test_docs_config_md_is_generated_from_the_schema(tmp_path: Path) -> None:
+    committed = (REPO_ROOT / "docs" / "config.md").read_text()
+    assert committed == config_reference_markdown(), (
+        "docs/config.md is stale; run `python -m zerotrain.config > docs/config.md`"
+    )
+    # The module entry point prints the same text (run outside the checkout, so that the
+    # installed package or PYTHONPATH decides what is imported, as it would for a user).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO_ROOT)])),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "zerotrain.config"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert result.stdout == committed
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        ZeroTrainConfig,
+        OptimizerConfig,
+        SchedulerConfig,
+        FP16Config,
+        BF16Config,
+        ZeroOptimizationConfig,
+    ],
+)
+def test_every_field_is_documented(
+    section: type,
+) -> None:
+    markdown = config_reference_markdown()
+    for name, field in section.model_fields.items():
+        assert field.description, f"{section.__name__}.{name} has no docstring"
+        assert f"{name}` |" in markdown
+
+
+def test_no_effect_options_say_so() -> None:
+    round_robin = ZeroOptimizationConfig.model_fields["round_robin_gradients"].description or ""
+    untested = ZeroTrainConfig.model_fields["zero_allow_untested_optimizer"].description or ""
+    assert "no effect on numerics" in " ".join(round_robin.split())
+    assert "has no effect: zerotrain wraps any torch optimizer" in " ".join(untested.split())

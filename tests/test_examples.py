@@ -1,0 +1,91 @@
+"""The examples, end to end: `zerotrain run` on 2 processes, as a user would start them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 180
+
+
+def zerotrain_run(*args: str) -> subprocess.CompletedProcess:
+    """`zerotrain run ARGS` from the repository root; fails the test after TIMEOUT_S."""
+    # `python -m zerotrain.cli` is the console script without depending on PATH, and PYTHONPATH
+    # makes every process (torchrun's workers included) import this checkout's zerotrain.
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    env.pop("OMP_NUM_THREADS", None)  # let `zerotrain run` split the cores
+    command = [sys.executable, "-m", "zerotrain.cli", "run", *args]
+    # A session of its own, so that a timeout kills torchrun and its workers together.
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(args)} ran past {TIMEOUT_S} s; output:\n{output}")
+    return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+
+def test_train_gpt_demo_on_two_processes():
+    result = zerotrain_run(
+        "--nproc-per-node",
+        "2",
+        "examples/train_gpt.py",
+        "--model",
+        "tiny",
+        "--steps",
+        "30",
+        "--print-every",
+        "10",
+    )
+    assert result.returncode == 0, result.stdout
+    progress = re.findall(r"^step\s+(\d+)/30 \| loss (\d+\.\d+) \|", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _ in progress] == [10, 20, 30], result.stdout
+    assert "per rank (rank 0): model states" in result.stdout
+    first = float(re.search(r"first loss\s+(\d+\.\d+)", result.stdout).group(1))
+    final = float(re.search(r"final loss\s+(\d+\.\d+)", result.stdout).group(1))
+    assert final < first - 0.5, result.stdout  # byte-level: ln(256) = 5.55 at the start
+    assert re.search(r"world size\s+2$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"ZeRO stage\s+2$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"validation loss\s+\d+\.\d+", result.stdout), result.stdout
+
+
+def test_deepspeed_style_classifier_on_two_processes():
+    result = zerotrain_run(
+        "--nproc-per-node",
+        "2",
+        "examples/deepspeed_style/train_classifier.py",
+        "--deepspeed",
+        "--deepspeed_config",
+        "examples/deepspeed_style/ds_config.json",
+        "--epochs",
+        "1",
+        "--num-samples",
+        "2048",
+    )
+    assert result.returncode == 0, result.stdout
+    match = re.search(
+        r"Finished Training: first loss (\d+\.\d+), final loss (\d+\.\d+)", result.stdout
+    )
+    assert match, result.stdout
+    first, final = map(float, match.groups())
+    assert final < first, result.stdout
+    assert "Accuracy of the network on the 1000 test images" in result.stdout

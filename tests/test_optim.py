@@ -1,0 +1,488 @@
+"""Tests for zerotrain.optim: build_optimizer's DeepSpeed semantics and Lamb, plain and on shards."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from zerotrain.optim import Lamb, build_optimizer
+
+# Awkward shapes, as in FSDP2's tests; the last one starts at zero (trust ratio 1 on step 1).
+SHAPES = [(7, 15), (13,), (5, 3), (4,)]
+
+
+# Weight scales per shape that make the trust ratio hit max_coeff, min_coeff, neither, and the
+# zero-norm case.
+CLAMP_SCALES = (30.0, 0.01, 1.0, 0.0)
+# The same cases, with the unclamped ratio on the (7, 15) parameter that straddles the shards.
+STRADDLE_SCALES = (1.0, 30.0, 0.01, 0.0)
+
+
+def _params(
+    dtype: torch.dtype = torch.float32, seed: int = 0, scales: tuple[float, ...] = CLAMP_SCALES
+) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype) * scale)
+        for shape, scale in zip(SHAPES, scales, strict=True)
+    ]
+
+
+def _grads(num_steps: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> list[list[Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(shape, generator=gen, dtype=dtype) for shape in SHAPES]
+        for _ in range(num_steps)
+    ]
+
+
+def _run(opt: torch.optim.Optimizer, params: list[Tensor], grads: list[list[Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+# ---------------------------------------------------------------------------------------------
+# build_optimizer
+
+
+@pytest.mark.parametrize(
+    ("options", "expected_cls"),
+    [({}, torch.optim.AdamW), ({"adam_w_mode": False}, torch.optim.Adam)],
+    ids=["default_is_adamw", "adam_w_mode_false_is_l2_adam"],
+)
+def test_adam_matches_torch(options: dict[str, Any], expected_cls: type) -> None:
+    """DeepSpeed's "Adam" defaults to adam_w_mode=True: decoupled decay, torch AdamW numerics."""
+    params, ref_params = _params(), _params()
+    grads = _grads(5)
+    opt = build_optimizer(
+        "Adam", {"lr": 0.01, "weight_decay": 0.1, **options}, [{"params": params}]
+    )
+    assert type(opt) is expected_cls
+    ref = expected_cls(ref_params, lr=0.01, weight_decay=0.1, foreach=False)
+    _run(opt, params, grads)
+    _run(ref, ref_params, grads)
+    for p, r in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+def test_decoupled_and_l2_decay_differ() -> None:
+    """Guards the test above: the two modes are distinguishable with these settings."""
+    grads = _grads(5)
+    results = []
+    for options in ({}, {"adam_w_mode": False}):
+        params = _params()
+        opt = build_optimizer(
+            "Adam", {"lr": 0.01, "weight_decay": 0.1, **options}, [{"params": params}]
+        )
+        _run(opt, params, grads)
+        results.append(params[0].detach())
+    assert not torch.allclose(results[0], results[1], atol=1e-4)
+
+
+def test_adamw_is_decoupled_whatever_adam_w_mode_says() -> None:
+    opt = build_optimizer("AdamW", {"adam_w_mode": False}, [{"params": _params()}])
+    assert type(opt) is torch.optim.AdamW
+
+
+def test_adam_defaults_are_deepspeeds() -> None:
+    opt = build_optimizer("Adam", {}, [{"params": _params()}])
+    group = opt.param_groups[0]
+    assert group["lr"] == 1e-3
+    assert tuple(group["betas"]) == (0.9, 0.999)
+    assert group["eps"] == 1e-8
+    assert group["weight_decay"] == 0.0  # FusedAdam's default, not torch AdamW's 0.01
+    assert group["amsgrad"] is False
+
+
+def test_torch_adam_keeps_torch_defaults() -> None:
+    """torch_adam: DeepSpeed calls torch.optim.AdamW itself, so torch's defaults apply."""
+    opt = build_optimizer("Adam", {"torch_adam": True}, [{"params": _params()}])
+    assert type(opt) is torch.optim.AdamW
+    assert opt.param_groups[0]["weight_decay"] == 0.01
+    assert not opt.param_groups[0]["fused"]
+
+
+@pytest.mark.parametrize("optimizer_type", ["Adam", "AdamW", "SGD"])
+def test_fused_kernel_chosen_for_cpu_float_tensors(optimizer_type: str) -> None:
+    params = [
+        torch.nn.Parameter(torch.randn(3, dtype=dtype)) for dtype in (torch.float32, torch.float64)
+    ]
+    opt = build_optimizer(optimizer_type, {}, [{"params": params}])
+    assert opt.param_groups[0]["fused"] is True
+
+
+def test_fused_falls_back_when_a_tensor_is_not_floating_point() -> None:
+    params = [
+        torch.nn.Parameter(torch.randn(3)),
+        torch.nn.Parameter(torch.randn(3, dtype=torch.complex64)),
+    ]
+    opt = build_optimizer("Adam", {}, [{"params": params}])
+    assert not opt.param_groups[0]["fused"]
+    with pytest.raises(ValueError, match=r"optimizer\.params\.fused"):
+        build_optimizer("Adam", {"fused": True}, [{"params": params}])
+
+
+def test_fused_false_is_honoured() -> None:
+    opt = build_optimizer("AdamW", {"fused": False}, [{"params": _params()}])
+    assert not opt.param_groups[0]["fused"]
+
+
+def test_sgd_momentum_matches_torch() -> None:
+    params, ref_params = _params(), _params()
+    grads = _grads(5)
+    options = {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+    opt = build_optimizer("SGD", options, [{"params": params}])
+    assert type(opt) is torch.optim.SGD
+    ref = torch.optim.SGD(ref_params, **options, foreach=False)
+    _run(opt, params, grads)
+    _run(ref, ref_params, grads)
+    for p, r in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer_type", ["Adam", "AdamW", "Lamb"])
+def test_param_group_overrides_are_honoured(optimizer_type: str) -> None:
+    """weight_decay 0 for biases: with zero gradients only the decay moves a tensor."""
+    weight = torch.nn.Parameter(torch.ones(6))
+    bias = torch.nn.Parameter(torch.ones(3))
+    groups = [{"params": [weight]}, {"params": [bias], "weight_decay": 0.0}]
+    opt = build_optimizer(optimizer_type, {"lr": 0.01, "weight_decay": 0.1}, groups)
+    assert opt.param_groups[1]["weight_decay"] == 0.0
+    for _ in range(3):
+        weight.grad, bias.grad = torch.zeros(6), torch.zeros(3)
+        opt.step()
+    # AdamW: w *= 1 - lr * wd per step. Lamb: update = wd * w, trust ratio 1/wd, so w *= 1 - lr.
+    factor = 1 - 0.01 * 0.1 if optimizer_type != "Lamb" else 1 - 0.01
+    torch.testing.assert_close(weight.detach(), torch.full((6,), factor**3))
+    torch.testing.assert_close(bias.detach(), torch.ones(3), rtol=0, atol=0)
+
+
+def test_betas_list_from_json_becomes_tuple() -> None:
+    opt = build_optimizer("AdamW", {"betas": [0.8, 0.95]}, [{"params": _params()}])
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+def test_build_lamb() -> None:
+    calls: list[Tensor] = []
+    opt = build_optimizer(
+        "Lamb",
+        {"lr": 0.02, "max_coeff": 0.3, "min_coeff": 0.01, "bias_correction": False},
+        [{"params": _params()}],
+        norm_allreduce=calls.append,
+    )
+    assert isinstance(opt, Lamb)
+    assert opt.norm_allreduce is not None
+    group = opt.param_groups[0]
+    assert (group["lr"], group["max_coeff"], group["bias_correction"]) == (0.02, 0.3, False)
+    assert (group["weight_decay"], group["eps"], tuple(group["betas"])) == (0.0, 1e-8, (0.9, 0.999))
+
+
+@pytest.mark.parametrize(
+    ("optimizer_type", "options", "match"),
+    [
+        ("Adagrad", {}, r"optimizer\.type"),
+        ("Adam", {"momentum": 0.9}, r"optimizer\.params\.momentum"),
+        ("SGD", {"betas": (0.9, 0.99)}, r"optimizer\.params\.betas"),
+        ("Lamb", {"torch_adam": True}, r"optimizer\.params\.torch_adam"),
+        ("Adam", {"max_grad_norm": 1.0}, r"gradient_clipping"),
+        ("Adam", {"bias_correction": False}, r"optimizer\.params\.bias_correction"),
+        ("Lamb", {"amsgrad": True}, r"amsgrad"),
+    ],
+)
+def test_build_optimizer_rejects(optimizer_type: str, options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(optimizer_type, options, [{"params": _params()}])
+
+
+# ---------------------------------------------------------------------------------------------
+# Lamb against a per-parameter reference
+
+LAMB_OPTIONS: dict[str, Any] = {
+    "lr": 0.01,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "max_coeff": 5.0,
+    "min_coeff": 0.05,
+}
+
+
+def _reference_lamb(
+    params: list[Tensor],
+    grads: list[list[Tensor]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    max_coeff: float,
+    min_coeff: float,
+    bias_correction: bool = True,
+    eps_inside_sqrt: bool = False,
+) -> tuple[list[Tensor], set[str]]:
+    """Textbook LAMB (arXiv:1904.00962, Alg. 2) in float64, one parameter at a time.
+
+    Also returns which trust-ratio cases were taken, to show the test covers all of them.
+    """
+    beta1, beta2 = betas
+    weights = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(w) for w in weights]
+    v = [torch.zeros_like(w) for w in weights]
+    cases: set[str] = set()
+    for t, step_grads in enumerate(grads, start=1):
+        bc1 = 1 - beta1**t if bias_correction else 1.0
+        bc2 = 1 - beta2**t if bias_correction else 1.0
+        for i, grad in enumerate(step_grads):
+            g = grad.double()
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            if eps_inside_sqrt:
+                denom = torch.sqrt(v[i] / bc2 + eps)
+            else:
+                denom = torch.sqrt(v[i] / bc2) + eps
+            update = (m[i] / bc1) / denom + weight_decay * weights[i]
+            w_norm, u_norm = weights[i].norm().item(), update.norm().item()
+            if w_norm == 0 or u_norm == 0:
+                ratio, case = 1.0, "zero norm"
+            elif w_norm / u_norm > max_coeff:
+                ratio, case = max_coeff, "max"
+            elif w_norm / u_norm < min_coeff:
+                ratio, case = min_coeff, "min"
+            else:
+                ratio, case = w_norm / u_norm, "free"
+            cases.add(case)
+            weights[i] = weights[i] - lr * ratio * update
+    return weights, cases
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-6)], ids=["fp64", "fp32"]
+)
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"bias_correction": False}, {"eps_inside_sqrt": True}, {"weight_decay": 0.0}],
+    ids=["default", "no_bias_correction", "eps_inside_sqrt", "no_decay"],
+)
+def test_lamb_matches_reference(dtype: torch.dtype, tol: float, variant: dict[str, Any]) -> None:
+    options = {**LAMB_OPTIONS, **variant}
+    params = _params(dtype)
+    grads = _grads(6, dtype)
+    expected, cases = _reference_lamb(params, grads, **options)
+    assert cases == {"zero norm", "max", "min", "free"}
+    _run(Lamb(params, **options), params, grads)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.detach().double(), e, rtol=tol, atol=tol)
+
+
+def test_lamb_chunks_and_strides_do_not_change_the_result() -> None:
+    """Small chunks and a non-contiguous (transposed) parameter give the reference result."""
+    params = _params()
+    params[0] = torch.nn.Parameter(params[0].detach().t().contiguous().t())
+    assert not params[0].is_contiguous()
+    grads = _grads(4)
+    expected, _ = _reference_lamb(params, grads, **LAMB_OPTIONS)
+    opt = Lamb(params, **LAMB_OPTIONS)
+    opt._chunk_numel = 8
+    _run(opt, params, grads)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.detach().double(), e, rtol=1e-6, atol=1e-6)
+
+
+def test_lamb_skips_params_without_grad() -> None:
+    params = _params()
+    before = params[1].detach().clone()
+    opt = Lamb(params, **LAMB_OPTIONS)
+    for i, g in enumerate(_grads(1)[0]):
+        params[i].grad = None if i == 1 else g
+    opt.step()
+    assert torch.equal(params[1].detach(), before)
+    assert params[1] not in opt.state
+
+
+def test_lamb_state_dict_round_trip_resumes_identically() -> None:
+    grads = _grads(4)
+    straight = _params()
+    _run(Lamb(straight, **LAMB_OPTIONS), straight, grads)
+
+    params = _params()
+    first = Lamb(params, **LAMB_OPTIONS)
+    _run(first, params, grads[:2])
+    state = copy.deepcopy(first.state_dict())
+    resumed = Lamb(params, **LAMB_OPTIONS)
+    resumed.load_state_dict(state)
+    _run(resumed, params, grads[2:])
+    for p, s in zip(params, straight, strict=True):
+        assert torch.equal(p, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lamb on ZeRO shards: segment_ids, padding and the norm all-reduce
+
+
+def _shard(
+    tensors: list[Tensor], world: int, pieces: int
+) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+    """Flatten, concatenate and pad to a multiple of ``world``, then give each rank its slice,
+    itself cut into ``pieces`` tensors of unequal size. Returns (shards, segment_ids) per rank.
+    """
+    numels = [t.numel() for t in tensors]
+    total = sum(numels)
+    padded = math.ceil(total / world) * world
+    flat = torch.cat(
+        [t.detach().reshape(-1) for t in tensors] + [tensors[0].new_zeros(padded - total)]
+    )
+    ids = torch.cat(
+        [torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(numels)]
+        + [torch.full((padded - total,), -1, dtype=torch.int64)]
+    )
+    shard_numel = padded // world
+    cuts = [0, shard_numel // 3, shard_numel] if pieces == 2 else [0, shard_numel]
+    shards, shard_ids = [], []
+    for rank in range(world):
+        base = rank * shard_numel
+        bounds = list(zip(cuts[:-1], cuts[1:], strict=True))
+        shards.append([flat[base + lo : base + hi].clone() for lo, hi in bounds])
+        shard_ids.append([ids[base + lo : base + hi].clone() for lo, hi in bounds])
+    return shards, shard_ids
+
+
+def _unshard(shards: list[list[Tensor]], shapes: list[tuple[int, ...]]) -> list[Tensor]:
+    flat = torch.cat([piece.detach() for rank in shards for piece in rank])
+    out, offset = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        out.append(flat[offset : offset + numel].view(shape))
+        offset += numel
+    return out
+
+
+class _ThreadAllReduce:
+    """Simulated all-reduce for ranks run as threads in lock step: every rank gets the same sum."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list[Tensor | None] = [None] * world
+        self.calls = [0] * world
+
+    def for_rank(self, rank: int) -> Callable[[Tensor], None]:
+        def all_reduce(tensor: Tensor) -> None:
+            assert tensor.dim() == 1
+            self.calls[rank] += 1
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            total = torch.stack([s for s in self.slots if s is not None]).sum(0)
+            self.barrier.wait()  # nobody overwrites a slot before everyone has summed
+            tensor.copy_(total)
+
+        return all_reduce
+
+
+def _run_ranks(world: int, fn: Callable[[int], None]) -> None:
+    with ThreadPoolExecutor(max_workers=world) as pool:
+        for future in [pool.submit(fn, rank) for rank in range(world)]:
+            future.result()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("chunk_numel", [None, 8], ids=["one_chunk", "chunks_of_8"])
+def test_segmented_lamb_matches_per_parameter_lamb(
+    world: int, pieces: int, chunk_numel: int | None
+) -> None:
+    num_steps = 5
+    params = _params(scales=STRADDLE_SCALES)
+    grads = _grads(num_steps)
+    reference = _params(scales=STRADDLE_SCALES)
+    _run(Lamb(reference, **LAMB_OPTIONS), reference, grads)
+
+    shards, shard_ids = _shard(params, world, pieces)
+    allreduce = _ThreadAllReduce(world)
+    optimizers = []
+    for rank in range(world):
+        shard = [torch.nn.Parameter(piece) for piece in shards[rank]]
+        shards[rank] = shard
+        group = {"params": shard, "segment_ids": shard_ids[rank], "num_segments": len(SHAPES)}
+        opt = Lamb([group], **LAMB_OPTIONS, norm_allreduce=allreduce.for_rank(rank))
+        if chunk_numel is not None:
+            opt._chunk_numel = chunk_numel
+        optimizers.append(opt)
+
+    gen = torch.Generator().manual_seed(7)
+    for step_grads in grads:
+        grad_shards, _ = _shard(step_grads, world, pieces)
+        for rank in range(world):
+            for piece, grad, ids in zip(
+                shards[rank], grad_shards[rank], shard_ids[rank], strict=True
+            ):
+                # Garbage in the padding's gradient must not move the padding.
+                noise = torch.randn(grad.shape, generator=gen)
+                piece.grad = torch.where(ids < 0, noise, grad)
+        _run_ranks(world, lambda rank: optimizers[rank].step())
+
+    assert allreduce.calls == [num_steps] * world
+    for got, want in zip(_unshard(shards, SHAPES), reference, strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+    flat = torch.cat([piece.detach() for rank in shards for piece in rank])
+    total = sum(math.prod(s) for s in SHAPES)
+    assert torch.count_nonzero(flat[total:]) == 0
+
+
+def test_segmented_groups_share_one_allreduce_per_step() -> None:
+    params = _params()
+    ids = [torch.tensor([0] * 4 + [1] * 5 + [-1]), torch.tensor([0, 0, 1, 1, 2, 2])]
+    shards = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(6))]
+    seen: list[int] = []
+    opt = Lamb(
+        [
+            {"params": [shards[0]], "segment_ids": [ids[0]], "num_segments": 2},
+            {"params": [shards[1]], "segment_ids": [ids[1]], "num_segments": 3},
+            {"params": params},  # a plain group takes no part in the collective
+        ],
+        norm_allreduce=lambda t: seen.append(t.numel()),
+    )
+    for p in [*shards, *params]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert seen == [2 * (2 + 1) + 2 * (3 + 1)]
+
+
+def test_segmented_state_dict_leaves_out_the_layout() -> None:
+    shard = torch.nn.Parameter(torch.randn(6))
+    ids = torch.tensor([0, 0, 1, 1, 1, -1])
+    opt = Lamb([{"params": [shard], "segment_ids": [ids], "num_segments": 2}])
+    shard.grad = torch.randn(6)
+    opt.step()
+    state = opt.state_dict()
+    assert "segment_ids" not in state["param_groups"][0]
+    assert "num_segments" not in state["param_groups"][0]
+    opt.load_state_dict(state)
+    assert opt.param_groups[0]["segment_ids"][0] is ids
+    assert opt.param_groups[0]["num_segments"] == 2
+
+
+@pytest.mark.parametrize(
+    ("group", "match"),
+    [
+        ({"segment_ids": [torch.zeros(6, dtype=torch.int64)]}, "together"),
+        ({"num_segments": 2}, "together"),
+        ({"segment_ids": [torch.zeros(5, dtype=torch.int64)], "num_segments": 1}, "elements"),
+        ({"segment_ids": [torch.full((6,), 2)], "num_segments": 2}, r"\[-1, 2\)"),
+        ({"segment_ids": [torch.full((6,), -2)], "num_segments": 2}, r"\[-1, 2\)"),
+        ({"segment_ids": [torch.zeros(6)], "num_segments": 2}, "int32 or int64"),
+        ({"segment_ids": [], "num_segments": 2}, "one per tensor"),
+    ],
+)
+def test_segment_layout_is_validated(group: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Lamb([{"params": [torch.nn.Parameter(torch.zeros(6))], **group}])

@@ -1,0 +1,287 @@
+"""``initialize`` and the argparse helpers: the DeepSpeed-compatible entry points."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from zerotrain.comm import Communicator, init_distributed, is_initialized, local_rank
+from zerotrain.config import ConfigError, ZeroTrainConfig, load_config
+from zerotrain.engine import ZeroTrainEngine
+from zerotrain.optim import build_optimizer, build_scheduler
+from zerotrain.precision import LossScaler, PrecisionPolicy
+from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
+from zerotrain.zero.optimizer import NamedParams, OptimizerFactory
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed``, ``--deepspeed_config`` and ``--zerotrain_config`` to ``parser``."""
+    group = parser.add_argument_group("zerotrain", "zerotrain (DeepSpeed-compatible) options")
+    group.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="enable the engine (accepted for DeepSpeed scripts)",
+    )
+    group.add_argument("--deepspeed_config", default=None, type=str, help="config file (JSON/YAML)")
+    group.add_argument("--zerotrain_config", default=None, type=str, help="config file (JSON/YAML)")
+    return parser
+
+
+def initialize(
+    args: argparse.Namespace | None = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: dict | str | ZeroTrainConfig | None = None,
+    config_params: dict | None = None,
+) -> tuple[ZeroTrainEngine, ZeroOptimizer, DataLoader | None, Any]:
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``config`` is a dict, a JSON/YAML path or a :class:`ZeroTrainConfig` (or comes from
+    ``args.deepspeed_config``/``args.zerotrain_config``). The optimizer is the config's
+    ``optimizer`` section or a torch optimizer (or a callable building one from parameter
+    groups); it is rebuilt over this rank's fp32 master shards. ``lr_scheduler`` may be a torch
+    scheduler of that optimizer or a callable taking the optimizer. With ``training_data`` the
+    returned dataloader shards it over ranks with a ``DistributedSampler``.
+    """
+    if model is None:
+        raise ValueError("zerotrain.initialize: model is required")
+    if mpu is not None:
+        raise ConfigError("initialize(mpu=...): model parallelism is not supported; pass mpu=None")
+    if config is None:
+        config = config_params
+    config = _config_from_args(args, config)
+    if dist_init_required is not False and not is_initialized():
+        init_distributed()
+    device = _training_device()
+    comm = Communicator(device=device)
+    cfg = load_config(config, world_size=comm.world_size)
+    if cfg.seed is not None:
+        _seed_everything(cfg.seed)
+
+    model.to(device)
+    groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
+    precision = PrecisionPolicy(_param_dtype(cfg))
+    zero_optimizer = ZeroOptimizer(
+        groups,
+        make_optimizer,
+        policy=ZeroPolicy.for_stage(cfg.zero_optimization.stage),
+        precision=precision,
+        comm=comm,
+        bucket_numel=cfg.zero_optimization.reduce_bucket_size,
+        loss_scaler=_loss_scaler(cfg),
+        gradient_clipping=cfg.gradient_clipping,
+    )
+    _broadcast_untrained_state(model, comm)
+    # Frozen parameters and buffers follow the training dtype too (trainable ones already do,
+    # and were copied into fp32 masters before the cast).
+    model.to(precision.param_dtype)
+    scheduler = _scheduler(lr_scheduler, cfg, zero_optimizer.optimizer)
+    dataloader = _dataloader(training_data, cfg, comm, collate_fn)
+    engine = ZeroTrainEngine(model, zero_optimizer, scheduler, cfg, comm, device, dataloader)
+    return engine, zero_optimizer, dataloader, scheduler
+
+
+# -- pieces of initialize ----------------------------------------------------------------------
+def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:
+    """Rank 0's frozen parameters and buffers to every rank (trainable ones are broadcast with
+    their buckets), so all replicas start identical even without a shared seed."""
+    for tensor in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+        comm.broadcast(tensor.data, src=0)
+
+
+def _config_from_args(args, config):
+    if args is None:
+        return config
+    paths = {getattr(args, k, None) for k in ("deepspeed_config", "zerotrain_config")} - {None}
+    if len(paths) > 1:
+        raise ConfigError(
+            f"--deepspeed_config and --zerotrain_config name different files ({sorted(paths)}); "
+            "pass one"
+        )
+    if paths and config is not None:
+        raise ConfigError(
+            f"the config is given twice: initialize(config=...) and --deepspeed_config "
+            f"{paths.pop()}; pass one"
+        )
+    return paths.pop() if paths else config
+
+
+def _training_device() -> torch.device:
+    if torch.cuda.is_available():  # CUDA only: one GPU per local rank
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def _param_dtype(cfg: ZeroTrainConfig) -> torch.dtype:
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+def _loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
+    fp16 = cfg.fp16
+    if not fp16.enabled:
+        return LossScaler()
+    if fp16.loss_scale:  # static
+        return LossScaler(scale=fp16.loss_scale)
+    return LossScaler(
+        scale=2.0**fp16.initial_scale_power,
+        dynamic=True,
+        scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        min_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+    )
+
+
+def _optimizer_plan(
+    model: nn.Module, optimizer, model_parameters, cfg: ZeroTrainConfig
+) -> tuple[list[tuple[dict, NamedParams]], OptimizerFactory]:
+    """The parameter groups to partition and how to build the optimizer over their shards."""
+    names = {}
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            raise ConfigError(
+                "optimizer: given both in the config and as initialize(optimizer=...); keep one"
+            )
+        raw_groups = optimizer.param_groups
+        opt_cls = type(optimizer)
+        # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
+        # every group carries its own values anyway.
+        accepted = inspect.signature(opt_cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+        def make(groups, segments):
+            return opt_cls(groups, **defaults)
+
+    else:
+        raw_groups = _groups_from(model_parameters if model_parameters is not None else model)
+        if callable(optimizer):
+            user_factory = optimizer
+
+            def make(groups, segments):
+                return user_factory(groups)
+
+        elif cfg.optimizer is not None:
+            opt_cfg = cfg.optimizer
+
+            def make(groups, segments: ShardSegments):
+                if opt_cfg.type == "Lamb":  # trust ratios need per-parameter norms on shards
+                    groups = _with_segments(groups, segments)
+                return build_optimizer(
+                    opt_cfg.type, opt_cfg.params, groups, norm_allreduce=segments.allreduce
+                )
+
+        else:
+            raise ConfigError(
+                "optimizer: none given. Add an 'optimizer' section to the config (e.g. "
+                '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass initialize(optimizer=...)'
+            )
+
+    groups: list[tuple[dict, NamedParams]] = []
+    seen: set[int] = set()
+    for group in raw_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        named = []
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(
+                    "initialize: the optimizer or model_parameters hold a tensor that is not a "
+                    "parameter of the model; build them from model.parameters()"
+                )
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                named.append((names[id(param)], param))
+        groups.append((hyper, named))
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"initialize: trainable parameters {missing[:5]} are in no optimizer group; add them "
+            "to model_parameters / the optimizer, or set requires_grad=False to freeze them"
+        )
+    return groups, make
+
+
+def _with_segments(groups: list[dict], segments: ShardSegments) -> list[dict]:
+    ids = iter(segments.ids)
+    return [
+        dict(g, segment_ids=[next(ids) for _ in g["params"]], num_segments=segments.num_segments)
+        for g in groups
+    ]
+
+
+def _groups_from(parameters) -> list[dict]:
+    if isinstance(parameters, nn.Module):
+        return [{"params": list(parameters.parameters())}]
+    items = list(parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if items and isinstance(items[0], tuple):  # named_parameters()
+        return [{"params": [p for _, p in items]}]
+    return [{"params": items}]
+
+
+def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimizer):
+    if lr_scheduler is not None:
+        if cfg.scheduler is not None:
+            raise ConfigError(
+                "scheduler: given both in the config and as initialize(lr_scheduler=...); keep one"
+            )
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            # Built over the user's optimizer: point it at the optimizer that owns the shards
+            # (same groups, same order).
+            lr_scheduler.optimizer = optimizer
+            return lr_scheduler
+        if callable(lr_scheduler):
+            return lr_scheduler(optimizer)
+        raise TypeError("initialize(lr_scheduler=...): expected a torch LR scheduler or a callable")
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+    return None
+
+
+def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate_fn):
+    if training_data is None:
+        return None
+    sampler = DistributedSampler(
+        training_data,
+        num_replicas=comm.world_size,
+        rank=comm.rank,
+        shuffle=True,
+        seed=cfg.seed or 0,
+    )
+    return DataLoader(
+        training_data,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+    )

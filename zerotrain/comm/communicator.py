@@ -1,0 +1,178 @@
+"""Collectives over one process group, with timeouts, clear failures and byte counts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out, usually because a peer rank died or stalled."""
+
+
+@dataclass
+class OpStats:
+    """What one kind of collective cost on this rank."""
+
+    calls: int = 0
+    bytes: int = 0  # payload: the tensor reduced or gathered, as the caller sees it
+    seconds: float = 0.0  # time spent waiting for completion on the calling thread
+
+
+class PendingOp:
+    """An asynchronous collective in flight; :meth:`wait` completes it (or raises)."""
+
+    def __init__(self, comm: Communicator, name: str, nbytes: int, work, on_done=None):
+        self._comm = comm
+        self._name = name
+        self._nbytes = nbytes
+        self._work = work
+        self._on_done = on_done
+        self._done = False
+
+    def then(self, callback: Callable[[], object]) -> PendingOp:
+        """Run ``callback`` on this rank once the collective has completed (inside :meth:`wait`)."""
+        self._on_done = callback
+        return self
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        start = time.perf_counter()
+        if self._work is not None:
+            self._comm._complete(self._name, self._nbytes, self._work.wait)
+        self._comm._record(self._name, 0, time.perf_counter() - start, calls=0)
+        self._done = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+class Communicator:
+    """Collectives over one process group; ``group=None`` means the default group.
+
+    Without an initialized process group (a plain single-process run) it acts as a group of one:
+    every collective is a local copy or a no-op, so the engine has one code path.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+        self.group = group
+        self.device = torch.device(device)  # where scalars for control collectives live (NCCL: GPU)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.stats: dict[str, OpStats] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _record(self, name: str, nbytes: int, seconds: float, calls: int = 1) -> None:
+        stats = self.stats.setdefault(name, OpStats())
+        stats.calls += calls
+        stats.bytes += nbytes
+        stats.seconds += seconds
+
+    def _complete(self, name: str, nbytes: int, run: Callable[[], object]) -> object:
+        try:
+            return run()
+        except (RuntimeError, dist.DistBackendError) as err:
+            timeout = _group_timeout(self.group)
+            raise CollectiveError(
+                f"{name} of {nbytes} bytes failed on rank {self.rank} of {self.world_size} "
+                f"(collective timeout {timeout}): {err}. A peer rank probably died or stalled; "
+                "check the other ranks' logs."
+            ) from err
+
+    def _issue(self, name: str, nbytes: int, launch: Callable[[bool], object], async_op: bool):
+        start = time.perf_counter()
+        work = self._complete(name, nbytes, lambda: launch(async_op))
+        self._record(name, nbytes, time.perf_counter() - start)
+        if async_op:
+            return PendingOp(self, name, nbytes, work)
+        return None
+
+    def reset_stats(self) -> None:
+        self.stats.clear()
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Reduce ``tensor`` in place across ranks (``op``: sum or max)."""
+        if self.world_size == 1:
+            return PendingOp(self, "all_reduce", 0, None) if async_op else None
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return self._issue(
+            "all_reduce",
+            tensor.numel() * tensor.element_size(),
+            lambda a: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Sum ``input`` (world_size equal pieces) across ranks; this rank's piece to ``output``."""
+        if self.world_size == 1:
+            output.copy_(input)
+            return PendingOp(self, "reduce_scatter", 0, None) if async_op else None
+        return self._issue(
+            "reduce_scatter",
+            input.numel() * input.element_size(),
+            lambda a: _reduce_scatter_single(output, input, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Concatenate every rank's ``input`` into ``output``; ``input`` may be ``output``'s own
+        slice for this rank (an in-place gather)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return PendingOp(self, "all_gather", 0, None) if async_op else None
+        return self._issue(
+            "all_gather",
+            output.numel() * output.element_size(),
+            lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+        if self.world_size == 1:
+            return
+        self._issue(
+            "broadcast",
+            tensor.numel() * tensor.element_size(),
+            lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a),
+            False,
+        )
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives (bounded by the group's timeout)."""
+        if self.world_size == 1:
+            return
+        # A zero-byte all-reduce rather than dist.barrier: gloo's barrier ignores the timeout
+        # in some versions, and this one is bounded like every other collective.
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's picklable ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        self._complete(
+            "all_gather_object", 0, lambda: dist.all_gather_object(out, obj, group=self.group)
+        )
+        self._record("all_gather_object", 0, 0.0)
+        return out
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | str:
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg.options._timeout if hasattr(pg, "options") else dist.default_pg_timeout
+    except Exception:  # the timeout is only decoration for the message
+        return "unknown"

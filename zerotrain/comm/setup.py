@@ -1,0 +1,104 @@
+"""Process-group start-up: torchrun, SLURM and MPI environments, one backend choice."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""DeepSpeed's default. Every collective zerotrain issues fails after this long, naming itself."""
+
+# Where each launcher leaves rank, world size and local rank. torchrun first: it is what
+# `zerotrain run` uses; SLURM's srun and MPI launchers (Open MPI, MPICH/Intel MPI) follow.
+_LAUNCHER_ENV = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+
+
+def _launcher_ranks() -> tuple[int, int, int] | None:
+    for rank_key, world_key, local_key in _LAUNCHER_ENV:
+        if rank_key in os.environ and world_key in os.environ:
+            return (
+                int(os.environ[rank_key]),
+                int(os.environ[world_key]),
+                int(os.environ.get(local_key, "0")),
+            )
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    auto_mpi_discovery: bool = True,
+    verbose: bool = False,
+) -> None:
+    """Create the default process group (DeepSpeed's argument names); a second call does nothing.
+
+    The backend is NCCL when CUDA is available and gloo otherwise. Rank and world size come from
+    the arguments, else from the launcher's environment (torchrun, SLURM, MPI), else a single
+    process on this machine. ``timeout`` bounds every collective: a rank that dies or stalls
+    makes the others raise an error naming the operation instead of hanging.
+    ``auto_mpi_discovery`` is accepted for DeepSpeed compatibility: MPI variables are always read.
+    """
+    del auto_mpi_discovery  # MPI environments are always recognised (see _LAUNCHER_ENV)
+    if is_initialized():
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    found = _launcher_ranks()
+    local_rank = 0
+    if rank < 0 or world_size < 0:
+        if found is not None:
+            rank, world_size, local_rank = found
+        else:
+            rank, world_size = 0, 1
+    if init_method is None:
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise RuntimeError(
+                f"init_distributed: rank {rank} of {world_size} found no MASTER_ADDR/MASTER_PORT. "
+                "Launch with `zerotrain run` (torchrun), or export MASTER_ADDR and MASTER_PORT "
+                "(under SLURM: the first host of $SLURM_JOB_NODELIST and a free port)."
+            )
+        else:
+            init_method = "env://"
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if backend == "nccl":  # CUDA only: bind this process to its GPU before NCCL starts
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
+    if verbose and rank == 0:
+        print(f"zerotrain: initialized {backend} with {world_size} ranks (timeout {timeout})")
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group, if any."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def local_rank() -> int:
+    """This process's rank on its node (0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))

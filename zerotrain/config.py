@@ -1,0 +1,836 @@
+"""The typed schema of DeepSpeed's ``ds_config.json``, as far as zerotrain implements it.
+
+``load_config`` turns a dict, a ``.json``/``.yaml``/``.yml`` path or a ``ZeroTrainConfig``
+into a validated config with its batch fields resolved for the data-parallel world size. The
+field docstrings are the documentation; ``python -m zerotrain.config`` renders docs/config.md.
+
+# [Note: how a config is checked]
+``load_config`` runs three passes, so that one run reports every mistake with its key path:
+1. ``_key_problems`` walks the raw mapping: an unknown key is a DeepSpeed option zerotrain
+   does not implement yet (listed per section in ``_NOT_IMPLEMENTED``: rejecting it beats
+   training silently with other semantics) or a typo (answered with a did-you-mean); an
+   ``"auto"`` placeholder (HuggingFace's Trainer fills these in) is rejected as well.
+2. pydantic checks types and ranges; ``_config_error`` rewrites each error as one
+   ``key.path: must be ..., got ...`` line of a ``ConfigError``.
+3. ``ZeroTrainConfig.resolve_batch`` derives the batch triple with DeepSpeed's arithmetic.
+Constructing the models directly skips pass 1 and raises pydantic's ValidationError.
+"""
+
+import difflib
+import inspect
+import json
+import os
+import re
+import sys
+import types
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+from typing_extensions import Required, TypedDict
+
+__all__ = [
+    "BF16Config",
+    "ConfigError",
+    "FP16Config",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroOptimizationConfig",
+    "ZeroTrainConfig",
+    "config_reference_markdown",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config zerotrain cannot use. The message names every offending key path and the fix,
+    one problem per line."""
+
+
+def _fail(message: str) -> PydanticCustomError:
+    """A validation error whose message ``_config_error`` prints as is after the key path."""
+    # The message travels in the context so that braces in user values are not format fields.
+    return PydanticCustomError("zerotrain", "{message}", {"message": message})
+
+
+def _reject_bool(value: Any) -> Any:
+    # pydantic's lax mode reads true/false as 1/0; in a number field that is always a slip.
+    if isinstance(value, bool):
+        raise _fail(f"must be a number, got {json.dumps(value)}")
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _float_or_per_group_list(value: Any) -> Any:
+    if _is_number(value) or (isinstance(value, list) and value and all(map(_is_number, value))):
+        return value
+    raise _fail(f"must be a number or a list of numbers (one per param group), got {_show(value)}")
+
+
+def _two_items(value: Any) -> Any:
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return value
+    raise _fail(f"must be a list of two numbers, got {_show(value)}")
+
+
+_Int = Annotated[int, BeforeValidator(_reject_bool)]
+_PositiveInt = Annotated[int, BeforeValidator(_reject_bool), Field(gt=0)]
+_NonNegativeInt = Annotated[int, BeforeValidator(_reject_bool), Field(ge=0)]
+_NonNegativeFloat = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0)]
+_PositiveFloat = Annotated[float, BeforeValidator(_reject_bool), Field(gt=0)]
+_Beta = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0, lt=1)]
+_Betas = Annotated[tuple[_Beta, _Beta], BeforeValidator(_two_items)]
+_LrValue = Annotated[float | list[float], BeforeValidator(_float_or_per_group_list)]
+
+
+class _Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are immutable, and the
+    attribute docstrings are the field descriptions (and the generated docs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    # DeepSpeed keys of this section that zerotrain rejects until it implements them.
+    _NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
+    # DeepSpeed's older key names, still accepted: old name -> current name.
+    _RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_old_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls._RENAMED.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, new in cls._RENAMED.items():
+            if old in data:
+                if new in data:
+                    raise _fail(f"`{old}` is DeepSpeed's old name for `{new}`; set only `{new}`")
+                data[new] = data.pop(old)
+        return data
+
+
+# --- optimizer and scheduler parameters -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The `params` keys DeepSpeed accepts for one optimizer or scheduler `type`. The validated
+    dict holds only the keys the user wrote; the engine passes it on as keyword arguments."""
+
+    doc: str
+    keys: dict[str, Any]  # key -> annotation
+    required: tuple[str, ...] = ()
+
+    @cached_property
+    def adapter(self) -> TypeAdapter[Any]:
+        fields = {k: Required[v] if k in self.required else v for k, v in self.keys.items()}
+        spec = TypedDict("Params", fields, total=False)  # type: ignore[operator]
+        spec.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]
+        return TypeAdapter(spec)
+
+
+_ADAM_KEYS = {
+    "lr": _NonNegativeFloat,
+    "betas": _Betas,
+    "eps": _NonNegativeFloat,
+    "weight_decay": _NonNegativeFloat,
+    "amsgrad": bool,
+    "torch_adam": bool,
+    "fused": bool,
+}
+_WARMUP_KEYS = {
+    "warmup_min_lr": _LrValue,
+    "warmup_max_lr": _LrValue,
+    "warmup_num_steps": _PositiveInt,
+    "warmup_type": Literal["log", "linear"],
+    "last_batch_iteration": _Int,
+}
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _canonical_type(value: Any, choices: list[str]) -> str | None:
+    """The spelling of ``value`` among ``choices``, ignoring case; None if it is not one."""
+    if not isinstance(value, str):
+        return None
+    return {c.lower(): c for c in choices}.get(value.lower())
+
+
+class _TypedParamsSection(_Section):
+    """A section of the form ``{"type": ..., "params": {...}}`` (optimizer, scheduler)."""
+
+    _KIND: ClassVar[str] = ""
+    _PARAMS: ClassVar[dict[str, _Params]] = {}  # the implemented types
+    _DEEPSPEED_ONLY_TYPES: ClassVar[frozenset[str]] = frozenset()  # lower case
+
+    @field_validator("type", mode="before", check_fields=False)
+    @classmethod
+    def _normalise_type(cls, value: Any) -> Any:
+        if not isinstance(value, str):  # the Literal check reports it
+            return value
+        lowered = {choice.lower(): choice for choice in cls._PARAMS}
+        if value.lower() in lowered:
+            return lowered[value.lower()]
+        allowed = ", ".join(cls._PARAMS)
+        if value.lower() in cls._DEEPSPEED_ONLY_TYPES:
+            raise _fail(
+                f"'{value}' is a DeepSpeed {cls._KIND} that zerotrain does not implement "
+                f"yet; use one of {allowed}"
+            )
+        match = difflib.get_close_matches(value.lower(), list(lowered), n=1)
+        hint = f"; did you mean '{lowered[match[0]]}'?" if match else ";"
+        raise _fail(f"unknown {cls._KIND} '{value}'{hint} zerotrain supports {allowed}")
+
+    @field_validator("params", check_fields=False)
+    @classmethod
+    def _validate_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # the invalid type is reported on its own
+            return params
+        return cls._PARAMS[info.data["type"]].adapter.validate_python(params)
+
+
+class OptimizerConfig(_TypedParamsSection):
+    """`optimizer`: the optimizer the engine builds when the caller passes none. The `params`
+    keys allowed for each `type` are listed in the *optimizer.params* section below."""
+
+    _KIND = "optimizer"
+    _PARAMS = {
+        "Adam": _Params(
+            "torch.optim.Adam; `adam_w_mode` (DeepSpeed's default: true) selects "
+            "decoupled weight decay, i.e. AdamW.",
+            {**_ADAM_KEYS, "adam_w_mode": bool},
+        ),
+        "AdamW": _Params("torch.optim.AdamW.", _ADAM_KEYS),
+        "SGD": _Params(
+            "torch.optim.SGD.",
+            {
+                "lr": _NonNegativeFloat,
+                "momentum": _NonNegativeFloat,
+                "dampening": _NonNegativeFloat,
+                "weight_decay": _NonNegativeFloat,
+                "nesterov": bool,
+            },
+        ),
+        "Lamb": _Params(
+            "DeepSpeed's FusedLamb (arXiv:1904.00962).",
+            {
+                "lr": _NonNegativeFloat,
+                "betas": _Betas,
+                "eps": _NonNegativeFloat,
+                "weight_decay": _NonNegativeFloat,
+                "max_coeff": _NonNegativeFloat,
+                "min_coeff": _NonNegativeFloat,
+                "bias_correction": bool,
+            },
+        ),
+    }
+    _DEEPSPEED_ONLY_TYPES = frozenset(
+        """
+        adagrad onebitadam zerooneadam onebitlamb lion muadam muadamw musgd muon
+        """.split()
+    )
+    _NOT_IMPLEMENTED = frozenset({"legacy_fusion"})
+
+    type: Literal["Adam", "AdamW", "SGD", "Lamb"]
+    """Optimizer name, any capitalisation (`adamw` is read as `AdamW`)."""
+    params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
+    """Keyword arguments of the optimizer; only the keys DeepSpeed accepts for `type`."""
+
+
+class SchedulerConfig(_TypedParamsSection):
+    """`scheduler`: a DeepSpeed learning-rate schedule, stepped once per optimizer step. The
+    `params` keys allowed for each `type` are listed in the *scheduler.params* section below."""
+
+    _KIND = "scheduler"
+    _PARAMS = {
+        "WarmupLR": _Params("DeepSpeed's WarmupLR.", _WARMUP_KEYS),
+        "WarmupDecayLR": _Params(
+            "DeepSpeed's WarmupDecayLR.",
+            {**_WARMUP_KEYS, "total_num_steps": _PositiveInt},
+            required=("total_num_steps",),
+        ),
+        "WarmupCosineLR": _Params(
+            "DeepSpeed's WarmupCosineLR.",
+            {
+                "total_num_steps": _PositiveInt,
+                "warmup_min_ratio": _NonNegativeFloat,
+                "warmup_num_steps": _PositiveInt,
+                "cos_min_ratio": _NonNegativeFloat,
+                "warmup_type": Literal["log", "linear"],
+                "last_batch_iteration": _Int,
+            },
+            required=("total_num_steps",),
+        ),
+        "OneCycle": _Params(
+            "DeepSpeed's OneCycle (arXiv:1803.09820).",
+            {
+                "cycle_min_lr": _NonNegativeFloat,
+                "cycle_max_lr": _NonNegativeFloat,
+                "decay_lr_rate": _NonNegativeFloat,
+                "cycle_first_step_size": _PositiveInt,
+                "cycle_second_step_size": _PositiveInt | None,
+                "cycle_first_stair_count": _NonNegativeInt,
+                "cycle_second_stair_count": _NonNegativeInt | None,
+                "decay_step_size": _NonNegativeInt,
+                "cycle_momentum": bool,
+                "cycle_min_mom": _NonNegativeFloat,
+                "cycle_max_mom": _NonNegativeFloat,
+                "decay_mom_rate": _NonNegativeFloat,
+                "last_batch_iteration": _Int,
+            },
+            required=("cycle_min_lr", "cycle_max_lr"),
+        ),
+    }
+    _DEEPSPEED_ONLY_TYPES = frozenset({"lrrangetest"})
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+    """Schedule name, any capitalisation (`warmuplr` is read as `WarmupLR`)."""
+    params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
+    """Keyword arguments of the schedule (names as in DeepSpeed's `lr_schedules.py`)."""
+
+
+class FP16Config(_Section):
+    """`fp16`: float16 mixed precision with loss scaling (fp32 master weights)."""
+
+    _NOT_IMPLEMENTED = frozenset({"auto_cast", "fp16_master_weights_and_grads", "fused_mode"})
+
+    enabled: bool = False
+    """Run forward and backward in float16, keep fp32 master weights, scale the loss."""
+    loss_scale: _NonNegativeFloat = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: _NonNegativeInt = 16
+    """Dynamic loss scaling starts at a scale of 2**initial_scale_power."""
+    loss_scale_window: _PositiveInt = 1000
+    """The dynamic scale doubles after this many consecutive steps without overflow."""
+    hysteresis: _PositiveInt = 2
+    """The dynamic scale halves on the hysteresis-th overflow since its last refill (DeepSpeed's
+    delayed shift); every overflowing step is skipped."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without overflow, so only consecutive overflows
+    count towards halving."""
+    min_loss_scale: _PositiveFloat = 1.0
+    """Lower bound of the dynamic loss scale."""
+
+
+class BF16Config(_Section):
+    """`bf16` (DeepSpeed also reads the old name `bfloat16`): bfloat16 mixed precision; no loss
+    scaling is needed."""
+
+    _NOT_IMPLEMENTED = frozenset(
+        """
+        immediate_grad_update check_grad_overflow check_overflow bf16_master_weights_and_grads
+        bf16_optimizer_states
+        """.split()
+    )
+
+    enabled: bool = False
+    """Run forward and backward in bfloat16 and keep fp32 master weights."""
+
+
+class ZeroOptimizationConfig(_Section):
+    """`zero_optimization`: what ZeRO (arXiv:1910.02054) partitions across data-parallel ranks.
+    Bucket sizes count elements, not bytes."""
+
+    _NOT_IMPLEMENTED = frozenset(
+        """
+        offload_optimizer offload_param cpu_offload cpu_offload_param cpu_offload_use_pin_memory
+        sub_group_size elastic_checkpoint load_from_fp32_weights ignore_unused_parameters
+        legacy_stage1 use_multi_rank_bucket_allreduce zero_hpz_partition_size zero_quantized_weights
+        zero_quantized_nontrainable_weights zero_quantized_gradients zeropp_loco_param
+        mics_shard_size mics_hierarchical_params_gather memory_efficient_linear
+        pipeline_loading_checkpoint override_module_apply log_trace_cache_warnings
+        enable_sanity_checks save_muon_momentum_buffer_in_memory leaf_module zenflow
+        stage3_model_persistence_threshold stage3_module_granularity_threshold
+        stage3_use_all_reduce_for_fetch_params stage3_allgather_sequential
+        stage3_partition_stream_chunk_size
+        """.split()
+    )
+    _RENAMED = {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"
+    }
+
+    stage: _Int = 0
+    """0: plain data parallelism; 1: partition optimizer states; 2: also gradients; 3: also
+    parameters (not implemented yet)."""
+    reduce_bucket_size: _PositiveInt = 500_000_000
+    """Elements of gradient reduced (or reduce-scattered) per collective."""
+    allgather_bucket_size: _PositiveInt = 500_000_000
+    """Elements of updated parameters all-gathered per collective after the optimizer step."""
+    overlap_comm: bool = False
+    """Reduce gradient buckets while the backward pass is still running. (DeepSpeed's default
+    becomes true at stage 3.)"""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced, avoiding fragmentation."""
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter (each rank receives its partition) instead of
+    all-reduce."""
+    allgather_partitions: bool = True
+    """Gather updated parameters with all-gather rather than a series of broadcasts."""
+    round_robin_gradients: bool = False
+    """Accepted for DeepSpeed compatibility. DeepSpeed uses it to spread gradient copies to CPU
+    under optimizer offload; it has no effect on numerics, and none in zerotrain."""
+    stage3_prefetch_bucket_size: _NonNegativeInt = 50_000_000
+    """Stage 3: elements of parameters fetched ahead of use."""
+    stage3_param_persistence_threshold: _NonNegativeInt = 100_000
+    """Stage 3: parameters with fewer elements stay unpartitioned."""
+    stage3_max_live_parameters: _NonNegativeInt = 1_000_000_000
+    """Stage 3: most gathered parameter elements held per rank before releasing."""
+    stage3_max_reuse_distance: _NonNegativeInt = 1_000_000_000
+    """Stage 3: do not release a parameter that is reused within this many elements."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: gather the full 16-bit weights when saving the model (DeepSpeed's old name
+    `stage3_gather_fp16_weights_on_model_save` is accepted)."""
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_in_range(cls, stage: int) -> int:
+        if not 0 <= stage <= 3:
+            raise _fail(f"must be between 0 and 3, got {stage}")
+        return stage
+
+    @field_validator("stage")
+    @classmethod
+    def _stage3_not_implemented_yet(cls, stage: int) -> int:
+        # Remove this validator when parameter partitioning lands; the stage3_* keys are
+        # already part of the schema.
+        if stage == 3:
+            raise _fail("stage 3 is not implemented yet; use 0, 1 or 2")
+        return stage
+
+
+class ZeroTrainConfig(_Section):
+    """Top level of the config, with DeepSpeed's key names. Of the three batch keys give any
+    two, or `train_batch_size` or `train_micro_batch_size_per_gpu` alone (then
+    `gradient_accumulation_steps` is 1); `load_config` derives the rest from
+    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+    world_size."""
+
+    _NOT_IMPLEMENTED = frozenset(
+        """
+        activation_checkpointing aio amp autotuning checkpoint comet comms_logger
+        communication_data_type compile compression_training csv_monitor curriculum_learning
+        data_efficiency data_types dataloader_drop_last datastates_ckpt disable_allgather
+        disable_python_gc dump_state eigenvalue elasticity expert_parallel flops_profiler
+        gradient_allreduce_op gradient_predivide_factor graph_harvesting hybrid_engine log_level
+        managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
+        progressive_layer_drop quantize_training seq_parallel_communication_data_type
+        sequence_parallel_size sparse_attention sparse_gradients tensor_parallel tensorboard timers
+        torch_autocast trackio use_data_before_expert_parallelism vocabulary_size wandb
+        weight_quantization zero_force_ds_cpu_optimizer
+        """.split()
+    )
+    _RENAMED = {"bfloat16": "bf16"}
+
+    train_batch_size: _PositiveInt | None = None
+    """Samples per optimizer step, summed over all ranks and accumulation steps."""
+    train_micro_batch_size_per_gpu: _PositiveInt | None = None
+    """Samples per forward/backward pass on one rank."""
+    gradient_accumulation_steps: _PositiveInt | None = None
+    """Forward/backward passes whose gradients are summed before each optimizer step."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer to build; leave out when passing a torch optimizer to the engine."""
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate schedule to build; leave out for a constant rate or a client schedule."""
+    gradient_clipping: _NonNegativeFloat = 0.0
+    """Clip the global gradient L2 norm (over all ranks' partitions) to this value; 0 turns
+    clipping off."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """float16 mixed precision; see the fp16 section."""
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    """bfloat16 mixed precision; see the bf16 section."""
+    zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    """ZeRO partitioning; see the zero_optimization section."""
+    steps_per_print: _PositiveInt = 10
+    """Log progress every this many optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and optimizer step separately and log the breakdown."""
+    seed: _NonNegativeInt | None = None
+    """Seed for the random generators on every rank; null leaves them alone. (A zerotrain key;
+    DeepSpeed has none.)"""
+    zero_allow_untested_optimizer: bool = False
+    """Accepted for DeepSpeed compatibility and has no effect: zerotrain wraps any torch
+    optimizer under ZeRO."""
+
+    @model_validator(mode="after")
+    def _one_half_precision(self) -> "ZeroTrainConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise _fail("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        return self
+
+    def resolve_batch(self, world_size: int) -> "ZeroTrainConfig":
+        """A copy with all three batch fields set for ``world_size`` data-parallel ranks
+        (DeepSpeed's rules); ``ConfigError`` showing the arithmetic when they cannot agree."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size: must be a positive integer, got {world_size!r}")
+        total, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        accum = self.gradient_accumulation_steps
+        tb, mb, ga, ws = (
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "world_size",
+        )
+        if total is None and micro is None:
+            given = f"only {ga} is set" if accum is not None else "no batch size is set"
+            raise ConfigError(f"{given}; set {tb} or {mb} (or both)")
+        if total is not None and micro is not None and accum is not None:
+            if total != micro * accum * world_size:
+                raise ConfigError(
+                    f"{tb} ({total}) != {mb} ({micro}) * {ga} ({accum}) * {ws} ({world_size}) = "
+                    f"{micro * accum * world_size}; fix one of them, or leave one out to derive it"
+                )
+        elif total is None:  # micro given, accum given or 1
+            accum = accum or 1
+            total = micro * accum * world_size
+        else:  # total given with micro, accum or neither (then accum is 1)
+            accum = 1 if micro is None and accum is None else accum
+            known, known_name, derived_name = (micro, mb, ga) if micro else (accum, ga, mb)
+            divisor = known * world_size
+            if total % divisor:
+                raise ConfigError(
+                    f"{tb} ({total}) is not divisible by {known_name} ({known}) * {ws} "
+                    f"({world_size}) = {divisor}, so {derived_name} cannot be derived; make "
+                    f"{tb} a multiple of {divisor} or set all three batch keys"
+                )
+            micro, accum = (micro, total // divisor) if micro else (total // divisor, accum)
+        return self.model_copy(
+            update={
+                "train_batch_size": total,
+                "train_micro_batch_size_per_gpu": micro,
+                "gradient_accumulation_steps": accum,
+            }
+        )
+
+
+# --- turning raw input into a config -----------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _section_of(annotation: Any) -> type[_Section] | None:
+    """The section model behind a field annotation (``X`` or ``X | None``), if any."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, _Section):
+            return candidate
+    return None
+
+
+def _auto_problems(value: Any, path: str) -> list[str]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return [
+            f'{path}: "auto" must be resolved before passing the config to zerotrain '
+            "(HuggingFace's Trainer does that for DeepSpeed); set a concrete value"
+        ]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _auto_problems(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _auto_problems(v, f"{path}.{i}")]
+    return []
+
+
+def _param_problems(
+    section: type[_TypedParamsSection], type_value: Any, params: dict[str, Any], path: str
+) -> list[str]:
+    canonical = _canonical_type(type_value, list(section._PARAMS))
+    problems = _auto_problems(params, path)
+    if canonical is None:  # the type itself is reported by pydantic
+        return problems
+    known = list(section._PARAMS[canonical].keys)
+    for key in params:
+        if key in known:
+            continue
+        owners = [name for name, spec in section._PARAMS.items() if key in spec.keys]
+        if key == "max_grad_norm":
+            fix = "not an optimizer parameter; use the top-level `gradient_clipping` instead"
+        elif owners:
+            fix = f"not a parameter of {canonical}; only of {', '.join(owners)}"
+        else:
+            fix = f"unknown key{_did_you_mean(str(key), known)}"
+        problems.append(f"{path}.{key}: {fix}")
+    return problems
+
+
+def _key_problems(data: dict[Any, Any], section: type[_Section], path: str = "") -> list[str]:
+    """Pass 1 of [Note: how a config is checked]: unknown, unimplemented and "auto" keys."""
+    problems: list[str] = []
+    fields = section.model_fields
+    for raw_key, value in data.items():
+        key, key_path = str(raw_key), f"{path}{raw_key}"
+        name = section._RENAMED.get(key, key)
+        if name not in fields:
+            if key in section._NOT_IMPLEMENTED:
+                problems.append(
+                    f"`{key_path}` is a DeepSpeed option that zerotrain does not "
+                    "implement yet; remove it from the config"
+                )
+            else:
+                problems.append(f"{key_path}: unknown key{_did_you_mean(key, list(fields))}")
+            continue
+        subsection = _section_of(fields[name].annotation)
+        if subsection is not None and isinstance(value, dict):
+            problems += _key_problems(value, subsection, f"{key_path}.")
+        elif (
+            name == "params"
+            and issubclass(section, _TypedParamsSection)
+            and isinstance(value, dict)
+        ):
+            problems += _param_problems(section, data.get("type"), value, key_path)
+        else:
+            problems += _auto_problems(value, key_path)
+    return problems
+
+
+_ERROR_MESSAGES = {  # pydantic error type -> our wording; ", got <input>" is appended
+    "missing": "required key is missing",
+    "extra_forbidden": "unknown key",
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "must be an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "must be a number"),
+    **dict.fromkeys(("bool_type", "bool_parsing"), "must be true or false"),
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type"), "must be a mapping"),
+    "list_type": "must be a list",
+    "tuple_type": "must be a list",
+    "finite_number": "must be a finite number",
+    "literal_error": "must be one of {expected}",
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+}
+
+
+def _config_error(error: ValidationError) -> ConfigError:
+    """Pass 2 of [Note: how a config is checked]: one ``path: problem`` line per error."""
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "zerotrain":
+            text = item["msg"]
+        else:
+            ctx = item.get("ctx", {})
+            template = _ERROR_MESSAGES.get(item["type"])
+            text = template.format(**ctx) if template else item["msg"][0].lower() + item["msg"][1:]
+            if item["type"] not in ("missing", "extra_forbidden"):
+                text += f", got {_show(item['input'])}"
+        lines.append(f"{path}: {text}" if path else text)
+    return ConfigError("\n".join(lines))
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-5`` and ``5e8`` as numbers, as JSON and YAML 1.2 do
+    (PyYAML's YAML 1.1 rules need a dot and would return the string "5e8")."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # DeepSpeed refuses duplicate keys too; json.loads would silently keep the last one.
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(
+            f"{path}: not a .json, .yaml or .yml file; rename it, or pass the config as a dict"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file does not exist; check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc})") from None
+    try:
+        if suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        else:
+            data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "JSON" if suffix == ".json" else "YAML"
+        raise ConfigError(f"{path}: not valid {kind} ({exc}); fix the file syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of config keys, got {type(data).__name__}"
+        )
+    return data
+
+
+def load_config(
+    config: dict[str, Any] | str | os.PathLike[str] | ZeroTrainConfig | None, *, world_size: int
+) -> ZeroTrainConfig:
+    """Validate a DeepSpeed-style config and resolve its batch fields for ``world_size``
+    data-parallel ranks.
+
+    ``config`` is a dict, a path to a ``.json``/``.yaml``/``.yml`` file, an already typed
+    ``ZeroTrainConfig`` (its batch fields are re-resolved, which checks them against this
+    ``world_size``), or None (an empty config, which fails for want of a batch size). Raises
+    ``ConfigError`` listing every problem, one ``key.path: problem and fix`` per line.
+    """
+    if isinstance(config, ZeroTrainConfig):
+        return config.resolve_batch(world_size)
+    if config is None:
+        raw: Any = {}
+    elif isinstance(config, (str, os.PathLike)):
+        raw = _read_config_file(Path(config))
+    else:
+        raw = config
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config: must be a dict, a path or a ZeroTrainConfig, got {type(raw).__name__}"
+        )
+    problems = _key_problems(raw, ZeroTrainConfig)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    try:
+        typed = ZeroTrainConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+    return typed.resolve_batch(world_size)
+
+
+# --- the generated reference (docs/config.md) --------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in args)
+    if origin is Literal:
+        return " | ".join(json.dumps(arg) for arg in args)
+    if annotation is type(None):
+        return "null"
+    if annotation is Any:
+        return "any"
+    if isinstance(annotation, type) and issubclass(annotation, _Section):
+        return "section"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(arg) for arg in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _sections(
+    section: type[_Section] = ZeroTrainConfig, path: str = ""
+) -> list[tuple[str, type[_Section]]]:
+    found = [(path, section)]
+    for name, field in section.model_fields.items():
+        subsection = _section_of(field.annotation)
+        if subsection is not None:
+            found += _sections(subsection, f"{path}{name}.")
+    return found
+
+
+def config_reference_markdown() -> str:
+    """The Markdown reference of every section and field, generated from the schema."""
+    out = [
+        "# zerotrain configuration reference",
+        "",
+        "Generated from `zerotrain/config.py` by `python -m zerotrain.config > docs/config.md`;"
+        " do not edit by hand.",
+        "",
+        "zerotrain reads DeepSpeed's `ds_config.json` keys. Unknown keys are errors (with a "
+        "did-you-mean), and so are DeepSpeed options zerotrain does not implement yet (listed"
+        ' per section) and `"auto"` placeholders. Load a config with '
+        "`zerotrain.config.load_config(config, world_size=...)`; a `.json`, `.yaml` or "
+        "`.yml` path or a dict.",
+    ]
+    for path, section in _sections():
+        out += [
+            "",
+            f"## `{path.rstrip('.')}`" if path else "## Top level",
+            "",
+            _cell(inspect.cleandoc(section.__doc__ or "")),
+            "",
+            "| Key | Type | Default | Description |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, field in section.model_fields.items():
+            if field.is_required():
+                default = "required"
+            elif field.default_factory is not None:
+                value = field.default_factory()  # type: ignore[call-arg]
+                default = "`{}`" if isinstance(value, BaseModel) else f"`{_show(value)}`"
+            else:
+                default = f"`{_show(field.default)}`"
+            out.append(
+                f"| `{path}{name}` | `{_cell(_type_name(field.annotation))}` | {default} "
+                f"| {_cell(field.description or '')} |"
+            )
+        renamed = ", ".join(f"`{old}` (read as `{new}`)" for old, new in section._RENAMED.items())
+        if renamed:
+            out += ["", f"Old DeepSpeed names accepted here: {renamed}."]
+        if section._NOT_IMPLEMENTED:
+            keys = ", ".join(f"`{key}`" for key in sorted(section._NOT_IMPLEMENTED))
+            out += ["", f"DeepSpeed keys rejected here until zerotrain implements them: {keys}."]
+    for path, section in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):
+        out += ["", f"## `{path}.params`", "", f"Allowed keys for each `{path}.type`."]
+        for type_name, spec in section._PARAMS.items():
+            out += [
+                "",
+                f"### {type_name}",
+                "",
+                spec.doc,
+                "",
+                "| Key | Type | Required |",
+                "| --- | --- | --- |",
+            ]
+            out += [
+                f"| `{key}` | `{_cell(_type_name(annotation))}` "
+                f"| {'yes' if key in spec.required else 'no'} |"
+                for key, annotation in spec.keys.items()
+            ]
+        if section._DEEPSPEED_ONLY_TYPES:
+            out += [
+                "",
+                f"DeepSpeed {path} types zerotrain does not implement yet (lower-cased): "
+                + ", ".join(f"`{name}`" for name in sorted(section._DEEPSPEED_ONLY_TYPES))
+                + ".",
+            ]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    """``python -m zerotrain.config``: print the Markdown reference."""
+    sys.stdout.write(config_reference_markdown())
+
+
+if __name__ == "__main__":
+    main()

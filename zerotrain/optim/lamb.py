@@ -1,0 +1,392 @@
+"""LAMB with DeepSpeed ``FusedLamb`` semantics that also runs on ZeRO shards.
+
+LAMB (You et al., arXiv:1904.00962, Algorithm 2): Adam moments with bias correction, the
+weight decay added to the Adam direction, and the step of each parameter scaled by its trust
+ratio ``||w|| / ||update||``, clamped to ``[min_coeff, max_coeff]`` and taken as 1 when either
+norm is 0 (DeepSpeed's ``csrc/lamb/fused_lamb_cuda_kernel.cu``).
+
+[Note: trust ratios on shards]
+Under ZeRO the optimizer holds flat 1-D tensors, each a slice of many model parameters, and a
+model parameter may straddle two ranks. The trust ratio is a property of the *original*
+parameter, so a group may carry ``segment_ids`` (one integer tensor per flat tensor, giving the
+index of the original parameter of each element, -1 for padding) and ``num_segments``. A step
+then sums ``w**2`` and ``update**2`` per segment with ``index_add_`` (bin 0 collects padding, so
+ids are shifted by one), hands the sums of all segmented groups to ``norm_allreduce`` in one
+1-D float64 tensor (one collective per step), and scales every element by the ratio of its
+segment, gathered by index. Padding gets ratio 0: it never moves.
+
+[Note: two passes and chunks]
+The update is needed twice: for its norm, and after the all-reduce to apply it. Keeping it would
+cost one extra fp32 copy of the whole shard, so, like DeepSpeed's kernel (part1 / part3), the
+update is recomputed in the second pass from the same ``p``, ``exp_avg`` and ``exp_avg_sq``.
+Both passes walk a flat tensor in chunks of ``_chunk_numel`` elements, so the temporaries
+(including the float64 squares that keep the per-segment sums accurate) stay bounded whatever
+the shard size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Lamb"]
+
+# Keys of a param group that describe how the group's tensors map onto model parameters. They
+# are a property of the current sharding, not training state: state_dict() leaves them out and
+# load_state_dict() keeps the ones the optimizer was built with.
+_LAYOUT_KEYS = ("segment_ids", "num_segments")
+
+_SUM_DTYPE = torch.float64
+
+
+@dataclass
+class _TensorStep:
+    """One tensor of a group in one step."""
+
+    param: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    bias_correction1: float
+    bias_correction2: float
+    segment_ids: Tensor | None  # 1D, same numel as param; None: the tensor is one parameter
+
+
+@dataclass
+class _GroupStep:
+    """Per-group work of one step: the tensors and their squared-norm sums."""
+
+    group: dict[str, Any]
+    tensors: list[_TensorStep] = field(default_factory=list)
+    # Segmented: one (num_segments + 1,) vector each, bin 0 = padding.
+    # Plain: one 0-d tensor per entry of `tensors`.
+    weight_sq: list[Tensor] = field(default_factory=list)
+    update_sq: list[Tensor] = field(default_factory=list)
+
+    @property
+    def segmented(self) -> bool:
+        return "segment_ids" in self.group
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (arXiv:1904.00962) with DeepSpeed ``FusedLamb`` semantics and ZeRO-shard support.
+
+    Per element, with ``t`` the tensor's step count::
+
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        update = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * w
+        w = w - lr * trust_ratio * update
+
+    where ``bc1 = 1 - beta1**t`` and ``bc2 = 1 - beta2**t`` (both 1 without bias correction),
+    ``eps`` moves under the square root with ``eps_inside_sqrt``, and ``trust_ratio`` is
+    ``clamp(||w|| / ||update||, min_coeff, max_coeff)`` over one model parameter, or 1 when either
+    norm is 0.
+
+    Without ``segment_ids`` every tensor in a group is one model parameter. A group may instead
+    describe flat ZeRO shards with the keys:
+
+    - ``"segment_ids"``: one integer tensor (int32 or int64) per tensor in ``params``, on the same
+      device and with the same number of elements, holding for each element the index of the
+      model parameter it belongs to, or -1 for padding (padding never changes);
+    - ``"num_segments"``: the number of model parameters (segment ids are in
+      ``[0, num_segments)``).
+
+    A segmented group treats a missing gradient as zeros, so every rank runs the same
+    collectives.
+
+    Args:
+        params: tensors or param groups, as for any torch optimizer.
+        lr: learning rate. Default 1e-3.
+        bias_correction: bias-correct the moments. Default True.
+        betas: moment decay rates. Default (0.9, 0.999).
+        eps: denominator term. Default 1e-8.
+        eps_inside_sqrt: add ``eps`` under the square root. Default False.
+        weight_decay: decay coefficient added to the update. Default 0.
+        max_coeff: upper clamp of the trust ratio. Default 10.
+        min_coeff: lower clamp of the trust ratio. Default 0.01.
+        amsgrad: not supported (as in DeepSpeed); must be False.
+        norm_allreduce: sums a 1-D tensor in place across ranks, for segmented groups whose
+            model parameters are split across ranks; None in a single process. Called once per
+            step with one float64 tensor, identical in length on every rank.
+    """
+
+    # Elements per chunk in a step; see [Note: two passes and chunks]. Tests lower it.
+    _chunk_numel: int = 1 << 20
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        *,
+        norm_allreduce: Callable[[Tensor], None] | None = None,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("Lamb does not support amsgrad (neither does DeepSpeed's FusedLamb)")
+        if not lr >= 0.0:
+            raise ValueError(f"Lamb: lr must be >= 0, got {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"Lamb: eps must be >= 0, got {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Lamb: betas must be in [0, 1), got {tuple(betas)}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Lamb: weight_decay must be >= 0, got {weight_decay}")
+        if not 0.0 <= min_coeff <= max_coeff:
+            raise ValueError(
+                f"Lamb: need 0 <= min_coeff <= max_coeff, got min_coeff={min_coeff}, "
+                f"max_coeff={max_coeff}"
+            )
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
+        self.norm_allreduce = norm_allreduce
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group, checking its ``segment_ids``/``num_segments`` against its tensors."""
+        super().add_param_group(param_group)
+        _check_layout(self.param_groups[-1], len(self.param_groups) - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state without the groups' layout keys (they depend on sharding)."""
+        state = super().state_dict()
+        for group in state["param_groups"]:
+            for key in _LAYOUT_KEYS:
+                group.pop(key, None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch optimizer state, keeping this optimizer's own group layouts."""
+        layouts = [{k: g[k] for k in _LAYOUT_KEYS if k in g} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, layout in zip(self.param_groups, layouts, strict=True):
+            for key in _LAYOUT_KEYS:
+                group.pop(key, None)
+            group.update(layout)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one LAMB step; ``closure`` re-evaluates the loss, as for torch optimizers."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        plans = [self._accumulate(group) for group in self.param_groups]
+        self._reduce_segment_sums([plan for plan in plans if plan.segmented])
+        for plan in plans:
+            self._apply(plan)
+        return loss
+
+    # First pass: moments, then the squared norms of weights and updates.
+    def _accumulate(self, group: dict[str, Any]) -> _GroupStep:
+        plan = _GroupStep(group)
+        beta1, beta2 = group["betas"]
+        segmented = plan.segmented
+        if segmented:
+            num_bins = group["num_segments"] + 1
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            weight_sq = torch.zeros(num_bins, dtype=_SUM_DTYPE, device=device)
+            update_sq = torch.zeros(num_bins, dtype=_SUM_DTYPE, device=device)
+            plan.weight_sq, plan.update_sq = [weight_sq], [update_sq]
+
+        for index, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None and not segmented:
+                continue
+            if grad is not None:
+                if grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                if grad.dtype != param.dtype:
+                    grad = grad.to(param.dtype)
+            state = self.state[param]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["step"] += 1
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.mul_(beta1)
+            exp_avg_sq.mul_(beta2)
+            if grad is not None:
+                exp_avg.add_(grad, alpha=1.0 - beta1)
+                exp_avg_sq.addcmul_(grad, grad, value=1.0 - beta2)
+            if group["bias_correction"]:
+                bc1, bc2 = 1.0 - beta1 ** state["step"], 1.0 - beta2 ** state["step"]
+            else:
+                bc1 = bc2 = 1.0
+            item = _TensorStep(
+                param=param,
+                exp_avg=exp_avg,
+                exp_avg_sq=exp_avg_sq,
+                bias_correction1=bc1,
+                bias_correction2=bc2,
+                segment_ids=group["segment_ids"][index] if segmented else None,
+            )
+            plan.tensors.append(item)
+
+            if segmented:
+                for chunk, update in self._updates(item, group):
+                    bins = _bins(item, chunk)
+                    weight = param.view(-1)[chunk].to(_SUM_DTYPE, copy=True)
+                    weight_sq.index_add_(0, bins, weight.square_())
+                    # `update` is scratch: squaring it in place is fine even when it is float64.
+                    update_sq.index_add_(0, bins, update.to(_SUM_DTYPE).square_())
+            else:
+                w_sq = torch.zeros((), dtype=_SUM_DTYPE, device=param.device)
+                u_sq = torch.zeros((), dtype=_SUM_DTYPE, device=param.device)
+                for chunk, update in self._updates(item, group):
+                    w_sq += _flat(param)[chunk].square().sum(dtype=_SUM_DTYPE)
+                    u_sq += update.square().sum(dtype=_SUM_DTYPE)
+                plan.weight_sq.append(w_sq)
+                plan.update_sq.append(u_sq)
+        return plan
+
+    def _reduce_segment_sums(self, plans: Sequence[_GroupStep]) -> None:
+        """Sum every segmented group's norms across ranks in one collective."""
+        if not plans or self.norm_allreduce is None:
+            return
+        parts = [t for plan in plans for t in (plan.weight_sq[0], plan.update_sq[0])]
+        device = parts[0].device
+        flat = torch.cat([t.to(device) for t in parts])
+        self.norm_allreduce(flat)
+        offset = 0
+        for part in parts:
+            part.copy_(flat[offset : offset + part.numel()])
+            offset += part.numel()
+
+    # Second pass: recompute each update and apply it scaled by its trust ratio.
+    def _apply(self, plan: _GroupStep) -> None:
+        group = plan.group
+        lr = float(group["lr"])
+        if plan.segmented:
+            ratio = _trust_ratio(
+                plan.weight_sq[0], plan.update_sq[0], group["min_coeff"], group["max_coeff"]
+            )
+            ratio[0] = 0.0  # padding bin
+            step_scale = ratio.mul_(lr)
+            for item in plan.tensors:
+                flat_param = item.param.view(-1)
+                for chunk, update in self._updates(item, group):
+                    scale = step_scale[_bins(item, chunk)].to(update.dtype)
+                    flat_param[chunk].addcmul_(update, scale, value=-1.0)
+            return
+        for item, w_sq, u_sq in zip(plan.tensors, plan.weight_sq, plan.update_sq, strict=True):
+            ratio = _trust_ratio(w_sq, u_sq, group["min_coeff"], group["max_coeff"])
+            scale = ratio.mul_(lr).to(item.param.dtype)
+            flat_param = _flat(item.param)
+            for chunk, update in self._updates(item, group):
+                flat_param[chunk].addcmul_(update, scale, value=-1.0)
+
+    def _updates(self, item: _TensorStep, group: dict[str, Any]) -> Iterator[tuple[slice, Tensor]]:
+        """Yield ``(chunk, update[chunk])`` over the flattened tensor (see the module note)."""
+        if not item.param.is_contiguous():  # only a plain tensor: one chunk, its own shape
+            yield slice(None), _update(item.param, item.exp_avg, item.exp_avg_sq, item, group)
+            return
+        # The moments are only read here, so reshape (a view unless they are non-contiguous).
+        param = item.param.view(-1)
+        exp_avg = item.exp_avg.reshape(-1)
+        exp_avg_sq = item.exp_avg_sq.reshape(-1)
+        numel = param.numel()
+        for start in range(0, numel, self._chunk_numel):
+            chunk = slice(start, min(start + self._chunk_numel, numel))
+            yield chunk, _update(param[chunk], exp_avg[chunk], exp_avg_sq[chunk], item, group)
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    """A 1-D view of a contiguous tensor; the tensor itself when it cannot be viewed flat."""
+    return tensor.view(-1) if tensor.is_contiguous() else tensor
+
+
+def _update(
+    param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, item: _TensorStep, group: dict[str, Any]
+) -> Tensor:
+    """The LAMB direction ``m_hat / (sqrt(v_hat) + eps) + weight_decay * w`` (a new tensor)."""
+    denom = exp_avg_sq / item.bias_correction2
+    if group["eps_inside_sqrt"]:
+        denom.add_(group["eps"]).sqrt_()
+    else:
+        denom.sqrt_().add_(group["eps"])
+    update = (exp_avg / item.bias_correction1).div_(denom)
+    if group["weight_decay"] != 0:
+        update.add_(param, alpha=group["weight_decay"])
+    return update
+
+
+def _bins(item: _TensorStep, chunk: slice) -> Tensor:
+    """Segment bins of a chunk: segment id + 1, so padding (-1) lands in bin 0."""
+    assert item.segment_ids is not None
+    return item.segment_ids.view(-1)[chunk].to(torch.int64) + 1
+
+
+def _trust_ratio(
+    weight_sq: Tensor, update_sq: Tensor, min_coeff: float, max_coeff: float
+) -> Tensor:
+    """``clamp(||w|| / ||u||, min_coeff, max_coeff)``, or 1 where either norm is 0 (a new tensor)."""
+    weight_norm, update_norm = weight_sq.sqrt(), update_sq.sqrt()
+    ratio = (weight_norm / update_norm).clamp_(min_coeff, max_coeff)
+    defined = (weight_norm > 0) & (update_norm > 0)
+    return torch.where(defined, ratio, torch.ones_like(ratio))
+
+
+def _check_layout(group: dict[str, Any], index: int) -> None:
+    """Validate a group's ``segment_ids``/``num_segments`` (see the Lamb docstring)."""
+    where = f"Lamb param_groups[{index}]"
+    has_ids, has_count = "segment_ids" in group, "num_segments" in group
+    if not has_ids and not has_count:
+        return
+    if not (has_ids and has_count):
+        raise ValueError(f"{where}: 'segment_ids' and 'num_segments' must be given together")
+    num_segments = group["num_segments"]
+    if isinstance(num_segments, bool) or not isinstance(num_segments, int) or num_segments < 0:
+        raise ValueError(f"{where}: num_segments must be a non-negative int, got {num_segments!r}")
+    segment_ids = list(group["segment_ids"])
+    params = group["params"]
+    if len(segment_ids) != len(params):
+        raise ValueError(
+            f"{where}: segment_ids has {len(segment_ids)} tensors for {len(params)} params; "
+            "give one per tensor"
+        )
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{where}: a segmented group must be on one device, got {sorted(map(str, devices))}"
+        )
+    for i, (param, ids) in enumerate(zip(params, segment_ids, strict=True)):
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{where}: segment_ids[{i}] must be an int32 or int64 tensor")
+        if ids.numel() != param.numel():
+            raise ValueError(
+                f"{where}: segment_ids[{i}] has {ids.numel()} elements, its tensor {param.numel()}"
+            )
+        if ids.device != param.device:
+            raise ValueError(
+                f"{where}: segment_ids[{i}] is on {ids.device}, its tensor on {param.device}; "
+                "move it to the tensor's device"
+            )
+        if not (param.is_contiguous() and ids.is_contiguous()):
+            raise ValueError(f"{where}: params[{i}] and segment_ids[{i}] must be contiguous")
+        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= num_segments):
+            raise ValueError(
+                f"{where}: segment_ids[{i}] must lie in [-1, {num_segments}), "
+                f"got [{int(ids.min())}, {int(ids.max())}]"
+            )
+    group["segment_ids"] = segment_ids

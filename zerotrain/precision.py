@@ -1,0 +1,90 @@
+"""Mixed precision: which dtype each copy of the model state lives in, and fp16 loss scaling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Dtypes of the model's working copy and of the optimizer's master copy.
+
+    Gradients are produced and communicated in ``param_dtype``; the optimizer always steps an
+    fp32 master copy. In fp32 training that master copy *is* the model's parameters (no copy).
+    """
+
+    param_dtype: torch.dtype = torch.float32
+
+    @property
+    def has_master_copy(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    @property
+    def name(self) -> str:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+            self.param_dtype
+        ]
+
+
+class LossScaler:
+    """Static or dynamic loss scale, with DeepSpeed's dynamic-scaling rules.
+
+    Dynamic: start at ``2**initial_scale_power``; an overflow divides the scale by 2 once
+    ``hysteresis`` overflows have been absorbed (never below ``min_loss_scale``); after
+    ``loss_scale_window`` clean steps since the last overflow the scale doubles. A scaler with
+    ``dynamic=False`` keeps ``scale`` fixed (1.0 for bf16 and fp32 training).
+    """
+
+    def __init__(
+        self,
+        scale: float = 1.0,
+        dynamic: bool = False,
+        scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+    ):
+        self.scale = float(scale)
+        self.dynamic = dynamic
+        self.scale_window = scale_window
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self._hysteresis_left = hysteresis
+        self._iteration = 0
+        self._last_overflow_iteration = -1
+
+    def update(self, overflow: bool) -> None:
+        """Record one optimizer step's outcome and adjust the scale."""
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self._hysteresis_left == 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._last_overflow_iteration = self._iteration
+        else:
+            if self.consecutive_hysteresis:
+                self._hysteresis_left = self.hysteresis
+            if (self._iteration - self._last_overflow_iteration) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self._hysteresis_left = self.hysteresis
+                self.scale *= 2.0
+        self._iteration += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": self.scale,
+            "hysteresis_left": self._hysteresis_left,
+            "iteration": self._iteration,
+            "last_overflow_iteration": self._last_overflow_iteration,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self._iteration = int(state["iteration"])
+        self._last_overflow_iteration = int(state["last_overflow_iteration"])

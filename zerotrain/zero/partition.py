@@ -1,0 +1,147 @@
+"""What ZeRO partitions (a policy) and how trainable parameters are laid out to partition them.
+
+[Note: buckets are sharded evenly]
+Trainable parameters of one optimizer group are packed, in reverse registration order (roughly
+the order backward produces their gradients), into flat buckets of about ``reduce_bucket_size``
+elements. Each bucket is padded to a multiple of the world size and split into ``world_size``
+equal, contiguous shards; rank r owns shard r of *every* bucket. Equal shards let every
+gradient reduction be one ``reduce_scatter`` and every parameter refresh one ``all_gather``
+per bucket, with no per-parameter messages, whatever the parameter sizes. Model parameters
+become views into their bucket's ``flat_param`` so the gathered result is in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """What is partitioned across data-parallel ranks (ZeRO, arXiv:1910.02054 §5).
+
+    Stage 0 partitions nothing (plain data parallelism), stage 1 the optimizer states and fp32
+    master weights, stage 2 also the gradients. The engine reads these flags, never the stage.
+    """
+
+    stage: int
+    shard_optimizer_states: bool
+    shard_gradients: bool
+
+    @classmethod
+    def for_stage(cls, stage: int) -> ZeroPolicy:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"zero_optimization.stage: must be 0, 1 or 2, got {stage}")
+        return cls(stage=stage, shard_optimizer_states=stage >= 1, shard_gradients=stage >= 2)
+
+
+@dataclass
+class ParamSlot:
+    """Where one model parameter sits inside its bucket's flat buffer."""
+
+    param: nn.Parameter
+    name: str
+    index: int  # position among all trainable parameters (stable id, e.g. for Lamb's norms)
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class FlatBucket:
+    """Trainable parameters of one optimizer group stored in one flat, evenly sharded buffer."""
+
+    group_index: int
+    slots: list[ParamSlot]
+    numel: int  # sum of parameter sizes
+    numel_padded: int  # numel rounded up to a multiple of world_size
+    world_size: int
+    rank: int
+    flat_param: torch.Tensor = field(repr=False)  # 1D, param dtype, numel_padded; params view it
+    # Stages 0-1: full gradient buffer (1D, numel_padded) that every param.grad views.
+    flat_grad: torch.Tensor | None = field(default=None, repr=False)
+    # Stage 2: this rank's reduced gradient shard (1D, shard_numel), accumulated over micro-steps.
+    grad_shard: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel_padded // self.world_size
+
+    def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s (default: this rank's) piece of a bucket-sized flat tensor."""
+        r = self.rank if rank is None else rank
+        return flat[r * self.shard_numel : (r + 1) * self.shard_numel]
+
+    def view(self, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        """``slot``'s parameter-shaped view into a bucket-sized flat tensor."""
+        return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def slot_ids(self, start: int, end: int) -> torch.Tensor:
+        """For flat positions ``[start, end)``, the parameter index each holds (-1: padding)."""
+        ids = torch.full((end - start,), -1, dtype=torch.int64)
+        for slot in self.slots:
+            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+            if lo < hi:
+                ids[lo - start : hi - start] = slot.index
+        return ids
+
+
+def build_buckets(
+    groups: list[list[tuple[str, nn.Parameter]]],
+    *,
+    bucket_numel: int,
+    world_size: int,
+    rank: int,
+) -> list[FlatBucket]:
+    """Pack each group's parameters into buckets (see [Note: buckets are sharded evenly]).
+
+    Returns buckets in the order their gradients are expected during backward. Parameter data is
+    copied into fp32 flat buffers and each parameter becomes a view into its bucket; the caller
+    converts ``flat_param`` to the training dtype afterwards.
+    """
+    buckets: list[FlatBucket] = []
+    index = 0
+    slots_by_group: list[list[ParamSlot]] = []
+    for group in groups:
+        slots = []
+        for name, param in group:
+            slots.append(ParamSlot(param, name, index, 0, param.numel(), param.shape))
+            index += 1
+        slots_by_group.append(slots)
+    for group_index, slots in enumerate(slots_by_group):
+        current: list[ParamSlot] = []
+        size = 0
+        for slot in reversed(slots):
+            if current and size + slot.numel > bucket_numel:
+                buckets.append(_make_bucket(group_index, current, world_size, rank))
+                current, size = [], 0
+            slot.offset = size
+            current.append(slot)
+            size += slot.numel
+        if current:
+            buckets.append(_make_bucket(group_index, current, world_size, rank))
+    return buckets
+
+
+def _make_bucket(group_index: int, slots: list[ParamSlot], world_size: int, rank: int):
+    numel = sum(s.numel for s in slots)
+    numel_padded = -(-numel // world_size) * world_size
+    device = slots[0].param.device
+    flat = torch.zeros(numel_padded, dtype=torch.float32, device=device)
+    for slot in slots:
+        flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+    return FlatBucket(group_index, slots, numel, numel_padded, world_size, rank, flat)
+
+
+def point_params_at(bucket: FlatBucket) -> None:
+    """Make every parameter of ``bucket`` a view into ``bucket.flat_param`` (keeps identity)."""
+    for slot in bucket.slots:
+        slot.param.data = bucket.view(bucket.flat_param, slot)
+
+
+def point_grads_at(bucket: FlatBucket) -> None:
+    """Make every ``param.grad`` a view into ``bucket.flat_grad`` so autograd accumulates there."""
+    for slot in bucket.slots:
+        slot.param.grad = bucket.view(bucket.flat_grad, slot)

@@ -1,0 +1,169 @@
+"""Gradient reduction across data-parallel ranks, bucket by bucket.
+
+[Note: reduction order]
+Every rank must issue the same collectives in the same order. Buckets are therefore launched
+strictly in bucket order: a bucket whose gradients are complete waits until every earlier
+bucket has been launched. A bucket with a parameter that got no gradient this backward (unused
+in the forward, on this rank or all) is launched by :meth:`GradientReducer.finish_backward`
+with zeros for that parameter, so no rank waits for a gradient that will never come.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.comm import Communicator, PendingOp
+from zerotrain.zero.partition import FlatBucket, ParamSlot, ZeroPolicy
+
+
+class GradientReducer:
+    """Averages gradients over ranks as the policy says.
+
+    * no gradient sharding, no optimizer sharding (stage 0): gradients accumulate in full
+      buffers; at the accumulation boundary each bucket is all-reduced.
+    * optimizer sharding only (stage 1): as stage 0, but each bucket is reduce-scattered in
+      place, so only this rank's shard of the buffer holds the average.
+    * gradient sharding (stage 2): during every backward, as soon as a bucket's gradients are
+      all there, they are copied to a transient buffer and reduce-scattered into this rank's
+      persistent ``grad_shard``; ``param.grad`` is freed at once, so no rank keeps full
+      gradients after backward.
+    """
+
+    def __init__(self, buckets: list[FlatBucket], comm: Communicator, policy: ZeroPolicy):
+        self.buckets = buckets
+        self.comm = comm
+        self.policy = policy
+        self._inv_world = 1.0 / comm.world_size
+        self._hooks = []
+        if policy.shard_gradients:
+            self._arrived: list[set[int]] = [set() for _ in buckets]
+            self._comm_buffers: list[torch.Tensor | None] = [None] * len(buckets)
+            self._pending: list[PendingOp] = []
+            self._next_launch = 0
+            self._shard_holds_grads = False  # False: grad_shard is stale, overwrite it
+            for bucket_index, bucket in enumerate(buckets):
+                for slot in bucket.slots:
+                    hook = slot.param.register_post_accumulate_grad_hook(
+                        self._make_hook(bucket_index, slot)
+                    )
+                    self._hooks.append(hook)
+
+    # -- stage 2: reduce during backward -------------------------------------------------------
+    def _make_hook(self, bucket_index: int, slot: ParamSlot):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(bucket_index, slot, param)
+
+        return hook
+
+    def _comm_buffer(self, bucket_index: int) -> torch.Tensor:
+        buffer = self._comm_buffers[bucket_index]
+        if buffer is None:
+            bucket = self.buckets[bucket_index]
+            buffer = torch.zeros(
+                bucket.numel_padded, dtype=bucket.flat_param.dtype, device=bucket.flat_param.device
+            )
+            self._comm_buffers[bucket_index] = buffer
+        return buffer
+
+    def _on_grad_ready(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        if bucket_index < self._next_launch:
+            raise RuntimeError(
+                f"gradient of '{slot.name}' arrived after its bucket was reduced: a parameter got "
+                "gradients from two backward passes in one micro-step. Call engine.backward "
+                "once per micro-batch (sum the losses first)."
+            )
+        buffer = self._comm_buffer(bucket_index)
+        buffer[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None
+        arrived = self._arrived[bucket_index]
+        arrived.add(slot.index)
+        if len(arrived) == len(self.buckets[bucket_index].slots):
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            index = self._next_launch
+            complete = len(self._arrived[index]) == len(self.buckets[index].slots)
+            if not (complete or force):
+                return
+            self._launch(index)
+            self._next_launch += 1
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        buffer = self._comm_buffer(index)  # zeros where a parameter got no gradient
+        buffer.mul_(self._inv_world)
+        if not self._shard_holds_grads:  # first micro-step of this accumulation: write directly
+            op = self.comm.reduce_scatter(bucket.grad_shard, buffer, async_op=True)
+            self._pending.append(op.then(lambda: self._free_buffer(index)))
+        else:
+            reduced = torch.empty_like(bucket.grad_shard)
+            op = self.comm.reduce_scatter(reduced, buffer, async_op=True)
+            self._pending.append(op.then(lambda: self._free_buffer(index, add_into_shard=reduced)))
+
+    def _free_buffer(self, index: int, add_into_shard: torch.Tensor | None = None) -> None:
+        if add_into_shard is not None:
+            self.buckets[index].grad_shard.add_(add_into_shard)
+        self._comm_buffers[index] = None
+        self._arrived[index].clear()
+
+    # -- entry points --------------------------------------------------------------------------
+    def finish_backward(self, at_boundary: bool) -> None:
+        """Called after each micro-step's backward; reduces what this policy reduces now."""
+        if self.policy.shard_gradients:
+            self._launch_ready(force=True)
+            for op in self._pending:
+                op.wait()
+            self._pending.clear()
+            self._next_launch = 0
+            self._shard_holds_grads = True
+        elif at_boundary:
+            self._repair_grad_views()
+            ops = []
+            for bucket in self.buckets:
+                bucket.flat_grad.mul_(self._inv_world)
+                if self.policy.shard_optimizer_states:
+                    shard = bucket.shard(bucket.flat_grad)  # in place: input's own slice
+                    ops.append(self.comm.reduce_scatter(shard, bucket.flat_grad, async_op=True))
+                else:
+                    ops.append(self.comm.all_reduce(bucket.flat_grad, async_op=True))
+            for op in ops:
+                op.wait()
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """Per bucket, the averaged gradient of the part the optimizer steps on this rank."""
+        if self.policy.shard_gradients:
+            return [b.grad_shard for b in self.buckets]
+        if self.policy.shard_optimizer_states:
+            return [b.shard(b.flat_grad) for b in self.buckets]
+        return [b.flat_grad for b in self.buckets]
+
+    def zero_grads(self) -> None:
+        """Start a new accumulation."""
+        if self.policy.shard_gradients:
+            self._shard_holds_grads = False
+            for bucket in self.buckets:
+                for slot in bucket.slots:
+                    slot.param.grad = None
+        else:
+            for bucket in self.buckets:
+                bucket.flat_grad.zero_()
+
+    def _repair_grad_views(self) -> None:
+        # If user code replaced param.grad (e.g. module.zero_grad(set_to_none=True)), autograd
+        # stored the gradient in a fresh tensor; fold it back into the flat buffer.
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                grad = slot.param.grad
+                view = bucket.view(bucket.flat_grad, slot)
+                if grad is None or grad.data_ptr() != view.data_ptr():
+                    if grad is not None:
+                        view.copy_(grad)
+                    else:
+                        view.zero_()
+                    slot.param.grad = view
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

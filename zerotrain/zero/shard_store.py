@@ -1,0 +1,96 @@
+"""Where this rank's fp32 master shard and its optimizer state live, and the step over them.
+
+The engine only talks to the :class:`ShardStore` interface, so that a later store can keep the
+shard in CPU memory or on NVMe and step it there, without the engine changing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ShardStore(ABC):
+    """The optimizer's view of this rank's partition: master tensors, their grads, one step."""
+
+    optimizer: torch.optim.Optimizer  # the torch optimizer that steps the masters
+
+    @abstractmethod
+    def master_shards(self) -> list[torch.Tensor]:
+        """The fp32 master tensors, one per bucket, in bucket order."""
+
+    @abstractmethod
+    def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
+        """Take the reduced gradient of each bucket's shard (any dtype) as the master's grad."""
+
+    @abstractmethod
+    def grad_sum_of_squares(self) -> torch.Tensor:
+        """Sum of squared master gradients held here (0-d fp32 tensor)."""
+
+    @abstractmethod
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every master gradient by ``factor`` (unscaling and clipping in one pass)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """One optimizer step over the master shards."""
+
+    @abstractmethod
+    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+        """Copy the updated masters into the model's (possibly lower-precision) shards."""
+
+    @abstractmethod
+    def release_grads(self) -> None:
+        """Drop the master gradients until the next step."""
+
+
+class DeviceShardStore(ShardStore):
+    """Master shards on the training device, stepped by a torch optimizer.
+
+    With ``masters_alias_params`` (fp32 training) the masters are the model's own shards, so
+    there is no second copy and :meth:`write_params` has nothing to do.
+    """
+
+    def __init__(
+        self,
+        masters: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        masters_alias_params: bool,
+    ):
+        self._masters = masters
+        self.masters_alias_params = masters_alias_params
+        self.optimizer = optimizer  # built over ``masters``
+
+    def master_shards(self) -> list[torch.Tensor]:
+        return self._masters
+
+    def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
+        for master, grad in zip(self._masters, reduced_grads, strict=True):
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self._masters if m.grad is not None]
+
+    def grad_sum_of_squares(self) -> torch.Tensor:
+        grads = self._grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch._foreach_norm(grads)
+        return torch.stack(norms).float().square().sum()
+
+    def scale_grads(self, factor: float) -> None:
+        if factor != 1.0:
+            torch._foreach_mul_(self._grads(), factor)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+        if self.masters_alias_params:
+            return
+        torch._foreach_copy_(param_shards, self._masters)
+
+    def release_grads(self) -> None:
+        for master in self._masters:
+            master.grad = None
