@@ -205,12 +205,14 @@ def test_a_subcommand_is_required(capsys):
 
 
 def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
-    """The one test here that launches: torchrun, 2 processes of a script that only prints."""
+    """The one test here that launches: torchrun, 2 processes of a script that only reports."""
     script = tmp_path / "report.py"
     script.write_text(
-        "import os, sys\n"
-        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],"
-        " 'threads', os.environ['OMP_NUM_THREADS'], 'args', sys.argv[1:], flush=True)\n"
+        "import os, sys, pathlib\n"
+        # one file per rank: two ranks printing to one pipe interleave their lines
+        "pathlib.Path(__file__).with_name('rank' + os.environ['RANK']).write_text("
+        "f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} threads "
+        "{os.environ['OMP_NUM_THREADS']} args {sys.argv[1:]}\")\n"
         "sys.exit(3 if '--fail' in sys.argv and os.environ['RANK'] == '1' else 0)\n"
     )
     repo = Path(__file__).resolve().parents[1]
@@ -229,6 +231,7 @@ def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
     ok = run("--x", "1")
     assert ok.returncode == 0, ok.stderr
     for rank in (0, 1):
-        assert f"rank {rank} of 2 threads 5 args ['--x', '1']" in ok.stdout
+        report = (tmp_path / f"rank{rank}").read_text()
+        assert report == f"rank {rank} of 2 threads 5 args ['--x', '1']"
     failed = run("--fail")
     assert failed.returncode != 0

@@ -277,3 +277,22 @@ def test_engine_surface_matches_deepspeed_tutorials():
     state = engine.consolidated_state_dict(dtype=torch.bfloat16)
     assert state.keys() == model.state_dict().keys()
     assert all(v.dtype == torch.bfloat16 for v in state.values())
+
+
+def test_steps_per_print_reports_with_wall_clock_breakdown(capsys):
+    engine, *_ = zerotrain.initialize(
+        model=nn.Linear(3, 2),
+        config=dict(
+            BASE,
+            steps_per_print=2,
+            wall_clock_breakdown=True,
+            optimizer={"type": "SGD", "params": {"lr": 0.25}},
+        ),
+    )
+    for _ in range(4):
+        engine.backward(engine(torch.randn(MICRO, 3)).sum())
+        engine.step()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[zerotrain]" in line]
+    assert [line.split(":")[0] for line in lines] == ["[zerotrain] step 2", "[zerotrain] step 4"]
+    assert "lr [0.25]" in lines[0] and "grad norm" in lines[0]
+    assert all(f"{part} " in lines[1] for part in ("forward", "backward", "step"))
