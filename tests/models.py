@@ -60,3 +60,36 @@ def micro_batch(batch: torch.Tensor, micro: int, rank: int, world: int, size: in
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(DIM))
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h * self.scale)))
+
+
+class BlockModel(nn.Module):
+    """Stage-3 stress: blocks in a ModuleList (gather units) of odd sizes; block 1 runs twice and
+    holds a frozen bias; block 3 never runs; blocks 0 and 2 share ``scale``; the embedding is
+    also the output projection, read with ``F.linear`` in the root's own forward; a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(13), Block(11), Block(5), Block(9)])
+        self.blocks[1].up.bias.requires_grad_(False)
+        self.blocks[2].scale = self.blocks[0].scale
+        self.head_bias = nn.Parameter(torch.zeros(VOCAB))
+        self.register_buffer("mix", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) * self.mix
+        h = self.blocks[1](self.blocks[1](self.blocks[0](h)))
+        h = self.blocks[2](h)
+        logits = F.linear(h, self.embed.weight, self.head_bias)
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))

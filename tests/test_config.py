@@ -630,15 +630,23 @@ def test_per_param_group_learning_rates_are_accepted() -> None:
     assert scheduler.params == {"warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [1e-3, 1e-4]}
 
 
-def test_stage_3_is_not_implemented_yet() -> None:
-    assert load_error(nested("zero_optimization.stage", 3)) == (
-        "zero_optimization.stage: stage 3 is not implemented yet; use 0, 1 or 2"
+def test_stage_3_and_its_keys_load() -> None:
+    config = load_config(
+        {
+            "train_batch_size": 4,
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_prefetch_bucket_size": 7,
+                "stage3_max_live_parameters": 11,
+                "stage3_param_persistence_threshold": 0,
+            },
+        },
+        world_size=1,
     )
-    # Its keys are part of the schema already.
-    zero = ZeroOptimizationConfig(
-        stage=2, stage3_prefetch_bucket_size=7, stage3_max_live_parameters=11
-    )
+    zero = config.zero_optimization
+    assert zero.stage == 3
     assert (zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters) == (7, 11)
+    assert zero.stage3_param_persistence_threshold == 0
 
 
 @pytest.mark.parametrize("bf16_key", ["bf16", "bfloat16"])

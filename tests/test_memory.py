@@ -25,7 +25,11 @@ def measure(stages, precisions):
             config = {
                 "train_micro_batch_size_per_gpu": 2,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                "zero_optimization": {"stage": stage, "reduce_bucket_size": 40_000},
+                "zero_optimization": {
+                    "stage": stage,
+                    "reduce_bucket_size": 40_000,
+                    "stage3_param_persistence_threshold": 0,
+                },
                 "steps_per_print": 10**6,
                 **PRECISIONS[precision],
             }
@@ -44,7 +48,7 @@ def formula(precision: str, stage: int, psi: int, n: int) -> dict[str, float]:
     else:  # fp32: the master weights are the parameters themselves
         p, g, o = 4 * psi, 4 * psi, 8 * psi
     return {
-        "parameters": p,
+        "parameters": p / n if stage >= 3 else p,
         "gradients": g / n if stage >= 2 else g,
         "optimizer_states": o / n if stage >= 1 else o,
     }
@@ -53,7 +57,7 @@ def formula(precision: str, stage: int, psi: int, n: int) -> dict[str, float]:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_model_state_bytes_match_zero_formula(world):
     psi = sum(p.numel() for p in _model().parameters())
-    results = run_distributed(measure, world, [0, 1, 2], list(PRECISIONS))
+    results = run_distributed(measure, world, [0, 1, 2, 3], list(PRECISIONS))
     for rank_result in results:
         for (precision, stage), got in rank_result.items():
             want = formula(precision, stage, psi, world)
@@ -65,3 +69,4 @@ def test_model_state_bytes_match_zero_formula(world):
     if world > 1:  # the point of ZeRO: stage 2 holds far less than stage 0
         by_key = results[0]
         assert by_key[("bf16", 2)]["total"] < 0.6 * by_key[("bf16", 0)]["total"]
+        assert by_key[("bf16", 3)]["total"] < by_key[("bf16", 2)]["total"]

@@ -19,7 +19,11 @@ def _config(stage: int, precision: dict, accum: int = 1, clip: float = 1.0) -> d
         "gradient_accumulation_steps": accum,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 60},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 60,
+            "stage3_param_persistence_threshold": 0,
+        },
         "steps_per_print": 10**6,
         **precision,
     }
@@ -58,7 +62,7 @@ def train_bf16(stages):
 
 
 def test_bf16_stages_agree_bitwise_and_track_fp32():
-    results = run_distributed(train_bf16, 2, [0, 1, 2])
+    results = run_distributed(train_bf16, 2, [0, 1, 2, 3])
     # fp32 reference of the same run (single process, whole batch)
     torch.manual_seed(0)
     ref = AwkwardModel()
@@ -150,7 +154,7 @@ def train_fp16_with_overflow(stage: int, overflow_rank: int, overflow_step: int)
 
 
 def test_fp16_overflow_on_one_rank_skips_step_everywhere():
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         for rank_log in run_distributed(train_fp16_with_overflow, 2, stage, 1, 1):
             assert [e["changed"] for e in rank_log] == [True, False, True, True], stage
             assert [e["applied"] for e in rank_log] == [True, False, True, True]

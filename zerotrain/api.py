@@ -18,7 +18,7 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
-from zerotrain.zero.optimizer import NamedParams, OptimizerFactory
+from zerotrain.zero.optimizer import NamedParams, OptimizerFactory, Stage3Options
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -74,15 +74,22 @@ def initialize(
     model.to(device)
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     precision = PrecisionPolicy(_param_dtype(cfg))
+    zero = cfg.zero_optimization
     zero_optimizer = ZeroOptimizer(
+        model,
         groups,
         make_optimizer,
-        policy=ZeroPolicy.for_stage(cfg.zero_optimization.stage),
+        policy=ZeroPolicy.for_stage(zero.stage),
         precision=precision,
         comm=comm,
-        bucket_numel=cfg.zero_optimization.reduce_bucket_size,
         loss_scaler=_loss_scaler(cfg),
         gradient_clipping=cfg.gradient_clipping,
+        bucket_numel=zero.reduce_bucket_size,
+        stage3=Stage3Options(
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+        ),
     )
     _broadcast_untrained_state(model, comm)
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,

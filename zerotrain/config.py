@@ -370,7 +370,7 @@ class ZeroOptimizationConfig(_Section):
 
     stage: _Int = 0
     """0: plain data parallelism; 1: partition optimizer states; 2: also gradients; 3: also
-    parameters (not implemented yet)."""
+    parameters."""
     reduce_bucket_size: _PositiveInt = 500_000_000
     """Elements of gradient reduced (or reduce-scattered) per collective."""
     allgather_bucket_size: _PositiveInt = 500_000_000
@@ -389,13 +389,18 @@ class ZeroOptimizationConfig(_Section):
     """Accepted for DeepSpeed compatibility. DeepSpeed uses it to spread gradient copies to CPU
     under optimizer offload; it has no effect on numerics, and none in zerotrain."""
     stage3_prefetch_bucket_size: _NonNegativeInt = 50_000_000
-    """Stage 3: elements of parameters fetched ahead of use."""
+    """Stage 3: at most this many parameter elements are gathered ahead of use, in the order
+    recorded on the first step."""
     stage3_param_persistence_threshold: _NonNegativeInt = 100_000
-    """Stage 3: parameters with fewer elements stay unpartitioned."""
+    """Stage 3: a gather unit (a block, or the root's own parameters) with fewer elements stays
+    whole on every rank instead of being gathered for each use (DeepSpeed counts per
+    parameter; zerotrain per unit)."""
     stage3_max_live_parameters: _NonNegativeInt = 1_000_000_000
-    """Stage 3: most gathered parameter elements held per rank before releasing."""
+    """Stage 3: prefetching stops where it would hold more gathered parameter elements than
+    this; a unit needed now is always gathered."""
     stage3_max_reuse_distance: _NonNegativeInt = 1_000_000_000
-    """Stage 3: do not release a parameter that is reused within this many elements."""
+    """Stage 3: accepted for DeepSpeed compatibility; no effect. zerotrain releases a unit after
+    each use and prefetches it again when it is needed."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather the full 16-bit weights when saving the model (DeepSpeed's old name
     `stage3_gather_fp16_weights_on_model_save` is accepted)."""
@@ -405,15 +410,6 @@ class ZeroOptimizationConfig(_Section):
     def _stage_in_range(cls, stage: int) -> int:
         if not 0 <= stage <= 3:
             raise _fail(f"must be between 0 and 3, got {stage}")
-        return stage
-
-    @field_validator("stage")
-    @classmethod
-    def _stage3_not_implemented_yet(cls, stage: int) -> int:
-        # Remove this validator when parameter partitioning lands; the stage3_* keys are
-        # already part of the schema.
-        if stage == 3:
-            raise _fail("stage 3 is not implemented yet; use 0, 1 or 2")
         return stage
 
 

@@ -97,6 +97,16 @@ class Communicator:
             return PendingOp(self, name, nbytes, work)
         return None
 
+    def new_group(self) -> Communicator:
+        """A communicator over a new process group of the same ranks (collective: every rank
+        calls it in the same order). Collectives on different groups are ordered independently.
+        """
+        if not self.distributed:
+            return Communicator(device=self.device)
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
+        return Communicator(group, device=self.device)
+
     def reset_stats(self) -> None:
         self.stats.clear()
 
@@ -170,9 +180,10 @@ class Communicator:
         return out
 
 
-def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | str:
+def _group_timeout(group: dist.ProcessGroup | None, default="unknown") -> timedelta | str | None:
+    """The timeout ``group`` (or the default group) was created with."""
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return pg.options._timeout if hasattr(pg, "options") else dist.default_pg_timeout
-    except Exception:  # the timeout is only decoration for the message
-        return "unknown"
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return default

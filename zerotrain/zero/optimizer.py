@@ -12,8 +12,10 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.precision import LossScaler, PrecisionPolicy
+from zerotrain.zero.gather import GatherUnit, ParameterGatherer
 from zerotrain.zero.partition import (
     FlatBucket,
+    NamedParams,
     ZeroPolicy,
     build_buckets,
     point_grads_at,
@@ -21,8 +23,17 @@ from zerotrain.zero.partition import (
 )
 from zerotrain.zero.reducer import GradientReducer
 from zerotrain.zero.shard_store import DeviceShardStore, ShardStore
+from zerotrain.zero.units import assign_units, find_unit_modules
 
-NamedParams = list[tuple[str, nn.Parameter]]
+
+@dataclass(frozen=True)
+class Stage3Options:
+    """Stage-3 knobs, in elements (DeepSpeed's ``stage3_*`` keys)."""
+
+    prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
+    max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (per unit here)
+    block_classes: tuple[type[nn.Module], ...] = ()  # extra unit module classes
 
 
 @dataclass
@@ -52,15 +63,17 @@ class ZeroOptimizer:
 
     def __init__(
         self,
+        model: nn.Module,
         groups: list[tuple[dict, NamedParams]],
         make_optimizer: OptimizerFactory,
         *,
         policy: ZeroPolicy,
         precision: PrecisionPolicy,
         comm: Communicator,
-        bucket_numel: int,
         loss_scaler: LossScaler,
         gradient_clipping: float = 0.0,
+        bucket_numel: int = 500_000_000,
+        stage3: Stage3Options | None = None,
     ):
         self.policy = policy
         self.precision = precision
@@ -69,8 +82,25 @@ class ZeroOptimizer:
         self.gradient_clipping = gradient_clipping
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
+        index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
+        if policy.shard_parameters:
+            stage3 = stage3 or Stage3Options()
+            unit_modules = find_unit_modules(model, stage3.block_classes)
+            unit_of = assign_units(model, unit_modules)
+            # backward meets the blocks in reverse; the root unit (embeddings) finishes last
+            order = [*reversed(range(len(unit_modules))), len(unit_modules)]
+            runs = [
+                (g, u, [(n, p) for n, p in named if unit_of[id(p)] == u])
+                for u in order
+                for g, (_, named) in enumerate(groups)
+            ]
+            runs = [run for run in runs if run[2]]
+            bucket_numel = None  # one bucket per (unit, group): a unit gathers as a whole
+        else:
+            runs = [(g, 0, named) for g, (_, named) in enumerate(groups)]
         self.buckets: list[FlatBucket] = build_buckets(
-            [named for _, named in groups],
+            runs,
+            index_of=index_of,
             bucket_numel=bucket_numel,
             world_size=comm.world_size,
             rank=comm.rank,
@@ -78,16 +108,44 @@ class ZeroOptimizer:
         self.num_params = sum(b.numel for b in self.buckets)
         for bucket in self.buckets:  # every rank starts from rank 0's weights, as in DeepSpeed
             comm.broadcast(bucket.flat_param, src=0)
-        masters = [self._make_master(b) for b in self.buckets]
+
+        persistent_units = set()
+        if policy.shard_parameters:
+            unit_numel: dict[int, int] = {}
+            for bucket in self.buckets:
+                unit_numel[bucket.unit] = unit_numel.get(bucket.unit, 0) + bucket.numel
+            threshold = stage3.persistence_threshold
+            persistent_units = {u for u, numel in unit_numel.items() if numel < threshold}
+
+        masters = []
         for bucket in self.buckets:
-            bucket.flat_param = bucket.flat_param.to(precision.param_dtype)
-            point_params_at(bucket)
-            grad_kwargs = {"dtype": precision.param_dtype, "device": bucket.flat_param.device}
+            flat_fp32 = bucket.flat_param
+            bucket.dtype = precision.param_dtype
+            bucket.flat_param = flat_fp32.to(precision.param_dtype)
+            if bucket.unit in persistent_units:  # kept whole; shard views it, as in stages 1-2
+                bucket.param_shard = bucket.shard(bucket.flat_param)
+            elif policy.shard_parameters:
+                bucket.param_shard = bucket.shard(bucket.flat_param).clone()
+            if precision.has_master_copy:
+                masters.append(self._optimizer_part(bucket, flat_fp32).clone())
+            else:  # fp32: the master is the model's own copy of this rank's part
+                masters.append(self._param_part(bucket))
+            if not policy.shard_parameters:
+                point_params_at(bucket)  # stage 3: the gatherer points them
+            grad_kwargs = {"dtype": precision.param_dtype, "device": bucket.device}
             if policy.shard_gradients:
                 bucket.grad_shard = torch.zeros(bucket.shard_numel, **grad_kwargs)
             else:
                 bucket.flat_grad = torch.zeros(bucket.numel_padded, **grad_kwargs)
-                point_grads_at(bucket)
+                point_grads_at(bucket)  # after the params: a grad must match their dtype
+
+        self.gatherer: ParameterGatherer | None = None
+        reduce_comm = comm
+        if policy.shard_parameters:
+            self.gatherer = self._make_gatherer(model, unit_modules, persistent_units, stage3)
+            # Gathers and reductions on separate groups: each keeps its own order on all ranks
+            # even when backward interleaves them differently (see [Note: reduction order]).
+            reduce_comm = comm.new_group()
 
         inner_groups = []
         ids = []
@@ -95,13 +153,33 @@ class ZeroOptimizer:
             members = [i for i, b in enumerate(self.buckets) if b.group_index == group_index]
             inner_groups.append({**hyper, "params": [masters[i] for i in members]})
             ids += [self._segment_ids(self.buckets[i]) for i in members]
-        segments = ShardSegments(ids, sum(len(named) for _, named in groups), self._allreduce_sum)
+        segments = ShardSegments(ids, len(index_of), self._allreduce_sum)
         self.store: ShardStore = DeviceShardStore(
             masters,
             make_optimizer(inner_groups, segments),
             masters_alias_params=not precision.has_master_copy,
         )
-        self.reducer = GradientReducer(self.buckets, comm, policy)
+        self.reducer = GradientReducer(self.buckets, reduce_comm, policy, gatherer=self.gatherer)
+
+    def _make_gatherer(
+        self, model, unit_modules, persistent_units: set[int], options: Stage3Options
+    ) -> ParameterGatherer:
+        units = []
+        root = len(unit_modules)
+        for index in range(root + 1):
+            buckets = [b for b in self.buckets if b.unit == index]
+            persistent = index in persistent_units
+            if not persistent:
+                for bucket in buckets:
+                    bucket.flat_param = None  # the gatherer brings it back for each use
+            module = model if index == root else unit_modules[index]
+            units.append(GatherUnit(index, module, buckets, index == root, persistent))
+        return ParameterGatherer(
+            units,
+            self.comm,
+            prefetch_numel=options.prefetch_numel,
+            max_live_numel=options.max_live_numel,
+        )
 
     # -- construction helpers ------------------------------------------------------------------
     def _optimizer_range(self, bucket: FlatBucket) -> tuple[int, int]:
@@ -113,12 +191,14 @@ class ZeroOptimizer:
         start, end = self._optimizer_range(bucket)
         return flat[start:end]
 
-    def _make_master(self, bucket: FlatBucket) -> torch.Tensor:
-        part = self._optimizer_part(bucket, bucket.flat_param)  # still fp32 here
-        return part.clone() if self.precision.has_master_copy else part
+    def _param_part(self, bucket: FlatBucket) -> torch.Tensor:
+        """The model's copy (training dtype) of the part this rank's optimizer steps."""
+        if self.policy.shard_parameters:
+            return bucket.param_shard
+        return self._optimizer_part(bucket, bucket.flat_param)
 
     def _segment_ids(self, bucket: FlatBucket) -> torch.Tensor:
-        return bucket.slot_ids(*self._optimizer_range(bucket)).to(bucket.flat_param.device)
+        return bucket.slot_ids(*self._optimizer_range(bucket)).to(bucket.device)
 
     def _allreduce_sum(self, tensor: torch.Tensor) -> None:
         if self.policy.shard_optimizer_states:
@@ -170,8 +250,10 @@ class ZeroOptimizer:
                 clip = min(1.0, self.gradient_clipping / (norm + 1e-6))
             self.store.scale_grads(inv_scale * clip)
             self.store.step()
-            self.store.write_params([self._optimizer_part(b, b.flat_param) for b in self.buckets])
-            if self.policy.shard_optimizer_states:
+            self.store.write_params([self._param_part(b) for b in self.buckets])
+            if self.gatherer is not None:
+                self.gatherer.refresh_persistent()  # the others gather at their next use
+            elif self.policy.shard_optimizer_states:
                 self._gather_params()
         self.store.release_grads()
         self.reducer.zero_grads()
@@ -190,9 +272,7 @@ class ZeroOptimizer:
         """``id(param) -> full fp32 master value``, gathered from every rank's shard."""
         out: dict[int, torch.Tensor] = {}
         for bucket, master in zip(self.buckets, self.store.master_shards(), strict=True):
-            if not self.precision.has_master_copy:
-                full = bucket.flat_param
-            elif self.policy.shard_optimizer_states:
+            if self.policy.shard_optimizer_states:
                 full = torch.empty(bucket.numel_padded, dtype=master.dtype, device=master.device)
                 self.comm.all_gather(full, master)
             else:
@@ -220,7 +300,9 @@ class ZeroOptimizer:
                     total += storage.nbytes()
             return total
 
-        params = nbytes(b.flat_param for b in self.buckets)
+        params = nbytes(
+            t for b in self.buckets for t in (b.flat_param, b.param_shard) if t is not None
+        )
         grads = nbytes(
             b.grad_shard if b.grad_shard is not None else b.flat_grad for b in self.buckets
         )
@@ -237,14 +319,21 @@ class ZeroOptimizer:
         }
 
     def formula_bytes(self) -> float:
-        """The ZeRO formula for this job: Ψ·(p + g/N_g + (m + s)/N_o)."""
+        """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o.
+
+        Stage 3 keeps units below the persistence threshold whole: those count p·Ψ_persistent.
+        """
         psi, n = self.num_params, self.comm.world_size
         p = g = torch.tensor([], dtype=self.precision.param_dtype).element_size()
         m = 4 if self.precision.has_master_copy else 0
         s = optimizer_state_bytes_per_element(self.optimizer)
         grad_div = n if self.policy.shard_gradients else 1
         optim_div = n if self.policy.shard_optimizer_states else 1
-        return psi * (p + g / grad_div + (m + s) / optim_div)
+        params = p * psi
+        if self.gatherer is not None:
+            whole = sum(u.numel for u in self.gatherer.units if u.persistent)
+            params = p * (whole + (psi - whole) / n)
+        return params + psi * (g / grad_div + (m + s) / optim_div)
 
 
 def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:

@@ -17,24 +17,28 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+NamedParams = list[tuple[str, nn.Parameter]]
+
 
 @dataclass(frozen=True)
 class ZeroPolicy:
     """What is partitioned across data-parallel ranks (ZeRO, arXiv:1910.02054 §5).
 
     Stage 0 partitions nothing (plain data parallelism), stage 1 the optimizer states and fp32
-    master weights, stage 2 also the gradients. The engine reads these flags, never the stage.
+    master weights, stage 2 also the gradients, stage 3 also the parameters. The engine reads
+    these flags, never the stage.
     """
 
     stage: int
     shard_optimizer_states: bool
     shard_gradients: bool
+    shard_parameters: bool
 
     @classmethod
     def for_stage(cls, stage: int) -> ZeroPolicy:
-        if stage not in (0, 1, 2):
-            raise ValueError(f"zero_optimization.stage: must be 0, 1 or 2, got {stage}")
-        return cls(stage=stage, shard_optimizer_states=stage >= 1, shard_gradients=stage >= 2)
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage: must be between 0 and 3, got {stage}")
+        return cls(stage, stage >= 1, stage >= 2, stage >= 3)
 
 
 @dataclass
@@ -43,7 +47,7 @@ class ParamSlot:
 
     param: nn.Parameter
     name: str
-    index: int  # position among all trainable parameters (stable id, e.g. for Lamb's norms)
+    index: int  # position among all trainable parameters (e.g. for Lamb's per-param norms)
     offset: int
     numel: int
     shape: torch.Size
@@ -59,11 +63,21 @@ class FlatBucket:
     numel_padded: int  # numel rounded up to a multiple of world_size
     world_size: int
     rank: int
-    flat_param: torch.Tensor = field(repr=False)  # 1D, param dtype, numel_padded; params view it
+    # 1D, numel_padded elements that the parameters view. Stages 0-2: always there. Stage 3:
+    # only while the bucket's unit is gathered (None otherwise).
+    flat_param: torch.Tensor | None = field(repr=False)
+    # Stage 3: this rank's shard of the parameters (1D, shard_numel), kept between gathers.
+    param_shard: torch.Tensor | None = field(default=None, repr=False)
     # Stages 0-1: full gradient buffer (1D, numel_padded) that every param.grad views.
     flat_grad: torch.Tensor | None = field(default=None, repr=False)
-    # Stage 2: this rank's reduced gradient shard (1D, shard_numel), accumulated over micro-steps.
+    # Stages 2-3: this rank's reduced gradient shard (1D, shard_numel), accumulated.
     grad_shard: torch.Tensor | None = field(default=None, repr=False)
+    unit: int = 0  # stage 3: the gather unit (a module subtree) the bucket belongs to
+    dtype: torch.dtype = torch.float32  # training dtype of parameters and gradients
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots[0].param.device
 
     @property
     def shard_numel(self) -> int:
@@ -89,50 +103,48 @@ class FlatBucket:
 
 
 def build_buckets(
-    groups: list[list[tuple[str, nn.Parameter]]],
+    runs: list[tuple[int, int, NamedParams]],
     *,
-    bucket_numel: int,
+    index_of: dict[int, int],
+    bucket_numel: int | None,
     world_size: int,
     rank: int,
 ) -> list[FlatBucket]:
-    """Pack each group's parameters into buckets (see [Note: buckets are sharded evenly]).
+    """Pack runs of parameters into buckets (see [Note: buckets are sharded evenly]).
 
-    Returns buckets in the order their gradients are expected during backward. Parameter data is
-    copied into fp32 flat buffers and each parameter becomes a view into its bucket; the caller
-    converts ``flat_param`` to the training dtype afterwards.
+    A run is ``(group_index, unit, named_params)``: parameters that may share a bucket. Each run
+    is packed in reverse order and split at ``bucket_numel`` elements (``None``: one bucket per
+    run). ``index_of`` maps ``id(param)`` to its stable index over all trainable parameters.
+    Parameter data is copied into fp32 flat buffers; the caller converts and points the
+    parameters at them.
     """
     buckets: list[FlatBucket] = []
-    index = 0
-    slots_by_group: list[list[ParamSlot]] = []
-    for group in groups:
-        slots = []
-        for name, param in group:
-            slots.append(ParamSlot(param, name, index, 0, param.numel(), param.shape))
-            index += 1
-        slots_by_group.append(slots)
-    for group_index, slots in enumerate(slots_by_group):
+    for group_index, unit, named in runs:
         current: list[ParamSlot] = []
         size = 0
-        for slot in reversed(slots):
-            if current and size + slot.numel > bucket_numel:
-                buckets.append(_make_bucket(group_index, current, world_size, rank))
+        for slot in reversed([_slot_of(name, p, index_of[id(p)]) for name, p in named]):
+            if current and bucket_numel is not None and size + slot.numel > bucket_numel:
+                buckets.append(_make_bucket(group_index, unit, current, world_size, rank))
                 current, size = [], 0
             slot.offset = size
             current.append(slot)
             size += slot.numel
         if current:
-            buckets.append(_make_bucket(group_index, current, world_size, rank))
+            buckets.append(_make_bucket(group_index, unit, current, world_size, rank))
     return buckets
 
 
-def _make_bucket(group_index: int, slots: list[ParamSlot], world_size: int, rank: int):
+def _slot_of(name: str, param: nn.Parameter, index: int) -> ParamSlot:
+    return ParamSlot(param, name, index, 0, param.numel(), param.shape)
+
+
+def _make_bucket(group_index: int, unit: int, slots: list[ParamSlot], world_size: int, rank: int):
     numel = sum(s.numel for s in slots)
     numel_padded = -(-numel // world_size) * world_size
-    device = slots[0].param.device
-    flat = torch.zeros(numel_padded, dtype=torch.float32, device=device)
+    flat = torch.zeros(numel_padded, dtype=torch.float32, device=slots[0].param.device)
     for slot in slots:
         flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-    return FlatBucket(group_index, slots, numel, numel_padded, world_size, rank, flat)
+    return FlatBucket(group_index, slots, numel, numel_padded, world_size, rank, flat, unit=unit)
 
 
 def point_params_at(bucket: FlatBucket) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from zerotrain.comm import Communicator, PendingOp
+from zerotrain.zero.gather import ParameterGatherer
 from zerotrain.zero.partition import FlatBucket, ParamSlot, ZeroPolicy
 
 
@@ -29,10 +30,17 @@ class GradientReducer:
       gradients after backward.
     """
 
-    def __init__(self, buckets: list[FlatBucket], comm: Communicator, policy: ZeroPolicy):
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        comm: Communicator,
+        policy: ZeroPolicy,
+        gatherer: ParameterGatherer | None = None,
+    ):
         self.buckets = buckets
         self.comm = comm
         self.policy = policy
+        self.gatherer = gatherer  # stage 3: told when a bucket's gradients are all taken
         self._inv_world = 1.0 / comm.world_size
         self._hooks = []
         if policy.shard_gradients:
@@ -59,9 +67,7 @@ class GradientReducer:
         buffer = self._comm_buffers[bucket_index]
         if buffer is None:
             bucket = self.buckets[bucket_index]
-            buffer = torch.zeros(
-                bucket.numel_padded, dtype=bucket.flat_param.dtype, device=bucket.flat_param.device
-            )
+            buffer = torch.zeros(bucket.numel_padded, dtype=bucket.dtype, device=bucket.device)
             self._comm_buffers[bucket_index] = buffer
         return buffer
 
@@ -78,6 +84,8 @@ class GradientReducer:
         arrived = self._arrived[bucket_index]
         arrived.add(slot.index)
         if len(arrived) == len(self.buckets[bucket_index].slots):
+            if self.gatherer is not None:
+                self.gatherer.bucket_grads_taken(self.buckets[bucket_index])
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
@@ -117,6 +125,8 @@ class GradientReducer:
             self._pending.clear()
             self._next_launch = 0
             self._shard_holds_grads = True
+            if self.gatherer is not None:
+                self.gatherer.finish_backward()
         elif at_boundary:
             self._repair_grad_views()
             ops = []

@@ -1,0 +1,240 @@
+"""Stage 3: gathering each unit's parameters just before they are used, releasing them after.
+
+[Note: the life of a stage-3 unit]
+Between uses a unit's parameters are empty placeholders and only this rank's shard
+(``bucket.param_shard``) exists. Before the unit's module runs forward its buckets are
+all-gathered into fresh full buffers and every parameter's ``.data`` is pointed into them; after
+the forward they are released again (``.data`` back to the placeholder). Autograd saved the
+parameter *objects*, not their storage, so a hook on the module's outputs re-gathers the unit
+just before its backward runs; once every gradient of a bucket has been handed to the reducer
+the unit is released. The root unit stays gathered from the start of the forward to the end of
+the backward. Units smaller than the persistence threshold are never released: their shard is a
+view of a full buffer that the optimizer step refreshes, as in stages 1-2.
+
+Prefetch: the order in which units are gathered is recorded on the first step (forward and
+backward separately). Later, gathering the unit at position k also issues the gathers of the
+next units in that order, up to ``prefetch_numel`` elements, as long as the live gathered total
+stays within ``max_live_numel``. Every rank records the same order when every rank runs the
+same modules, which stage 3 requires (as FSDP does): gathers are collectives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from zerotrain.comm import Communicator, PendingOp
+from zerotrain.zero.partition import FlatBucket, point_params_at
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather issued (prefetch), not yet waited on
+    GATHERED = "gathered"
+
+
+@dataclass
+class GatherUnit:
+    """One module subtree's trainable parameters, as one or more buckets (one per group)."""
+
+    index: int
+    module: nn.Module
+    buckets: list[FlatBucket]
+    is_root: bool
+    persistent: bool
+    state: UnitState = UnitState.SHARDED
+    pending: list[PendingOp] = field(default_factory=list)
+    buckets_left: int = 0  # buckets whose gradients have not all arrived this backward
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel_padded for b in self.buckets)
+
+
+class ParameterGatherer:
+    """Runs the stage-3 unit life cycle through module hooks (see the note above)."""
+
+    def __init__(
+        self,
+        units: list[GatherUnit],
+        comm: Communicator,
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+    ):
+        self.units = units
+        self.comm = comm
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.live_numel = 0
+        self.max_live_numel_seen = 0  # high-water mark of gathered elements
+        self.prefetched = 0  # gathers issued ahead of use
+        self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._order: dict[str, list[int]] = {"forward": [], "backward": []}
+        self._recorded = False
+        self._cursor = {"forward": 0, "backward": 0}
+        self._hooks = []
+        for unit in units:
+            unit.buckets_left = len(unit.buckets)
+            if unit.persistent:  # its full buffer exists already, and its shard views it
+                for bucket in unit.buckets:
+                    point_params_at(bucket)
+                unit.state = UnitState.GATHERED
+                self.live_numel += unit.numel
+            else:
+                self._point_at_placeholders(unit)
+            if unit.is_root:
+                self._hooks.append(unit.module.register_forward_pre_hook(self._root_pre_forward))
+                self._hooks.append(unit.module.register_forward_hook(self._root_post_forward))
+            else:
+                self._hooks.append(
+                    unit.module.register_forward_pre_hook(
+                        lambda m, args, u=unit: self._pre_forward(u)
+                    )
+                )
+                self._hooks.append(
+                    unit.module.register_forward_hook(
+                        lambda m, args, out, u=unit: self._post_forward(u, out)
+                    )
+                )
+        self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
+
+    # -- gather / release ----------------------------------------------------------------------
+    def _issue(self, unit: GatherUnit) -> None:
+        if unit.state is not UnitState.SHARDED:
+            return
+        for bucket in unit.buckets:
+            bucket.flat_param = torch.empty(
+                bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
+            )
+            unit.pending.append(
+                self.comm.all_gather(bucket.flat_param, bucket.param_shard, async_op=True)
+            )
+        unit.state = UnitState.GATHERING
+        self.live_numel += unit.numel
+        self.max_live_numel_seen = max(self.max_live_numel_seen, self.live_numel)
+
+    def _wait(self, unit: GatherUnit) -> None:
+        if unit.state is not UnitState.GATHERING:
+            return
+        for op in unit.pending:
+            op.wait()
+        unit.pending.clear()
+        for bucket in unit.buckets:
+            point_params_at(bucket)
+        unit.state = UnitState.GATHERED
+
+    def _gather_now(self, unit: GatherUnit) -> None:
+        self._issue(unit)
+        self._wait(unit)
+
+    def release(self, unit: GatherUnit) -> None:
+        """Drop the unit's full parameters (no-op for persistent units)."""
+        if unit.persistent or unit.state is UnitState.SHARDED:
+            return
+        self._wait(unit)  # never free a buffer a collective is still writing
+        self._point_at_placeholders(unit)
+        for bucket in unit.buckets:
+            bucket.flat_param = None
+        unit.state = UnitState.SHARDED
+        self.live_numel -= unit.numel
+
+    def _point_at_placeholders(self, unit: GatherUnit) -> None:
+        for bucket in unit.buckets:
+            key = (bucket.dtype, bucket.device)
+            if key not in self._placeholders:
+                self._placeholders[key] = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+            for slot in bucket.slots:
+                slot.param.data = self._placeholders[key]
+
+    # -- prefetch ------------------------------------------------------------------------------
+    def _use(self, unit: GatherUnit, phase: str) -> None:
+        """Gather ``unit`` for immediate use in ``phase`` and prefetch what follows it."""
+        order = self._order[phase]
+        if not self._recorded:
+            order.append(unit.index)
+        else:
+            cursor = self._cursor[phase]
+            if cursor < len(order) and order[cursor] == unit.index:
+                self._cursor[phase] = cursor + 1
+                self._prefetch(order[cursor + 1 :])
+            else:  # the order changed (e.g. control flow): stop prefetching this step
+                self._cursor[phase] = len(order)
+        self._gather_now(unit)
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        budget = self.prefetch_numel
+        for index in upcoming:
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            if unit.numel > budget or self.live_numel + unit.numel > self.max_live_numel:
+                return
+            self._issue(unit)
+            self.prefetched += 1
+            budget -= unit.numel
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args) -> None:
+        self._cursor = {"forward": 0, "backward": 0}  # a new forward (training or eval)
+        self._use(self.units[-1], "forward")
+
+    def _root_post_forward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():  # no backward will follow
+            self.release(self.units[-1])
+
+    def _pre_forward(self, unit: GatherUnit) -> None:
+        self._use(unit, "forward")
+
+    def _post_forward(self, unit: GatherUnit, output) -> None:
+        self.release(unit)
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads, u=unit: self._use(u, "backward"), mode="any"
+            )
+
+    # -- driven by the reducer and the optimizer ------------------------------------------------
+    def bucket_grads_taken(self, bucket: FlatBucket) -> None:
+        """All of ``bucket``'s gradients are with the reducer: release its unit once complete."""
+        unit = self._unit_of_bucket[id(bucket)]
+        unit.buckets_left -= 1
+        if unit.buckets_left == 0 and not unit.is_root:
+            self.release(unit)
+
+    def finish_backward(self) -> None:
+        """End of a micro-step's backward: release every unit, reset per-step state."""
+        for unit in self.units:
+            self.release(unit)
+            unit.buckets_left = len(unit.buckets)
+        self._recorded = True
+
+    def refresh_persistent(self) -> None:
+        """After an optimizer step: bring persistent units' full buffers up to date."""
+        ops = [
+            self.comm.all_gather(b.flat_param, b.param_shard, async_op=True)
+            for u in self.units
+            if u.persistent
+            for b in u.buckets
+        ]
+        for op in ops:
+            op.wait()
+
+    def gathered(self, units: list[GatherUnit]):
+        """Gather ``units`` now (for reading outside forward); pair with :meth:`release`."""
+        for unit in units:
+            self._gather_now(unit)
+
+    def unit_of(self, bucket: FlatBucket) -> GatherUnit:
+        return self._unit_of_bucket[id(bucket)]
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -1,0 +1,64 @@
+"""Stage 3's gather units: the module subtrees whose parameters are gathered together.
+
+[Note: choosing gather units]
+A unit is gathered before its module runs (forward, and again before its backward) and released
+after, so the units bound the live working set. The blocks of a network are the natural units:
+by default every child of an ``nn.ModuleList`` (the outermost lists only) that holds parameters
+is a unit, as are the modules of any class named in ``block_classes``. Everything else belongs
+to the *root* unit, gathered for the whole forward and backward of the step: embeddings, heads,
+final norms, and any parameter referenced from more than one unit (tied embedding and LM head,
+a parameter read with ``F.linear(x, self.emb.weight)`` in a parent's forward). That keeps code
+that reads parameters outside their own module's forward correct without registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+
+def find_unit_modules(
+    model: nn.Module, block_classes: Iterable[type[nn.Module]] = ()
+) -> list[nn.Module]:
+    """The block modules of ``model`` in registration order (the root is not included)."""
+    block_classes = tuple(block_classes)
+    units: list[nn.Module] = []
+    inside: set[int] = set()  # modules already covered by a chosen unit
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in inside:
+                continue
+            is_block = isinstance(child, block_classes) or (
+                isinstance(module, nn.ModuleList) and module is not model
+            )
+            if is_block and any(True for _ in child.parameters()):
+                units.append(child)
+                inside.update(id(m) for m in child.modules())
+            else:
+                visit(child)
+
+    if isinstance(model, nn.ModuleList):  # a bare list: its items are the blocks
+        units = [m for m in model if any(True for _ in m.parameters())]
+    else:
+        visit(model)
+    return units
+
+
+def assign_units(model: nn.Module, unit_modules: list[nn.Module]) -> dict[int, int]:
+    """``id(param) -> unit index``; index ``len(unit_modules)`` is the root unit.
+
+    A parameter referenced from modules of more than one unit goes to the root unit.
+    """
+    root = len(unit_modules)
+    unit_of_module: dict[int, int] = {}
+    for index, unit in enumerate(unit_modules):
+        for module in unit.modules():
+            unit_of_module[id(module)] = index
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        unit = unit_of_module.get(id(module), root)
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(unit)
+    return {pid: (next(iter(units)) if len(units) == 1 else root) for pid, units in owners.items()}
