@@ -26,7 +26,7 @@ MB = 2**20
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", type=int, choices=(0, 1, 2), default=2, help="ZeRO stage")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--model", choices=sorted(PRESETS), default="demo", help="GPT preset")

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotrain.zero import full_shape
+
 VOCAB, DIM, HIDDEN, SEQ = 11, 7, 13, 5
 
 
@@ -35,9 +37,11 @@ class AwkwardModel(nn.Module):
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay on matrices, none on biases and 1-D tensors (the usual split)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Decay on matrices, none on biases and 1-D tensors (the usual split). ``full_shape``:
+    parameters built under zero.Init are 1-D chunks until initialize."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if len(full_shape(p)) >= 2]
+    no_decay = [p for p in trainable if len(full_shape(p)) < 2]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

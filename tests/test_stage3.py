@@ -43,15 +43,19 @@ def reference(world: int):
     return model.state_dict(), evals
 
 
-def train_block_model(stages, zero_options):
+def _seeded_block_model():
+    torch.manual_seed(0)
+    return BlockModel()
+
+
+def train_block_model(stages, zero_options, build=_seeded_block_model):
     from zerotrain.comm import Communicator
 
     comm = Communicator()
     world, rank = comm.world_size, comm.rank
     out = {}
     for stage in stages:
-        torch.manual_seed(0)
-        model = BlockModel()
+        model = build()
         engine, optimizer, *_ = zerotrain.initialize(
             model=model,
             model_parameters=param_groups(model, WD),

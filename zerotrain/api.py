@@ -18,6 +18,7 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
+from zerotrain.zero.init import is_init_partitioned, unpartition_param
 from zerotrain.zero.optimizer import NamedParams, OptimizerFactory, Stage3Options
 
 
@@ -72,6 +73,9 @@ def initialize(
         _seed_everything(cfg.seed)
 
     model.to(device)
+    for param in model.parameters():
+        if not param.requires_grad and is_init_partitioned(param):
+            unpartition_param(param, comm)  # frozen parameters are replicated, not partitioned
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     precision = PrecisionPolicy(_param_dtype(cfg))
     zero = cfg.zero_optimization

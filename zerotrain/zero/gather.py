@@ -226,10 +226,9 @@ class ParameterGatherer:
         for op in ops:
             op.wait()
 
-    def gathered(self, units: list[GatherUnit]):
-        """Gather ``units`` now (for reading outside forward); pair with :meth:`release`."""
-        for unit in units:
-            self._gather_now(unit)
+    def gather(self, unit: GatherUnit) -> None:
+        """Gather ``unit`` now, outside the hooks (pair with :meth:`release`)."""
+        self._gather_now(unit)
 
     def unit_of(self, bucket: FlatBucket) -> GatherUnit:
         return self._unit_of_bucket[id(bucket)]

@@ -1,4 +1,4 @@
-"""The ZeRO optimizer: one code path for stages 0-2, driven by a :class:`ZeroPolicy`."""
+"""The ZeRO optimizer: one code path for stages 0-3, driven by a :class:`ZeroPolicy`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.precision import LossScaler, PrecisionPolicy
-from zerotrain.zero.gather import GatherUnit, ParameterGatherer
+from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
+from zerotrain.zero.init import gather_param, is_init_partitioned, take_ownership
 from zerotrain.zero.partition import (
     FlatBucket,
     NamedParams,
@@ -98,16 +99,31 @@ class ZeroOptimizer:
             bucket_numel = None  # one bucket per (unit, group): a unit gathers as a whole
         else:
             runs = [(g, 0, named) for g, (_, named) in enumerate(groups)]
+        shard_only = policy.shard_parameters
+
+        def full_value(param: nn.Parameter) -> torch.Tensor:
+            if is_init_partitioned(param):  # built under zero.Init: gather one at a time
+                return gather_param(param, comm)
+            if shard_only:  # no flat buffer to broadcast: every rank takes rank 0's values
+                comm.broadcast(param.data, src=0)
+            return param.detach()
+
         self.buckets: list[FlatBucket] = build_buckets(
             runs,
             index_of=index_of,
             bucket_numel=bucket_numel,
             world_size=comm.world_size,
             rank=comm.rank,
+            full_value=full_value,
+            shard_only=shard_only,
         )
         self.num_params = sum(b.numel for b in self.buckets)
-        for bucket in self.buckets:  # every rank starts from rank 0's weights, as in DeepSpeed
-            comm.broadcast(bucket.flat_param, src=0)
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                take_ownership(slot.param, self)
+        if not shard_only:  # every rank starts from rank 0's weights, as in DeepSpeed
+            for bucket in self.buckets:
+                comm.broadcast(bucket.flat_param, src=0)
 
         persistent_units = set()
         if policy.shard_parameters:
@@ -118,21 +134,28 @@ class ZeroOptimizer:
             persistent_units = {u for u, numel in unit_numel.items() if numel < threshold}
 
         masters = []
+        dtype = precision.param_dtype
         for bucket in self.buckets:
-            flat_fp32 = bucket.flat_param
-            bucket.dtype = precision.param_dtype
-            bucket.flat_param = flat_fp32.to(precision.param_dtype)
-            if bucket.unit in persistent_units:  # kept whole; shard views it, as in stages 1-2
-                bucket.param_shard = bucket.shard(bucket.flat_param)
-            elif policy.shard_parameters:
-                bucket.param_shard = bucket.shard(bucket.flat_param).clone()
-            if precision.has_master_copy:
-                masters.append(self._optimizer_part(bucket, flat_fp32).clone())
-            else:  # fp32: the master is the model's own copy of this rank's part
-                masters.append(self._param_part(bucket))
-            if not policy.shard_parameters:
+            bucket.dtype = dtype
+            if shard_only:
+                master_fp32 = bucket.param_shard
+                bucket.param_shard = master_fp32.to(dtype)
+                if bucket.unit in persistent_units:  # kept whole; its shard views the buffer
+                    bucket.flat_param = torch.empty(
+                        bucket.numel_padded, dtype=dtype, device=bucket.device
+                    )
+                    comm.all_gather(bucket.flat_param, bucket.param_shard)
+                    bucket.param_shard = bucket.shard(bucket.flat_param)
+            else:
+                flat_fp32 = bucket.flat_param
+                bucket.flat_param = flat_fp32.to(dtype)
+                master_fp32 = self._optimizer_part(bucket, flat_fp32)
                 point_params_at(bucket)  # stage 3: the gatherer points them
-            grad_kwargs = {"dtype": precision.param_dtype, "device": bucket.device}
+            # fp32 training: the master is the model's own copy of this rank's part
+            masters.append(
+                master_fp32.clone() if precision.has_master_copy else self._param_part(bucket)
+            )
+            grad_kwargs = {"dtype": dtype, "device": bucket.device}
             if policy.shard_gradients:
                 bucket.grad_shard = torch.zeros(bucket.shard_numel, **grad_kwargs)
             else:
@@ -168,12 +191,10 @@ class ZeroOptimizer:
         root = len(unit_modules)
         for index in range(root + 1):
             buckets = [b for b in self.buckets if b.unit == index]
-            persistent = index in persistent_units
-            if not persistent:
-                for bucket in buckets:
-                    bucket.flat_param = None  # the gatherer brings it back for each use
             module = model if index == root else unit_modules[index]
-            units.append(GatherUnit(index, module, buckets, index == root, persistent))
+            units.append(
+                GatherUnit(index, module, buckets, index == root, index in persistent_units)
+            )
         return ParameterGatherer(
             units,
             self.comm,
@@ -266,6 +287,36 @@ class ZeroOptimizer:
         ]
         for op in ops:
             op.wait()
+
+    # -- full access to parameters outside forward (GatheredParameters) -------------------------
+    def begin_access(self, params: list[nn.Parameter]) -> tuple[list[FlatBucket], list]:
+        """Make ``params`` whole (collective); returns what :meth:`end_access` needs."""
+        wanted = {id(p) for p in params}
+        buckets = [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
+        gathered_here = []
+        if self.gatherer is not None:
+            for unit in {id(u): u for u in map(self.gatherer.unit_of, buckets)}.values():
+                if unit.state is UnitState.SHARDED:
+                    self.gatherer.gather(unit)
+                    gathered_here.append(unit)
+        return buckets, gathered_here
+
+    def end_access(self, access, modifier_rank: int | None) -> None:
+        """Finish :meth:`begin_access`; with ``modifier_rank``, that rank's (possibly changed)
+        values become every rank's parameters, master weights included."""
+        buckets, gathered_here = access
+        if modifier_rank is not None:
+            for bucket in buckets:
+                self.comm.broadcast(bucket.flat_param, src=modifier_rank)
+                if bucket.param_shard is not None:
+                    bucket.param_shard.copy_(bucket.shard(bucket.flat_param))
+            if self.precision.has_master_copy:
+                masters = self.store.master_shards()
+                for bucket in buckets:
+                    part = self._optimizer_part(bucket, bucket.flat_param)
+                    masters[self.buckets.index(bucket)].copy_(part)
+        for unit in gathered_here:
+            self.gatherer.release(unit)
 
     # -- state views ---------------------------------------------------------------------------
     def full_master_params(self) -> dict[int, torch.Tensor]:

@@ -12,10 +12,13 @@ become views into their bucket's ``flat_param`` so the gathered result is in pla
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from zerotrain.zero.init import full_shape
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -109,14 +112,18 @@ def build_buckets(
     bucket_numel: int | None,
     world_size: int,
     rank: int,
+    full_value: Callable[[nn.Parameter], torch.Tensor],
+    shard_only: bool = False,
 ) -> list[FlatBucket]:
     """Pack runs of parameters into buckets (see [Note: buckets are sharded evenly]).
 
     A run is ``(group_index, unit, named_params)``: parameters that may share a bucket. Each run
     is packed in reverse order and split at ``bucket_numel`` elements (``None``: one bucket per
-    run). ``index_of`` maps ``id(param)`` to its stable index over all trainable parameters.
-    Parameter data is copied into fp32 flat buffers; the caller converts and points the
-    parameters at them.
+    run). ``index_of`` maps ``id(param)`` to its stable index over all trainable parameters;
+    ``full_value(param)`` returns a parameter's whole value (it may be a collective, and is
+    called for every parameter, in order, on every rank). The values are copied in fp32: into
+    ``flat_param`` or, with ``shard_only``, into this rank's ``param_shard`` alone, so no more
+    than one parameter is ever whole beyond what the caller holds.
     """
     buckets: list[FlatBucket] = []
     for group_index, unit, named in runs:
@@ -131,20 +138,39 @@ def build_buckets(
             size += slot.numel
         if current:
             buckets.append(_make_bucket(group_index, unit, current, world_size, rank))
+    for bucket in buckets:
+        _fill(bucket, full_value, shard_only)
     return buckets
 
 
 def _slot_of(name: str, param: nn.Parameter, index: int) -> ParamSlot:
-    return ParamSlot(param, name, index, 0, param.numel(), param.shape)
+    shape = full_shape(param)
+    return ParamSlot(param, name, index, 0, shape.numel(), shape)
 
 
 def _make_bucket(group_index: int, unit: int, slots: list[ParamSlot], world_size: int, rank: int):
     numel = sum(s.numel for s in slots)
     numel_padded = -(-numel // world_size) * world_size
-    flat = torch.zeros(numel_padded, dtype=torch.float32, device=slots[0].param.device)
-    for slot in slots:
-        flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-    return FlatBucket(group_index, slots, numel, numel_padded, world_size, rank, flat, unit=unit)
+    return FlatBucket(group_index, slots, numel, numel_padded, world_size, rank, None, unit=unit)
+
+
+def _fill(bucket: FlatBucket, full_value, shard_only: bool) -> None:
+    start = bucket.rank * bucket.shard_numel
+    end = start + bucket.shard_numel
+    size = bucket.shard_numel if shard_only else bucket.numel_padded
+    target = torch.zeros(size, dtype=torch.float32, device=bucket.device)
+    for slot in bucket.slots:
+        value = full_value(slot.param).reshape(-1)
+        if not shard_only:
+            target[slot.offset : slot.offset + slot.numel].copy_(value)
+            continue
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        if lo < hi:
+            target[lo - start : hi - start].copy_(value[lo - slot.offset : hi - slot.offset])
+    if shard_only:
+        bucket.param_shard = target
+    else:
+        bucket.flat_param = target
 
 
 def point_params_at(bucket: FlatBucket) -> None:

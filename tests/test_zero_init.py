@@ -1,0 +1,148 @@
+"""zero.Init (build partitioned) and GatheredParameters (full access for a moment)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import BlockModel
+from test_stage3 import _check_against_reference, _config, train_block_model
+from torch import nn
+
+import zerotrain
+
+LAYERS, WIDTH, HIDDEN = 32, 512, 1024
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, WIDTH))
+            for _ in range(LAYERS)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+TOWER_BYTES = LAYERS * (2 * WIDTH * HIDDEN + HIDDEN + WIDTH) * 4  # 134 MB of fp32 parameters
+BLOCK_NUMEL = 2 * WIDTH * HIDDEN + HIDDEN + WIDTH
+
+
+def _data_segment_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmData in /proc/self/status")
+
+
+def build_and_train_beyond_limit(budget_fraction: float):
+    import resource
+
+    limit = _data_segment_bytes() + int(budget_fraction * TOWER_BYTES)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+    with zerotrain.zero.Init():
+        model = Tower()
+    try:
+        Tower()  # control: the same model built whole must not fit under this limit
+        control = "fits"
+    except RuntimeError as err:
+        control = "fails" if "allocate" in str(err) else str(err)
+    resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    engine, optimizer, *_ = zerotrain.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": BLOCK_NUMEL,
+                "stage3_max_live_parameters": 3 * BLOCK_NUMEL,
+            },
+            "steps_per_print": 10**6,
+        },
+    )
+    torch.manual_seed(1)
+    x = torch.randn(2, WIDTH)
+    losses = []
+    for _ in range(3):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return control, losses, optimizer.gatherer.max_live_numel_seen
+
+
+def test_init_builds_a_model_larger_than_the_rank_limit_and_trains_it(monkeypatch):
+    # A fixed mmap threshold makes glibc return freed large blocks to the OS, so the data
+    # segment measures live memory rather than heap fragmentation.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    for control, losses, max_live in run_distributed(build_and_train_beyond_limit, 2, 0.65):
+        assert control == "fails", control
+        assert losses[-1] < losses[0]
+        assert max_live <= 3 * BLOCK_NUMEL + 2  # gathered parameters never near the full model
+
+
+def _init_block_model():
+    torch.manual_seed(0)
+    with zerotrain.zero.Init():
+        model = BlockModel()
+    assert all(p.dim() == 1 for p in model.parameters())  # chunks until initialize
+    return model
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_model_built_under_init_trains_like_a_whole_one(world):
+    for per_stage in run_distributed(train_block_model, world, [1, 3], {}, _init_block_model):
+        _check_against_reference(per_stage, world)
+
+
+def gathered_parameters_cases(stage, precision):
+    from zerotrain.comm import Communicator
+
+    rank = Communicator().rank
+    torch.manual_seed(0)
+    with zerotrain.zero.Init():
+        model = BlockModel()
+    weight = model.blocks[0].up.weight
+    seen = {}
+    with zerotrain.zero.GatheredParameters(weight):
+        seen["init_shape"] = tuple(weight.shape)
+        seen["init_value"] = weight.detach().clone()
+        weight.data.fill_(7.0)  # no modifier_rank: discarded
+    with zerotrain.zero.GatheredParameters([weight, model.embed.weight], modifier_rank=0):
+        if rank == 0:
+            model.embed.weight.data.fill_(0.5)
+    seen["chunk_shape"] = tuple(weight.shape)
+    config = _config(stage)
+    config.update(precision)
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    head = engine.module.blocks[2].down.weight
+    with zerotrain.zero.GatheredParameters(head, modifier_rank=1):
+        seen["engine_shape"] = tuple(head.shape)
+        if rank == 1:
+            head.data.fill_(0.25)
+    seen["after_exit_numel"] = head.numel()
+    seen["state"] = engine.consolidated_state_dict()
+    return seen
+
+
+@pytest.mark.parametrize("stage,precision", [(3, {}), (1, {"bf16": {"enabled": True}})])
+def test_gathered_parameters_read_and_modify(stage, precision):
+    torch.manual_seed(0)
+    want = BlockModel().state_dict()
+    for seen in run_distributed(gathered_parameters_cases, 2, stage, precision):
+        assert seen["init_shape"] == (13, 7) and seen["chunk_shape"] == (46,)
+        assert torch.equal(seen["init_value"], want["blocks.0.up.weight"])
+        state = seen["state"]
+        tol = 1e-2 if precision else 0  # bf16 parameters round the values
+        assert torch.allclose(state["blocks.0.up.weight"], want["blocks.0.up.weight"], atol=tol)
+        assert torch.all(state["embed.weight"] == 0.5)  # rank 0's change kept
+        assert torch.all(state["blocks.2.down.weight"] == 0.25)  # rank 1's change, masters too
+        assert seen["engine_shape"] == (7, 5)
+        assert seen["after_exit_numel"] == (0 if stage == 3 else 35)
