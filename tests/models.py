@@ -62,6 +62,19 @@ def micro_batch(batch: torch.Tensor, micro: int, rank: int, world: int, size: in
     return batch[chunk * size : (chunk + 1) * size]
 
 
+def run_steps(engine, idx, tgt, micro_size, accum, world, rank, after_step=None) -> None:
+    """Feed each global batch of ``idx``/``tgt`` to ``engine`` as this rank's micro-batches
+    (``accum`` per optimizer step); ``after_step(step)`` runs after each optimizer step."""
+    for step in range(len(idx)):
+        for micro in range(accum):
+            x = micro_batch(idx[step], micro, rank, world, micro_size)
+            y = micro_batch(tgt[step], micro, rank, world, micro_size)
+            engine.backward(engine(x, y))
+            engine.step()
+        if after_step is not None:
+            after_step(step)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from distributed import run_distributed
-from models import AwkwardModel, make_batches, micro_batch, param_groups, relative_error
+from models import AwkwardModel, make_batches, param_groups, relative_error, run_steps
 from torch import nn
 
 import zerotrain
@@ -20,12 +20,7 @@ BASE = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6}
 
 def _train(engine, world, rank, accum=1):
     idx, tgt = make_batches(STEPS, MICRO * accum * world)
-    for step in range(STEPS):
-        for micro in range(accum):
-            x = micro_batch(idx[step], micro, rank, world, MICRO)
-            y = micro_batch(tgt[step], micro, rank, world, MICRO)
-            engine.backward(engine(x, y))
-            engine.step()
+    run_steps(engine, idx, tgt, MICRO, accum, world, rank)
     return engine.consolidated_state_dict()
 
 

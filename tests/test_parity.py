@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
-from models import AwkwardModel, make_batches, micro_batch, param_groups, relative_error
+from models import AwkwardModel, make_batches, param_groups, relative_error, run_steps
 
 STEPS, MICRO, ACCUM = 4, 2, 2
 LR, WD, CLIP = 3e-2, 0.1, 0.5
@@ -55,13 +55,16 @@ def train_stages(stages, accum: int):
         )
         idx, tgt = make_batches(STEPS, MICRO * accum * world)
         norms = []
-        for step in range(STEPS):
-            for micro in range(accum):
-                x = micro_batch(idx[step], micro, rank, world, MICRO)
-                y = micro_batch(tgt[step], micro, rank, world, MICRO)
-                engine.backward(engine(x, y))
-                engine.step()
-            norms.append(engine.get_global_grad_norm())
+        run_steps(
+            engine,
+            idx,
+            tgt,
+            MICRO,
+            accum,
+            world,
+            rank,
+            after_step=lambda _, e=engine, n=norms: n.append(e.get_global_grad_norm()),
+        )
         out[stage] = {"state": engine.consolidated_state_dict(), "norms": norms}
     return out
 

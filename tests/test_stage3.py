@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
-from models import BlockModel, make_batches, micro_batch, param_groups, relative_error
+from models import BlockModel, make_batches, param_groups, relative_error, run_steps
 
 import zerotrain
 
@@ -63,16 +63,14 @@ def train_block_model(stages, zero_options, build=_seeded_block_model):
         )
         idx, tgt = make_batches(STEPS, MICRO * ACCUM * world)
         evals = []
-        for step in range(STEPS):
-            for micro in range(ACCUM):
-                x = micro_batch(idx[step], micro, rank, world, MICRO)
-                y = micro_batch(tgt[step], micro, rank, world, MICRO)
-                engine.backward(engine(x, y))
-                engine.step()
+
+        def evaluate(_step, engine=engine, evals=evals, x=idx[0], y=tgt[0]):
             engine.eval()
             with torch.no_grad():
-                evals.append(engine(idx[0], tgt[0]).item())
+                evals.append(engine(x, y).item())
             engine.train()
+
+        run_steps(engine, idx, tgt, MICRO, ACCUM, world, rank, after_step=evaluate)
         gatherer = optimizer.gatherer
         out[stage] = {
             "state": engine.consolidated_state_dict(),
