@@ -136,3 +136,35 @@ def test_stage3_tight_bounds_disable_prefetch_not_correctness():
     for per_stage in run_distributed(train_block_model, 2, [3], options):
         assert per_stage[3]["prefetched"] == 0
         _check_against_reference(per_stage, 2)
+
+
+def count_gathers(max_reuse_distance):
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    torch.manual_seed(0)
+    model = BlockModel()
+    config = _config(3, stage3_max_reuse_distance=max_reuse_distance)
+    config["gradient_accumulation_steps"] = 1
+    engine, optimizer, *_ = zerotrain.initialize(model=model, config=config)
+    idx, tgt = make_batches(3, MICRO * comm.world_size)
+    counts = []
+
+    def count(_step):
+        counts.append(optimizer.gatherer.gathers - sum(counts))
+
+    run_steps(engine, idx, tgt, MICRO, 1, comm.world_size, comm.rank, after_step=count)
+    return counts, engine.consolidated_state_dict()
+
+
+def test_stage3_reuse_distance_keeps_blocks_for_their_backward():
+    # Forward uses: root, block 0, block 1 twice, block 2; backward: blocks 2, 1, 0. The
+    # recording step gathers at every use (5 + 3). After it, distance 0 keeps only reuses with
+    # nothing gathered in between (block 1's second call; block 2, last forward and first
+    # backward): 4 + 2. A large distance keeps every block for its backward: 4 + 0.
+    (short, state_a), _ = run_distributed(count_gathers, 2, 0)
+    (reuse, state_b), _ = run_distributed(count_gathers, 2, 10**9)
+    assert short == [8, 6, 6]
+    assert reuse == [8, 4, 4]
+    for key, value in state_a.items():
+        assert torch.equal(value, state_b[key]), key

@@ -92,6 +92,7 @@ def initialize(
         stage3=Stage3Options(
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_numel=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
         ),
     )

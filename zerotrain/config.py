@@ -399,8 +399,9 @@ class ZeroOptimizationConfig(_Section):
     """Stage 3: prefetching stops where it would hold more gathered parameter elements than
     this; a unit needed now is always gathered."""
     stage3_max_reuse_distance: _NonNegativeInt = 1_000_000_000
-    """Stage 3: accepted for DeepSpeed compatibility; no effect. zerotrain releases a unit after
-    each use and prefetches it again when it is needed."""
+    """Stage 3: a unit whose next use comes within this many gathered elements (per the order
+    recorded on the first step) stays gathered after its forward instead of being released and
+    gathered again for its backward (bounded by `stage3_max_live_parameters`)."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather the full 16-bit weights when saving the model (DeepSpeed's old name
     `stage3_gather_fp16_weights_on_model_save` is accepted)."""

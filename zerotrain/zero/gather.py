@@ -16,6 +16,13 @@ backward separately). Later, gathering the unit at position k also issues the ga
 next units in that order, up to ``prefetch_numel`` elements, as long as the live gathered total
 stays within ``max_live_numel``. Every rank records the same order when every rank runs the
 same modules, which stage 3 requires (as FSDP does): gathers are collectives.
+
+Reuse: from the recorded order, each forward use of a unit knows its reuse distance, the
+elements gathered between the end of that forward and the unit's next use (DeepSpeed's
+``stage3_max_reuse_distance``). A unit whose reuse distance is within ``max_reuse_numel`` is
+kept gathered, if the live total allows, instead of being released and gathered again: the last
+blocks of the forward are the first of the backward. With DeepSpeed's defaults a small model is
+gathered once per step; lower the bounds to trade that traffic for memory.
 """
 
 from __future__ import annotations
@@ -65,14 +72,19 @@ class ParameterGatherer:
         *,
         prefetch_numel: int,
         max_live_numel: int,
+        max_reuse_numel: int = 0,
     ):
         self.units = units
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
+        self._keep_after_forward: list[bool] = []  # per recorded forward position
+        self._kept: list[GatherUnit] = []  # gathered for a later reuse, not in use now
         self.live_numel = 0
         self.max_live_numel_seen = 0  # high-water mark of gathered elements
         self.prefetched = 0  # gathers issued ahead of use
+        self.gathers = 0  # all gathers issued (per unit)
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._order: dict[str, list[int]] = {"forward": [], "backward": []}
         self._recorded = False
@@ -115,6 +127,7 @@ class ParameterGatherer:
                 self.comm.all_gather(bucket.flat_param, bucket.param_shard, async_op=True)
             )
         unit.state = UnitState.GATHERING
+        self.gathers += 1
         self.live_numel += unit.numel
         self.max_live_numel_seen = max(self.max_live_numel_seen, self.live_numel)
 
@@ -134,6 +147,8 @@ class ParameterGatherer:
 
     def release(self, unit: GatherUnit) -> None:
         """Drop the unit's full parameters (no-op for persistent units)."""
+        if unit in self._kept:
+            self._kept.remove(unit)
         if unit.persistent or unit.state is UnitState.SHARDED:
             return
         self._wait(unit)  # never free a buffer a collective is still writing
@@ -152,8 +167,20 @@ class ParameterGatherer:
                 slot.param.data = self._placeholders[key]
 
     # -- prefetch ------------------------------------------------------------------------------
+    def _make_room(self, unit: GatherUnit) -> None:
+        """Release units kept for reuse until gathering ``unit`` fits the live bound; the
+        earliest kept is reused last (backward runs in reverse), so it goes first."""
+        if unit in self._kept:
+            self._kept.remove(unit)
+        if unit.state is not UnitState.SHARDED:
+            return
+        while self._kept and self.live_numel + unit.numel > self.max_live_numel:
+            self.release(self._kept.pop(0))
+
     def _use(self, unit: GatherUnit, phase: str) -> None:
         """Gather ``unit`` for immediate use in ``phase`` and prefetch what follows it."""
+        self._make_room(unit)
+        self._issue(unit)  # before any prefetch: the live bound counts the unit in use first
         order = self._order[phase]
         if not self._recorded:
             order.append(unit.index)
@@ -164,7 +191,7 @@ class ParameterGatherer:
                 self._prefetch(order[cursor + 1 :])
             else:  # the order changed (e.g. control flow): stop prefetching this step
                 self._cursor[phase] = len(order)
-        self._gather_now(unit)
+        self._wait(unit)
 
     def _prefetch(self, upcoming: list[int]) -> None:
         budget = self.prefetch_numel
@@ -177,6 +204,26 @@ class ParameterGatherer:
             self._issue(unit)
             self.prefetched += 1
             budget -= unit.numel
+
+    def _reused_soon(self, position: int) -> bool:
+        """Whether the unit used at recorded forward ``position`` should stay gathered."""
+        if not self._recorded or not 0 <= position < len(self._keep_after_forward):
+            return False
+        return self._keep_after_forward[position] and self.live_numel <= self.max_live_numel
+
+    def _plan_reuse(self) -> None:
+        """After the recording step: which forward uses are followed soon by another use."""
+        uses = self._order["forward"] + self._order["backward"]
+        numel = [self.units[u].numel for u in uses]
+        keep = []
+        for position, unit in enumerate(self._order["forward"]):
+            following = uses[position + 1 :]
+            if unit not in following:
+                keep.append(False)
+                continue
+            distance = sum(numel[position + 1 : position + 1 + following.index(unit)])
+            keep.append(distance <= self.max_reuse_numel)
+        self._keep_after_forward = keep
 
     # -- hooks ---------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -191,9 +238,13 @@ class ParameterGatherer:
         self._use(unit, "forward")
 
     def _post_forward(self, unit: GatherUnit, output) -> None:
-        self.release(unit)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # no backward will follow
+            self.release(unit)
             return
+        if self._reused_soon(self._cursor["forward"] - 1):
+            self._kept.append(unit)
+        else:
+            self.release(unit)
         tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
@@ -213,7 +264,9 @@ class ParameterGatherer:
         for unit in self.units:
             self.release(unit)
             unit.buckets_left = len(unit.buckets)
-        self._recorded = True
+        if not self._recorded:
+            self._recorded = True
+            self._plan_reuse()
 
     def refresh_persistent(self) -> None:
         """After an optimizer step: bring persistent units' full buffers up to date."""

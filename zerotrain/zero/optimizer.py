@@ -33,6 +33,7 @@ class Stage3Options:
 
     prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
     max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters
+    max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (per unit here)
     block_classes: tuple[type[nn.Module], ...] = ()  # extra unit module classes
 
@@ -200,6 +201,7 @@ class ZeroOptimizer:
             self.comm,
             prefetch_numel=options.prefetch_numel,
             max_live_numel=options.max_live_numel,
+            max_reuse_numel=options.max_reuse_numel,
         )
 
     # -- construction helpers ------------------------------------------------------------------
