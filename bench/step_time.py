@@ -1,12 +1,38 @@
-"""Step time of zerotrain stages 0-2 against torch DDP and the compute floor, in one run.
+"""Step time and memory of zerotrain against torch DDP, torch FSDP2 and DeepSpeed, in one run.
 
-    python bench/step_time.py [--model demo] [--micro-batch 8] [--rounds 5] [--steps 4]
+    python bench/step_time.py [--model demo|30m] [--systems floor ddp ...] [--rounds 3]
+                              [--steps 3] [--launch once|per-round] [--deepspeed-optimizer torch]
 
-Launches itself on 2 ranks (torchrun, gloo, fp32). Every system trains its own copy of the same
-GPT (same initial weights, same synthetic tokens); the systems are timed in alternating rounds so
-that machine noise falls on all of them alike. The compute floor is forward + backward on every
-rank with no communication and no optimizer step. Prints a table of median step times and ratios
-and writes bench/results/step_time.json.
+Trains the GPT of examples/gpt/model.py on 2 ranks (torchrun, gloo, fp32, CPU) under every system
+(`--systems`, default all): the compute floor (forward + backward on every rank, no communication,
+no optimizer step), torch DDP, torch FSDP2, DeepSpeed ZeRO stages 0-3 and zerotrain stages 0-3.
+Every system starts from the same initial weights, sees the same tokens and uses the same AdamW
+with gradient clipping at 1.0, so their final losses agree in fp32; a loss more than 1e-3
+(relative) away from DDP's is flagged. Prints a table of median step times, ratios, peak RSS and
+model-state bytes, and writes bench/results/step_time.json. A system that cannot run is listed
+with the reason: a zerotrain stage whose config zerotrain rejects (found by validating it), a
+DeepSpeed row when `import deepspeed` fails (DeepSpeed is optional: requirements-bench.txt), a
+job that fails to start.
+
+DeepSpeed gets torch's fused AdamW, the kernel of every other row, by default. Its own config
+AdamW (`--deepspeed-optimizer deepspeed`) is, on CPU without offload, its FusedAdam C++ op,
+compiled on first use (about 100 s on 2 cores), as is the shared-memory all-reduce op that
+`deepspeed.init_distributed` builds on CPU in any case (half a minute; training never uses it).
+
+[Note: one torchrun job per system, driven over a socket]
+Peak RSS (`ru_maxrss`) is process-wide and never falls, so two systems trained in one process
+would each report the larger peak. Each system therefore runs in its own torchrun job, and the
+parent process (this script without `--worker`) drives the jobs over Unix sockets: it tells one
+job at a time to time a round of `--steps` steps, then the next, for `--rounds` rounds, so that
+machine noise (other processes, thermal drift) falls on every system alike. A job waiting for its
+turn blocks on a socket read and uses no CPU. With `--launch once` (the default for models under
+10M parameters) every job starts once, warms up, and stays up between rounds: start-up (imports,
+DeepSpeed's op loading) is paid once and training continues across rounds, but all systems are
+resident at once (about 0.5-0.8 GB per rank per system for "demo"). With `--launch per-round`
+(the default for larger models, where resident jobs would not fit in memory) each round starts
+every job anew and stops it after: one system in memory at a time, each launch warms up on the
+first batch and trains from the initial weights, so the final loss is the one after 1 + `--steps`
+steps. Either way a system's peak RSS is the maximum over its ranks and launches.
 """
 
 from __future__ import annotations
@@ -14,11 +40,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,166 +59,643 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
-LR, CLIP = 1e-3, 1.0
+# One AdamW for every system, every setting spelled out: torch's AdamW defaults to weight_decay
+# 0.01, DeepSpeed's (and so zerotrain's) config AdamW to 0.
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+CLIP = 1.0
+LOSS_RTOL = 1e-3
+RESIDENT_MAX_PARAMS = 10_000_000  # --launch defaults to "once" below this model size
+STARTED = time.monotonic()
+LAUNCH_TIMEOUT_S = 1800  # covers DeepSpeed's first-time C++ op builds (minutes on 2 cores)
 
 
-def parse_args() -> argparse.Namespace:
+@dataclass(frozen=True)
+class Spec:
+    """One system of the table: `--systems` name, row label, library and ZeRO stage."""
+
+    key: str
+    label: str
+    family: str  # "floor", "ddp", "fsdp2", "deepspeed" or "zerotrain"
+    stage: int | None = None
+
+
+SPECS = {
+    spec.key: spec
+    for spec in [
+        Spec("floor", "compute floor", "floor"),
+        Spec("ddp", "torch DDP", "ddp"),
+        Spec("fsdp2", "torch FSDP2", "fsdp2"),
+        *(Spec(f"ds{s}", f"DeepSpeed stage {s}", "deepspeed", s) for s in range(4)),
+        *(Spec(f"zt{s}", f"zerotrain stage {s}", "zerotrain", s) for s in range(4)),
+    ]
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="GPT preset of examples/gpt/model.py")
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--systems", nargs="+", default=list(SPECS), choices=list(SPECS))
+    parser.add_argument(
+        "--launch",
+        choices=["once", "per-round"],
+        default=None,
+        help="start each system's job once (resident between rounds) or anew every round; "
+        f"default: once for models under {RESIDENT_MAX_PARAMS / 1e6:g}M parameters",
+    )
+    parser.add_argument(
+        "--deepspeed-optimizer",
+        choices=["torch", "deepspeed"],
+        default="torch",
+        help="torch: pass torch.optim.AdamW(fused=True) to deepspeed.initialize; deepspeed: "
+        "DeepSpeed's own AdamW from the config (on CPU a C++ op built on first use)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
-    return parser.parse_args()
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--control", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
 
 
-def relaunch(args: argparse.Namespace) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(args.nproc), __file__, *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
+def import_deepspeed() -> Any:
+    """`import deepspeed`, on its CPU accelerator when there is no GPU."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
 
 
-class System:
-    """One way of training: a step function over the same model and batches."""
+def zerotrain_config(stage: int, args: argparse.Namespace) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
 
-    def __init__(self, name: str, step, model):
-        self.name, self.step, self.model = name, step, model
-        self.times: list[float] = []
-        self.loss = float("nan")
+
+def deepspeed_config(stage: int, args: argparse.Namespace) -> dict:
+    config = zerotrain_config(stage, args)  # DeepSpeed's own key names
+    if args.deepspeed_optimizer == "torch":
+        del config["optimizer"]
+        config["zero_allow_untested_optimizer"] = True
+    return config
 
 
-def build_systems(args):
-    from gpt.model import GPT, gpt_config
+# --- the worker: one system on one rank ----------------------------------------------------
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Built:
+    """A system ready to train: its step, and its model-state bytes where it reports them."""
+
+    step: Step
+    model_state: Callable[[], dict[str, float]] | None = None
+
+
+def fused_adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, **ADAMW, fused=True)
+
+
+def build_floor(model, spec, args) -> Built:
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=False)
+        return loss
+
+    return Built(step)
+
+
+def build_ddp(model, spec, args) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
-    import zerotrain
+    ddp = DistributedDataParallel(model)
+    optimizer = fused_adamw(model.parameters())
 
-    def fresh_model():
-        torch.manual_seed(0)
-        return GPT(gpt_config(args.model))
-
-    systems = []
-
-    floor_model = fresh_model()
-
-    def floor_step(x, y):
-        loss = floor_model(x, y)
-        loss.backward()
-        floor_model.zero_grad(set_to_none=False)
-        return loss
-
-    systems.append(System("compute floor", floor_step, floor_model))
-
-    ddp_model = fresh_model()
-    ddp = DistributedDataParallel(ddp_model)
-    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=LR, fused=True)
-
-    def ddp_step(x, y):
+    def step(x, y):
         loss = ddp(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), CLIP)
-        ddp_opt.step()
-        ddp_opt.zero_grad(set_to_none=False)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
         return loss
 
-    systems.append(System("torch DDP", ddp_step, ddp_model))
-
-    for stage in (0, 1, 2):
-        model = fresh_model()
-        engine, *_ = zerotrain.initialize(
-            model=model,
-            config={
-                "train_micro_batch_size_per_gpu": args.micro_batch,
-                "gradient_clipping": CLIP,
-                "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-                "zero_optimization": {"stage": stage},
-                "steps_per_print": 10**9,
-            },
-        )
-
-        def zt_step(x, y, engine=engine):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        systems.append(System(f"zerotrain stage {stage}", zt_step, engine))
-    return systems
+    return Built(step)
 
 
-def main() -> None:
-    args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit(relaunch(args))
-    from gpt.model import gpt_config
+def build_fsdp2(model, spec, args) -> Built:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root: embeddings (tied to the LM head), final norm
+    optimizer = fused_adamw(model.parameters())
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # DTensor grads, global norm
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return Built(step)
+
+
+def build_deepspeed(model, spec, args) -> Built:
+    deepspeed = import_deepspeed()
+    optimizer = fused_adamw(model.parameters()) if args.deepspeed_optimizer == "torch" else None
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(spec.stage, args)
+    )
+    return Built(engine_step(engine))
+
+
+def build_zerotrain(model, spec, args) -> Built:
     import zerotrain
-    from zerotrain.comm import Communicator
 
-    zerotrain.init_distributed()
-    comm = Communicator()
+    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec.stage, args))
+    return Built(engine_step(engine), engine.memory_breakdown)
+
+
+def engine_step(engine) -> Step:
+    """The training step of DeepSpeed's engine API, which zerotrain shares."""
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
+# Spec.family -> builder of that system around a fresh model, on an initialized process group.
+BUILDERS = {
+    "floor": build_floor,
+    "ddp": build_ddp,
+    "fsdp2": build_fsdp2,
+    "deepspeed": build_deepspeed,
+    "zerotrain": build_zerotrain,
+}
+
+
+class Channel:
+    """JSON lines over a connected socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.file = sock.makefile("rwb")
+
+    def send(self, message: dict) -> None:
+        self.file.write(json.dumps(message).encode() + b"\n")
+        self.file.flush()
+
+    def recv(self) -> dict:
+        line = self.file.readline()
+        if not line:
+            raise ConnectionError("the other side closed the connection")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One rank of one system's job: build, warm up, then time the rounds the parent asks for."""
+    import torch.distributed as dist
+    from gpt.model import GPT, gpt_config
+
+    spec = SPECS[args.worker]
+    rank = int(os.environ["RANK"])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.control)
+    channel = Channel(sock)
+    channel.send({"system": spec.key, "rank": rank})
+
     cfg = gpt_config(args.model)
-    gen = torch.Generator().manual_seed(1234 + comm.rank)
-    total = 1 + args.rounds * args.steps  # one warm-up step per system
+    gen = torch.Generator().manual_seed(1234 + rank)
+    total = 1 + args.rounds * args.steps  # batch 0 is the warm-up step's
     tokens = torch.randint(
         0, cfg.vocab_size, (total, args.micro_batch, cfg.block_size + 1), generator=gen
     )
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    systems = build_systems(args)
-    params = sum(p.numel() for p in systems[0].model.parameters())
+    try:
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        built = BUILDERS[spec.family](GPT(cfg), spec, args)
+        built.step(*batches[0])  # allocations, first optimizer state
+    except Exception as exc:
+        channel.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    channel.send({"ready": True})
 
-    for system in systems:  # warm-up: allocations, first optimizer state
-        system.step(*batches[0])
-    for round_index in range(args.rounds):
-        for system in systems:
-            for i in range(args.steps):
-                x, y = batches[1 + round_index * args.steps + i]
-                comm.barrier()
-                start = time.perf_counter()
-                loss = system.step(x, y)
-                system.times.append(time.perf_counter() - start)
-                system.loss = loss.item()
-
-    # A step's time is the slowest rank's.
-    rows = []
-    for system in systems:
-        times = torch.tensor(system.times)
-        comm.all_reduce(times, op="max")
-        loss = torch.tensor([system.loss])
-        comm.all_reduce(loss)
-        rows.append(
-            {
-                "system": system.name,
-                "median_s": statistics.median(times.tolist()),
-                "loss": loss.item() / comm.world_size,
-            }
+    while (order := channel.recv())["round"] is not None:
+        first = 1 + order["round"] * args.steps
+        times = []
+        for x, y in batches[first : first + args.steps]:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = built.step(x, y)
+            times.append(time.perf_counter() - start)
+        # A step's time is the slowest rank's; memory is the largest rank's.
+        times_t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(times_t, op=dist.ReduceOp.MAX)
+        state = built.model_state() if built.model_state else {}
+        peaks = torch.tensor(
+            [
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,  # KiB on Linux
+                state.get("total", -1.0),  # -1: the system does not report it
+                state.get("formula_total", -1.0),
+            ],
+            dtype=torch.float64,
         )
-    if comm.rank != 0:
-        return
-    floor = rows[0]["median_s"]
-    ddp = rows[1]["median_s"]
-    tokens_per_step = args.micro_batch * cfg.block_size * comm.world_size
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        loss_t = loss.detach().double().reshape(1)
+        dist.all_reduce(loss_t)
+        if rank == 0:
+            rss, state_total, formula_total = peaks.tolist()
+            channel.send(
+                {
+                    "times_s": times_t.tolist(),
+                    "loss": loss_t.item() / dist.get_world_size(),
+                    "peak_rss": rss,
+                    "model_state": state_total if state_total >= 0 else None,
+                    "formula": formula_total if formula_total >= 0 else None,
+                }
+            )
+    channel.close()
+    dist.destroy_process_group()
+
+
+# --- the parent: launches and alternation ----------------------------------------------------
+
+
+class LaunchError(RuntimeError):
+    """A system's job failed to start or died; the message ends with its log's last lines."""
+
+
+class Job:
+    """One system's torchrun job, reached over its own socket, one connection per rank.
+
+    The constructor only launches it; `wait_ready` returns once every rank has built the system
+    and taken the warm-up step, so several jobs can start side by side.
+    """
+
+    def __init__(self, spec: Spec, args: argparse.Namespace, logs: Path):
+        self.spec, self.nproc = spec, args.nproc
+        self.log_path = logs / f"{spec.key}.log"
+        self.ranks: list[Channel] = []
+        self.address = logs / f"{spec.key}.sock"
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(self.address))
+        self.server.listen()
+        self.server.settimeout(1.0)  # accept() wakes up to notice a job that died
+        threads = max(1, (os.cpu_count() or 2) // args.nproc)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(args.nproc), "--monitor-interval", "1", __file__]
+        cmd += [*sys.argv[1:], "--worker", spec.key, "--control", self.server.getsockname()]
+        with open(self.log_path, "ab") as log:
+            # Own session: stop() can end the whole job (torchrun and its ranks) by group id.
+            self.proc = subprocess.Popen(
+                cmd,
+                env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self) -> None:
+        try:
+            self.ranks = self._accept()
+            for channel in self.ranks:
+                reply = channel.recv()
+                if "error" in reply:
+                    raise LaunchError(reply["error"])
+        except (LaunchError, ConnectionError, OSError) as exc:
+            self.close(grace_s=10)
+            raise LaunchError(f"{exc}\n{self._log_tail()}") from None
+
+    def _accept(self) -> list[Channel]:
+        channels: dict[int, Channel] = {}
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while len(channels) < self.nproc:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"torchrun exited with code {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"ranks did not connect within {LAUNCH_TIMEOUT_S} s")
+            try:
+                sock, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(LAUNCH_TIMEOUT_S)
+            channel = Channel(sock)
+            channels[channel.recv()["rank"]] = channel
+        return [channels[r] for r in range(self.nproc)]
+
+    def _log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+    def run_round(self, round_index: int) -> dict:
+        try:
+            for channel in self.ranks:
+                channel.send({"round": round_index})
+            return self.ranks[0].recv()
+        except (ConnectionError, OSError) as exc:
+            self.close(grace_s=10)
+            raise LaunchError(f"{exc}\n{self._log_tail()}") from None
+
+    def stop(self) -> None:
+        """Ask the ranks to leave; `close` waits for them."""
+        for channel in self.ranks:
+            try:
+                channel.send({"round": None})
+            except OSError:
+                pass  # already gone: close() finds out
+
+    def close(self, grace_s: float = 120) -> None:
+        """Wait up to `grace_s` for the job to exit (torchrun stops every rank when one fails,
+        and logs why), then end it."""
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait()
+        for channel in self.ranks:
+            channel.close()
+        self.server.close()
+        self.address.unlink()
+
+
+@dataclass
+class Row:
+    """What the parent gathers for one system over all rounds."""
+
+    spec: Spec
+    status: str = ""  # empty when measured; else why not ("not available: ...")
+    times_s: list[float] = field(default_factory=list)
+    loss: float = float("nan")
+    peak_rss: float = 0.0
+    model_state: float | None = None
+    formula: float | None = None
+
+    def add(self, result: dict) -> None:
+        self.times_s += result["times_s"]
+        self.loss = result["loss"]
+        self.peak_rss = max(self.peak_rss, result["peak_rss"])
+        self.model_state, self.formula = result["model_state"], result["formula"]
+
+
+def unavailable(spec: Spec, args: argparse.Namespace) -> str:
+    """Why `spec` cannot run here, or "" if it can."""
+    if spec.family == "deepspeed":
+        try:
+            import_deepspeed()
+        except Exception as exc:  # any import-time failure: missing package, broken op setup
+            return f"skipped: import deepspeed failed ({type(exc).__name__}: {exc})"
+    if spec.family == "zerotrain":
+        from zerotrain import ConfigError
+        from zerotrain.config import load_config
+
+        try:
+            load_config(zerotrain_config(spec.stage, args), world_size=args.nproc)
+        except ConfigError as exc:
+            return f"not available: {str(exc).splitlines()[0]}"
+    return ""
+
+
+def progress(message: str) -> None:
+    print(f"[step_time {time.monotonic() - STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def ready(row: Row, job: Job, launched: float) -> bool:
+    try:
+        job.wait_ready()
+    except LaunchError as exc:
+        row.status = f"failed: {str(exc).splitlines()[0]}"
+        progress(f"{row.spec.label} failed to start: {exc}")
+        return False
+    progress(f"{row.spec.label}: up and warmed {time.perf_counter() - launched:.1f} s after launch")
+    return True
+
+
+def run_round(row: Row, job: Job, round_index: int) -> bool:
+    try:
+        row.add(job.run_round(round_index))
+        return True
+    except LaunchError as exc:
+        row.status = f"failed in round {round_index + 1}: {str(exc).splitlines()[0]}"
+        progress(f"{row.spec.label} {row.status}\n{exc}")
+        return False
+
+
+def measure(rows: list[Row], args: argparse.Namespace) -> None:
+    """Time every runnable row, alternating systems within each round (see the Note above)."""
+    runnable = [row for row in rows if not row.status]
+    with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
+        logs = Path(tmp)
+        if args.launch == "once":
+            # All jobs start together: start-up is not timed, and side by side they fill both cores.
+            launched = time.perf_counter()
+            pending = [(row, Job(row.spec, args, logs)) for row in runnable]
+            jobs = [(row, job) for row, job in pending if ready(row, job, launched)]
+            for round_index in range(args.rounds):
+                progress(f"round {round_index + 1}/{args.rounds}")
+                for row, job in jobs:
+                    if not row.status:
+                        run_round(row, job, round_index)
+            live = [job for row, job in jobs if not row.status]  # failed ones are closed
+            for job in live:  # all at once: each takes seconds to wind down
+                job.stop()
+            for job in live:
+                job.close()
+        else:
+            for round_index in range(args.rounds):
+                progress(f"round {round_index + 1}/{args.rounds}")
+                for row in runnable:
+                    if row.status:
+                        continue
+                    launched = time.perf_counter()
+                    job = Job(row.spec, args, logs)  # appends to the same log
+                    if ready(row, job, launched) and run_round(row, job, round_index):
+                        job.stop()
+                        job.close()
+
+
+# --- the table -----------------------------------------------------------------------------
+
+
+def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: float) -> None:
+    medians = {row.spec.key: statistics.median(row.times_s) for row in rows if row.times_s}
+    floor, ddp = medians.get("floor"), medians.get("ddp")
+    ddp_loss = next((r.loss for r in rows if r.spec.key == "ddp" and r.times_s), None)
+    tokens_per_step = args.micro_batch * cfg.block_size * args.nproc
     print(
-        f"\nGPT '{args.model}' ({params / 1e6:.2f}M params), {comm.world_size} ranks, fp32, "
-        f"micro-batch {args.micro_batch}x{cfg.block_size}, {args.rounds} rounds x {args.steps} steps\n"
+        f"\nGPT '{args.model}' ({params / 1e6:.2f}M params), {args.nproc} ranks, fp32, gloo, "
+        f"micro-batch {args.micro_batch}x{cfg.block_size}, {args.rounds} rounds x "
+        f"{args.steps} steps, --launch {args.launch}; load average before the run {load:.2f}\n"
     )
-    header = f"{'system':<20} {'median s/step':>14} {'vs DDP':>8} {'efficiency':>11} {'tokens/s':>10} {'loss':>8}"
+    columns = [
+        ("system", 20),
+        ("median s/step", 13),
+        ("vs DDP", 7),
+        ("vs DS", 6),
+        ("efficiency", 10),
+        ("tokens/s", 8),
+        ("peak RSS MB", 11),
+        ("state MB", 8),
+        ("state/formula", 13),
+        ("final loss", 10),
+        ("Δloss/DDP", 10),
+    ]
+    header = " ".join(
+        f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(columns)
+    )
     print(header)
     print("-" * len(header))
+    flagged = False
+    records = []
     for row in rows:
-        row["vs_ddp"] = row["median_s"] / ddp
-        row["efficiency"] = floor / row["median_s"]
-        row["tokens_per_s"] = tokens_per_step / row["median_s"]
-        print(
-            f"{row['system']:<20} {row['median_s']:>14.4f} {row['vs_ddp']:>8.3f} "
-            f"{row['efficiency']:>11.3f} {row['tokens_per_s']:>10.0f} {row['loss']:>8.4f}"
+        out: dict[str, Any] = {"system": row.spec.label, "key": row.spec.key}
+        if not row.times_s:
+            out["status"] = row.status
+            print(f"{row.spec.label:<20} {row.status}")
+            records.append(out)
+            continue
+        median = medians[row.spec.key]
+        same_stage_ds = (
+            medians.get(f"ds{row.spec.stage}") if row.spec.family == "zerotrain" else None
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "params": params, "rows": rows}, indent=2))
-    print(f"\nwritten {out}")
+        rel_loss = None
+        if ddp_loss is not None and row.spec.key != "floor":  # the floor never steps
+            rel_loss = abs(row.loss - ddp_loss) / abs(ddp_loss)
+        flag = rel_loss is not None and rel_loss > LOSS_RTOL
+        flagged |= flag
+        out.update(
+            status=row.status or "measured",
+            median_s=median,
+            times_s=row.times_s,
+            vs_ddp=median / ddp if ddp else None,
+            vs_deepspeed=median / same_stage_ds if same_stage_ds else None,
+            efficiency=floor / median if floor else None,
+            tokens_per_s=tokens_per_step / median,
+            peak_rss_bytes=row.peak_rss,
+            model_state_bytes=row.model_state,
+            formula_bytes=row.formula,
+            loss=row.loss,
+            rel_loss_vs_ddp=rel_loss,
+            loss_mismatch=flag,
+        )
+        cells = [
+            f"{median:.4f}",
+            _fmt(out["vs_ddp"], ".3f"),
+            _fmt(out["vs_deepspeed"], ".3f"),
+            _fmt(out["efficiency"], ".3f"),
+            f"{out['tokens_per_s']:.0f}",
+            f"{row.peak_rss / 1e6:.0f}",
+            _fmt(row.model_state and row.model_state / 1e6, ".1f"),
+            _fmt(row.model_state and row.formula and row.model_state / row.formula, ".4f"),
+            f"{row.loss:.5f}",
+            "-" if rel_loss is None else f"{rel_loss:.1e}" + (" !" if flag else ""),
+        ]
+        if row.status:  # measured, then failed in a later round
+            cells[-1] += f"  ({row.status})"
+        line = f"{row.spec.label:<20} " + " ".join(
+            f"{cell:>{w}}" for cell, (_, w) in zip(cells, columns[1:], strict=True)
+        )
+        print(line)
+        records.append(out)
+    print()
+    for note in footer(rows, args, flagged):
+        print(note)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    versions = {"torch": torch.__version__, "deepspeed": _deepspeed_version()}
+    path.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "params": params,
+                "versions": versions,
+                "load_average_before": load,
+                "rows": records,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwritten {path}")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _deepspeed_version() -> str | None:
+    try:
+        return import_deepspeed().__version__
+    except Exception:
+        return None
+
+
+def footer(rows: list[Row], args: argparse.Namespace, flagged: bool) -> list[str]:
+    adamw = ", ".join(f"{k} {v}" for k, v in ADAMW.items())
+    notes = [
+        f"AdamW ({adamw}), gradient clipping {CLIP}; torch {torch.__version__}"
+        + (f", DeepSpeed {v}" if (v := _deepspeed_version()) else "")
+        + ".",
+        "vs DS: zerotrain's step time over DeepSpeed's at the same stage. efficiency: compute "
+        "floor / step time. Δloss/DDP: |final loss - DDP's| / DDP's.",
+        "peak RSS: ru_maxrss, max over ranks (each system in its own processes). state: "
+        "zerotrain's engine.memory_breakdown()['total'], max over ranks; state/formula: over "
+        "['formula_total'].",
+    ]
+    if any(r.spec.family == "deepspeed" and r.times_s for r in rows):
+        notes.append(
+            "DeepSpeed optimizer: "
+            + (
+                "torch.optim.AdamW(fused=True) passed to deepspeed.initialize "
+                "(zero_allow_untested_optimizer), the same kernel as every other row."
+                if args.deepspeed_optimizer == "torch"
+                else "DeepSpeed's own AdamW from the config (FusedAdam; on CPU its C++ CPU-Adam "
+                "kernel)."
+            )
+        )
+    if flagged:
+        notes.append(f"!: final loss differs from DDP's by more than {LOSS_RTOL:g} relative.")
+    return notes
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    from gpt.model import GPT, gpt_config
+
+    cfg = gpt_config(args.model)
+    params = GPT(cfg).num_parameters()
+    if args.launch is None:
+        args.launch = "once" if params < RESIDENT_MAX_PARAMS else "per-round"
+    rows = [Row(SPECS[key]) for key in args.systems]
+    for row in rows:
+        row.status = unavailable(row.spec, args)
+    load = os.getloadavg()[0]  # other work on the machine: the timings are only as quiet as it
+    measure(rows, args)
+    report(rows, args, params, cfg, load)
+    progress("done")
 
 
 if __name__ == "__main__":
