@@ -227,9 +227,10 @@ def test_clear_errors_for_bad_setups():
         zerotrain.initialize(
             model=nn.Linear(3, 2), config=dict(BASE, zero_optimization={"stage": 5})
         )
-    engine, *_ = zerotrain.initialize(
-        model=nn.Linear(3, 2), config=dict(BASE, optimizer={"type": "SGD", "params": {"lr": 0.1}})
-    )
+    wrapped = nn.Linear(3, 2)
+    engine, *_ = zerotrain.initialize(model=wrapped, config=sgd)
+    with pytest.raises(ValueError, match="already wrapped by an engine"):
+        zerotrain.initialize(model=wrapped, config=sgd)
     with pytest.raises(ValueError, match="scalar loss"):
         engine.backward(engine(torch.randn(2, 3)))
     with torch.no_grad():

@@ -18,7 +18,7 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
-from zerotrain.zero.init import is_init_partitioned, unpartition_param
+from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
 from zerotrain.zero.optimizer import NamedParams, OptimizerFactory, Stage3Options
 
 
@@ -72,6 +72,11 @@ def initialize(
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
 
+    if any(owner_of(p) is not None for p in model.parameters()):
+        raise ValueError(
+            "zerotrain.initialize: this model is already wrapped by an engine (its parameters "
+            "are views into that engine's buffers); build a new model, or keep the first engine"
+        )
     model.to(device)
     for param in model.parameters():
         if not param.requires_grad and is_init_partitioned(param):

@@ -89,7 +89,6 @@ class ParameterGatherer:
         self._order: dict[str, list[int]] = {"forward": [], "backward": []}
         self._recorded = False
         self._cursor = {"forward": 0, "backward": 0}
-        self._hooks = []
         for unit in units:
             unit.buckets_left = len(unit.buckets)
             if unit.persistent:  # its full buffer exists already, and its shard views it
@@ -100,18 +99,12 @@ class ParameterGatherer:
             else:
                 self._point_at_placeholders(unit)
             if unit.is_root:
-                self._hooks.append(unit.module.register_forward_pre_hook(self._root_pre_forward))
-                self._hooks.append(unit.module.register_forward_hook(self._root_post_forward))
+                unit.module.register_forward_pre_hook(self._root_pre_forward)
+                unit.module.register_forward_hook(self._root_post_forward)
             else:
-                self._hooks.append(
-                    unit.module.register_forward_pre_hook(
-                        lambda m, args, u=unit: self._pre_forward(u)
-                    )
-                )
-                self._hooks.append(
-                    unit.module.register_forward_hook(
-                        lambda m, args, out, u=unit: self._post_forward(u, out)
-                    )
+                unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+                unit.module.register_forward_hook(
+                    lambda m, args, out, u=unit: self._post_forward(u, out)
                 )
         self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
 
@@ -285,8 +278,3 @@ class ParameterGatherer:
 
     def unit_of(self, bucket: FlatBucket) -> GatherUnit:
         return self._unit_of_bucket[id(bucket)]
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()

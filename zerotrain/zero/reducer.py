@@ -42,7 +42,6 @@ class GradientReducer:
         self.policy = policy
         self.gatherer = gatherer  # stage 3: told when a bucket's gradients are all taken
         self._inv_world = 1.0 / comm.world_size
-        self._hooks = []
         if policy.shard_gradients:
             self._arrived: list[set[int]] = [set() for _ in buckets]
             self._comm_buffers: list[torch.Tensor | None] = [None] * len(buckets)
@@ -51,10 +50,9 @@ class GradientReducer:
             self._shard_holds_grads = False  # False: grad_shard is stale, overwrite it
             for bucket_index, bucket in enumerate(buckets):
                 for slot in bucket.slots:
-                    hook = slot.param.register_post_accumulate_grad_hook(
+                    slot.param.register_post_accumulate_grad_hook(
                         self._make_hook(bucket_index, slot)
                     )
-                    self._hooks.append(hook)
 
     # -- stage 2: reduce during backward -------------------------------------------------------
     def _make_hook(self, bucket_index: int, slot: ParamSlot):
@@ -172,8 +170,3 @@ class GradientReducer:
                     else:
                         view.zero_()
                     slot.param.grad = view
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
