@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm.setup import collective_timeout
+
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -181,7 +183,10 @@ class Communicator:
 
 
 def _group_timeout(group: dist.ProcessGroup | None, default="unknown") -> timedelta | str | None:
-    """The timeout ``group`` (or the default group) was created with."""
+    """The timeout of ``group``'s collectives: the one init_distributed applied, else what the
+    group's backend reports."""
+    if collective_timeout() is not None:
+        return collective_timeout()
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         return pg._get_backend(torch.device("cpu")).options._timeout

@@ -22,6 +22,14 @@ _LAUNCHER_ENV = (
 )
 
 
+_timeout: timedelta | None = None  # what init_distributed was given (None: group made elsewhere)
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout :func:`init_distributed` applied to the default group, if it made it."""
+    return _timeout
+
+
 def _launcher_ranks() -> tuple[int, int, int] | None:
     for rank_key, world_key, local_key in _LAUNCHER_ENV:
         if rank_key in os.environ and world_key in os.environ:
@@ -86,17 +94,21 @@ def init_distributed(
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if backend == "nccl":  # CUDA only: bind this process to its GPU before NCCL starts
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    global _timeout
     dist.init_process_group(
         backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
+    _timeout = timeout
     if verbose and rank == 0:
         print(f"zerotrain: initialized {backend} with {world_size} ranks (timeout {timeout})")
 
 
 def destroy_distributed() -> None:
     """Tear down the default process group, if any."""
+    global _timeout
     if is_initialized():
         dist.destroy_process_group()
+    _timeout = None
 
 
 def local_rank() -> int:
