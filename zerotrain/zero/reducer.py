@@ -24,7 +24,7 @@ class GradientReducer:
       buffers; at the accumulation boundary each bucket is all-reduced.
     * optimizer sharding only (stage 1): as stage 0, but each bucket is reduce-scattered in
       place, so only this rank's shard of the buffer holds the average.
-    * gradient sharding (stage 2): during every backward, as soon as a bucket's gradients are
+    * gradient sharding (stages 2-3): during every backward, as soon as a bucket's gradients are
       all there, they are copied to a transient buffer and reduce-scattered into this rank's
       persistent ``grad_shard``; ``param.grad`` is freed at once, so no rank keeps full
       gradients after backward.
@@ -54,7 +54,7 @@ class GradientReducer:
                         self._make_hook(bucket_index, slot)
                     )
 
-    # -- stage 2: reduce during backward -------------------------------------------------------
+    # -- stages 2-3: reduce during backward ----------------------------------------------------
     def _make_hook(self, bucket_index: int, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
             self._on_grad_ready(bucket_index, slot, param)
