@@ -33,12 +33,12 @@ class OpStats:
 class PendingOp:
     """An asynchronous collective in flight; :meth:`wait` completes it (or raises)."""
 
-    def __init__(self, comm: Communicator, name: str, nbytes: int, work, on_done=None):
+    def __init__(self, comm: Communicator, name: str, nbytes: int, work):
         self._comm = comm
         self._name = name
         self._nbytes = nbytes
         self._work = work
-        self._on_done = on_done
+        self._on_done: Callable[[], object] | None = None
         self._done = False
 
     def then(self, callback: Callable[[], object]) -> PendingOp:

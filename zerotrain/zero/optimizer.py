@@ -35,7 +35,6 @@ class Stage3Options:
     max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters
     max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (per unit here)
-    block_classes: tuple[type[nn.Module], ...] = ()  # extra unit module classes
 
 
 @dataclass
@@ -87,7 +86,7 @@ class ZeroOptimizer:
         index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
         if policy.shard_parameters:
             stage3 = stage3 or Stage3Options()
-            unit_modules = find_unit_modules(model, stage3.block_classes)
+            unit_modules = find_unit_modules(model)
             unit_of = assign_units(model, unit_modules)
             # backward meets the blocks in reverse; the root unit (embeddings) finishes last
             order = [*reversed(range(len(unit_modules))), len(unit_modules)]

@@ -3,8 +3,8 @@
 [Note: choosing gather units]
 A unit is gathered before its module runs (forward, and again before its backward) and released
 after, so the units bound the live working set. The blocks of a network are the natural units:
-by default every child of an ``nn.ModuleList`` (the outermost lists only) that holds parameters
-is a unit, as are the modules of any class named in ``block_classes``. Everything else belongs
+every child of an ``nn.ModuleList`` (the outermost lists only) that holds parameters is a unit.
+Everything else belongs
 to the *root* unit, gathered for the whole forward and backward of the step: embeddings, heads,
 final norms, and any parameter referenced from more than one unit (tied embedding and LM head,
 a parameter read with ``F.linear(x, self.emb.weight)`` in a parent's forward). That keeps code
@@ -13,16 +13,11 @@ that reads parameters outside their own module's forward correct without registr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from torch import nn
 
 
-def find_unit_modules(
-    model: nn.Module, block_classes: Iterable[type[nn.Module]] = ()
-) -> list[nn.Module]:
+def find_unit_modules(model: nn.Module) -> list[nn.Module]:
     """The block modules of ``model`` in registration order (the root is not included)."""
-    block_classes = tuple(block_classes)
     units: list[nn.Module] = []
     inside: set[int] = set()  # modules already covered by a chosen unit
 
@@ -30,9 +25,7 @@ def find_unit_modules(
         for child in module.children():
             if id(child) in inside:
                 continue
-            is_block = isinstance(child, block_classes) or (
-                isinstance(module, nn.ModuleList) and module is not model
-            )
+            is_block = isinstance(module, nn.ModuleList) and module is not model
             if is_block and any(True for _ in child.parameters()):
                 units.append(child)
                 inside.update(id(m) for m in child.modules())
