@@ -39,8 +39,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--print-every", type=int, default=10, help="steps between lines")
     parser.add_argument("--val-batches", type=int, default=8, help="held-out batches at the end")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save checkpoints here, and resume from the newest complete one on start",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints"
+    )
     args = parser.parse_args()
-    for name in ("steps", "micro_batch", "grad_accum", "print_every", "val_batches"):
+    for name in (
+        "steps",
+        "micro_batch",
+        "grad_accum",
+        "print_every",
+        "val_batches",
+        "checkpoint_every",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -66,6 +81,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         },
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
+        "checkpoint": {"keep_last": 2},
         "bf16": {"enabled": args.precision == "bf16"},
         "fp16": {"enabled": args.precision == "fp16"},
         # The engine stays quiet; this script prints its own progress lines.
@@ -74,12 +90,10 @@ def engine_config(args: argparse.Namespace) -> dict:
 
 
 def forever(loader) -> Iterator:
-    """Batches of `loader`, epoch after epoch, each epoch in a new shuffled order."""
-    epoch = 0
+    """Batches of `loader`, epoch after epoch. The loader initialize() returns shuffles each
+    epoch anew and continues where a loaded checkpoint left off."""
     while True:
-        loader.sampler.set_epoch(epoch)  # the DistributedSampler that initialize() sets up
         yield from loader
-        epoch += 1
 
 
 def peak_rss_mb() -> float:
@@ -132,11 +146,17 @@ def main() -> None:
             flush=True,
         )
 
+    first_step = 1
+    if args.checkpoint_dir:  # resume from the newest complete checkpoint, if there is one
+        path, _ = engine.load_checkpoint(args.checkpoint_dir)
+        first_step = engine.global_steps + 1
+        if is_rank0 and path:
+            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     batches = forever(train_loader)
     step_losses: list[float] = []
     start = window_start = time.perf_counter()
-    window_first_step = 1
-    for step in range(1, args.steps + 1):
+    window_first_step = first_step
+    for step in range(first_step, args.steps + 1):
         # The loss printed is rank 0's: the mean over its micro-batches of this step.
         micro_losses = []
         for _ in range(engine.gradient_accumulation_steps()):
@@ -159,7 +179,17 @@ def main() -> None:
                 f"{memory['total'] / MB:.1f} MB, peak RSS {peak_rss_mb():.0f} MB",
                 flush=True,
             )
+        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
+            saved = time.perf_counter()
+            path = engine.save_checkpoint(args.checkpoint_dir)
+            if is_rank0:
+                print(f"saved {path} in {time.perf_counter() - saved:.2f} s", flush=True)
     train_seconds = time.perf_counter() - start
+    steps_run = args.steps - first_step + 1
+    if steps_run < 1:
+        if is_rank0:
+            print(f"nothing to do: the checkpoint is at step {first_step - 1} >= --steps")
+        return
 
     val_loss, val_batches = validation_loss(engine, val_set, args.val_batches, args.micro_batch)
     if is_rank0:
@@ -174,8 +204,8 @@ def main() -> None:
             ("final loss", f"{step_losses[-1]:.4f}"),
             (f"mean loss, last {len(last)} steps", f"{sum(last) / len(last):.4f}"),
             ("validation loss", f"{val_loss:.4f} ({val_batches} batches)"),
-            ("training time", f"{train_seconds:.1f} s ({train_seconds / args.steps:.3f} s/step)"),
-            ("tokens/s (all ranks)", f"{tokens_per_step * args.steps / train_seconds:,.0f}"),
+            ("training time", f"{train_seconds:.1f} s ({train_seconds / steps_run:.3f} s/step)"),
+            ("tokens/s (all ranks)", f"{tokens_per_step * steps_run / train_seconds:,.0f}"),
             (
                 "model states per rank (rank 0)",
                 f"{memory['total'] / MB:.1f} MB: parameters {memory['parameters'] / MB:.1f}, "

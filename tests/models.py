@@ -110,3 +110,23 @@ class BlockModel(nn.Module):
         h = self.blocks[2](h)
         logits = F.linear(h, self.embed.weight, self.head_bias)
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+
+
+class DropoutModel(nn.Module):
+    """Blocks (stage-3 gather units) with dropout between them, a frozen scale and a buffer:
+    for checkpoints, where a resumed run must redraw the same dropout masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(13), Block(6)])
+        self.drop = nn.Dropout(0.2)
+        self.frozen_scale = nn.Parameter(torch.linspace(0.9, 1.1, DIM), requires_grad=False)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.register_buffer("mix", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.embed(idx) * self.mix)
+        for block in self.blocks:
+            h = self.drop(block(h)) * self.frozen_scale
+        return F.cross_entropy(self.head(h).float().view(-1, VOCAB), targets.view(-1))

@@ -185,6 +185,7 @@ def test_defaults_match_deepspeed() -> None:
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_gather_16bit_weights_on_model_save": False,
         },
+        "checkpoint": {"tag_validation": "Warn", "keep_last": 0, "load_universal": False},
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
         "seed": None,
@@ -444,7 +445,8 @@ def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> Non
             "wandb",
             "csv_monitor",
             "comms_logger",
-            "checkpoint",
+            "checkpoint.use_node_local_storage",
+            "checkpoint.parallel_write",
             "amp",
             "aio",
             "sparse_attention",
@@ -768,3 +770,15 @@ def test_no_effect_options_say_so() -> None:
     untested = ZeroTrainConfig.model_fields["zero_allow_untested_optimizer"].description or ""
     assert "no effect on numerics" in " ".join(round_robin.split())
     assert "has no effect: zerotrain wraps any torch optimizer" in " ".join(untested.split())
+
+
+def test_checkpoint_section() -> None:
+    config = load_config(
+        {"train_batch_size": 8, "checkpoint": {"tag_validation": "fail", "keep_last": 3}},
+        world_size=1,
+    )
+    assert config.checkpoint.tag_validation == "Fail" and config.checkpoint.keep_last == 3
+    assert "checkpoint.keep_last: must be >= 0" in load_error(nested("checkpoint.keep_last", -1))
+    assert "checkpoint.tag_validation: must be one of" in load_error(
+        nested("checkpoint.tag_validation", "sometimes")
+    )

@@ -44,18 +44,10 @@ def zerotrain_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, output, None)
 
 
-def test_train_gpt_demo_on_two_processes():
-    result = zerotrain_run(
-        "--nproc-per-node",
-        "2",
-        "examples/train_gpt.py",
-        "--model",
-        "tiny",
-        "--steps",
-        "30",
-        "--print-every",
-        "10",
-    )
+def test_train_gpt_demo_on_two_processes(tmp_path):
+    demo = ["--nproc-per-node", "2", "examples/train_gpt.py", "--model", "tiny"]
+    checkpoints = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "15"]
+    result = zerotrain_run(*demo, *checkpoints, "--steps", "30", "--print-every", "10")
     assert result.returncode == 0, result.stdout
     progress = re.findall(r"^step\s+(\d+)/30 \| loss (\d+\.\d+) \|", result.stdout, re.MULTILINE)
     assert [int(step) for step, _ in progress] == [10, 20, 30], result.stdout
@@ -66,6 +58,19 @@ def test_train_gpt_demo_on_two_processes():
     assert re.search(r"world size\s+2$", result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"ZeRO stage\s+2$", result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"validation loss\s+\d+\.\d+", result.stdout), result.stdout
+    assert "saved " in result.stdout and "global_step30" in result.stdout, result.stdout
+
+    # Started again with more steps, it resumes from its newest checkpoint (keep_last 2).
+    resumed = zerotrain_run(*demo, *checkpoints, "--steps", "40", "--print-every", "10")
+    assert resumed.returncode == 0, resumed.stdout
+    assert "at step 30" in resumed.stdout, resumed.stdout
+    progress = re.findall(r"^step\s+(\d+)/40 \|", resumed.stdout, re.MULTILINE)
+    assert progress == ["40"], resumed.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step30",
+        "global_step40",
+        "latest",
+    ]
 
 
 def test_deepspeed_style_classifier_on_two_processes():

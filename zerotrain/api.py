@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from zerotrain.comm import Communicator, init_distributed, is_initialized, local_rank
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config
+from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import LossScaler, PrecisionPolicy
@@ -289,16 +290,16 @@ def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimi
 def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate_fn):
     if training_data is None:
         return None
-    sampler = DistributedSampler(
-        training_data,
-        num_replicas=comm.world_size,
-        rank=comm.rank,
-        shuffle=True,
-        seed=cfg.seed or 0,
+    seed = cfg.seed or 0
+    sampler = ResumableDistributedSampler(
+        training_data, comm.world_size, comm.rank, shuffle=True, seed=seed
     )
-    return DataLoader(
+    return ResumableDataLoader(
         training_data,
         batch_size=cfg.train_micro_batch_size_per_gpu,
         sampler=sampler,
         collate_fn=collate_fn,
+        # its own generator: creating an iterator then draws no number from torch's global
+        # generator, which a resumed run must find where the checkpoint left it (dropout)
+        generator=torch.Generator().manual_seed(seed),
     )

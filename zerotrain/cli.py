@@ -3,6 +3,8 @@
 ``zerotrain run [launcher options] SCRIPT [SCRIPT ARGS]`` starts SCRIPT once per local device
 through torchrun (``python -m torch.distributed.run``): we do not write our own launcher or
 rendezvous, we only pick defaults that suit ZeRO training and then hand over to torchrun.
+``zerotrain checkpoint consolidate|inspect`` works on saved checkpoints (see
+zerotrain/checkpoint/export.py).
 
 # [Note: how `zerotrain run` splits its arguments]
 argparse cannot tell a torchrun option's value from the script path (in ``--nnodes 2 train.py``
@@ -295,6 +297,123 @@ def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
     os.execve(plan.argv[0], plan.argv, {**os.environ, **plan.env_overrides})
 
 
+# -- `zerotrain checkpoint` ----------------------------------------------------------------------
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _parse_size(text: str) -> int:
+    """A byte count as HuggingFace writes it: ``500MB``/``5GB`` (powers of 10), ``5GiB``
+    (powers of 2), or plain bytes."""
+    number = text.strip().rstrip("BbIiKkMmGgTt ")
+    unit = text.strip()[len(number) :].strip().upper()
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except (KeyError, ValueError, OverflowError):
+        size = 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write bytes (1000000) or a number with KB, MB, GB "
+            "(powers of 10) or KiB, MiB, GiB (powers of 2), e.g. 500MB or 5GB"
+        )
+    return size
+
+
+def _checkpoint_error(command: str, error: Exception) -> int:
+    print(f"zerotrain checkpoint {command}: {error}", file=sys.stderr)
+    return 1
+
+
+def _consolidate_command(args: argparse.Namespace, rest: list[str]) -> int:
+    import torch  # here, not at the top: `zerotrain --version` must not wait for torch
+
+    from zerotrain.checkpoint import CheckpointError, consolidate
+
+    options = {"tag": args.tag, "dtype": getattr(torch, _DTYPE_NAMES[args.dtype])}
+    if args.max_shard_size is not None:
+        options["max_shard_size"] = args.max_shard_size
+    try:
+        written = consolidate(args.ckpt_dir, args.out, **options)
+    except (CheckpointError, OSError) as error:
+        return _checkpoint_error("consolidate", error)
+    for path in written:
+        print(path)
+    return 0
+
+
+def _inspect_command(args: argparse.Namespace, rest: list[str]) -> int:
+    from zerotrain.checkpoint import CheckpointError, inspect_checkpoints
+
+    try:
+        print(inspect_checkpoints(args.ckpt_dir, verify=args.verify))
+    except (CheckpointError, OSError) as error:
+        return _checkpoint_error("inspect", error)
+    return 0
+
+
+def _add_checkpoint_parser(commands) -> None:
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="export or inspect zerotrain checkpoints",
+        description="Work on checkpoints written by engine.save_checkpoint.",
+    )
+    actions = checkpoint.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="write the full model state dict as HuggingFace-style safetensors",
+        description="Write a checkpoint's full model state dict (fp32 master weights, frozen "
+        "parameters and buffers) to OUT as model.safetensors, or as shards plus "
+        "model.safetensors.index.json when it is larger than --max-shard-size.",
+    )
+    consolidate.add_argument(
+        "ckpt_dir", metavar="CKPT_DIR", help="a save directory, or one checkpoint's directory"
+    )
+    consolidate.add_argument("out", metavar="OUT", help="the output directory")
+    consolidate.add_argument(
+        "--tag", help="the checkpoint in CKPT_DIR (default: the newest complete one)"
+    )
+    consolidate.add_argument(
+        "--dtype",
+        choices=list(_DTYPE_NAMES),
+        default="fp32",
+        help="dtype of the floating-point tensors written (default: fp32)",
+    )
+    consolidate.add_argument(
+        "--max-shard-size",
+        type=_parse_size,
+        metavar="SIZE",
+        help="largest file written, e.g. 500MB, 5GB (powers of 10), 5GiB, or bytes (default: 5GiB)",
+    )
+    consolidate.set_defaults(handler=_consolidate_command)
+    inspect = actions.add_parser(
+        "inspect",
+        help="summarize the checkpoints of a save directory",
+        description="List each checkpoint in CKPT_DIR, oldest first: complete, INCOMPLETE or "
+        "CORRUPT, its step, world size, ZeRO stage, precision, sizes and commit time.",
+    )
+    inspect.add_argument(
+        "ckpt_dir", metavar="CKPT_DIR", help="a save directory, or one checkpoint's directory"
+    )
+    inspect.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip checking every file's size and SHA-256 against the manifest (faster)",
+    )
+    inspect.set_defaults(handler=_inspect_command)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zerotrain",
@@ -312,6 +431,7 @@ def _build_parser() -> argparse.ArgumentParser:
         usage=_RUN_USAGE,
     )
     run.set_defaults(handler=_run_command, takes_raw_arguments=True)
+    _add_checkpoint_parser(commands)
     return parser
 
 

@@ -45,6 +45,7 @@ from typing_extensions import Required, TypedDict
 
 __all__ = [
     "BF16Config",
+    "CheckpointConfig",
     "ConfigError",
     "FP16Config",
     "OptimizerConfig",
@@ -403,7 +404,8 @@ class ZeroOptimizationConfig(_Section):
     recorded on the first step) stays gathered after its forward instead of being released and
     gathered again for its backward (bounded by `stage3_max_live_parameters`)."""
     stage3_gather_16bit_weights_on_model_save: bool = False
-    """Stage 3: gather the full 16-bit weights when saving the model (DeepSpeed's old name
+    """Stage 3: let `engine.save_16bit_model` gather the full 16-bit weights and write them;
+    when false it saves nothing and returns False, as in DeepSpeed (DeepSpeed's old name
     `stage3_gather_fp16_weights_on_model_save` is accepted)."""
 
     @field_validator("stage")
@@ -412,6 +414,29 @@ class ZeroOptimizationConfig(_Section):
         if not 0 <= stage <= 3:
             raise _fail(f"must be between 0 and 3, got {stage}")
         return stage
+
+
+class CheckpointConfig(_Section):
+    """`checkpoint`: how `engine.save_checkpoint` and `engine.load_checkpoint` behave. Every
+    zerotrain checkpoint loads at any world size and ZeRO stage (see docs/checkpoints.md)."""
+
+    _NOT_IMPLEMENTED = frozenset("use_node_local_storage parallel_write".split())
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """What to do when ranks pass different tags to `save_checkpoint`: `Warn` (every rank then
+    saves under rank 0's tag), `Fail` (raise) or `Ignore` (use rank 0's tag silently). Any
+    capitalization is accepted, as in DeepSpeed."""
+    keep_last: _NonNegativeInt = 0
+    """Keep only the newest this many complete checkpoints in the save directory; older ones
+    are deleted after a newer one is committed. 0 keeps all. (A zerotrain key.)"""
+    load_universal: bool = False
+    """Accepted for DeepSpeed compatibility and has no effect: zerotrain checkpoints are always
+    universal (they reshard to any world size and stage when loaded)."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return _canonical_type(value, ["Ignore", "Warn", "Fail"]) or value
 
 
 class ZeroTrainConfig(_Section):
@@ -423,7 +448,7 @@ class ZeroTrainConfig(_Section):
 
     _NOT_IMPLEMENTED = frozenset(
         """
-        activation_checkpointing aio amp autotuning checkpoint comet comms_logger
+        activation_checkpointing aio amp autotuning comet comms_logger
         communication_data_type compile compression_training csv_monitor curriculum_learning
         data_efficiency data_types dataloader_drop_last datastates_ckpt disable_allgather
         disable_python_gc dump_state eigenvalue elasticity expert_parallel flops_profiler
@@ -456,6 +481,8 @@ class ZeroTrainConfig(_Section):
     """bfloat16 mixed precision; see the bf16 section."""
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
     """ZeRO partitioning; see the zero_optimization section."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint saving and loading; see the checkpoint section."""
     steps_per_print: _PositiveInt = 10
     """Log progress every this many optimizer steps."""
     wall_clock_breakdown: bool = False

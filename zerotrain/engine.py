@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import time
+import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from zerotrain.checkpoint.files import write_state_dict
+from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
+from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, local_rank
 from zerotrain.config import ZeroTrainConfig
 from zerotrain.zero import ZeroOptimizer
@@ -167,6 +172,85 @@ class ZeroTrainEngine(nn.Module):
             tensor = masters.get(id(value), value).detach()
             out[key] = tensor.to(dtype).clone() if tensor.is_floating_point() else tensor.clone()
         return out
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+    ) -> Path:
+        """Save the whole training state under ``save_dir/tag`` (collective: every rank calls
+        it, and writes its own shard in parallel).
+
+        Saved: model weights (fp32 masters), optimizer states, LR scheduler, loss scaler,
+        engine counters, every rank's RNG states and the position of the engine's dataloader.
+        ``tag`` defaults to ``global_step{N}``. ``client_state`` is a dict of your own (pickled:
+        load it only from checkpoints you trust) returned by :meth:`load_checkpoint`. The
+        checkpoint becomes visible, and ``save_dir/latest`` names it, only once every rank's
+        files are on disk and rank 0 committed the manifest; with ``checkpoint.keep_last``
+        older checkpoints are deleted after that. Raises ``CheckpointError`` if any rank
+        failed to write (nothing is committed then).
+        """
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved at any world size and ZeRO stage (collective).
+
+        ``tag=None`` takes the newest complete checkpoint in ``load_dir`` (incomplete saves are
+        ignored); returns ``(path, client_state)``, or ``(None, None)`` with a warning when
+        ``load_dir`` holds no complete checkpoint. Files are checked (names, shapes, sizes,
+        SHA-256) before anything changes: a bad checkpoint raises ``CheckpointError`` naming
+        the file and the problem, and leaves the engine as it was. ``load_module_only`` loads
+        the weights alone; the other flags leave out the optimizer states or the scheduler.
+        RNG states are restored on the ranks that existed when the checkpoint was saved.
+        """
+        options = LoadOptions(
+            module_strict=load_module_strict,
+            optimizer_states=load_optimizer_states,
+            lr_scheduler_states=load_lr_scheduler_states,
+            module_only=load_module_only,
+        )
+        return load_checkpoint(self, load_dir, tag, options)
+
+    def save_16bit_model(
+        self,
+        save_dir: str | Path,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Rank 0 writes the full model state dict in the training dtype to
+        ``save_dir/save_filename`` (collective): a ``.safetensors`` name writes safetensors,
+        any other ``torch.save``; written under a temporary name and renamed. At ZeRO stage 3
+        this needs ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (the full
+        weights are gathered); without it nothing is written and False is returned, as in
+        DeepSpeed. For resumable training state use :meth:`save_checkpoint`.
+        """
+        gather = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if self.optimizer.policy.shard_parameters and not gather:
+            if self.global_rank == 0:
+                warnings.warn(
+                    "save_16bit_model: nothing saved; at ZeRO stage 3 set "
+                    "zero_optimization.stage3_gather_16bit_weights_on_model_save to true",
+                    stacklevel=2,
+                )
+            return False
+        state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            write_state_dict(Path(save_dir) / save_filename, state)
+        self.comm.barrier()
+        return True
 
     def _report(self) -> None:
         if self.global_rank != 0:

@@ -54,6 +54,19 @@ class ShardSegments:
 OptimizerFactory = Callable[[list[dict], ShardSegments], torch.optim.Optimizer]
 
 
+@dataclass(frozen=True)
+class MasterPiece:
+    """A run of one parameter's elements inside one of this rank's master tensors:
+    ``master[master_start : master_start + numel]`` holds elements
+    ``[param_start, param_start + numel)`` of the flattened parameter ``name``."""
+
+    name: str
+    master: int  # index into the store's master tensors (= bucket index)
+    master_start: int
+    param_start: int
+    numel: int
+
+
 class ZeroOptimizer:
     """Partitions model states per the policy and steps them.
 
@@ -272,14 +285,19 @@ class ZeroOptimizer:
                 clip = min(1.0, self.gradient_clipping / (norm + 1e-6))
             self.store.scale_grads(inv_scale * clip)
             self.store.step()
-            self.store.write_params([self._param_part(b) for b in self.buckets])
-            if self.gatherer is not None:
-                self.gatherer.refresh_persistent()  # the others gather at their next use
-            elif self.policy.shard_optimizer_states:
-                self._gather_params()
+            self.publish_params()
         self.store.release_grads()
         self.reducer.zero_grads()
         return not overflow
+
+    def publish_params(self) -> None:
+        """After the masters changed (a step, a checkpoint load): update the model's parameters
+        on every rank (collective)."""
+        self.store.write_params([self._param_part(b) for b in self.buckets])
+        if self.gatherer is not None:
+            self.gatherer.refresh_persistent()  # the others gather at their next use
+        elif self.policy.shard_optimizer_states:
+            self._gather_params()
 
     def _gather_params(self) -> None:
         ops = [
@@ -320,6 +338,30 @@ class ZeroOptimizer:
             self.gatherer.release(unit)
 
     # -- state views ---------------------------------------------------------------------------
+    def master_pieces(self, *, own_shard_only: bool) -> list[MasterPiece]:
+        """Where each parameter's elements sit in this rank's master tensors.
+
+        ``own_shard_only``: only this rank's 1/N shard of each bucket, whatever the stage (what
+        its checkpoint file holds: with unsharded optimizer states every rank holds everything,
+        and each writes its 1/N). Otherwise all the elements the master tensors hold.
+        """
+        pieces = []
+        for index, bucket in enumerate(self.buckets):
+            opt_start, opt_end = self._optimizer_range(bucket)
+            start, end = opt_start, opt_end
+            if own_shard_only:
+                start, end = (
+                    bucket.rank * bucket.shard_numel,
+                    (bucket.rank + 1) * bucket.shard_numel,
+                )
+            for slot in bucket.slots:
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+                if lo < hi:
+                    pieces.append(
+                        MasterPiece(slot.name, index, lo - opt_start, lo - slot.offset, hi - lo)
+                    )
+        return pieces
+
     def full_master_params(self) -> dict[int, torch.Tensor]:
         """``id(param) -> full fp32 master value``, gathered from every rank's shard."""
         out: dict[int, torch.Tensor] = {}

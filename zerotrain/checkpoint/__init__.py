@@ -1,0 +1,21 @@
+"""Checkpoints: sharded, atomic, verified, loadable at any world size and ZeRO stage.
+
+``engine.save_checkpoint`` / ``engine.load_checkpoint`` are the training-time entry points;
+``load_consolidated`` puts a checkpoint into a plain PyTorch model, and ``zerotrain checkpoint
+consolidate|inspect`` works on checkpoints from the command line. The layout is described in
+[Note: checkpoint layout] (manifest.py) and docs/checkpoints.md.
+"""
+
+from zerotrain.checkpoint.export import consolidate, inspect_checkpoints, load_consolidated
+from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
+
+__all__ = [
+    "CheckpointError",
+    "Manifest",
+    "ShardReader",
+    "consolidate",
+    "inspect_checkpoints",
+    "load_consolidated",
+    "resolve",
+    "scan",
+]

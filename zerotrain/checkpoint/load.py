@@ -1,0 +1,243 @@
+"""``engine.load_checkpoint``: check everything first, then stream this rank's share in.
+
+Loading is a pure function of the manifest (see [Note: checkpoint layout] in manifest.py):
+each rank walks the parameter runs its master tensors hold, at its own world size and stage,
+and reads the overlapping segments of the saved ranks' files, one piece at a time, straight
+into place. Before anything changes, every rank checks what it will read (names, shapes, the
+optimizer, sizes and SHA-256 of each file) and the ranks exchange their findings, so that a bad
+checkpoint raises the same error on every rank and leaves the engine untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
+from zerotrain.checkpoint.rng import restore_rng_state
+from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS, untrained_state
+
+if TYPE_CHECKING:
+    from zerotrain.engine import ZeroTrainEngine
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What to take from the checkpoint (DeepSpeed's ``load_checkpoint`` arguments)."""
+
+    module_strict: bool = True
+    optimizer_states: bool = True
+    lr_scheduler_states: bool = True
+    module_only: bool = False
+
+
+@dataclass
+class _Loaded:
+    engine_state: dict | None = None
+    rng_state: dict | None = None
+    client_state: dict | None = None
+
+
+def load_checkpoint(
+    engine: ZeroTrainEngine, load_dir: str | Path, tag: str | None, options: LoadOptions
+) -> tuple[str | None, dict | None]:
+    """Load a checkpoint into ``engine`` (collective); see
+    :meth:`ZeroTrainEngine.load_checkpoint`."""
+    comm = engine.comm
+    load_dir = Path(load_dir)
+    choice = _choose(load_dir, tag) if comm.rank == 0 else None
+    kind, value = comm.all_gather_object(choice)[0]  # rank 0 decides for everyone
+    if kind == "none":
+        if comm.rank == 0:
+            warnings.warn(f"load_checkpoint: {value}; nothing loaded", stacklevel=3)
+        return None, None
+    if kind == "error":
+        raise CheckpointError(value)
+
+    loaded, problems = _Loaded(), []
+    try:
+        manifest = Manifest.read(load_dir / value)
+        problems = _check(engine, manifest, options)
+        if not problems:
+            loaded = _read_small_files(engine, manifest, options)
+    except CheckpointError as exc:
+        problems = [str(exc)]
+    except Exception as exc:  # unreadable small files: report, like any other problem
+        problems = [f"{load_dir / value}: {type(exc).__name__}: {exc}"]
+    everyone = comm.all_gather_object(problems)
+    merged = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
+    if merged:
+        raise CheckpointError(
+            f"cannot load checkpoint {load_dir / value} (nothing was changed):\n  "
+            + "\n  ".join(merged)
+        )
+    _apply(engine, manifest, loaded, options)
+    return str(manifest.directory), loaded.client_state if loaded.client_state is not None else {}
+
+
+def _choose(load_dir: Path, tag: str | None) -> tuple[str, str]:
+    if tag is None and not any(status.complete for status in scan(load_dir)):
+        return "none", f"{load_dir} holds no complete checkpoint"  # a first run: start fresh
+    try:
+        return "tag", resolve(load_dir, tag).directory.name
+    except CheckpointError as exc:
+        return "error", str(exc)
+
+
+# -- checks (nothing changes yet) ----------------------------------------------------------------
+def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) -> list[str]:
+    where = manifest.path
+    zero = engine.optimizer
+    problems = []
+    model = {s.name: tuple(s.shape) for b in zero.buckets for s in b.slots}
+    saved = {name: record.shape for name, record in manifest.params.items()}
+    missing = [n for n in model if n not in saved]
+    unexpected = [n for n in saved if n not in model]
+    if missing or unexpected:
+        problems.append(
+            f"{where}: saved from another model: trainable parameters missing from the "
+            f"checkpoint {missing[:5]}, in the checkpoint but not trained by this engine "
+            f"{unexpected[:5]}" + (" (and more)" if len(missing) > 5 or len(unexpected) > 5 else "")
+        )
+    for name in model.keys() & saved.keys():
+        if model[name] != saved[name]:
+            problems.append(
+                f"{where}: parameter {name} has shape {list(saved[name])} in the checkpoint, "
+                f"{list(model[name])} in the model"
+            )
+    problems += manifest.layout_problems()
+    if problems:
+        return problems
+
+    saved_untrained = set(manifest["module_keys"]) - set(manifest["trained_keys"])
+    ours = set(untrained_state(engine))
+    if options.module_strict and saved_untrained != ours:
+        problems.append(
+            f"{where}: frozen parameters and buffers differ: missing from the checkpoint "
+            f"{sorted(ours - saved_untrained)[:5]}, not in the model "
+            f"{sorted(saved_untrained - ours)[:5]} (load_module_strict=False loads the common ones)"
+        )
+    if options.optimizer_states and not options.module_only:
+        ours_type = type(zero.optimizer).__name__
+        if manifest["optimizer"] != ours_type:
+            problems.append(
+                f"{where}: optimizer states are of {manifest['optimizer']}, the engine steps "
+                f"{ours_type}; pass load_optimizer_states=False to load only the weights"
+            )
+        groups = len(zero.optimizer.param_groups)
+        saved_groups = 1 + max((r.group for r in manifest.params.values()), default=0)
+        if groups != saved_groups:
+            problems.append(
+                f"{where}: saved with {saved_groups} optimizer parameter groups, the engine has "
+                f"{groups}; pass load_optimizer_states=False to load only the weights"
+            )
+
+    ranks = {
+        seg[0]
+        for piece in zero.master_pieces(own_shard_only=False)
+        for seg in manifest.params[piece.name].segments
+        if seg[1] < piece.param_start + piece.numel and piece.param_start < seg[2]
+    }
+    files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
+    if not options.module_only:
+        files.append(manifest.file("engine"))
+        if engine.comm.rank < manifest["world_size"]:
+            files.append(manifest.file("rank_state", engine.comm.rank))
+        if manifest.file("client_state"):
+            files.append(manifest.file("client_state"))
+    return problems + manifest.verify(files)
+
+
+def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Loaded:
+    loaded = _Loaded()
+    if options.module_only:
+        return loaded
+
+    def read(name: str, weights_only: bool = True):
+        return torch.load(manifest.directory / name, map_location="cpu", weights_only=weights_only)
+
+    loaded.engine_state = read(manifest.file("engine"))
+    if engine.comm.rank < manifest["world_size"]:
+        loaded.rng_state = read(manifest.file("rank_state", engine.comm.rank))
+    if manifest.file("client_state"):
+        # The one pickled file: the user's own objects (documented in docs/checkpoints.md).
+        loaded.client_state = read(manifest.file("client_state"), weights_only=False)
+    return loaded
+
+
+# -- applying ------------------------------------------------------------------------------------
+def _apply(engine, manifest: Manifest, loaded: _Loaded, options: LoadOptions) -> None:
+    zero = engine.optimizer
+    optimizer = zero.optimizer
+    masters = zero.store.master_shards()
+    state_keys = []
+    if options.optimizer_states and not options.module_only:
+        state_keys = manifest["optimizer_state_keys"]
+    reader = ShardReader(manifest)
+    try:
+        for piece in zero.master_pieces(own_shard_only=False):
+            master = masters[piece.master]
+            targets = {"master": master}
+            for key in state_keys:
+                state = optimizer.state[master]
+                if key not in state:
+                    state[key] = torch.zeros_like(master)
+                targets[key] = state[key]
+            end = piece.param_start + piece.numel
+            for kind, tensor in targets.items():
+                flat = tensor.view(-1)
+                for offset, values in reader.read(piece.name, kind, piece.param_start, end):
+                    start = piece.master_start + offset - piece.param_start
+                    flat[start : start + values.numel()].copy_(values)
+        untrained = untrained_state(engine)
+        for key in set(untrained) & set(manifest["module_keys"]):
+            untrained[key].copy_(reader.module_tensor(key))
+    finally:
+        reader.close()
+    zero.zero_grad()
+    if state_keys:
+        _load_optimizer_scalars(optimizer, loaded.engine_state)
+    zero.publish_params()
+    if options.module_only:
+        return
+
+    state = loaded.engine_state
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+    # resume at an accumulation boundary of *this* run's accumulation steps (they may differ)
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    zero.skipped_steps = state["skipped_steps"]
+    zero.global_grad_norm = state["global_grad_norm"]
+    if zero.loss_scaler.dynamic and manifest["precision"] == "fp16":
+        zero.loss_scaler.load_state_dict(state["loss_scaler"])
+    scheduler_state = state["lr_scheduler"]
+    if options.lr_scheduler_states and engine.lr_scheduler is not None and scheduler_state:
+        engine.lr_scheduler.load_state_dict(scheduler_state)
+    loader = engine.training_dataloader
+    if state["dataloader"] is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(state["dataloader"])
+    if loaded.rng_state is not None:
+        restore_rng_state(loaded.rng_state)
+
+
+def _load_optimizer_scalars(optimizer: torch.optim.Optimizer, engine_state: dict) -> None:
+    """Hyperparameters per group and the per-group scalar state (Adam's ``step``)."""
+    for group, hyper, scalars in zip(
+        optimizer.param_groups,
+        engine_state["optimizer_groups"],
+        engine_state["optimizer_scalar_state"],
+        strict=True,
+    ):
+        group.update({k: v for k, v in hyper.items() if k not in LAYOUT_GROUP_KEYS})
+        # torch keeps `step` on CPU unless the fused or capturable kernels want it on device
+        on_device = group.get("fused") or group.get("capturable")
+        for master in group["params"]:
+            state = optimizer.state[master]
+            for key, value in scalars.items():
+                if torch.is_tensor(value):
+                    value = value.clone().to(master.device if on_device else "cpu")
+                state[key] = value

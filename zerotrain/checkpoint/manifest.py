@@ -1,0 +1,246 @@
+"""The checkpoint layout: the manifest that commits a checkpoint, and reading from it.
+
+[Note: checkpoint layout]
+``SAVE_DIR/TAG/`` holds, per save, files named ``{save_id}-...``:
+
+- ``rank00000.safetensors`` (one per rank): the rank's slice of every trainable parameter's
+  fp32 master value and per-element optimizer state (``{param name}/master``,
+  ``{param name}/exp_avg``, ...), each a 1-D run of the flattened parameter;
+- ``rank00000.pt`` (one per rank): that rank's RNG states;
+- ``module.safetensors``: frozen parameters and buffers (state-dict keys);
+- ``engine.pt``: counters, loss scaler, LR scheduler, data position, optimizer hyperparameters;
+- ``client_state.pt``: the user's ``client_state`` (the only pickled file);
+- ``manifest.json``: what the save wrote, written last and committed by rename. It lists every
+  parameter by name with its logical shape and which rank's file holds which element range
+  (``segments``), and every file with its size and SHA-256.
+
+A checkpoint exists once its manifest does; a directory without one is a save that did not
+finish. Saving the same tag again writes new files under a new save id and switches the
+manifest by rename, so the previous save stays loadable until the new one is committed.
+Loading any world size or ZeRO stage is a pure function of the manifest: a rank reads, for each
+parameter slice it owns, the segments that overlap it. The ``.pt`` files hold only tensors and
+plain containers and are loaded with ``weights_only=True``; ``client_state.pt`` is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerotrain.checkpoint.files import record_of
+
+FORMAT = "zerotrain-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One trainable parameter: its logical shape and where its elements are stored."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: int
+    segments: tuple[tuple[int, int, int], ...]  # (rank, start, end) of the flattened parameter
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+class Manifest:
+    """The parsed ``manifest.json`` of a committed checkpoint."""
+
+    def __init__(self, data: dict, path: Path):
+        self.data = data
+        self.path = path
+        self.params = {
+            p["name"]: ParamRecord(
+                p["name"],
+                tuple(p["shape"]),
+                p["group"],
+                tuple(tuple(s) for s in p["segments"]),
+            )
+            for p in data["params"]
+        }
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST
+        if not directory.is_dir():
+            here = ", ".join(s.tag for s in scan(directory.parent)) or "none"
+            raise CheckpointError(
+                f"{directory}: no such checkpoint (checkpoints in {directory.parent}: {here})"
+            )
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{directory}: incomplete checkpoint, no {MANIFEST} (a save that did not "
+                "finish); load another tag, or tag=None for the newest complete one"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a zerotrain checkpoint manifest")
+        if data.get("version") != VERSION:
+            raise CheckpointError(
+                f"{path}: checkpoint format version {data.get('version')}, this zerotrain reads "
+                f"version {VERSION}"
+            )
+        try:
+            return cls(data, path)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{path}: malformed manifest ({type(exc).__name__}: {exc})"
+            ) from None
+
+    @property
+    def directory(self) -> Path:
+        return self.path.parent
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+    def file(self, role: str, rank: int | None = None) -> str | None:
+        """The file name of a role (``shard``/``rank_state`` per rank; ``module``, ``engine``,
+        ``client_state``)."""
+        entry = self.data["roles"][role]
+        return entry[rank] if rank is not None else entry
+
+    def layout_problems(self) -> list[str]:
+        """Parameters whose segments do not tile them exactly, from existing rank files."""
+        problems = []
+        ranks = len(self.data["roles"]["shard"])
+        for name, record in self.params.items():
+            covered = 0
+            for rank, start, end in record.segments:
+                covered = end if start == covered and 0 <= rank < ranks else -1
+            if covered != record.numel:
+                problems.append(f"{self.path}: parameter {name}: its segments do not cover it")
+        orphans = [k for k, n in self.data["trained_keys"].items() if n not in self.params]
+        if orphans:
+            problems.append(f"{self.path}: trained keys without a parameter record: {orphans[:5]}")
+        return problems
+
+    def verify(self, names: list[str]) -> list[str]:
+        """Check each named file's size and SHA-256 against the manifest; the problems found."""
+        problems = []
+        for name in names:
+            expected = self.data["files"][name]
+            path = self.directory / name
+            if not path.exists():
+                problems.append(f"{path}: missing (the manifest lists it)")
+                continue
+            size = path.stat().st_size
+            if size != expected["bytes"]:
+                problems.append(
+                    f"{path}: truncated or overwritten, {size} bytes where the manifest "
+                    f"records {expected['bytes']}"
+                )
+                continue
+            if record_of(path).sha256 != expected["sha256"]:
+                problems.append(f"{path}: corrupted, its SHA-256 differs from the manifest's")
+        return problems
+
+
+class ShardReader:
+    """Reads element ranges of parameters from a checkpoint's rank files, lazily: only the
+    bytes asked for are read (``safetensors`` slices over a memory map)."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self._open: dict[str, object] = {}
+
+    def _handle(self, name: str):
+        if name not in self._open:
+            from safetensors import safe_open
+
+            self._open[name] = safe_open(str(self.manifest.directory / name), framework="pt")
+        return self._open[name]
+
+    def read(self, param: str, kind: str, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """Pieces ``(offset, values)`` covering elements ``[start, end)`` of the flattened
+        ``param``'s ``kind`` (``master`` or an optimizer state key), in order."""
+        pieces = []
+        for rank, seg_start, seg_end in self.manifest.params[param].segments:
+            lo, hi = max(start, seg_start), min(end, seg_end)
+            if lo < hi:
+                handle = self._handle(self.manifest.file("shard", rank))
+                values = handle.get_slice(f"{param}/{kind}")[lo - seg_start : hi - seg_start]
+                pieces.append((lo, values))
+        return pieces
+
+    def full(self, param: str, kind: str = "master") -> torch.Tensor:
+        """The whole parameter (its logical shape) from its segments."""
+        record = self.manifest.params[param]
+        parts = [values for _, values in self.read(param, kind, 0, record.numel)]
+        return torch.cat(parts).view(record.shape)
+
+    def module_tensor(self, key: str) -> torch.Tensor:
+        return self._handle(self.manifest.file("module")).get_tensor(key)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """One tag directory under a save directory, as ``inspect`` and ``tag=None`` see it."""
+
+    tag: str
+    path: Path
+    manifest: Manifest | None  # None: incomplete or unreadable
+    problem: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None
+
+
+def status_of(directory: Path) -> CheckpointStatus:
+    """Whether ``directory`` holds a complete checkpoint (and its manifest), or why not."""
+    try:
+        return CheckpointStatus(directory.name, directory, Manifest.read(directory))
+    except CheckpointError as exc:
+        return CheckpointStatus(directory.name, directory, None, str(exc))
+
+
+def scan(save_dir: Path) -> list[CheckpointStatus]:
+    """Every tag directory in ``save_dir``, oldest commit first; incomplete ones last."""
+    if not save_dir.is_dir():
+        return []
+    found = [
+        status_of(path)
+        for path in sorted(save_dir.iterdir())
+        if path.is_dir() and not path.name.startswith(".")
+    ]
+    return sorted(
+        found, key=lambda s: (not s.complete, s.manifest["commit_time"] if s.complete else 0)
+    )
+
+
+def resolve(save_dir: Path, tag: str | None) -> Manifest:
+    """The manifest of ``tag``, or of the newest complete checkpoint when ``tag`` is None."""
+    if tag is not None:
+        return Manifest.read(save_dir / tag)
+    complete = [s for s in scan(save_dir) if s.complete]
+    if not complete:
+        raise CheckpointError(f"{save_dir}: no complete checkpoint to load")
+    return complete[-1].manifest
+
+
+def read_latest(save_dir: Path) -> str | None:
+    """The tag the ``latest`` file names (DeepSpeed's convention), if any."""
+    try:
+        return (save_dir / LATEST).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None

@@ -1,0 +1,294 @@
+"""``engine.save_checkpoint``: every rank writes its shard in parallel, rank 0 commits.
+
+The sequence (see [Note: checkpoint layout] in manifest.py):
+1. ranks agree on the tag and a fresh save id (one collective);
+2. each rank writes and fsyncs its files, hashing them as they are written;
+3. the ranks exchange what they wrote, or the error that stopped them (one collective): if any
+   rank failed, every rank raises and nothing is committed;
+4. rank 0 writes ``manifest.json`` by rename (the commit), moves ``latest``, deletes files of
+   earlier saves to the same tag and, with ``checkpoint.keep_last``, older checkpoints;
+5. the ranks learn the outcome (one collective), so all return or all raise.
+A rank that dies anywhere before step 4 leaves no manifest: the save is incomplete and
+invisible to ``load_checkpoint(tag=None)``; the survivors' collectives time out and raise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from zerotrain.checkpoint.files import (
+    FileRecord,
+    TensorEntry,
+    commit_text,
+    fsync_dir,
+    tensor_entry,
+    write_safetensors,
+    write_torch,
+)
+from zerotrain.checkpoint.manifest import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    scan,
+)
+from zerotrain.checkpoint.rng import capture_rng_state
+
+if TYPE_CHECKING:
+    from zerotrain.engine import ZeroTrainEngine
+
+# Optimizer param-group entries that describe the layout of this rank's shards, not training.
+LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ids", "num_segments"})
+
+
+def save_checkpoint(
+    engine: ZeroTrainEngine,
+    save_dir: str | Path,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    save_latest: bool = True,
+) -> Path:
+    """Save ``engine``'s full training state under ``save_dir/tag`` (collective); returns the
+    checkpoint directory. See :meth:`ZeroTrainEngine.save_checkpoint`."""
+    comm = engine.comm
+    tag = _agreed_tag(engine, tag)
+    if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
+        warnings.warn(
+            "save_checkpoint: called in the middle of a gradient accumulation; the gradients "
+            "accumulated since the last step are not saved (save after engine.step() at a "
+            "boundary)",
+            stacklevel=3,
+        )
+    save_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
+    directory = Path(save_dir) / tag
+
+    error, written = None, {}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        written = _write_rank_files(engine, directory, save_id, client_state)
+    except Exception as exc:  # every rank must reach the exchange below, or the others hang
+        error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    reports = comm.all_gather_object((error, written))
+    failures = [e for e, _ in reports if e is not None]
+    if failures:
+        raise _not_saved(directory, failures)
+
+    outcome = None
+    if comm.rank == 0:
+        try:
+            _commit(engine, directory, tag, save_id, [w for _, w in reports], save_latest)
+        except Exception as exc:
+            outcome = f"rank 0 could not commit: {type(exc).__name__}: {exc}"
+    outcome = comm.all_gather_object(outcome)[0]
+    if outcome is not None:
+        raise _not_saved(directory, [outcome])
+    return directory
+
+
+def _not_saved(directory: Path, problems: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {directory} was not saved (earlier checkpoints are untouched):\n  "
+        + "\n  ".join(problems)
+    )
+
+
+def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(
+            f"save_checkpoint: tag {tag!r} cannot name a checkpoint directory; use letters, "
+            "digits, '_' or '-' (not '/', a leading '.', or 'latest')"
+        )
+    tags = engine.comm.all_gather_object(tag)
+    mode = engine.config.checkpoint.tag_validation
+    if len(set(tags)) > 1 and mode != "Ignore":
+        message = (
+            f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; every rank must "
+            "pass the same tag"
+        )
+        if mode == "Fail":
+            raise ValueError(message + " (checkpoint.tag_validation is Fail)")
+        if engine.comm.rank == 0:
+            warnings.warn(message + f"; saving under rank 0's tag {tags[0]!r}", stacklevel=3)
+    return tags[0]
+
+
+# -- what each rank writes -----------------------------------------------------------------------
+def _write_rank_files(
+    engine: ZeroTrainEngine, directory: Path, save_id: str, client_state: dict | None
+) -> dict:
+    """Write this rank's files; returns ``{"files": {name: record}, "roles": ..., "segments":
+    [(param name, start, end)]}`` for the manifest."""
+    rank = engine.comm.rank
+    zero = engine.optimizer
+    masters = zero.store.master_shards()
+    element_keys = per_element_state_keys(zero.optimizer, masters)
+    pieces = zero.master_pieces(own_shard_only=True)
+
+    def entry(name: str, tensor: torch.Tensor, piece) -> TensorEntry:
+        part = tensor.view(-1)[piece.master_start : piece.master_start + piece.numel]
+        return tensor_entry(name, part)
+
+    entries = []
+    for piece in pieces:
+        master = masters[piece.master]
+        entries.append(entry(f"{piece.name}/master", master, piece))
+        state = zero.optimizer.state.get(master, {})
+        entries += [entry(f"{piece.name}/{key}", state[key], piece) for key in element_keys]
+
+    files: dict[str, FileRecord] = {}
+    roles: dict[str, str] = {}
+
+    def put(role: str, suffix: str, write) -> None:
+        name = f"{save_id}-{suffix}"
+        files[name] = write(directory / name)
+        roles[role] = name
+
+    put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
+    put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, capture_rng_state()))
+    if rank == 0:
+        module_entries = [tensor_entry(key, t) for key, t in untrained_state(engine).items()]
+        put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
+        put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine, element_keys)))
+        if client_state is not None:
+            put("client_state", "client_state.pt", lambda p: write_torch(p, client_state))
+    segments = [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
+    return {"files": files, "roles": roles, "segments": segments}
+
+
+def per_element_state_keys(optimizer: torch.optim.Optimizer, masters) -> list[str]:
+    """Optimizer state entries shaped like their master tensor (Adam's ``exp_avg``...): these
+    are sharded with it; the rest (``step``) are per-group scalars."""
+    for master in masters:
+        state = optimizer.state.get(master)
+        if state:
+            return sorted(
+                k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
+            )
+    return []
+
+
+def trainable_names(engine: ZeroTrainEngine) -> dict[int, str]:
+    """``id(param) -> name`` of every parameter the engine trains (tied ones under one name)."""
+    return {id(s.param): s.name for b in engine.optimizer.buckets for s in b.slots}
+
+
+def untrained_state(engine: ZeroTrainEngine) -> dict[str, torch.Tensor]:
+    """State-dict entries that are not trained parameters: frozen parameters and buffers."""
+    trained = trainable_names(engine)
+    return {
+        key: value.detach()
+        for key, value in engine.module.state_dict(keep_vars=True).items()
+        if id(value) not in trained
+    }
+
+
+def _engine_state(engine: ZeroTrainEngine, element_keys: list[str]) -> dict:
+    zero = engine.optimizer
+    scalar_state = []
+    for group in zero.optimizer.param_groups:
+        first = zero.optimizer.state.get(group["params"][0], {}) if group["params"] else {}
+        scalar_state.append({k: v for k, v in first.items() if k not in element_keys})
+    loader = engine.training_dataloader
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": zero.skipped_steps,
+        "global_grad_norm": zero.global_grad_norm,
+        "loss_scaler": zero.loss_scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "dataloader": loader.state_dict() if hasattr(loader, "state_dict") else None,
+        "optimizer_groups": [
+            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
+            for g in zero.optimizer.param_groups
+        ],
+        "optimizer_scalar_state": scalar_state,
+    }
+
+
+# -- the commit (rank 0) -------------------------------------------------------------------------
+def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict], latest: bool):
+    zero = engine.optimizer
+    segments: dict[str, list[list[int]]] = {}
+    for rank, report in enumerate(written):
+        for name, start, end in report["segments"]:
+            segments.setdefault(name, []).append([rank, start, end])
+    slots = sorted((s for b in zero.buckets for s in b.slots), key=lambda s: s.index)
+    group_of = {id(s.param): b.group_index for b in zero.buckets for s in b.slots}
+    trained = trainable_names(engine)
+    module_keys = list(engine.module.state_dict(keep_vars=True).items())
+    masters = zero.store.master_shards()
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "save_id": save_id,
+        "commit_time": time.time(),
+        "world_size": engine.world_size,
+        "stage": zero.policy.stage,
+        "precision": zero.precision.name,
+        "optimizer": type(zero.optimizer).__name__,
+        "optimizer_state_keys": per_element_state_keys(zero.optimizer, masters),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "params": [
+            {
+                "name": s.name,
+                "shape": list(s.shape),
+                "group": group_of[id(s.param)],
+                "segments": sorted(segments.get(s.name, []), key=lambda seg: seg[1]),
+            }
+            for s in slots
+        ],
+        "module_keys": [key for key, _ in module_keys],
+        "trained_keys": {key: trained[id(v)] for key, v in module_keys if id(v) in trained},
+        "roles": {
+            "shard": [w["roles"]["shard"] for w in written],
+            "rank_state": [w["roles"]["rank_state"] for w in written],
+            **{
+                role: written[0]["roles"].get(role) for role in ("module", "engine", "client_state")
+            },
+        },
+        "files": {
+            name: {"bytes": rec.bytes, "sha256": rec.sha256}
+            for w in written
+            for name, rec in w["files"].items()
+        },
+    }
+    fsync_dir(directory)
+    commit_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+    if latest:
+        commit_text(directory.parent / LATEST, tag)
+    try:  # housekeeping: the checkpoint is committed whatever happens here
+        _remove_stale_files(directory, set(manifest["files"]))
+        _apply_retention(directory, engine.config.checkpoint.keep_last)
+    except OSError as exc:
+        warnings.warn(
+            f"save_checkpoint: {directory} saved, but cleaning up failed: {exc}", stacklevel=4
+        )
+
+
+def _remove_stale_files(directory: Path, keep: set[str]) -> None:
+    """Files of earlier or failed saves to this tag."""
+    for stale in directory.iterdir():
+        if stale.is_file() and stale.name != MANIFEST and stale.name not in keep:
+            stale.unlink(missing_ok=True)
+
+
+def _apply_retention(directory: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0: keep all)."""
+    if not keep_last:
+        return
+    complete = [s for s in scan(directory.parent) if s.complete and s.path != directory]
+    for old in complete[: max(0, len(complete) - (keep_last - 1))]:
+        (old.path / MANIFEST).unlink()  # un-commit first: never a manifest without its files
+        shutil.rmtree(old.path, ignore_errors=True)
