@@ -1,6 +1,6 @@
 """Step time and memory of zerotrain against torch DDP, torch FSDP2 and DeepSpeed, in one run.
 
-    python bench/step_time.py [--model demo|30m] [--systems floor ddp ...] [--rounds 3]
+    python bench/step_time.py [--model demo 30m] [--systems floor ddp ...] [--rounds 3]
                               [--steps 3] [--launch once|per-round] [--deepspeed-optimizer torch]
 
 Trains the GPT of examples/gpt/model.py on 2 ranks (torchrun, gloo, fp32, CPU) under every system
@@ -8,11 +8,15 @@ Trains the GPT of examples/gpt/model.py on 2 ranks (torchrun, gloo, fp32, CPU) u
 no optimizer step), torch DDP, torch FSDP2, DeepSpeed ZeRO stages 0-3 and zerotrain stages 0-3.
 Every system starts from the same initial weights, sees the same tokens and uses the same AdamW
 with gradient clipping at 1.0, so their final losses agree in fp32; a loss more than 1e-3
-(relative) away from DDP's is flagged. Prints a table of median step times, ratios, peak RSS and
-model-state bytes, and writes bench/results/step_time.json. A system that cannot run is listed
-with the reason: a zerotrain stage whose config zerotrain rejects (found by validating it), a
-DeepSpeed row when `import deepspeed` fails (DeepSpeed is optional: requirements-bench.txt), a
-job that fails to start.
+(relative) away from DDP's is flagged. Prints a table of median step times, ratios, peak RSS,
+model-state bytes and bytes sent per rank per step ([Note: bytes sent per step]), and writes
+bench/results/step_time.json. `--model` takes one GPT preset or several
+(`python bench/step_time.py --model demo 30m`): the whole benchmark runs for each model in turn,
+with one table per model and one JSON entry per model. The default is "demo" alone: "30m" takes
+several times as long (bench/README.md: 787 s with `--rounds 2 --steps 2`, demo 140 s with the
+defaults). A system that cannot run is listed with the reason: a zerotrain stage whose config
+zerotrain rejects (found by validating it), a DeepSpeed row when `import deepspeed` fails
+(DeepSpeed is optional: requirements-bench.txt), a job that fails to start.
 
 DeepSpeed gets torch's fused AdamW, the kernel of every other row, by default. Its own config
 AdamW (`--deepspeed-optimizer deepspeed`) is, on CPU without offload, its FusedAdam C++ op,
@@ -29,10 +33,29 @@ turn blocks on a socket read and uses no CPU. With `--launch once` (the default 
 10M parameters) every job starts once, warms up, and stays up between rounds: start-up (imports,
 DeepSpeed's op loading) is paid once and training continues across rounds, but all systems are
 resident at once (about 0.5-0.8 GB per rank per system for "demo"). With `--launch per-round`
-(the default for larger models, where resident jobs would not fit in memory) each round starts
-every job anew and stops it after: one system in memory at a time, each launch warms up on the
-first batch and trains from the initial weights, so the final loss is the one after 1 + `--steps`
-steps. Either way a system's peak RSS is the maximum over its ranks and launches.
+(the default for larger models, "30m" among them, where resident jobs would not fit in memory;
+chosen per model when `--launch` is not given) each round starts every job anew and stops it
+after: one system in memory at a time, each launch warms up on the first batch and trains from
+the initial weights, so the final loss is the one after 1 + `--steps` steps. Either way a
+system's peak RSS is the maximum over its ranks and launches.
+
+[Note: bytes sent per step]
+ZeRO (arXiv:1910.02054 §7) counts communication in passes of a bandwidth-optimal ring over the Ψ
+trainable parameters: in a reduce-scatter or an all-gather each of N ranks sends (N-1)/N of the
+buffer, in an all-reduce twice that. Data parallelism and stages 0-2 need 2Ψ(N-1)/N values per rank
+per step (gradients reduce-scattered, then all-gathered: gradients for DDP, updated parameters for
+stages 1-2), the ring minimum. Stage 3 all-gathers the parameters in forward instead and, as ZeRO
+describes it, again in backward: 3Ψ(N-1)/N, 1.5 times the minimum. Both DeepSpeed and zerotrain
+skip that second all-gather for parameters used again within `stage3_max_reuse_distance` elements
+(default 1e9: all of a model this size; DeepSpeed once it has traced a step), which leaves 2Ψ.
+zerotrain rows report what each rank actually sent (`engine.comm.stats`, see [Note: bytes sent] in
+zerotrain/comm/communicator.py), reset after the warm-up and at each round, max over ranks, mean
+over the timed steps; every collective counts, the gradient-norm all-reduce included. DDP, FSDP2
+and DeepSpeed cannot be counted from outside, so their rows show the volume their algorithm implies
+(`Spec.formula_passes`), marked `*`: DDP and DeepSpeed stages 0-2 2Ψ, FSDP2 3Ψ (it reshards every
+block after forward; the root module's parameters, the embeddings and final norm, stay gathered, so
+it sends slightly less), DeepSpeed stage 3 ZeRO's 3Ψ (an upper bound: with the reuse above it may
+send 2Ψ). Everything is fp32: 4 bytes per value.
 """
 
 from __future__ import annotations
@@ -77,23 +100,47 @@ class Spec:
     label: str
     family: str  # "floor", "ddp", "fsdp2", "deepspeed" or "zerotrain"
     stage: int | None = None
+    formula_passes: int | None = None
+    """Ring passes over the parameters per step that the system's algorithm implies, for systems
+    whose bytes cannot be counted ([Note: bytes sent per step]); None for zerotrain, which
+    counts them."""
 
 
 SPECS = {
     spec.key: spec
     for spec in [
-        Spec("floor", "compute floor", "floor"),
-        Spec("ddp", "torch DDP", "ddp"),
-        Spec("fsdp2", "torch FSDP2", "fsdp2"),
-        *(Spec(f"ds{s}", f"DeepSpeed stage {s}", "deepspeed", s) for s in range(4)),
+        Spec("floor", "compute floor", "floor", formula_passes=0),
+        Spec("ddp", "torch DDP", "ddp", formula_passes=2),
+        Spec("fsdp2", "torch FSDP2", "fsdp2", formula_passes=3),
+        *(
+            Spec(
+                f"ds{s}", f"DeepSpeed stage {s}", "deepspeed", s, formula_passes=3 if s == 3 else 2
+            )
+            for s in range(4)
+        ),
         *(Spec(f"zt{s}", f"zerotrain stage {s}", "zerotrain", s) for s in range(4)),
     ]
 }
 
 
+def ring_bytes(passes: float, params: int, nproc: int) -> float:
+    """Bytes one rank sends in `passes` ring passes over `params` fp32 values: passes x Ψ(N-1)/N
+    x 4 ([Note: bytes sent per step])."""
+    return passes * params * (nproc - 1) / nproc * 4
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from gpt.model import PRESETS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="demo", help="GPT preset of examples/gpt/model.py")
+    parser.add_argument(
+        "--model",
+        dest="models",
+        nargs="+",
+        default=["demo"],
+        choices=list(PRESETS),
+        help="GPT presets of examples/gpt/model.py; the benchmark runs for each in turn",
+    )
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
@@ -154,10 +201,12 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class Built:
-    """A system ready to train: its step, and its model-state bytes where it reports them."""
+    """A system ready to train: its step, its model-state bytes and its communicator where it
+    reports them."""
 
     step: Step
     model_state: Callable[[], dict[str, float]] | None = None
+    comm: Any = None  # zerotrain's Communicator: counts the bytes this rank sends
 
 
 def fused_adamw(params) -> torch.optim.Optimizer:
@@ -226,7 +275,7 @@ def build_zerotrain(model, spec, args) -> Built:
     import zerotrain
 
     engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec.stage, args))
-    return Built(engine_step(engine), engine.memory_breakdown)
+    return Built(engine_step(engine), engine.memory_breakdown, engine.comm)
 
 
 def engine_step(engine) -> Step:
@@ -304,6 +353,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
     while (order := channel.recv())["round"] is not None:
         first = 1 + order["round"] * args.steps
+        if built.comm is not None:
+            built.comm.reset_stats()  # count the timed steps: not the warm-up, not the last round
         times = []
         for x, y in batches[first : first + args.steps]:
             dist.barrier()
@@ -313,12 +364,14 @@ def run_worker(args: argparse.Namespace) -> None:
         # A step's time is the slowest rank's; memory is the largest rank's.
         times_t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(times_t, op=dist.ReduceOp.MAX)
+        sent = sum(s.sent for s in built.comm.stats.values()) if built.comm is not None else -1.0
         state = built.model_state() if built.model_state else {}
         peaks = torch.tensor(
             [
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,  # KiB on Linux
                 state.get("total", -1.0),  # -1: the system does not report it
                 state.get("formula_total", -1.0),
+                sent,
             ],
             dtype=torch.float64,
         )
@@ -326,7 +379,7 @@ def run_worker(args: argparse.Namespace) -> None:
         loss_t = loss.detach().double().reshape(1)
         dist.all_reduce(loss_t)
         if rank == 0:
-            rss, state_total, formula_total = peaks.tolist()
+            rss, state_total, formula_total, sent = peaks.tolist()
             channel.send(
                 {
                     "times_s": times_t.tolist(),
@@ -334,6 +387,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     "peak_rss": rss,
                     "model_state": state_total if state_total >= 0 else None,
                     "formula": formula_total if formula_total >= 0 else None,
+                    "sent_bytes": sent if sent >= 0 else None,  # over this round's steps
                 }
             )
     channel.close()
@@ -366,7 +420,9 @@ class Job:
         threads = max(1, (os.cpu_count() or 2) // args.nproc)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += ["--nproc-per-node", str(args.nproc), "--monitor-interval", "1", __file__]
-        cmd += [*sys.argv[1:], "--worker", spec.key, "--control", self.server.getsockname()]
+        # The job's own model goes last: argparse keeps the last --model.
+        cmd += [*sys.argv[1:], "--model", args.model, "--worker", spec.key]
+        cmd += ["--control", self.server.getsockname()]
         with open(self.log_path, "ab") as log:
             # Own session: stop() can end the whole job (torchrun and its ranks) by group id.
             self.proc = subprocess.Popen(
@@ -451,12 +507,24 @@ class Row:
     peak_rss: float = 0.0
     model_state: float | None = None
     formula: float | None = None
+    sent_bytes: float | None = None  # over all timed steps; None: the system does not count them
 
     def add(self, result: dict) -> None:
         self.times_s += result["times_s"]
         self.loss = result["loss"]
         self.peak_rss = max(self.peak_rss, result["peak_rss"])
         self.model_state, self.formula = result["model_state"], result["formula"]
+        if result["sent_bytes"] is not None:
+            self.sent_bytes = (self.sent_bytes or 0.0) + result["sent_bytes"]
+
+    def sent_per_step(self, params: int, nproc: int) -> tuple[float | None, bool]:
+        """Bytes one rank sends per step, and whether that is by formula rather than counted
+        ([Note: bytes sent per step]); None where neither is known."""
+        if self.sent_bytes is not None:
+            return self.sent_bytes / len(self.times_s), False
+        if self.spec.formula_passes is not None:
+            return ring_bytes(self.spec.formula_passes, params, nproc), True
+        return None, False
 
 
 def unavailable(spec: Spec, args: argparse.Namespace) -> str:
@@ -538,7 +606,9 @@ def measure(rows: list[Row], args: argparse.Namespace) -> None:
 # --- the table -----------------------------------------------------------------------------
 
 
-def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: float) -> None:
+def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: float) -> dict:
+    """Print one model's table and notes; return its JSON entry."""
+    ring_min = ring_bytes(2, params, args.nproc)
     medians = {row.spec.key: statistics.median(row.times_s) for row in rows if row.times_s}
     floor, ddp = medians.get("floor"), medians.get("ddp")
     ddp_loss = next((r.loss for r in rows if r.spec.key == "ddp" and r.times_s), None)
@@ -555,9 +625,11 @@ def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: fl
         ("vs DS", 6),
         ("efficiency", 10),
         ("tokens/s", 8),
-        ("peak RSS MB", 11),
         ("state MB", 8),
         ("state/formula", 13),
+        ("peak RSS MB", 11),
+        ("sent MB/step", 12),
+        ("sent/ring", 9),
         ("final loss", 10),
         ("Δloss/DDP", 10),
     ]
@@ -566,7 +638,7 @@ def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: fl
     )
     print(header)
     print("-" * len(header))
-    flagged = False
+    flagged = by_formula_shown = False
     records = []
     for row in rows:
         out: dict[str, Any] = {"system": row.spec.label, "key": row.spec.key}
@@ -584,6 +656,9 @@ def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: fl
             rel_loss = abs(row.loss - ddp_loss) / abs(ddp_loss)
         flag = rel_loss is not None and rel_loss > LOSS_RTOL
         flagged |= flag
+        sent, by_formula = row.sent_per_step(params, args.nproc)
+        by_formula_shown |= by_formula
+        mark = "*" if by_formula else " "  # the blank keeps the digits of both kinds aligned
         out.update(
             status=row.status or "measured",
             median_s=median,
@@ -595,6 +670,9 @@ def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: fl
             peak_rss_bytes=row.peak_rss,
             model_state_bytes=row.model_state,
             formula_bytes=row.formula,
+            sent_bytes_per_step=sent,
+            sent_by_formula=by_formula,
+            sent_vs_ring=sent / ring_min if sent is not None and ring_min else None,
             loss=row.loss,
             rel_loss_vs_ddp=rel_loss,
             loss_mismatch=flag,
@@ -605,9 +683,11 @@ def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: fl
             _fmt(out["vs_deepspeed"], ".3f"),
             _fmt(out["efficiency"], ".3f"),
             f"{out['tokens_per_s']:.0f}",
-            f"{row.peak_rss / 1e6:.0f}",
             _fmt(row.model_state and row.model_state / 1e6, ".1f"),
             _fmt(row.model_state and row.formula and row.model_state / row.formula, ".4f"),
+            f"{row.peak_rss / 1e6:.0f}",
+            _fmt(sent and sent / 1e6, ".2f", mark),
+            _fmt(out["sent_vs_ring"], ".3f", mark),
             f"{row.loss:.5f}",
             "-" if rel_loss is None else f"{rel_loss:.1e}" + (" !" if flag else ""),
         ]
@@ -619,28 +699,30 @@ def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: fl
         print(line)
         records.append(out)
     print()
-    for note in footer(rows, args, flagged):
+    for note in footer(rows, args, flagged, by_formula_shown, ring_min):
         print(note)
+    return {
+        "model": args.model,
+        "params": params,
+        "launch": args.launch,
+        "load_average_before": load,
+        "ring_min_bytes_per_step": ring_min,
+        "rows": records,
+    }
+
+
+def write_json(args: argparse.Namespace, models: list[dict]) -> None:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     versions = {"torch": torch.__version__, "deepspeed": _deepspeed_version()}
     path.write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "params": params,
-                "versions": versions,
-                "load_average_before": load,
-                "rows": records,
-            },
-            indent=2,
-        )
+        json.dumps({"args": vars(args), "versions": versions, "models": models}, indent=2)
     )
     print(f"\nwritten {path}")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str, mark: str = "") -> str:
+    return "-" if value is None else format(value, spec) + mark
 
 
 def _deepspeed_version() -> str | None:
@@ -650,7 +732,13 @@ def _deepspeed_version() -> str | None:
         return None
 
 
-def footer(rows: list[Row], args: argparse.Namespace, flagged: bool) -> list[str]:
+def footer(
+    rows: list[Row],
+    args: argparse.Namespace,
+    flagged: bool,
+    by_formula_shown: bool,
+    ring_min: float,
+) -> list[str]:
     adamw = ", ".join(f"{k} {v}" for k, v in ADAMW.items())
     notes = [
         f"AdamW ({adamw}), gradient clipping {CLIP}; torch {torch.__version__}"
@@ -661,7 +749,18 @@ def footer(rows: list[Row], args: argparse.Namespace, flagged: bool) -> list[str
         "peak RSS: ru_maxrss, max over ranks (each system in its own processes). state: "
         "zerotrain's engine.memory_breakdown()['total'], max over ranks; state/formula: over "
         "['formula_total'].",
+        "sent: bytes one rank sends per step, zerotrain's engine.comm.stats, max over ranks, "
+        "mean over the timed steps; "
+        f"sent/ring: over the ring minimum 2Ψ(N-1)/N x 4 B = {ring_min / 1e6:.2f} MB "
+        "(ZeRO's stage 3 volume 3Ψ is 1.5 of it).",
     ]
+    if by_formula_shown:
+        notes.append(
+            "*: by formula, not measured: the volume the system's algorithm implies, "
+            "2Ψ(N-1)/N x 4 B for DDP and DeepSpeed stages 0-2, 3Ψ(N-1)/N x 4 B for FSDP2 and "
+            "DeepSpeed stage 3 (an upper bound there: stage3_max_reuse_distance may leave 2Ψ); "
+            "the compute floor sends nothing."
+        )
     if any(r.spec.family == "deepspeed" and r.times_s for r in rows):
         notes.append(
             "DeepSpeed optimizer: "
@@ -681,21 +780,29 @@ def footer(rows: list[Row], args: argparse.Namespace, flagged: bool) -> list[str
 def main() -> None:
     args = parse_args()
     if args.worker:
+        args.model = args.models[-1]  # Job passes the job's model last
         run_worker(args)
         return
+    results = [run_model(model, args) for model in args.models]
+    write_json(args, results)
+    progress("done")
+
+
+def run_model(model: str, args: argparse.Namespace) -> dict:
+    """The whole benchmark for one GPT preset: print its table, return its JSON entry."""
     from gpt.model import GPT, gpt_config
 
-    cfg = gpt_config(args.model)
-    params = GPT(cfg).num_parameters()
-    if args.launch is None:
-        args.launch = "once" if params < RESIDENT_MAX_PARAMS else "per-round"
+    cfg = gpt_config(model)
+    # Ψ of [Note: bytes sent per step]: here every parameter trains (the tied embedding once).
+    params = sum(p.numel() for p in GPT(cfg).parameters() if p.requires_grad)
+    launch = args.launch or ("once" if params < RESIDENT_MAX_PARAMS else "per-round")
+    model_args = argparse.Namespace(**{**vars(args), "model": model, "launch": launch})
     rows = [Row(SPECS[key]) for key in args.systems]
     for row in rows:
-        row.status = unavailable(row.spec, args)
+        row.status = unavailable(row.spec, model_args)
     load = os.getloadavg()[0]  # other work on the machine: the timings are only as quiet as it
-    measure(rows, args)
-    report(rows, args, params, cfg, load)
-    progress("done")
+    measure(rows, model_args)
+    return report(rows, model_args, params, cfg, load)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def collectives():
         "sum": t.tolist(),
         "gathered": gathered.tolist(),
         "shard": shard.tolist(),
-        "stats": {k: (v.calls, v.bytes) for k, v in comm.stats.items()},
+        "stats": {k: (v.calls, v.bytes, v.sent) for k, v in comm.stats.items()},
     }
 
 
@@ -104,8 +104,10 @@ def test_collectives_and_byte_counts():
         assert got["sum"] == [6.0] * 3
         assert got["gathered"] == [1, 1, 2, 2, 3, 3]
         assert got["shard"] == [3.0 * 2 * rank, 3.0 * (2 * rank + 1)]
+        # sent: (N-1)/N of the buffer for a reduce-scatter or an all-gather (the pairwise
+        # exchange on gloo sends exactly that), twice that for an all-reduce
         assert got["stats"] == {
-            "all_reduce": (1, 12),
-            "all_gather": (1, 24),
-            "reduce_scatter": (1, 24),
+            "all_reduce": (1, 12, 16),
+            "all_gather": (1, 24, 16),
+            "reduce_scatter": (1, 24, 16),
         }

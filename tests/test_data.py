@@ -58,8 +58,7 @@ def test_resume_continues_with_the_unseen_samples(world_before: int, world_after
     for loader in after:
         loader.load_state_dict(state)
     rest = [i for loader in after for b in loader for i in b[0].tolist()]
-    assert set(seen).isdisjoint(rest[: samples - len(seen)])
-    assert set(seen + rest) == set(range(samples))
+    assert set(rest) - set(seen) == set(range(samples)) - set(seen)  # every unseen sample
     # the remainder is padded by repeating, as DistributedSampler pads, to a multiple of world
     assert len(rest) == -(-(samples - len(seen)) // world_after) * world_after
     assert all(loader.sampler.epoch == 1 for loader in after)

@@ -38,11 +38,12 @@ class ResumableDistributedSampler(Sampler[int]):
             order = torch.randperm(self.num_samples_total, generator=generator).tolist()
         else:
             order = list(range(self.num_samples_total))
-        order = order[self.start :]
-        if order:  # pad by repeating, as DistributedSampler does, so every rank gets as many
-            padding = -len(order) % self.world_size
-            order += (order * (padding // len(order) + 1))[:padding]
-        return order
+        rest = order[self.start :]
+        if rest:  # pad with the epoch's first samples, as DistributedSampler does, so that
+            # every rank gets as many and a resumed epoch ends as an uninterrupted one does
+            padding = -len(rest) % self.world_size
+            rest += (order * (padding // len(order) + 1))[:padding]
+        return rest
 
     def __iter__(self):
         return iter(self._remaining()[self.rank :: self.world_size])  # eager: fixes `start`

@@ -49,6 +49,7 @@ class ZeroTrainEngine(nn.Module):
         self._step_applied = False
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_print = time.perf_counter()
+        self._comm_mark = self._comm_totals()
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -111,8 +112,10 @@ class ZeroTrainEngine(nn.Module):
         scale = self.optimizer.loss_scale
         if scale_wrt_gas:
             scale /= self.gradient_accumulation_steps()
+        at_boundary = self.is_gradient_accumulation_boundary()
+        self.optimizer.backward_prologue(at_boundary)
         (loss.float() * scale).backward(retain_graph=retain_graph)
-        self.optimizer.backward_epilogue(self.is_gradient_accumulation_boundary())
+        self.optimizer.backward_epilogue(at_boundary)
         self._timers["backward"] += time.perf_counter() - start
         return loss
 
@@ -265,6 +268,20 @@ class ZeroTrainEngine(nn.Module):
         if self.config.wall_clock_breakdown:
             n = self.config.steps_per_print
             line += " | " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in self._timers.items())
+            # the time the training thread waited for collectives: what overlap did not hide
+            seconds, sent = (
+                now_total - mark
+                for now_total, mark in zip(self._comm_totals(), self._comm_mark, strict=True)
+            )
+            line += (
+                f" | communication: {seconds / n * 1e3:.1f} ms exposed, "
+                f"{sent / n / 1e6:.2f} MB sent per step"
+            )
         print(line, flush=True)
         self._timers = dict.fromkeys(self._timers, 0.0)
         self._last_print = now
+        self._comm_mark = self._comm_totals()
+
+    def _comm_totals(self) -> tuple[float, int]:
+        stats = self.comm.stats.values()
+        return sum(s.seconds for s in stats), sum(s.sent for s in stats)

@@ -129,7 +129,9 @@ def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) ->
                 f"{ours_type}; pass load_optimizer_states=False to load only the weights"
             )
         groups = len(zero.optimizer.param_groups)
-        saved_groups = 1 + max((r.group for r in manifest.params.values()), default=0)
+        saved_groups = manifest.data.get("optimizer_groups")
+        if saved_groups is None:  # manifests before the key: groups holding a parameter
+            saved_groups = 1 + max((r.group for r in manifest.params.values()), default=0)
         if groups != saved_groups:
             problems.append(
                 f"{where}: saved with {saved_groups} optimizer parameter groups, the engine has "
@@ -174,19 +176,17 @@ def _apply(engine, manifest: Manifest, loaded: _Loaded, options: LoadOptions) ->
     zero = engine.optimizer
     optimizer = zero.optimizer
     masters = zero.store.master_shards()
-    state_keys = []
-    if options.optimizer_states and not options.module_only:
-        state_keys = manifest["optimizer_state_keys"]
+    load_optimizer = options.optimizer_states and not options.module_only
+    state_keys = manifest["optimizer_state_keys"] if load_optimizer else []
+    if load_optimizer:  # the checkpoint's state replaces the engine's (it may have none yet)
+        for master in masters:  # every key on every master, those holding only padding too
+            optimizer.state.pop(master, None)
+            optimizer.state[master].update({key: torch.zeros_like(master) for key in state_keys})
     reader = ShardReader(manifest)
     try:
         for piece in zero.master_pieces(own_shard_only=False):
             master = masters[piece.master]
-            targets = {"master": master}
-            for key in state_keys:
-                state = optimizer.state[master]
-                if key not in state:
-                    state[key] = torch.zeros_like(master)
-                targets[key] = state[key]
+            targets = {"master": master, **{k: optimizer.state[master][k] for k in state_keys}}
             end = piece.param_start + piece.numel
             for kind, tensor in targets.items():
                 flat = tensor.view(-1)
@@ -199,7 +199,7 @@ def _apply(engine, manifest: Manifest, loaded: _Loaded, options: LoadOptions) ->
     finally:
         reader.close()
     zero.zero_grad()
-    if state_keys:
+    if load_optimizer:  # hyperparameters (lr) too when there is no per-element state (SGD)
         _load_optimizer_scalars(optimizer, loaded.engine_state)
     zero.publish_params()
     if options.module_only:
@@ -217,6 +217,11 @@ def _apply(engine, manifest: Manifest, loaded: _Loaded, options: LoadOptions) ->
     scheduler_state = state["lr_scheduler"]
     if options.lr_scheduler_states and engine.lr_scheduler is not None and scheduler_state:
         engine.lr_scheduler.load_state_dict(scheduler_state)
+        if not load_optimizer and hasattr(engine.lr_scheduler, "get_last_lr"):
+            # the groups' lr was not loaded with the optimizer: continue at the scheduler's
+            last_lrs = engine.lr_scheduler.get_last_lr()
+            for group, lr in zip(optimizer.param_groups, last_lrs, strict=True):
+                group["lr"] = lr
     loader = engine.training_dataloader
     if state["dataloader"] is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(state["dataloader"])

@@ -103,11 +103,7 @@ def _not_saved(directory: Path, problems: list[str]) -> CheckpointError:
 
 def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(
-            f"save_checkpoint: tag {tag!r} cannot name a checkpoint directory; use letters, "
-            "digits, '_' or '-' (not '/', a leading '.', or 'latest')"
-        )
+    # gather before validating: a rank raising alone would leave the others in the collective
     tags = engine.comm.all_gather_object(tag)
     mode = engine.config.checkpoint.tag_validation
     if len(set(tags)) > 1 and mode != "Ignore":
@@ -119,7 +115,13 @@ def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
             raise ValueError(message + " (checkpoint.tag_validation is Fail)")
         if engine.comm.rank == 0:
             warnings.warn(message + f"; saving under rank 0's tag {tags[0]!r}", stacklevel=3)
-    return tags[0]
+    tag = tags[0]
+    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(
+            f"save_checkpoint: tag {tag!r} cannot name a checkpoint directory; use letters, "
+            "digits, '_' or '-' (not '/', a leading '.', or 'latest')"
+        )
+    return tag
 
 
 # -- what each rank writes -----------------------------------------------------------------------
@@ -238,6 +240,7 @@ def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict]
         "precision": zero.precision.name,
         "optimizer": type(zero.optimizer).__name__,
         "optimizer_state_keys": per_element_state_keys(zero.optimizer, masters),
+        "optimizer_groups": len(zero.optimizer.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "params": [

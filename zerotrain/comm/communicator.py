@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import pairwise
 from zerotrain.comm.setup import collective_timeout
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -27,7 +28,20 @@ class OpStats:
 
     calls: int = 0
     bytes: int = 0  # payload: the tensor reduced or gathered, as the caller sees it
+    sent: int = 0  # bytes this rank put on the wire (see [Note: bytes sent])
     seconds: float = 0.0  # time spent waiting for completion on the calling thread
+
+
+# [Note: bytes sent]
+# ``OpStats.sent`` counts what this rank transmits. For the pairwise reduce-scatter and
+# all-gather (gloo) that is exact: (N-1) pieces of B/N bytes. For the backend's own collectives
+# it is the bandwidth-optimal ring's count, which NCCL's large-message algorithms and gloo's ring
+# all-reduce follow: all-reduce 2(N-1)/N B, reduce-scatter and all-gather (N-1)/N B (B: the full
+# buffer), broadcast (N-1)/N B (scatter + all-gather). These are the volumes ZeRO
+# (arXiv:1910.02054 §7) reasons with: 2Ψ per step for stages 0-2, 3Ψ for stage 3.
+def _ring_sent(op: str, nbytes: int, world: int) -> int:
+    factor = 2 if op == "all_reduce" else 1
+    return factor * nbytes * (world - 1) // world
 
 
 class PendingOp:
@@ -52,7 +66,7 @@ class PendingOp:
         start = time.perf_counter()
         if self._work is not None:
             self._comm._complete(self._name, self._nbytes, self._work.wait)
-        self._comm._record(self._name, 0, time.perf_counter() - start, calls=0)
+        self._comm._record(self._name, 0, time.perf_counter() - start, calls=0, sent=0)
         self._done = True
         if self._on_done is not None:
             self._on_done()
@@ -65,19 +79,32 @@ class Communicator:
     every collective is a local copy or a no-op, so the engine has one code path.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        stats: dict[str, OpStats] | None = None,
+    ):
         self.group = group
         self.device = torch.device(device)  # where scalars for control collectives live (NCCL: GPU)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.stats: dict[str, OpStats] = {}
+        # shared with the groups made by new_group(): one account per engine
+        self.stats: dict[str, OpStats] = stats if stats is not None else {}
+        # gloo lacks an efficient reduce-scatter / all-gather: see [Note: why pairwise exchange
+        # on gloo] in pairwise.py
+        self._pairwise = self.distributed and dist.get_backend(group) == "gloo"
+        self._next_tag = 0  # point-to-point tags: one per pairwise operation, same on every rank
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _record(self, name: str, nbytes: int, seconds: float, calls: int = 1) -> None:
+    def _record(
+        self, name: str, nbytes: int, seconds: float, calls: int = 1, sent: int | None = None
+    ) -> None:
         stats = self.stats.setdefault(name, OpStats())
         stats.calls += calls
         stats.bytes += nbytes
+        stats.sent += _ring_sent(name, nbytes, self.world_size) if sent is None else sent
         stats.seconds += seconds
 
     def _complete(self, name: str, nbytes: int, run: Callable[[], object]) -> object:
@@ -107,7 +134,7 @@ class Communicator:
             return Communicator(device=self.device)
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
-        return Communicator(group, device=self.device)
+        return Communicator(group, device=self.device, stats=self.stats)
 
     def reset_stats(self) -> None:
         self.stats.clear()
@@ -130,6 +157,8 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(input)
             return PendingOp(self, "reduce_scatter", 0, None) if async_op else None
+        if self._pairwise:
+            return self._issue_pairwise(pairwise.reduce_scatter, output, input, async_op)
         return self._issue(
             "reduce_scatter",
             input.numel() * input.element_size(),
@@ -144,12 +173,38 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return PendingOp(self, "all_gather", 0, None) if async_op else None
+        if self._pairwise:
+            return self._issue_pairwise(pairwise.all_gather, output, input, async_op)
         return self._issue(
             "all_gather",
             output.numel() * output.element_size(),
             lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
             async_op,
         )
+
+    def _issue_pairwise(self, operation, output: torch.Tensor, input: torch.Tensor, async_op):
+        name = operation.__name__
+        full = input if name == "reduce_scatter" else output
+        nbytes = full.numel() * full.element_size()
+        self._next_tag += 1
+        timeout = _group_timeout(self.group, default=None)
+
+        def launch(_async: bool):
+            return operation(
+                output,
+                input,
+                group=self.group,
+                rank=self.rank,
+                world=self.world_size,
+                tag=self._next_tag,
+                timeout=timeout if isinstance(timeout, timedelta) else None,
+            )
+
+        op = self._issue(name, nbytes, launch, async_op=True)
+        if not async_op:
+            op.wait()
+            return None
+        return op
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Copy ``tensor`` from rank ``src`` to every rank, in place."""

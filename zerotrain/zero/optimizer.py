@@ -258,6 +258,10 @@ class ZeroOptimizer:
         del set_to_none
         self.reducer.zero_grads()
 
+    def backward_prologue(self, at_boundary: bool) -> None:
+        """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary)."""
+        self.reducer.begin_backward(at_boundary)
+
     def backward_epilogue(self, at_boundary: bool) -> None:
         """Reduce what the policy reduces after a micro-step's backward."""
         self.reducer.finish_backward(at_boundary)

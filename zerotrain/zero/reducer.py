@@ -18,16 +18,19 @@ from zerotrain.zero.partition import FlatBucket, ParamSlot, ZeroPolicy
 
 
 class GradientReducer:
-    """Averages gradients over ranks as the policy says.
+    """Averages gradients over ranks as the policy says, bucket by bucket during backward.
 
     * no gradient sharding, no optimizer sharding (stage 0): gradients accumulate in full
-      buffers; at the accumulation boundary each bucket is all-reduced.
+      buffers; in the backward of the accumulation boundary each bucket is all-reduced as soon
+      as its gradients are complete.
     * optimizer sharding only (stage 1): as stage 0, but each bucket is reduce-scattered in
       place, so only this rank's shard of the buffer holds the average.
     * gradient sharding (stages 2-3): during every backward, as soon as a bucket's gradients are
       all there, they are copied to a transient buffer and reduce-scattered into this rank's
       persistent ``grad_shard``; ``param.grad`` is freed at once, so no rank keeps full
       gradients after backward.
+    Reductions are asynchronous: backward goes on computing earlier layers' gradients while a
+    bucket is on the wire (wait-free backpropagation); :meth:`finish_backward` waits for them.
     """
 
     def __init__(
@@ -42,22 +45,20 @@ class GradientReducer:
         self.policy = policy
         self.gatherer = gatherer  # stage 3: told when a bucket's gradients are all taken
         self._inv_world = 1.0 / comm.world_size
-        if policy.shard_gradients:
-            self._arrived: list[set[int]] = [set() for _ in buckets]
-            self._comm_buffers: list[torch.Tensor | None] = [None] * len(buckets)
-            self._pending: list[PendingOp] = []
-            self._next_launch = 0
-            self._shard_holds_grads = False  # False: grad_shard is stale, overwrite it
-            for bucket_index, bucket in enumerate(buckets):
-                for slot in bucket.slots:
-                    slot.param.register_post_accumulate_grad_hook(
-                        self._make_hook(bucket_index, slot)
-                    )
+        self._arrived: list[set[int]] = [set() for _ in buckets]
+        self._comm_buffers: list[torch.Tensor | None] = [None] * len(buckets)
+        self._pending: list[PendingOp] = []
+        self._next_launch = 0
+        self._shard_holds_grads = False  # stages 2-3, False: grad_shard is stale, overwrite it
+        self._reducing = policy.shard_gradients  # stages 0-1: only in the boundary's backward
+        for bucket_index, bucket in enumerate(buckets):
+            for slot in bucket.slots:
+                slot.param.register_post_accumulate_grad_hook(self._make_hook(bucket_index, slot))
 
-    # -- stages 2-3: reduce during backward ----------------------------------------------------
     def _make_hook(self, bucket_index: int, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(bucket_index, slot, param)
+            if self._reducing:
+                self._on_grad_ready(bucket_index, slot, param)
 
         return hook
 
@@ -76,14 +77,18 @@ class GradientReducer:
                 "gradients from two backward passes in one micro-step. Call engine.backward "
                 "once per micro-batch (sum the losses first)."
             )
-        buffer = self._comm_buffer(bucket_index)
-        buffer[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
-        param.grad = None
+        bucket = self.buckets[bucket_index]
+        if self.policy.shard_gradients:
+            buffer = self._comm_buffer(bucket_index)
+            buffer[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+            param.grad = None
+        else:
+            _repair_grad_view(bucket, slot)
         arrived = self._arrived[bucket_index]
         arrived.add(slot.index)
-        if len(arrived) == len(self.buckets[bucket_index].slots):
+        if len(arrived) == len(bucket.slots):
             if self.gatherer is not None:
-                self.gatherer.bucket_grads_taken(self.buckets[bucket_index])
+                self.gatherer.bucket_grads_taken(bucket)
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
@@ -97,6 +102,18 @@ class GradientReducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
+        if not self.policy.shard_gradients:  # stages 0-1: the full buffer, in place
+            for slot in bucket.slots:  # parameters without a gradient this backward
+                if slot.index not in self._arrived[index]:
+                    _repair_grad_view(bucket, slot)
+            bucket.flat_grad.mul_(self._inv_world)
+            if self.policy.shard_optimizer_states:
+                shard = bucket.shard(bucket.flat_grad)  # in place: the input's own slice
+                op = self.comm.reduce_scatter(shard, bucket.flat_grad, async_op=True)
+            else:
+                op = self.comm.all_reduce(bucket.flat_grad, async_op=True)
+            self._pending.append(op.then(self._arrived[index].clear))
+            return
         buffer = self._comm_buffer(index)  # zeros where a parameter got no gradient
         buffer.mul_(self._inv_world)
         if not self._shard_holds_grads:  # first micro-step of this accumulation: write directly
@@ -114,29 +131,23 @@ class GradientReducer:
         self._arrived[index].clear()
 
     # -- entry points --------------------------------------------------------------------------
+    def begin_backward(self, at_boundary: bool) -> None:
+        """Called before each micro-step's backward: stages 0-1 reduce only at the boundary."""
+        self._reducing = self.policy.shard_gradients or at_boundary
+
     def finish_backward(self, at_boundary: bool) -> None:
-        """Called after each micro-step's backward; reduces what this policy reduces now."""
-        if self.policy.shard_gradients:
-            self._launch_ready(force=True)
-            for op in self._pending:
-                op.wait()
-            self._pending.clear()
-            self._next_launch = 0
-            self._shard_holds_grads = True
-            if self.gatherer is not None:
-                self.gatherer.finish_backward()
-        elif at_boundary:
-            self._repair_grad_views()
-            ops = []
-            for bucket in self.buckets:
-                bucket.flat_grad.mul_(self._inv_world)
-                if self.policy.shard_optimizer_states:
-                    shard = bucket.shard(bucket.flat_grad)  # in place: input's own slice
-                    ops.append(self.comm.reduce_scatter(shard, bucket.flat_grad, async_op=True))
-                else:
-                    ops.append(self.comm.all_reduce(bucket.flat_grad, async_op=True))
-            for op in ops:
-                op.wait()
+        """Called after each micro-step's backward: launches what is left, waits for all."""
+        if not (self.policy.shard_gradients or at_boundary):
+            return
+        self._launch_ready(force=True)  # also all buckets if no hook saw this backward
+        for op in self._pending:
+            op.wait()
+        self._pending.clear()
+        self._next_launch = 0
+        self._shard_holds_grads = True
+        self._reducing = self.policy.shard_gradients
+        if self.gatherer is not None:
+            self.gatherer.finish_backward()
 
     def reduced_grads(self) -> list[torch.Tensor]:
         """Per bucket, the averaged gradient of the part the optimizer steps on this rank."""
@@ -157,16 +168,16 @@ class GradientReducer:
             for bucket in self.buckets:
                 bucket.flat_grad.zero_()
 
-    def _repair_grad_views(self) -> None:
-        # If user code replaced param.grad (e.g. module.zero_grad(set_to_none=True)), autograd
-        # stored the gradient in a fresh tensor; fold it back into the flat buffer.
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                grad = slot.param.grad
-                view = bucket.view(bucket.flat_grad, slot)
-                if grad is None or grad.data_ptr() != view.data_ptr():
-                    if grad is not None:
-                        view.copy_(grad)
-                    else:
-                        view.zero_()
-                    slot.param.grad = view
+
+def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
+    """Make ``param.grad`` the view into the flat buffer again (stages 0-1). If user code
+    replaced it (e.g. ``module.zero_grad(set_to_none=True)``), autograd accumulated into a fresh
+    tensor; fold that into the buffer. No gradient at all: the parameter contributes zeros."""
+    grad = slot.param.grad
+    view = bucket.view(bucket.flat_grad, slot)
+    if grad is None or grad.data_ptr() != view.data_ptr():
+        if grad is not None:
+            view.copy_(grad)
+        else:
+            view.zero_()
+        slot.param.grad = view

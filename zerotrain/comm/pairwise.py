@@ -1,0 +1,114 @@
+"""Reduce-scatter and all-gather by pairwise exchange, for backends without efficient ones.
+
+[Note: why pairwise exchange on gloo]
+gloo has no reduce-scatter of its own: torch runs ``reduce_scatter_tensor`` on gloo as a full
+all-reduce followed by a copy, so every rank sends twice the bytes a reduce-scatter needs, and
+its ``all_gather_into_tensor`` goes through an intermediate list of tensors. Measured here
+(2 ranks, 32 MB of fp32, loopback): all-reduce 22 ms, reduce_scatter_tensor 46 ms,
+all_gather_into_tensor 22 ms, one exchange of the halves by isend/irecv 12 ms.
+So on gloo both are done with point-to-point messages: for a reduce-scatter every rank sends
+piece ``p`` of its input to rank ``p`` and sums the pieces it receives for its own index; for an
+all-gather every rank sends its piece to every other rank, received straight into place. Each
+rank sends (N-1)/N of the buffer, the ring minimum (ZeRO, arXiv:1910.02054 §7), and there is no
+chain of dependent steps, so all messages are posted at once and the operation is as
+asynchronous as a native collective. The sum is taken in a fixed order (own piece, then peers by
+rank) once all pieces are in, so it does not depend on which message arrives first. NCCL keeps its native ring collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class PairwiseWork:
+    """The messages of one pairwise operation; :meth:`wait` completes them and the result."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None, timeout: timedelta | None):
+        self._works = works
+        self._finish = finish
+        self._timeout = timeout
+
+    def wait(self) -> bool:
+        for work in self._works:
+            # gloo's point-to-point waits are unbounded unless given a timeout
+            work.wait(self._timeout) if self._timeout is not None else work.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+def _peers(rank: int, world: int) -> list[int]:
+    # start after this rank, so that no two ranks send to the same peer first
+    return [(rank + step) % world for step in range(1, world)]
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _exchange(group, tag: int, *, receive_into: dict, send: dict) -> list:
+    """Post every receive, then every send (peer -> tensor), all at once."""
+    works = [
+        dist.irecv(tensor, src=_global(group, peer), group=group, tag=tag)
+        for peer, tensor in receive_into.items()
+    ]
+    return works + [
+        dist.isend(tensor, dst=_global(group, peer), group=group, tag=tag)
+        for peer, tensor in send.items()
+    ]
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    tag: int,
+    timeout: timedelta | None,
+) -> PairwiseWork:
+    """Sum ``input`` (1-D, ``world`` equal pieces) over the ranks into ``output`` (this rank's
+    piece; it may be that piece of ``input`` itself). Complete with ``wait()``."""
+    pieces = input.view(world, -1)
+    peers = _peers(rank, world)
+    buffer = torch.empty((world - 1, pieces.shape[1]), dtype=input.dtype, device=input.device)
+    received = dict(zip(sorted(peers), buffer, strict=True))
+    works = _exchange(group, tag, receive_into=received, send={p: pieces[p] for p in peers})
+
+    def finish() -> None:
+        if output.data_ptr() != pieces[rank].data_ptr():
+            output.copy_(pieces[rank])
+        for peer in sorted(peers):  # a fixed order: the sum does not depend on arrival order
+            output.add_(received[peer])
+
+    return PairwiseWork(works, finish, timeout)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    tag: int,
+    timeout: timedelta | None,
+) -> PairwiseWork:
+    """Every rank's ``input`` concatenated into ``output`` (1-D; ``input`` may be this rank's
+    piece of ``output``). Complete with ``wait()``."""
+    pieces = output.view(world, -1)
+    if pieces[rank].data_ptr() != input.data_ptr():
+        pieces[rank].copy_(input)
+    peers = _peers(rank, world)
+    receive_into = {peer: pieces[peer] for peer in peers}
+    works = _exchange(
+        group, tag, receive_into=receive_into, send=dict.fromkeys(peers, pieces[rank])
+    )
+    return PairwiseWork(works, None, timeout)
