@@ -104,6 +104,8 @@ class Spec:
     """Ring passes over the parameters per step that the system's algorithm implies, for systems
     whose bytes cannot be counted ([Note: bytes sent per step]); None for zerotrain, which
     counts them."""
+    overlap_param_gather: bool = False
+    """zerotrain: `zero_optimization.overlap_param_gather` (stages 1-2)."""
 
 
 SPECS = {
@@ -119,6 +121,10 @@ SPECS = {
             for s in range(4)
         ),
         *(Spec(f"zt{s}", f"zerotrain stage {s}", "zerotrain", s) for s in range(4)),
+        *(
+            Spec(f"zt{s}o", f"zerotrain {s} +AG ovl", "zerotrain", s, overlap_param_gather=True)
+            for s in (1, 2)
+        ),
     ]
 }
 
@@ -175,12 +181,15 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def zerotrain_config(stage: int, args: argparse.Namespace) -> dict:
+def zerotrain_config(stage: int, args: argparse.Namespace, overlap_gather: bool = False) -> dict:
+    zero = {"stage": stage}
+    if overlap_gather:  # a zerotrain key: the DeepSpeed rows never get it
+        zero["overlap_param_gather"] = True
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
 
@@ -274,7 +283,8 @@ def build_deepspeed(model, spec, args) -> Built:
 def build_zerotrain(model, spec, args) -> Built:
     import zerotrain
 
-    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec.stage, args))
+    config = zerotrain_config(spec.stage, args, spec.overlap_param_gather)
+    engine, *_ = zerotrain.initialize(model=model, config=config)
     return Built(engine_step(engine), engine.memory_breakdown, engine.comm)
 
 
@@ -539,7 +549,8 @@ def unavailable(spec: Spec, args: argparse.Namespace) -> str:
         from zerotrain.config import load_config
 
         try:
-            load_config(zerotrain_config(spec.stage, args), world_size=args.nproc)
+            config = zerotrain_config(spec.stage, args, spec.overlap_param_gather)
+            load_config(config, world_size=args.nproc)
         except ConfigError as exc:
             return f"not available: {str(exc).splitlines()[0]}"
     return ""

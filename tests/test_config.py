@@ -178,6 +178,7 @@ def test_defaults_match_deepspeed() -> None:
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "allgather_partitions": True,
+            "overlap_param_gather": False,
             "round_robin_gradients": False,
             "stage3_prefetch_bucket_size": 50_000_000,
             "stage3_param_persistence_threshold": 100_000,
@@ -782,3 +783,13 @@ def test_checkpoint_section() -> None:
     assert "checkpoint.tag_validation: must be one of" in load_error(
         nested("checkpoint.tag_validation", "sometimes")
     )
+
+
+def test_overlap_param_gather_only_at_stages_1_and_2() -> None:
+    config = {"train_batch_size": 8, "zero_optimization": {"overlap_param_gather": True}}
+    for stage in (1, 2):
+        config["zero_optimization"]["stage"] = stage
+        assert load_config(config, world_size=1).zero_optimization.overlap_param_gather
+    for stage in (0, 3):
+        config["zero_optimization"]["stage"] = stage
+        assert "overlap_param_gather applies to stages 1-2" in load_error(config)

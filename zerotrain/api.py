@@ -101,6 +101,7 @@ def initialize(
             max_reuse_numel=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
         ),
+        overlap_param_gather=zero.overlap_param_gather,
     )
     _broadcast_untrained_state(model, comm)
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,

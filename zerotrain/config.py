@@ -373,19 +373,29 @@ class ZeroOptimizationConfig(_Section):
     """0: plain data parallelism; 1: partition optimizer states; 2: also gradients; 3: also
     parameters."""
     reduce_bucket_size: _PositiveInt = 500_000_000
-    """Elements of gradient reduced (or reduce-scattered) per collective."""
+    """Elements per bucket (stages 0-2): gradients are reduced (or reduce-scattered), and
+    updated parameters all-gathered, one bucket per collective."""
     allgather_bucket_size: _PositiveInt = 500_000_000
-    """Elements of updated parameters all-gathered per collective after the optimizer step."""
+    """Accepted for DeepSpeed compatibility, without effect: zerotrain all-gathers updated
+    parameters in the buckets of `reduce_bucket_size` (one buffer serves both)."""
     overlap_comm: bool = False
-    """Reduce gradient buckets while the backward pass is still running. (DeepSpeed's default
-    becomes true at stage 3.)"""
+    """Accepted for DeepSpeed compatibility, without effect: zerotrain always reduces each
+    gradient bucket as soon as it is complete, while backward goes on (same numerics)."""
+    overlap_param_gather: bool = False
+    """Stages 1-2: all-gather the updated parameters during the next forward instead of at the
+    end of `step()`, bucket by bucket, each module waiting only for the buckets that hold its
+    own parameters (DeAR, arXiv:2302.12445); same numerics. A zerotrain key. Code that reads a
+    parameter in the forward of a module that does not own it, before the owner ran, must
+    leave it false."""
     contiguous_gradients: bool = True
-    """Copy gradients into one contiguous buffer as they are produced, avoiding fragmentation."""
+    """Accepted for DeepSpeed compatibility, without effect: gradients always accumulate in (or
+    are copied to) contiguous bucket buffers."""
     reduce_scatter: bool = True
-    """Average gradients with reduce-scatter (each rank receives its partition) instead of
-    all-reduce."""
+    """Accepted for DeepSpeed compatibility, without effect: stages 1-3 always reduce-scatter
+    (stage 0 all-reduces)."""
     allgather_partitions: bool = True
-    """Gather updated parameters with all-gather rather than a series of broadcasts."""
+    """Accepted for DeepSpeed compatibility, without effect: updated parameters are always
+    all-gathered."""
     round_robin_gradients: bool = False
     """Accepted for DeepSpeed compatibility. DeepSpeed uses it to spread gradient copies to CPU
     under optimizer offload; it has no effect on numerics, and none in zerotrain."""
@@ -414,6 +424,20 @@ class ZeroOptimizationConfig(_Section):
         if not 0 <= stage <= 3:
             raise _fail(f"must be between 0 and 3, got {stage}")
         return stage
+
+    @model_validator(mode="after")
+    def _param_gather_overlap_needs_stage_1_or_2(self) -> "ZeroOptimizationConfig":
+        if self.overlap_param_gather and self.stage not in (1, 2):
+            raise _fail(
+                f"overlap_param_gather applies to stages 1-2 (they all-gather parameters after "
+                f"the step); at stage {self.stage} set it to false"
+                + (
+                    " (stage 3 already gathers ahead of use: stage3_prefetch_bucket_size)"
+                    if self.stage == 3
+                    else ""
+                )
+            )
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerotrain.comm import Communicator
+from zerotrain.comm import Communicator, PendingOp
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
 from zerotrain.zero.init import gather_param, is_init_partitioned, take_ownership
@@ -88,6 +88,7 @@ class ZeroOptimizer:
         gradient_clipping: float = 0.0,
         bucket_numel: int = 500_000_000,
         stage3: Stage3Options | None = None,
+        overlap_param_gather: bool = False,
     ):
         self.policy = policy
         self.precision = precision
@@ -196,6 +197,11 @@ class ZeroOptimizer:
             masters_alias_params=not precision.has_master_copy,
         )
         self.reducer = GradientReducer(self.buckets, reduce_comm, policy, gatherer=self.gatherer)
+        # stages 1-2 with overlap_param_gather: bucket index -> its all-gather in flight
+        self._param_gathers: dict[int, PendingOp] = {}
+        self.overlap_param_gather = overlap_param_gather and self.gatherer is None
+        if self.overlap_param_gather and policy.shard_optimizer_states:
+            self._wait_for_params_before_forward(model)
 
     def _make_gatherer(
         self, model, unit_modules, persistent_units: set[int], options: Stage3Options
@@ -260,6 +266,7 @@ class ZeroOptimizer:
 
     def backward_prologue(self, at_boundary: bool) -> None:
         """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary)."""
+        self.wait_param_gathers()  # whatever the forward did not need: finish it now
         self.reducer.begin_backward(at_boundary)
 
     def backward_epilogue(self, at_boundary: bool) -> None:
@@ -268,6 +275,7 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Unscale, clip and apply the averaged gradients; False if skipped for overflow."""
+        self.wait_param_gathers()  # a step without a forward since the last one
         self.store.attach_grads(self.reducer.reduced_grads())
         sum_sq = self.store.grad_sum_of_squares()
         if self.policy.shard_optimizer_states:  # each element is owned by exactly one rank
@@ -301,19 +309,40 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             self.gatherer.refresh_persistent()  # the others gather at their next use
         elif self.policy.shard_optimizer_states:
-            self._gather_params()
+            # Buckets hold parameters in reverse order: the forward needs the last one first.
+            for index in reversed(range(len(self.buckets))):
+                bucket = self.buckets[index]
+                self._param_gathers[index] = self.comm.all_gather(
+                    bucket.flat_param, bucket.shard(bucket.flat_param), async_op=True
+                )
+            if not self.overlap_param_gather:
+                self.wait_param_gathers()
 
-    def _gather_params(self) -> None:
-        ops = [
-            self.comm.all_gather(b.flat_param, b.shard(b.flat_param), async_op=True)
-            for b in self.buckets
-        ]
-        for op in ops:
-            op.wait()
+    def wait_param_gathers(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Complete the parameter all-gathers still in flight (``overlap_param_gather``): those
+        of ``buckets``, or all. Parameters read outside a module's forward after a step are
+        current once this returned."""
+        for index in list(self._param_gathers) if buckets is None else buckets:
+            op = self._param_gathers.pop(index, None)
+            if op is not None:
+                op.wait()
+
+    def _wait_for_params_before_forward(self, model: nn.Module) -> None:
+        """[DeAR, arXiv:2302.12445] Each module waits, in a forward pre-hook, for the buckets that
+        hold its own parameters: the later buckets' gathers go on during the earlier layers."""
+        bucket_of = {id(s.param): i for i, b in enumerate(self.buckets) for s in b.slots}
+        for module in model.modules():
+            own = {bucket_of.get(id(p)) for p in module.parameters(recurse=False)} - {None}
+            if own:
+                buckets = tuple(sorted(own, reverse=True))
+                module.register_forward_pre_hook(
+                    lambda _module, _args, buckets=buckets: self.wait_param_gathers(buckets)
+                )
 
     # -- full access to parameters outside forward (GatheredParameters) -------------------------
     def begin_access(self, params: list[nn.Parameter]) -> tuple[list[FlatBucket], list]:
         """Make ``params`` whole (collective); returns what :meth:`end_access` needs."""
+        self.wait_param_gathers()
         wanted = {id(p) for p in params}
         buckets = [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
         gathered_here = []
