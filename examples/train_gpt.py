@@ -5,6 +5,8 @@
 Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states across the
 ranks, stage 2 the gradients as well. Rank 0 prints a progress line every --print-every steps
 and a summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
+--activation-checkpointing [--ac-every K] recomputes the activations of every K-th block in
+backward instead of keeping them (zerotrain.checkpointing.wrap).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from gpt.data import TokenWindows, train_val_datasets
-from gpt.model import GPT, PRESETS, gpt_config
+from gpt.model import GPT, PRESETS, Block, gpt_config
 
 import zerotrain
 
@@ -47,6 +49,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint-every", type=int, default=50, help="steps between checkpoints"
     )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute the activations of every --ac-every-th block in backward instead of "
+        "keeping them",
+    )
+    parser.add_argument(
+        "--ac-every", type=int, default=1, help="checkpoint every K-th block (default 1: all)"
+    )
     args = parser.parse_args()
     for name in (
         "steps",
@@ -55,9 +66,12 @@ def parse_args() -> argparse.Namespace:
         "print_every",
         "val_batches",
         "checkpoint_every",
+        "ac_every",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.ac_every != 1 and not args.activation_checkpointing:
+        parser.error("--ac-every applies only with --activation-checkpointing")
     return args
 
 
@@ -82,6 +96,10 @@ def engine_config(args: argparse.Namespace) -> dict:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
         "checkpoint": {"keep_last": 2},
+        # profile: the summary reports the time spent recomputing
+        **(
+            {"activation_checkpointing": {"profile": True}} if args.activation_checkpointing else {}
+        ),
         "bf16": {"enabled": args.precision == "bf16"},
         "fp16": {"enabled": args.precision == "fp16"},
         # The engine stays quiet; this script prints its own progress lines.
@@ -128,6 +146,8 @@ def main() -> None:
 
     config = gpt_config(args.model)
     model = GPT(config)
+    if args.activation_checkpointing:
+        zerotrain.checkpointing.wrap(model, block_type=Block, every=args.ac_every)
     train_set, val_set = train_val_datasets(config.block_size, args.data)
     engine, _, train_loader, _ = zerotrain.initialize(
         model=model,
@@ -215,6 +235,15 @@ def main() -> None:
             ),
             ("peak RSS (rank 0)", f"{peak_rss_mb():.0f} MB"),
         ]
+        if args.activation_checkpointing:
+            stats = zerotrain.checkpointing.recompute_stats()
+            rows.append(
+                (
+                    "activation checkpointing",
+                    f"every {args.ac_every} of {config.n_layer} blocks: "
+                    f"{stats.recomputations} recomputations, {stats.recompute_seconds:.1f} s",
+                )
+            )
         width = max(len(name) for name, _ in rows)
         print("summary")
         for name, value in rows:

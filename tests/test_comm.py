@@ -111,3 +111,33 @@ def test_collectives_and_byte_counts():
             "all_gather": (1, 24, 16),
             "reduce_scatter": (1, 24, 16),
         }
+
+
+def dropped_gather():
+    import gc
+    import time
+
+    from zerotrain.comm import Communicator, pairwise
+
+    comm = Communicator()
+    out = torch.zeros(8)
+    if comm.rank == 1:
+        time.sleep(0.5)  # rank 0 drops its operation while the message is still on its way
+    op = comm.all_gather(out, torch.full((4,), float(comm.rank + 1)), async_op=True)
+    held_after_drop = None
+    if comm.rank == 0:
+        del op, out
+        gc.collect()
+        held_after_drop = len(pairwise._dropped)  # its receive buffer is kept alive
+    else:
+        op.wait()
+    later = torch.zeros(8)
+    comm.all_gather(later, torch.full((4,), float(comm.rank + 10)))  # a later operation
+    return held_after_drop, later.tolist(), len(pairwise._dropped)
+
+
+def test_an_unwaited_pairwise_operation_cannot_write_into_freed_memory():
+    (held, later, left), _ = run_distributed(dropped_gather, 2)
+    assert held == 1  # kept until its messages have landed
+    assert later == [10.0] * 4 + [11.0] * 4  # and no message went to the wrong operation
+    assert left == 0  # the later operation completed it

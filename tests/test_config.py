@@ -187,6 +187,14 @@ def test_defaults_match_deepspeed() -> None:
             "stage3_gather_16bit_weights_on_model_save": False,
         },
         "checkpoint": {"tag_validation": "Warn", "keep_last": 0, "load_universal": False},
+        "activation_checkpointing": None,
+        "comms_logger": {
+            "enabled": False,
+            "verbose": False,
+            "prof_all": True,
+            "prof_ops": [],
+            "debug": False,
+        },
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
         "seed": None,
@@ -440,12 +448,10 @@ def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> Non
     "path",
     [
         *[
-            "activation_checkpointing",
             "flops_profiler",
             "tensorboard",
             "wandb",
             "csv_monitor",
-            "comms_logger",
             "checkpoint.use_node_local_storage",
             "checkpoint.parallel_write",
             "amp",

@@ -60,9 +60,13 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     assert re.search(r"validation loss\s+\d+\.\d+", result.stdout), result.stdout
     assert "saved " in result.stdout and "global_step30" in result.stdout, result.stdout
 
-    # Started again with more steps, it resumes from its newest checkpoint (keep_last 2).
-    resumed = zerotrain_run(*demo, *checkpoints, "--steps", "40", "--print-every", "10")
+    # Started again with more steps, it resumes from its newest checkpoint (keep_last 2); with
+    # activation checkpointing this time, which changes no number.
+    recompute = ["--activation-checkpointing", "--ac-every", "2"]
+    resumed = zerotrain_run(*demo, *checkpoints, *recompute, "--steps", "40", "--print-every", "10")
     assert resumed.returncode == 0, resumed.stdout
+    # 10 steps of 2 checkpointed blocks (of the tiny model's 4)
+    assert "every 2 of 4 blocks: 20 recomputations" in resumed.stdout, resumed.stdout
     assert "at step 30" in resumed.stdout, resumed.stdout
     progress = re.findall(r"^step\s+(\d+)/40 \|", resumed.stdout, re.MULTILINE)
     assert progress == ["40"], resumed.stdout

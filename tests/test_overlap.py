@@ -53,6 +53,7 @@ def _train(stage: int, overlap: bool):
         if any(s.param is model.embed.weight for s in b.slots)
     }
     waited = pending - set(engine.optimizer._param_gathers)
+    engine.optimizer.wait_param_gathers()  # the next engine starts with nothing in flight
     return (*result, (waited == own and len(pending) > len(own)) if overlap else not pending)
 
 

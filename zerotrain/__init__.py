@@ -3,6 +3,7 @@
 A DeepSpeed script runs unchanged with ``import zerotrain as deepspeed``.
 """
 
+from zerotrain import checkpointing  # deepspeed.checkpointing
 from zerotrain.api import add_config_arguments, initialize
 from zerotrain.comm import CollectiveError, init_distributed
 from zerotrain.config import ConfigError, ZeroTrainConfig
@@ -17,6 +18,7 @@ __all__ = [
     "ZeroTrainEngine",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "init_distributed",
     "initialize",
 ]

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from zerotrain.comm import Communicator, init_distributed, is_initialized, local_rank
+from zerotrain import checkpointing
+from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initialized, local_rank
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
@@ -70,8 +71,14 @@ def initialize(
     device = _training_device()
     comm = Communicator(device=device)
     cfg = load_config(config, world_size=comm.world_size)
+    logger = cfg.comms_logger
+    if logger.enabled:  # before the engine makes more groups: they share the log
+        ops = None if logger.prof_all else logger.prof_ops
+        comm.log = CommsLog(ops, verbose=logger.verbose, debug=logger.debug, rank=comm.rank)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
+    if cfg.activation_checkpointing is not None:
+        checkpointing.configure(deepspeed_config=cfg.activation_checkpointing)
 
     if any(owner_of(p) is not None for p in model.parameters()):
         raise ValueError(

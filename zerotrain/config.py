@@ -44,8 +44,10 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import Required, TypedDict
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "BF16Config",
     "CheckpointConfig",
+    "CommsLoggerConfig",
     "ConfigError",
     "FP16Config",
     "OptimizerConfig",
@@ -463,6 +465,83 @@ class CheckpointConfig(_Section):
         return _canonical_type(value, ["Ignore", "Warn", "Fail"]) or value
 
 
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing`: the policy of `zerotrain.checkpointing.checkpoint` (and of the
+    blocks `zerotrain.checkpointing.wrap` checkpoints), with DeepSpeed's keys; which blocks are
+    checkpointed is up to the model code. See docs/activation-checkpointing.md."""
+
+    partition_activations: bool = False
+    """Has no effect in zerotrain, which is purely data-parallel: DeepSpeed splits each
+    checkpointed activation across model-parallel ranks, which hold identical copies of it;
+    data-parallel ranks hold the activations of different samples, so there is nothing to split.
+    Rank 0 warns once when it is true."""
+    cpu_checkpointing: bool = False
+    """Keep the inputs of every checkpointed region (what a checkpoint retains) in CPU memory,
+    pinned on CUDA, and copy them back for the recomputation (`torch.autograd.graph.save_on_cpu`);
+    the numbers do not change. On a CPU device they are in CPU memory already: nothing moves."""
+    contiguous_memory_optimization: bool = False
+    """Has no effect in zerotrain: DeepSpeed copies partitioned activations into one buffer of
+    `number_checkpoints` slots to limit fragmentation, and zerotrain partitions none (see
+    `partition_activations`). As in DeepSpeed, true requires `partition_activations` and
+    `number_checkpoints`."""
+    number_checkpoints: _PositiveInt | None = None
+    """Has no effect in zerotrain: DeepSpeed sizes the buffer of `contiguous_memory_optimization`
+    with it."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at the start and end of every checkpointed forward and
+    recomputation, as DeepSpeed does (to attribute time, or to debug). On a CPU device, where
+    operations run synchronously, it does nothing."""
+    profile: bool = False
+    """Time every checkpointed forward and recomputation (synchronizing the device at their
+    boundaries); the totals are in `zerotrain.checkpointing.recompute_stats()`, which counts
+    calls whether or not this is set."""
+
+    @model_validator(mode="after")
+    def _contiguous_needs_partitions(self) -> "ActivationCheckpointingConfig":
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise _fail(
+                "contiguous_memory_optimization requires partition_activations (DeepSpeed "
+                "rejects it otherwise), and has no effect in zerotrain; set it to false"
+            )
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise _fail(
+                "contiguous_memory_optimization requires number_checkpoints (DeepSpeed rejects "
+                "it otherwise), and has no effect in zerotrain; set it to false"
+            )
+        return self
+
+
+class CommsLoggerConfig(_Section):
+    """`comms_logger`: record every collective zerotrain issues, per operation and message size;
+    `engine.comms_summary()` prints the table (calls, bytes, bytes sent, time, bandwidth)."""
+
+    enabled: bool = False
+    """Record calls, bytes and time per operation and message size."""
+    verbose: bool = False
+    """Also print one line per collective as it completes (rank 0)."""
+    prof_all: bool = True
+    """Record every operation; false records only those in `prof_ops`."""
+    prof_ops: list[str] = Field(default_factory=list)
+    """Operations to record when `prof_all` is false: `all_reduce`, `reduce_scatter`,
+    `all_gather`, `broadcast` (DeepSpeed's `all_gather_into_tensor`, `reduce_scatter_tensor`
+    and `*_base` names are read as these)."""
+    debug: bool = False
+    """Append the zerotrain function that issued it to each operation's name (`all_gather |
+    ParameterGatherer._issue`), to see which part of the engine communicates."""
+
+    @field_validator("prof_ops")
+    @classmethod
+    def _known_ops(cls, ops: list[str]) -> list[str]:
+        known = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+        names = []
+        for op in ops:
+            name = re.sub(r"(_into_tensor|_tensor|_base)$", "", op)
+            if name not in known:
+                raise _fail(f"unknown operation {op!r}; use any of {', '.join(known)}")
+            names.append(name)
+        return names
+
+
 class ZeroTrainConfig(_Section):
     """Top level of the config, with DeepSpeed's key names. Of the three batch keys give any
     two, or `train_batch_size` or `train_micro_batch_size_per_gpu` alone (then
@@ -472,7 +551,7 @@ class ZeroTrainConfig(_Section):
 
     _NOT_IMPLEMENTED = frozenset(
         """
-        activation_checkpointing aio amp autotuning comet comms_logger
+        aio amp autotuning comet
         communication_data_type compile compression_training csv_monitor curriculum_learning
         data_efficiency data_types dataloader_drop_last datastates_ckpt disable_allgather
         disable_python_gc dump_state eigenvalue elasticity expert_parallel flops_profiler
@@ -507,6 +586,11 @@ class ZeroTrainConfig(_Section):
     """ZeRO partitioning; see the zero_optimization section."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint saving and loading; see the checkpoint section."""
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
+    present. See the activation_checkpointing section."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Communication logging; see the comms_logger section."""
     steps_per_print: _PositiveInt = 10
     """Log progress every this many optimizer steps."""
     wall_clock_breakdown: bool = False

@@ -224,6 +224,23 @@ class ZeroTrainEngine(nn.Module):
         )
         return load_checkpoint(self, load_dir, tag, options)
 
+    def comms_summary(self) -> str:
+        """A table of the collectives this rank issued: per operation, calls, payload, bytes
+        sent and the time the training thread waited; with the `comms_logger` config section
+        enabled, also per message size (and per issuing function with its `debug` key)."""
+        header = (
+            f"{'operation':<20} {'calls':>7} {'payload MB':>11} {'sent MB':>9} {'waited ms':>10}"
+        )
+        rows = [header, "-" * len(header)]
+        for name, stats in sorted(self.comm.stats.items()):
+            rows.append(
+                f"{name:<20} {stats.calls:>7} {stats.bytes / 1e6:>11.3f} {stats.sent / 1e6:>9.3f} "
+                f"{stats.seconds * 1e3:>10.2f}"
+            )
+        if self.comm.log is not None:
+            rows += ["", self.comm.log.summary()]
+        return "\n".join(rows)
+
     def save_16bit_model(
         self,
         save_dir: str | Path,

@@ -6,6 +6,7 @@ that names the operation, and counts calls and bytes per operation.
 """
 
 from zerotrain.comm.communicator import CollectiveError, Communicator, OpStats, PendingOp
+from zerotrain.comm.log import CommsLog
 from zerotrain.comm.setup import (
     DEFAULT_TIMEOUT,
     destroy_distributed,
@@ -17,6 +18,7 @@ from zerotrain.comm.setup import (
 __all__ = [
     "DEFAULT_TIMEOUT",
     "CollectiveError",
+    "CommsLog",
     "Communicator",
     "OpStats",
     "PendingOp",

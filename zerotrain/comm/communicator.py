@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.comm import pairwise
+from zerotrain.comm.log import CommsLog
 from zerotrain.comm.setup import collective_timeout
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -47,11 +48,14 @@ def _ring_sent(op: str, nbytes: int, world: int) -> int:
 class PendingOp:
     """An asynchronous collective in flight; :meth:`wait` completes it (or raises)."""
 
-    def __init__(self, comm: Communicator, name: str, nbytes: int, work):
+    def __init__(
+        self, comm: Communicator, name: str, nbytes: int, work, message: tuple | None = None
+    ):
         self._comm = comm
         self._name = name
         self._nbytes = nbytes
         self._work = work
+        self._message = message  # its comms-log line, if logged
         self._on_done: Callable[[], object] | None = None
         self._done = False
 
@@ -66,7 +70,8 @@ class PendingOp:
         start = time.perf_counter()
         if self._work is not None:
             self._comm._complete(self._name, self._nbytes, self._work.wait)
-        self._comm._record(self._name, 0, time.perf_counter() - start, calls=0, sent=0)
+        waited = time.perf_counter() - start
+        self._comm._record(self._name, 0, waited, calls=0, sent=0, message=self._message)
         self._done = True
         if self._on_done is not None:
             self._on_done()
@@ -84,6 +89,7 @@ class Communicator:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         stats: dict[str, OpStats] | None = None,
+        log: CommsLog | None = None,
     ):
         self.group = group
         self.device = torch.device(device)  # where scalars for control collectives live (NCCL: GPU)
@@ -92,20 +98,38 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         # shared with the groups made by new_group(): one account per engine
         self.stats: dict[str, OpStats] = stats if stats is not None else {}
+        self.log = log  # comms_logger: per message size (shared with new_group() too)
         # gloo lacks an efficient reduce-scatter / all-gather: see [Note: why pairwise exchange
         # on gloo] in pairwise.py
         self._pairwise = self.distributed and dist.get_backend(group) == "gloo"
-        self._next_tag = 0  # point-to-point tags: one per pairwise operation, same on every rank
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record(
-        self, name: str, nbytes: int, seconds: float, calls: int = 1, sent: int | None = None
+        self,
+        name: str,
+        nbytes: int,
+        seconds: float,
+        calls: int = 1,
+        sent: int | None = None,
+        message: tuple[str, int] | None = None,
+        done: bool = True,
     ) -> None:
+        """Count a collective's launch, or (``calls=0``, ``sent=0``) the time waited for it to
+        complete. ``message``: its comms-log line, (label, message bytes), when logging."""
+        sent = _ring_sent(name, nbytes, self.world_size) if sent is None else sent
         stats = self.stats.setdefault(name, OpStats())
         stats.calls += calls
         stats.bytes += nbytes
-        stats.sent += _ring_sent(name, nbytes, self.world_size) if sent is None else sent
+        stats.sent += sent
         stats.seconds += seconds
+        if message is not None:
+            self.log.record(*message, calls, sent, seconds, done)
+
+    def _message(self, name: str, nbytes: int) -> tuple[str, int] | None:
+        """The comms-log line of a collective about to be launched (None: not logged)."""
+        if self.log is None or not self.log.wants(name):
+            return None
+        return self.log.label(name), nbytes
 
     def _complete(self, name: str, nbytes: int, run: Callable[[], object]) -> object:
         try:
@@ -119,11 +143,12 @@ class Communicator:
             ) from err
 
     def _issue(self, name: str, nbytes: int, launch: Callable[[bool], object], async_op: bool):
+        message = self._message(name, nbytes)
         start = time.perf_counter()
         work = self._complete(name, nbytes, lambda: launch(async_op))
-        self._record(name, nbytes, time.perf_counter() - start)
+        self._record(name, nbytes, time.perf_counter() - start, message=message, done=not async_op)
         if async_op:
-            return PendingOp(self, name, nbytes, work)
+            return PendingOp(self, name, nbytes, work, message)
         return None
 
     def new_group(self) -> Communicator:
@@ -131,13 +156,16 @@ class Communicator:
         calls it in the same order). Collectives on different groups are ordered independently.
         """
         if not self.distributed:
-            return Communicator(device=self.device)
+            return Communicator(device=self.device, stats=self.stats, log=self.log)
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
-        return Communicator(group, device=self.device, stats=self.stats)
+        return Communicator(group, device=self.device, stats=self.stats, log=self.log)
 
     def reset_stats(self) -> None:
+        """Start counting afresh (the comms log too)."""
         self.stats.clear()
+        if self.log is not None:
+            self.log.lines.clear()
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -186,7 +214,7 @@ class Communicator:
         name = operation.__name__
         full = input if name == "reduce_scatter" else output
         nbytes = full.numel() * full.element_size()
-        self._next_tag += 1
+        tag = pairwise.next_tag(self.group)
         timeout = _group_timeout(self.group, default=None)
 
         def launch(_async: bool):
@@ -196,11 +224,12 @@ class Communicator:
                 group=self.group,
                 rank=self.rank,
                 world=self.world_size,
-                tag=self._next_tag,
+                tag=tag,
                 timeout=timeout if isinstance(timeout, timedelta) else None,
             )
 
         op = self._issue(name, nbytes, launch, async_op=True)
+        pairwise.complete_if_dropped(op, op._work)
         if not async_op:
             op.wait()
             return None

@@ -17,11 +17,50 @@ rank) once all pieces are in, so it does not depend on which message arrives fir
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Point-to-point messages are matched by (peer, tag) within a process group, so every pairwise
+# operation on a group takes a tag no other operation on that group has used: per group, not
+# per Communicator, because several communicators share the default group (an engine's
+# operations may still be in flight when the next engine starts). Every rank issues the same
+# operations in the same order, so the counters agree across ranks.
+_tags: dict[int | None, int] = {}
+
+
+def next_tag(group: dist.ProcessGroup | None) -> int:
+    """A fresh tag for one pairwise operation on ``group`` (None: the default group)."""
+    key = None if group is None else id(group)
+    _tags[key] = _tags.get(key, 0) + 1
+    return _tags[key]
+
+
+# Operations dropped before they were waited for (an engine discarded with parameter gathers in
+# flight). A receive posted to gloo writes into its tensor whenever the message arrives, and
+# gloo reports a point-to-point operation complete only once it is waited for, so a dropped
+# operation could write into memory freed and reused meanwhile. ``complete_if_dropped`` keeps
+# the operation (and so its tensors) alive past its owner; the next pairwise operation waits for
+# it, which cannot deadlock: every rank posted all its messages when it issued it.
+_dropped: list[PairwiseWork] = []
+
+
+def complete_if_dropped(owner: object, work: PairwiseWork) -> None:
+    """Keep ``work`` until it is complete even if ``owner`` (its handle) is dropped first."""
+    weakref.finalize(owner, _keep_if_pending, work)
+
+
+def _keep_if_pending(work: PairwiseWork) -> None:
+    if not work.done:
+        _dropped.append(work)
+
+
+def _complete_dropped() -> None:
+    while _dropped:
+        _dropped.pop().wait()
 
 
 class PairwiseWork:
@@ -31,6 +70,11 @@ class PairwiseWork:
         self._works = works
         self._finish = finish
         self._timeout = timeout
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has completed it."""
+        return not self._works and self._finish is None
 
     def wait(self) -> bool:
         for work in self._works:
@@ -76,6 +120,7 @@ def reduce_scatter(
 ) -> PairwiseWork:
     """Sum ``input`` (1-D, ``world`` equal pieces) over the ranks into ``output`` (this rank's
     piece; it may be that piece of ``input`` itself). Complete with ``wait()``."""
+    _complete_dropped()
     pieces = input.view(world, -1)
     peers = _peers(rank, world)
     buffer = torch.empty((world - 1, pieces.shape[1]), dtype=input.dtype, device=input.device)
@@ -103,6 +148,7 @@ def all_gather(
 ) -> PairwiseWork:
     """Every rank's ``input`` concatenated into ``output`` (1-D; ``input`` may be this rank's
     piece of ``output``). Complete with ``wait()``."""
+    _complete_dropped()
     pieces = output.view(world, -1)
     if pieces[rank].data_ptr() != input.data_ptr():
         pieces[rank].copy_(input)

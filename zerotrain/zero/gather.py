@@ -23,6 +23,12 @@ elements gathered between the end of that forward and the unit's next use (DeepS
 kept gathered, if the live total allows, instead of being released and gathered again: the last
 blocks of the forward are the first of the backward. With DeepSpeed's defaults a small model is
 gathered once per step; lower the bounds to trade that traffic for memory.
+
+Recomputation: activation checkpointing (zerotrain.checkpointing, or torch.utils.checkpoint
+directly) runs a region's forward again inside the backward, and with it the hooks of the units
+the region calls. Such a forward gathers its unit for immediate use and nothing else: it neither
+records nor advances the order, nor releases the unit afterwards (the hook on the first
+forward's outputs and the reducer do that, as without checkpointing).
 """
 
 from __future__ import annotations
@@ -220,17 +226,27 @@ class ParameterGatherer:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
+        if _recomputing():  # the root is gathered until the end of the backward
+            return
         self._cursor = {"forward": 0, "backward": 0}  # a new forward (training or eval)
         self._use(self.units[-1], "forward")
 
     def _root_post_forward(self, module, args, output) -> None:
+        if _recomputing():
+            return
         if not torch.is_grad_enabled():  # no backward will follow
             self.release(self.units[-1])
 
     def _pre_forward(self, unit: GatherUnit) -> None:
+        if _recomputing():  # see "Recomputation" in the note above
+            self._make_room(unit)
+            self._gather_now(unit)
+            return
         self._use(unit, "forward")
 
     def _post_forward(self, unit: GatherUnit, output) -> None:
+        if _recomputing():
+            return
         if not torch.is_grad_enabled():  # no backward will follow
             self.release(unit)
             return
@@ -278,3 +294,9 @@ class ParameterGatherer:
 
     def unit_of(self, bucket: FlatBucket) -> GatherUnit:
         return self._unit_of_bucket[id(bucket)]
+
+
+def _recomputing() -> bool:
+    """Whether a module forward runs inside a backward pass: activation checkpointing's
+    recomputation. (torch.utils.checkpoint asks autograd the same question.)"""
+    return torch._C._current_graph_task_id() != -1
