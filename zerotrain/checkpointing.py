@@ -46,16 +46,14 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from pydantic import ValidationError
 from torch import nn
 
 from zerotrain.config import (
     ActivationCheckpointingConfig,
     ConfigError,
     ZeroTrainConfig,
-    _config_error,
-    _key_problems,
-    _read_config_file,
+    check_config,
+    read_config_file,
 )
 from zerotrain.zero.units import find_unit_modules
 
@@ -190,14 +188,7 @@ def _given(values: dict[str, Any]) -> dict[str, Any]:
 
 def _validated(section: Any) -> ActivationCheckpointingConfig:
     """The section checked as ``load_config`` checks it, errors naming the full key path."""
-    raw = {"activation_checkpointing": section}
-    problems = _key_problems(raw, ZeroTrainConfig)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    try:
-        return ZeroTrainConfig.model_validate(raw).activation_checkpointing
-    except ValidationError as exc:
-        raise _config_error(exc) from None
+    return check_config({"activation_checkpointing": section}).activation_checkpointing
 
 
 def _section_from(config: Any) -> ActivationCheckpointingConfig:
@@ -208,7 +199,7 @@ def _section_from(config: Any) -> ActivationCheckpointingConfig:
     if isinstance(config, ZeroTrainConfig):
         return config.activation_checkpointing or ActivationCheckpointingConfig()
     if isinstance(config, (str, os.PathLike)):
-        config = _read_config_file(Path(config))
+        config = read_config_file(Path(config))
     if not isinstance(config, dict):
         raise ConfigError(
             "checkpointing.configure(deepspeed_config=...): expected a config dict, path, "

@@ -54,8 +54,10 @@ __all__ = [
     "SchedulerConfig",
     "ZeroOptimizationConfig",
     "ZeroTrainConfig",
+    "check_config",
     "config_reference_markdown",
     "load_config",
+    "read_config_file",
 ]
 
 
@@ -793,7 +795,9 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The raw mapping of a ``.json``/``.yaml``/``.yml`` config file; ``ConfigError`` if it
+    cannot be read or parsed."""
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
         raise ConfigError(
@@ -836,21 +840,26 @@ def load_config(
     if config is None:
         raw: Any = {}
     elif isinstance(config, (str, os.PathLike)):
-        raw = _read_config_file(Path(config))
+        raw = read_config_file(Path(config))
     else:
         raw = config
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config: must be a dict, a path or a ZeroTrainConfig, got {type(raw).__name__}"
         )
+    return check_config(raw).resolve_batch(world_size)
+
+
+def check_config(raw: dict[str, Any]) -> ZeroTrainConfig:
+    """Passes 1 and 2 of [Note: how a config is checked] on a raw mapping, without resolving the
+    batch fields, so that one section can be checked on its own (``{"section": {...}}``)."""
     problems = _key_problems(raw, ZeroTrainConfig)
     if problems:
         raise ConfigError("\n".join(problems))
     try:
-        typed = ZeroTrainConfig.model_validate(raw)
+        return ZeroTrainConfig.model_validate(raw)
     except ValidationError as exc:
         raise _config_error(exc) from None
-    return typed.resolve_batch(world_size)
 
 
 # --- the generated reference (docs/config.md) --------------------------------------------

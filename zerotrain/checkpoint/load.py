@@ -129,9 +129,7 @@ def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) ->
                 f"{ours_type}; pass load_optimizer_states=False to load only the weights"
             )
         groups = len(zero.optimizer.param_groups)
-        saved_groups = manifest.data.get("optimizer_groups")
-        if saved_groups is None:  # manifests before the key: groups holding a parameter
-            saved_groups = 1 + max((r.group for r in manifest.params.values()), default=0)
+        saved_groups = manifest["optimizer_groups"]  # empty groups count too
         if groups != saved_groups:
             problems.append(
                 f"{where}: saved with {saved_groups} optimizer parameter groups, the engine has "
