@@ -129,6 +129,69 @@ SPECS = {
 }
 
 
+# --- the models ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A model `--model` names: how to build it, and the token ids and sequence length it takes.
+    Built models are called as `model(x, y)` -> mean loss and list their blocks in
+    `model.blocks` (FSDP2 shards each block)."""
+
+    build: Callable[[], torch.nn.Module]
+    vocab_size: int
+    seq_len: int
+    family: str  # "GPT" (examples/gpt/model.py) or "transformers GPT-2"
+
+
+class HFGPT2(torch.nn.Module):
+    """transformers' GPT2LMHeadModel with the demo GPT's call: `model(x, y)` -> mean loss."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import GPT2LMHeadModel
+
+        self.lm = GPT2LMHeadModel(config)
+
+    @property
+    def blocks(self) -> torch.nn.ModuleList:  # a property: a second registration would alias
+        return self.lm.transformer.h
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def hf_gpt2_34m() -> torch.nn.Module:
+    """The issue's reference job: GPT-2's vocabulary (50257, so the tied embedding is 57% of the
+    33.9M parameters), width 384, 8 blocks of 6 heads; no dropout, so every system's loss agrees."""
+    import transformers
+    from transformers import GPT2Config
+
+    transformers.logging.set_verbosity_error()
+    config = GPT2Config(
+        n_embd=384,
+        n_layer=8,
+        n_head=6,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    return HFGPT2(config)
+
+
+def bench_models() -> dict[str, BenchModel]:
+    from gpt.model import GPT, PRESETS
+
+    models = {
+        name: BenchModel(lambda cfg=cfg: GPT(cfg), cfg.vocab_size, cfg.block_size, "GPT")
+        for name, cfg in PRESETS.items()
+    }
+    models["gpt2-34m"] = BenchModel(hf_gpt2_34m, 50257, 128, "transformers GPT-2")
+    return models
+
+
 def ring_bytes(passes: float, params: int, nproc: int) -> float:
     """Bytes one rank sends in `passes` ring passes over `params` fp32 values: passes x Ψ(N-1)/N
     x 4 ([Note: bytes sent per step])."""
@@ -136,16 +199,15 @@ def ring_bytes(passes: float, params: int, nproc: int) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from gpt.model import PRESETS
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model",
         dest="models",
         nargs="+",
         default=["demo"],
-        choices=list(PRESETS),
-        help="GPT presets of examples/gpt/model.py; the benchmark runs for each in turn",
+        choices=list(bench_models()),
+        help="GPT presets of examples/gpt/model.py, or gpt2-34m (transformers' GPT-2, sequence "
+        "128); the benchmark runs for each in turn",
     )
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
@@ -335,7 +397,6 @@ class Channel:
 def run_worker(args: argparse.Namespace) -> None:
     """One rank of one system's job: build, warm up, then time the rounds the parent asks for."""
     import torch.distributed as dist
-    from gpt.model import GPT, gpt_config
 
     spec = SPECS[args.worker]
     rank = int(os.environ["RANK"])
@@ -344,17 +405,17 @@ def run_worker(args: argparse.Namespace) -> None:
     channel = Channel(sock)
     channel.send({"system": spec.key, "rank": rank})
 
-    cfg = gpt_config(args.model)
+    model = bench_models()[args.model]
     gen = torch.Generator().manual_seed(1234 + rank)
     total = 1 + args.rounds * args.steps  # batch 0 is the warm-up step's
     tokens = torch.randint(
-        0, cfg.vocab_size, (total, args.micro_batch, cfg.block_size + 1), generator=gen
+        0, model.vocab_size, (total, args.micro_batch, model.seq_len + 1), generator=gen
     )
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     try:
         dist.init_process_group("gloo")
         torch.manual_seed(0)
-        built = BUILDERS[spec.family](GPT(cfg), spec, args)
+        built = BUILDERS[spec.family](model.build(), spec, args)
         built.step(*batches[0])  # allocations, first optimizer state
     except Exception as exc:
         channel.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -617,16 +678,18 @@ def measure(rows: list[Row], args: argparse.Namespace) -> None:
 # --- the table -----------------------------------------------------------------------------
 
 
-def report(rows: list[Row], args: argparse.Namespace, params: int, cfg, load: float) -> dict:
+def report(
+    rows: list[Row], args: argparse.Namespace, params: int, model: BenchModel, load: float
+) -> dict:
     """Print one model's table and notes; return its JSON entry."""
     ring_min = ring_bytes(2, params, args.nproc)
     medians = {row.spec.key: statistics.median(row.times_s) for row in rows if row.times_s}
     floor, ddp = medians.get("floor"), medians.get("ddp")
     ddp_loss = next((r.loss for r in rows if r.spec.key == "ddp" and r.times_s), None)
-    tokens_per_step = args.micro_batch * cfg.block_size * args.nproc
+    tokens_per_step = args.micro_batch * model.seq_len * args.nproc
     print(
-        f"\nGPT '{args.model}' ({params / 1e6:.2f}M params), {args.nproc} ranks, fp32, gloo, "
-        f"micro-batch {args.micro_batch}x{cfg.block_size}, {args.rounds} rounds x "
+        f"\n{model.family} '{args.model}' ({params / 1e6:.2f}M params), {args.nproc} ranks, fp32, "
+        f"gloo, micro-batch {args.micro_batch}x{model.seq_len}, {args.rounds} rounds x "
         f"{args.steps} steps, --launch {args.launch}; load average before the run {load:.2f}\n"
     )
     columns = [
@@ -800,12 +863,10 @@ def main() -> None:
 
 
 def run_model(model: str, args: argparse.Namespace) -> dict:
-    """The whole benchmark for one GPT preset: print its table, return its JSON entry."""
-    from gpt.model import GPT, gpt_config
-
-    cfg = gpt_config(model)
+    """The whole benchmark for one model: print its table, return its JSON entry."""
+    spec = bench_models()[model]
     # Ψ of [Note: bytes sent per step]: here every parameter trains (the tied embedding once).
-    params = sum(p.numel() for p in GPT(cfg).parameters() if p.requires_grad)
+    params = sum(p.numel() for p in spec.build().parameters() if p.requires_grad)
     launch = args.launch or ("once" if params < RESIDENT_MAX_PARAMS else "per-round")
     model_args = argparse.Namespace(**{**vars(args), "model": model, "launch": launch})
     rows = [Row(SPECS[key]) for key in args.systems]
@@ -813,7 +874,7 @@ def run_model(model: str, args: argparse.Namespace) -> dict:
         row.status = unavailable(row.spec, model_args)
     load = os.getloadavg()[0]  # other work on the machine: the timings are only as quiet as it
     measure(rows, model_args)
-    return report(rows, model_args, params, cfg, load)
+    return report(rows, model_args, params, spec, load)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
     zerotrain run --nproc-per-node 2 examples/train_gpt.py --steps 200
 
 Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states across the
-ranks, stage 2 the gradients as well. Rank 0 prints a progress line every --print-every steps
-and a summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
+ranks, stage 2 the gradients as well. The engine prints a throughput line every --print-every
+steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) and the script a
+summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
 --activation-checkpointing [--ac-every K] recomputes the activations of every K-th block in
-backward instead of keeping them (zerotrain.checkpointing.wrap).
+backward instead of keeping them (zerotrain.checkpointing.wrap). --profile prints the flops
+profiler's per-module profile of one step (--profile-step); --tensorboard DIR writes the
+per-step scalars for TensorBoard (`pip install tensorboard`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--ac-every", type=int, default=1, help="checkpoint every K-th block (default 1: all)"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="print the flops profile of one step (rank 0)"
+    )
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        default=5,
+        help="profile the step that starts after this many steps (flops_profiler.profile_step)",
+    )
+    parser.add_argument(
+        "--tensorboard", default=None, metavar="DIR", help="write TensorBoard scalars under DIR"
+    )
     args = parser.parse_args()
     for name in (
         "steps",
@@ -72,6 +87,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.ac_every != 1 and not args.activation_checkpointing:
         parser.error("--ac-every applies only with --activation-checkpointing")
+    if args.profile_step < 0:
+        parser.error("--profile-step must be at least 0")
     return args
 
 
@@ -102,8 +119,19 @@ def engine_config(args: argparse.Namespace) -> dict:
         ),
         "bf16": {"enabled": args.precision == "bf16"},
         "fp16": {"enabled": args.precision == "fp16"},
-        # The engine stays quiet; this script prints its own progress lines.
-        "steps_per_print": 10**9,
+        # the engine's throughput line is the progress line
+        "steps_per_print": args.print_every,
+        "flops_profiler": {
+            "enabled": args.profile,
+            "profile_step": args.profile_step,
+            "module_depth": 3,  # model, blocks, block, attention/MLP
+            "top_modules": 3,
+        },
+        "tensorboard": {
+            "enabled": args.tensorboard is not None,
+            "output_path": args.tensorboard or "",
+            "job_name": f"gpt-{args.model}-stage{args.stage}",
+        },
     }
 
 
@@ -174,10 +202,10 @@ def main() -> None:
             print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     batches = forever(train_loader)
     step_losses: list[float] = []
-    start = window_start = time.perf_counter()
-    window_first_step = first_step
+    start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
-        # The loss printed is rank 0's: the mean over its micro-batches of this step.
+        # The summary's losses are rank 0's: the mean over its micro-batches of each step
+        # (the engine's line prints the mean over all ranks).
         micro_losses = []
         for _ in range(engine.gradient_accumulation_steps()):
             x, y = (t.to(engine.device) for t in next(batches))
@@ -186,25 +214,13 @@ def main() -> None:
             engine.step()
             micro_losses.append(loss.item())
         step_losses.append(sum(micro_losses) / len(micro_losses))
-
-        if is_rank0 and (step % args.print_every == 0 or step == args.steps):
-            now = time.perf_counter()
-            seconds_per_step = (now - window_start) / (step - window_first_step + 1)
-            window_start, window_first_step = now, step + 1
-            memory = engine.memory_breakdown()
-            print(
-                f"step {step:>5}/{args.steps} | loss {step_losses[-1]:.4f} | "
-                f"lr {engine.get_lr()[0]:.2e} | {tokens_per_step / seconds_per_step:,.0f} tok/s | "
-                f"{seconds_per_step:.3f} s/step | per rank (rank 0): model states "
-                f"{memory['total'] / MB:.1f} MB, peak RSS {peak_rss_mb():.0f} MB",
-                flush=True,
-            )
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
             saved = time.perf_counter()
             path = engine.save_checkpoint(args.checkpoint_dir)
             if is_rank0:
                 print(f"saved {path} in {time.perf_counter() - saved:.2f} s", flush=True)
     train_seconds = time.perf_counter() - start
+    engine.destroy()  # flush the TensorBoard file
     steps_run = args.steps - first_step + 1
     if steps_run < 1:
         if is_rank0:

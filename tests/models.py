@@ -130,3 +130,20 @@ class DropoutModel(nn.Module):
         for block in self.blocks:
             h = self.drop(block(h)) * self.frozen_scale
         return F.cross_entropy(self.head(h).float().view(-1, VOCAB), targets.view(-1))
+
+
+def tiny_hf_gpt2() -> nn.Module:
+    """A 2-layer HuggingFace GPT-2 built from a config, no download (for ``zerotrain estimate
+    --model tests.models:tiny_hf_gpt2``): tied embedding and head, an HF ``.config``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=48,
+        n_head=4,
+        vocab_size=101,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)

@@ -14,9 +14,13 @@ from pydantic import ValidationError
 from zerotrain.config import (
     BF16Config,
     ConfigError,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
     FP16Config,
     OptimizerConfig,
     SchedulerConfig,
+    TensorBoardConfig,
+    WandbConfig,
     ZeroOptimizationConfig,
     ZeroTrainConfig,
     config_reference_markdown,
@@ -195,8 +199,22 @@ def test_defaults_match_deepspeed() -> None:
             "prof_ops": [],
             "debug": False,
         },
+        "flops_profiler": {
+            "enabled": False,
+            "recompute_fwd_factor": 0.0,
+            "profile_step": 1,
+            "module_depth": -1,
+            "top_modules": 1,
+            "detailed": True,
+            "output_file": None,
+            "peak_tflops": None,
+        },
+        "tensorboard": {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
+        "csv_monitor": {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
+        "wandb": {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
+        "count_model_flops": True,
         "seed": None,
         "zero_allow_untested_optimizer": False,
     }
@@ -448,10 +466,7 @@ def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> Non
     "path",
     [
         *[
-            "flops_profiler",
-            "tensorboard",
-            "wandb",
-            "csv_monitor",
+            "comet",
             "checkpoint.use_node_local_storage",
             "checkpoint.parallel_write",
             "amp",
@@ -500,13 +515,13 @@ def test_unimplemented_deepspeed_options_are_rejected(path: str) -> None:
 def test_every_problem_is_reported_at_once() -> None:
     config = {
         "train_batch_sze": 8,
-        "wandb": {"enabled": True},
+        "comet": {"enabled": True},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         "gradient_clipping": "auto",
     }
     assert load_error(config).splitlines() == [
         "train_batch_sze: unknown key; did you mean 'train_batch_size'?",
-        unimplemented("wandb"),
+        unimplemented("comet"),
         unimplemented("zero_optimization.offload_optimizer"),
         'gradient_clipping: "auto" must be resolved before passing the config to zerotrain '
         "(HuggingFace's Trainer does that for DeepSpeed); set a concrete value",
@@ -761,6 +776,10 @@ def test_docs_config_md_is_generated_from_the_schema(tmp_path: Path) -> None:
         FP16Config,
         BF16Config,
         ZeroOptimizationConfig,
+        FlopsProfilerConfig,
+        TensorBoardConfig,
+        CSVMonitorConfig,
+        WandbConfig,
     ],
 )
 def test_every_field_is_documented(
@@ -799,3 +818,31 @@ def test_overlap_param_gather_only_at_stages_1_and_2() -> None:
     for stage in (0, 3):
         config["zero_optimization"]["stage"] = stage
         assert "overlap_param_gather applies to stages 1-2" in load_error(config)
+
+
+def test_flops_profiler_and_monitor_sections() -> None:
+    config = load_config(
+        {
+            "train_batch_size": 8,
+            "flops_profiler": {"enabled": True, "profile_step": 0, "module_depth": 2},
+            "tensorboard": {"enabled": True, "output_path": "runs", "job_name": "j"},
+            "csv_monitor": {"enabled": True},
+            "wandb": {"enabled": True, "team": "t"},
+        },
+        world_size=1,
+    )
+    assert (config.flops_profiler.profile_step, config.flops_profiler.module_depth) == (0, 2)
+    assert config.tensorboard.output_path == "runs" and config.wandb.team == "t"
+    assert "flops_profiler.module_depth: must be -1 (every level) or a depth >= 0, got -2" in (
+        load_error(nested("flops_profiler.module_depth", -2))
+    )
+    assert "flops_profiler.top_modules: must be > 0" in load_error(
+        nested("flops_profiler.top_modules", 0)
+    )
+    assert "flops_profiler.peak_tflops: must be > 0" in load_error(
+        nested("flops_profiler.peak_tflops", 0)
+    )
+    assert load_error(nested("tensorboard.job_nam", "x")) == (
+        "tensorboard.job_nam: unknown key; did you mean 'job_name'?"
+    )
+    assert load_error(nested("comet", {"enabled": True})) == unimplemented("comet")

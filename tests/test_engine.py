@@ -289,8 +289,8 @@ def test_steps_per_print_reports_with_wall_clock_breakdown(capsys):
         engine.backward(engine(torch.randn(MICRO, 3)).sum())
         engine.step()
     lines = [line for line in capsys.readouterr().out.splitlines() if "[zerotrain]" in line]
-    assert [line.split(":")[0] for line in lines] == ["[zerotrain] step 2", "[zerotrain] step 4"]
-    assert "lr [0.25]" in lines[0] and "grad norm" in lines[0]
+    assert [line.split(" | ")[0] for line in lines] == ["[zerotrain] step 2", "[zerotrain] step 4"]
+    assert "| lr 0.25 |" in lines[0] and "grad norm" in lines[0]
     assert all(f"{part} " in lines[1] for part in ("forward", "backward", "step"))
     # one process: nothing to communicate
     assert "communication: 0.0 ms exposed, 0.00 MB sent per step" in lines[1]

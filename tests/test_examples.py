@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180
@@ -46,12 +47,15 @@ def zerotrain_run(*args: str) -> subprocess.CompletedProcess:
 
 def test_train_gpt_demo_on_two_processes(tmp_path):
     demo = ["--nproc-per-node", "2", "examples/train_gpt.py", "--model", "tiny"]
-    checkpoints = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "15"]
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "15"]
     result = zerotrain_run(*demo, *checkpoints, "--steps", "30", "--print-every", "10")
     assert result.returncode == 0, result.stdout
-    progress = re.findall(r"^step\s+(\d+)/30 \| loss (\d+\.\d+) \|", result.stdout, re.MULTILINE)
-    assert [int(step) for step, _ in progress] == [10, 20, 30], result.stdout
-    assert "per rank (rank 0): model states" in result.stdout
+    # the engine's throughput line is the progress line
+    progress = re.findall(
+        r"^\[zerotrain\] step (\d+) \| loss [\d.]+ \|", result.stdout, re.MULTILINE
+    )
+    assert [int(step) for step in progress] == [10, 20, 30], result.stdout
+    assert result.stdout.count("tokens/s | ") == 3 and "TFLOP/s per rank | RSS" in result.stdout
     first = float(re.search(r"first loss\s+(\d+\.\d+)", result.stdout).group(1))
     final = float(re.search(r"final loss\s+(\d+\.\d+)", result.stdout).group(1))
     assert final < first - 0.5, result.stdout  # byte-level: ln(256) = 5.55 at the start
@@ -61,16 +65,25 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     assert "saved " in result.stdout and "global_step30" in result.stdout, result.stdout
 
     # Started again with more steps, it resumes from its newest checkpoint (keep_last 2); with
-    # activation checkpointing this time, which changes no number.
+    # activation checkpointing this time, which changes no number, the flops profiler and
+    # TensorBoard.
     recompute = ["--activation-checkpointing", "--ac-every", "2"]
-    resumed = zerotrain_run(*demo, *checkpoints, *recompute, "--steps", "40", "--print-every", "10")
+    monitors = ["--profile", "--profile-step", "31", "--tensorboard", str(tmp_path / "tb")]
+    resumed = zerotrain_run(
+        *demo, *checkpoints, *recompute, *monitors, "--steps", "40", "--print-every", "10"
+    )
     assert resumed.returncode == 0, resumed.stdout
+    assert "Profile of optimizer step 32 (flops_profiler.profile_step 31)" in resumed.stdout
+    assert re.search(r"^      attn CausalSelfAttention: 16\.38 K params", resumed.stdout, re.M)
+    events = EventAccumulator(str(tmp_path / "tb" / "gpt-tiny-stage2"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("Train/loss")] == list(range(31, 41))
     # 10 steps of 2 checkpointed blocks (of the tiny model's 4)
     assert "every 2 of 4 blocks: 20 recomputations" in resumed.stdout, resumed.stdout
     assert "at step 30" in resumed.stdout, resumed.stdout
-    progress = re.findall(r"^step\s+(\d+)/40 \|", resumed.stdout, re.MULTILINE)
+    progress = re.findall(r"^\[zerotrain\] step (\d+) \|", resumed.stdout, re.MULTILINE)
     assert progress == ["40"], resumed.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "global_step30",
         "global_step40",
         "latest",

@@ -17,6 +17,7 @@ from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initiali
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
+from zerotrain.monitor import check_monitor_packages
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
@@ -71,6 +72,7 @@ def initialize(
     device = _training_device()
     comm = Communicator(device=device)
     cfg = load_config(config, world_size=comm.world_size)
+    check_monitor_packages(cfg)  # before any work: every rank fails alike
     logger = cfg.comms_logger
     if logger.enabled:  # before the engine makes more groups: they share the log
         ops = None if logger.prof_all else logger.prof_ops

@@ -47,11 +47,15 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "BF16Config",
     "CheckpointConfig",
+    "CSVMonitorConfig",
     "CommsLoggerConfig",
     "ConfigError",
     "FP16Config",
+    "FlopsProfilerConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TensorBoardConfig",
+    "WandbConfig",
     "ZeroOptimizationConfig",
     "ZeroTrainConfig",
     "check_config",
@@ -544,6 +548,81 @@ class CommsLoggerConfig(_Section):
         return names
 
 
+class FlopsProfilerConfig(_Section):
+    """`flops_profiler`: profile one step's forward per module (FLOPs, MACs, parameters,
+    latency) and print the module tree, the top modules and the achieved TFLOP/s (rank 0).
+    See docs/monitoring.md."""
+
+    enabled: bool = False
+    """Profile the step given by `profile_step` and print its profile."""
+    recompute_fwd_factor: _NonNegativeFloat = 0.0
+    """Forwards recomputed in backward per forward (activation checkpointing: 1.0 when every
+    block is recomputed): the profile's hardware FLOPs per step are (3 + this) x the forward
+    FLOPs. The throughput line always reports model FLOPs (3x)."""
+    profile_step: _NonNegativeInt = 1
+    """Profile the step that starts when `engine.global_steps` equals this, as in DeepSpeed:
+    the default 1 profiles the second optimizer step (the first is warm-up). The first
+    micro-step's forward of that step is profiled."""
+    module_depth: _Int = -1
+    """Depth of the module tree printed with `detailed`, and of the per-depth top modules; -1
+    prints every level."""
+    top_modules: _PositiveInt = 1
+    """How many modules to list per depth, by MACs, by parameters and by latency."""
+    detailed: bool = True
+    """Print the module tree with each module's profile."""
+    output_file: str | None = None
+    """Write the profile to this file instead of stdout (rank 0; directories are created)."""
+    peak_tflops: _PositiveFloat | None = None
+    """Peak TFLOP/s of one device, for the utilisation in the profile; null measures it once
+    with a short matmul benchmark in the training dtype (reported as measured). A zerotrain
+    key."""
+
+    @field_validator("module_depth")
+    @classmethod
+    def _depth_or_all(cls, depth: int) -> int:
+        if depth < -1:
+            raise _fail(f"must be -1 (every level) or a depth >= 0, got {depth}")
+        return depth
+
+
+class TensorBoardConfig(_Section):
+    """`tensorboard`: write the per-step training scalars (see docs/monitoring.md) to a
+    TensorBoard event file from rank 0; needs the `tensorboard` package."""
+
+    enabled: bool = False
+    """Write the scalars of every optimizer step (`pip install tensorboard`)."""
+    output_path: str = ""
+    """Directory for the logs; `""` is the current directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Subdirectory of `output_path` the event file goes to."""
+
+
+class CSVMonitorConfig(_Section):
+    """`csv_monitor`: write the per-step training scalars to CSV files from rank 0, one file
+    per scalar with the columns `step` and the scalar's name (DeepSpeed's layout)."""
+
+    enabled: bool = False
+    """Write the scalars of every optimizer step."""
+    output_path: str = ""
+    """Directory for the files; `""` is the current directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Subdirectory of `output_path` the files go to."""
+
+
+class WandbConfig(_Section):
+    """`wandb`: log the per-step training scalars to Weights & Biases from rank 0; needs the
+    `wandb` package."""
+
+    enabled: bool = False
+    """Log the scalars of every optimizer step (`pip install wandb`)."""
+    group: str | None = None
+    """W&B group of the run."""
+    team: str | None = None
+    """W&B team (entity) of the run."""
+    project: str = "deepspeed"
+    """W&B project of the run."""
+
+
 class ZeroTrainConfig(_Section):
     """Top level of the config, with DeepSpeed's key names. Of the three batch keys give any
     two, or `train_batch_size` or `train_micro_batch_size_per_gpu` alone (then
@@ -554,14 +633,14 @@ class ZeroTrainConfig(_Section):
     _NOT_IMPLEMENTED = frozenset(
         """
         aio amp autotuning comet
-        communication_data_type compile compression_training csv_monitor curriculum_learning
+        communication_data_type compile compression_training curriculum_learning
         data_efficiency data_types dataloader_drop_last datastates_ckpt disable_allgather
-        disable_python_gc dump_state eigenvalue elasticity expert_parallel flops_profiler
+        disable_python_gc dump_state eigenvalue elasticity expert_parallel
         gradient_allreduce_op gradient_predivide_factor graph_harvesting hybrid_engine log_level
         managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
-        sequence_parallel_size sparse_attention sparse_gradients tensor_parallel tensorboard timers
-        torch_autocast trackio use_data_before_expert_parallelism vocabulary_size wandb
+        sequence_parallel_size sparse_attention sparse_gradients tensor_parallel timers
+        torch_autocast trackio use_data_before_expert_parallelism vocabulary_size
         weight_quantization zero_force_ds_cpu_optimizer
         """.split()
     )
@@ -593,10 +672,25 @@ class ZeroTrainConfig(_Section):
     present. See the activation_checkpointing section."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication logging; see the comms_logger section."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Per-module FLOPs profile of one step; see the flops_profiler section."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor; see the tensorboard section."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """CSV monitor; see the csv_monitor section."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor; see the wandb section."""
     steps_per_print: _PositiveInt = 10
-    """Log progress every this many optimizer steps."""
+    """Rank 0 prints a throughput line every this many optimizer steps: loss (mean over the
+    micro-steps and ranks), lr, samples/s, tokens/s, TFLOP/s per rank, memory, grad norm, loss
+    scale (docs/monitoring.md)."""
     wall_clock_breakdown: bool = False
-    """Time forward, backward and optimizer step separately and log the breakdown."""
+    """Add to the throughput line the forward, backward and optimizer-step times per step and
+    the communication the training thread waited for."""
+    count_model_flops: bool = True
+    """Count the forward FLOPs of one micro-batch once (torch's FLOP formulas, on rank 0,
+    at the first step that prints or is monitored) for the TFLOP/s of the throughput line and
+    the monitors; false leaves TFLOP/s out. A zerotrain key."""
     seed: _NonNegativeInt | None = None
     """Seed for the random generators on every rank; null leaves them alone. (A zerotrain key;
     DeepSpeed has none.)"""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
@@ -14,6 +15,9 @@ from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
 from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, local_rank
 from zerotrain.config import ZeroTrainConfig
+from zerotrain.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
+from zerotrain.metrics import StepMetrics
+from zerotrain.monitor import MonitorMaster
 from zerotrain.zero import ZeroOptimizer
 
 
@@ -22,7 +26,8 @@ class ZeroTrainEngine(nn.Module):
 
     ``engine(*args)`` runs the model, ``engine.backward(loss)`` accumulates (and, per the ZeRO
     stage, reduces) gradients, ``engine.step()`` updates at each accumulation boundary.
-    Built by :func:`zerotrain.initialize`.
+    Built by :func:`zerotrain.initialize`. Every `steps_per_print` steps rank 0 prints a
+    throughput line, and the enabled monitors get every step's scalars (docs/monitoring.md).
     """
 
     def __init__(
@@ -47,9 +52,22 @@ class ZeroTrainEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._step_applied = False
-        self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._last_print = time.perf_counter()
-        self._comm_mark = self._comm_totals()
+        self.metrics = StepMetrics(
+            comm,
+            device,
+            train_batch_size=config.train_batch_size,
+            micro_steps=config.gradient_accumulation_steps,
+            count_flops=config.count_model_flops,
+        )
+        self.monitor = MonitorMaster(config, comm.rank)
+        profiler = config.flops_profiler
+        self.flops_profiler = None  # rank 0 profiles, as in DeepSpeed
+        if profiler.enabled and comm.rank == 0:
+            self.flops_profiler = FlopsProfiler(
+                module, recompute_fwd_factor=profiler.recompute_fwd_factor
+            )
+        self._profiling_step = False  # the current step's forward was profiled
+        self._profiled = False  # once per run
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -87,10 +105,43 @@ class ZeroTrainEngine(nn.Module):
 
     # -- training ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: not part of a training step's metrics
+            return self.module(*args, **kwargs)
         start = time.perf_counter()
-        out = self.module(*args, **kwargs)
-        self._timers["forward"] += time.perf_counter() - start
+        self.metrics.start_micro_step(start)
+        with self._instrumented_forward():
+            out = self.module(*args, **kwargs)
+        self.metrics.observe_forward(args, kwargs, time.perf_counter() - start)
         return out
+
+    def _reports(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (from 1) prints or is monitored."""
+        return self.monitor.enabled or step % self.config.steps_per_print == 0
+
+    def _instrumented_forward(self):
+        """The flops profiler at its step, the FLOP count for the throughput once (see
+        [Note: model FLOPs] in metrics.py), or nothing: both on the first micro-step only."""
+        if self.micro_steps % self.gradient_accumulation_steps() != 0:
+            return contextlib.nullcontext()
+        profile_step = self.config.flops_profiler.profile_step
+        if self.flops_profiler and not self._profiled and self.global_steps == profile_step:
+            return self._profiled_forward()
+        if self.metrics.wants_flops() and self._reports(self.global_steps + 1):
+            return self.metrics.counting_flops()
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _profiled_forward(self):
+        profiler = self.flops_profiler
+        profiler.start_profile()
+        self.metrics.exclude(profiler.warm_up_seconds, "forward")
+        try:
+            yield
+        finally:
+            profiler.stop_profile()
+        self._profiling_step = self._profiled = True
+        if self.metrics.forward_flops is None and self.metrics.count_flops:
+            self.metrics.forward_flops = int(profiler.get_total_flops())
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step ends an accumulation (the next step() updates)."""
@@ -109,6 +160,7 @@ class ZeroTrainEngine(nn.Module):
                 "torch.no_grad() or with engine.eval()-only code?"
             )
         start = time.perf_counter()
+        self.metrics.observe_loss(loss)
         scale = self.optimizer.loss_scale
         if scale_wrt_gas:
             scale /= self.gradient_accumulation_steps()
@@ -116,7 +168,7 @@ class ZeroTrainEngine(nn.Module):
         self.optimizer.backward_prologue(at_boundary)
         (loss.float() * scale).backward(retain_graph=retain_graph)
         self.optimizer.backward_epilogue(at_boundary)
-        self._timers["backward"] += time.perf_counter() - start
+        self.metrics.add_time("backward", time.perf_counter() - start)
         return loss
 
     def step(self) -> None:
@@ -124,15 +176,76 @@ class ZeroTrainEngine(nn.Module):
         start = time.perf_counter()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            lr = self.get_lr()  # the rates this update uses, before the schedule moves on
             self._step_applied = self.optimizer.step()
             if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self._timers["step"] += time.perf_counter() - start
-            if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
-                self._report()
+            self.metrics.add_time("step", time.perf_counter() - start)
+            self._end_of_step(lr)
         self.micro_steps += 1
+
+    def _end_of_step(self, lr: list[float]) -> None:
+        """Report the step that just ended: the throughput line, the monitors, the profile."""
+        printing = self.global_steps % self.config.steps_per_print == 0
+        record = self.metrics.finish_step(
+            step=self.global_steps,
+            lr=lr,
+            grad_norm=self.get_global_grad_norm(),
+            loss_scale=self.loss_scale,
+            skipped_steps=self.skipped_steps,
+            report=printing or self.monitor.enabled,
+        )
+        if record is not None:
+            self.monitor.write(
+                record.step, record.scalars(with_times=self.config.wall_clock_breakdown)
+            )
+        if printing:
+            line = self.metrics.throughput_line(record, self.config.wall_clock_breakdown)
+            self.monitor.flush()
+            if self.global_rank == 0:
+                print(line, flush=True)
+        if self._profiling_step:
+            self._profiling_step = False
+            start = time.perf_counter()
+            self._print_profile()
+            # the peak benchmark and the printing are not training: keep them out of the next
+            # step's time, which starts now
+            self.metrics.exclude(time.perf_counter() - start)
+
+    def _print_profile(self) -> None:
+        profiler, section = self.flops_profiler, self.config.flops_profiler
+        dtype = self.optimizer.precision.param_dtype
+        if section.peak_tflops is not None:
+            peak, source = section.peak_tflops, "given: flops_profiler.peak_tflops"
+        else:
+            peak, source = measure_peak_tflops(dtype, self.device)
+        step = StepContext(
+            step=self.global_steps,
+            profile_step=section.profile_step,
+            world_size=self.world_size,
+            micro_batch_size=self.train_micro_batch_size_per_gpu(),
+            micro_steps=self.gradient_accumulation_steps(),
+            step_seconds=self.metrics.last_step_seconds,
+            peak_tflops=peak,
+            peak_source=source,
+        )
+        profiler.print_model_profile(
+            profile_step=section.profile_step,
+            module_depth=section.module_depth,
+            top_modules=section.top_modules,
+            detailed=section.detailed,
+            output_file=section.output_file,
+            step=step,
+        )
+        profiler.end_profile()
+
+    def destroy(self) -> None:
+        """Flush and close the monitors (DeepSpeed's name). Also done when the engine is
+        garbage-collected and at interpreter exit; call it to be sure before the process ends
+        in another way."""
+        self.monitor.close()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (step() already does this at each boundary)."""
@@ -271,34 +384,3 @@ class ZeroTrainEngine(nn.Module):
             write_state_dict(Path(save_dir) / save_filename, state)
         self.comm.barrier()
         return True
-
-    def _report(self) -> None:
-        if self.global_rank != 0:
-            return
-        now = time.perf_counter()
-        lrs = ", ".join(f"{lr:.3g}" for lr in self.get_lr())
-        line = (
-            f"[zerotrain] step {self.global_steps}: lr [{lrs}], skipped {self.skipped_steps}, "
-            f"loss scale {self.loss_scale:g}, grad norm {self.get_global_grad_norm() or 0:.4g}, "
-            f"{(now - self._last_print) / self.config.steps_per_print:.3f} s/step"
-        )
-        if self.config.wall_clock_breakdown:
-            n = self.config.steps_per_print
-            line += " | " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in self._timers.items())
-            # the time the training thread waited for collectives: what overlap did not hide
-            seconds, sent = (
-                now_total - mark
-                for now_total, mark in zip(self._comm_totals(), self._comm_mark, strict=True)
-            )
-            line += (
-                f" | communication: {seconds / n * 1e3:.1f} ms exposed, "
-                f"{sent / n / 1e6:.2f} MB sent per step"
-            )
-        print(line, flush=True)
-        self._timers = dict.fromkeys(self._timers, 0.0)
-        self._last_print = now
-        self._comm_mark = self._comm_totals()
-
-    def _comm_totals(self) -> tuple[float, int]:
-        stats = self.comm.stats.values()
-        return sum(s.seconds for s in stats), sum(s.sent for s in stats)

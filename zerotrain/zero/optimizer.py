@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
+from zerotrain.estimate import model_state_bytes
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
 from zerotrain.zero.init import gather_param, is_init_partitioned, take_ownership
@@ -446,21 +447,22 @@ class ZeroOptimizer:
         }
 
     def formula_bytes(self) -> float:
-        """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o.
+        """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o
+        (:func:`zerotrain.estimate.model_state_bytes`, which ``zerotrain estimate`` prints).
 
         Stage 3 keeps units below the persistence threshold whole: those count p·Ψ_persistent.
         """
-        psi, n = self.num_params, self.comm.world_size
-        p = g = torch.tensor([], dtype=self.precision.param_dtype).element_size()
-        m = 4 if self.precision.has_master_copy else 0
-        s = optimizer_state_bytes_per_element(self.optimizer)
-        grad_div = n if self.policy.shard_gradients else 1
-        optim_div = n if self.policy.shard_optimizer_states else 1
-        params = p * psi
+        persistent = 0
         if self.gatherer is not None:
-            whole = sum(u.numel for u in self.gatherer.units if u.persistent)
-            params = p * (whole + (psi - whole) / n)
-        return params + psi * (g / grad_div + (m + s) / optim_div)
+            persistent = sum(u.numel for u in self.gatherer.units if u.persistent)
+        return model_state_bytes(
+            self.num_params,
+            world_size=self.comm.world_size,
+            policy=self.policy,
+            precision=self.precision,
+            optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
+            persistent_numel=persistent,
+        ).total
 
 
 def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:

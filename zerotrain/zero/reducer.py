@@ -63,10 +63,12 @@ class GradientReducer:
         return hook
 
     def _comm_buffer(self, bucket_index: int) -> torch.Tensor:
+        # Uninitialised: every gradient is written into it once, and _launch zeroes the rest
+        # (padding, parameters without a gradient); a zeros() would write the bucket twice.
         buffer = self._comm_buffers[bucket_index]
         if buffer is None:
             bucket = self.buckets[bucket_index]
-            buffer = torch.zeros(bucket.numel_padded, dtype=bucket.dtype, device=bucket.device)
+            buffer = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=bucket.device)
             self._comm_buffers[bucket_index] = buffer
         return buffer
 
@@ -80,7 +82,13 @@ class GradientReducer:
         bucket = self.buckets[bucket_index]
         if self.policy.shard_gradients:
             buffer = self._comm_buffer(bucket_index)
-            buffer[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+            # The average's 1/N on the way in: one pass over the gradient, not a copy and a
+            # scaling pass over the bucket (the same rounding: one multiply per element).
+            torch.mul(
+                param.grad.reshape(-1),
+                self._inv_world,
+                out=buffer[slot.offset : slot.offset + slot.numel],
+            )
             param.grad = None
         else:
             _repair_grad_view(bucket, slot)
@@ -114,8 +122,11 @@ class GradientReducer:
                 op = self.comm.all_reduce(bucket.flat_grad, async_op=True)
             self._pending.append(op.then(self._arrived[index].clear))
             return
-        buffer = self._comm_buffer(index)  # zeros where a parameter got no gradient
-        buffer.mul_(self._inv_world)
+        buffer = self._comm_buffer(index)  # the gradients that arrived, already scaled
+        for slot in bucket.slots:
+            if slot.index not in self._arrived[index]:
+                buffer[slot.offset : slot.offset + slot.numel].zero_()
+        buffer[bucket.numel :].zero_()
         if not self._shard_holds_grads:  # first micro-step of this accumulation: write directly
             op = self.comm.reduce_scatter(bucket.grad_shard, buffer, async_op=True)
             self._pending.append(op.then(lambda: self._free_buffer(index)))

@@ -1,0 +1,478 @@
+"""The memory estimator (zerotrain/estimate.py, `zerotrain estimate`): the ZeRO formula by hand,
+against what a real run allocates, activations against autograd's saved tensors, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_activation_checkpointing import gpt_batch
+
+from zerotrain import cli
+from zerotrain.checkpointing import count_saved_activations, wrap
+from zerotrain.estimate import (
+    ActivationAssumptions,
+    TrainingJob,
+    TransformerShape,
+    activation_bytes,
+    count_parameters,
+    estimate,
+    figure,
+    model_state_bytes,
+    stage3_gathered_numel,
+)
+from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero import ZeroPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt.model import GPT, gpt_config  # noqa: E402
+
+GiB = 2**30
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- the formula, by hand ----------------------------------------------------------------------
+# Ψ = 1000 parameters on N = 4 ranks, Adam. (parameters, gradients, optimizer states, step) bytes:
+#   16-bit: 2 + 2 + (4 master + 8 Adam) per parameter; the step casts the gradient partition to
+#   fp32 (4 per element of it). fp32: 4 + 4 + 8, the parameters are the masters, no cast.
+BY_HAND = {
+    ("bf16", 0): (2000, 2000, 12000, 4000),
+    ("bf16", 1): (2000, 2000, 3000, 1000),
+    ("bf16", 2): (2000, 500, 3000, 1000),
+    ("bf16", 3): (500, 500, 3000, 1000),
+    ("fp16", 2): (2000, 500, 3000, 1000),
+    ("fp32", 0): (4000, 4000, 8000, 0),
+    ("fp32", 1): (4000, 4000, 2000, 0),
+    ("fp32", 2): (4000, 1000, 2000, 0),
+    ("fp32", 3): (1000, 1000, 2000, 0),
+}
+
+
+def states(dtype, stage, **kwargs):
+    return model_state_bytes(
+        1000,
+        world_size=4,
+        policy=ZeroPolicy.for_stage(stage),
+        precision=PrecisionPolicy(DTYPES[dtype]),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(("dtype", "stage"), list(BY_HAND))
+def test_model_states_by_hand(dtype, stage):
+    got = states(dtype, stage)
+    want = BY_HAND[(dtype, stage)]
+    assert (got.parameters, got.gradients, got.optimizer_states, got.step_grads) == want
+    assert got.total == sum(want[:3]) and got.offloaded == 0
+    if dtype != "fp32":  # the paper's mixed-precision figures: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N
+        assert got.total == {0: 16000, 1: 4000 + 3000, 2: 2000 + 3500, 3: 4000}[stage]
+
+
+def test_model_states_persistent_sgd_and_offload_by_hand():
+    # stage 3 keeps 200 persistent elements whole: 2*200 + 2*800/4
+    assert states("bf16", 3, persistent_numel=200).parameters == 400 + 400
+    assert states("bf16", 1, persistent_numel=200).parameters == 2000  # only stage 3 shards
+    sgd = states("fp32", 1, optimizer_state_bytes=0)  # plain SGD: no state, no master copy
+    assert (sgd.optimizer_states, sgd.total) == (0, 8000)
+    # Offload moves fp32 master + Adam state + an fp32 gradient partition: (4+8+4)*1000/4 = 4000
+    # per rank; at stage 3 also the 2-byte parameter shards (2*1000/4 = 500).
+    stage2 = states("bf16", 2, offload=True)
+    assert (stage2.parameters, stage2.gradients, stage2.optimizer_states) == (2000, 500, 0)
+    assert (stage2.offloaded, stage2.step_grads) == (4000, 0)  # the step runs on the host
+    stage3 = states("bf16", 3, offload=True)
+    assert (stage3.parameters, stage3.offloaded) == (0, 4500)
+    assert states("fp32", 2, offload=True).offloaded == 4000  # fp32: the host needs a master
+
+
+def test_stage3_gathered_bound():
+    # prefetch/reuse within max_live; the root and the unit in use regardless of it
+    assert (
+        stage3_gathered_numel(trainable=5000, root_and_largest_block=700, max_live_numel=10**9)
+        == 5000
+    )
+    assert (
+        stage3_gathered_numel(trainable=5000, root_and_largest_block=700, max_live_numel=0) == 700
+    )
+    assert (
+        stage3_gathered_numel(trainable=5000, root_and_largest_block=700, max_live_numel=2000)
+        == 2000
+    )
+
+
+# -- activations -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("b", "s", "h", "a"), [(1, 4096, 4096, 32), (4, 2048, 5120, 40), (3, 7, 12, 3)]
+)
+def test_activations_reduce_to_korthikanti(b, s, h, a):
+    """16-bit, dropout, attention keeping its softmax, no norm statistics: the paper's
+    sbh(34 + 5as/h) per layer (arXiv:2205.05198 §4.1)."""
+    shape = TransformerShape(batch_size=b, seq_len=s, hidden_size=h, layers=5, heads=a)
+    paper = ActivationAssumptions(
+        element_bytes=2, attention="eager", dropout=True, norm_stats_bytes=0
+    )
+    got = activation_bytes(shape, paper)
+    assert got.per_layer == pytest.approx(s * b * h * (34 + 5 * a * s / h), rel=1e-12)
+    assert got.layer_input == 2 * s * b * h
+    assert got.checkpointed_peak == got.checkpointed_kept + got.per_layer
+    assert got.without_checkpointing == 5 * got.per_layer + got.outside
+
+
+GPT_SHAPES = {  # awkward: 5 heads of width 7, 3 layers; and the demo GPT
+    "odd": dict(vocab_size=77, block_size=24, n_layer=3, n_head=5, n_embd=35),
+    "demo": {},
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "batch"), [("odd", "fp32", 3), ("odd", "bf16", 3), ("demo", "fp32", 1)]
+)
+def test_activations_match_saved_tensors_of_the_demo_gpt(name, dtype, batch):
+    """The estimate against the bytes autograd keeps (``count_saved_activations``) for the demo
+    GPT, without checkpointing and with every block checkpointed. The demo GPT has no dropout
+    and runs SDPA (CPU flash kernel: no s x s matrix); on CPU LayerNorm keeps its statistics in
+    the activation dtype. The estimate leaves out only O(s) bytes: the int64 position ids
+    (8 s) and the loss's scalar weight (4), so it must sit exactly that far below."""
+    cfg = gpt_config("demo", **GPT_SHAPES[name])
+    element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    shape = TransformerShape(
+        batch_size=batch,
+        seq_len=cfg.block_size,
+        hidden_size=cfg.n_embd,
+        layers=cfg.n_layer,
+        heads=cfg.n_head,
+        vocab_size=cfg.vocab_size,
+    )
+    assumptions = ActivationAssumptions(
+        element_bytes=element, attention="flash", dropout=False, norm_stats_bytes=element
+    )
+    est = activation_bytes(shape, assumptions)
+    x, y = (t % cfg.vocab_size for t in gpt_batch(batch, cfg.block_size))
+    measured = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg).to(DTYPES[dtype])
+        if checkpointed:
+            wrap(model)
+        with count_saved_activations(model.parameters()) as saved:
+            loss = model(x, y)
+        loss.backward()
+        measured[checkpointed] = saved.nbytes
+    left_out = 8 * cfg.block_size + 4
+    assert measured[False] - est.without_checkpointing == left_out
+    assert measured[True] - est.checkpointed_kept == left_out
+
+
+# -- against a real run ------------------------------------------------------------------------
+ODD_GPT = dict(vocab_size=77, block_size=15, n_layer=3, n_head=5, n_embd=35)  # odd Ψ: padding
+RUNS = [  # (dtype, stage, stage3_max_live_parameters, stage3_param_persistence_threshold)
+    *((dtype, stage, 10**9, 0) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)),
+    ("bf16", 3, 0, 0),  # nothing prefetched or kept: the root and one block at a time
+    ("bf16", 3, 10**9, 100_000),  # every unit below the threshold: all kept whole
+]
+
+
+def measure_runs() -> dict:
+    import zerotrain
+
+    out = {}
+    for dtype, stage, max_live, threshold in RUNS:
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny", **ODD_GPT))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": stage,
+                "stage3_param_persistence_threshold": threshold,
+                "stage3_max_live_parameters": max_live,
+            },
+            "bf16": {"enabled": dtype == "bf16"},
+            "steps_per_print": 10**6,
+        }
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        optimizer = engine.optimizer
+        store = optimizer.store
+        grad_buffers = {
+            t.untyped_storage().data_ptr()
+            for b in optimizer.buckets
+            for t in (b.flat_grad, b.grad_shard)
+            if t is not None
+        }
+        step_grads = []
+
+        def step(store=store, original=store.step, grad_buffers=grad_buffers, out=step_grads):
+            # what the step holds beyond the gradient buffers: the fp32 copies
+            out.append(
+                sum(
+                    m.grad.untyped_storage().nbytes()
+                    for m in store.master_shards()
+                    if m.grad.untyped_storage().data_ptr() not in grad_buffers
+                )
+            )
+            original()
+
+        store.step = step
+        x, y = gpt_batch(2, ODD_GPT["block_size"])
+        for _ in range(2):  # the second step runs with the recorded prefetch order
+            engine.backward(engine(x % 77, y % 77))
+            engine.step()
+        gatherer = optimizer.gatherer
+        out[(dtype, stage, max_live, threshold)] = {
+            "breakdown": engine.memory_breakdown(),
+            "step_grads": max(step_grads),
+            "numel": sum(b.numel for b in optimizer.buckets),
+            "numel_padded": sum(b.numel_padded for b in optimizer.buckets),
+            "buckets": len(optimizer.buckets),
+            "max_live_numel": gatherer.max_live_numel_seen if gatherer else None,
+            "persistent_padded": sum(u.numel for u in gatherer.units if u.persistent)
+            if gatherer
+            else 0,
+            "units_padded": [(u.is_root, u.numel) for u in gatherer.units] if gatherer else None,
+        }
+    return out
+
+
+def test_estimate_matches_memory_breakdown_of_a_real_run():
+    """Per rank after a step: parameters, gradients, optimizer states and the step's fp32
+    gradient copy match the estimate exactly on the padded element count, plus Adam's 4-byte
+    step counter per master tensor (one per bucket); stage 3's gathered high-water mark matches
+    the bound. The user-facing estimate (true count) differs only by the padding: fewer than
+    N elements per bucket, at most 16 bytes each (fp32 + Adam)."""
+    world = 2
+    count = count_parameters(GPT(gpt_config("tiny", **ODD_GPT)), persistence_threshold=100_000)
+    results = run_distributed(measure_runs, world)
+    for rank_results in results:
+        for (dtype, stage, max_live, threshold), got in rank_results.items():
+            key = (dtype, stage, max_live, threshold)
+            assert got["numel"] == count.trainable, key
+            padding = got["numel_padded"] - got["numel"]
+            assert 0 < padding < world * got["buckets"], key  # odd Ψ: some padding to cover
+            policy = ZeroPolicy.for_stage(stage)
+            precision = PrecisionPolicy(DTYPES[dtype])
+            exact = model_state_bytes(
+                got["numel_padded"],
+                world_size=world,
+                policy=policy,
+                precision=precision,
+                persistent_numel=got["persistent_padded"],
+            )
+            breakdown = got["breakdown"]
+            assert breakdown["parameters"] == exact.parameters, key
+            assert breakdown["gradients"] == exact.gradients, key
+            adam_steps = 4 * got["buckets"]
+            assert breakdown["optimizer_states"] == exact.optimizer_states + adam_steps, key
+            assert got["step_grads"] == exact.step_grads, key
+
+            job = TrainingJob(
+                trainable_params=count.trainable,
+                frozen_params=count.frozen,
+                dtype=dtype,
+                gpus_per_node=world,
+                stages=(stage,),
+                root_and_largest_block=count.root_and_largest_block,
+                persistent_numel=count.persistent if threshold else 0,
+                max_live_numel=max_live,
+            )
+            (row,) = estimate(job)
+            slack = 16 * padding + adam_steps
+            for measured, estimated in [
+                (breakdown["parameters"], row.states.parameters),
+                (breakdown["gradients"], row.states.gradients),
+                (breakdown["optimizer_states"], row.states.optimizer_states),
+                (breakdown["total"], row.model_states),
+            ]:
+                assert abs(measured - estimated) <= slack, (key, measured, estimated)
+            if stage == 3:
+                units = got["units_padded"]
+                root = next(n for is_root, n in units if is_root)
+                largest_block = max(n for is_root, n in units if not is_root)
+                live = stage3_gathered_numel(
+                    trainable=got["numel_padded"],
+                    root_and_largest_block=root + largest_block,
+                    max_live_numel=max_live,
+                )
+                # persistent units are gathered from the start: only gathers move the mark
+                beyond_persistent = live - got["persistent_padded"]
+                assert max(got["max_live_numel"] - got["persistent_padded"], 0) == beyond_persistent
+                p = precision.param_dtype.itemsize
+                assert abs(row.gathered - p * beyond_persistent) <= p * padding, key
+    # the two stage-3 regimes really differ: everything gathered vs the root and one block
+    rank0 = results[0]
+    assert (
+        rank0[("bf16", 3, 0, 0)]["max_live_numel"] < rank0[("bf16", 3, 10**9, 0)]["max_live_numel"]
+    )
+
+
+def test_count_parameters_units_and_config():
+    model = GPT(gpt_config("tiny", **ODD_GPT))
+    count = count_parameters(model, persistence_threshold=100_000)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    assert count.trainable == model.num_parameters() and count.frozen == 0
+    assert count.root_and_largest_block == count.trainable - sum(blocks) + max(blocks)
+    assert count.persistent == count.trainable  # every unit below 100k elements
+    assert count.largest_layer == 35 * 140  # an MLP linear (35 -> 4x35, no bias) > 77 x 35
+    assert count.config == {"hidden_size": 35, "layers": 3, "heads": 5, "vocab_size": 77}
+    assert count_parameters(model, persistence_threshold=0).persistent == 0
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(["estimate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table_rows(out: str) -> dict[int, list[str]]:
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("stage"))
+    rows = {}
+    for line in lines[header + 1 :]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[int(cells[0])] = cells
+    return rows
+
+
+def test_cli_params_7b_table(capsys):
+    code, out, err = run_cli(
+        capsys, "--params", "7B", "--nodes", "2", "--gpus-per-node", "8", "--device-memory", "80GB"
+    )
+    assert code == 0 and err == ""
+    psi, n = 7e9, 16
+
+    def gib(x):
+        return f"{x / GiB:.2f}"
+
+    rows = table_rows(out)
+    assert sorted(rows) == [0, 1, 2, 3]
+    # bf16 + Adam: parameters 2Ψ/N_p, gradients 2Ψ/N_g, optimizer 12Ψ/N_o, fp32 step copy
+    for stage, (n_p, n_g, n_o) in {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}.items():
+        params, grads, optim = 2 * psi / n_p, 2 * psi / n_g, 12 * psi / n_o
+        gathered = 2 * 1e9 if stage == 3 else 0  # stage3_max_live_parameters of 2-byte elements
+        step = 4 * psi / n_o
+        assert rows[stage][1:7] == [
+            gib(params),
+            gib(grads),
+            gib(optim),
+            gib(params + grads + optim),
+            gib(gathered),
+            gib(step),
+        ], stage
+        peak = params + grads + optim + max(gathered, step)
+        assert rows[stage][7] == gib(peak)
+        assert rows[stage][8] == ("yes" if peak <= 80e9 else "no")
+    assert rows[0][8] == "no" and rows[3][8] == "yes"
+    assert "GiB (2^30 bytes)" in out and "7.00B parameters" in out
+
+
+def test_cli_activations_offload_and_json(capsys):
+    argv = [
+        "--params", "6.74B", "--nodes", "2", "--gpus-per-node", "8", "--stage", "3",
+        "--batch-size", "1", "--seq-len", "4096", "--hidden-size", "4096", "--layers", "32",
+        "--heads", "32", "--offload", "cpu", "--json",
+    ]  # fmt: skip
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    data = json.loads(out)
+    (row,) = data["rows"]
+    shape = TransformerShape(batch_size=1, seq_len=4096, hidden_size=4096, layers=32, heads=32)
+    act = activation_bytes(shape)
+    assert row["activations"] == act.without_checkpointing
+    assert row["activations_checkpointed"] == act.checkpointed_peak
+    psi, n = 6.74e9, 16
+    assert row["optimizer_states"] == 0 and row["parameters"] == 0  # all moved to the host
+    assert row["cpu_per_node"] == pytest.approx(8 * (16 * psi / n + 2 * psi / n))
+    assert "cannot run offload yet" in data["warning"]
+    code, out, _ = run_cli(capsys, *argv[:-1])  # the table says it too, before the numbers
+    assert "zerotrain cannot run offload yet" in out.split("stage")[0]
+    assert "CPU/node" in out
+
+
+def test_cli_model_on_meta_device_and_hf_config(capsys, tmp_path):
+    factory = tmp_path / "huge.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Huge(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList(nn.Linear(100_000, 100_000) for _ in range(7))\n"
+        "        self.frozen = nn.Linear(1000, 1000)\n"
+        "        self.frozen.requires_grad_(False)\n"
+        "        assert self.frozen.weight.device.type == 'meta'\n"
+    )
+    # 70B parameters (280 GB in fp32) "built" in no memory
+    code, out, err = run_cli(capsys, "--model", f"{factory}:Huge", "--json")
+    assert code == 0, err
+    inputs = json.loads(out)["inputs"]
+    assert inputs["trainable_params"] == 7 * (100_000**2 + 100_000)
+    assert inputs["frozen_params"] == 1000**2 + 1000
+    assert inputs["largest_layer"] == 100_000**2 + 100_000
+
+    from models import tiny_hf_gpt2
+
+    real = tiny_hf_gpt2()
+    code, out, err = run_cli(
+        capsys, "--model", "tests.models:tiny_hf_gpt2", "--batch-size", "2", "--seq-len", "32"
+    )
+    assert code == 0, err
+    assert f"{real.num_parameters() / 1e3:.2f}K parameters" in out  # tied head counted once
+    assert "hidden 48, 2 layers, 4 heads, vocabulary 101" in out  # from GPT2Config
+
+
+def test_cli_plot(capsys, tmp_path):
+    path = tmp_path / "estimate.png"
+    code, _, err = run_cli(
+        capsys, "--params", "7B", "--gpus-per-node", "8", "--batch-size", "1", "--seq-len",
+        "2048", "--hidden-size", "4096", "--layers", "32", "--heads", "32",
+        "--device-memory", "80GB", "--plot", str(path),
+    )  # fmt: skip
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(path).shape[:2] == (450, 700)  # 7 x 4.5 in at 100 dpi
+
+    shape = TransformerShape(batch_size=1, seq_len=2048, hidden_size=4096, layers=32, heads=32)
+    job = TrainingJob(trainable_params=7 * 10**9, gpus_per_node=8, max_live_numel=10**9)
+    with_act = TrainingJob(**{**vars(job), "shape": shape})
+    for j, segments in ((job, 4), (with_act, 6)):
+        rows = estimate(j)
+        axes = figure(j, rows, 80 * 10**9).axes[0]
+        assert len(axes.containers) == segments  # one stacked segment per component
+        assert all(len(bars) == len(rows) for bars in axes.containers)  # one bar per stage
+        tops = [sum(bars[i].get_height() for bars in axes.containers) for i in range(len(rows))]
+        assert tops == pytest.approx([r.peak(checkpointing=False) / GiB for r in rows])
+        assert len(axes.lines) == 1  # the device memory line
+
+
+def test_cli_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    code, _, err = run_cli(capsys, "--params", "1B", "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "pip install matplotlib" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--params", "7Q"], "'7Q' is not a parameter count"),
+        (["--params", "7B", "--device-memory", "lots"], "'lots' is not a size"),
+        (["--model", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
+        (["--model", "tests.models:no_such_factory"], "no function or class 'no_such_factory'"),
+        (["--model", "tests.models"], "expected module.path:factory"),
+        (["--params", "7B", "--stage", "0", "--offload", "cpu"], "--offload needs ZeRO stage 1"),
+        (["--params", "7B", "--batch-size", "1", "--seq-len", "8"], "missing --hidden-size"),
+    ],
+)
+def test_cli_bad_input_exits_2_without_traceback(capsys, argv, message):
+    try:
+        code = cli.main(["estimate", *argv])
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    _, err = capsys.readouterr()
+    assert code == 2 and message in err and "Traceback" not in err
