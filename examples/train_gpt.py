@@ -15,8 +15,6 @@ per-step scalars for TensorBoard (`pip install tensorboard`).
 from __future__ import annotations
 
 import argparse
-import resource
-import sys
 import time
 from collections.abc import Iterator
 
@@ -25,6 +23,7 @@ from gpt.data import TokenWindows, train_val_datasets
 from gpt.model import GPT, PRESETS, Block, gpt_config
 
 import zerotrain
+from zerotrain.metrics import memory_use
 
 MB = 2**20
 
@@ -87,8 +86,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.ac_every != 1 and not args.activation_checkpointing:
         parser.error("--ac-every applies only with --activation-checkpointing")
-    if args.profile_step < 0:
-        parser.error("--profile-step must be at least 0")
+    if args.profile and not 0 <= args.profile_step < args.steps:
+        parser.error(f"--profile-step must be in 0..{args.steps - 1} (--steps {args.steps})")
     return args
 
 
@@ -140,12 +139,6 @@ def forever(loader) -> Iterator:
     epoch anew and continues where a loaded checkpoint left off."""
     while True:
         yield from loader
-
-
-def peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports kilobytes, macOS bytes.
-    return peak / MB if sys.platform == "darwin" else peak / 1024
 
 
 @torch.no_grad()
@@ -249,7 +242,10 @@ def main() -> None:
                 f"optimizer states {memory['optimizer_states'] / MB:.1f} "
                 f"(ZeRO formula: {memory['formula_total'] / MB:.1f} MB)",
             ),
-            ("peak RSS (rank 0)", f"{peak_rss_mb():.0f} MB"),
+            (
+                "peak RSS (rank 0)",
+                f"{(memory_use(torch.device('cpu')).peak_bytes or 0) / MB:.0f} MB",
+            ),
         ]
         if args.activation_checkpointing:
             stats = zerotrain.checkpointing.recompute_stats()

@@ -467,6 +467,10 @@ def test_cli_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
         (["--model", "tests.models"], "expected module.path:factory"),
         (["--params", "7B", "--stage", "0", "--offload", "cpu"], "--offload needs ZeRO stage 1"),
         (["--params", "7B", "--batch-size", "1", "--seq-len", "8"], "missing --hidden-size"),
+        (
+            ["--model", "tests.models:tiny_hf_gpt2", "--largest-layer", "5"],
+            "--largest-layer: measured from --model",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2_without_traceback(capsys, argv, message):

@@ -520,6 +520,10 @@ def _estimate_job(args: argparse.Namespace):
     shape_values = {key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size")}
     counts = {"trainable_params": args.params, "largest_layer": args.largest_layer or 0}
     if args.model:
+        if args.largest_layer is not None:
+            raise EstimateError(
+                "--largest-layer: measured from --model; give it only with --params"
+            )
         count = count_parameters(
             _build_on_meta(args.model), persistence_threshold=defaults.persistence_threshold
         )

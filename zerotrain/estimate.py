@@ -379,7 +379,8 @@ class TrainingJob:
             )
         if self.trainable_params <= 0:
             raise ValueError(
-                f"--params: the model has no trainable parameters ({self.trainable_params})"
+                "--params / --model: the model has no trainable parameters "
+                f"({self.trainable_params}); ZeRO partitions only trainable ones"
             )
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be at least 1")

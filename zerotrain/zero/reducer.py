@@ -25,10 +25,10 @@ class GradientReducer:
       as its gradients are complete.
     * optimizer sharding only (stage 1): as stage 0, but each bucket is reduce-scattered in
       place, so only this rank's shard of the buffer holds the average.
-    * gradient sharding (stages 2-3): during every backward, as soon as a bucket's gradients are
-      all there, they are copied to a transient buffer and reduce-scattered into this rank's
-      persistent ``grad_shard``; ``param.grad`` is freed at once, so no rank keeps full
-      gradients after backward.
+    * gradient sharding (stages 2-3): during every backward, each gradient is written, already
+      multiplied by 1/N, into its bucket's transient buffer as it arrives (``param.grad`` is
+      freed at once, so no rank keeps full gradients after backward); once a bucket's gradients
+      are all there it is reduce-scattered into this rank's persistent ``grad_shard``.
     Reductions are asynchronous: backward goes on computing earlier layers' gradients while a
     bucket is on the wire (wait-free backpropagation); :meth:`finish_backward` waits for them.
     """
