@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
-from zerotrain.estimate import model_state_bytes
+from zerotrain.estimate import OPTIMIZER_STATE_BYTES, model_state_bytes
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
 from zerotrain.zero.init import gather_param, is_init_partitioned, take_ownership
@@ -466,15 +466,16 @@ class ZeroOptimizer:
 
 
 def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
-    """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v)."""
+    """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v), from
+    the estimator's table, so the two cannot disagree."""
     defaults = optimizer.defaults
     name = type(optimizer).__name__
     if name in ("Adam", "AdamW"):
-        return 12 if defaults.get("amsgrad") else 8
+        return OPTIMIZER_STATE_BYTES["adam"] + (4 if defaults.get("amsgrad") else 0)  # max v
     if name == "Lamb":
-        return 8
+        return OPTIMIZER_STATE_BYTES["lamb"]
     if name == "SGD":
-        return 4 if defaults.get("momentum", 0) else 0
+        return OPTIMIZER_STATE_BYTES["sgd-momentum" if defaults.get("momentum", 0) else "sgd"]
     # Unknown optimizer: count the state tensors shaped like their parameter, once populated.
     for group in optimizer.param_groups:
         for param in group["params"]:
