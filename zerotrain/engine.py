@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zerotrain.backward import MicroStepBackward
 from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
 from zerotrain.checkpoint.save import save_checkpoint
@@ -68,6 +69,15 @@ class ZeroTrainEngine(nn.Module):
             )
         self._profiling_step = False  # the current step's forward was profiled
         self._profiled = False  # once per run
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._backward = MicroStepBackward(
+            optimizer,
+            [slot.param for bucket in optimizer.buckets for slot in bucket.slots],
+            loss_scale=lambda: self.loss_scale,
+            accumulation_steps=self.gradient_accumulation_steps,
+            at_boundary=self.is_gradient_accumulation_boundary,
+            on_finish=lambda seconds: self.metrics.add_time("backward", seconds),
+        )
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -111,6 +121,7 @@ class ZeroTrainEngine(nn.Module):
         self.metrics.start_micro_step(start)
         with self._instrumented_forward():
             out = self.module(*args, **kwargs)
+        self._backward.watch(out)  # for loss.backward(): see backward.py
         self.metrics.observe_forward(args, kwargs, time.perf_counter() - start)
         return out
 
@@ -144,12 +155,44 @@ class ZeroTrainEngine(nn.Module):
             self.metrics.forward_flops = int(profiler.get_total_flops())
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step ends an accumulation (the next step() updates)."""
+        """Whether the current micro-step ends an accumulation (the next step() updates):
+        every `gradient_accumulation_steps`-th micro-step, unless
+        :meth:`set_gradient_accumulation_boundary` decided."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide yourself whether the current micro-step ends an accumulation, as DeepSpeed
+        lets frameworks do (Accelerate); None returns to counting micro-steps. Losses are still
+        divided by `gradient_accumulation_steps`."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside do not reduce gradients, even at an accumulation boundary;
+        the next boundary backward outside reduces everything accumulated (stages 0-1, whose
+        gradients accumulate unreduced until then). At stages 2-3 each backward must
+        reduce-scatter its gradients into the partitions, so this raises, as in DeepSpeed."""
+        policy = self.optimizer.policy
+        if policy.shard_gradients:
+            raise RuntimeError(
+                f"engine.no_sync(): ZeRO stage {policy.stage} partitions gradients, so every "
+                "backward reduces them; use it at stage 0 or 1, or leave it out (gradient "
+                "accumulation needs no no_sync: only the boundary's step() updates)"
+            )
+        previous, self._backward.reduce = self._backward.reduce, False
+        try:
+            yield
+        finally:
+            self._backward.reduce = previous
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale)
-        and reduce gradients as the ZeRO stage requires. Returns ``loss``."""
+        and reduce gradients as the ZeRO stage requires. Returns ``loss``.
+
+        ``loss.backward()`` on a loss computed from ``engine(...)``'s outputs does the same
+        (see [Note: loss.backward() without engine.backward] in backward.py)."""
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError(
                 "engine.backward expects a scalar loss tensor; reduce it first (e.g. loss.mean())"
@@ -159,16 +202,12 @@ class ZeroTrainEngine(nn.Module):
                 "engine.backward got a loss that does not require grad: was it computed under "
                 "torch.no_grad() or with engine.eval()-only code?"
             )
-        start = time.perf_counter()
         self.metrics.observe_loss(loss)
         scale = self.optimizer.loss_scale
         if scale_wrt_gas:
             scale /= self.gradient_accumulation_steps()
-        at_boundary = self.is_gradient_accumulation_boundary()
-        self.optimizer.backward_prologue(at_boundary)
-        (loss.float() * scale).backward(retain_graph=retain_graph)
-        self.optimizer.backward_epilogue(at_boundary)
-        self.metrics.add_time("backward", time.perf_counter() - start)
+        with self._backward.managed():
+            (loss.float() * scale).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
@@ -176,6 +215,7 @@ class ZeroTrainEngine(nn.Module):
         start = time.perf_counter()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            self._check_reduced()
             lr = self.get_lr()  # the rates this update uses, before the schedule moves on
             self._step_applied = self.optimizer.step()
             if self._step_applied and self.lr_scheduler is not None:
@@ -185,6 +225,17 @@ class ZeroTrainEngine(nn.Module):
             self.metrics.add_time("step", time.perf_counter() - start)
             self._end_of_step(lr)
         self.micro_steps += 1
+
+    def _check_reduced(self) -> None:
+        """Refuse to update from gradients that were never averaged over the ranks."""
+        if not self._backward.boundary_reduced:
+            raise RuntimeError(
+                f"engine.step() at the accumulation boundary (micro-step {self.micro_steps}) "
+                "found no reduced backward in this micro-step: call engine.backward(loss), or "
+                "loss.backward() on a loss computed from engine(...)'s outputs (not from "
+                "engine.module(...)), outside engine.no_sync(), before step()"
+            )
+        self._backward.boundary_reduced = False
 
     def _end_of_step(self, lr: list[float]) -> None:
         """Report the step that just ended: the throughput line, the monitors, the profile."""

@@ -265,10 +265,11 @@ class ZeroOptimizer:
         del set_to_none
         self.reducer.zero_grads()
 
-    def backward_prologue(self, at_boundary: bool) -> None:
-        """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary)."""
+    def backward_prologue(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
+        """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary);
+        ``grad_factor`` multiplies the gradients it produces."""
         self.wait_param_gathers()  # whatever the forward did not need: finish it now
-        self.reducer.begin_backward(at_boundary)
+        self.reducer.begin_backward(at_boundary, grad_factor)
 
     def backward_epilogue(self, at_boundary: bool) -> None:
         """Reduce what the policy reduces after a micro-step's backward."""

@@ -51,12 +51,23 @@ class GradientReducer:
         self._next_launch = 0
         self._shard_holds_grads = False  # stages 2-3, False: grad_shard is stale, overwrite it
         self._reducing = policy.shard_gradients  # stages 0-1: only in the boundary's backward
+        self._in_backward = False  # between begin_backward and finish_backward
+        self._grad_factor = 1.0  # on this backward's gradients (see begin_backward)
         for bucket_index, bucket in enumerate(buckets):
             for slot in bucket.slots:
                 slot.param.register_post_accumulate_grad_hook(self._make_hook(bucket_index, slot))
 
     def _make_hook(self, bucket_index: int, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
+            if not self._in_backward:
+                raise RuntimeError(
+                    f"gradient of '{slot.name}' computed outside a backward the engine saw: the "
+                    "loss did not come from engine(...)'s outputs (engine.module(...) bypasses "
+                    "gradient averaging). Compute the loss from engine(...), then call "
+                    "engine.backward(loss) or loss.backward()."
+                )
+            if self._grad_factor != 1.0 and not self.policy.shard_gradients:
+                _fold_into_view(self.buckets[bucket_index], slot, self._grad_factor)
             if self._reducing:
                 self._on_grad_ready(bucket_index, slot, param)
 
@@ -86,7 +97,9 @@ class GradientReducer:
             # scaling pass over the bucket (the same rounding: one multiply per element).
             torch.mul(
                 param.grad.reshape(-1),
-                self._inv_world,
+                self._inv_world
+                if self._grad_factor == 1.0
+                else self._inv_world * self._grad_factor,
                 out=buffer[slot.offset : slot.offset + slot.numel],
             )
             param.grad = None
@@ -142,12 +155,30 @@ class GradientReducer:
         self._arrived[index].clear()
 
     # -- entry points --------------------------------------------------------------------------
-    def begin_backward(self, at_boundary: bool) -> None:
-        """Called before each micro-step's backward: stages 0-1 reduce only at the boundary."""
+    def begin_backward(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
+        """Called before each micro-step's backward: stages 0-1 reduce only at the boundary.
+
+        ``grad_factor`` multiplies every gradient this backward produces, whichever path it
+        took to the parameter (``loss.backward()`` divides by the accumulation steps here).
+        Stages 0-1 then let autograd write fresh gradients and fold them, scaled, into the
+        accumulating buffer; stages 2-3 scale as they copy into the bucket anyway."""
+        self._in_backward = True
         self._reducing = self.policy.shard_gradients or at_boundary
+        self._grad_factor = grad_factor
+        if grad_factor != 1.0 and not self.policy.shard_gradients:
+            for bucket in self.buckets:
+                for slot in bucket.slots:
+                    slot.param.grad = None
 
     def finish_backward(self, at_boundary: bool) -> None:
         """Called after each micro-step's backward: launches what is left, waits for all."""
+        self._in_backward = False
+        if self._grad_factor != 1.0 and not self.policy.shard_gradients:
+            for bucket in self.buckets:  # parameters this backward gave no gradient
+                for slot in bucket.slots:
+                    if slot.param.grad is None:
+                        slot.param.grad = bucket.view(bucket.flat_grad, slot)
+        self._grad_factor = 1.0
         if not (self.policy.shard_gradients or at_boundary):
             return
         self._launch_ready(force=True)  # also all buckets if no hook saw this backward
@@ -192,3 +223,11 @@ def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
         else:
             view.zero_()
         slot.param.grad = view
+
+
+def _fold_into_view(bucket: FlatBucket, slot: ParamSlot, factor: float) -> None:
+    """Add ``factor`` times this backward's fresh gradient into the accumulating buffer, and
+    make ``param.grad`` the buffer's view again (stages 0-1, with a gradient factor)."""
+    view = bucket.view(bucket.flat_grad, slot)
+    view.add_(slot.param.grad, alpha=factor)
+    slot.param.grad = view

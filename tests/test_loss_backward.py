@@ -1,0 +1,234 @@
+"""PyTorch-style ``loss.backward()`` trains exactly as ``engine.backward(loss)`` does, at every
+stage, world size and accumulation; what cannot be reduced is refused before any update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import AwkwardModel, make_batches, micro_batch, param_groups, relative_error
+from torch import nn
+
+import zerotrain
+
+STEPS, MICRO = 3, 2
+LR, CLIP = 2e-2, 0.5
+
+
+def reference(world: int, accum: int):
+    """Single process, the whole global batch, torch AdamW and clipping."""
+    torch.manual_seed(0)
+    model = AwkwardModel()
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=LR, eps=1e-6)
+    idx, tgt = make_batches(STEPS, MICRO * accum * world)
+    for step in range(STEPS):
+        model(idx[step], tgt[step]).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _engine(stage: int, accum: int, precision: str = "fp32"):
+    torch.manual_seed(0)
+    model = AwkwardModel()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": 1e-6}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 60,
+            "stage3_param_persistence_threshold": 0,
+        },
+        "steps_per_print": 10**6,
+    }
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = zerotrain.initialize(
+        model=model, model_parameters=param_groups(model, 0.1), config=config
+    )
+    return engine
+
+
+def _train(engine, accum: int, direct: bool):
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    idx, tgt = make_batches(STEPS, MICRO * accum * comm.world_size)
+    for step in range(STEPS):
+        for micro in range(accum):
+            x = micro_batch(idx[step], micro, comm.rank, comm.world_size, MICRO)
+            y = micro_batch(tgt[step], micro, comm.rank, comm.world_size, MICRO)
+            loss = engine(x, y)
+            if direct:
+                loss.backward()
+            else:
+                engine.backward(loss)
+            engine.step()
+    return engine.consolidated_state_dict()
+
+
+def both_ways(cases):
+    """Per (stage, accumulation, precision): the states trained by engine.backward(loss) and by
+    loss.backward()."""
+    out = {}
+    for stage, accum, precision in cases:
+        managed = _train(_engine(stage, accum, precision), accum, direct=False)
+        direct = _train(_engine(stage, accum, precision), accum, direct=True)
+        out[(stage, accum, precision)] = (managed, direct)
+    return out
+
+
+GRID = [(stage, accum, "fp32") for stage in (0, 1, 2, 3) for accum in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_loss_backward_trains_like_engine_backward(world):
+    cases = GRID + ([(s, 2, p) for s in (0, 2) for p in ("fp16", "bf16")] if world == 2 else [])
+    results = run_distributed(both_ways, world, cases)
+    references = {accum: reference(world, accum) for accum in (1, 2, 3)}
+    for rank, per_case in enumerate(results):
+        for (stage, accum, precision), (managed, direct) in per_case.items():
+            label = f"world {world} rank {rank} stage {stage} accum {accum} {precision}"
+            for key, value in managed.items():
+                if accum != 3:  # a power-of-two factor on the gradient: the same bits
+                    assert torch.equal(direct[key], value), f"{label} {key}"
+                else:  # 1/3 on the outputs' gradient instead of on the loss: rounding apart
+                    assert relative_error(direct[key], value) < 1e-6, f"{label} {key}"
+                if precision == "fp32":
+                    err = relative_error(direct[key], references[accum][key])
+                    assert err < 1e-5, f"{label} {key}: {err:.2e} from single-process AdamW"
+    # every rank holds the same model
+    for per_case in results[1:]:
+        for case, (_, direct) in per_case.items():
+            for key, value in results[0][case][1].items():
+                assert torch.equal(direct[key], value), (case, key)
+
+
+def misuse(stage: int):
+    """Each way of getting gradients the engine cannot average, and what it says."""
+    errors = {}
+    idx, tgt = make_batches(1, MICRO)
+    engine = _engine(stage, 1)
+    try:  # the model called directly: no engine output saw the backward
+        engine.module(idx[0], tgt[0]).backward()
+    except RuntimeError as err:
+        errors["module"] = str(err)
+    engine.zero_grad()
+    try:  # no backward at all before an updating step
+        engine(idx[0], tgt[0])
+        engine.step()
+    except RuntimeError as err:
+        errors["step"] = str(err)
+    try:
+        with engine.no_sync():
+            pass
+    except RuntimeError as err:
+        errors["no_sync"] = str(err)
+    return errors, engine.global_steps
+
+
+def test_gradients_the_engine_cannot_average_are_refused():
+    for stage, (errors, steps) in enumerate(run_distributed(misuse_all_stages, 2)[0]):
+        assert "engine.module(...) bypasses gradient averaging" in errors["module"], stage
+        assert "found no reduced backward in this micro-step" in errors["step"], stage
+        assert steps == 0, stage  # nothing was updated
+        if stage >= 2:
+            assert f"ZeRO stage {stage} partitions gradients" in errors["no_sync"]
+        else:
+            assert "no_sync" not in errors, stage
+
+
+def misuse_all_stages():
+    return [misuse(stage) for stage in range(4)]
+
+
+def no_sync_accumulation(stage: int):
+    """Accumulation 2: the first micro-step inside no_sync (as DDP users write it), the second
+    outside; then an accumulation whose boundary backward is inside no_sync."""
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    engine = _engine(stage, 2)
+    idx, tgt = make_batches(STEPS, MICRO * 2 * comm.world_size)
+    for step in range(STEPS):
+        for micro in range(2):
+            x = micro_batch(idx[step], micro, comm.rank, comm.world_size, MICRO)
+            y = micro_batch(tgt[step], micro, comm.rank, comm.world_size, MICRO)
+            if micro == 0:
+                with engine.no_sync():
+                    engine(x, y).backward()
+            else:
+                engine(x, y).backward()
+            engine.step()
+    state = engine.consolidated_state_dict()
+    error = None
+    for _ in range(2):
+        with engine.no_sync():
+            engine.backward(engine(idx[0][:MICRO], tgt[0][:MICRO]))
+        try:
+            engine.step()
+        except RuntimeError as err:
+            error = str(err)
+    return state, error
+
+
+def test_no_sync_defers_reduction_at_stages_0_and_1():
+    want = reference(2, 2)
+    for stage in (0, 1):
+        for state, error in run_distributed(no_sync_accumulation, 2, stage):
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (stage, key)
+            assert "outside engine.no_sync()" in error
+
+
+class Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def gradient_penalty():
+    """WGAN-GP: torch.autograd.grad through the engine's output (create_graph) must neither
+    be scaled nor reduce anything; the loss.backward() that follows trains as plain torch."""
+    torch.manual_seed(0)
+    plain = Critic()
+    torch.manual_seed(0)
+    wrapped = Critic()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zerotrain.initialize(model=wrapped, config=config)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    penalties = []
+    for _ in range(2):  # one optimizer step of two micro-steps
+        x = torch.randn(4, 4, generator=gen, requires_grad=True)
+        losses = []
+        for model in (plain, engine):
+            out = model(x)
+            (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            penalty = ((grad_x.norm(dim=1) - 1) ** 2).mean()
+            losses.append(out.mean() + penalty)
+            penalties.append(penalty.item())
+        (losses[0] / 2).backward()
+        losses[1].backward()
+        engine.step()
+    opt.step()
+    return plain.state_dict(), engine.consolidated_state_dict(), penalties
+
+
+def test_autograd_grad_through_the_engine_is_left_alone():
+    (plain, zt, penalties), *_ = run_distributed(gradient_penalty, 1)
+    assert penalties[0] == penalties[1] and penalties[2] == penalties[3]
+    for key, value in plain.items():
+        assert relative_error(zt[key], value) < 1e-6, key

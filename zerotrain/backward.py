@@ -1,0 +1,149 @@
+"""A micro-step's backward pass: one life cycle for ``engine.backward(loss)`` and for the
+PyTorch habit ``loss.backward()``.
+
+[Note: loss.backward() without engine.backward]
+A backward needs three things from the engine: the fp16 loss scale on the loss before autograd
+starts (so that small gradients survive in float16), the division by the accumulation steps,
+and the reducer opened and closed around it: told that a backward starts (stages 0-1 reduce
+only in the accumulation boundary's backward), then, once autograd is done, the epilogue that
+launches what is left and waits for every reduction. ``engine.backward`` does all of it around
+its own ``(loss * scale / accumulation_steps).backward()``. For ``loss.backward()`` the engine
+sees only its forward's outputs, so it acts there, as DeepSpeed does since 0.18 (PR #7665):
+* every forward under grad puts a hook on each output tensor that requires grad;
+* the first such hook to fire in a backward that will accumulate into the model's parameters
+  (a ``torch.autograd.grad`` for a gradient penalty does not) opens the reducer and queues its
+  epilogue as autograd's final callback of that backward;
+* the reducer multiplies each parameter's gradient by 1/accumulation steps as it takes it
+  (``GradientReducer.begin_backward``), so every term of the loss is divided, including one
+  that reads parameters without going through an engine output (a regulariser on
+  ``engine.module``'s weights, a gradient penalty's double backward);
+* under fp16 the hooks multiply the gradient entering the model by loss scale / accumulation
+  steps instead: the factor must act before autograd, so that small gradients survive in
+  float16 and overflow happens exactly where it would with ``engine.backward``.
+Backward is linear in both factors, so the model gets the same gradients as with
+``engine.backward``; bit for bit when the factors are powers of two (fp16 loss scales,
+accumulation steps 1, 2, 4, ...), else within rounding. Inside ``engine.backward`` the hooks do
+nothing. A gradient that reaches the parameters while no backward is open (the loss came from
+``engine.module(...)`` alone) is refused by the reducer, and ``step()`` refuses to update after
+an accumulation whose boundary micro-step had no reduced backward. One case stays unseen: under
+fp16, a loss term that reads parameters without passing an engine output misses both factors
+(it comes out divided by the loss scale at the step); use ``engine.backward(loss)`` there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from zerotrain.zero import ZeroOptimizer
+
+
+class BackwardState(enum.Enum):
+    IDLE = "idle"
+    MANAGED = "managed"  # inside engine.backward
+    DIRECT = "direct"  # a loss.backward() that passed through the engine's outputs
+
+
+class MicroStepBackward:
+    """Opens and closes the reducer around each backward, however it was started (see the note
+    above). ``loss_scale()`` and ``accumulation_steps()`` give the current factors,
+    ``at_boundary()`` whether the current micro-step ends an accumulation;
+    ``on_finish(seconds)`` gets each backward's duration."""
+
+    def __init__(
+        self,
+        optimizer: ZeroOptimizer,
+        params: list[nn.Parameter],
+        *,
+        loss_scale: Callable[[], float],
+        accumulation_steps: Callable[[], int],
+        at_boundary: Callable[[], bool],
+        on_finish: Callable[[float], None],
+    ):
+        self.optimizer = optimizer
+        self.state = BackwardState.IDLE
+        self.reduce = True  # False inside engine.no_sync(): no reduction even at the boundary
+        self.boundary_reduced = False  # this micro-step's backward reduced at its boundary
+        self._loss_scale = loss_scale
+        self._accumulation_steps = accumulation_steps
+        self._at_boundary = at_boundary
+        self._on_finish = on_finish
+        self._direct_task = -1  # autograd graph task of the open direct backward
+        self._output_factor = 1.0  # on the gradient entering the model (fp16)
+        self._started = 0.0
+        self._at_boundary_now = False
+        self._params = params
+
+    # -- engine.backward -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def managed(self) -> Iterator[None]:
+        """Around ``engine.backward``'s own ``backward()`` call."""
+        if self.state is BackwardState.DIRECT:
+            raise RuntimeError(
+                "engine.backward was called during a loss.backward() that runs through this "
+                "engine's outputs; use one of the two per loss"
+            )
+        self._open(BackwardState.MANAGED)
+        try:
+            yield
+        except BaseException:
+            self.state = BackwardState.IDLE
+            raise
+        self._close()
+
+    # -- loss.backward() -----------------------------------------------------------------------
+    def watch(self, output) -> None:
+        """Hook the tensors of a training forward's ``output`` (any nesting of tuples, lists,
+        dicts and registered pytree nodes such as HuggingFace's ModelOutput)."""
+        for tensor in pytree.tree_leaves(output):
+            if torch.is_tensor(tensor) and tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self.state is BackwardState.MANAGED:
+            return None
+        task = torch._C._current_graph_task_id()
+        if self.state is BackwardState.IDLE or task != self._direct_task:
+            if not self._accumulates_into_params():
+                return None  # autograd.grad / backward(inputs=...) that leaves parameters alone
+            if self.state is BackwardState.DIRECT:  # the previous one raised before its end
+                self.state = BackwardState.IDLE
+            loss_scale, inv_steps = self._loss_scale(), 1.0 / self._accumulation_steps()
+            if loss_scale == 1.0:  # both factors on the parameters' gradients
+                self._output_factor, param_factor = 1.0, inv_steps
+            else:  # fp16: both before autograd, as engine.backward puts them on the loss
+                self._output_factor, param_factor = loss_scale * inv_steps, 1.0
+            self._open(BackwardState.DIRECT, grad_factor=param_factor)
+            self._direct_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._close)
+        factor = self._output_factor
+        return None if factor == 1.0 else grad * factor
+
+    def _accumulates_into_params(self) -> bool:
+        """Whether the running backward will write ``.grad`` of any trainable parameter. The
+        nodes are looked up now, not kept: stage 3 changes parameter shapes between uses, and
+        a kept node would keep its old shape."""
+        return any(
+            torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in self._params
+        )
+
+    # -- both ----------------------------------------------------------------------------------
+    def _open(self, state: BackwardState, grad_factor: float = 1.0) -> None:
+        self.state = state
+        self._started = time.perf_counter()
+        self._at_boundary_now = self.reduce and self._at_boundary()
+        self.optimizer.backward_prologue(self._at_boundary_now, grad_factor)
+
+    def _close(self) -> None:
+        self.optimizer.backward_epilogue(self._at_boundary_now)
+        self.boundary_reduced = self._at_boundary_now
+        self.state = BackwardState.IDLE
+        self._direct_task = -1
+        self._on_finish(time.perf_counter() - self._started)
