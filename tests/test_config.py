@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +92,6 @@ def load_error(config: Any, world_size: int = 2) -> str:
     return str(info.value)
 
 
-def unimplemented(path: str) -> str:
-    return (
-        f"`{path}` is a DeepSpeed option that zerotrain does not implement yet; "
-        "remove it from the config"
-    )
-
-
 def nested(path: str, value: Any) -> dict[str, Any]:
     """{"a": {"b": value}} for "a.b", on top of a valid minimal config."""
     *parents, leaf = path.split(".")
@@ -163,9 +157,12 @@ def test_defaults_match_deepspeed() -> None:
         "gradient_accumulation_steps": None,
         "optimizer": None,
         "scheduler": None,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": 1.0,  # DeepSpeed 0.19.8's default
+        "communication_data_type": None,
+        "dataloader_drop_last": False,
         "fp16": {
             "enabled": False,
+            "auto_cast": False,
             "loss_scale": 0.0,
             "initial_scale_power": 16,
             "loss_scale_window": 1000,
@@ -176,6 +173,29 @@ def test_defaults_match_deepspeed() -> None:
         "bf16": {"enabled": False},
         "zero_optimization": {
             "stage": 0,
+            "offload_optimizer": {
+                "device": "none",
+                "nvme_path": None,
+                "buffer_count": 4,
+                "pin_memory": True,
+                "pipeline_read": False,
+                "pipeline_write": False,
+                "fast_init": False,
+                "ratio": 1.0,
+                "super_offload": False,
+                "cpuadam_cores_perc": 0.8,
+            },
+            "offload_param": {
+                "device": "none",
+                "nvme_path": None,
+                "buffer_count": 5,
+                "buffer_size": 100_000_000,
+                "max_in_cpu": 1_000_000_000,
+                "pin_memory": True,
+            },
+            "cpu_offload": None,
+            "cpu_offload_param": None,
+            "cpu_offload_use_pin_memory": None,
             "reduce_bucket_size": 500_000_000,
             "allgather_bucket_size": 500_000_000,
             "overlap_comm": False,
@@ -190,7 +210,12 @@ def test_defaults_match_deepspeed() -> None:
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_gather_16bit_weights_on_model_save": False,
         },
-        "checkpoint": {"tag_validation": "Warn", "keep_last": 0, "load_universal": False},
+        "checkpoint": {
+            "tag_validation": "Warn",
+            "keep_last": 0,
+            "load_universal": False,
+            "use_node_local_storage": False,
+        },
         "activation_checkpointing": None,
         "comms_logger": {
             "enabled": False,
@@ -213,6 +238,8 @@ def test_defaults_match_deepspeed() -> None:
         "csv_monitor": {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
         "wandb": {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
         "steps_per_print": 10,
+        "dump_state": False,
+        "log_level": "info",
         "wall_clock_breakdown": False,
         "count_model_flops": True,
         "seed": None,
@@ -314,6 +341,22 @@ def test_old_deepspeed_names_are_read_as_the_new_ones() -> None:
     )
     assert cfg.bf16.enabled is True
     assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    # DeepSpeed's own field names for the stage3_ keys; its oldest form of the section
+    zero = load_config(
+        nested("zero_optimization", {"max_live_parameters": 7, "prefetch_bucket_size": 3}),
+        world_size=1,
+    ).zero_optimization
+    assert (zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size) == (7, 3)
+    assert (
+        load_config(nested("zero_optimization", False), world_size=1).zero_optimization.stage == 0
+    )
+    assert load_config(nested("zero_optimization", True), world_size=1).zero_optimization.stage == 1
+    old_offload = {"cpu_offload": True, "cpu_offload_use_pin_memory": False}
+    zero = load_config(nested("zero_optimization", old_offload), world_size=1).zero_optimization
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory is False
+    assert zero.offload_param.device == "none"
+    both = {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}
+    assert "set only `offload_optimizer`" in load_error(nested("zero_optimization", both))
 
 
 # --- batch arithmetic ----------------------------------------------------------------------
@@ -447,9 +490,13 @@ def test_world_size_must_be_a_positive_integer(world_size: Any) -> None:
         (
             {
                 "train_batch_size": 8,
-                "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}},
+                "optimizer": {"type": "SGD", "params": {"bias_correction": False}},
             },
-            "optimizer.params.adam_w_mode: not a parameter of AdamW; only of Adam",
+            "optimizer.params.bias_correction: not a parameter of SGD; only of Adam, AdamW, Lamb",
+        ),
+        (
+            {"train_batch_size": 8, "monitor": {"enabled": True}},
+            "monitor: unknown key; did you mean 'csv_monitor'?",
         ),
         (
             nested("optimizer.params.max_grad_norm", 1.0),
@@ -462,67 +509,159 @@ def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> Non
     assert load_error(config) == message
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        *[
-            "comet",
-            "checkpoint.use_node_local_storage",
-            "checkpoint.parallel_write",
-            "amp",
-            "aio",
-            "sparse_attention",
-            "pipeline",
-            "compression_training",
-            "data_efficiency",
-            "autotuning",
-            "elasticity",
-            "communication_data_type",
-            "prescale_gradients",
-            "gradient_predivide_factor",
-            "sparse_gradients",
-            "dump_state",
-            "memory_breakdown",
-            "zero_force_ds_cpu_optimizer",
-            "data_types",
-            "eigenvalue",
-            "progressive_layer_drop",
-            "curriculum_learning",
-        ],
-        *[
-            f"zero_optimization.{key}"
-            for key in (
-                "offload_optimizer",
-                "offload_param",
-                "zero_hpz_partition_size",
-                "zero_quantized_weights",
-                "zero_quantized_gradients",
-                "mics_shard_size",
-                "cpu_offload",
-                "sub_group_size",
-                "elastic_checkpoint",
-            )
-        ],
-        "fp16.auto_cast",
-        "bf16.immediate_grad_update",
-        "optimizer.legacy_fusion",
-    ],
-)
-def test_unimplemented_deepspeed_options_are_rejected(path: str) -> None:
-    assert load_error(nested(path, {"enabled": True})) == unimplemented(path)
+# [Note: lenient where nothing is asked, strict where something is] in config_accepted.py
+ASKS_NOTHING = [
+    ("prescale_gradients", True),
+    ("gradient_predivide_factor", 8),
+    ("autotuning", {"enabled": True, "fast": True, "arg_mappings": {"a": "--a"}}),
+    ("cuda_visible_devices", "0,1"),
+    ("zero_force_ds_cpu_optimizer", True),
+    ("memory_breakdown", True),
+    ("timers", {"throughput": {"enabled": True}}),
+    ("pipeline", {"stages": 2, "partition": "parameters"}),
+    ("aio", {"block_size": 1048576, "queue_depth": 8}),
+    ("sequence_parallel_size", 1),
+    ("tensor_parallel", {"autotp_size": 1}),
+    ("torch_autocast", {"enabled": False, "dtype": "bfloat16"}),
+    ("compile", {"deepcompile": False}),
+    ("amp", {"enabled": False}),
+    ("comet", {"enabled": False}),
+    ("data_types", {"grad_accum_dtype": None}),
+    ("managed_gradient_accumulation", True),
+    ("_comment", "JSON has no comments"),
+    ("zero_optimization._why", "stage 2 fits"),
+    ("zero_optimization.sub_group_size", 1e9),
+    ("zero_optimization.elastic_checkpoint", True),
+    ("zero_optimization.zero_quantized_gradients", False),
+    ("zero_optimization.zero_hpz_partition_size", 1),
+    ("zero_optimization.mics_shard_size", -1),
+    ("zero_optimization.offload_optimizer", {"device": "none", "pin_memory": True}),
+    ("zero_optimization.offload_param", {"device": None}),
+    ("zero_optimization.leaf_module", {"classes": ["MoEBlock"]}),
+    ("zero_optimization.stage3_module_granularity_threshold", 100),
+    ("fp16.fp16_master_weights_and_grads", False),
+    ("bf16.immediate_grad_update", True),
+    ("bf16.bf16_master_weights_and_grads", False),
+    ("optimizer.legacy_fusion", False),
+    ("checkpoint.use_node_local_storage", False),
+    ("checkpoint.parallel_write", {"pipeline_stage": False}),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), ASKS_NOTHING)
+def test_keys_that_ask_for_nothing_are_accepted_and_change_nothing(path: str, value: Any) -> None:
+    config = nested(path, value)
+    *parents, leaf = path.split(".")
+    without = json.loads(json.dumps(config))
+    section = without
+    for parent in parents:
+        section = section[parent]
+    del section[leaf]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and say nothing
+        assert load_config(config, world_size=1) == load_config(without, world_size=1), path
+
+
+ASKS_FOR_MISSING = [
+    ("comet", {"enabled": True}, "the Comet monitor", "`enabled: false`"),
+    ("fp8", {"enabled": True}, "fp8 training", "`enabled: false`"),
+    (
+        "compression_training",
+        {"weight_quantization": {"shared_parameters": {"enabled": True}}},
+        "compression training",
+        "`enabled: false`",
+    ),
+    ("torch_autocast", {"enabled": True}, "torch.autocast mixed precision", "`enabled: false`"),
+    ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism (AutoTP)", "`autotp_size: 1`"),
+    ("sequence_parallel_size", 2, "sequence parallelism (Ulysses)", "1"),
+    ("compile", {"deepcompile": True}, "DeepCompile", "`deepcompile: false`"),
+    ("managed_gradient_accumulation", False, "unmanaged gradient accumulation", "true"),
+    (
+        "data_types",
+        {"grad_accum_dtype": "fp32"},
+        "gradient accumulation in another",
+        "`grad_accum_dtype: null`",
+    ),
+    ("zero_optimization.zero_quantized_gradients", True, "ZeRO++ quantized gradient", "false"),
+    ("zero_optimization.zero_hpz_partition_size", 8, "ZeRO++ hierarchical weight", "1"),
+    ("zero_optimization.mics_shard_size", 4, "MiCS sub-group sharding", "-1"),
+    ("zero_optimization.zenflow", {"topk_ratio": 0.1}, "ZenFlow", "null"),
+    ("fp16.fp16_master_weights_and_grads", True, "fp16 master weights and gradients", "false"),
+    ("bf16.bf16_optimizer_states", True, "bf16 optimizer states", "false"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "behaviour", "idle"), ASKS_FOR_MISSING)
+def test_keys_that_ask_for_a_missing_behaviour_are_refused_naming_it(
+    path: str, value: Any, behaviour: str, idle: str
+) -> None:
+    message = load_error(nested(path, value))
+    assert message.startswith(f"`{path}: {json.dumps(value)}` asks for {behaviour}"), message
+    assert message.endswith(f"which zerotrain does not have yet; set it to {idle} or remove it")
+
+
+def test_offload_sections_are_typed_and_nvme_is_refused() -> None:
+    config = nested("zero_optimization", {"stage": 3, "offload_param": {"device": "CPU"}})
+    zero = load_config(config, world_size=1).zero_optimization
+    assert zero.offload_param.device == "cpu" and zero.offload_param.max_in_cpu == 1_000_000_000
+    nvme = nested("zero_optimization.offload_optimizer", {"device": "nvme", "nvme_path": "/x"})
+    assert load_error(nvme) == (
+        'zero_optimization: offload_optimizer.device: "nvme" asks for NVMe offload '
+        '(ZeRO-Infinity), which zerotrain does not have yet; set it to "none" (or "cpu")'
+    )
+    assert "zero_optimization.offload_param.ratio: unknown key" in load_error(
+        nested("zero_optimization.offload_param", {"ratio": 0.5})
+    )
+
+
+def test_keys_deepspeed_ignores_are_accepted_with_a_warning() -> None:
+    config = {"train_batch_size": 8, "monitor_config": {"enabled": True}, "comms_config": {}}
+    with pytest.warns(UserWarning) as caught:
+        load_config(config, world_size=1)
+    messages = [str(w.message) for w in caught]
+    assert any("monitor_config: ignored. Not a DeepSpeed key" in m for m in messages)
+    assert any("comms_config: ignored" in m for m in messages)
+
+
+def test_deepspeed_values_zerotrain_reads() -> None:
+    config = load_config(
+        {
+            "train_batch_size": 8,
+            "steps_per_print": float("inf"),  # accelerate writes this
+            "communication_data_type": "fp32",
+            "dataloader_drop_last": True,
+            "log_level": "WARNING",
+            "fp16": {"enabled": True, "auto_cast": True, "min_loss_scale": 0},
+            "optimizer": {
+                "type": "Adam",
+                "params": {"adam_w_mode": False, "bias_correction": False},
+            },
+        },
+        world_size=1,
+    )
+    assert config.steps_per_print is None and config.communication_data_type == "fp32"
+    assert config.dataloader_drop_last and config.log_level == "warning"
+    assert config.fp16.auto_cast and config.fp16.min_loss_scale == 0
+    assert config.optimizer.params == {"adam_w_mode": False, "bias_correction": False}
+    assert load_config(nested("steps_per_print", None), world_size=1).steps_per_print is None
+    assert "communication_data_type: must be one of" in load_error(
+        nested("communication_data_type", "bfp16")
+    )
 
 
 def test_every_problem_is_reported_at_once() -> None:
     config = {
         "train_batch_sze": 8,
         "comet": {"enabled": True},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_optimization": {"stage": 2, "zero_quantized_weights": True},
         "gradient_clipping": "auto",
     }
     assert load_error(config).splitlines() == [
         "train_batch_sze: unknown key; did you mean 'train_batch_size'?",
-        unimplemented("comet"),
-        unimplemented("zero_optimization.offload_optimizer"),
+        '`comet: {"enabled": true}` asks for the Comet monitor, which zerotrain does not have '
+        "yet; set it to `enabled: false` or remove it",
+        "`zero_optimization.zero_quantized_weights: true` asks for ZeRO++ quantized weight "
+        "communication (qwZ), which zerotrain does not have yet; set it to false or remove it",
         'gradient_clipping: "auto" must be resolved before passing the config to zerotrain '
         "(HuggingFace's Trainer does that for DeepSpeed); set a concrete value",
     ]
@@ -571,8 +710,8 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
             "zero_optimization.reduce_bucket_size: must be an integer, got 1.5",
         ),
         (
-            {"train_batch_size": 8, "zero_optimization": True},
-            "zero_optimization: must be a mapping, got true",
+            {"train_batch_size": 8, "zero_optimization": 3},
+            "zero_optimization: must be a mapping, got 3",
         ),
         (
             {"train_batch_size": 8, "gradient_clipping": -1.0},
@@ -845,4 +984,21 @@ def test_flops_profiler_and_monitor_sections() -> None:
     assert load_error(nested("tensorboard.job_nam", "x")) == (
         "tensorboard.job_nam: unknown key; did you mean 'job_name'?"
     )
-    assert load_error(nested("comet", {"enabled": True})) == unimplemented("comet")
+    assert "asks for the Comet monitor" in load_error(nested("comet", {"enabled": True}))
+
+
+def test_auto_that_huggingface_leaves_unfilled_takes_the_default() -> None:
+    config = {
+        "train_batch_size": 8,
+        "bfloat16": {"enabled": "auto"},  # the Trainer fills only `bf16`
+        "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": "auto"},
+    }
+    with pytest.warns(UserWarning) as caught:
+        loaded = load_config(config, world_size=1)
+    messages = " ".join(str(w.message) for w in caught)
+    assert 'bfloat16.enabled: "auto", which HuggingFace leaves unfilled here' in messages
+    assert 'stage3_prefetch_bucket_size: "auto", which HuggingFace' in messages
+    assert loaded.bf16.enabled is False
+    assert loaded.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
+    config["zero_optimization"]["stage"] = 3  # filled at stage 3: an "auto" left is a mistake
+    assert 'stage3_prefetch_bucket_size: "auto" must be resolved' in load_error(config)

@@ -29,9 +29,21 @@ def reference(world: int, accum: int):
     return model.state_dict()
 
 
-def _engine(stage: int, accum: int, precision: str = "fp32"):
+class DictOutput(AwkwardModel):
+    """Returns {"loss", "logits"} with the loss computed from the logits inside the model, as
+    HuggingFace models do: the gradient of ``logits`` then comes partly through ``loss``."""
+
+    def forward(self, idx, targets):
+        h = self.embed(idx) + self.odd * self.mix
+        h = h + self.down(torch.tanh(self.frozen(torch.tanh(self.up(h)))))
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, 11), targets.view(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def _engine(stage: int, accum: int, precision: str = "fp32", model_class=AwkwardModel):
     torch.manual_seed(0)
-    model = AwkwardModel()
+    model = model_class()
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": accum,
@@ -53,6 +65,7 @@ def _engine(stage: int, accum: int, precision: str = "fp32"):
 
 
 def _train(engine, accum: int, direct: bool):
+    """``direct``: loss.backward(), through engine.scale under fp16 (where it is required)."""
     from zerotrain.comm import Communicator
 
     comm = Communicator()
@@ -61,41 +74,47 @@ def _train(engine, accum: int, direct: bool):
         for micro in range(accum):
             x = micro_batch(idx[step], micro, comm.rank, comm.world_size, MICRO)
             y = micro_batch(tgt[step], micro, comm.rank, comm.world_size, MICRO)
-            loss = engine(x, y)
-            if direct:
-                loss.backward()
-            else:
+            out = engine(x, y)
+            loss = out["loss"] if isinstance(out, dict) else out
+            if not direct:
                 engine.backward(loss)
+            elif engine.fp16_enabled():
+                engine.scale(loss).backward()
+            else:
+                loss.backward()
             engine.step()
     return engine.consolidated_state_dict()
 
 
 def both_ways(cases):
-    """Per (stage, accumulation, precision): the states trained by engine.backward(loss) and by
-    loss.backward()."""
+    """Per (stage, accumulation, precision, model): the states trained by
+    engine.backward(loss) and by loss.backward()."""
     out = {}
-    for stage, accum, precision in cases:
-        managed = _train(_engine(stage, accum, precision), accum, direct=False)
-        direct = _train(_engine(stage, accum, precision), accum, direct=True)
-        out[(stage, accum, precision)] = (managed, direct)
+    for stage, accum, precision, model in cases:
+        model_class = DictOutput if model == "dict" else AwkwardModel
+        managed = _train(_engine(stage, accum, precision, model_class), accum, direct=False)
+        direct = _train(_engine(stage, accum, precision, model_class), accum, direct=True)
+        out[(stage, accum, precision, model)] = (managed, direct)
     return out
 
 
-GRID = [(stage, accum, "fp32") for stage in (0, 1, 2, 3) for accum in (1, 2, 3)]
+GRID = [(stage, accum, "fp32", "loss") for stage in (0, 1, 2, 3) for accum in (1, 2, 3)]
+EXTRA = [(s, 2, p, "loss") for s in (0, 2) for p in ("fp16", "bf16")] + [
+    (s, 2, "fp32", "dict") for s in (1, 3)
+]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_loss_backward_trains_like_engine_backward(world):
-    cases = GRID + ([(s, 2, p) for s in (0, 2) for p in ("fp16", "bf16")] if world == 2 else [])
-    results = run_distributed(both_ways, world, cases)
+    results = run_distributed(both_ways, world, GRID + (EXTRA if world == 2 else []))
     references = {accum: reference(world, accum) for accum in (1, 2, 3)}
     for rank, per_case in enumerate(results):
-        for (stage, accum, precision), (managed, direct) in per_case.items():
-            label = f"world {world} rank {rank} stage {stage} accum {accum} {precision}"
+        for (stage, accum, precision, model), (managed, direct) in per_case.items():
+            label = f"world {world} rank {rank} stage {stage} accum {accum} {precision} {model}"
             for key, value in managed.items():
                 if accum != 3:  # a power-of-two factor on the gradient: the same bits
                     assert torch.equal(direct[key], value), f"{label} {key}"
-                else:  # 1/3 on the outputs' gradient instead of on the loss: rounding apart
+                else:  # 1/3 on the parameters' gradients instead of on the loss: rounding apart
                     assert relative_error(direct[key], value) < 1e-6, f"{label} {key}"
                 if precision == "fp32":
                     err = relative_error(direct[key], references[accum][key])
@@ -127,13 +146,19 @@ def misuse(stage: int):
             pass
     except RuntimeError as err:
         errors["no_sync"] = str(err)
-    return errors, engine.global_steps
+    fp16 = _engine(stage, 1, "fp16")
+    try:  # fp16 loss scaling needs the scaled loss
+        fp16(idx[0], tgt[0]).backward()
+    except RuntimeError as err:
+        errors["fp16"] = str(err)
+    return errors, engine.global_steps + fp16.global_steps
 
 
 def test_gradients_the_engine_cannot_average_are_refused():
     for stage, (errors, steps) in enumerate(run_distributed(misuse_all_stages, 2)[0]):
         assert "engine.module(...) bypasses gradient averaging" in errors["module"], stage
         assert "found no reduced backward in this micro-step" in errors["step"], stage
+        assert "Call engine.backward(loss), or engine.scale(loss).backward()" in errors["fp16"]
         assert steps == 0, stage  # nothing was updated
         if stage >= 2:
             assert f"ZeRO stage {stage} partitions gradients" in errors["no_sync"]

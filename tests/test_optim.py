@@ -195,7 +195,7 @@ def test_build_lamb() -> None:
         ("SGD", {"betas": (0.9, 0.99)}, r"optimizer\.params\.betas"),
         ("Lamb", {"torch_adam": True}, r"optimizer\.params\.torch_adam"),
         ("Adam", {"max_grad_norm": 1.0}, r"gradient_clipping"),
-        ("Adam", {"bias_correction": False}, r"optimizer\.params\.bias_correction"),
+        ("Adam", {"bias_correction": False, "amsgrad": True}, r"amsgrad"),
         ("Lamb", {"amsgrad": True}, r"amsgrad"),
     ],
 )
@@ -486,3 +486,53 @@ def test_segmented_state_dict_leaves_out_the_layout() -> None:
 def test_segment_layout_is_validated(group: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Lamb([{"params": [torch.nn.Parameter(torch.zeros(6))], **group}])
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's FusedAdam: torch's kernels with bias correction, DeepSpeed's update without
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_is_torch_adam_with_bias_correction(adam_w_mode: bool) -> None:
+    from zerotrain.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    torch.manual_seed(0)
+    start = torch.randn(5, 7)
+    ours = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    theirs = torch.nn.Parameter(start.clone())
+    optimizers = [
+        FusedAdam([ours[0]], lr=0.1, weight_decay=0.1, adam_w_mode=adam_w_mode),
+        DeepSpeedCPUAdam([ours[1]], lr=0.1, weight_decay=0.1, adamw_mode=adam_w_mode),
+        (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(
+            [theirs], lr=0.1, weight_decay=0.1, fused=True
+        ),
+    ]
+    for _ in range(3):
+        grad = torch.randn(5, 7)
+        for param in [*ours, theirs]:
+            param.grad = grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert torch.equal(ours[0], theirs) and torch.equal(ours[1], theirs)
+
+
+def test_adam_without_bias_correction_steps_deepspeeds_update() -> None:
+    from zerotrain.optim import FusedAdam
+
+    torch.manual_seed(0)
+    start = torch.randn(5, 7)
+    param = torch.nn.Parameter(start.clone())
+    optimizer = build_optimizer(
+        "Adam", {"lr": 0.1, "weight_decay": 0.1, "bias_correction": False}, [{"params": [param]}]
+    )
+    assert isinstance(optimizer, FusedAdam)
+    m, v, w = (torch.zeros(5, 7, dtype=torch.float64) for _ in range(3))
+    w += start.double()
+    for _ in range(3):
+        grad = torch.randn(5, 7)
+        param.grad = grad.clone()
+        optimizer.step()
+        grad = grad.double()
+        m, v = 0.9 * m + 0.1 * grad, 0.999 * v + 0.001 * grad * grad
+        w = w * (1 - 0.1 * 0.1) - 0.1 * m / (v.sqrt() + 1e-8)  # no 1 - beta**t
+    assert (param.double() - w).abs().max() < 1e-6

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import random
+import socket
+import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,13 +17,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zerotrain import checkpointing
+from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initialized, local_rank
-from zerotrain.config import ConfigError, ZeroTrainConfig, load_config
+from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.monitor import check_monitor_packages
-from zerotrain.optim import build_optimizer, build_scheduler
-from zerotrain.precision import LossScaler, PrecisionPolicy
+from zerotrain.optim import NoOptimizer, build_optimizer, build_scheduler
+from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy
+from zerotrain.utils.logging import logger
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
 from zerotrain.zero.optimizer import NamedParams, OptimizerFactory, Stage3Options
@@ -45,10 +51,12 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: Dataset | None = None,
     lr_scheduler: Any = None,
+    distributed_port: int = 29500,
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable | None = None,
     config: dict | str | ZeroTrainConfig | None = None,
+    mesh_param: Any = None,
     config_params: dict | None = None,
 ) -> tuple[ZeroTrainEngine, ZeroOptimizer, DataLoader | None, Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -56,31 +64,44 @@ def initialize(
     ``config`` is a dict, a JSON/YAML path or a :class:`ZeroTrainConfig` (or comes from
     ``args.deepspeed_config``/``args.zerotrain_config``). The optimizer is the config's
     ``optimizer`` section or a torch optimizer (or a callable building one from parameter
-    groups); it is rebuilt over this rank's fp32 master shards. ``lr_scheduler`` may be a torch
-    scheduler of that optimizer or a callable taking the optimizer. With ``training_data`` the
-    returned dataloader shards it over ranks with a ``DistributedSampler``.
+    groups); it is rebuilt over this rank's fp32 master shards. Given both, the object wins and
+    the config's section is ignored with a warning, as in DeepSpeed; given neither, the engine
+    runs forward passes only. ``lr_scheduler`` may be a torch scheduler of that optimizer or a
+    callable taking the optimizer. With ``training_data`` the returned dataloader shards it
+    over ranks with a ``DistributedSampler``. ``distributed_port`` is the port of a process
+    group this call creates (see :func:`zerotrain.init_distributed`); ``mpu`` and
+    ``mesh_param`` (model parallelism) must be None.
     """
     if model is None:
         raise ValueError("zerotrain.initialize: model is required")
-    if mpu is not None:
-        raise ConfigError("initialize(mpu=...): model parallelism is not supported; pass mpu=None")
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError(
+            "initialize(mpu=..., mesh_param=...): model parallelism is not supported yet; pass None"
+        )
     if config is None:
         config = config_params
     config = _config_from_args(args, config)
     if dist_init_required is not False and not is_initialized():
-        init_distributed()
+        init_distributed(distributed_port=distributed_port, verbose=False)
     device = _training_device()
     comm = Communicator(device=device)
     cfg = load_config(config, world_size=comm.world_size)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
-    logger = cfg.comms_logger
-    if logger.enabled:  # before the engine makes more groups: they share the log
-        ops = None if logger.prof_all else logger.prof_ops
-        comm.log = CommsLog(ops, verbose=logger.verbose, debug=logger.debug, rank=comm.rank)
+    _check_offload(cfg, device)
+    _check_node_local_storage(cfg, comm)
+    logger.setLevel(cfg.log_level.upper())
+    if cfg.dump_state and comm.rank == 0:
+        print(f"zerotrain config:\n{cfg.model_dump_json(indent=2)}", flush=True)
+    comms_logger = cfg.comms_logger
+    if comms_logger.enabled:  # before the engine makes more groups: they share the log
+        ops = None if comms_logger.prof_all else comms_logger.prof_ops
+        comm.log = CommsLog(
+            ops, verbose=comms_logger.verbose, debug=comms_logger.debug, rank=comm.rank
+        )
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
     if cfg.activation_checkpointing is not None:
-        checkpointing.configure(deepspeed_config=cfg.activation_checkpointing)
+        checkpointing.use_policy(cfg.activation_checkpointing)
 
     if any(owner_of(p) is not None for p in model.parameters()):
         raise ValueError(
@@ -91,7 +112,7 @@ def initialize(
     for param in model.parameters():
         if not param.requires_grad and is_init_partitioned(param):
             unpartition_param(param, comm)  # frozen parameters are replicated, not partitioned
-    groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
+    groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     precision = PrecisionPolicy(_param_dtype(cfg))
     zero = cfg.zero_optimization
     zero_optimizer = ZeroOptimizer(
@@ -111,14 +132,25 @@ def initialize(
             persistence_threshold=zero.stage3_param_persistence_threshold,
         ),
         overlap_param_gather=zero.overlap_param_gather,
+        comm_dtype=DTYPES.get(cfg.communication_data_type),
     )
     _broadcast_untrained_state(model, comm)
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,
     # and were copied into fp32 masters before the cast).
     model.to(precision.param_dtype)
-    scheduler = _scheduler(lr_scheduler, cfg, zero_optimizer.optimizer)
+    scheduler = _scheduler(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
     dataloader = _dataloader(training_data, cfg, comm, collate_fn)
-    engine = ZeroTrainEngine(model, zero_optimizer, scheduler, cfg, comm, device, dataloader)
+    engine = ZeroTrainEngine(
+        model,
+        zero_optimizer,
+        scheduler,
+        cfg,
+        comm,
+        device,
+        dataloader,
+        raw_config=_raw_config(config, cfg),
+        client_optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
+    )
     return engine, zero_optimizer, dataloader, scheduler
 
 
@@ -148,9 +180,51 @@ def _config_from_args(args, config):
 
 
 def _training_device() -> torch.device:
-    if torch.cuda.is_available():  # CUDA only: one GPU per local rank
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cuda":  # CUDA only: one GPU per local rank
+        return torch.device("cuda", local_rank() % accelerator.device_count())
     return torch.device("cpu")
+
+
+def _raw_config(config, cfg: ZeroTrainConfig) -> dict:
+    """``engine.config``: the caller's own dict (DeepSpeed keeps that very object), the file's
+    mapping for a path, or the typed config's values."""
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return read_config_file(Path(config))
+    return cfg.model_dump()
+
+
+def _check_node_local_storage(cfg: ZeroTrainConfig, comm: Communicator) -> None:
+    """Node-local checkpoint storage holds on one node, where every rank shares the disk."""
+    if not cfg.checkpoint.use_node_local_storage:
+        return
+    hosts = set(comm.all_gather_object(socket.gethostname()))
+    if len(hosts) > 1:
+        raise ConfigError(
+            f"checkpoint.use_node_local_storage: true asks to load checkpoints without a "
+            f"filesystem shared by the {len(hosts)} nodes of this job, which zerotrain does not "
+            "do yet (every rank reads the shards it needs, wherever they were written); put "
+            "save_dir on a shared filesystem and set it to false"
+        )
+
+
+def _check_offload(cfg: ZeroTrainConfig, device: torch.device) -> None:
+    """Offload to CPU memory asks for nothing on a CPU device (the states are there already);
+    from a GPU it asks for what zerotrain does not have yet."""
+    zero = cfg.zero_optimization
+    asked = [("offload_optimizer", zero.offload_optimizer.device)]
+    if zero.stage == 3:  # DeepSpeed reads offload_param only at stage 3
+        asked.append(("offload_param", zero.offload_param.device))
+    for name, target in asked:
+        if target == "cpu" and device.type != "cpu":
+            raise ConfigError(
+                f"zero_optimization.{name}.device: cpu asks to keep these states in CPU memory "
+                f"while training on {device.type}; zerotrain does not offload from a GPU yet. "
+                'Set it to "none" (on a CPU-only run it is accepted: the states are in CPU '
+                "memory already)"
+            )
 
 
 def _seed_everything(seed: int) -> None:
@@ -188,19 +262,28 @@ def _loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
     )
 
 
+def _client_wins(key: str, what: str, given: object, rank: int) -> None:
+    """A config section and a client object for the same thing: DeepSpeed uses the object."""
+    if rank == 0:
+        warnings.warn(
+            f"zerotrain: the config's `{key}` section ({what}) is ignored: "
+            f"initialize({key if key == 'optimizer' else 'lr_scheduler'}=...) was given "
+            f"{type(given).__name__}, which is used instead, as DeepSpeed does",
+            stacklevel=4,
+        )
+
+
 def _optimizer_plan(
-    model: nn.Module, optimizer, model_parameters, cfg: ZeroTrainConfig
+    model: nn.Module, optimizer, model_parameters, cfg: ZeroTrainConfig, rank: int
 ) -> tuple[list[tuple[dict, NamedParams]], OptimizerFactory]:
     """The parameter groups to partition and how to build the optimizer over their shards."""
     names = {}
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
+    if optimizer is not None and cfg.optimizer is not None:
+        _client_wins("optimizer", cfg.optimizer.type, optimizer, rank)
 
     if isinstance(optimizer, torch.optim.Optimizer):
-        if cfg.optimizer is not None:
-            raise ConfigError(
-                "optimizer: given both in the config and as initialize(optimizer=...); keep one"
-            )
         raw_groups = optimizer.param_groups
         opt_cls = type(optimizer)
         # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
@@ -229,11 +312,11 @@ def _optimizer_plan(
                     opt_cfg.type, opt_cfg.params, groups, norm_allreduce=segments.allreduce
                 )
 
-        else:
-            raise ConfigError(
-                "optimizer: none given. Add an 'optimizer' section to the config (e.g. "
-                '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass initialize(optimizer=...)'
-            )
+        else:  # evaluation only (DeepSpeed allows it); backward and step say so
+            raw_groups = _groups_from(model)  # DeepSpeed ignores model_parameters here
+
+            def make(groups, segments):
+                return NoOptimizer(groups)
 
     groups: list[tuple[dict, NamedParams]] = []
     seen: set[int] = set()
@@ -278,12 +361,10 @@ def _groups_from(parameters) -> list[dict]:
     return [{"params": items}]
 
 
-def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimizer):
+def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimizer, rank: int):
     if lr_scheduler is not None:
         if cfg.scheduler is not None:
-            raise ConfigError(
-                "scheduler: given both in the config and as initialize(lr_scheduler=...); keep one"
-            )
+            _client_wins("scheduler", cfg.scheduler.type, lr_scheduler, rank)
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             # Built over the user's optimizer: point it at the optimizer that owns the shards
             # (same groups, same order).
@@ -308,6 +389,7 @@ def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate
         training_data,
         batch_size=cfg.train_micro_batch_size_per_gpu,
         sampler=sampler,
+        drop_last=cfg.dataloader_drop_last,
         collate_fn=collate_fn,
         # its own generator: creating an iterator then draws no number from torch's global
         # generator, which a resumed run must find where the checkpoint left it (dropout)

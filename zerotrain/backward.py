@@ -2,32 +2,36 @@
 PyTorch habit ``loss.backward()``.
 
 [Note: loss.backward() without engine.backward]
-A backward needs three things from the engine: the fp16 loss scale on the loss before autograd
-starts (so that small gradients survive in float16), the division by the accumulation steps,
-and the reducer opened and closed around it: told that a backward starts (stages 0-1 reduce
-only in the accumulation boundary's backward), then, once autograd is done, the epilogue that
-launches what is left and waits for every reduction. ``engine.backward`` does all of it around
-its own ``(loss * scale / accumulation_steps).backward()``. For ``loss.backward()`` the engine
-sees only its forward's outputs, so it acts there, as DeepSpeed does since 0.18 (PR #7665):
+A backward needs three things from the engine: the division by the accumulation steps, the fp16
+loss scale on the loss before autograd starts (so that small gradients survive in float16), and
+the reducer opened and closed around it: told that a backward starts (stages 0-1 reduce only in
+the accumulation boundary's backward), then, once autograd is done, the epilogue that launches
+what is left and waits for every reduction. ``engine.backward`` does all of it around its own
+``(loss * loss_scale / accumulation_steps).backward()``. For ``loss.backward()`` the engine sees
+only its forward's outputs, so it acts there, as DeepSpeed does since 0.18 (PR #7665):
 * every forward under grad puts a hook on each output tensor that requires grad;
 * the first such hook to fire in a backward that will accumulate into the model's parameters
   (a ``torch.autograd.grad`` for a gradient penalty does not) opens the reducer and queues its
   epilogue as autograd's final callback of that backward;
 * the reducer multiplies each parameter's gradient by 1/accumulation steps as it takes it
-  (``GradientReducer.begin_backward``), so every term of the loss is divided, including one
-  that reads parameters without going through an engine output (a regulariser on
-  ``engine.module``'s weights, a gradient penalty's double backward);
-* under fp16 the hooks multiply the gradient entering the model by loss scale / accumulation
-  steps instead: the factor must act before autograd, so that small gradients survive in
-  float16 and overflow happens exactly where it would with ``engine.backward``.
-Backward is linear in both factors, so the model gets the same gradients as with
-``engine.backward``; bit for bit when the factors are powers of two (fp16 loss scales,
-accumulation steps 1, 2, 4, ...), else within rounding. Inside ``engine.backward`` the hooks do
-nothing. A gradient that reaches the parameters while no backward is open (the loss came from
-``engine.module(...)`` alone) is refused by the reducer, and ``step()`` refuses to update after
-an accumulation whose boundary micro-step had no reduced backward. One case stays unseen: under
-fp16, a loss term that reads parameters without passing an engine output misses both factors
-(it comes out divided by the loss scale at the step); use ``engine.backward(loss)`` there.
+  (``GradientReducer.begin_backward``). Scaling the parameters' gradients rather than the
+  outputs' keeps every term of the loss divided exactly once: DeepSpeed divides each output's
+  gradient, so a loss computed inside the model from another output (HuggingFace's ``loss``
+  from ``logits``) is divided twice there, and a term that reads parameters without passing an
+  output (a regulariser on ``engine.module``'s weights, a gradient penalty's double backward)
+  not at all.
+Backward is linear in the factor, so the model gets the same gradients as with
+``engine.backward``; bit for bit when it is a power of two (accumulation steps 1, 2, 4, ...),
+else within rounding. The fp16 loss scale cannot move to the parameters (it must act before
+autograd, and with the same magnitude as in ``engine.backward`` for overflows to fall on the same
+steps) and no output hook can apply it exactly once for every shape of loss, so under fp16 a
+bare ``loss.backward()`` is refused at its first output hook, before any gradient exists, naming
+``engine.backward(loss)`` and ``engine.scale(loss).backward()`` (as in DeepSpeed; ``scale``
+applies both factors to the loss, and the backward it starts divides nothing). Inside
+``engine.backward`` the hooks do nothing. A gradient that reaches the parameters while no
+backward is open (the loss came from ``engine.module(...)`` alone) is refused by the reducer,
+and ``step()`` refuses to update after an accumulation whose boundary micro-step had no reduced
+backward.
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ class BackwardState(enum.Enum):
 
 class MicroStepBackward:
     """Opens and closes the reducer around each backward, however it was started (see the note
-    above). ``loss_scale()`` and ``accumulation_steps()`` give the current factors,
-    ``at_boundary()`` whether the current micro-step ends an accumulation;
+    above). ``accumulation_steps()`` gives the current divisor, ``loss_scaled()`` whether fp16
+    loss scaling is on, ``at_boundary()`` whether the current micro-step ends an accumulation;
     ``on_finish(seconds)`` gets each backward's duration."""
 
     def __init__(
@@ -62,8 +66,8 @@ class MicroStepBackward:
         optimizer: ZeroOptimizer,
         params: list[nn.Parameter],
         *,
-        loss_scale: Callable[[], float],
         accumulation_steps: Callable[[], int],
+        loss_scaled: Callable[[], bool],
         at_boundary: Callable[[], bool],
         on_finish: Callable[[float], None],
     ):
@@ -71,15 +75,15 @@ class MicroStepBackward:
         self.state = BackwardState.IDLE
         self.reduce = True  # False inside engine.no_sync(): no reduction even at the boundary
         self.boundary_reduced = False  # this micro-step's backward reduced at its boundary
-        self._loss_scale = loss_scale
+        self.user_scaled = False  # engine.scale(loss) was called for the next direct backward
+        self._params = params
         self._accumulation_steps = accumulation_steps
+        self._loss_scaled = loss_scaled
         self._at_boundary = at_boundary
         self._on_finish = on_finish
         self._direct_task = -1  # autograd graph task of the open direct backward
-        self._output_factor = 1.0  # on the gradient entering the model (fp16)
         self._started = 0.0
         self._at_boundary_now = False
-        self._params = params
 
     # -- engine.backward -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -106,25 +110,27 @@ class MicroStepBackward:
             if torch.is_tensor(tensor) and tensor.requires_grad:
                 tensor.register_hook(self._on_output_grad)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
         if self.state is BackwardState.MANAGED:
-            return None
+            return
         task = torch._C._current_graph_task_id()
-        if self.state is BackwardState.IDLE or task != self._direct_task:
-            if not self._accumulates_into_params():
-                return None  # autograd.grad / backward(inputs=...) that leaves parameters alone
-            if self.state is BackwardState.DIRECT:  # the previous one raised before its end
-                self.state = BackwardState.IDLE
-            loss_scale, inv_steps = self._loss_scale(), 1.0 / self._accumulation_steps()
-            if loss_scale == 1.0:  # both factors on the parameters' gradients
-                self._output_factor, param_factor = 1.0, inv_steps
-            else:  # fp16: both before autograd, as engine.backward puts them on the loss
-                self._output_factor, param_factor = loss_scale * inv_steps, 1.0
-            self._open(BackwardState.DIRECT, grad_factor=param_factor)
-            self._direct_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._close)
-        factor = self._output_factor
-        return None if factor == 1.0 else grad * factor
+        if self.state is BackwardState.DIRECT and task == self._direct_task:
+            return  # opened by an earlier output of this backward
+        if not self._accumulates_into_params():
+            return  # autograd.grad / backward(inputs=...) that leaves parameters alone
+        if self._loss_scaled() and not self.user_scaled:
+            raise RuntimeError(
+                "loss.backward() under fp16 loss scaling: the loss scale must multiply the loss "
+                "before autograd runs. Call engine.backward(loss), or "
+                "engine.scale(loss).backward(); nothing was reduced or stepped"
+            )
+        # engine.scale put both factors on the loss already
+        factor = 1.0 if self.user_scaled else 1.0 / self._accumulation_steps()
+        self.user_scaled = False
+        self.state = BackwardState.IDLE  # a previous direct backward that raised before its end
+        self._open(BackwardState.DIRECT, grad_factor=factor)
+        self._direct_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._close)
 
     def _accumulates_into_params(self) -> bool:
         """Whether the running backward will write ``.grad`` of any trainable parameter. The
@@ -136,10 +142,10 @@ class MicroStepBackward:
 
     # -- both ----------------------------------------------------------------------------------
     def _open(self, state: BackwardState, grad_factor: float = 1.0) -> None:
-        self.state = state
         self._started = time.perf_counter()
         self._at_boundary_now = self.reduce and self._at_boundary()
         self.optimizer.backward_prologue(self._at_boundary_now, grad_factor)
+        self.state = state  # only once the prologue succeeded
 
     def _close(self) -> None:
         self.optimizer.backward_epilogue(self._at_boundary_now)

@@ -134,7 +134,6 @@ def configure(
     ``synchronize_checkpoint_boundary``. Keys not given take their defaults, as in DeepSpeed.
     What each key does here is documented on :class:`ActivationCheckpointingConfig`.
     """
-    global _policy, _configured, _warned
     if mpu_ is not None:
         raise ConfigError(
             "checkpointing.configure(mpu_=...): model parallelism is not supported; pass None"
@@ -149,6 +148,26 @@ def configure(
         "profile": profile,
     }
     section = _validated({**section.model_dump(), **_given(overrides)})
+    if section.contiguous_memory_optimization and not section.partition_activations:
+        raise ConfigError(
+            "activation_checkpointing: contiguous_memory_optimization requires "
+            "partition_activations (DeepSpeed's configure refuses it otherwise), and has no "
+            "effect in zerotrain; set it to false"
+        )
+    if section.contiguous_memory_optimization and section.number_checkpoints is None:
+        raise ConfigError(
+            "activation_checkpointing: contiguous_memory_optimization requires "
+            "number_checkpoints (DeepSpeed's configure refuses it otherwise), and has no "
+            "effect in zerotrain; set it to false"
+        )
+    use_policy(section)
+
+
+def use_policy(section: ActivationCheckpointingConfig) -> None:
+    """Make a validated ``activation_checkpointing`` section the process-wide policy: what
+    ``initialize`` does with the config's section. Unlike :func:`configure` (which DeepSpeed
+    scripts call, and which refuses what DeepSpeed's does) it accepts every valid section."""
+    global _policy, _configured, _warned
     if section.partition_activations and not _warned and os.environ.get("RANK", "0") == "0":
         _warned = True
         warnings.warn(

@@ -6,23 +6,28 @@ field docstrings are the documentation; ``python -m zerotrain.config`` renders d
 
 # [Note: how a config is checked]
 ``load_config`` runs three passes, so that one run reports every mistake with its key path:
-1. ``_key_problems`` walks the raw mapping: an unknown key is a DeepSpeed option zerotrain
-   does not implement yet (listed per section in ``_NOT_IMPLEMENTED``: rejecting it beats
-   training silently with other semantics) or a typo (answered with a did-you-mean); an
-   ``"auto"`` placeholder (HuggingFace's Trainer fills these in) is rejected as well.
+1. ``_normalise`` walks the raw mapping: a key that is neither a field nor one of the DeepSpeed
+   keys accepted without a field (config_accepted.py, [Note: lenient where nothing is asked,
+   strict where something is]) is a typo, answered with a did-you-mean; an accepted key whose
+   value asks for a behaviour zerotrain lacks is refused naming it; an ``"auto"`` placeholder
+   (HuggingFace's Trainer fills these in) is refused. Accepted keys and ``_comments`` are
+   dropped from what pass 2 sees.
 2. pydantic checks types and ranges; ``_config_error`` rewrites each error as one
    ``key.path: must be ..., got ...`` line of a ``ConfigError``.
 3. ``ZeroTrainConfig.resolve_batch`` derives the batch triple with DeepSpeed's arithmetic.
 Constructing the models directly skips pass 1 and raises pydantic's ValidationError.
 """
 
+import dataclasses
 import difflib
+import enum
 import inspect
 import json
 import os
 import re
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -43,6 +48,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import Required, TypedDict
 
+from zerotrain import config_accepted
+from zerotrain.config_accepted import Accepted, is_comment
+
 __all__ = [
     "ActivationCheckpointingConfig",
     "BF16Config",
@@ -52,6 +60,10 @@ __all__ = [
     "ConfigError",
     "FP16Config",
     "FlopsProfilerConfig",
+    "OffloadDeviceEnum",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OffloadStateTypeEnum",
     "OptimizerConfig",
     "SchedulerConfig",
     "TensorBoardConfig",
@@ -115,8 +127,8 @@ class _Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    # DeepSpeed keys of this section that zerotrain rejects until it implements them.
-    _NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
+    # DeepSpeed keys of this section accepted without a field (config_accepted.py).
+    _ACCEPTED: ClassVar[dict[str, Accepted]] = {}
     # DeepSpeed's older key names, still accepted: old name -> current name.
     _RENAMED: ClassVar[dict[str, str]] = {}
 
@@ -162,6 +174,8 @@ _ADAM_KEYS = {
     "amsgrad": bool,
     "torch_adam": bool,
     "fused": bool,
+    "adam_w_mode": bool,
+    "bias_correction": bool,
 }
 _WARMUP_KEYS = {
     "warmup_min_lr": _LrValue,
@@ -224,11 +238,17 @@ class OptimizerConfig(_TypedParamsSection):
     _KIND = "optimizer"
     _PARAMS = {
         "Adam": _Params(
-            "torch.optim.Adam; `adam_w_mode` (DeepSpeed's default: true) selects "
-            "decoupled weight decay, i.e. AdamW.",
-            {**_ADAM_KEYS, "adam_w_mode": bool},
+            "DeepSpeed's Adam: `adam_w_mode` (default true) selects decoupled weight decay "
+            "(torch.optim.AdamW), false L2 regularisation (torch.optim.Adam); "
+            "`bias_correction: false` steps without bias correction, as DeepSpeed's "
+            "FusedAdam does (zerotrain.ops.adam.FusedAdam).",
+            _ADAM_KEYS,
         ),
-        "AdamW": _Params("torch.optim.AdamW.", _ADAM_KEYS),
+        "AdamW": _Params(
+            "torch.optim.AdamW: decoupled weight decay whatever `adam_w_mode` says, as in "
+            "DeepSpeed; `bias_correction` as for Adam.",
+            _ADAM_KEYS,
+        ),
         "SGD": _Params(
             "torch.optim.SGD.",
             {
@@ -257,7 +277,7 @@ class OptimizerConfig(_TypedParamsSection):
         adagrad onebitadam zerooneadam onebitlamb lion muadam muadamw musgd muon
         """.split()
     )
-    _NOT_IMPLEMENTED = frozenset({"legacy_fusion"})
+    _ACCEPTED = config_accepted.OPTIMIZER
 
     type: Literal["Adam", "AdamW", "SGD", "Lamb"]
     """Optimizer name, any capitalisation (`adamw` is read as `AdamW`)."""
@@ -320,10 +340,13 @@ class SchedulerConfig(_TypedParamsSection):
 class FP16Config(_Section):
     """`fp16`: float16 mixed precision with loss scaling (fp32 master weights)."""
 
-    _NOT_IMPLEMENTED = frozenset({"auto_cast", "fp16_master_weights_and_grads", "fused_mode"})
+    _ACCEPTED = config_accepted.FP16
 
     enabled: bool = False
     """Run forward and backward in float16, keep fp32 master weights, scale the loss."""
+    auto_cast: bool = False
+    """Cast the floating-point tensors among the arguments of `engine(...)` to float16 before
+    the model's forward (integer tensors, such as token ids, are left alone)."""
     loss_scale: _NonNegativeFloat = 0.0
     """Static loss scale; 0 selects dynamic loss scaling."""
     initial_scale_power: _NonNegativeInt = 16
@@ -336,50 +359,128 @@ class FP16Config(_Section):
     consecutive_hysteresis: bool = False
     """Refill the hysteresis after every step without overflow, so only consecutive overflows
     count towards halving."""
-    min_loss_scale: _PositiveFloat = 1.0
-    """Lower bound of the dynamic loss scale."""
+    min_loss_scale: _NonNegativeFloat = 1.0
+    """Lower bound of the dynamic loss scale (0: none)."""
 
 
 class BF16Config(_Section):
     """`bf16` (DeepSpeed also reads the old name `bfloat16`): bfloat16 mixed precision; no loss
     scaling is needed."""
 
-    _NOT_IMPLEMENTED = frozenset(
-        """
-        immediate_grad_update check_grad_overflow check_overflow bf16_master_weights_and_grads
-        bf16_optimizer_states
-        """.split()
-    )
+    _ACCEPTED = config_accepted.BF16
 
     enabled: bool = False
     """Run forward and backward in bfloat16 and keep fp32 master weights."""
+
+
+class OffloadDeviceEnum(str, enum.Enum):
+    """Where offloaded states go (DeepSpeed's enum, also ``engine.offload_states``' device)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """The kinds of state ``engine.offload_states(include=...)`` moves (DeepSpeed's enum)."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+def _offload_device(value: Any) -> Any:
+    if value is None:  # DeepSpeed's configs write null for "none" too
+        return "none"
+    return value.lower() if isinstance(value, str) else value
+
+
+_OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_offload_device)]
+_Fraction = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0, le=1)]
+
+_OFFLOAD_DEVICE_DOC = """ `cpu` asks for them in CPU memory: on a run whose device is the
+    CPU (gloo) they are there already and nothing moves; with CUDA devices `initialize` refuses
+    it until zerotrain implements offload. `nvme` (ZeRO-Infinity) is refused."""
+
+
+class OffloadOptimizerConfig(_Section):
+    """`zero_optimization.offload_optimizer`: where the fp32 master weights and optimizer states
+    live and are stepped (DeepSpeed's ZeRO-Offload). The keys other than `device` tune
+    DeepSpeed's transfers and have no effect on a CPU device."""
+
+    device: _OffloadDevice = "none"
+    """`none` (or null): on the training device.""" + _OFFLOAD_DEVICE_DOC
+    nvme_path: str | None = None
+    """Directory on the NVMe device (with `device: nvme`)."""
+    buffer_count: _NonNegativeInt = 4
+    """NVMe buffer pool size."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers for faster copies to and from a GPU."""
+    pipeline_read: bool = False
+    """Overlap NVMe reads with the step."""
+    pipeline_write: bool = False
+    """Overlap NVMe writes with the step."""
+    fast_init: bool = False
+    """Faster optimizer initialization with NVMe."""
+    ratio: _Fraction = 1.0
+    """Fraction of the optimizer step run on the CPU (stage 3)."""
+    super_offload: bool = False
+    """DeepSpeed's SuperOffload for superchips (stage 3)."""
+    cpuadam_cores_perc: _Fraction = 0.8
+    """Fraction of CPU cores for the CPU optimizer (with `super_offload`)."""
+
+
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param`: where stage 3 keeps the parameter shards between uses
+    (DeepSpeed's ZeRO-Infinity parameter offload). The keys other than `device` tune DeepSpeed's
+    transfers and have no effect on a CPU device."""
+
+    device: _OffloadDevice = "none"
+    """`none` (or null): on the training device.""" + _OFFLOAD_DEVICE_DOC
+    nvme_path: str | None = None
+    """Directory on the NVMe device (with `device: nvme`)."""
+    buffer_count: _NonNegativeInt = 5
+    """NVMe buffer pool size."""
+    buffer_size: _NonNegativeInt = 100_000_000
+    """Elements per NVMe buffer."""
+    max_in_cpu: _NonNegativeInt = 1_000_000_000
+    """Parameter elements kept in CPU memory with NVMe offload."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers for faster copies to and from a GPU."""
 
 
 class ZeroOptimizationConfig(_Section):
     """`zero_optimization`: what ZeRO (arXiv:1910.02054) partitions across data-parallel ranks.
     Bucket sizes count elements, not bytes."""
 
-    _NOT_IMPLEMENTED = frozenset(
-        """
-        offload_optimizer offload_param cpu_offload cpu_offload_param cpu_offload_use_pin_memory
-        sub_group_size elastic_checkpoint load_from_fp32_weights ignore_unused_parameters
-        legacy_stage1 use_multi_rank_bucket_allreduce zero_hpz_partition_size zero_quantized_weights
-        zero_quantized_nontrainable_weights zero_quantized_gradients zeropp_loco_param
-        mics_shard_size mics_hierarchical_params_gather memory_efficient_linear
-        pipeline_loading_checkpoint override_module_apply log_trace_cache_warnings
-        enable_sanity_checks save_muon_momentum_buffer_in_memory leaf_module zenflow
-        stage3_model_persistence_threshold stage3_module_granularity_threshold
-        stage3_use_all_reduce_for_fetch_params stage3_allgather_sequential
-        stage3_partition_stream_chunk_size
-        """.split()
-    )
+    _ACCEPTED = config_accepted.ZERO_OPTIMIZATION
     _RENAMED = {
-        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        # DeepSpeed's field names; the stage3_ spellings are its aliases
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     }
 
     stage: _Int = 0
     """0: plain data parallelism; 1: partition optimizer states; 2: also gradients; 3: also
-    parameters."""
+    parameters. (DeepSpeed's old form `zero_optimization: false` / `true` is read as stage 0
+    / 1.)"""
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    """Optimizer offload; see the offload_optimizer section."""
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    """Stage 3 parameter offload; see the offload_param section."""
+    cpu_offload: bool | None = None
+    """DeepSpeed's old key: true is `offload_optimizer: {device: cpu}`."""
+    cpu_offload_param: bool | None = None
+    """DeepSpeed's old key: true is `offload_param: {device: cpu}`."""
+    cpu_offload_use_pin_memory: bool | None = None
+    """DeepSpeed's old key: `pin_memory` of the sections that `cpu_offload` and
+    `cpu_offload_param` turn on."""
     reduce_bucket_size: _PositiveInt = 500_000_000
     """Elements per bucket (stages 0-2): gradients are reduced (or reduce-scattered), and
     updated parameters all-gathered, one bucket per collective."""
@@ -426,12 +527,44 @@ class ZeroOptimizationConfig(_Section):
     when false it saves nothing and returns False, as in DeepSpeed (DeepSpeed's old name
     `stage3_gather_fp16_weights_on_model_save` is accepted)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_offload_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        pin = data.get("cpu_offload_use_pin_memory")
+        for old, section in (
+            ("cpu_offload", "offload_optimizer"),
+            ("cpu_offload_param", "offload_param"),
+        ):
+            if data.get(old) is True:
+                if section in data:
+                    raise _fail(
+                        f"`{old}` is DeepSpeed's old form of `{section}`; set only `{section}`"
+                    )
+                data[section] = {
+                    "device": "cpu",
+                    **({"pin_memory": pin} if pin is not None else {}),
+                }
+        return data
+
     @field_validator("stage")
     @classmethod
     def _stage_in_range(cls, stage: int) -> int:
         if not 0 <= stage <= 3:
             raise _fail(f"must be between 0 and 3, got {stage}")
         return stage
+
+    @model_validator(mode="after")
+    def _no_nvme(self) -> "ZeroOptimizationConfig":
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name).device == "nvme":
+                raise _fail(
+                    f'{name}.device: "nvme" asks for NVMe offload (ZeRO-Infinity), which '
+                    'zerotrain does not have yet; set it to "none" (or "cpu")'
+                )
+        return self
 
     @model_validator(mode="after")
     def _param_gather_overlap_needs_stage_1_or_2(self) -> "ZeroOptimizationConfig":
@@ -452,7 +585,7 @@ class CheckpointConfig(_Section):
     """`checkpoint`: how `engine.save_checkpoint` and `engine.load_checkpoint` behave. Every
     zerotrain checkpoint loads at any world size and ZeRO stage (see docs/checkpoints.md)."""
 
-    _NOT_IMPLEMENTED = frozenset("use_node_local_storage parallel_write".split())
+    _ACCEPTED = config_accepted.CHECKPOINT
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     """What to do when ranks pass different tags to `save_checkpoint`: `Warn` (every rank then
@@ -464,6 +597,11 @@ class CheckpointConfig(_Section):
     load_universal: bool = False
     """Accepted for DeepSpeed compatibility and has no effect: zerotrain checkpoints are always
     universal (they reshard to any world size and stage when loaded)."""
+    use_node_local_storage: bool = False
+    """DeepSpeed: checkpoints load without a filesystem shared by the nodes. On one node every
+    rank shares the node's disk, so `initialize` accepts true there; a job on several nodes
+    with true is refused (zerotrain's ranks read the shards they need wherever they were
+    written: keep `save_dir` on a shared filesystem)."""
 
     @field_validator("tag_validation", mode="before")
     @classmethod
@@ -488,8 +626,7 @@ class ActivationCheckpointingConfig(_Section):
     contiguous_memory_optimization: bool = False
     """Has no effect in zerotrain: DeepSpeed copies partitioned activations into one buffer of
     `number_checkpoints` slots to limit fragmentation, and zerotrain partitions none (see
-    `partition_activations`). As in DeepSpeed, true requires `partition_activations` and
-    `number_checkpoints`."""
+    `partition_activations`)."""
     number_checkpoints: _PositiveInt | None = None
     """Has no effect in zerotrain: DeepSpeed sizes the buffer of `contiguous_memory_optimization`
     with it."""
@@ -501,20 +638,6 @@ class ActivationCheckpointingConfig(_Section):
     """Time every checkpointed forward and recomputation (synchronizing the device at their
     boundaries); the totals are in `zerotrain.checkpointing.recompute_stats()`, which counts
     calls whether or not this is set."""
-
-    @model_validator(mode="after")
-    def _contiguous_needs_partitions(self) -> "ActivationCheckpointingConfig":
-        if self.contiguous_memory_optimization and not self.partition_activations:
-            raise _fail(
-                "contiguous_memory_optimization requires partition_activations (DeepSpeed "
-                "rejects it otherwise), and has no effect in zerotrain; set it to false"
-            )
-        if self.contiguous_memory_optimization and self.number_checkpoints is None:
-            raise _fail(
-                "contiguous_memory_optimization requires number_checkpoints (DeepSpeed rejects "
-                "it otherwise), and has no effect in zerotrain; set it to false"
-            )
-        return self
 
 
 class CommsLoggerConfig(_Section):
@@ -623,6 +746,16 @@ class WandbConfig(_Section):
     """W&B project of the run."""
 
 
+def _zero_optimization_from_bool(value: Any) -> Any:
+    # DeepSpeed's oldest form: a bool, read as stage 1 (true) or 0 (false)
+    return {"stage": 1 if value else 0} if isinstance(value, bool) else value
+
+
+def _infinite_is_none(value: Any) -> Any:
+    # JSON's Infinity (Python's json reads it) means "never", as null does
+    return None if isinstance(value, float) and value == float("inf") else value
+
+
 class ZeroTrainConfig(_Section):
     """Top level of the config, with DeepSpeed's key names. Of the three batch keys give any
     two, or `train_batch_size` or `train_micro_batch_size_per_gpu` alone (then
@@ -630,20 +763,7 @@ class ZeroTrainConfig(_Section):
     train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
     world_size."""
 
-    _NOT_IMPLEMENTED = frozenset(
-        """
-        aio amp autotuning comet
-        communication_data_type compile compression_training curriculum_learning
-        data_efficiency data_types dataloader_drop_last datastates_ckpt disable_allgather
-        disable_python_gc dump_state eigenvalue elasticity expert_parallel
-        gradient_allreduce_op gradient_predivide_factor graph_harvesting hybrid_engine log_level
-        managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
-        progressive_layer_drop quantize_training seq_parallel_communication_data_type
-        sequence_parallel_size sparse_attention sparse_gradients tensor_parallel timers
-        torch_autocast trackio use_data_before_expert_parallelism vocabulary_size
-        weight_quantization zero_force_ds_cpu_optimizer
-        """.split()
-    )
+    _ACCEPTED = config_accepted.TOP_LEVEL
     _RENAMED = {"bfloat16": "bf16"}
 
     train_batch_size: _PositiveInt | None = None
@@ -656,14 +776,24 @@ class ZeroTrainConfig(_Section):
     """Optimizer to build; leave out when passing a torch optimizer to the engine."""
     scheduler: SchedulerConfig | None = None
     """Learning-rate schedule to build; leave out for a constant rate or a client schedule."""
-    gradient_clipping: _NonNegativeFloat = 0.0
+    gradient_clipping: _NonNegativeFloat = 1.0
     """Clip the global gradient L2 norm (over all ranks' partitions) to this value; 0 turns
-    clipping off."""
+    clipping off. The default is DeepSpeed 0.19.8's: clipping at 1.0 unless the config says
+    otherwise."""
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """The dtype gradients are reduced in; null: the training dtype (fp32, fp16 or bf16).
+    `fp32` in 16-bit training sums gradients without 16-bit rounding (stages 2-3 then also keep
+    the reduced gradient partition in fp32: 2 more bytes per element of this rank's shard)."""
+    dataloader_drop_last: bool = False
+    """The dataloader `initialize` returns leaves out each epoch's last micro-batch when it is
+    smaller than `train_micro_batch_size_per_gpu`."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     """float16 mixed precision; see the fp16 section."""
     bf16: BF16Config = Field(default_factory=BF16Config)
     """bfloat16 mixed precision; see the bf16 section."""
-    zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    zero_optimization: Annotated[
+        ZeroOptimizationConfig, BeforeValidator(_zero_optimization_from_bool)
+    ] = Field(default_factory=ZeroOptimizationConfig)
     """ZeRO partitioning; see the zero_optimization section."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint saving and loading; see the checkpoint section."""
@@ -680,10 +810,15 @@ class ZeroTrainConfig(_Section):
     """CSV monitor; see the csv_monitor section."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases monitor; see the wandb section."""
-    steps_per_print: _PositiveInt = 10
+    steps_per_print: Annotated[_PositiveInt | None, BeforeValidator(_infinite_is_none)] = 10
     """Rank 0 prints a throughput line every this many optimizer steps: loss (mean over the
     micro-steps and ranks), lr, samples/s, tokens/s, TFLOP/s per rank, memory, grad norm, loss
-    scale (docs/monitoring.md)."""
+    scale (docs/monitoring.md). null or `Infinity` never prints (DeepSpeed's default is null;
+    zerotrain prints every 10 steps unless told)."""
+    dump_state: bool = False
+    """Rank 0 prints the resolved config (every key, defaults included) at `initialize`."""
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    """Level of the `zerotrain` logger (`zerotrain.utils.logger`), any capitalisation."""
     wall_clock_breakdown: bool = False
     """Add to the throughput line the forward, backward and optimizer-step times per step and
     the communication the training thread waited for."""
@@ -697,6 +832,11 @@ class ZeroTrainConfig(_Section):
     zero_allow_untested_optimizer: bool = False
     """Accepted for DeepSpeed compatibility and has no effect: zerotrain wraps any torch
     optimizer under ZeRO."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> "ZeroTrainConfig":
@@ -752,11 +892,12 @@ class ZeroTrainConfig(_Section):
 # --- turning raw input into a config -----------------------------------------------------
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, limit: int | None = None) -> str:
     try:
-        return json.dumps(value)
+        text = json.dumps(value)
     except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value)
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _section_of(annotation: Any) -> type[_Section] | None:
@@ -768,7 +909,7 @@ def _section_of(annotation: Any) -> type[_Section] | None:
 
 
 def _auto_problems(value: Any, path: str) -> list[str]:
-    if isinstance(value, str) and value.strip().lower() == "auto":
+    if _is_auto(value):
         return [
             f'{path}: "auto" must be resolved before passing the config to zerotrain '
             "(HuggingFace's Trainer does that for DeepSpeed); set a concrete value"
@@ -802,34 +943,86 @@ def _param_problems(
     return problems
 
 
-def _key_problems(data: dict[Any, Any], section: type[_Section], path: str = "") -> list[str]:
-    """Pass 1 of [Note: how a config is checked]: unknown, unimplemented and "auto" keys."""
-    problems: list[str] = []
+@dataclass
+class _Pass1:
+    """What pass 1 of [Note: how a config is checked] found."""
+
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # accepted; may be expected to act
+
+
+def _normalise(data: dict[Any, Any], section: type[_Section], found: _Pass1, path: str = ""):
+    """Pass 1: ``data`` without comments and accepted DeepSpeed keys, for pydantic; unknown
+    keys, refused values and "auto" placeholders go to ``found.problems``."""
     fields = section.model_fields
+    kept: dict[Any, Any] = {}
     for raw_key, value in data.items():
         key, key_path = str(raw_key), f"{path}{raw_key}"
+        if is_comment(key):
+            continue
         name = section._RENAMED.get(key, key)
         if name not in fields:
-            if key in section._NOT_IMPLEMENTED:
-                problems.append(
-                    f"`{key_path}` is a DeepSpeed option that zerotrain does not "
-                    "implement yet; remove it from the config"
+            accepted = section._ACCEPTED.get(key)
+            if accepted is None:
+                known = [*fields, *section._RENAMED, *section._ACCEPTED]
+                found.problems.append(f"{key_path}: unknown key{_did_you_mean(key, known)}")
+            elif accepted.idle is not None and not accepted.idle(value):
+                found.problems.append(
+                    f"`{key_path}: {_show(value, limit=80)}` asks for {accepted.asks}, which "
+                    f"zerotrain does not have yet; set it to {accepted.idle_values} or remove it"
                 )
-            else:
-                problems.append(f"{key_path}: unknown key{_did_you_mean(key, list(fields))}")
+            elif accepted.warn:
+                found.notes.append(f"{key_path}: ignored. {accepted.why}")
             continue
         subsection = _section_of(fields[name].annotation)
         if subsection is not None and isinstance(value, dict):
-            problems += _key_problems(value, subsection, f"{key_path}.")
-        elif (
+            kept[raw_key] = _normalise(value, subsection, found, f"{key_path}.")
+            continue
+        if (
             name == "params"
             and issubclass(section, _TypedParamsSection)
             and isinstance(value, dict)
         ):
-            problems += _param_problems(section, data.get("type"), value, key_path)
+            found.problems += _param_problems(section, data.get("type"), value, key_path)
+        elif _is_auto(value) and _auto_left_by_huggingface(key_path, data):
+            default = _show(fields[name].get_default(call_default_factory=True))
+            found.notes.append(
+                f'{key_path}: "auto", which HuggingFace leaves unfilled here, takes the default '
+                f"{default}, as in DeepSpeed"
+            )
+            continue
         else:
-            problems += _auto_problems(value, key_path)
-    return problems
+            found.problems += _auto_problems(value, key_path)
+        kept[raw_key] = value
+    return kept
+
+
+# Keys that HuggingFace's Trainer never fills, so a public config's "auto" reaches DeepSpeed,
+# which reads it as the key's default: the old section name, DeepSpeed's unprefixed stage-3
+# names, and the stage-3 keys of a config below stage 3 (filled only at stage 3, used only there).
+_AUTO_NEVER_FILLED = {
+    "bfloat16.enabled",
+    *(
+        f"zero_optimization.{key}"
+        for key in (
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+        )
+    ),
+}
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _auto_left_by_huggingface(key_path: str, section_data: dict[Any, Any]) -> bool:
+    if key_path in _AUTO_NEVER_FILLED:
+        return True
+    below_stage_3 = section_data.get("stage", 0) in (0, 1, 2)
+    return key_path.startswith("zero_optimization.stage3_") and below_stage_3
 
 
 _ERROR_MESSAGES = {  # pydantic error type -> our wording; ", got <input>" is appended
@@ -946,14 +1139,19 @@ def load_config(
 
 def check_config(raw: dict[str, Any]) -> ZeroTrainConfig:
     """Passes 1 and 2 of [Note: how a config is checked] on a raw mapping, without resolving the
-    batch fields, so that one section can be checked on its own (``{"section": {...}}``)."""
-    problems = _key_problems(raw, ZeroTrainConfig)
-    if problems:
-        raise ConfigError("\n".join(problems))
+    batch fields, so that one section can be checked on its own (``{"section": {...}}``).
+    Accepted keys the user may expect to act (config_accepted.py) are named in a warning."""
+    found = _Pass1()
+    data = _normalise(raw, ZeroTrainConfig, found)
+    if found.problems:
+        raise ConfigError("\n".join(found.problems))
     try:
-        return ZeroTrainConfig.model_validate(raw)
+        config = ZeroTrainConfig.model_validate(data)
     except ValidationError as exc:
         raise _config_error(exc) from None
+    for note in found.notes:
+        warnings.warn(f"zerotrain config: {note}", stacklevel=3)
+    return config
 
 
 # --- the generated reference (docs/config.md) --------------------------------------------
@@ -1001,9 +1199,13 @@ def config_reference_markdown() -> str:
         "Generated from `zerotrain/config.py` by `python -m zerotrain.config > docs/config.md`;"
         " do not edit by hand.",
         "",
-        "zerotrain reads DeepSpeed's `ds_config.json` keys. Unknown keys are errors (with a "
-        "did-you-mean), and so are DeepSpeed options zerotrain does not implement yet (listed"
-        ' per section) and `"auto"` placeholders. Load a config with '
+        "zerotrain reads DeepSpeed's `ds_config.json` keys. Each section lists its fields, "
+        "then the DeepSpeed keys it accepts without a field: keys that change nothing in "
+        "zerotrain (any value, and the table says why) and keys accepted while they ask for "
+        "nothing (a feature switched off); any other value of those is refused, naming the "
+        "behaviour it asks for. Unknown keys are errors with a did-you-mean, as are "
+        '`"auto"` placeholders (HuggingFace\'s Trainer fills them before DeepSpeed sees them). '
+        "Keys starting with `_` are comments. Load a config with "
         "`zerotrain.config.load_config(config, world_size=...)`; a `.json`, `.yaml` or "
         "`.yml` path or a dict.",
     ]
@@ -1032,9 +1234,19 @@ def config_reference_markdown() -> str:
         renamed = ", ".join(f"`{old}` (read as `{new}`)" for old, new in section._RENAMED.items())
         if renamed:
             out += ["", f"Old DeepSpeed names accepted here: {renamed}."]
-        if section._NOT_IMPLEMENTED:
-            keys = ", ".join(f"`{key}`" for key in sorted(section._NOT_IMPLEMENTED))
-            out += ["", f"DeepSpeed keys rejected here until zerotrain implements them: {keys}."]
+        if section._ACCEPTED:
+            out += [
+                "",
+                "DeepSpeed keys of this section accepted without a field of their own:",
+                "",
+                "| Key | Accepted values | Why |",
+                "| --- | --- | --- |",
+            ]
+            out += [
+                f"| `{path}{key}` | {_cell(accepted.idle_values) if accepted.idle else 'any'} "
+                f"| {_cell(accepted.why)} |"
+                for key, accepted in sorted(section._ACCEPTED.items())
+            ]
     for path, section in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):
         out += ["", f"## `{path}.params`", "", f"Allowed keys for each `{path}.type`."]
         for type_name, spec in section._PARAMS.items():

@@ -81,3 +81,22 @@ class ResumableDataLoader(DataLoader):
         self.sampler.start = min(int(state["start"]), self.sampler.num_samples_total)
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
+
+
+class RepeatingLoader:
+    """Iterates ``loader`` forever, starting it again whenever it is exhausted (DeepSpeed's
+    ``deepspeed.utils.RepeatingLoader``)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -6,8 +6,10 @@ import contextlib
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from zerotrain.backward import MicroStepBackward
@@ -15,20 +17,24 @@ from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
 from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, local_rank
-from zerotrain.config import ZeroTrainConfig
+from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
+from zerotrain.engine_queries import DeepSpeedQueries
 from zerotrain.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
 from zerotrain.metrics import StepMetrics
 from zerotrain.monitor import MonitorMaster
 from zerotrain.zero import ZeroOptimizer
 
 
-class ZeroTrainEngine(nn.Module):
+class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     """Wraps a model for ZeRO data-parallel training; DeepSpeed's engine method names.
 
-    ``engine(*args)`` runs the model, ``engine.backward(loss)`` accumulates (and, per the ZeRO
-    stage, reduces) gradients, ``engine.step()`` updates at each accumulation boundary.
-    Built by :func:`zerotrain.initialize`. Every `steps_per_print` steps rank 0 prints a
-    throughput line, and the enabled monitors get every step's scalars (docs/monitoring.md).
+    ``engine(*args)`` runs the model, ``engine.backward(loss)`` (or ``loss.backward()``)
+    accumulates (and, per the ZeRO stage, reduces) gradients, ``engine.step()`` updates at each
+    accumulation boundary. Built by :func:`zerotrain.initialize`. Every `steps_per_print` steps
+    rank 0 prints a throughput line, and the enabled monitors get every step's scalars
+    (docs/monitoring.md). ``engine.config`` is the config as given (a dict, as DeepSpeed keeps
+    it); ``engine.zerotrain_config`` the validated one. Attributes the engine does not have are
+    looked up on the wrapped model, as in DeepSpeed (``engine.generate(...)``).
     """
 
     def __init__(
@@ -40,12 +46,17 @@ class ZeroTrainEngine(nn.Module):
         comm: Communicator,
         device: torch.device,
         training_dataloader=None,
+        *,
+        raw_config: dict[str, Any] | None = None,
+        client_optimizer_name: str | None = None,
     ):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.config = config
+        self.config = raw_config if raw_config is not None else config.model_dump()
+        self.zerotrain_config = config
+        self._client_optimizer_name = client_optimizer_name
         self.comm = comm
         self.device = device
         self.training_dataloader = training_dataloader
@@ -53,6 +64,7 @@ class ZeroTrainEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._step_applied = False
+        self._compiled = False
         self.metrics = StepMetrics(
             comm,
             device,
@@ -73,11 +85,22 @@ class ZeroTrainEngine(nn.Module):
         self._backward = MicroStepBackward(
             optimizer,
             [slot.param for bucket in optimizer.buckets for slot in bucket.slots],
-            loss_scale=lambda: self.loss_scale,
             accumulation_steps=self.gradient_accumulation_steps,
+            loss_scaled=lambda: optimizer.loss_scaler.dynamic or optimizer.loss_scale != 1.0,
             at_boundary=self.is_gradient_accumulation_boundary,
             on_finish=lambda seconds: self.metrics.add_time("backward", seconds),
         )
+
+    def __getattr__(self, name: str):
+        """Parameters, buffers and submodules as ``nn.Module`` finds them, then the wrapped
+        model's attributes (DeepSpeed's engine does the same)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None or not hasattr(module, name):
+                raise
+            return getattr(module, name)
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -92,31 +115,14 @@ class ZeroTrainEngine(nn.Module):
     def local_rank(self) -> int:
         return local_rank()
 
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.optimizer.policy.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
     # -- training ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: not part of a training step's metrics
+            if self.fp16_auto_cast():
+                args, kwargs = pytree.tree_map(_to_half, (args, kwargs))
             return self.module(*args, **kwargs)
+        if self.fp16_auto_cast():
+            args, kwargs = pytree.tree_map(_to_half, (args, kwargs))
         start = time.perf_counter()
         self.metrics.start_micro_step(start)
         with self._instrumented_forward():
@@ -127,14 +133,18 @@ class ZeroTrainEngine(nn.Module):
 
     def _reports(self, step: int) -> bool:
         """Whether optimizer step ``step`` (from 1) prints or is monitored."""
-        return self.monitor.enabled or step % self.config.steps_per_print == 0
+        return self.monitor.enabled or self._prints(step)
+
+    def _prints(self, step: int) -> bool:
+        every = self.zerotrain_config.steps_per_print
+        return every is not None and step % every == 0
 
     def _instrumented_forward(self):
         """The flops profiler at its step, the FLOP count for the throughput once (see
         [Note: model FLOPs] in metrics.py), or nothing: both on the first micro-step only."""
         if self.micro_steps % self.gradient_accumulation_steps() != 0:
             return contextlib.nullcontext()
-        profile_step = self.config.flops_profiler.profile_step
+        profile_step = self.zerotrain_config.flops_profiler.profile_step
         if self.flops_profiler and not self._profiled and self.global_steps == profile_step:
             return self._profiled_forward()
         if self.metrics.wants_flops() and self._reports(self.global_steps + 1):
@@ -187,21 +197,72 @@ class ZeroTrainEngine(nn.Module):
         finally:
             self._backward.reduce = previous
 
+    def compile(
+        self,
+        backend: str = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule=None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the wrapped model in place (``module.compile``), as DeepSpeed does
+        without DeepCompile; a second call does nothing. Stages 0-2 only: stage 3 gathers
+        parameters in module hooks, which zerotrain does not yet run under torch.compile."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise ValueError(
+                "engine.compile(schedule=..., compiled_autograd_enabled=...): these configure "
+                "DeepSpeed's DeepCompile, which zerotrain does not have; leave them out"
+            )
+        if self.zero_optimization_partition_weights():
+            raise NotImplementedError(
+                "engine.compile() at ZeRO stage 3 is not supported yet; use stages 0-2, or "
+                "leave the model uncompiled at stage 3"
+            )
+        if not self._compiled:
+            self.module.compile(backend=backend, **(compile_kwargs or {}))
+            self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
+
+    def offload_states(
+        self,
+        include=None,
+        device: OffloadDeviceEnum | str = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move the optimizer states, master weights and gradient buffers to CPU memory until
+        :meth:`reload_states` (DeepSpeed's name). On a CPU device they are there already, so
+        it checks its arguments and does nothing; on CUDA it is not implemented yet."""
+        states = [OffloadStateTypeEnum(item) for item in include] if include is not None else []
+        del states, pin_memory, non_blocking  # validated above
+        device = OffloadDeviceEnum(device)
+        if device is OffloadDeviceEnum.nvme:
+            raise ValueError("offload_states: NVMe is not supported; use device='cpu'")
+        if device is OffloadDeviceEnum.none or self.device.type == "cpu":
+            return
+        raise NotImplementedError(
+            f"engine.offload_states on {self.device.type}: zerotrain does not move states off "
+            "the GPU yet"
+        )
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Undo :meth:`offload_states` (a no-op on a CPU device, where nothing moved)."""
+        del non_blocking
+        if self.device.type != "cpu":
+            raise NotImplementedError(
+                f"engine.reload_states on {self.device.type}: zerotrain does not move states off "
+                "the GPU yet"
+            )
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale)
         and reduce gradients as the ZeRO stage requires. Returns ``loss``.
 
         ``loss.backward()`` on a loss computed from ``engine(...)``'s outputs does the same
         (see [Note: loss.backward() without engine.backward] in backward.py)."""
-        if not torch.is_tensor(loss) or loss.dim() != 0:
-            raise ValueError(
-                "engine.backward expects a scalar loss tensor; reduce it first (e.g. loss.mean())"
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                "engine.backward got a loss that does not require grad: was it computed under "
-                "torch.no_grad() or with engine.eval()-only code?"
-            )
+        _check_loss(loss, "engine.backward")
         self.metrics.observe_loss(loss)
         scale = self.optimizer.loss_scale
         if scale_wrt_gas:
@@ -209,6 +270,17 @@ class ZeroTrainEngine(nn.Module):
         with self._backward.managed():
             (loss.float() * scale).backward(retain_graph=retain_graph)
         return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale and divided by the accumulation steps, for
+        ``engine.scale(loss).backward()`` (DeepSpeed's name): what a PyTorch-style backward
+        needs under fp16, and the same factor ``engine.backward`` puts on the loss, so both
+        train the same model bit for bit. (DeepSpeed's ``scale`` leaves the division to hooks
+        on the outputs; the product is the same.)"""
+        _check_loss(loss, "engine.scale")
+        self.metrics.observe_loss(loss)
+        self._backward.user_scaled = True
+        return loss.float() * (self.loss_scale / self.gradient_accumulation_steps())
 
     def step(self) -> None:
         """Update the model at an accumulation boundary; otherwise only count the micro-step."""
@@ -239,7 +311,7 @@ class ZeroTrainEngine(nn.Module):
 
     def _end_of_step(self, lr: list[float]) -> None:
         """Report the step that just ended: the throughput line, the monitors, the profile."""
-        printing = self.global_steps % self.config.steps_per_print == 0
+        printing = self._prints(self.global_steps)
         record = self.metrics.finish_step(
             step=self.global_steps,
             lr=lr,
@@ -250,10 +322,10 @@ class ZeroTrainEngine(nn.Module):
         )
         if record is not None:
             self.monitor.write(
-                record.step, record.scalars(with_times=self.config.wall_clock_breakdown)
+                record.step, record.scalars(with_times=self.zerotrain_config.wall_clock_breakdown)
             )
         if printing:
-            line = self.metrics.throughput_line(record, self.config.wall_clock_breakdown)
+            line = self.metrics.throughput_line(record, self.zerotrain_config.wall_clock_breakdown)
             self.monitor.flush()
             if self.global_rank == 0:
                 print(line, flush=True)
@@ -266,7 +338,7 @@ class ZeroTrainEngine(nn.Module):
             self.metrics.exclude(time.perf_counter() - start)
 
     def _print_profile(self) -> None:
-        profiler, section = self.flops_profiler, self.config.flops_profiler
+        profiler, section = self.flops_profiler, self.zerotrain_config.flops_profiler
         dtype = self.optimizer.precision.param_dtype
         if section.peak_tflops is not None:
             peak, source = section.peak_tflops, "given: flops_profiler.peak_tflops"
@@ -340,12 +412,58 @@ class ZeroTrainEngine(nn.Module):
             out[key] = tensor.to(dtype).clone() if tensor.is_floating_point() else tensor.clone()
         return out
 
+    def module_state_dict(
+        self,
+        destination=None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """The wrapped model's own ``state_dict`` (DeepSpeed's name): at stage 3 the parameters
+        not gathered now are empty placeholders; :meth:`consolidated_state_dict` has the values."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters(prefix=prefix.rstrip(".")):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """The full state dict in the training dtype, on the CPU of rank 0; None on the other
+        ranks (DeepSpeed's name and contract; collective). Only at stage 3, as in DeepSpeed
+        (``ValueError`` otherwise); it does not need `stage3_gather_16bit_weights_on_model_save`
+        (only :meth:`save_16bit_model` does)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this function requires ZeRO-3 mode")
+        state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
+        if self.global_rank != 0:
+            return None
+        frozen = set()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        return {key: value.cpu() for key, value in state.items() if key not in frozen}
+
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's name for :meth:`_zero3_consolidated_16bit_state_dict` where the weights
+        are partitioned (stage 3); ``ValueError`` otherwise, as in DeepSpeed."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError(
+                "consolidated_16bit_state_dict is only applicable to cases where weights are "
+                "partitioned (ZeRO stage 3)"
+            )
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def save_checkpoint(
         self,
         save_dir: str | Path,
         tag: str | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> Path:
         """Save the whole training state under ``save_dir/tag`` (collective: every rank calls
         it, and writes its own shard in parallel).
@@ -357,9 +475,13 @@ class ZeroTrainEngine(nn.Module):
         checkpoint becomes visible, and ``save_dir/latest`` names it, only once every rank's
         files are on disk and rank 0 committed the manifest; with ``checkpoint.keep_last``
         older checkpoints are deleted after that. Raises ``CheckpointError`` if any rank
-        failed to write (nothing is committed then).
+        failed to write (nothing is committed then). ``exclude_frozen_parameters`` leaves the
+        frozen parameters out (a LoRA checkpoint then holds only what trains); loading such a
+        checkpoint keeps the model's own frozen values.
         """
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,
@@ -369,6 +491,7 @@ class ZeroTrainEngine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn=None,
     ) -> tuple[str | None, dict | None]:
         """Load a checkpoint saved at any world size and ZeRO stage (collective).
 
@@ -379,7 +502,15 @@ class ZeroTrainEngine(nn.Module):
         the file and the problem, and leaves the engine as it was. ``load_module_only`` loads
         the weights alone; the other flags leave out the optimizer states or the scheduler.
         RNG states are restored on the ranks that existed when the checkpoint was saved.
+        ``custom_load_fn`` (DeepSpeed's hook to load module weights yourself) is not supported:
+        pass None.
         """
+        if custom_load_fn is not None:
+            raise ValueError(
+                "load_checkpoint(custom_load_fn=...): zerotrain loads the weights itself, "
+                "resharded to this engine's layout; pass None, then change the model with "
+                "zerotrain.zero.GatheredParameters(..., modifier_rank=0) if needed"
+            )
         options = LoadOptions(
             module_strict=load_module_strict,
             optimizer_states=load_optimizer_states,
@@ -418,7 +549,7 @@ class ZeroTrainEngine(nn.Module):
         weights are gathered); without it nothing is written and False is returned, as in
         DeepSpeed. For resumable training state use :meth:`save_checkpoint`.
         """
-        gather = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        gather = self.zero_gather_16bit_weights_on_model_save()
         if self.optimizer.policy.shard_parameters and not gather:
             if self.global_rank == 0:
                 warnings.warn(
@@ -435,3 +566,22 @@ class ZeroTrainEngine(nn.Module):
             write_state_dict(Path(save_dir) / save_filename, state)
         self.comm.barrier()
         return True
+
+
+def _check_loss(loss: torch.Tensor, caller: str) -> None:
+    if not torch.is_tensor(loss) or loss.dim() != 0:
+        raise ValueError(
+            f"{caller} expects a scalar loss tensor; reduce it first (e.g. loss.mean())"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{caller} got a loss that does not require grad: was it computed under "
+            "torch.no_grad() or with engine.eval()-only code?"
+        )
+
+
+def _to_half(value):
+    """fp16.auto_cast: floating-point tensors to float16; everything else unchanged."""
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.half()
+    return value

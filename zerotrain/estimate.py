@@ -73,10 +73,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from torch import nn
 
-from zerotrain.precision import PrecisionPolicy
+from zerotrain.precision import DTYPES, PrecisionPolicy
 from zerotrain.zero.partition import ZeroPolicy
 from zerotrain.zero.units import assign_units, find_unit_modules
 
@@ -102,7 +101,7 @@ __all__ = [
 
 GiB = 2**30
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = DTYPES  # the training dtypes by config name
 """The ``--dtype`` names and the training dtype each stands for."""
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd-momentum": 4, "sgd": 0}

@@ -26,14 +26,13 @@ next to real matmuls) is not.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from zerotrain.accelerator import current_rss, peak_rss
 from zerotrain.comm import Communicator
 from zerotrain.flops_profiler import FlopCounter, warm_up
 
@@ -54,30 +53,13 @@ class MemoryUse:
     peak_bytes: int | None
 
 
-def _current_rss() -> int | None:
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _peak_rss() -> int | None:
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
-
-
 def memory_use(device: torch.device) -> MemoryUse:
     """This rank's memory on ``device`` (see :class:`MemoryUse`); reads counters, no sync."""
     if device.type == "cuda":
         return MemoryUse(
             "cuda", torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
         )
-    return MemoryUse("rss", _current_rss(), _peak_rss())
+    return MemoryUse("rss", current_rss(), peak_rss())
 
 
 def sequence_length(args: tuple, kwargs: dict) -> int | None:

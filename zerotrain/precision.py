@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The training dtypes by their config names (`communication_data_type`, the estimator)."""
+
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
@@ -23,9 +26,7 @@ class PrecisionPolicy:
 
     @property
     def name(self) -> str:
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-            self.param_dtype
-        ]
+        return next(name for name, dtype in DTYPES.items() if dtype == self.param_dtype)
 
 
 class LossScaler:

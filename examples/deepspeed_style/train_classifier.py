@@ -1,12 +1,14 @@
-"""DeepSpeed's CIFAR-10 tutorial, run by zerotrain: only the import differs.
+"""A CIFAR-style classifier trained the way DeepSpeed's CIFAR-10 tutorial trains one.
 
     zerotrain run --nproc-per-node 2 examples/deepspeed_style/train_classifier.py \\
         --deepspeed --deepspeed_config examples/deepspeed_style/ds_config.json
 
-The training loop is written as in https://www.deepspeed.ai/tutorials/cifar-10/. Instead of
-downloading CIFAR-10 the images are synthetic, and learnable: each image is a random 3x4x4
-pattern upscaled to 32x32 plus pixel noise, and its label is the argmax of a fixed random linear
-map of the pattern (a linear "teacher").
+Written for zerotrain in the shape of https://www.deepspeed.ai/tutorials/cifar-10/ (the same
+network, training loop and DeepSpeed calls), not the tutorial's own code: instead of
+downloading CIFAR-10 the images are synthetic and learnable, each a random 3x4x4 pattern
+upscaled to 32x32 plus pixel noise, labelled by a fixed random linear map of the pattern (a
+linear "teacher"). For a script whose only change from DeepSpeed is its import lines, see
+tests/scripts/deepspeed_style_train.py and docs/migrating-from-deepspeed.md.
 """
 
 import argparse

@@ -6,7 +6,12 @@ consolidate|inspect`` works on checkpoints from the command line. The layout is 
 [Note: checkpoint layout] (manifest.py) and docs/checkpoints.md.
 """
 
-from zerotrain.checkpoint.export import consolidate, inspect_checkpoints, load_consolidated
+from zerotrain.checkpoint.export import (
+    consolidate,
+    inspect_checkpoints,
+    load_consolidated,
+    read_state_dict,
+)
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
 
 __all__ = [
@@ -16,6 +21,7 @@ __all__ = [
     "consolidate",
     "inspect_checkpoints",
     "load_consolidated",
+    "read_state_dict",
     "resolve",
     "scan",
 ]

@@ -44,7 +44,7 @@ from zerotrain.checkpoint.manifest import (
     status_of,
 )
 
-__all__ = ["consolidate", "inspect_checkpoints", "load_consolidated"]
+__all__ = ["consolidate", "inspect_checkpoints", "load_consolidated", "read_state_dict"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -211,6 +211,7 @@ def consolidate(
     dtype: torch.dtype = torch.float32,
     max_shard_size: int = 5 * 2**30,
     progress: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> list[Path]:
     """Write a checkpoint's full model state dict as HuggingFace-style safetensors.
 
@@ -221,7 +222,8 @@ def consolidate(
     in ``max_shard_size`` bytes, else ``model-0000i-of-0000N.safetensors`` shards and
     ``model.safetensors.index.json``. Files are checked against the manifest first (raises
     ``CheckpointError`` naming the damaged file); see [Note: consolidating one parameter at a
-    time]. Returns the files written, the index last.
+    time]. ``exclude_frozen_parameters`` leaves the frozen parameters out. Returns the files
+    written, the index last.
     """
     if max_shard_size <= 0:
         raise ValueError(
@@ -233,7 +235,7 @@ def consolidate(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    entries = [_entry(source, key, dtype) for key in source.specs]
+    entries = [_entry(source, key, dtype) for key in _keys(source, exclude_frozen_parameters)]
     shards: list[list[TensorEntry]] = [[]]
     shard_bytes = 0
     for entry in entries:  # greedy in key order, as HuggingFace splits
@@ -273,6 +275,32 @@ def consolidate(
             tmp.unlink(missing_ok=True)
         source.close()
     return [out_dir / name for name in names]
+
+
+def _keys(source: _CheckpointSource, exclude_frozen_parameters: bool) -> list[str]:
+    frozen = set(source.manifest.data.get("frozen_keys", ())) if exclude_frozen_parameters else ()
+    return [key for key in source.specs if key not in frozen]
+
+
+def read_state_dict(
+    ckpt_dir: str | Path,
+    *,
+    tag: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    exclude_frozen_parameters: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's full model state dict in memory, on the CPU (trained parameters from
+    their fp32 masters; floating-point entries cast to ``dtype``). For models that fit in
+    memory; :func:`consolidate` streams to files instead."""
+    source = _CheckpointSource(_manifest_of(Path(ckpt_dir), tag))
+    try:
+        out = {}
+        for key in _keys(source, exclude_frozen_parameters):
+            tensor = source.tensor(key)
+            out[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return out
+    finally:
+        source.close()
 
 
 def _entry(source: _CheckpointSource, key: str, dtype: torch.dtype) -> TensorEntry:

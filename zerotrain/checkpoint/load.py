@@ -114,7 +114,9 @@ def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) ->
         return problems
 
     saved_untrained = set(manifest["module_keys"]) - set(manifest["trained_keys"])
-    ours = set(untrained_state(engine))
+    # frozen parameters left out by exclude_frozen_parameters keep the model's own values
+    excluded = set(manifest.data.get("frozen_keys", ())) - set(manifest["module_keys"])
+    ours = set(untrained_state(engine)) - excluded
     if options.module_strict and saved_untrained != ours:
         problems.append(
             f"{where}: frozen parameters and buffers differ: missing from the checkpoint "

@@ -7,7 +7,8 @@
   fp32 master value and per-element optimizer state (``{param name}/master``,
   ``{param name}/exp_avg``, ...), each a 1-D run of the flattened parameter;
 - ``rank00000.pt`` (one per rank): that rank's RNG states;
-- ``module.safetensors``: frozen parameters and buffers (state-dict keys);
+- ``module.safetensors``: frozen parameters (unless saved with ``exclude_frozen_parameters``;
+  the manifest's ``frozen_keys`` lists them either way) and buffers (state-dict keys);
 - ``engine.pt``: counters, loss scaler, LR scheduler, data position, optimizer hyperparameters;
 - ``client_state.pt``: the user's ``client_state`` (the only pickled file);
 - ``manifest.json``: what the save wrote, written last and committed by rename. It lists every

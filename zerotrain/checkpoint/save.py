@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from zerotrain.checkpoint.files import (
     FileRecord,
@@ -56,6 +57,7 @@ def save_checkpoint(
     tag: str | None = None,
     client_state: dict | None = None,
     save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> Path:
     """Save ``engine``'s full training state under ``save_dir/tag`` (collective); returns the
     checkpoint directory. See :meth:`ZeroTrainEngine.save_checkpoint`."""
@@ -74,7 +76,9 @@ def save_checkpoint(
     error, written = None, {}
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        written = _write_rank_files(engine, directory, save_id, client_state)
+        written = _write_rank_files(
+            engine, directory, save_id, client_state, exclude_frozen_parameters
+        )
     except Exception as exc:  # every rank must reach the exchange below, or the others hang
         error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
     reports = comm.all_gather_object((error, written))
@@ -105,7 +109,7 @@ def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     # gather before validating: a rank raising alone would leave the others in the collective
     tags = engine.comm.all_gather_object(tag)
-    mode = engine.config.checkpoint.tag_validation
+    mode = engine.zerotrain_config.checkpoint.tag_validation
     if len(set(tags)) > 1 and mode != "Ignore":
         message = (
             f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; every rank must "
@@ -126,7 +130,11 @@ def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
 
 # -- what each rank writes -----------------------------------------------------------------------
 def _write_rank_files(
-    engine: ZeroTrainEngine, directory: Path, save_id: str, client_state: dict | None
+    engine: ZeroTrainEngine,
+    directory: Path,
+    save_id: str,
+    client_state: dict | None,
+    exclude_frozen: bool,
 ) -> dict:
     """Write this rank's files; returns ``{"files": {name: record}, "roles": ..., "segments":
     [(param name, start, end)]}`` for the manifest."""
@@ -158,13 +166,14 @@ def _write_rank_files(
     put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, capture_rng_state()))
     if rank == 0:
-        module_entries = [tensor_entry(key, t) for key, t in untrained_state(engine).items()]
+        untrained = untrained_state(engine, exclude_frozen)
+        module_entries = [tensor_entry(key, t) for key, t in untrained.items()]
         put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
         put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine, element_keys)))
         if client_state is not None:
             put("client_state", "client_state.pt", lambda p: write_torch(p, client_state))
     segments = [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
-    return {"files": files, "roles": roles, "segments": segments}
+    return {"files": files, "roles": roles, "segments": segments, "exclude_frozen": exclude_frozen}
 
 
 def per_element_state_keys(optimizer: torch.optim.Optimizer, masters) -> list[str]:
@@ -184,13 +193,27 @@ def trainable_names(engine: ZeroTrainEngine) -> dict[int, str]:
     return {id(s.param): s.name for b in engine.optimizer.buckets for s in b.slots}
 
 
-def untrained_state(engine: ZeroTrainEngine) -> dict[str, torch.Tensor]:
-    """State-dict entries that are not trained parameters: frozen parameters and buffers."""
+def frozen_keys(engine: ZeroTrainEngine) -> set[str]:
+    """State-dict keys of the model's frozen parameters."""
     trained = trainable_names(engine)
+    return {
+        key
+        for key, value in engine.module.state_dict(keep_vars=True).items()
+        if isinstance(value, nn.Parameter) and id(value) not in trained
+    }
+
+
+def untrained_state(
+    engine: ZeroTrainEngine, exclude_frozen: bool = False
+) -> dict[str, torch.Tensor]:
+    """State-dict entries that are not trained parameters: frozen parameters (unless
+    ``exclude_frozen``) and buffers."""
+    trained = trainable_names(engine)
+    leave_out = frozen_keys(engine) if exclude_frozen else set()
     return {
         key: value.detach()
         for key, value in engine.module.state_dict(keep_vars=True).items()
-        if id(value) not in trained
+        if id(value) not in trained and key not in leave_out
     }
 
 
@@ -227,7 +250,13 @@ def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict]
     slots = sorted((s for b in zero.buckets for s in b.slots), key=lambda s: s.index)
     group_of = {id(s.param): b.group_index for b in zero.buckets for s in b.slots}
     trained = trainable_names(engine)
-    module_keys = list(engine.module.state_dict(keep_vars=True).items())
+    frozen = frozen_keys(engine)
+    excluded = frozen if written[0]["exclude_frozen"] else set()  # left out on request
+    module_keys = [
+        (key, value)
+        for key, value in engine.module.state_dict(keep_vars=True).items()
+        if key not in excluded
+    ]
     masters = zero.store.master_shards()
     manifest = {
         "format": FORMAT,
@@ -253,6 +282,7 @@ def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict]
             for s in slots
         ],
         "module_keys": [key for key, _ in module_keys],
+        "frozen_keys": sorted(frozen),  # frozen parameters, saved in "module_keys" or not
         "trained_keys": {key: trained[id(v)] for key, v in module_keys if id(v) in trained},
         "roles": {
             "shard": [w["roles"]["shard"] for w in written],
@@ -273,7 +303,7 @@ def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict]
         commit_text(directory.parent / LATEST, tag)
     try:  # housekeeping: the checkpoint is committed whatever happens here
         _remove_stale_files(directory, set(manifest["files"]))
-        _apply_retention(directory, engine.config.checkpoint.keep_last)
+        _apply_retention(directory, engine.zerotrain_config.checkpoint.keep_last)
     except OSError as exc:
         warnings.warn(
             f"save_checkpoint: {directory} saved, but cleaning up failed: {exc}", stacklevel=4

@@ -142,22 +142,37 @@ class Communicator:
                 "check the other ranks' logs."
             ) from err
 
-    def _issue(self, name: str, nbytes: int, launch: Callable[[bool], object], async_op: bool):
+    def issue(
+        self,
+        name: str,
+        nbytes: int,
+        launch: Callable[[bool], object],
+        async_op: bool,
+        sent: int | None = None,
+    ) -> PendingOp | None:
+        """Run ``launch(async_op)``, a ``torch.distributed`` call on this group, as the
+        collective ``name`` of ``nbytes`` payload (``sent``: bytes this rank transmits, by
+        default the ring's count): counted, logged, and a failure or timeout raised as a
+        :class:`CollectiveError`. With ``async_op`` returns its :class:`PendingOp`."""
         message = self._message(name, nbytes)
         start = time.perf_counter()
         work = self._complete(name, nbytes, lambda: launch(async_op))
-        self._record(name, nbytes, time.perf_counter() - start, message=message, done=not async_op)
+        self._record(
+            name, nbytes, time.perf_counter() - start, sent=sent, message=message, done=not async_op
+        )
         if async_op:
             return PendingOp(self, name, nbytes, work, message)
-        return None
+        return work  # what a synchronous call returns (recv: the sender's rank)
 
-    def new_group(self) -> Communicator:
-        """A communicator over a new process group of the same ranks (collective: every rank
-        calls it in the same order). Collectives on different groups are ordered independently.
-        """
+    def new_group(self, ranks: list[int] | None = None) -> Communicator:
+        """A communicator over a new process group of ``ranks`` (default-group ranks; None:
+        the same ranks as this group), with this group's timeout. Collective: every rank of
+        the default group calls it, in the same order. Collectives on different groups are
+        ordered independently."""
         if not self.distributed:
             return Communicator(device=self.device, stats=self.stats, log=self.log)
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        if ranks is None and self.group is not None:
+            ranks = dist.get_process_group_ranks(self.group)
         group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
         return Communicator(group, device=self.device, stats=self.stats, log=self.log)
 
@@ -168,12 +183,12 @@ class Communicator:
             self.log.lines.clear()
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
-        """Reduce ``tensor`` in place across ranks (``op``: sum or max)."""
+    def all_reduce(self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", async_op=False):
+        """Reduce ``tensor`` in place across ranks (``op``: sum or max, or a ``ReduceOp``)."""
         if self.world_size == 1:
             return PendingOp(self, "all_reduce", 0, None) if async_op else None
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return self._issue(
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}.get(op, op)
+        return self.issue(
             "all_reduce",
             tensor.numel() * tensor.element_size(),
             lambda a: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=a),
@@ -187,7 +202,7 @@ class Communicator:
             return PendingOp(self, "reduce_scatter", 0, None) if async_op else None
         if self._pairwise:
             return self._issue_pairwise(pairwise.reduce_scatter, output, input, async_op)
-        return self._issue(
+        return self.issue(
             "reduce_scatter",
             input.numel() * input.element_size(),
             lambda a: _reduce_scatter_single(output, input, group=self.group, async_op=a),
@@ -203,7 +218,7 @@ class Communicator:
             return PendingOp(self, "all_gather", 0, None) if async_op else None
         if self._pairwise:
             return self._issue_pairwise(pairwise.all_gather, output, input, async_op)
-        return self._issue(
+        return self.issue(
             "all_gather",
             output.numel() * output.element_size(),
             lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
@@ -228,22 +243,23 @@ class Communicator:
                 timeout=timeout if isinstance(timeout, timedelta) else None,
             )
 
-        op = self._issue(name, nbytes, launch, async_op=True)
+        op = self.issue(name, nbytes, launch, async_op=True)
         pairwise.complete_if_dropped(op, op._work)
         if not async_op:
             op.wait()
             return None
         return op
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Copy ``tensor`` from rank ``src`` (a rank of the default group) to every rank of
+        this group, in place."""
         if self.world_size == 1:
-            return
-        self._issue(
+            return PendingOp(self, "broadcast", 0, None) if async_op else None
+        return self.issue(
             "broadcast",
             tensor.numel() * tensor.element_size(),
             lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a),
-            False,
+            async_op,
         )
 
     def barrier(self) -> None:

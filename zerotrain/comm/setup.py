@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zerotrain.accelerator import get_accelerator
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """DeepSpeed's default. Every collective zerotrain issues fails after this long, naming itself."""
@@ -54,25 +59,39 @@ def is_initialized() -> bool:
 
 def init_distributed(
     dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
     timeout: timedelta = DEFAULT_TIMEOUT,
     init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
     rank: int = -1,
     world_size: int = -1,
-    auto_mpi_discovery: bool = True,
-    verbose: bool = False,
 ) -> None:
-    """Create the default process group (DeepSpeed's argument names); a second call does nothing.
+    """Create the default process group (DeepSpeed's signature); a second call does nothing.
 
-    The backend is NCCL when CUDA is available and gloo otherwise. Rank and world size come from
-    the arguments, else from the launcher's environment (torchrun, SLURM, MPI), else a single
-    process on this machine. ``timeout`` bounds every collective: a rank that dies or stalls
-    makes the others raise an error naming the operation instead of hanging.
-    ``auto_mpi_discovery`` is accepted for DeepSpeed compatibility: MPI variables are always read.
+    The backend is the accelerator's (NCCL on CUDA, gloo on the CPU) unless ``dist_backend``
+    names one. Rank and world size come from the arguments, else from the launcher's
+    environment (torchrun, SLURM, MPI), else a single process on this machine; under SLURM or
+    MPI with ``MASTER_ADDR`` set and no ``MASTER_PORT``, ``distributed_port`` is the port.
+    ``timeout`` bounds every collective: a rank that dies or stalls makes the others raise an
+    error naming the operation instead of hanging. ``dist_init_required=False`` only checks
+    that a group exists. ``auto_mpi_discovery`` is accepted: MPI variables are always read.
+    ``config`` is accepted for DeepSpeed's signature: zerotrain applies a config's
+    `comms_logger` section per engine, in ``initialize``. ``verbose``: rank 0 prints a line.
     """
-    del auto_mpi_discovery  # MPI environments are always recognised (see _LAUNCHER_ENV)
+    del auto_mpi_discovery, config  # see the docstring
+    if dist_init_required is False:
+        if not is_initialized():
+            raise RuntimeError(
+                "init_distributed(dist_init_required=False): no process group is initialized; "
+                "call it with dist_init_required left out, or initialize torch.distributed first"
+            )
+        return
     if is_initialized():
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist_backend or get_accelerator().communication_backend_name()
     found = _launcher_ranks()
     local_rank = 0
     if rank < 0 or world_size < 0:
@@ -81,6 +100,8 @@ def init_distributed(
         else:
             rank, world_size = 0, 1
     if init_method is None:
+        if "MASTER_ADDR" in os.environ:  # torchrun sets both; SLURM/MPI users often one
+            os.environ.setdefault("MASTER_PORT", str(distributed_port))
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
@@ -99,8 +120,19 @@ def init_distributed(
         backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
     _timeout = timeout
+    atexit.register(_tear_down_at_exit)
     if verbose and rank == 0:
         print(f"zerotrain: initialized {backend} with {world_size} ranks (timeout {timeout})")
+
+
+def _tear_down_at_exit() -> None:
+    """Scripts rarely destroy their process group. Gloo's worker threads then live until the
+    interpreter's final garbage collection frees the group (engines keep it in reference
+    cycles), and a thread releasing a finished collective's tensors at that moment aborts the
+    process ("terminate called without an active exception"). Destroy the group and collect
+    the cycles while the interpreter is whole: the group's destructor joins its threads."""
+    destroy_distributed()
+    gc.collect()
 
 
 def destroy_distributed() -> None:

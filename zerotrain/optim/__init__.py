@@ -1,8 +1,9 @@
 """Optimizers and LR schedulers built from DeepSpeed ``optimizer`` / ``scheduler`` config sections.
 
 Adam, AdamW and SGD are torch's own optimizers (fused kernels where the tensors allow: torch's
-fused Adam runs on CPU at the speed of DeepSpeed's C++ CPU-Adam); Lamb is :class:`Lamb`, which
-also computes per-parameter trust ratios on ZeRO shards. The schedulers are DeepSpeed's, as
+fused Adam runs on CPU at the speed of DeepSpeed's C++ CPU-Adam), except Adam without bias
+correction, which is :class:`FusedAdam` (DeepSpeed's, also ``zerotrain.ops.adam``); Lamb is
+:class:`Lamb`, which also computes per-parameter trust ratios on ZeRO shards. The schedulers are DeepSpeed's, as
 ``torch.optim.lr_scheduler.LRScheduler`` subclasses.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zerotrain.optim.adam import DeepSpeedCPUAdam, FusedAdam
 from zerotrain.optim.lamb import Lamb
 from zerotrain.optim.schedulers import (
     OneCycle,
@@ -24,7 +26,10 @@ from zerotrain.optim.schedulers import (
 )
 
 __all__ = [
+    "DeepSpeedCPUAdam",
+    "FusedAdam",
     "Lamb",
+    "NoOptimizer",
     "OneCycle",
     "WarmupCosineLR",
     "WarmupDecayLR",
@@ -154,17 +159,19 @@ def _build_adam(
     torch_adam = bool(options.pop("torch_adam", False))
     # torch's optimizers always return None gradients after zero_grad(); nothing to choose.
     options.pop("set_grad_none", None)
-    if not options.pop("bias_correction", True):
-        raise ValueError(
-            "optimizer.params.bias_correction: false is not supported; torch's Adam always "
-            "bias-corrects the moments"
-        )
+    bias_correction = options.pop("bias_correction", True)
     fused, foreach = _kernel_choice(options, tensors, default_auto=not torch_adam)
     options.setdefault("lr", 1e-3)
     options.setdefault("betas", (0.9, 0.999))
     options.setdefault("eps", 1e-8)
     if not torch_adam:
         options.setdefault("weight_decay", 0.0)  # FusedAdam's default; torch AdamW's is 0.01
+    if not bias_correction:  # torch has no kernel for it: DeepSpeed's FusedAdam update
+        if options.pop("amsgrad", False):
+            raise ValueError(
+                "optimizer.params.amsgrad: not supported together with bias_correction false"
+            )
+        return FusedAdam(param_groups, **options, bias_correction=False, adam_w_mode=decoupled)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     return cls(param_groups, **options, fused=fused, foreach=foreach)
 
@@ -202,3 +209,18 @@ def _fused_capable(tensor: Tensor) -> bool:
 def _group_tensors(group: Mapping[str, Any]) -> list[Tensor]:
     params = group["params"]
     return [params] if isinstance(params, Tensor) else list(params)
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """Stands in when ``initialize`` is given no optimizer (no `optimizer` section and no
+    ``optimizer=``): an engine for evaluation, as DeepSpeed allows. Stepping raises."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        raise RuntimeError(
+            "this engine was initialized without an optimizer (no `optimizer` config section "
+            "and no initialize(optimizer=...)): it runs forward passes only; give it an "
+            "optimizer to train"
+        )

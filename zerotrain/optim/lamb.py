@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Lamb"]
+__all__ = ["FusedLamb", "Lamb"]
 
 # Keys of a param group that describe how the group's tensors map onto model parameters. They
 # are a property of the current sharding, not training state: state_dict() leaves them out and
@@ -390,3 +390,41 @@ def _check_layout(group: dict[str, Any], index: int) -> None:
                 f"got [{int(ids.min())}, {int(ids.max())}]"
             )
     group["segment_ids"] = segment_ids
+
+
+class FusedLamb(Lamb):
+    """DeepSpeed's ``deepspeed.ops.lamb.FusedLamb`` signature over :class:`Lamb`.
+    ``max_grad_norm`` must stay 0: clip with the engine's ``gradient_clipping`` instead (in
+    DeepSpeed it needs gradient norms its engine no longer passes)."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+    ) -> None:
+        if max_grad_norm:
+            raise ValueError(
+                "FusedLamb(max_grad_norm=...): not supported; clip with the config's "
+                "`gradient_clipping`"
+            )
+        super().__init__(
+            params,
+            lr,
+            bias_correction,
+            betas,
+            eps,
+            eps_inside_sqrt,
+            weight_decay,
+            max_coeff,
+            min_coeff,
+            amsgrad,
+        )

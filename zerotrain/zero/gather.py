@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
+from zerotrain.zero.init import ZeroParamStatus, mark_partitioned
 from zerotrain.zero.partition import FlatBucket, point_params_at
 
 
@@ -48,6 +49,13 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # all-gather issued (prefetch), not yet waited on
     GATHERED = "gathered"
+
+
+_DS_STATUS = {
+    UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    UnitState.GATHERING: ZeroParamStatus.INFLIGHT,
+    UnitState.GATHERED: ZeroParamStatus.AVAILABLE,
+}
 
 
 @dataclass
@@ -66,6 +74,14 @@ class GatherUnit:
     @property
     def numel(self) -> int:
         return sum(b.numel_padded for b in self.buckets)
+
+    def set_status(self, state: UnitState) -> None:
+        """The unit's state, mirrored on its parameters' DeepSpeed ``ds_status``."""
+        self.state = state
+        status = _DS_STATUS[state]
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.ds_status = status
 
 
 class ParameterGatherer:
@@ -97,10 +113,15 @@ class ParameterGatherer:
         self._cursor = {"forward": 0, "backward": 0}
         for unit in units:
             unit.buckets_left = len(unit.buckets)
+            for bucket in unit.buckets:
+                for slot in bucket.slots:
+                    mark_partitioned(
+                        slot.param, slot.shape, comm.world_size, _DS_STATUS[unit.state]
+                    )
             if unit.persistent:  # its full buffer exists already, and its shard views it
                 for bucket in unit.buckets:
                     point_params_at(bucket)
-                unit.state = UnitState.GATHERED
+                unit.set_status(UnitState.GATHERED)
                 self.live_numel += unit.numel
             else:
                 self._point_at_placeholders(unit)
@@ -125,7 +146,7 @@ class ParameterGatherer:
             unit.pending.append(
                 self.comm.all_gather(bucket.flat_param, bucket.param_shard, async_op=True)
             )
-        unit.state = UnitState.GATHERING
+        unit.set_status(UnitState.GATHERING)
         self.gathers += 1
         self.live_numel += unit.numel
         self.max_live_numel_seen = max(self.max_live_numel_seen, self.live_numel)
@@ -138,7 +159,7 @@ class ParameterGatherer:
         unit.pending.clear()
         for bucket in unit.buckets:
             point_params_at(bucket)
-        unit.state = UnitState.GATHERED
+        unit.set_status(UnitState.GATHERED)
 
     def _gather_now(self, unit: GatherUnit) -> None:
         self._issue(unit)
@@ -154,7 +175,7 @@ class ParameterGatherer:
         self._point_at_placeholders(unit)
         for bucket in unit.buckets:
             bucket.flat_param = None
-        unit.state = UnitState.SHARDED
+        unit.set_status(UnitState.SHARDED)
         self.live_numel -= unit.numel
 
     def _point_at_placeholders(self, unit: GatherUnit) -> None:

@@ -16,7 +16,10 @@ time; stages 0-2 gather them whole. :class:`GatheredParameters` gives temporary 
 
 from __future__ import annotations
 
+import enum
 import functools
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +28,76 @@ from zerotrain.comm import Communicator
 
 _FULL_SHAPE = "_zerotrain_full_shape"  # set on a parameter while it is an Init chunk
 _OWNER = "_zerotrain_owner"  # the ZeroOptimizer that manages a parameter after initialize
+_EXTERNAL = "_zerotrain_external_params"  # on a module: parameters its forward reads
+
+
+class ZeroParamStatus(enum.Enum):
+    """Whether a partitioned parameter holds its full value now (DeepSpeed's enum: code asks
+    ``p.ds_status == ZeroParamStatus.NOT_AVAILABLE`` before gathering)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class _PartitionNumel:
+    """``param.partition_numel()``: a picklable callable (``torch.save(model)`` pickles the
+    attributes of parameters)."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+
+    def __call__(self) -> int:
+        return self.numel
+
+
+_next_ds_id = 0
+
+
+def mark_partitioned(
+    param: nn.Parameter, shape: torch.Size, world_size: int, status: ZeroParamStatus
+) -> None:
+    """Give a partitioned parameter of logical ``shape`` DeepSpeed's ZeRO-3 attributes, which
+    libraries read (``hasattr(p, "ds_id")`` to tell ZeRO-3, ``ds_numel`` to count parameters):
+    ``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_status``, ``partition_numel()``."""
+    global _next_ds_id
+    numel = shape.numel()
+    if not hasattr(param, "ds_id"):
+        param.ds_id = _next_ds_id
+        _next_ds_id += 1
+    param.ds_shape = shape
+    param.ds_numel = numel
+    param.ds_status = status
+    param.partition_numel = _PartitionNumel(-(-numel // world_size))
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward reads ``parameter``, which another module owns
+    (DeepSpeed's name). At stage 3 such a parameter is gathered for the whole forward and
+    backward (it joins the root unit; see [Note: choosing gather units]), so call this before
+    ``zerotrain.initialize``, e.g. in the model's ``__init__`` as HuggingFace models do."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError(
+            f"register_external_parameter: expected an nn.Parameter, got {type(parameter).__name__}"
+        )
+    owner = owner_of(parameter)
+    if owner is not None and not owner.holds_whole_during_step(parameter):
+        raise RuntimeError(
+            "register_external_parameter: this parameter is already partitioned into a stage-3 "
+            "gather unit by zerotrain.initialize; register it before initialize (in the model's "
+            "__init__), so that it is gathered for every module that reads it"
+        )
+    module.__dict__.setdefault(_EXTERNAL, {})[id(parameter)] = parameter
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter` (before ``initialize``)."""
+    module.__dict__.get(_EXTERNAL, {}).pop(id(parameter), None)
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered as read by ``module``'s forward."""
+    return list(module.__dict__.get(_EXTERNAL, {}).values())
 
 
 def is_init_partitioned(param: torch.Tensor) -> bool:
@@ -51,6 +124,7 @@ def partition_param(
     mine[: piece.numel()] = piece
     param.data = mine.to(dtype) if dtype is not None else mine
     setattr(param, _FULL_SHAPE, full_shape(param) if is_init_partitioned(param) else full.shape)
+    mark_partitioned(param, full_shape(param), comm.world_size, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def gather_param(param: nn.Parameter, comm: Communicator) -> torch.Tensor:
@@ -95,34 +169,70 @@ def _module_classes() -> list[type[nn.Module]]:
 class Init:
     """Context manager: modules built inside it have their parameters partitioned at once.
 
-    DeepSpeed's ``deepspeed.zero.Init`` keywords are accepted: ``config``/``config_dict_or_path``
-    (validated; the layout needs nothing from it), ``enabled``, ``dtype`` (the chunks' dtype;
-    default: unchanged), ``module`` (partition an existing module's parameters now). Parameters
-    stay partitioned after the context; train with ``zerotrain.initialize`` at stage 3, or read
-    them with :class:`GatheredParameters`.
+    DeepSpeed's signature. ``config_dict_or_path`` (or its old name ``config``): a config dict
+    or path, of which only the precision is read (bf16 or fp16 enabled: the chunks take that
+    dtype, as in DeepSpeed), so a config HuggingFace has not filled yet (``"auto"`` values) is
+    fine. ``dtype`` overrides it; without either the dtype is unchanged. ``enabled=False`` is a
+    no-op; ``module`` partitions an existing module's parameters now. ``remote_device`` "cpu"
+    asks for the chunks in CPU memory, where they are on a CPU-only run; from a GPU it is
+    refused until zerotrain offloads. ``mem_efficient_linear``, ``pin_memory`` and
+    ``tensor_overrides`` tune DeepSpeed's kernels and copies and have no effect here. The
+    process-group arguments must be None (the default group) and ``zero_quantized_*`` False.
+    Parameters stay partitioned after the context; train with ``zerotrain.initialize`` at
+    stage 3, or read them with :class:`GatheredParameters`.
     """
 
     def __init__(
         self,
         module: nn.Module | None = None,
         data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
         config_dict_or_path=None,
         config=None,
         enabled: bool = True,
         dtype: torch.dtype | None = None,
+        mpu=None,
+        zero_param_parallel_group=None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group=None,
+        param_swapper=None,
+        tensor_overrides=None,
     ):
-        if data_parallel_group is not None:
+        del mem_efficient_linear, pin_memory, tensor_overrides  # see the docstring
+        groups = {
+            "data_parallel_group": data_parallel_group,
+            "mpu": mpu,
+            "zero_param_parallel_group": zero_param_parallel_group,
+            "sequence_data_parallel_group": sequence_data_parallel_group,
+            "param_swapper": param_swapper,
+        }
+        for name, value in groups.items():
+            if value is not None:
+                raise ValueError(
+                    f"zerotrain.zero.Init({name}=...): only the default process group and no "
+                    "parameter swapping are supported; pass None"
+                )
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise ValueError(
-                "zerotrain.zero.Init(data_parallel_group=...): only the default group is "
-                "supported; pass None"
+                "zerotrain.zero.Init: ZeRO++ quantized weights are not implemented yet; pass "
+                "zero_quantized_weights=False"
+            )
+        if remote_device not in (None, "none", "cpu"):
+            raise ValueError(
+                f"zerotrain.zero.Init(remote_device={remote_device!r}): NVMe offload is not "
+                'implemented yet; pass None or "cpu"'
+            )
+        if remote_device == "cpu" and torch.cuda.is_available():
+            raise ValueError(
+                'zerotrain.zero.Init(remote_device="cpu"): zerotrain does not offload from a '
+                "GPU yet; pass None"
             )
         self.enabled = enabled
-        self.dtype = dtype
         config = config if config is not None else config_dict_or_path
-        if config is not None:
-            from zerotrain.config import load_config
-
-            load_config(config, world_size=Communicator().world_size)  # errors name the key
+        self.dtype = dtype if dtype is not None else _precision_dtype(config)
         self._comm: Communicator | None = None
         self._depth: dict[int, int] = {}
         self._patched: list[tuple[type, object]] = []
@@ -192,3 +302,28 @@ class Init:
             else:
                 cls.__init__ = original
         self._patched.clear()
+
+
+def _precision_dtype(config) -> torch.dtype | None:
+    """The training dtype a DeepSpeed config asks for (None: neither bf16 nor fp16), read from
+    the two keys alone; "auto" (HuggingFace fills it later) counts as not enabled."""
+    if config is None:
+        return None
+    from zerotrain.config import ConfigError, read_config_file
+
+    raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"zero.Init(config_dict_or_path=...): expected a config dict or path, got "
+            f"{type(raw).__name__}"
+        )
+
+    def enabled(*names: str) -> bool:
+        sections = [raw.get(name) for name in names]
+        return any(isinstance(s, dict) and s.get("enabled") is True for s in sections)
+
+    if enabled("bf16", "bfloat16"):
+        return torch.bfloat16
+    if enabled("fp16"):
+        return torch.float16
+    return None

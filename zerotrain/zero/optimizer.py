@@ -12,6 +12,7 @@ from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
 from zerotrain.estimate import OPTIMIZER_STATE_BYTES, model_state_bytes
+from zerotrain.optim import NoOptimizer
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
 from zerotrain.zero.init import gather_param, is_init_partitioned, take_ownership
@@ -90,6 +91,7 @@ class ZeroOptimizer:
         bucket_numel: int = 500_000_000,
         stage3: Stage3Options | None = None,
         overlap_param_gather: bool = False,
+        comm_dtype: torch.dtype | None = None,
     ):
         self.policy = policy
         self.precision = precision
@@ -98,6 +100,7 @@ class ZeroOptimizer:
         self.gradient_clipping = gradient_clipping
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.overflow = False  # the last step was skipped for a non-finite gradient
         index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
         if policy.shard_parameters:
             stage3 = stage3 or Stage3Options()
@@ -170,11 +173,14 @@ class ZeroOptimizer:
             masters.append(
                 master_fp32.clone() if precision.has_master_copy else self._param_part(bucket)
             )
-            grad_kwargs = {"dtype": dtype, "device": bucket.device}
-            if policy.shard_gradients:
-                bucket.grad_shard = torch.zeros(bucket.shard_numel, **grad_kwargs)
+            if policy.shard_gradients:  # in the dtype the reduction produces
+                bucket.grad_shard = torch.zeros(
+                    bucket.shard_numel, dtype=comm_dtype or dtype, device=bucket.device
+                )
             else:
-                bucket.flat_grad = torch.zeros(bucket.numel_padded, **grad_kwargs)
+                bucket.flat_grad = torch.zeros(
+                    bucket.numel_padded, dtype=dtype, device=bucket.device
+                )
                 point_grads_at(bucket)  # after the params: a grad must match their dtype
 
         self.gatherer: ParameterGatherer | None = None
@@ -197,7 +203,9 @@ class ZeroOptimizer:
             make_optimizer(inner_groups, segments),
             masters_alias_params=not precision.has_master_copy,
         )
-        self.reducer = GradientReducer(self.buckets, reduce_comm, policy, gatherer=self.gatherer)
+        self.reducer = GradientReducer(
+            self.buckets, reduce_comm, policy, gatherer=self.gatherer, comm_dtype=comm_dtype
+        )
         # stages 1-2 with overlap_param_gather: bucket index -> its all-gather in flight
         self._param_gathers: dict[int, PendingOp] = {}
         self.overlap_param_gather = overlap_param_gather and self.gatherer is None
@@ -246,6 +254,17 @@ class ZeroOptimizer:
         if self.policy.shard_optimizer_states:
             self.comm.all_reduce(tensor)
 
+    def holds_whole_during_step(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is whole throughout forward and backward: always below stage 3;
+        at stage 3 when it is in the root unit or a persistent one."""
+        if self.gatherer is None:
+            return True
+        for bucket in self.buckets:
+            if any(slot.param is param for slot in bucket.slots):
+                unit = self.gatherer.unit_of(bucket)
+                return unit.is_root or unit.persistent
+        return True  # not trained by this engine (frozen): replicated
+
     # -- the user-visible optimizer surface -------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -255,6 +274,57 @@ class ZeroOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The torch optimizer's state, keyed by this rank's master tensors."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    def _layout(self) -> dict:
+        return {
+            "world_size": self.comm.world_size,
+            "stage": self.policy.stage,
+            "master_numels": [m.numel() for m in self.store.master_shards()],
+        }
+
+    def state_dict(self) -> dict:
+        """This rank's part of the optimizer (as DeepSpeed's ZeRO optimizers return theirs): the
+        torch optimizer's state, the fp32 masters, the loss scaler. It loads back into an
+        optimizer of the same layout; ``engine.save_checkpoint`` saves state that loads at any
+        world size and stage."""
+        return {
+            "layout": self._layout(),
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() for m in self.store.master_shards()],
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """Restore :meth:`state_dict`'s output (collective: the parameters are refreshed)."""
+        saved, ours = state_dict["layout"], self._layout()
+        if saved != ours:
+            raise ValueError(
+                f"optimizer.load_state_dict: saved with world size {saved['world_size']} and "
+                f"stage {saved['stage']} ({len(saved['master_numels'])} master tensors), this "
+                f"optimizer has world size {ours['world_size']} and stage {ours['stage']} "
+                f"({len(ours['master_numels'])}); move state between layouts with "
+                "engine.save_checkpoint / load_checkpoint"
+            )
+        with torch.no_grad():
+            for master, value in zip(
+                self.store.master_shards(), state_dict["masters"], strict=True
+            ):
+                master.copy_(value)
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = state_dict["skipped_steps"]
+        self.publish_params()
 
     @property
     def loss_scale(self) -> float:
@@ -268,6 +338,8 @@ class ZeroOptimizer:
     def backward_prologue(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
         """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary);
         ``grad_factor`` multiplies the gradients it produces."""
+        if isinstance(self.optimizer, NoOptimizer):
+            self.optimizer.step()  # raises: nothing to train, say so before any gradient
         self.wait_param_gathers()  # whatever the forward did not need: finish it now
         self.reducer.begin_backward(at_boundary, grad_factor)
 
@@ -284,7 +356,7 @@ class ZeroOptimizer:
             self.comm.all_reduce(sum_sq)
         inv_scale = 1.0 / self.loss_scaler.scale
         norm = math.sqrt(sum_sq.item()) * inv_scale
-        overflow = not math.isfinite(norm)
+        overflow = self.overflow = not math.isfinite(norm)
         self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -409,6 +481,31 @@ class ZeroOptimizer:
             for slot in bucket.slots:
                 out[id(slot.param)] = bucket.view(full, slot)
         return out
+
+    def full_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None:
+        """One parameter's full fp32 value of ``kind`` (collective where it is partitioned:
+        every rank calls it for the same parameter): ``"master"`` (the fp32 master weight),
+        ``"grad"`` (the gradient reduced so far, unscaled: the average after the boundary's
+        backward), or an optimizer state key such as ``"exp_avg"`` (None before the optimizer
+        created it). None for a parameter this optimizer does not train."""
+        found = [(i, s) for i, b in enumerate(self.buckets) for s in b.slots if s.param is param]
+        if not found:
+            return None
+        index, slot = found[0]
+        bucket, master = self.buckets[index], self.store.master_shards()[index]
+        if kind == "master":
+            local = master
+        elif kind == "grad":
+            local = self.reducer.reduced_grads()[index].float() / self.loss_scaler.scale
+        else:
+            local = self.optimizer.state.get(master, {}).get(kind)
+            if local is None:
+                return None
+        full = local
+        if self.policy.shard_optimizer_states:
+            full = torch.empty(bucket.numel_padded, dtype=local.dtype, device=local.device)
+            self.comm.all_gather(full, local.contiguous())
+        return bucket.view(full, slot).float().clone()
 
     def memory_breakdown(self) -> dict[str, float]:
         """Bytes of model states this rank holds, measured from the allocated tensors.

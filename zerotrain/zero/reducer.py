@@ -39,10 +39,13 @@ class GradientReducer:
         comm: Communicator,
         policy: ZeroPolicy,
         gatherer: ParameterGatherer | None = None,
+        comm_dtype: torch.dtype | None = None,
     ):
         self.buckets = buckets
         self.comm = comm
         self.policy = policy
+        # communication_data_type: the dtype gradients are summed in (None: the training dtype)
+        self.comm_dtype = comm_dtype
         self.gatherer = gatherer  # stage 3: told when a bucket's gradients are all taken
         self._inv_world = 1.0 / comm.world_size
         self._arrived: list[set[int]] = [set() for _ in buckets]
@@ -79,7 +82,8 @@ class GradientReducer:
         buffer = self._comm_buffers[bucket_index]
         if buffer is None:
             bucket = self.buckets[bucket_index]
-            buffer = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=bucket.device)
+            dtype = self.comm_dtype or bucket.dtype
+            buffer = torch.empty(bucket.numel_padded, dtype=dtype, device=bucket.device)
             self._comm_buffers[bucket_index] = buffer
         return buffer
 
@@ -127,13 +131,16 @@ class GradientReducer:
             for slot in bucket.slots:  # parameters without a gradient this backward
                 if slot.index not in self._arrived[index]:
                     _repair_grad_view(bucket, slot)
-            bucket.flat_grad.mul_(self._inv_world)
+            wire = bucket.flat_grad
+            if self.comm_dtype not in (None, wire.dtype):
+                wire = wire.to(self.comm_dtype)  # summed in that dtype, stored back after
+            wire.mul_(self._inv_world)
             if self.policy.shard_optimizer_states:
-                shard = bucket.shard(bucket.flat_grad)  # in place: the input's own slice
-                op = self.comm.reduce_scatter(shard, bucket.flat_grad, async_op=True)
+                shard = bucket.shard(wire)  # in place: the input's own slice
+                op = self.comm.reduce_scatter(shard, wire, async_op=True)
             else:
-                op = self.comm.all_reduce(bucket.flat_grad, async_op=True)
-            self._pending.append(op.then(self._arrived[index].clear))
+                op = self.comm.all_reduce(wire, async_op=True)
+            self._pending.append(op.then(lambda: self._store_reduced(index, wire)))
             return
         buffer = self._comm_buffer(index)  # the gradients that arrived, already scaled
         for slot in bucket.slots:
@@ -147,6 +154,17 @@ class GradientReducer:
             reduced = torch.empty_like(bucket.grad_shard)
             op = self.comm.reduce_scatter(reduced, buffer, async_op=True)
             self._pending.append(op.then(lambda: self._free_buffer(index, add_into_shard=reduced)))
+
+    def _store_reduced(self, index: int, wire: torch.Tensor) -> None:
+        """Stages 0-1: the reduced bucket into ``flat_grad`` (a copy only when it travelled in
+        another dtype: this rank's shard at stage 1, all of it at stage 0)."""
+        bucket = self.buckets[index]
+        if wire is not bucket.flat_grad:
+            if self.policy.shard_optimizer_states:
+                bucket.shard(bucket.flat_grad).copy_(bucket.shard(wire))
+            else:
+                bucket.flat_grad.copy_(wire)
+        self._arrived[index].clear()
 
     def _free_buffer(self, index: int, add_into_shard: torch.Tensor | None = None) -> None:
         if add_into_shard is not None:

@@ -8,12 +8,16 @@ Everything else belongs
 to the *root* unit, gathered for the whole forward and backward of the step: embeddings, heads,
 final norms, and any parameter referenced from more than one unit (tied embedding and LM head,
 a parameter read with ``F.linear(x, self.emb.weight)`` in a parent's forward). That keeps code
-that reads parameters outside their own module's forward correct without registration.
+that reads parameters outside their own module's forward correct without registration; a
+parameter read by a block that does not own it must be registered
+(``zerotrain.zero.register_external_parameter``), and then joins the root unit too.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+from zerotrain.zero.init import external_parameters
 
 
 def find_unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -42,7 +46,8 @@ def find_unit_modules(model: nn.Module) -> list[nn.Module]:
 def assign_units(model: nn.Module, unit_modules: list[nn.Module]) -> dict[int, int]:
     """``id(param) -> unit index``; index ``len(unit_modules)`` is the root unit.
 
-    A parameter referenced from modules of more than one unit goes to the root unit.
+    A parameter referenced from modules of more than one unit (as their own, or registered
+    with ``register_external_parameter``) goes to the root unit.
     """
     root = len(unit_modules)
     unit_of_module: dict[int, int] = {}
@@ -52,6 +57,6 @@ def assign_units(model: nn.Module, unit_modules: list[nn.Module]) -> dict[int, i
     owners: dict[int, set[int]] = {}
     for module in model.modules():
         unit = unit_of_module.get(id(module), root)
-        for param in module.parameters(recurse=False):
+        for param in [*module.parameters(recurse=False), *external_parameters(module)]:
             owners.setdefault(id(param), set()).add(unit)
     return {pid: (next(iter(units)) if len(units) == 1 else root) for pid, units in owners.items()}

@@ -1,0 +1,453 @@
+"""The engine and optimizer members DeepSpeed scripts and frameworks call, DeepSpeed's
+checkpoint helpers on zerotrain checkpoints, and the config keys the engine now acts on."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import AwkwardModel, BlockModel, make_batches, micro_batch, relative_error
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import zerotrain
+from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+MICRO = 2
+
+
+def _config(stage: int, **extra) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**6,
+        **extra,
+    }
+
+
+def _steps(engine, steps: int = 2, accum: int = 1) -> None:
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    idx, tgt = make_batches(steps, MICRO * accum * comm.world_size)
+    for step in range(steps):
+        for micro in range(accum):
+            x = micro_batch(idx[step], micro, comm.rank, comm.world_size, MICRO)
+            y = micro_batch(tgt[step], micro, comm.rank, comm.world_size, MICRO)
+            engine.backward(engine(x, y))
+            engine.step()
+
+
+# -- checkpoints through DeepSpeed's helpers ---------------------------------------------------
+def save_for_helpers(save_dir: str):
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=AwkwardModel(), config=_config(2))
+    _steps(engine)
+    engine.save_checkpoint(save_dir)
+    lora_like = engine.save_checkpoint(save_dir, tag="trainable", exclude_frozen_parameters=True)
+    return engine.consolidated_state_dict(), str(lora_like)
+
+
+def test_zero_to_fp32_reads_zerotrain_checkpoints(tmp_path) -> None:
+    from zerotrain.utils import zero_to_fp32
+
+    save_dir = tmp_path / "ckpt"
+    (state, _), _ = run_distributed(save_for_helpers, 2, str(save_dir))
+    loaded = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="global_step2")
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    trainable = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+        save_dir, tag="global_step2", exclude_frozen_parameters=True
+    )
+    assert trainable.keys() == state.keys() - {"frozen.weight", "frozen.bias"}
+
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+        save_dir, tmp_path / "bin", max_shard_size=600, tag="global_step2"
+    )
+    index = json.loads((tmp_path / "bin" / "pytorch_model.bin.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"pytorch_model-00001-of-{len(shards):05d}.bin"
+    merged = {}
+    for name in shards:
+        merged.update(torch.load(tmp_path / "bin" / name, weights_only=True))
+    assert all(torch.equal(merged[k], v) for k, v in state.items())
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+        save_dir, tmp_path / "st", safe_serialization=True, tag="global_step2"
+    )
+    assert (tmp_path / "st" / "model.safetensors").exists()
+
+    model = zero_to_fp32.load_state_dict_from_zero_checkpoint(AwkwardModel(), save_dir, "trainable")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trainable.items())
+
+
+def resume_without_frozen(save_dir: str):
+    torch.manual_seed(1)  # other frozen values than the saving run's
+    model = AwkwardModel()
+    frozen_before = model.frozen.weight.detach().clone()
+    engine, *_ = zerotrain.initialize(model=model, config=_config(1))
+    path, _ = engine.load_checkpoint(save_dir, tag="trainable")  # strict by default
+    return path, engine.consolidated_state_dict(), frozen_before
+
+
+def test_checkpoint_without_frozen_parameters_loads_strictly(tmp_path) -> None:
+    save_dir = tmp_path / "ckpt"
+    (state, lora_like), _ = run_distributed(save_for_helpers, 2, str(save_dir))
+    manifest = json.loads((tmp_path / "ckpt" / "trainable" / "manifest.json").read_text())
+    assert manifest["frozen_keys"] == ["frozen.bias", "frozen.weight"]
+    assert "frozen.weight" not in manifest["module_keys"]
+    for path, loaded, frozen_before in run_distributed(resume_without_frozen, 2, str(save_dir)):
+        assert path.endswith("trainable")
+        assert torch.equal(loaded["frozen.weight"], frozen_before)  # the model's own
+        assert torch.equal(loaded["up.weight"], state["up.weight"])
+
+
+# -- engine members ------------------------------------------------------------------------------
+def engine_members():
+    from zerotrain.comm import Communicator
+    from zerotrain.zero import ZeroParamStatus
+
+    rank = Communicator().rank
+    out = {}
+    config = _config(
+        3,
+        bf16={"enabled": True},
+        zero_optimization={
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    )
+    torch.manual_seed(0)
+    engine, optimizer, _, _ = zerotrain.initialize(model=BlockModel(), config=config)
+    out["config_is_the_dict"] = engine.config is config
+    out["queries"] = (
+        engine.zero_optimization_stage(),
+        engine.zero_optimization_partition_weights(),
+        engine.zero_gather_16bit_weights_on_model_save(),
+        engine.optimizer_name(),
+        engine.communication_data_type,
+        engine.get_batch_info(),
+    )
+    out["isinstance"] = (
+        isinstance(engine, zerotrain.DeepSpeedEngine),
+        isinstance(optimizer, zerotrain.DeepSpeedOptimizer),
+    )
+    block = engine.module.blocks[0]
+    out["ds"] = (
+        block.up.weight.ds_numel,
+        tuple(block.up.weight.ds_shape),
+        block.up.weight.partition_numel(),
+        block.up.weight.ds_status,
+    )
+    _steps(engine)
+    with zerotrain.zero.GatheredParameters([block.up.weight]):
+        out["status_gathered"] = block.up.weight.ds_status
+    out["status_after"] = block.up.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    out["sixteen_bit"] = engine._zero3_consolidated_16bit_state_dict()
+    out["consolidated_bf16"] = engine.consolidated_state_dict(dtype=torch.bfloat16)
+    out["fp32_param"] = zerotrain.utils.safe_get_full_fp32_param(block.up.weight)
+    out["exp_avg"] = zerotrain.utils.safe_get_full_optimizer_state(block.up.weight, "exp_avg")
+    out["exp_avg_shard"] = optimizer.state[optimizer.store.master_shards()[0]]["exp_avg"].shape
+    out["passthrough"] = engine.blocks is engine.module.blocks
+    out["optimizer_members"] = (
+        optimizer.defaults["lr"],
+        optimizer.overflow,
+        len(optimizer.state) > 0,
+        type(optimizer.state_dict()).__name__,
+    )
+    out["rank"] = rank
+    return out
+
+
+def test_engine_and_optimizer_members_at_stage_3() -> None:
+    from zerotrain.zero import ZeroParamStatus
+
+    results = run_distributed(engine_members, 2)
+    for got in results:
+        assert got["config_is_the_dict"]
+        stage, weights, gather, name, comm_dtype, batch = got["queries"]
+        assert (stage, weights, gather, name) == (3, True, True, "AdamW")
+        assert comm_dtype == torch.bfloat16 and batch == (4, 2, 1)
+        assert got["isinstance"] == (True, True)
+        assert got["ds"] == (7 * 13, (13, 7), 46, ZeroParamStatus.NOT_AVAILABLE)
+        assert got["status_gathered"] is ZeroParamStatus.AVAILABLE and got["status_after"]
+        assert got["fp32_param"].shape == (13, 7) and got["exp_avg"].shape == (13, 7)
+        assert got["passthrough"]
+        assert got["optimizer_members"] == (1e-2, False, True, "dict")
+    rank0, rank1 = results
+    assert rank1["sixteen_bit"] is None
+    full = rank0["sixteen_bit"]
+    assert full.keys() == rank0["consolidated_bf16"].keys()
+    assert all(torch.equal(full[k], v) for k, v in rank0["consolidated_bf16"].items())
+    assert torch.equal(rank0["fp32_param"], rank1["fp32_param"])
+    assert torch.equal(rank0["fp32_param"].bfloat16(), full["blocks.0.up.weight"])
+
+
+def test_members_below_stage_3_and_state_dict_round_trip() -> None:
+    torch.manual_seed(0)
+    config = _config(1)
+    engine, optimizer, _, _ = zerotrain.initialize(model=AwkwardModel(), config=config)
+    with pytest.raises(ValueError, match="this function requires ZeRO-3 mode"):
+        engine._zero3_consolidated_16bit_state_dict()
+    with pytest.raises(ValueError, match="only applicable to cases where weights are partitioned"):
+        engine._consolidated_16bit_state_dict()
+    assert not hasattr(engine.module.up.weight, "ds_id")  # not a ZeRO-3 parameter
+    assert engine.module_state_dict(exclude_frozen_parameters=True).keys() == (
+        engine.module.state_dict().keys() - {"frozen.weight", "frozen.bias"}
+    )
+    _steps(engine)
+    saved = optimizer.state_dict()
+    before = engine.consolidated_state_dict()
+    _steps(engine)
+    optimizer.load_state_dict(saved)
+    after = engine.consolidated_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert optimizer.state_dict()["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
+    other = zerotrain.initialize(model=AwkwardModel(), config=_config(0))[1]
+    with pytest.raises(ValueError, match="stage"):
+        other.load_state_dict(saved)
+
+
+def test_offload_states_on_a_cpu_device_checks_and_moves_nothing() -> None:
+    engine, *_ = zerotrain.initialize(model=nn.Linear(3, 2), config=_config(2))
+    engine.offload_states(include=[OffloadStateTypeEnum.optim_states, "lp_grads"])
+    engine.offload_states(device=OffloadDeviceEnum.none)
+    engine.reload_states()
+    with pytest.raises(ValueError, match="is not a valid OffloadStateTypeEnum"):
+        engine.offload_states(include=["optimizer"])
+    with pytest.raises(ValueError, match="NVMe is not supported"):
+        engine.offload_states(device="nvme")
+
+
+def test_an_engine_without_optimizer_evaluates_and_refuses_to_train() -> None:
+    model = AwkwardModel()
+    engine, optimizer, _, _ = zerotrain.initialize(
+        model=model, model_parameters=[], config={"train_micro_batch_size_per_gpu": 2}
+    )
+    idx, tgt = make_batches(1, 2)
+    with torch.no_grad():
+        assert engine(idx[0], tgt[0]).item() > 0
+    loss = engine(idx[0], tgt[0])
+    with pytest.raises(RuntimeError, match="initialized without an optimizer"):
+        engine.backward(loss)
+    with pytest.raises(RuntimeError, match="initialized without an optimizer"):
+        engine(idx[0], tgt[0]).backward()
+    assert engine.optimizer_name() is None
+
+
+def test_config_optimizer_and_object_use_the_object() -> None:
+    model = nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    config = _config(0, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    with pytest.warns(UserWarning, match=r"`optimizer` section \(SGD\) is ignored"):
+        engine, optimizer, _, _ = zerotrain.initialize(model=model, optimizer=sgd, config=config)
+    assert engine.get_lr() == [0.5] and engine.optimizer_name() == "SGD"
+
+
+def test_set_gradient_accumulation_boundary_decides_until_reset() -> None:
+    engine, *_ = zerotrain.initialize(
+        model=AwkwardModel(), config=_config(2, gradient_accumulation_steps=4)
+    )
+    idx, tgt = make_batches(1, 2)
+    for boundary in (False, False, True):
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(engine(idx[0], tgt[0]))
+        engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (3, 1)
+    engine.backward(engine(idx[0], tgt[0]))  # still True: sticky, as in DeepSpeed
+    engine.step()
+    assert engine.global_steps == 2
+    engine.set_gradient_accumulation_boundary(None)  # back to counting
+    assert not engine.is_gradient_accumulation_boundary()
+
+
+def compiled_vs_eager(stage: int):
+    states = []
+    for compile_it in (False, True):
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=AwkwardModel(), config=_config(stage))
+        if compile_it:
+            engine.compile(backend="eager")
+            assert engine.is_compiled
+        _steps(engine, steps=3)
+        states.append(engine.consolidated_state_dict())
+    return states
+
+
+def test_compile_trains_the_same_model() -> None:
+    for eager, compiled in run_distributed(compiled_vs_eager, 2, 2):
+        for key, value in eager.items():
+            assert relative_error(compiled[key], value) < 1e-6, key
+    engine, *_ = zerotrain.initialize(model=BlockModel(), config=_config(3))
+    with pytest.raises(NotImplementedError, match="stage 3 is not supported yet"):
+        engine.compile()
+
+
+class External(nn.Module):
+    """Block 1 reads block 0's weight: the case DeepSpeed's register_external_parameter is
+    for."""
+
+    def __init__(self, register: bool = True):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)])
+        if register:
+            zerotrain.zero.register_external_parameter(self.blocks[1], self.blocks[0].weight)
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        return (self.blocks[1](h) + h @ self.blocks[0].weight).square().mean()
+
+
+def unregistered_external_parameter():
+    engine, *_ = zerotrain.initialize(model=External(register=False), config=_config(3))
+    try:
+        engine(torch.randn(MICRO, 5))
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def external_parameter():
+    from zerotrain.comm import Communicator
+
+    rank = Communicator().rank
+    torch.manual_seed(0)
+    adamw = {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}}
+    engine, *_ = zerotrain.initialize(model=External(), config=_config(3, optimizer=adamw))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batches = torch.randn(MICRO * 2, 5, generator=gen)
+        engine.backward(engine(batches[rank * MICRO : (rank + 1) * MICRO]))
+        engine.step()
+    return engine.consolidated_state_dict()
+
+
+def test_registered_external_parameters_are_gathered_for_the_reader() -> None:
+    torch.manual_seed(0)
+    plain = External()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batches = torch.randn(MICRO * 2, 5, generator=gen)  # both ranks' micro-batches
+        plain(batches[:MICRO]).add(plain(batches[MICRO:])).div(2).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    for state in run_distributed(external_parameter, 2):
+        for key, value in plain.state_dict().items():
+            assert relative_error(state[key], value) < 1e-5, key
+    # unregistered, block 0's weight is released after its forward: block 1 finds it empty
+    assert all(run_distributed(unregistered_external_parameter, 2))
+
+
+# -- config keys the engine acts on ------------------------------------------------------------
+class Recorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.dtypes = []
+
+    def forward(self, x, ids):
+        self.dtypes.append((x.dtype, ids.dtype))
+        return self.lin(x).float().mean()
+
+
+def test_fp16_auto_cast_casts_floating_inputs(capsys) -> None:
+    engine, *_ = zerotrain.initialize(
+        model=Recorder(),
+        config=_config(0, fp16={"enabled": True, "auto_cast": True}, dump_state=True),
+    )
+    assert '"auto_cast": true' in capsys.readouterr().out  # dump_state
+    engine.scale(engine(torch.randn(2, 3), torch.arange(2))).backward()
+    engine.step()
+    assert engine.module.dtypes == [(torch.float16, torch.int64)]
+
+
+def test_dataloader_drop_last() -> None:
+    data = TensorDataset(torch.arange(5.0))
+    for drop_last, sizes in ((False, [2, 2, 1]), (True, [2, 2])):
+        _, _, loader, _ = zerotrain.initialize(
+            model=nn.Linear(1, 1),
+            training_data=data,
+            config=_config(0, dataloader_drop_last=drop_last),
+        )
+        assert [len(batch[0]) for batch in loader] == sizes
+
+
+def offload_on_cpu_and_comm_dtype():
+    out = {}
+    for key, extra in {
+        "plain": {},
+        "offload": {"cpu_offload": True, "offload_param": {"device": "cpu"}},
+    }.items():
+        torch.manual_seed(0)
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **extra}
+        engine, *_ = zerotrain.initialize(
+            model=AwkwardModel(), config=_config(3, zero_optimization=zero)
+        )
+        _steps(engine)
+        out[key] = engine.consolidated_state_dict()
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}  # Adam's first steps hide small differences
+    for comm_dtype in (None, "fp32"):
+        for stage in (1, 2):
+            torch.manual_seed(0)
+            config = _config(
+                stage,
+                bf16={"enabled": True},
+                communication_data_type=comm_dtype,
+                gradient_accumulation_steps=2,
+                optimizer=sgd,
+            )
+            engine, *_ = zerotrain.initialize(model=AwkwardModel(), config=config)
+            _steps(engine, accum=2)
+            out[(comm_dtype, stage)] = engine.consolidated_state_dict()
+    return out
+
+
+def test_cpu_offload_on_a_cpu_device_and_fp32_gradient_communication() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # 3 ranks: a sum of two bf16 values is rounded once either way
+        results = run_distributed(offload_on_cpu_and_comm_dtype, 3)
+    for got in results:
+        # the states are in CPU memory already: the same training
+        assert all(torch.equal(got["offload"][k], v) for k, v in got["plain"].items())
+        for stage in (1, 2):
+            bf16_wire, fp32_wire = got[(None, stage)], got[("fp32", stage)]
+            assert any(not torch.equal(fp32_wire[k], v) for k, v in bf16_wire.items())
+            for key, value in bf16_wire.items():  # same training, summed more precisely
+                assert relative_error(fp32_wire[key], value) < 2e-2, (stage, key)
+    for other in results[1:]:
+        assert all(
+            torch.equal(other[("fp32", 2)][k], v) for k, v in results[0][("fp32", 2)].items()
+        )
+
+
+def test_cpu_offload_from_a_gpu_is_refused() -> None:
+    from zerotrain.api import _check_offload
+    from zerotrain.config import load_config
+
+    config = load_config(
+        _config(3, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}}),
+        world_size=1,
+    )
+    _check_offload(config, torch.device("cpu"))
+    with pytest.raises(zerotrain.ConfigError, match="does not offload from a GPU yet"):
+        _check_offload(config, torch.device("cuda", 0))
+
+
+def test_zero_init_reads_only_the_precision_of_an_unfilled_config() -> None:
+    hf_style = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+    }
+    with zerotrain.zero.Init(config_dict_or_path=hf_style, remote_device="cpu", pin_memory=True):
+        layer = nn.Linear(4, 6)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.ds_numel == 24
+    with pytest.raises(ValueError, match="NVMe offload is not implemented"):
+        zerotrain.zero.Init(remote_device="nvme")

@@ -1,0 +1,292 @@
+"""``get_accelerator()``: the device this process trains on, behind DeepSpeed's accelerator API.
+
+DeepSpeed scripts ask ``deepspeed.accelerator.get_accelerator()`` for device names, the
+communication backend, seeds, memory counters and pinned memory, so that one script runs on
+any device. zerotrain knows two: CUDA when it is available (one GPU per local rank), else the
+CPU. The method names, arguments and return values are DeepSpeed's; on the CPU the
+device-only operations (synchronize, streams, events, the cache) do nothing, and the memory
+counters report the process's resident set, as DeepSpeed's CPU accelerator does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+__all__ = ["Accelerator", "current_rss", "get_accelerator", "peak_rss", "set_accelerator"]
+
+
+def current_rss() -> int | None:
+    """This process's resident set size in bytes (None where the platform does not say)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss() -> int | None:
+    """The largest resident set size this process has had, in bytes (None: unknown)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class Accelerator:
+    """One device type, ``"cuda"`` or ``"cpu"``, with DeepSpeed's ``DeepSpeedAccelerator``
+    methods. Build it through :func:`get_accelerator`."""
+
+    def __init__(self, name: str):
+        if name not in ("cuda", "cpu"):
+            raise ValueError(f"Accelerator: zerotrain runs on 'cuda' or 'cpu', got {name!r}")
+        self._name = name
+        self._cuda = name == "cuda"
+        self._peak_rss = 0  # CPU: our own peak, so that it can be reset
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self._name!r})"
+
+    # -- devices -------------------------------------------------------------------------------
+    def device_name(self, device_index: int | None = None) -> str:
+        """``"cuda"`` or ``"cuda:<index>"``; ``"cpu"`` whatever the index."""
+        if self._cuda and device_index is not None:
+            return f"cuda:{device_index}"
+        return self._name
+
+    def current_device(self) -> int:
+        """The index of this process's device (on the CPU: the local rank, as in DeepSpeed)."""
+        return torch.cuda.current_device() if self._cuda else _local_rank()
+
+    def current_device_name(self) -> str:
+        """``"cuda:<current device>"``, or ``"cpu"``."""
+        return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
+
+    def device(self, device_index: int | None = None):
+        """CUDA: ``torch.cuda.device(index)``, a context that selects it; CPU: None."""
+        return torch.cuda.device(device_index) if self._cuda else None
+
+    def set_device(self, device_index: int) -> None:
+        """Make ``device_index`` this process's device (nothing to do on the CPU)."""
+        if self._cuda:
+            torch.cuda.set_device(device_index)
+
+    def device_count(self) -> int:
+        """GPUs on this node; on the CPU, the processes per node the launcher started (one
+        "device" per process), else 1."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available() if self._cuda else True
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        """Wait for the device's queued work (CPU work is synchronous: nothing to wait for)."""
+        if self._cuda:
+            torch.cuda.synchronize(device_index)
+
+    def communication_backend_name(self) -> str:
+        """The ``torch.distributed`` backend zerotrain uses on this device."""
+        return "nccl" if self._cuda else "gloo"
+
+    def is_synchronized_device(self) -> bool:
+        """True on the CPU: operations complete before they return."""
+        return not self._cuda
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
+
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this device type."""
+        return tensor.device.type == self._name
+
+    # -- random numbers ------------------------------------------------------------------------
+    def random(self):
+        return torch.random
+
+    def manual_seed(self, seed: int):
+        return torch.cuda.manual_seed(seed) if self._cuda else torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int):
+        return torch.cuda.manual_seed_all(seed) if self._cuda else torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed() if self._cuda else torch.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        if self._cuda:
+            return torch.cuda.get_rng_state("cuda" if device_index is None else device_index)
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        if self._cuda:
+            torch.cuda.set_rng_state(new_state, "cuda" if device_index is None else device_index)
+        else:
+            torch.set_rng_state(new_state)
+
+    def default_generator(self, device_index: int):
+        return (
+            torch.cuda.default_generators[device_index] if self._cuda else torch.default_generator
+        )
+
+    # -- streams and events (CUDA only; None or no-ops on the CPU, as in DeepSpeed) ------------
+    @property
+    def Stream(self):  # noqa: N802 (DeepSpeed's name)
+        return torch.cuda.Stream if self._cuda else None
+
+    @property
+    def Event(self):  # noqa: N802 (DeepSpeed's name)
+        return torch.cuda.Event if self._cuda else None
+
+    def stream(self, stream):
+        return torch.cuda.stream(stream) if self._cuda else contextlib.nullcontext()
+
+    def current_stream(self, device_index: int | None = None):
+        return torch.cuda.current_stream(device_index) if self._cuda else None
+
+    def default_stream(self, device_index: int | None = None):
+        return torch.cuda.default_stream(device_index) if self._cuda else None
+
+    def range_push(self, msg: str, domain=None, category=None) -> None:
+        if self._cuda:
+            torch.cuda.nvtx.range_push(msg)
+
+    def range_pop(self, domain=None) -> None:
+        if self._cuda:
+            torch.cuda.nvtx.range_pop()
+
+    def lazy_call(self, callback) -> None:
+        if self._cuda:
+            torch.cuda._lazy_call(callback)
+        else:
+            callback()
+
+    # -- memory --------------------------------------------------------------------------------
+    def _rss(self) -> int:
+        rss = current_rss() or 0
+        self._peak_rss = max(self._peak_rss, rss)
+        return rss
+
+    def empty_cache(self) -> None:
+        if self._cuda:
+            torch.cuda.empty_cache()
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        """CUDA: bytes held by tensors; CPU: the process's resident set."""
+        return torch.cuda.memory_allocated(device_index) if self._cuda else self._rss()
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        """The peak of :meth:`memory_allocated` since the last reset (CPU: as far as this
+        accelerator has seen it, at least the current resident set)."""
+        if self._cuda:
+            return torch.cuda.max_memory_allocated(device_index)
+        self._rss()
+        return self._peak_rss
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(device_index)
+        else:
+            self._peak_rss = 0
+            self._rss()
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+    reset_max_memory_cached = reset_peak_memory_stats
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_reserved(device_index) if self._cuda else self._rss()
+
+    memory_cached = memory_reserved
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        if self._cuda:
+            return torch.cuda.max_memory_reserved(device_index)
+        return self.max_memory_allocated()
+
+    max_memory_cached = max_memory_reserved
+
+    def memory_stats(self, device_index: int | None = None) -> dict:
+        if self._cuda:
+            return torch.cuda.memory_stats(device_index)
+        return {
+            "allocated_bytes.all.current": self._rss(),
+            "allocated_bytes.all.peak": self._peak_rss,
+        }
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """Bytes of device memory (CPU: of physical memory)."""
+        if self._cuda:
+            return torch.cuda.get_device_properties(device_index or 0).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        """Bytes free for new allocations (CPU: the kernel's MemAvailable)."""
+        if self._cuda:
+            free, _ = torch.cuda.mem_get_info(device_index)
+            return free
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return self.total_memory()
+
+    # -- data types ----------------------------------------------------------------------------
+    def is_bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported() if self._cuda else True
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def is_fp64_supported(self) -> bool:
+        return True
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        dtypes = [torch.float32, torch.float16]
+        return dtypes + [torch.bfloat16] if self.is_bf16_supported() else dtypes
+
+    # -- pinned host memory --------------------------------------------------------------------
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        """``tensor`` in page-locked host memory (CUDA: fast copies to the GPU); on a CPU-only
+        machine there is no device to copy to, and ``tensor`` is returned as it is."""
+        return tensor.pin_memory() if self._cuda else tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned() if self._cuda else False
+
+    # -- compile -------------------------------------------------------------------------------
+    def get_compile_backend(self) -> str:
+        return "inductor"
+
+
+_accelerator: Accelerator | None = None
+
+
+def get_accelerator() -> Accelerator:
+    """This process's accelerator: CUDA when available, else the CPU (the same choice
+    ``zerotrain.initialize`` makes for the training device)."""
+    global _accelerator
+    if _accelerator is None:
+        _accelerator = Accelerator("cuda" if torch.cuda.is_available() else "cpu")
+    return _accelerator
+
+
+def set_accelerator(accelerator: Accelerator) -> None:
+    """Use ``accelerator`` from now on (DeepSpeed's name; e.g. the CPU on a GPU machine)."""
+    global _accelerator
+    _accelerator = accelerator

@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.dataloader``."""
+
+from zerotrain.data import RepeatingLoader
+
+__all__ = ["RepeatingLoader"]

@@ -1,0 +1,20 @@
+"""``deepspeed.runtime.zero`` (also ``deepspeed.zero``)."""
+
+from zerotrain.runtime.zero import offload_config, partition_parameters
+from zerotrain.runtime.zero.partition_parameters import (
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "offload_config",
+    "partition_parameters",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
