@@ -47,6 +47,10 @@ DEEPSPEED_NAMES = [
     ("pipe", ["PipelineModule", "LayerSpec", "TiedLayerSpec"]),
     ("moe.layer", ["MoE"]),
     ("moe.utils", ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"]),
+    (
+        "runtime.data_pipeline.data_sampling.variable_batch_size_and_lr",
+        ["get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed"],
+    ),
 ]
 
 
@@ -76,6 +80,9 @@ def test_features_zerotrain_lacks_import_and_fail_when_used() -> None:
         MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2)
     with pytest.raises(NotImplementedError, match="range test"):
         zerotrain.runtime.lr_schedules.LRRangeTest(None)
+    sampling = zerotrain.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr
+    with pytest.raises(NotImplementedError, match="variable batch sizes"):
+        sampling.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset=None)
     dense = nn.Linear(3, 3)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": dense.parameters()})
     assert len(groups) == 1

@@ -451,3 +451,94 @@ def test_zero_init_reads_only_the_precision_of_an_unfilled_config() -> None:
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.ds_numel == 24
     with pytest.raises(ValueError, match="NVMe offload is not implemented"):
         zerotrain.zero.Init(remote_device="nvme")
+
+
+# -- two engines, one loss through both (DeepSpeed's GAN example) -------------------------------
+def _gan_models():
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 5))
+    discriminator = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+    return generator, discriminator
+
+
+def _gan_batches(world: int):
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (torch.randn(MICRO * world, 5, generator=gen), torch.randn(MICRO * world, 3, generator=gen))
+        for _ in range(3)
+    ]
+
+
+def _gan_step(net_g, net_d, backward_d, step_d, backward_g, step_g, real, noise) -> None:
+    """One iteration as DeepSpeed's GAN example writes it: the raw modules run forward, the
+    discriminator takes two backward passes before one step, and the generator's loss runs
+    through the discriminator, whose gradients the next iteration's zero_grad drops."""
+    criterion = nn.BCEWithLogitsLoss()
+    net_d.zero_grad()
+    backward_d(criterion(net_d(real), torch.ones(len(real), 1)))
+    fake = net_g(noise)
+    backward_d(criterion(net_d(fake.detach()), torch.zeros(len(real), 1)))
+    step_d()
+    net_g.zero_grad()
+    backward_g(criterion(net_d(fake), torch.ones(len(real), 1)))
+    step_g()
+
+
+def gan_engines(stage: int):
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    net_g, net_d = _gan_models()
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    config = _config(stage, optimizer=sgd, gradient_clipping=0)
+    engine_g, *_ = zerotrain.initialize(model=net_g, config=config)
+    engine_d, *_ = zerotrain.initialize(model=net_d, config=config)
+    rows = slice(comm.rank * MICRO, (comm.rank + 1) * MICRO)
+    for real, noise in _gan_batches(comm.world_size):
+        _gan_step(
+            net_g,
+            net_d,
+            engine_d.backward,
+            engine_d.step,
+            engine_g.backward,
+            engine_g.step,
+            real[rows],
+            noise[rows],
+        )
+    return engine_g.consolidated_state_dict(), engine_d.consolidated_state_dict()
+
+
+def test_two_engines_where_one_loss_runs_through_both() -> None:
+    net_g, net_d = _gan_models()
+    opt_g = torch.optim.SGD(net_g.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(net_d.parameters(), lr=0.1)
+
+    def halves(loss):  # the mean over both ranks' micro-batches
+        loss.backward()
+
+    for real, noise in _gan_batches(2):
+        _gan_step(net_g, net_d, halves, opt_d.step, halves, opt_g.step, real, noise)
+    for stage in (0, 1, 2, 3):
+        for state_g, state_d in run_distributed(gan_engines, 2, stage):
+            for got, want in ((state_g, net_g.state_dict()), (state_d, net_d.state_dict())):
+                for key, value in want.items():
+                    assert relative_error(got[key], value) < 1e-5, (stage, key)
+
+
+class _ModelParallelUnit:
+    """The part of Megatron's mpu that DeepSpeed's examples pass to initialize."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.size
+
+
+def test_an_mpu_of_model_parallel_size_one_trains_data_parallel() -> None:
+    engine, *_ = zerotrain.initialize(
+        model=nn.Linear(3, 2), mpu=_ModelParallelUnit(1), config=_config(0)
+    )
+    assert engine.data_parallel_group.rank() == 0 and engine.data_parallel_group.size() == 1
+    with pytest.raises(zerotrain.ConfigError, match=r"get_model_parallel_world_size\(\) = 2"):
+        zerotrain.initialize(model=nn.Linear(3, 2), mpu=_ModelParallelUnit(2), config=_config(0))

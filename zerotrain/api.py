@@ -69,15 +69,18 @@ def initialize(
     runs forward passes only. ``lr_scheduler`` may be a torch scheduler of that optimizer or a
     callable taking the optimizer. With ``training_data`` the returned dataloader shards it
     over ranks with a ``DistributedSampler``. ``distributed_port`` is the port of a process
-    group this call creates (see :func:`zerotrain.init_distributed`); ``mpu`` and
-    ``mesh_param`` (model parallelism) must be None.
+    group this call creates (see :func:`zerotrain.init_distributed`). ``mpu`` is accepted when
+    its model-parallel sizes are all 1; ``mesh_param`` must be None.
     """
     if model is None:
         raise ValueError("zerotrain.initialize: model is required")
-    if mpu is not None or mesh_param is not None:
+    if mesh_param is not None:
         raise ConfigError(
-            "initialize(mpu=..., mesh_param=...): model parallelism is not supported yet; pass None"
+            "initialize(mesh_param=...): a model-parallel device mesh is not supported yet; pass "
+            "None"
         )
+    if mpu is not None:
+        _check_mpu(mpu)
     if config is None:
         config = config_params
     config = _config_from_args(args, config)
@@ -184,6 +187,31 @@ def _training_device() -> torch.device:
     if accelerator.device_name() == "cuda":  # CUDA only: one GPU per local rank
         return torch.device("cuda", local_rank() % accelerator.device_count())
     return torch.device("cpu")
+
+
+_MPU_SIZES = (
+    "get_model_parallel_world_size",
+    "get_tensor_model_parallel_world_size",
+    "get_pipeline_model_parallel_world_size",
+)
+
+
+def _check_mpu(mpu) -> None:
+    """An mpu (Megatron's model-parallel unit) is accepted when every model-parallel size it
+    reports is 1: the data-parallel group is then the whole world, as zerotrain assumes."""
+    sizes = {name: getattr(mpu, name)() for name in _MPU_SIZES if hasattr(mpu, name)}
+    if not sizes:
+        raise ConfigError(
+            "initialize(mpu=...): the mpu has none of "
+            f"{', '.join(_MPU_SIZES)}; pass mpu=None (zerotrain is data-parallel)"
+        )
+    parallel = {name: size for name, size in sizes.items() if size != 1}
+    if parallel:
+        shown = ", ".join(f"{name}() = {size}" for name, size in parallel.items())
+        raise ConfigError(
+            f"initialize(mpu=...): tensor and pipeline model parallelism ({shown}) are not "
+            "supported yet; train with model-parallel size 1"
+        )
 
 
 def _raw_config(config, cfg: ZeroTrainConfig) -> dict:

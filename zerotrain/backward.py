@@ -28,10 +28,11 @@ steps) and no output hook can apply it exactly once for every shape of loss, so 
 bare ``loss.backward()`` is refused at its first output hook, before any gradient exists, naming
 ``engine.backward(loss)`` and ``engine.scale(loss).backward()`` (as in DeepSpeed; ``scale``
 applies both factors to the loss, and the backward it starts divides nothing). Inside
-``engine.backward`` the hooks do nothing. A gradient that reaches the parameters while no
-backward is open (the loss came from ``engine.module(...)`` alone) is refused by the reducer,
-and ``step()`` refuses to update after an accumulation whose boundary micro-step had no reduced
-backward.
+``engine.backward`` the hooks do nothing. A gradient that reaches the parameters while none of
+this engine's backwards is open is, during another engine's backward (a GAN's generator loss
+through the discriminator), left in ``.grad`` as torch leaves it; with no zerotrain backward
+running (the loss came from ``engine.module(...)`` alone) it is refused. ``step()`` refuses to
+update after an accumulation whose boundary micro-step had no reduced backward.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from zerotrain.zero import ZeroOptimizer
+
+# The zerotrain backwards running in this process, for gradients that reach one engine during
+# another's backward: engine.backward calls in progress, and the autograd graph tasks of the
+# loss.backward() calls that passed through an engine's outputs.
+_managed_running: list[MicroStepBackward] = []
+_direct_running: set[int] = set()
 
 
 class BackwardState(enum.Enum):
@@ -84,6 +91,7 @@ class MicroStepBackward:
         self._direct_task = -1  # autograd graph task of the open direct backward
         self._started = 0.0
         self._at_boundary_now = False
+        optimizer.reducer.on_stray_grad = self._on_stray_grad
 
     # -- engine.backward -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -95,11 +103,14 @@ class MicroStepBackward:
                 "engine's outputs; use one of the two per loss"
             )
         self._open(BackwardState.MANAGED)
+        _managed_running.append(self)
         try:
             yield
         except BaseException:
             self.state = BackwardState.IDLE
             raise
+        finally:
+            _managed_running.remove(self)
         self._close()
 
     # -- loss.backward() -----------------------------------------------------------------------
@@ -130,7 +141,23 @@ class MicroStepBackward:
         self.state = BackwardState.IDLE  # a previous direct backward that raised before its end
         self._open(BackwardState.DIRECT, grad_factor=factor)
         self._direct_task = task
+        _direct_running.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(self._close)
+
+    def _on_stray_grad(self, name: str) -> None:
+        """A gradient reached this engine's parameters while none of its backwards is open.
+        During another engine's backward (a GAN's generator loss runs through the
+        discriminator) it is an ordinary gradient, left in ``.grad`` as torch leaves it: the
+        user's ``zero_grad`` drops it, or this engine's next backward adds to it and reduces
+        the sum. With no zerotrain backward running, the loss bypassed every engine: refuse."""
+        if _managed_running or torch._C._current_graph_task_id() in _direct_running:
+            return
+        raise RuntimeError(
+            f"gradient of '{name}' computed outside a backward the engine saw: the loss did not "
+            "come from engine(...)'s outputs (engine.module(...) bypasses gradient averaging). "
+            "Compute the loss from engine(...), then call engine.backward(loss) or "
+            "loss.backward()."
+        )
 
     def _accumulates_into_params(self) -> bool:
         """Whether the running backward will write ``.grad`` of any trainable parameter. The
@@ -151,5 +178,6 @@ class MicroStepBackward:
         self.optimizer.backward_epilogue(self._at_boundary_now)
         self.boundary_reduced = self._at_boundary_now
         self.state = BackwardState.IDLE
+        _direct_running.discard(self._direct_task)
         self._direct_task = -1
         self._on_finish(time.perf_counter() - self._started)

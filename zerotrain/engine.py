@@ -16,7 +16,7 @@ from zerotrain.backward import MicroStepBackward
 from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
 from zerotrain.checkpoint.save import save_checkpoint
-from zerotrain.comm import Communicator, local_rank
+from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
 from zerotrain.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
@@ -114,6 +114,11 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     @property
     def local_rank(self) -> int:
         return local_rank()
+
+    @property
+    def data_parallel_group(self):
+        """The process group gradients are averaged over (DeepSpeed's attribute)."""
+        return self.comm.group if self.comm.group is not None else get_world_group()
 
     # -- training ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

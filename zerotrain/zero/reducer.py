@@ -10,11 +10,13 @@ with zeros for that parameter, so no rank waits for a gradient that will never c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zerotrain.comm import Communicator, PendingOp
 from zerotrain.zero.gather import ParameterGatherer
-from zerotrain.zero.partition import FlatBucket, ParamSlot, ZeroPolicy
+from zerotrain.zero.partition import FlatBucket, ParamSlot, ZeroPolicy, point_grads_at
 
 
 class GradientReducer:
@@ -52,9 +54,15 @@ class GradientReducer:
         self._comm_buffers: list[torch.Tensor | None] = [None] * len(buckets)
         self._pending: list[PendingOp] = []
         self._next_launch = 0
-        self._shard_holds_grads = False  # stages 2-3, False: grad_shard is stale, overwrite it
+        # A backward was reduced in this accumulation. Stages 2-3: grad_shard holds gradients
+        # (False: stale, overwrite it); stage 1: flat_grad's shard holds an average.
+        self._shard_holds_grads = False
+        self._carry: list[torch.Tensor] = []  # stage 1: see _carry_reduced_shards
         self._reducing = policy.shard_gradients  # stages 0-1: only in the boundary's backward
         self._in_backward = False  # between begin_backward and finish_backward
+        # Called with the parameter's name when a gradient arrives while no backward is open;
+        # it raises, or accepts the gradient as a plain .grad (see backward.py).
+        self.on_stray_grad: Callable[[str], None] = _refuse_stray_grad
         self._grad_factor = 1.0  # on this backward's gradients (see begin_backward)
         for bucket_index, bucket in enumerate(buckets):
             for slot in bucket.slots:
@@ -63,12 +71,8 @@ class GradientReducer:
     def _make_hook(self, bucket_index: int, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
             if not self._in_backward:
-                raise RuntimeError(
-                    f"gradient of '{slot.name}' computed outside a backward the engine saw: the "
-                    "loss did not come from engine(...)'s outputs (engine.module(...) bypasses "
-                    "gradient averaging). Compute the loss from engine(...), then call "
-                    "engine.backward(loss) or loss.backward()."
-                )
+                self.on_stray_grad(slot.name)  # raises, or leaves the gradient in .grad
+                return
             if self._grad_factor != 1.0 and not self.policy.shard_gradients:
                 _fold_into_view(self.buckets[bucket_index], slot, self._grad_factor)
             if self._reducing:
@@ -164,6 +168,8 @@ class GradientReducer:
                 bucket.shard(bucket.flat_grad).copy_(bucket.shard(wire))
             else:
                 bucket.flat_grad.copy_(wire)
+        if self._carry:
+            bucket.shard(bucket.flat_grad).add_(self._carry[index])
         self._arrived[index].clear()
 
     def _free_buffer(self, index: int, add_into_shard: torch.Tensor | None = None) -> None:
@@ -183,10 +189,35 @@ class GradientReducer:
         self._in_backward = True
         self._reducing = self.policy.shard_gradients or at_boundary
         self._grad_factor = grad_factor
+        in_place_shards = self.policy.shard_optimizer_states and not self.policy.shard_gradients
+        if at_boundary and in_place_shards and self._shard_holds_grads:
+            self._carry_reduced_shards()
         if grad_factor != 1.0 and not self.policy.shard_gradients:
             for bucket in self.buckets:
                 for slot in bucket.slots:
+                    _repair_grad_view(bucket, slot)  # a .grad written meanwhile: keep it
                     slot.param.grad = None
+
+    def _carry_reduced_shards(self) -> None:
+        """Stage 1, a second reduced backward in one accumulation (two losses, two engines):
+        the first reduction left the average in this rank's shard of ``flat_grad`` and
+        unreduced values elsewhere, which a second in-place reduce-scatter would sum again. Keep
+        the average (for parameters whose ``.grad`` the user did not drop, as ``zero_grad``
+        does in torch), restart the buffer from zero, and add the average back after the
+        reduction (``_store_reduced``)."""
+        self._carry = []
+        for bucket in self.buckets:
+            kept = bucket.shard(bucket.flat_grad).clone()
+            start = bucket.rank * bucket.shard_numel
+            for slot in bucket.slots:
+                if slot.param.grad is None:  # dropped by the user: its average goes too
+                    lo = max(slot.offset - start, 0)
+                    hi = min(slot.offset + slot.numel - start, bucket.shard_numel)
+                    if lo < hi:
+                        kept[lo:hi].zero_()
+            self._carry.append(kept)
+            bucket.flat_grad.zero_()
+            point_grads_at(bucket)
 
     def finish_backward(self, at_boundary: bool) -> None:
         """Called after each micro-step's backward: launches what is left, waits for all."""
@@ -203,6 +234,7 @@ class GradientReducer:
         for op in self._pending:
             op.wait()
         self._pending.clear()
+        self._carry = []
         self._next_launch = 0
         self._shard_holds_grads = True
         self._reducing = self.policy.shard_gradients
@@ -219,8 +251,8 @@ class GradientReducer:
 
     def zero_grads(self) -> None:
         """Start a new accumulation."""
+        self._shard_holds_grads = False
         if self.policy.shard_gradients:
-            self._shard_holds_grads = False
             for bucket in self.buckets:
                 for slot in bucket.slots:
                     slot.param.grad = None
@@ -249,3 +281,7 @@ def _fold_into_view(bucket: FlatBucket, slot: ParamSlot, factor: float) -> None:
     view = bucket.view(bucket.flat_grad, slot)
     view.add_(slot.param.grad, alpha=factor)
     slot.param.grad = view
+
+
+def _refuse_stray_grad(name: str) -> None:
+    raise RuntimeError(f"gradient of '{name}' arrived while no backward was open")
