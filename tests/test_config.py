@@ -155,6 +155,7 @@ def test_defaults_match_deepspeed() -> None:
         "train_batch_size": None,
         "train_micro_batch_size_per_gpu": None,
         "gradient_accumulation_steps": None,
+        "data_parallel_size": None,
         "optimizer": None,
         "scheduler": None,
         "gradient_clipping": 1.0,  # DeepSpeed 0.19.8's default
@@ -646,6 +647,10 @@ def test_deepspeed_values_zerotrain_reads() -> None:
     assert load_config(nested("steps_per_print", None), world_size=1).steps_per_print is None
     assert "communication_data_type: must be one of" in load_error(
         nested("communication_data_type", "bfp16")
+    )
+    assert load_config(nested("data_parallel_size", 2), world_size=2).data_parallel_size == 2
+    assert "data_parallel_size: 2 asks for a device mesh" in load_error(
+        nested("data_parallel_size", 2), world_size=4
     )
 
 

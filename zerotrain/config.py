@@ -772,6 +772,9 @@ class ZeroTrainConfig(_Section):
     """Samples per forward/backward pass on one rank."""
     gradient_accumulation_steps: _PositiveInt | None = None
     """Forward/backward passes whose gradients are summed before each optimizer step."""
+    data_parallel_size: _PositiveInt | None = None
+    """DeepSpeed: the data-parallel size of a device mesh with model parallelism. zerotrain is
+    data-parallel over every rank, so when given it must equal the world size."""
     optimizer: OptimizerConfig | None = None
     """Optimizer to build; leave out when passing a torch optimizer to the engine."""
     scheduler: SchedulerConfig | None = None
@@ -849,6 +852,12 @@ class ZeroTrainConfig(_Section):
         (DeepSpeed's rules); ``ConfigError`` showing the arithmetic when they cannot agree."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size: must be a positive integer, got {world_size!r}")
+        if self.data_parallel_size not in (None, world_size):
+            raise ConfigError(
+                f"data_parallel_size: {self.data_parallel_size} asks for a device mesh with "
+                f"model parallelism over the {world_size} ranks, which zerotrain does not have "
+                f"yet; set it to {world_size} or remove it"
+            )
         total, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
         accum = self.gradient_accumulation_steps
         tb, mb, ga, ws = (
