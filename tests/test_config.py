@@ -240,7 +240,7 @@ def test_defaults_match_deepspeed() -> None:
         "wandb": {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
         "steps_per_print": 10,
         "dump_state": False,
-        "log_level": "info",
+        "log_level": None,
         "wall_clock_breakdown": False,
         "count_model_flops": True,
         "seed": None,

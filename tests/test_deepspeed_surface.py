@@ -69,6 +69,26 @@ def test_bare_import_reaches_submodules_as_attributes() -> None:
     assert "WarmupLR" in zerotrain.runtime.lr_schedules.VALID_LR_SCHEDULES
 
 
+def test_deepspeed_config_validates_and_resolves_batch_sizes(tmp_path) -> None:
+    from zerotrain.runtime.config import DeepSpeedConfig
+
+    class ModelParallelUnit:
+        def __init__(self, size: int):
+            self.size = size
+
+        def get_model_parallel_world_size(self) -> int:
+            return self.size
+
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 2}')
+    config = DeepSpeedConfig(str(path), mpu=ModelParallelUnit(1))
+    assert (config.train_micro_batch_size_per_gpu, config.zero_optimization.stage) == (4, 0)
+    with pytest.raises(zerotrain.ConfigError, match="train_batch_sizee"):
+        DeepSpeedConfig({"train_batch_sizee": 8})
+    with pytest.raises(zerotrain.ConfigError, match=r"DeepSpeedConfig\(mpu=...\)"):
+        DeepSpeedConfig({"train_batch_size": 8}, mpu=ModelParallelUnit(2))
+
+
 def test_features_zerotrain_lacks_import_and_fail_when_used() -> None:
     from zerotrain.moe.layer import MoE
     from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -210,6 +230,7 @@ def test_comm_functions_on_two_ranks() -> None:
 
 WITHOUT_GROUP = """
 import torch, zerotrain.comm as dist
+from datetime import timedelta
 assert not dist.is_initialized()
 assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
 t = torch.ones(2)
@@ -218,10 +239,11 @@ assert t.tolist() == [1.0, 1.0]
 for call, words in [
     (lambda: dist.send(t, dst=1), "no process group is initialized"),
     (lambda: dist.init_distributed(dist_init_required=False), "dist_init_required=False"),
+    (lambda: dist.init_distributed("gloo", timedelta(seconds=5)), "pass a collective timeout"),
 ]:
     try:
         call()
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:
         assert words in str(err), err
     else:
         raise AssertionError(words)

@@ -4,6 +4,7 @@ checkpoint helpers on zerotrain checkpoints, and the config keys the engine now 
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import zerotrain
-from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum
+from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, load_config
 
 MICRO = 2
 
@@ -151,7 +152,6 @@ def engine_members():
     out["consolidated_bf16"] = engine.consolidated_state_dict(dtype=torch.bfloat16)
     out["fp32_param"] = zerotrain.utils.safe_get_full_fp32_param(block.up.weight)
     out["exp_avg"] = zerotrain.utils.safe_get_full_optimizer_state(block.up.weight, "exp_avg")
-    out["exp_avg_shard"] = optimizer.state[optimizer.store.master_shards()[0]]["exp_avg"].shape
     out["passthrough"] = engine.blocks is engine.module.blocks
     out["optimizer_members"] = (
         optimizer.defaults["lr"],
@@ -170,7 +170,7 @@ def test_engine_and_optimizer_members_at_stage_3() -> None:
     for got in results:
         assert got["config_is_the_dict"]
         stage, weights, gather, name, comm_dtype, batch = got["queries"]
-        assert (stage, weights, gather, name) == (3, True, True, "AdamW")
+        assert (stage, weights, gather, name) == (3, True, True, "adamw")
         assert comm_dtype == torch.bfloat16 and batch == (4, 2, 1)
         assert got["isinstance"] == (True, True)
         assert got["ds"] == (7 * 13, (13, 7), 46, ZeroParamStatus.NOT_AVAILABLE)
@@ -234,8 +234,10 @@ def test_an_engine_without_optimizer_evaluates_and_refuses_to_train() -> None:
     loss = engine(idx[0], tgt[0])
     with pytest.raises(RuntimeError, match="initialized without an optimizer"):
         engine.backward(loss)
+    engine(idx[0], tgt[0]).backward()  # plain gradients, as torch leaves them
+    assert engine.module.up.weight.grad is not None
     with pytest.raises(RuntimeError, match="initialized without an optimizer"):
-        engine(idx[0], tgt[0]).backward()
+        engine.step()
     assert engine.optimizer_name() is None
 
 
@@ -367,6 +369,20 @@ def test_fp16_auto_cast_casts_floating_inputs(capsys) -> None:
     assert engine.module.dtypes == [(torch.float16, torch.int64)]
 
 
+def test_log_level_is_left_alone_unless_the_config_sets_it() -> None:
+    from zerotrain.utils import logger
+
+    before = logger.level
+    try:
+        logger.setLevel("WARNING")
+        zerotrain.initialize(model=nn.Linear(3, 2), config=_config(0))
+        assert logger.level == logging.WARNING
+        zerotrain.initialize(model=nn.Linear(3, 2), config=_config(0, log_level="Error"))
+        assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(before)
+
+
 def test_dataloader_drop_last() -> None:
     data = TensorDataset(torch.arange(5.0))
     for drop_last, sizes in ((False, [2, 2, 1]), (True, [2, 2])):
@@ -393,7 +409,7 @@ def offload_on_cpu_and_comm_dtype():
         out[key] = engine.consolidated_state_dict()
     sgd = {"type": "SGD", "params": {"lr": 0.1}}  # Adam's first steps hide small differences
     for comm_dtype in (None, "fp32"):
-        for stage in (1, 2):
+        for stage in (0, 1, 2, 3):
             torch.manual_seed(0)
             config = _config(
                 stage,
@@ -416,7 +432,7 @@ def test_cpu_offload_on_a_cpu_device_and_fp32_gradient_communication() -> None:
     for got in results:
         # the states are in CPU memory already: the same training
         assert all(torch.equal(got["offload"][k], v) for k, v in got["plain"].items())
-        for stage in (1, 2):
+        for stage in (0, 1, 2, 3):
             bf16_wire, fp32_wire = got[(None, stage)], got[("fp32", stage)]
             assert any(not torch.equal(fp32_wire[k], v) for k, v in bf16_wire.items())
             for key, value in bf16_wire.items():  # same training, summed more precisely
@@ -440,7 +456,7 @@ def test_cpu_offload_from_a_gpu_is_refused() -> None:
         _check_offload(config, torch.device("cuda", 0))
 
 
-def test_zero_init_reads_only_the_precision_of_an_unfilled_config() -> None:
+def test_zero_init_takes_the_configs_precision_and_unmarks_what_stage_2_trains() -> None:
     hf_style = {
         "train_micro_batch_size_per_gpu": "auto",
         "bf16": {"enabled": True},
@@ -449,6 +465,13 @@ def test_zero_init_reads_only_the_precision_of_an_unfilled_config() -> None:
     with zerotrain.zero.Init(config_dict_or_path=hf_style, remote_device="cpu", pin_memory=True):
         layer = nn.Linear(4, 6)
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.ds_numel == 24
+    validated = load_config({"train_batch_size": 2, "fp16": {"enabled": True}}, world_size=1)
+    with zerotrain.zero.Init(config_dict_or_path=validated):
+        layer = nn.Linear(4, 6)
+    assert layer.weight.dtype == torch.float16
+    # trained below stage 3 the parameter is whole: libraries must not take it for ZeRO-3's
+    zerotrain.initialize(model=layer, config=_config(2, fp16={"enabled": True}))
+    assert not hasattr(layer.weight, "ds_id") and layer.weight.shape == (6, 4)
     with pytest.raises(ValueError, match="NVMe offload is not implemented"):
         zerotrain.zero.Init(remote_device="nvme")
 
@@ -469,43 +492,66 @@ def _gan_batches(world: int):
     ]
 
 
-def _gan_step(net_g, net_d, backward_d, step_d, backward_g, step_g, real, noise) -> None:
-    """One iteration as DeepSpeed's GAN example writes it: the raw modules run forward, the
-    discriminator takes two backward passes before one step, and the generator's loss runs
-    through the discriminator, whose gradients the next iteration's zero_grad drops."""
+def _gan_step(gen, disc, backward_d, step_d, backward_g, step_g, real, noise) -> None:
+    """One iteration as DeepSpeed's GAN example writes it: the discriminator takes two backward
+    passes before one step, and the generator's loss runs through the discriminator, whose
+    gradients the next iteration's zero_grad drops. ``gen`` and ``disc`` are the raw modules
+    (as the example calls them) or the engines."""
     criterion = nn.BCEWithLogitsLoss()
-    net_d.zero_grad()
-    backward_d(criterion(net_d(real), torch.ones(len(real), 1)))
-    fake = net_g(noise)
-    backward_d(criterion(net_d(fake.detach()), torch.zeros(len(real), 1)))
+    disc.zero_grad()
+    backward_d(criterion(disc(real), torch.ones(len(real), 1)))
+    fake = gen(noise)
+    backward_d(criterion(disc(fake.detach()), torch.zeros(len(real), 1)))
     step_d()
-    net_g.zero_grad()
-    backward_g(criterion(net_d(fake), torch.ones(len(real), 1)))
+    gen.zero_grad()
+    backward_g(criterion(disc(fake), torch.ones(len(real), 1)))
     step_g()
+
+
+def _gan_engines(stage: int):
+    net_g, net_d = _gan_models()
+    config = _config(stage, optimizer={"type": "SGD", "params": {"lr": 0.1}}, gradient_clipping=0)
+    engine_g, *_ = zerotrain.initialize(model=net_g, config=config)
+    engine_d, *_ = zerotrain.initialize(model=net_d, config=config)
+    return net_g, net_d, engine_g, engine_d
 
 
 def gan_engines(stage: int):
     from zerotrain.comm import Communicator
 
     comm = Communicator()
-    net_g, net_d = _gan_models()
-    sgd = {"type": "SGD", "params": {"lr": 0.1}}
-    config = _config(stage, optimizer=sgd, gradient_clipping=0)
-    engine_g, *_ = zerotrain.initialize(model=net_g, config=config)
-    engine_d, *_ = zerotrain.initialize(model=net_d, config=config)
     rows = slice(comm.rank * MICRO, (comm.rank + 1) * MICRO)
-    for real, noise in _gan_batches(comm.world_size):
-        _gan_step(
-            net_g,
-            net_d,
-            engine_d.backward,
-            engine_d.step,
-            engine_g.backward,
-            engine_g.step,
-            real[rows],
-            noise[rows],
+    trained = {}
+    for through_engines in (False, True):
+        net_g, net_d, engine_g, engine_d = _gan_engines(stage)
+        gen, disc = (engine_g, engine_d) if through_engines else (net_g, net_d)
+        for real, noise in _gan_batches(comm.world_size):
+            _gan_step(
+                gen,
+                disc,
+                engine_d.backward,
+                engine_d.step,
+                engine_g.backward,
+                engine_g.step,
+                real[rows],
+                noise[rows],
+            )
+        trained[through_engines] = (
+            engine_g.consolidated_state_dict(),
+            engine_d.consolidated_state_dict(),
         )
-    return engine_g.consolidated_state_dict(), engine_d.consolidated_state_dict()
+
+    # The discriminator steps after the generator's backward through the raw module wrote
+    # into its .grad, unaveraged: refused. (Through engine_d's outputs, that backward would
+    # count as one of the discriminator's and be averaged into its step, as in torch.)
+    net_g, net_d, engine_g, engine_d = _gan_engines(stage)
+    real, noise = (t[rows] for t in _gan_batches(comm.world_size)[0])
+    criterion = nn.BCEWithLogitsLoss()
+    engine_d.backward(criterion(net_d(real), torch.ones(MICRO, 1)))
+    engine_g.backward(criterion(net_d(net_g(noise)), torch.ones(MICRO, 1)))
+    with pytest.raises(RuntimeError, match="came from another engine's backward"):
+        engine_d.step()
+    return trained
 
 
 def test_two_engines_where_one_loss_runs_through_both() -> None:
@@ -513,16 +559,51 @@ def test_two_engines_where_one_loss_runs_through_both() -> None:
     opt_g = torch.optim.SGD(net_g.parameters(), lr=0.1)
     opt_d = torch.optim.SGD(net_d.parameters(), lr=0.1)
 
-    def halves(loss):  # the mean over both ranks' micro-batches
+    def backward(loss):  # the reference sees both ranks' micro-batches at once
         loss.backward()
 
     for real, noise in _gan_batches(2):
-        _gan_step(net_g, net_d, halves, opt_d.step, halves, opt_g.step, real, noise)
+        _gan_step(net_g, net_d, backward, opt_d.step, backward, opt_g.step, real, noise)
     for stage in (0, 1, 2, 3):
-        for state_g, state_d in run_distributed(gan_engines, 2, stage):
-            for got, want in ((state_g, net_g.state_dict()), (state_d, net_d.state_dict())):
-                for key, value in want.items():
-                    assert relative_error(got[key], value) < 1e-5, (stage, key)
+        for trained in run_distributed(gan_engines, 2, stage):
+            for through_engines, (state_g, state_d) in trained.items():
+                for got, want in ((state_g, net_g.state_dict()), (state_d, net_d.state_dict())):
+                    for key, value in want.items():
+                        error = relative_error(got[key], value)
+                        assert error < 1e-5, (stage, through_engines, key)
+
+
+def frozen_critic(stage: int):
+    """A student trained through a critic engine built without an optimizer."""
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    student, critic = _gan_models()
+    adamw = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+    config = _config(stage, optimizer=adamw, gradient_clipping=0)
+    engine_s, *_ = zerotrain.initialize(model=student, config=config)
+    config = {k: v for k, v in config.items() if k != "optimizer"}
+    engine_c, *_ = zerotrain.initialize(model=critic, config=config)
+    rows = slice(comm.rank * MICRO, (comm.rank + 1) * MICRO)
+    for _, noise in _gan_batches(comm.world_size):
+        engine_s.backward(engine_c(engine_s(noise[rows])).square().mean())
+        engine_s.step()
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        engine_c.step()
+    return engine_s.consolidated_state_dict()
+
+
+def test_a_critic_engine_without_optimizer_on_the_students_loss_path() -> None:
+    student, critic = _gan_models()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2, weight_decay=0.0)
+    for _, noise in _gan_batches(2):
+        critic(student(noise)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for stage in (0, 3):
+        for state in run_distributed(frozen_critic, 2, stage):
+            for key, value in student.state_dict().items():
+                assert relative_error(state[key], value) < 1e-5, (stage, key)
 
 
 class _ModelParallelUnit:

@@ -80,7 +80,7 @@ def initialize(
             "None"
         )
     if mpu is not None:
-        _check_mpu(mpu)
+        check_mpu(mpu)
     if config is None:
         config = config_params
     config = _config_from_args(args, config)
@@ -92,7 +92,8 @@ def initialize(
     check_monitor_packages(cfg)  # before any work: every rank fails alike
     _check_offload(cfg, device)
     _check_node_local_storage(cfg, comm)
-    logger.setLevel(cfg.log_level.upper())
+    if cfg.log_level is not None:
+        logger.setLevel(cfg.log_level.upper())
     if cfg.dump_state and comm.rank == 0:
         print(f"zerotrain config:\n{cfg.model_dump_json(indent=2)}", flush=True)
     comms_logger = cfg.comms_logger
@@ -196,20 +197,20 @@ _MPU_SIZES = (
 )
 
 
-def _check_mpu(mpu) -> None:
+def check_mpu(mpu, caller: str = "initialize") -> None:
     """An mpu (Megatron's model-parallel unit) is accepted when every model-parallel size it
     reports is 1: the data-parallel group is then the whole world, as zerotrain assumes."""
     sizes = {name: getattr(mpu, name)() for name in _MPU_SIZES if hasattr(mpu, name)}
     if not sizes:
         raise ConfigError(
-            "initialize(mpu=...): the mpu has none of "
+            f"{caller}(mpu=...): the mpu has none of "
             f"{', '.join(_MPU_SIZES)}; pass mpu=None (zerotrain is data-parallel)"
         )
     parallel = {name: size for name, size in sizes.items() if size != 1}
     if parallel:
         shown = ", ".join(f"{name}() = {size}" for name, size in parallel.items())
         raise ConfigError(
-            f"initialize(mpu=...): tensor and pipeline model parallelism ({shown}) are not "
+            f"{caller}(mpu=...): tensor and pipeline model parallelism ({shown}) are not "
             "supported yet; train with model-parallel size 1"
         )
 

@@ -28,11 +28,16 @@ steps) and no output hook can apply it exactly once for every shape of loss, so 
 bare ``loss.backward()`` is refused at its first output hook, before any gradient exists, naming
 ``engine.backward(loss)`` and ``engine.scale(loss).backward()`` (as in DeepSpeed; ``scale``
 applies both factors to the loss, and the backward it starts divides nothing). Inside
-``engine.backward`` the hooks do nothing. A gradient that reaches the parameters while none of
-this engine's backwards is open is, during another engine's backward (a GAN's generator loss
-through the discriminator), left in ``.grad`` as torch leaves it; with no zerotrain backward
-running (the loss came from ``engine.module(...)`` alone) it is refused. ``step()`` refuses to
-update after an accumulation whose boundary micro-step had no reduced backward.
+``engine.backward`` the hooks do nothing. Reentrant activation checkpointing reaches the
+parameters only in a nested backward, started after the output hooks fired: the reducer opens
+there, at the first parameter gradient, and closes with the outer backward.
+A gradient that reaches the parameters while none of this engine's backwards is open is, during
+another engine's backward (a GAN's generator loss through the discriminator's raw module), left
+in ``.grad`` as torch leaves it: this engine's next backward reduces it with its own,
+``zero_grad()`` drops it, ``step()`` refuses it unreduced. With no zerotrain backward running
+(the loss came from ``engine.module(...)`` alone) it is refused. An engine without an optimizer
+(a frozen critic) leaves every gradient in ``.grad``. ``step()`` refuses to update after an
+accumulation whose boundary micro-step had no reduced backward.
 """
 
 from __future__ import annotations
@@ -81,8 +86,11 @@ class MicroStepBackward:
         self.optimizer = optimizer
         self.state = BackwardState.IDLE
         self.reduce = True  # False inside engine.no_sync(): no reduction even at the boundary
-        self.boundary_reduced = False  # this micro-step's backward reduced at its boundary
+        # A backward of this accumulation reduced what step() needs: the boundary's at stages
+        # 0-1 (the others only accumulate locally), any at stages 2-3. step() clears it.
+        self.reduced = False
         self.user_scaled = False  # engine.scale(loss) was called for the next direct backward
+        self._lazy_task = -1  # a backward through our outputs that did not reach parameters
         self._params = params
         self._accumulation_steps = accumulation_steps
         self._loss_scaled = loss_scaled
@@ -98,27 +106,42 @@ class MicroStepBackward:
     def managed(self) -> Iterator[None]:
         """Around ``engine.backward``'s own ``backward()`` call."""
         if self.state is BackwardState.DIRECT:
-            raise RuntimeError(
-                "engine.backward was called during a loss.backward() that runs through this "
-                "engine's outputs; use one of the two per loss"
-            )
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(
+                    "engine.backward was called during a loss.backward() that runs through "
+                    "this engine's outputs; use one of the two per loss"
+                )
+            self.abort()  # that loss.backward() raised before its end
+        self.user_scaled = False
         self._open(BackwardState.MANAGED)
         _managed_running.append(self)
         try:
             yield
         except BaseException:
-            self.state = BackwardState.IDLE
+            self.abort()
             raise
         finally:
             _managed_running.remove(self)
         self._close()
 
+    def abort(self) -> None:
+        """Forget a backward that raised part-way: its accumulation's gradients are dropped, and
+        the next backward starts clean (catching an out-of-memory error and moving on to the
+        next batch works)."""
+        self.optimizer.abort_backward()
+        _direct_running.discard(self._direct_task)
+        self._direct_task = -1
+        self.state = BackwardState.IDLE
+
     # -- loss.backward() -----------------------------------------------------------------------
     def watch(self, output) -> None:
         """Hook the tensors of a training forward's ``output`` (any nesting of tuples, lists,
         dicts and registered pytree nodes such as HuggingFace's ModelOutput)."""
+        if not self.optimizer.trains:  # an engine for evaluation: its gradients are plain
+            return
         for tensor in pytree.tree_leaves(output):
-            if torch.is_tensor(tensor) and tensor.requires_grad:
+            # not a leaf (a parameter returned as it is): a leaf's hooks would pile up
+            if torch.is_tensor(tensor) and tensor.grad_fn is not None:
                 tensor.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
@@ -128,7 +151,15 @@ class MicroStepBackward:
         if self.state is BackwardState.DIRECT and task == self._direct_task:
             return  # opened by an earlier output of this backward
         if not self._accumulates_into_params():
-            return  # autograd.grad / backward(inputs=...) that leaves parameters alone
+            # autograd.grad / backward(inputs=...) that leaves parameters alone, or one whose
+            # parameters are reached only by a nested backward (reentrant checkpointing)
+            if self._lazy_task != task:
+                self._lazy_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_lazy)
+            return
+        self._open_direct(task)
+
+    def _open_direct(self, task: int) -> None:
         if self._loss_scaled() and not self.user_scaled:
             raise RuntimeError(
                 "loss.backward() under fp16 loss scaling: the loss scale must multiply the loss "
@@ -138,11 +169,21 @@ class MicroStepBackward:
         # engine.scale put both factors on the loss already
         factor = 1.0 if self.user_scaled else 1.0 / self._accumulation_steps()
         self.user_scaled = False
-        self.state = BackwardState.IDLE  # a previous direct backward that raised before its end
+        if self.state is BackwardState.DIRECT:  # an earlier one raised before its end
+            self.abort()
         self._open(BackwardState.DIRECT, grad_factor=factor)
         self._direct_task = task
         _direct_running.add(task)
+        if task == self._lazy_task:  # opened from a nested backward: close with the outer one
+            return
         torch.autograd.Variable._execution_engine.queue_callback(self._close)
+
+    def _end_lazy(self) -> None:
+        """The end of a backward that passed our outputs without reaching parameters at once:
+        close what a nested backward opened in it."""
+        if self.state is BackwardState.DIRECT and self._direct_task == self._lazy_task:
+            self._close()
+        self._lazy_task = -1
 
     def _on_stray_grad(self, name: str) -> None:
         """A gradient reached this engine's parameters while none of its backwards is open.
@@ -150,6 +191,18 @@ class MicroStepBackward:
         discriminator) it is an ordinary gradient, left in ``.grad`` as torch leaves it: the
         user's ``zero_grad`` drops it, or this engine's next backward adds to it and reduces
         the sum. With no zerotrain backward running, the loss bypassed every engine: refuse."""
+        if self._lazy_task != -1:  # a nested backward of one through our outputs
+            if not self.optimizer.policy.shard_gradients and self._accumulation_steps() > 1:
+                # this gradient is in the accumulating buffer already: too late to divide it
+                raise RuntimeError(
+                    "loss.backward() with reentrant activation checkpointing around every "
+                    "trainable parameter, at ZeRO stage 0-1 with gradient accumulation: call "
+                    "engine.backward(loss), or checkpoint with use_reentrant=False"
+                )
+            self._open_direct(self._lazy_task)
+            return
+        if not self.optimizer.trains:
+            return  # an engine for evaluation: its gradients are plain .grad
         if _managed_running or torch._C._current_graph_task_id() in _direct_running:
             return
         raise RuntimeError(
@@ -176,7 +229,8 @@ class MicroStepBackward:
 
     def _close(self) -> None:
         self.optimizer.backward_epilogue(self._at_boundary_now)
-        self.boundary_reduced = self._at_boundary_now
+        if self._at_boundary_now or self.optimizer.policy.shard_gradients:
+            self.reduced = True
         self.state = BackwardState.IDLE
         _direct_running.discard(self._direct_task)
         self._direct_task = -1

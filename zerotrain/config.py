@@ -820,8 +820,9 @@ class ZeroTrainConfig(_Section):
     zerotrain prints every 10 steps unless told)."""
     dump_state: bool = False
     """Rank 0 prints the resolved config (every key, defaults included) at `initialize`."""
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
-    """Level of the `zerotrain` logger (`zerotrain.utils.logger`), any capitalisation."""
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    """Level of the `zerotrain` logger (`zerotrain.utils.logger`), any capitalisation; null
+    leaves it as it is (INFO unless the script set it)."""
     wall_clock_breakdown: bool = False
     """Add to the throughput line the forward, backward and optimizer-step times per step and
     the communication the training thread waited for."""
@@ -1213,7 +1214,10 @@ def config_reference_markdown() -> str:
         "zerotrain (any value, and the table says why) and keys accepted while they ask for "
         "nothing (a feature switched off); any other value of those is refused, naming the "
         "behaviour it asks for. Unknown keys are errors with a did-you-mean, as are "
-        '`"auto"` placeholders (HuggingFace\'s Trainer fills them before DeepSpeed sees them). '
+        '`"auto"` placeholders (HuggingFace\'s Trainer fills them before DeepSpeed sees them), '
+        "except where the Trainer never fills them (`bfloat16.enabled`, the unprefixed "
+        "stage-3 names, stage-3 keys below stage 3): those take the default with a warning, "
+        "as DeepSpeed reads them. "
         "Keys starting with `_` are comments. Load a config with "
         "`zerotrain.config.load_config(config, world_size=...)`; a `.json`, `.yaml` or "
         "`.yml` path or a dict.",

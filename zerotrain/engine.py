@@ -12,16 +12,17 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from zerotrain.backward import MicroStepBackward
+from zerotrain.backward import BackwardState, MicroStepBackward
 from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
-from zerotrain.checkpoint.save import save_checkpoint
+from zerotrain.checkpoint.save import frozen_keys, save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
 from zerotrain.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
 from zerotrain.metrics import StepMetrics
 from zerotrain.monitor import MonitorMaster
+from zerotrain.optim import NoOptimizer
 from zerotrain.zero import ZeroOptimizer
 
 
@@ -122,12 +123,10 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
 
     # -- training ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled():  # evaluation: not part of a training step's metrics
-            if self.fp16_auto_cast():
-                args, kwargs = pytree.tree_map(_to_half, (args, kwargs))
-            return self.module(*args, **kwargs)
         if self.fp16_auto_cast():
             args, kwargs = pytree.tree_map(_to_half, (args, kwargs))
+        if not torch.is_grad_enabled():  # evaluation: not part of a training step's metrics
+            return self.module(*args, **kwargs)
         start = time.perf_counter()
         self.metrics.start_micro_step(start)
         with self._instrumented_forward():
@@ -291,6 +290,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         """Update the model at an accumulation boundary; otherwise only count the micro-step."""
         start = time.perf_counter()
         self._step_applied = False
+        if not self.optimizer.trains:
+            raise RuntimeError(NoOptimizer.MESSAGE)
         if self.is_gradient_accumulation_boundary():
             self._check_reduced()
             lr = self.get_lr()  # the rates this update uses, before the schedule moves on
@@ -305,14 +306,16 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
 
     def _check_reduced(self) -> None:
         """Refuse to update from gradients that were never averaged over the ranks."""
-        if not self._backward.boundary_reduced:
+        self._backward.user_scaled = False
+        if not self._backward.reduced:
             raise RuntimeError(
                 f"engine.step() at the accumulation boundary (micro-step {self.micro_steps}) "
-                "found no reduced backward in this micro-step: call engine.backward(loss), or "
-                "loss.backward() on a loss computed from engine(...)'s outputs (not from "
-                "engine.module(...)), outside engine.no_sync(), before step()"
+                "found no reduced gradients: call engine.backward(loss), or loss.backward() on "
+                "a loss computed from engine(...)'s outputs (not from engine.module(...)), "
+                "before step(); at stages 0-1 the boundary micro-step's backward reduces, "
+                "outside engine.no_sync()"
             )
-        self._backward.boundary_reduced = False
+        self._backward.reduced = False
 
     def _end_of_step(self, lr: list[float]) -> None:
         """Report the step that just ended: the throughput line, the monitors, the profile."""
@@ -376,8 +379,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self.monitor.close()
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (step() already does this at each boundary)."""
+        """Drop accumulated gradients (step() already does this at each boundary), also those
+        a backward that raised part-way left behind."""
+        if self._backward.state is not BackwardState.IDLE:
+            self._backward.abort()
         self.optimizer.zero_grad()
+        self._backward.reduced = False
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the model (False: not a boundary, or fp16 overflow)."""
@@ -428,9 +435,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         not gathered now are empty placeholders; :meth:`consolidated_state_dict` has the values."""
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
-            for name, param in self.module.named_parameters(prefix=prefix.rstrip(".")):
-                if not param.requires_grad:
-                    state.pop(name, None)
+            for key in frozen_keys(self):
+                state.pop(prefix + key, None)
         return state
 
     def _zero3_consolidated_16bit_state_dict(
@@ -445,9 +451,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
         if self.global_rank != 0:
             return None
-        frozen = set()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        frozen = frozen_keys(self) if exclude_frozen_parameters else set()
         return {key: value.cpu() for key, value in state.items() if key not in frozen}
 
     def _consolidated_16bit_state_dict(
@@ -565,8 +569,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             return False
         state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
+            state = {k: v for k, v in state.items() if k not in frozen_keys(self)}
         if self.global_rank == 0:
             write_state_dict(Path(save_dir) / save_filename, state)
         self.comm.barrier()

@@ -105,11 +105,12 @@ class DeepSpeedQueries:
 
     # -- names and reporting -------------------------------------------------------------------
     def optimizer_name(self) -> str | None:
-        """The class name of an optimizer given to ``initialize``, else the config's type."""
+        """The class name of an optimizer given to ``initialize``, else the config's type in
+        lower case ("adamw"), as DeepSpeed reports it."""
         if self._client_optimizer_name is not None:
             return self._client_optimizer_name
         section = self.zerotrain_config.optimizer
-        return section.type if section is not None else None
+        return section.type.lower() if section is not None else None
 
     def optimizer_params(self) -> dict[str, Any] | None:
         section = self.zerotrain_config.optimizer

@@ -6,8 +6,9 @@ DeepSpeed's names and signatures (its ``prof``, ``log_name`` and ``debug`` argum
 accepted; the comms logger of an engine labels user calls by the calling function) and run
 through a :class:`Communicator`, so every call is bounded by the group's timeout, a failure
 names the operation, and bytes are counted in :data:`user_stats`. ``group=None`` is the
-default group, as in ``torch.distributed``; without an initialized process group the queries
-answer for a single process and the collectives are those of a group of one.
+default group, as in ``torch.distributed``. Without an initialized process group the queries
+answer for a single process and the collectives act as in a group of one, except those that
+name a peer (``send``, ``recv``, ``gather``, ``scatter``), which raise.
 """
 
 from __future__ import annotations
@@ -396,9 +397,8 @@ def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None
 
 def recv(tensor, src=None, group=None, tag=0, prof=False, log_name="recv", debug=None):
     """Receive into ``tensor`` from ``src`` (any rank if None); returns the sender's rank."""
-    _require_group("recv")
-    return _comm(group).issue(
-        "recv", _nbytes(tensor), lambda _: dist.recv(tensor, src, group, tag), False, sent=0
+    return _run(
+        "recv", _nbytes(tensor), lambda _: dist.recv(tensor, src, group, tag), group, False, 0
     )
 
 

@@ -81,6 +81,11 @@ def init_distributed(
     ``config`` is accepted for DeepSpeed's signature: zerotrain applies a config's
     `comms_logger` section per engine, in ``initialize``. ``verbose``: rank 0 prints a line.
     """
+    if not isinstance(auto_mpi_discovery, bool):  # e.g. a timeout passed second, by position
+        raise TypeError(
+            f"init_distributed(): auto_mpi_discovery takes a bool, got "
+            f"{type(auto_mpi_discovery).__name__}; pass a collective timeout as timeout=..."
+        )
     del auto_mpi_discovery, config  # see the docstring
     if dist_init_required is False:
         if not is_initialized():

@@ -215,12 +215,14 @@ class NoOptimizer(torch.optim.Optimizer):
     """Stands in when ``initialize`` is given no optimizer (no `optimizer` section and no
     ``optimizer=``): an engine for evaluation, as DeepSpeed allows. Stepping raises."""
 
+    MESSAGE = (
+        "this engine was initialized without an optimizer (no `optimizer` config section and "
+        "no initialize(optimizer=...)): it runs forward passes only; give it an optimizer to "
+        "train"
+    )
+
     def __init__(self, params):
         super().__init__(params, {})
 
     def step(self, closure=None):
-        raise RuntimeError(
-            "this engine was initialized without an optimizer (no `optimizer` config section "
-            "and no initialize(optimizer=...)): it runs forward passes only; give it an "
-            "optimizer to train"
-        )
+        raise RuntimeError(self.MESSAGE)

@@ -18,6 +18,7 @@ from torch import nn
 
 from zerotrain.checkpoint.export import consolidate, read_state_dict
 from zerotrain.checkpoint.files import commit_text, write_state_dict
+from zerotrain.precision import DTYPES
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
@@ -41,8 +42,7 @@ def _size_in_bytes(size: int | str) -> int:
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16}
-    names.update({"fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16})
+    names = {**DTYPES, **{str(d).removeprefix("torch."): d for d in DTYPES.values()}}
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in names:

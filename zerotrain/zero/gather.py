@@ -299,7 +299,14 @@ class ParameterGatherer:
             self._plan_reuse()
 
     def refresh_persistent(self) -> None:
-        """After an optimizer step: bring persistent units' full buffers up to date."""
+        """After an optimizer step: bring persistent units' full buffers up to date, and drop
+        any other unit still gathered (a backward this engine did not run, e.g. another
+        engine's loss through this model, gathers without releasing): its values predate the
+        step, so its next use must gather again."""
+        for unit in self.units:
+            if not unit.persistent:
+                self.release(unit)
+            unit.buckets_left = len(unit.buckets)
         ops = [
             self.comm.all_gather(b.flat_param, b.param_shard, async_op=True)
             for u in self.units

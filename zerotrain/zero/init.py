@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import Communicator
 
 _FULL_SHAPE = "_zerotrain_full_shape"  # set on a parameter while it is an Init chunk
@@ -69,6 +70,17 @@ def mark_partitioned(
     param.ds_numel = numel
     param.ds_status = status
     param.partition_numel = _PartitionNumel(-(-numel // world_size))
+
+
+_PARTITION_MARKS = ("ds_id", "ds_shape", "ds_numel", "ds_status", "partition_numel")
+
+
+def _clear_partition_marks(param: nn.Parameter) -> None:
+    """Drop :func:`mark_partitioned`'s attributes from a parameter that is whole again (a
+    stage-3 engine marks its own parameters afresh); libraries would take it for ZeRO-3's."""
+    for name in _PARTITION_MARKS:
+        if name in param.__dict__:
+            delattr(param, name)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -141,12 +153,14 @@ def unpartition_param(param: nn.Parameter, comm: Communicator) -> None:
     full = gather_param(param, comm).clone()
     param.data = full
     delattr(param, _FULL_SHAPE)
+    _clear_partition_marks(param)
 
 
 def take_ownership(param: nn.Parameter, owner: object) -> None:
     """Hand ``param`` to an engine's optimizer: it is no longer an Init chunk."""
     if hasattr(param, _FULL_SHAPE):
         delattr(param, _FULL_SHAPE)
+    _clear_partition_marks(param)
     setattr(param, _OWNER, owner)
 
 
@@ -225,7 +239,7 @@ class Init:
                 f"zerotrain.zero.Init(remote_device={remote_device!r}): NVMe offload is not "
                 'implemented yet; pass None or "cpu"'
             )
-        if remote_device == "cpu" and torch.cuda.is_available():
+        if remote_device == "cpu" and get_accelerator().device_name() != "cpu":
             raise ValueError(
                 'zerotrain.zero.Init(remote_device="cpu"): zerotrain does not offload from a '
                 "GPU yet; pass None"
@@ -305,12 +319,21 @@ class Init:
 
 
 def _precision_dtype(config) -> torch.dtype | None:
-    """The training dtype a DeepSpeed config asks for (None: neither bf16 nor fp16), read from
-    the two keys alone; "auto" (HuggingFace fills it later) counts as not enabled."""
+    """The training dtype a config asks for (None: neither bf16 nor fp16). Of a DeepSpeed dict
+    or file only the two keys are read; "auto" (HuggingFace fills it later) counts as not
+    enabled."""
     if config is None:
         return None
-    from zerotrain.config import ConfigError, read_config_file
+    from zerotrain.config import ConfigError, ZeroTrainConfig, read_config_file
 
+    if isinstance(config, ZeroTrainConfig):
+        return (
+            torch.bfloat16
+            if config.bf16.enabled
+            else torch.float16
+            if config.fp16.enabled
+            else None
+        )
     raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
     if not isinstance(raw, dict):
         raise ConfigError(

@@ -338,8 +338,8 @@ class ZeroOptimizer:
     def backward_prologue(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
         """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary);
         ``grad_factor`` multiplies the gradients it produces."""
-        if isinstance(self.optimizer, NoOptimizer):
-            self.optimizer.step()  # raises: nothing to train, say so before any gradient
+        if not self.trains:
+            raise RuntimeError(NoOptimizer.MESSAGE)  # before any gradient is reduced
         self.wait_param_gathers()  # whatever the forward did not need: finish it now
         self.reducer.begin_backward(at_boundary, grad_factor)
 
@@ -347,8 +347,25 @@ class ZeroOptimizer:
         """Reduce what the policy reduces after a micro-step's backward."""
         self.reducer.finish_backward(at_boundary)
 
+    def abort_backward(self) -> None:
+        """Drop what a backward that raised part-way left behind (see the reducer's)."""
+        self.reducer.abort_backward()
+
+    @property
+    def trains(self) -> bool:
+        """False for an engine built without an optimizer (forward passes only)."""
+        return not isinstance(self.optimizer, NoOptimizer)
+
     def step(self) -> bool:
         """Unscale, clip and apply the averaged gradients; False if skipped for overflow."""
+        unreduced = self.reducer.unreduced_grads
+        if unreduced:
+            raise RuntimeError(
+                f"step(): gradients of {unreduced[:3]} came from another engine's backward (a "
+                "loss through both models) after this engine's last backward, and were not "
+                "averaged over the ranks; drop them with zero_grad(), or run this engine's "
+                "backward after them, before step()"
+            )
         self.wait_param_gathers()  # a step without a forward since the last one
         self.store.attach_grads(self.reducer.reduced_grads())
         sum_sq = self.store.grad_sum_of_squares()

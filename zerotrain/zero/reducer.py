@@ -58,10 +58,14 @@ class GradientReducer:
         # (False: stale, overwrite it); stage 1: flat_grad's shard holds an average.
         self._shard_holds_grads = False
         self._carry: list[torch.Tensor] = []  # stage 1: see _carry_reduced_shards
+        # Parameters whose .grad holds gradients another engine's backward wrote, not reduced
+        # yet: this engine's next backward reduces them with its own; step() refuses them.
+        self._stray: set[int] = set()
         self._reducing = policy.shard_gradients  # stages 0-1: only in the boundary's backward
         self._in_backward = False  # between begin_backward and finish_backward
-        # Called with the parameter's name when a gradient arrives while no backward is open;
-        # it raises, or accepts the gradient as a plain .grad (see backward.py).
+        # Called with the parameter's name when a gradient arrives while no backward is open:
+        # it raises, opens one (begin_backward), or accepts the gradient as a plain .grad
+        # (see backward.py).
         self.on_stray_grad: Callable[[str], None] = _refuse_stray_grad
         self._grad_factor = 1.0  # on this backward's gradients (see begin_backward)
         for bucket_index, bucket in enumerate(buckets):
@@ -71,8 +75,10 @@ class GradientReducer:
     def _make_hook(self, bucket_index: int, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
             if not self._in_backward:
-                self.on_stray_grad(slot.name)  # raises, or leaves the gradient in .grad
-                return
+                self.on_stray_grad(slot.name)  # raises, opens a backward, or leaves .grad be
+                if not self._in_backward:
+                    self._stray.add(slot.index)  # in .grad, not reduced yet
+                    return
             if self._grad_factor != 1.0 and not self.policy.shard_gradients:
                 _fold_into_view(self.buckets[bucket_index], slot, self._grad_factor)
             if self._reducing:
@@ -205,6 +211,13 @@ class GradientReducer:
         the average (for parameters whose ``.grad`` the user did not drop, as ``zero_grad``
         does in torch), restart the buffer from zero, and add the average back after the
         reduction (``_store_reduced``)."""
+        stray = self.unreduced_grads
+        if stray:
+            raise RuntimeError(
+                f"gradients of {stray[:3]} from another engine's backward arrived after this "
+                "accumulation was reduced; at ZeRO stage 1 they cannot join it: drop them with "
+                "zero_grad() first (or step before the other engine's backward)"
+            )
         self._carry = []
         for bucket in self.buckets:
             kept = bucket.shard(bucket.flat_grad).clone()
@@ -235,9 +248,29 @@ class GradientReducer:
             op.wait()
         self._pending.clear()
         self._carry = []
+        self._stray.clear()  # reduced with this backward's
         self._next_launch = 0
         self._shard_holds_grads = True
         self._reducing = self.policy.shard_gradients
+        if self.gatherer is not None:
+            self.gatherer.finish_backward()
+
+    def abort_backward(self) -> None:
+        """Forget a backward that raised part-way (a caught out-of-memory error, a bad batch):
+        the accumulation's gradients are dropped and the next backward starts clean.
+        Reductions already launched are waited for, so every rank stays in step."""
+        for op in self._pending:
+            op.wait()
+        self._pending.clear()
+        self._in_backward = False
+        self._grad_factor = 1.0
+        self._carry = []
+        self._next_launch = 0
+        self._comm_buffers = [None] * len(self.buckets)
+        for arrived in self._arrived:
+            arrived.clear()
+        self._reducing = self.policy.shard_gradients
+        self.zero_grads()
         if self.gatherer is not None:
             self.gatherer.finish_backward()
 
@@ -249,9 +282,21 @@ class GradientReducer:
             return [b.shard(b.flat_grad) for b in self.buckets]
         return [b.flat_grad for b in self.buckets]
 
+    @property
+    def unreduced_grads(self) -> list[str]:
+        """Names of parameters holding gradients another engine's backward wrote since this
+        engine's last reduction and still in ``.grad`` (step() would not average them)."""
+        return [
+            s.name
+            for b in self.buckets
+            for s in b.slots
+            if s.index in self._stray and s.param.grad is not None
+        ]
+
     def zero_grads(self) -> None:
         """Start a new accumulation."""
         self._shard_holds_grads = False
+        self._stray.clear()
         if self.policy.shard_gradients:
             for bucket in self.buckets:
                 for slot in bucket.slots:
@@ -259,6 +304,7 @@ class GradientReducer:
         else:
             for bucket in self.buckets:
                 bucket.flat_grad.zero_()
+                point_grads_at(bucket)  # also where a backward that raised left them None
 
 
 def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
