@@ -62,14 +62,18 @@ def micro_batch(batch: torch.Tensor, micro: int, rank: int, world: int, size: in
     return batch[chunk * size : (chunk + 1) * size]
 
 
-def run_steps(engine, idx, tgt, micro_size, accum, world, rank, after_step=None) -> None:
+def run_steps(
+    engine, idx, tgt, micro_size, accum, world, rank, after_step=None, backward=None
+) -> None:
     """Feed each global batch of ``idx``/``tgt`` to ``engine`` as this rank's micro-batches
-    (``accum`` per optimizer step); ``after_step(step)`` runs after each optimizer step."""
+    (``accum`` per optimizer step); ``after_step(step)`` runs after each optimizer step.
+    ``backward(output)`` runs each micro-step's backward (default: ``engine.backward``)."""
+    backward = backward if backward is not None else engine.backward
     for step in range(len(idx)):
         for micro in range(accum):
             x = micro_batch(idx[step], micro, rank, world, micro_size)
             y = micro_batch(tgt[step], micro, rank, world, micro_size)
-            engine.backward(engine(x, y))
+            backward(engine(x, y))
             engine.step()
         if after_step is not None:
             after_step(step)

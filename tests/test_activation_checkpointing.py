@@ -236,6 +236,10 @@ def test_config_section_and_configure(tmp_path):
         checkpointing.configure(deepspeed_config={"activation_checkpointing": section})
     with pytest.raises(ConfigError, match=r"^activation_checkpointing: contiguous_memory_opt"):
         checkpointing.configure(contiguous_checkpointing=True)
+    with pytest.raises(ConfigError, match="requires partition_activations and number_checkpoints"):
+        checkpointing.configure(contiguous_checkpointing=True)
+    with pytest.raises(ConfigError, match=r"requires number_checkpoints \("):
+        checkpointing.configure(contiguous_checkpointing=True, partition_activations=True)
     with pytest.raises(ConfigError, match="model parallelism is not supported"):
         checkpointing.configure(object())
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from distributed import run_distributed
-from models import AwkwardModel, BlockModel, make_batches, micro_batch, relative_error
+from models import AwkwardModel, BlockModel, make_batches, relative_error, run_steps
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -35,12 +35,7 @@ def _steps(engine, steps: int = 2, accum: int = 1) -> None:
 
     comm = Communicator()
     idx, tgt = make_batches(steps, MICRO * accum * comm.world_size)
-    for step in range(steps):
-        for micro in range(accum):
-            x = micro_batch(idx[step], micro, comm.rank, comm.world_size, MICRO)
-            y = micro_batch(tgt[step], micro, comm.rank, comm.world_size, MICRO)
-            engine.backward(engine(x, y))
-            engine.step()
+    run_steps(engine, idx, tgt, MICRO, accum, comm.world_size, comm.rank)
 
 
 # -- checkpoints through DeepSpeed's helpers ---------------------------------------------------

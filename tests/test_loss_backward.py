@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
-from models import AwkwardModel, make_batches, micro_batch, param_groups, relative_error
+from models import (
+    AwkwardModel,
+    make_batches,
+    micro_batch,
+    param_groups,
+    relative_error,
+    run_steps,
+)
 from torch import nn
 
 import zerotrain
@@ -68,21 +75,18 @@ def _train(engine, accum: int, direct: bool):
     """``direct``: loss.backward(), through engine.scale under fp16 (where it is required)."""
     from zerotrain.comm import Communicator
 
+    def backward(out) -> None:
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not direct:
+            engine.backward(loss)
+        elif engine.fp16_enabled():
+            engine.scale(loss).backward()
+        else:
+            loss.backward()
+
     comm = Communicator()
     idx, tgt = make_batches(STEPS, MICRO * accum * comm.world_size)
-    for step in range(STEPS):
-        for micro in range(accum):
-            x = micro_batch(idx[step], micro, comm.rank, comm.world_size, MICRO)
-            y = micro_batch(tgt[step], micro, comm.rank, comm.world_size, MICRO)
-            out = engine(x, y)
-            loss = out["loss"] if isinstance(out, dict) else out
-            if not direct:
-                engine.backward(loss)
-            elif engine.fp16_enabled():
-                engine.scale(loss).backward()
-            else:
-                loss.backward()
-            engine.step()
+    run_steps(engine, idx, tgt, MICRO, accum, comm.world_size, comm.rank, backward=backward)
     return engine.consolidated_state_dict()
 
 

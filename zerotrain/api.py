@@ -24,7 +24,7 @@ from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.monitor import check_monitor_packages
 from zerotrain.optim import NoOptimizer, build_optimizer, build_scheduler
-from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy
+from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
 from zerotrain.utils.logging import logger
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
@@ -103,7 +103,7 @@ def initialize(
             ops, verbose=comms_logger.verbose, debug=comms_logger.debug, rank=comm.rank
         )
     if cfg.seed is not None:
-        _seed_everything(cfg.seed)
+        seed_everything(cfg.seed)
     if cfg.activation_checkpointing is not None:
         checkpointing.use_policy(cfg.activation_checkpointing)
 
@@ -117,7 +117,7 @@ def initialize(
         if not param.requires_grad and is_init_partitioned(param):
             unpartition_param(param, comm)  # frozen parameters are replicated, not partitioned
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
-    precision = PrecisionPolicy(_param_dtype(cfg))
+    precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
     zero_optimizer = ZeroOptimizer(
         model,
@@ -256,23 +256,17 @@ def _check_offload(cfg: ZeroTrainConfig, device: torch.device) -> None:
             )
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (the config's `seed`; DeepSpeed's
+    ``runtime.utils.set_random_seed``). numpy takes the seed modulo 2**32."""
     random.seed(seed)
-    torch.manual_seed(seed)
     try:
         import numpy as np
 
-        np.random.seed(seed)
+        np.random.seed(seed % 2**32)
     except ImportError:
         pass
-
-
-def _param_dtype(cfg: ZeroTrainConfig) -> torch.dtype:
-    if cfg.bf16.enabled:
-        return torch.bfloat16
-    if cfg.fp16.enabled:
-        return torch.float16
-    return torch.float32
+    torch.manual_seed(seed)
 
 
 def _loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
@@ -291,12 +285,12 @@ def _loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
     )
 
 
-def _client_wins(key: str, what: str, given: object, rank: int) -> None:
+def _client_wins(key: str, argument: str, what: str, given: object, rank: int) -> None:
     """A config section and a client object for the same thing: DeepSpeed uses the object."""
     if rank == 0:
         warnings.warn(
             f"zerotrain: the config's `{key}` section ({what}) is ignored: "
-            f"initialize({key if key == 'optimizer' else 'lr_scheduler'}=...) was given "
+            f"initialize({argument}=...) was given "
             f"{type(given).__name__}, which is used instead, as DeepSpeed does",
             stacklevel=4,
         )
@@ -310,7 +304,7 @@ def _optimizer_plan(
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
     if optimizer is not None and cfg.optimizer is not None:
-        _client_wins("optimizer", cfg.optimizer.type, optimizer, rank)
+        _client_wins("optimizer", "optimizer", cfg.optimizer.type, optimizer, rank)
 
     if isinstance(optimizer, torch.optim.Optimizer):
         raw_groups = optimizer.param_groups
@@ -393,7 +387,7 @@ def _groups_from(parameters) -> list[dict]:
 def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimizer, rank: int):
     if lr_scheduler is not None:
         if cfg.scheduler is not None:
-            _client_wins("scheduler", cfg.scheduler.type, lr_scheduler, rank)
+            _client_wins("scheduler", "lr_scheduler", cfg.scheduler.type, lr_scheduler, rank)
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             # Built over the user's optimizer: point it at the optimizer that owns the shards
             # (same groups, same order).

@@ -129,9 +129,7 @@ class MicroStepBackward:
         the next backward starts clean (catching an out-of-memory error and moving on to the
         next batch works)."""
         self.optimizer.abort_backward()
-        _direct_running.discard(self._direct_task)
-        self._direct_task = -1
-        self.state = BackwardState.IDLE
+        self._to_idle()
 
     # -- loss.backward() -----------------------------------------------------------------------
     def watch(self, output) -> None:
@@ -231,7 +229,10 @@ class MicroStepBackward:
         self.optimizer.backward_epilogue(self._at_boundary_now)
         if self._at_boundary_now or self.optimizer.policy.shard_gradients:
             self.reduced = True
-        self.state = BackwardState.IDLE
+        self._to_idle()
+        self._on_finish(time.perf_counter() - self._started)
+
+    def _to_idle(self) -> None:
         _direct_running.discard(self._direct_task)
         self._direct_task = -1
-        self._on_finish(time.perf_counter() - self._started)
+        self.state = BackwardState.IDLE

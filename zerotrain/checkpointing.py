@@ -148,18 +148,18 @@ def configure(
         "profile": profile,
     }
     section = _validated({**section.model_dump(), **_given(overrides)})
-    if section.contiguous_memory_optimization and not section.partition_activations:
-        raise ConfigError(
-            "activation_checkpointing: contiguous_memory_optimization requires "
-            "partition_activations (DeepSpeed's configure refuses it otherwise), and has no "
-            "effect in zerotrain; set it to false"
-        )
-    if section.contiguous_memory_optimization and section.number_checkpoints is None:
-        raise ConfigError(
-            "activation_checkpointing: contiguous_memory_optimization requires "
-            "number_checkpoints (DeepSpeed's configure refuses it otherwise), and has no "
-            "effect in zerotrain; set it to false"
-        )
+    if section.contiguous_memory_optimization:
+        needs = {
+            "partition_activations": section.partition_activations,
+            "number_checkpoints": section.number_checkpoints is not None,
+        }
+        missing = " and ".join(name for name, given in needs.items() if not given)
+        if missing:
+            raise ConfigError(
+                f"activation_checkpointing: contiguous_memory_optimization requires {missing} "
+                "(DeepSpeed's configure refuses it otherwise), and has no effect in zerotrain; "
+                "set it to false"
+            )
     use_policy(section)
 
 

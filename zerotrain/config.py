@@ -400,24 +400,28 @@ def _offload_device(value: Any) -> Any:
 _OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_offload_device)]
 _Fraction = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0, le=1)]
 
-_OFFLOAD_DEVICE_DOC = """ `cpu` asks for them in CPU memory: on a run whose device is the
-    CPU (gloo) they are there already and nothing moves; with CUDA devices `initialize` refuses
-    it until zerotrain implements offload. `nvme` (ZeRO-Infinity) is refused."""
+
+class _OffloadSection(_Section):
+    """The keys both offload sections have."""
+
+    device: _OffloadDevice = "none"
+    """`none` (or null): on the training device. `cpu` asks for the states in CPU memory: on a run
+    whose device is the CPU (gloo) they are there already and nothing moves; with CUDA devices
+    `initialize` refuses it until zerotrain implements offload. `nvme` (ZeRO-Infinity) is
+    refused."""
+    nvme_path: str | None = None
+    """Directory on the NVMe device (with `device: nvme`)."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers for faster copies to and from a GPU."""
 
 
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(_OffloadSection):
     """`zero_optimization.offload_optimizer`: where the fp32 master weights and optimizer states
     live and are stepped (DeepSpeed's ZeRO-Offload). The keys other than `device` tune
     DeepSpeed's transfers and have no effect on a CPU device."""
 
-    device: _OffloadDevice = "none"
-    """`none` (or null): on the training device.""" + _OFFLOAD_DEVICE_DOC
-    nvme_path: str | None = None
-    """Directory on the NVMe device (with `device: nvme`)."""
     buffer_count: _NonNegativeInt = 4
     """NVMe buffer pool size."""
-    pin_memory: bool = True
-    """Page-locked CPU buffers for faster copies to and from a GPU."""
     pipeline_read: bool = False
     """Overlap NVMe reads with the step."""
     pipeline_write: bool = False
@@ -432,23 +436,17 @@ class OffloadOptimizerConfig(_Section):
     """Fraction of CPU cores for the CPU optimizer (with `super_offload`)."""
 
 
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(_OffloadSection):
     """`zero_optimization.offload_param`: where stage 3 keeps the parameter shards between uses
     (DeepSpeed's ZeRO-Infinity parameter offload). The keys other than `device` tune DeepSpeed's
     transfers and have no effect on a CPU device."""
 
-    device: _OffloadDevice = "none"
-    """`none` (or null): on the training device.""" + _OFFLOAD_DEVICE_DOC
-    nvme_path: str | None = None
-    """Directory on the NVMe device (with `device: nvme`)."""
     buffer_count: _NonNegativeInt = 5
     """NVMe buffer pool size."""
     buffer_size: _NonNegativeInt = 100_000_000
     """Elements per NVMe buffer."""
     max_in_cpu: _NonNegativeInt = 1_000_000_000
     """Parameter elements kept in CPU memory with NVMe offload."""
-    pin_memory: bool = True
-    """Page-locked CPU buffers for faster copies to and from a GPU."""
 
 
 class ZeroOptimizationConfig(_Section):

@@ -448,11 +448,19 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         (only :meth:`save_16bit_model` does)."""
         if not self.zero_optimization_partition_weights():
             raise ValueError("this function requires ZeRO-3 mode")
-        state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
+        state = self._training_dtype_state(exclude_frozen_parameters)
         if self.global_rank != 0:
             return None
-        frozen = frozen_keys(self) if exclude_frozen_parameters else set()
-        return {key: value.cpu() for key, value in state.items() if key not in frozen}
+        return {key: value.cpu() for key, value in state.items()}
+
+    def _training_dtype_state(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+        """The full state dict in the training dtype (collective), less the frozen parameters
+        if asked."""
+        state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
+        if exclude_frozen:
+            frozen = frozen_keys(self)
+            state = {key: value for key, value in state.items() if key not in frozen}
+        return state
 
     def _consolidated_16bit_state_dict(
         self, exclude_frozen_parameters: bool = False
@@ -567,9 +575,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                     stacklevel=2,
                 )
             return False
-        state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
-        if exclude_frozen_parameters:
-            state = {k: v for k, v in state.items() if k not in frozen_keys(self)}
+        state = self._training_dtype_state(exclude_frozen_parameters)
         if self.global_rank == 0:
             write_state_dict(Path(save_dir) / save_filename, state)
         self.comm.barrier()

@@ -10,6 +10,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The training dtypes by their config names (`communication_data_type`, the estimator)."""
 
 
+def training_dtype(bf16: bool, fp16: bool) -> torch.dtype:
+    """The dtype a model trains in when the config enables bf16 or fp16 (at most one)."""
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """Dtypes of the model's working copy and of the optimizer's master copy.

@@ -209,11 +209,10 @@ def untrained_state(
     """State-dict entries that are not trained parameters: frozen parameters (unless
     ``exclude_frozen``) and buffers."""
     trained = trainable_names(engine)
-    leave_out = frozen_keys(engine) if exclude_frozen else set()
     return {
         key: value.detach()
         for key, value in engine.module.state_dict(keep_vars=True).items()
-        if id(value) not in trained and key not in leave_out
+        if id(value) not in trained and not (exclude_frozen and isinstance(value, nn.Parameter))
     }
 
 

@@ -7,8 +7,8 @@ accepted; the comms logger of an engine labels user calls by the calling functio
 through a :class:`Communicator`, so every call is bounded by the group's timeout, a failure
 names the operation, and bytes are counted in :data:`user_stats`. ``group=None`` is the
 default group, as in ``torch.distributed``. Without an initialized process group the queries
-answer for a single process and the collectives act as in a group of one, except those that
-name a peer (``send``, ``recv``, ``gather``, ``scatter``), which raise.
+answer for a single process and the collectives act as in a group of one, except ``send``,
+``recv``, ``gather``, ``scatter`` and ``all_to_all``, which raise.
 """
 
 from __future__ import annotations

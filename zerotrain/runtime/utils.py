@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import gc
-import random
-
-import torch
 
 from zerotrain.accelerator import get_accelerator
+from zerotrain.api import seed_everything as set_random_seed
 from zerotrain.comm import get_rank
 
 __all__ = ["see_memory_usage", "set_random_seed"]
-
-
-def set_random_seed(seed: int) -> None:
-    """Seed Python's, numpy's and torch's generators (numpy's takes the seed modulo 2**32)."""
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed % 2**63)
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:

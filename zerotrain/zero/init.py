@@ -26,6 +26,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import Communicator
+from zerotrain.precision import training_dtype
 
 _FULL_SHAPE = "_zerotrain_full_shape"  # set on a parameter while it is an Init chunk
 _OWNER = "_zerotrain_owner"  # the ZeroOptimizer that manages a parameter after initialize
@@ -327,26 +328,19 @@ def _precision_dtype(config) -> torch.dtype | None:
     from zerotrain.config import ConfigError, ZeroTrainConfig, read_config_file
 
     if isinstance(config, ZeroTrainConfig):
-        return (
-            torch.bfloat16
-            if config.bf16.enabled
-            else torch.float16
-            if config.fp16.enabled
-            else None
-        )
-    raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"zero.Init(config_dict_or_path=...): expected a config dict or path, got "
-            f"{type(raw).__name__}"
-        )
+        bf16, fp16 = config.bf16.enabled, config.fp16.enabled
+    else:
+        raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"zero.Init(config_dict_or_path=...): expected a config dict or path, got "
+                f"{type(raw).__name__}"
+            )
 
-    def enabled(*names: str) -> bool:
-        sections = [raw.get(name) for name in names]
-        return any(isinstance(s, dict) and s.get("enabled") is True for s in sections)
+        def enabled(*names: str) -> bool:
+            sections = [raw.get(name) for name in names]
+            return any(isinstance(s, dict) and s.get("enabled") is True for s in sections)
 
-    if enabled("bf16", "bfloat16"):
-        return torch.bfloat16
-    if enabled("fp16"):
-        return torch.float16
-    return None
+        bf16, fp16 = enabled("bf16", "bfloat16"), enabled("fp16")
+    dtype = training_dtype(bf16, fp16)
+    return dtype if dtype != torch.float32 else None

@@ -244,33 +244,30 @@ class GradientReducer:
         if not (self.policy.shard_gradients or at_boundary):
             return
         self._launch_ready(force=True)  # also all buckets if no hook saw this backward
-        for op in self._pending:
-            op.wait()
-        self._pending.clear()
-        self._carry = []
+        self._settle()
         self._stray.clear()  # reduced with this backward's
-        self._next_launch = 0
         self._shard_holds_grads = True
-        self._reducing = self.policy.shard_gradients
-        if self.gatherer is not None:
-            self.gatherer.finish_backward()
 
     def abort_backward(self) -> None:
         """Forget a backward that raised part-way (a caught out-of-memory error, a bad batch):
         the accumulation's gradients are dropped and the next backward starts clean.
         Reductions already launched are waited for, so every rank stays in step."""
-        for op in self._pending:
-            op.wait()
-        self._pending.clear()
         self._in_backward = False
         self._grad_factor = 1.0
-        self._carry = []
-        self._next_launch = 0
+        self._settle()
         self._comm_buffers = [None] * len(self.buckets)
         for arrived in self._arrived:
             arrived.clear()
-        self._reducing = self.policy.shard_gradients
         self.zero_grads()
+
+    def _settle(self) -> None:
+        """Wait for every reduction in flight and return to the state between backwards."""
+        for op in self._pending:
+            op.wait()
+        self._pending.clear()
+        self._carry = []
+        self._next_launch = 0
+        self._reducing = self.policy.shard_gradients
         if self.gatherer is not None:
             self.gatherer.finish_backward()
 
@@ -286,6 +283,8 @@ class GradientReducer:
     def unreduced_grads(self) -> list[str]:
         """Names of parameters holding gradients another engine's backward wrote since this
         engine's last reduction and still in ``.grad`` (step() would not average them)."""
+        if not self._stray:  # every step asks: skip the walk over the parameters
+            return []
         return [
             s.name
             for b in self.buckets
