@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
-from zerotrain.estimate import OPTIMIZER_STATE_BYTES, model_state_bytes
 from zerotrain.optim import NoOptimizer
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
 from zerotrain.zero.init import gather_param, is_init_partitioned, take_ownership
+from zerotrain.zero.memory import model_state_bytes, optimizer_state_bytes_per_element
 from zerotrain.zero.partition import (
     FlatBucket,
     NamedParams,
@@ -563,7 +563,7 @@ class ZeroOptimizer:
 
     def formula_bytes(self) -> float:
         """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o
-        (:func:`zerotrain.estimate.model_state_bytes`, which ``zerotrain estimate`` prints).
+        (:func:`zerotrain.zero.memory.model_state_bytes`, which ``zerotrain estimate`` prints).
 
         Stage 3 keeps units below the persistence threshold whole: those count p·Ψ_persistent.
         """
@@ -578,27 +578,3 @@ class ZeroOptimizer:
             optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
             persistent_numel=persistent,
         ).total
-
-
-def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
-    """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v), from
-    the estimator's table, so the two cannot disagree."""
-    defaults = optimizer.defaults
-    name = type(optimizer).__name__
-    if name in ("Adam", "AdamW"):
-        return OPTIMIZER_STATE_BYTES["adam"] + (4 if defaults.get("amsgrad") else 0)  # max v
-    if name == "Lamb":
-        return OPTIMIZER_STATE_BYTES["lamb"]
-    if name == "SGD":
-        return OPTIMIZER_STATE_BYTES["sgd-momentum" if defaults.get("momentum", 0) else "sgd"]
-    # Unknown optimizer: count the state tensors shaped like their parameter, once populated.
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state:
-                return sum(
-                    t.element_size()
-                    for t in state.values()
-                    if torch.is_tensor(t) and t.shape == param.shape
-                )
-    return 0

@@ -1,0 +1,139 @@
+"""Model-state memory: the ZeRO formula for what a rank holds, as zerotrain allocates it.
+
+# [Note: model states]
+ZeRO (arXiv:1910.02054) §5: with Ψ trainable parameters on N ranks one rank holds
+p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o bytes of model states: p and g bytes per parameter and
+gradient element, m for a separate fp32 master copy, s for the optimizer's state (Adam: m and v,
+8), and N_x = N where the stage partitions that state (optimizer states from stage 1, gradients
+from 2, parameters at 3), else 1. This is what zerotrain allocates (zerotrain/zero/optimizer.py,
+measured by ``memory_breakdown()`` in tests/test_estimate.py). Where it differs from the paper:
+- fp32 training has no master copy: the optimizer steps the parameters themselves (m = 0), so
+  Adam costs 4 + 4 + 8 = 16 bytes per parameter, not the paper's 4 + 4 + 12.
+- 16-bit training (bf16, fp16): parameters and gradients in the training dtype (gradients are
+  reduced in it too), fp32 masters: 2 + 2 + (4 + 8) = 16, as in the paper.
+- Stage 3 keeps units smaller than ``stage3_param_persistence_threshold`` whole on every rank.
+- Frozen parameters are never partitioned: p bytes each on every rank, no gradient, no state
+  (counted apart: ``memory_breakdown()`` counts only what the optimizer owns).
+- Left out, a few bytes: each bucket is padded to a multiple of N (< N elements per bucket), and
+  Adam keeps a 4-byte step counter per master tensor (one per bucket).
+
+Two transients come on top, at different moments of a step:
+- *step*: in 16-bit training the step casts the reduced gradient partition of every bucket to
+  fp32 (4·Ψ/N_o) for the optimizer, and frees it after the step. DeepSpeed's estimator counts
+  such an fp32 gradient partition as always there (the 4 in its "18 bytes per parameter").
+- *gathered* (stage 3, during forward and backward): the units gathered at once. zerotrain's
+  gatherer (zerotrain/zero/gather.py) prefetches and keeps units for reuse only while the live
+  total stays within ``stage3_max_live_parameters``, and always gathers the unit in use next to
+  the root unit (embeddings, head), so at most max(min(max_live, Ψ), root + largest block)
+  elements are gathered, persistent units included.
+Not counted: the gradient bucket being reduce-scattered at stages 2-3 (up to
+``reduce_bucket_size`` elements of the training dtype; stages 0-1 reduce in place), autograd's
+``param.grad`` of a unit before the reducer copies it, kernel workspaces, the CUDA context and
+the allocator's fragmentation.
+
+Offload (``offload_optimizer`` / ``offload_param``) is not implemented in zerotrain; the
+estimate says what it would move, as DeepSpeed's ZeRO-Offload does: the fp32 masters and the
+optimizer state, with an fp32 gradient partition for the host's optimizer step, (4 + s + 4)·Ψ/N_o
+per rank, and at stage 3 the parameter shards, p·Ψ/N. The device keeps the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.partition import ZeroPolicy
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd-momentum": 4, "sgd": 0}
+"""fp32 bytes of optimizer state per parameter element (Adam: exp_avg and exp_avg_sq)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    """Bytes of model states one rank holds (see [Note: model states])."""
+
+    parameters: float
+    """Trainable parameters in the training dtype, on the device."""
+    gradients: float
+    """Gradients in the training dtype, on the device."""
+    optimizer_states: float
+    """fp32 masters that are separate copies, plus the optimizer's state, on the device."""
+    step_grads: float = 0.0
+    """Transient: the fp32 copy of the reduced gradient partition during the optimizer step."""
+    offloaded: float = 0.0
+    """Moved off the device by offload, per rank: in CPU memory or on NVMe."""
+
+    @property
+    def total(self) -> float:
+        """Parameters + gradients + optimizer states on the device."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+
+def model_state_bytes(
+    num_params: float,
+    *,
+    world_size: int,
+    policy: ZeroPolicy,
+    precision: PrecisionPolicy,
+    optimizer_state_bytes: int = OPTIMIZER_STATE_BYTES["adam"],
+    persistent_numel: float = 0,
+    offload: bool = False,
+) -> ModelStateBytes:
+    """ZeRO's p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o for ``num_params`` trainable elements, as
+    zerotrain allocates them (see [Note: model states]).
+
+    ``policy`` says what is partitioned; ``persistent_numel`` elements (stage 3's units below the
+    persistence threshold) stay whole. ``offload``: the masters and optimizer state (and at
+    stage 3 the parameter shards) are counted in ``offloaded`` instead of on the device.
+    """
+    psi, n = float(num_params), world_size
+    p = g = precision.param_dtype.itemsize
+    m = 4 if precision.has_master_copy else 0
+    s = optimizer_state_bytes
+    n_p = n if policy.shard_parameters else 1
+    n_g = n if policy.shard_gradients else 1
+    n_o = n if policy.shard_optimizer_states else 1
+    whole = min(float(persistent_numel), psi) if policy.shard_parameters else 0.0
+    parameters = p * (whole + (psi - whole) / n_p)
+    gradients = g * psi / n_g
+    if not offload:
+        return ModelStateBytes(
+            parameters=parameters,
+            gradients=gradients,
+            optimizer_states=(m + s) * psi / n_o,
+            step_grads=4 * psi / n_o if precision.has_master_copy else 0.0,
+        )
+    # The host steps fp32 masters (a copy even in fp32 training) with fp32 gradients.
+    offloaded = (4 + s + 4) * psi / n_o
+    if policy.shard_parameters:  # offload_param: the shards live on the host between gathers
+        offloaded += p * (psi - whole) / n
+        parameters = p * whole
+    return ModelStateBytes(
+        parameters=parameters, gradients=gradients, optimizer_states=0.0, offloaded=offloaded
+    )
+
+
+def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v), from
+    the estimator's table, so the two cannot disagree."""
+    defaults = optimizer.defaults
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW"):
+        return OPTIMIZER_STATE_BYTES["adam"] + (4 if defaults.get("amsgrad") else 0)  # max v
+    if name == "Lamb":
+        return OPTIMIZER_STATE_BYTES["lamb"]
+    if name == "SGD":
+        return OPTIMIZER_STATE_BYTES["sgd-momentum" if defaults.get("momentum", 0) else "sgd"]
+    # Unknown optimizer: count the state tensors shaped like their parameter, once populated.
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state:
+                return sum(
+                    t.element_size()
+                    for t in state.values()
+                    if torch.is_tensor(t) and t.shape == param.shape
+                )
+    return 0
