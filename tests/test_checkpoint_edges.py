@@ -157,7 +157,7 @@ def _optimizer_resumes(root: str) -> dict:
             out[case] = _resume_pair(lambda c=case: _optimizer_case(c), f"{root}/{case}", save_at)
         except Exception as exc:  # report the case and go on with the others
             out[case] = f"{type(exc).__name__}: {exc}"
-    persistent = _optimizer_case("stage3_persistent_bf16").optimizer.gatherer.units
+    persistent = _optimizer_case("stage3_persistent_bf16").optimizer.group.residency.gatherer.units
     out["persistent_units"] = sorted({u.persistent for u in persistent})
     return out
 

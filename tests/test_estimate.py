@@ -221,7 +221,7 @@ def measure_runs() -> dict:
         for _ in range(2):  # the second step runs with the recorded prefetch order
             engine.backward(engine(x % 77, y % 77))
             engine.step()
-        gatherer = optimizer.gatherer
+        gatherer = getattr(optimizer.group.residency, "gatherer", None)
         out[(dtype, stage, max_live, threshold)] = {
             "breakdown": engine.memory_breakdown(),
             "step_grads": max(step_grads),

@@ -57,7 +57,11 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
 
 
 def train_cases(grid):
+    import os
+
     import zerotrain
+
+    os.environ["ZEROTRAIN_DEBUG"] = "1"  # lifecycle checks on: they must not change a bit
     from zerotrain.comm import Communicator
 
     rank = Communicator().rank

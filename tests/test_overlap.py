@@ -36,7 +36,7 @@ def _train(stage: int, overlap: bool):
     eval_losses, in_flight = [], []
 
     def evaluate(step: int) -> None:  # a no-grad forward between steps reads fresh parameters
-        in_flight.append(len(engine.optimizer._param_gathers))
+        in_flight.append(len(engine.optimizer.group.residency.in_flight))
         with torch.no_grad():
             eval_losses.append(engine(idx[0, :MICRO], tgt[0, :MICRO]).item())
 
@@ -45,16 +45,22 @@ def _train(stage: int, overlap: bool):
 
     # One more step, then only the embedding runs: it waits for its own bucket alone.
     run_steps(engine, idx[:1], tgt[:1], MICRO, ACCUM, world, rank)
-    pending = set(engine.optimizer._param_gathers)
+    pending = _in_flight(engine)
     model.embed(idx[0, :MICRO])
     own = {
         i
         for i, b in enumerate(engine.optimizer.buckets)
         if any(s.param is model.embed.weight for s in b.slots)
     }
-    waited = pending - set(engine.optimizer._param_gathers)
+    waited = pending - _in_flight(engine)
     engine.optimizer.wait_param_gathers()  # the next engine starts with nothing in flight
     return (*result, (waited == own and len(pending) > len(own)) if overlap else not pending)
+
+
+def _in_flight(engine) -> set[int]:
+    """Indices of the buckets whose parameter all-gather is still in flight."""
+    group = engine.optimizer.group
+    return {i for i, b in enumerate(group.buckets) if group.residency.in_flight.waiting(b)}
 
 
 def _grid():

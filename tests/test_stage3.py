@@ -71,7 +71,7 @@ def train_block_model(stages, zero_options, build=_seeded_block_model):
             engine.train()
 
         run_steps(engine, idx, tgt, MICRO, ACCUM, world, rank, after_step=evaluate)
-        gatherer = optimizer.gatherer
+        gatherer = getattr(optimizer.group.residency, "gatherer", None)
         out[stage] = {
             "state": engine.consolidated_state_dict(),
             "evals": evals,
@@ -151,7 +151,7 @@ def count_gathers(max_reuse_distance):
     counts = []
 
     def count(_step):
-        counts.append(optimizer.gatherer.gathers - sum(counts))
+        counts.append(optimizer.group.residency.gatherer.gathers - sum(counts))
 
     run_steps(engine, idx, tgt, MICRO, 1, comm.world_size, comm.rank, after_step=count)
     return counts, engine.consolidated_state_dict()

@@ -75,7 +75,7 @@ def build_and_train_beyond_limit(budget_fraction: float):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return control, losses, optimizer.gatherer.max_live_numel_seen
+    return control, losses, optimizer.group.residency.gatherer.max_live_numel_seen
 
 
 def test_init_builds_a_model_larger_than_the_rank_limit_and_trains_it(monkeypatch):

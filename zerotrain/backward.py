@@ -99,7 +99,7 @@ class MicroStepBackward:
         self._direct_task = -1  # autograd graph task of the open direct backward
         self._started = 0.0
         self._at_boundary_now = False
-        optimizer.reducer.on_stray_grad = self._on_stray_grad
+        optimizer.reduction.on_stray_grad = self._on_stray_grad
 
     # -- engine.backward -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -190,7 +190,7 @@ class MicroStepBackward:
         user's ``zero_grad`` drops it, or this engine's next backward adds to it and reduces
         the sum. With no zerotrain backward running, the loss bypassed every engine: refuse."""
         if self._lazy_task != -1:  # a nested backward of one through our outputs
-            if not self.optimizer.policy.shard_gradients and self._accumulation_steps() > 1:
+            if not self.optimizer.reduction.every_backward and self._accumulation_steps() > 1:
                 # this gradient is in the accumulating buffer already: too late to divide it
                 raise RuntimeError(
                     "loss.backward() with reentrant activation checkpointing around every "
@@ -227,7 +227,7 @@ class MicroStepBackward:
 
     def _close(self) -> None:
         self.optimizer.backward_epilogue(self._at_boundary_now)
-        if self._at_boundary_now or self.optimizer.policy.shard_gradients:
+        if self._at_boundary_now or self.optimizer.reduction.every_backward:
             self.reduced = True
         self._to_idle()
         self._on_finish(time.perf_counter() - self._started)

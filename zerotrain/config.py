@@ -654,7 +654,7 @@ class CommsLoggerConfig(_Section):
     and `*_base` names are read as these)."""
     debug: bool = False
     """Append the zerotrain function that issued it to each operation's name (`all_gather |
-    ParameterGatherer._issue`), to see which part of the engine communicates."""
+    BucketGathers.issue`), to see which part of the engine communicates."""
 
     @field_validator("prof_ops")
     @classmethod

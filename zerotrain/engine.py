@@ -129,8 +129,13 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             return self.module(*args, **kwargs)
         start = time.perf_counter()
         self.metrics.start_micro_step(start)
-        with self._instrumented_forward():
-            out = self.module(*args, **kwargs)
+        group = self.optimizer.group
+        group.begin_forward()
+        try:
+            with self._instrumented_forward():
+                out = self.module(*args, **kwargs)
+        finally:
+            group.end_forward()
         self._backward.watch(out)  # for loss.backward(): see backward.py
         self.metrics.observe_forward(args, kwargs, time.perf_counter() - start)
         return out
@@ -188,10 +193,10 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         the next boundary backward outside reduces everything accumulated (stages 0-1, whose
         gradients accumulate unreduced until then). At stages 2-3 each backward must
         reduce-scatter its gradients into the partitions, so this raises, as in DeepSpeed."""
-        policy = self.optimizer.policy
-        if policy.shard_gradients:
+        if self.optimizer.reduction.every_backward:
             raise RuntimeError(
-                f"engine.no_sync(): ZeRO stage {policy.stage} partitions gradients, so every "
+                f"engine.no_sync(): ZeRO stage {self.zero_optimization_stage()} partitions "
+                "gradients, so every "
                 "backward reduces them; use it at stage 0 or 1, or leave it out (gradient "
                 "accumulation needs no no_sync: only the boundary's step() updates)"
             )
@@ -567,7 +572,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         DeepSpeed. For resumable training state use :meth:`save_checkpoint`.
         """
         gather = self.zero_gather_16bit_weights_on_model_save()
-        if self.optimizer.policy.shard_parameters and not gather:
+        if self.optimizer.group.residency.shards_params and not gather:
             if self.global_rank == 0:
                 warnings.warn(
                     "save_16bit_model: nothing saved; at ZeRO stage 3 set "

@@ -41,7 +41,7 @@ from torch import nn
 
 from zerotrain.precision import DTYPES, PrecisionPolicy
 from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES, ModelStateBytes, model_state_bytes
-from zerotrain.zero.partition import ZeroPolicy
+from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import assign_units, find_unit_modules
 
 __all__ = [

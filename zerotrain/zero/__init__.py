@@ -5,6 +5,7 @@
 """
 
 from zerotrain.zero.gathered import GatheredParameters
+from zerotrain.zero.group import GroupState, ShardGroup, ShardSegments
 from zerotrain.zero.init import (
     Init,
     ZeroParamStatus,
@@ -12,15 +13,18 @@ from zerotrain.zero.init import (
     register_external_parameter,
     unregister_external_parameter,
 )
-from zerotrain.zero.optimizer import ShardSegments, ZeroOptimizer
-from zerotrain.zero.partition import FlatBucket, ZeroPolicy
-from zerotrain.zero.shard_store import DeviceShardStore, ShardStore
+from zerotrain.zero.layout import FlatBucket
+from zerotrain.zero.optimizer import ZeroOptimizer
+from zerotrain.zero.policy import ZeroPolicy
+from zerotrain.zero.store import DeviceShardStore, ShardStore
 
 __all__ = [
     "DeviceShardStore",
     "FlatBucket",
     "GatheredParameters",
+    "GroupState",
     "Init",
+    "ShardGroup",
     "ShardSegments",
     "ShardStore",
     "ZeroOptimizer",

@@ -1,4 +1,16 @@
-"""Stage 3: gathering each unit's parameters just before they are used, releasing them after.
+"""How the model's parameters are made whole for use: three residencies, one way to wait.
+
+[Note: waiting for parameters]
+Where a parameter bucket's full values come from an all-gather still in flight, the bucket is
+in :class:`BucketGathers`, and whoever needs its values waits there, for that bucket only:
+* :class:`Replicated` (stage 0): every rank steps every element; nothing is ever gathered.
+* :class:`GatheredAfterStep` (stages 1-2): after the step each rank all-gathers every bucket
+  from the shards the ranks updated. With ``overlap_param_gather`` each module waits, in a
+  forward pre-hook, for the buckets holding its own parameters (DeAR, arXiv:2302.12445), so the
+  later buckets' gathers go on during the earlier layers; otherwise the step waits for all.
+* :class:`GatheredForUse` (stage 3): the units' life cycle below. Persistent units are
+  refreshed after the step like stages 1-2's buckets, and each waits at its next use.
+
 
 [Note: the life of a stage-3 unit]
 Between uses a unit's parameters are empty placeholders and only this rank's shard
@@ -34,15 +46,53 @@ forward's outputs and the reducer do that, as without checkpointing).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
-from zerotrain.zero.init import ZeroParamStatus, mark_partitioned
-from zerotrain.zero.partition import FlatBucket, point_params_at
+from zerotrain.zero.init import ZeroParamStatus, gather_param, is_init_partitioned, mark_partitioned
+from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, point_params_at
+from zerotrain.zero.units import assign_units, find_unit_modules
+
+
+@dataclass(frozen=True)
+class Stage3Options:
+    """Stage-3 knobs, in elements (DeepSpeed's ``stage3_*`` keys)."""
+
+    prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
+    max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters
+    max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (per unit here)
+
+
+class BucketGathers:
+    """Parameter all-gathers in flight, by bucket (see [Note: waiting for parameters])."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self._ops: dict[int, PendingOp] = {}  # id(bucket) -> its all-gather
+
+    def issue(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        """Start gathering ``bucket.flat_param`` from every rank's ``shard``."""
+        self._ops[id(bucket)] = self.comm.all_gather(bucket.flat_param, shard, async_op=True)
+
+    def wait(self, buckets) -> None:
+        """Complete the gathers of ``buckets`` that are in flight."""
+        for bucket in buckets:
+            op = self._ops.pop(id(bucket), None)
+            if op is not None:
+                op.wait()
+
+    def waiting(self, bucket: FlatBucket) -> bool:
+        return id(bucket) in self._ops
+
+    def __len__(self) -> int:
+        return len(self._ops)
 
 
 class UnitState(enum.Enum):
@@ -68,7 +118,6 @@ class GatherUnit:
     is_root: bool
     persistent: bool
     state: UnitState = UnitState.SHARDED
-    pending: list[PendingOp] = field(default_factory=list)
     buckets_left: int = 0  # buckets whose gradients have not all arrived this backward
 
     @property
@@ -91,6 +140,7 @@ class ParameterGatherer:
         self,
         units: list[GatherUnit],
         comm: Communicator,
+        gathers: BucketGathers,
         *,
         prefetch_numel: int,
         max_live_numel: int,
@@ -98,6 +148,7 @@ class ParameterGatherer:
     ):
         self.units = units
         self.comm = comm
+        self.in_flight = gathers
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
@@ -143,9 +194,7 @@ class ParameterGatherer:
             bucket.flat_param = torch.empty(
                 bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
             )
-            unit.pending.append(
-                self.comm.all_gather(bucket.flat_param, bucket.param_shard, async_op=True)
-            )
+            self.in_flight.issue(bucket, bucket.param_shard)
         unit.set_status(UnitState.GATHERING)
         self.gathers += 1
         self.live_numel += unit.numel
@@ -154,9 +203,7 @@ class ParameterGatherer:
     def _wait(self, unit: GatherUnit) -> None:
         if unit.state is not UnitState.GATHERING:
             return
-        for op in unit.pending:
-            op.wait()
-        unit.pending.clear()
+        self.in_flight.wait(unit.buckets)
         for bucket in unit.buckets:
             point_params_at(bucket)
         unit.set_status(UnitState.GATHERED)
@@ -299,7 +346,8 @@ class ParameterGatherer:
             self._plan_reuse()
 
     def refresh_persistent(self) -> None:
-        """After an optimizer step: bring persistent units' full buffers up to date, and drop
+        """After an optimizer step: start bringing persistent units' full buffers up to date
+        (each unit's next use waits for its own; see [Note: waiting for parameters]), and drop
         any other unit still gathered (a backward this engine did not run, e.g. another
         engine's loss through this model, gathers without releasing): its values predate the
         step, so its next use must gather again."""
@@ -307,14 +355,16 @@ class ParameterGatherer:
             if not unit.persistent:
                 self.release(unit)
             unit.buckets_left = len(unit.buckets)
-        ops = [
-            self.comm.all_gather(b.flat_param, b.param_shard, async_op=True)
-            for u in self.units
-            if u.persistent
-            for b in u.buckets
-        ]
-        for op in ops:
-            op.wait()
+        for unit in self.units:
+            if unit.persistent:
+                for bucket in unit.buckets:
+                    self.in_flight.issue(bucket, bucket.param_shard)
+                unit.set_status(UnitState.GATHERING)
+
+    def wait_all(self) -> None:
+        """Complete every gather in flight (prefetched units, persistent refreshes)."""
+        for unit in self.units:
+            self._wait(unit)
 
     def gather(self, unit: GatherUnit) -> None:
         """Gather ``unit`` now, outside the hooks (pair with :meth:`release`)."""
@@ -328,3 +378,255 @@ def _recomputing() -> bool:
     """Whether a module forward runs inside a backward pass: activation checkpointing's
     recomputation. (torch.utils.checkpoint asks autograd the same question.)"""
     return torch._C._current_graph_task_id() != -1
+
+
+Runs = list[tuple[int, int, NamedParams]]  # (optimizer group, unit, parameters), see layout.py
+
+
+class ParamResidency:
+    """How the model's parameters exist between uses, are made whole for use, and take the
+    optimizer's updates (see [Note: waiting for parameters])."""
+
+    shards_params: ClassVar[bool] = False
+    """Whether a rank keeps only its shard of the parameters between uses."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Communicator,
+        partition: OptimizerPartition,
+        *,
+        stage3: Stage3Options,
+        overlap_param_gather: bool,
+    ):
+        self.model = model
+        self.comm = comm
+        self.partition = partition
+        self.stage3 = stage3
+        self.overlap_param_gather = overlap_param_gather
+        self.in_flight = BucketGathers(comm)
+        self.buckets: list[FlatBucket] = []
+
+    # -- building the layout -----------------------------------------------------------------------
+    def layout_runs(self, groups: list[NamedParams]) -> tuple[Runs, bool]:
+        """The runs of parameters that may share a bucket, and whether ``reduce_bucket_size``
+        splits them (else one bucket per run)."""
+        return [(g, 0, named) for g, named in enumerate(groups)], True
+
+    def full_value(self, param: nn.Parameter) -> torch.Tensor:
+        """A parameter's whole initial value (collective: every rank calls it in order)."""
+        if is_init_partitioned(param):  # built under zero.Init: gather one at a time
+            return gather_param(param, self.comm)
+        return param.detach()
+
+    def adopt(self, buckets: list[FlatBucket]) -> None:
+        """Take the built buckets: every rank starts from rank 0's weights, as in DeepSpeed."""
+        self.buckets = buckets
+        for bucket in buckets:
+            self.comm.broadcast(bucket.flat_param, src=0)
+
+    def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
+        """Put the bucket in the training dtype; returns the fp32 values of the optimizer's
+        part."""
+        flat_fp32 = bucket.flat_param
+        bucket.flat_param = flat_fp32.to(bucket.dtype)
+        point_params_at(bucket)
+        return self.partition.part(bucket, flat_fp32)
+
+    def start(self) -> None:
+        """Install the hooks that run the residency during forward."""
+
+    @property
+    def reduce_comm(self) -> Communicator:
+        """The communicator gradient reductions use."""
+        return self.comm
+
+    # -- during training ---------------------------------------------------------------------------
+    def param_part(self, bucket: FlatBucket) -> torch.Tensor:
+        """The model's copy (training dtype) of the part this rank's optimizer steps."""
+        return self.partition.part(bucket, bucket.flat_param)
+
+    def publish(self) -> None:
+        """The optimizer wrote its part of every bucket: make the parameters current."""
+
+    def wait(self, buckets=None) -> None:
+        """Finish gathering ``buckets`` (default: all): their values are current after this."""
+        self.in_flight.wait(self.buckets if buckets is None else buckets)
+
+    def holds_whole(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is whole throughout forward and backward."""
+        return True
+
+    def begin_access(self, buckets: list[FlatBucket]) -> list:
+        """Make ``buckets`` whole outside forward (collective); returns what to release."""
+        self.wait()
+        return []
+
+    def end_access(self, gathered_here: list) -> None:
+        """Release what :meth:`begin_access` gathered."""
+
+    def bucket_grads_taken(self, bucket: FlatBucket) -> None:
+        """All of ``bucket``'s gradients of this backward are with the reduction."""
+
+    def finish_backward(self) -> None:
+        """A backward's reductions are done."""
+
+    @property
+    def persistent_numel(self) -> int:
+        """Elements kept whole on every rank although parameters are sharded."""
+        return 0
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage this rank holds (for memory accounting)."""
+        return [t for b in self.buckets for t in (b.flat_param, b.param_shard) if t is not None]
+
+
+class Replicated(ParamResidency):
+    """Stage 0: every rank holds and steps every parameter; nothing to gather."""
+
+
+class GatheredAfterStep(ParamResidency):
+    """Stages 1-2: whole parameters on every rank; each steps its shard and gathers the rest."""
+
+    def start(self) -> None:
+        if not self.overlap_param_gather:
+            return
+        bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
+        for module in self.model.modules():
+            own = {id(bucket_of[id(p)]): bucket_of[id(p)] for p in _own_params(module, bucket_of)}
+            if own:
+                # the later buckets hold the earlier layers (reverse order): wait for those first
+                buckets = sorted(own.values(), key=self.buckets.index, reverse=True)
+                module.register_forward_pre_hook(_waiter(self.in_flight, buckets))
+
+    def publish(self) -> None:
+        # Buckets hold parameters in reverse order: the forward needs the last one first.
+        for bucket in reversed(self.buckets):
+            self.in_flight.issue(bucket, bucket.shard(bucket.flat_param))
+        if not self.overlap_param_gather:
+            self.wait()
+
+
+class GatheredForUse(ParamResidency):
+    """Stage 3: each rank keeps its shard; gather units are gathered around their use."""
+
+    shards_params = True
+
+    def __init__(self, model: nn.Module, comm: Communicator, partition, **options):
+        super().__init__(model, comm, partition, **options)
+        self.unit_modules = find_unit_modules(model)
+        self.gatherer: ParameterGatherer | None = None
+        self._persistent: set[int] = set()
+        # Gathers and reductions on separate groups: each keeps its own order on all ranks
+        # even when backward interleaves them differently (see [Note: reduction order]).
+        self._reduce_comm: Communicator | None = None
+
+    def layout_runs(self, groups: list[NamedParams]) -> tuple[Runs, bool]:
+        """One bucket per (unit, optimizer group): a unit gathers as a whole."""
+        unit_of = assign_units(self.model, self.unit_modules)
+        # backward meets the blocks in reverse; the root unit (embeddings) finishes last
+        order = [*reversed(range(len(self.unit_modules))), len(self.unit_modules)]
+        runs = [
+            (g, u, [(n, p) for n, p in named if unit_of[id(p)] == u])
+            for u in order
+            for g, named in enumerate(groups)
+        ]
+        return [run for run in runs if run[2]], False
+
+    def full_value(self, param: nn.Parameter) -> torch.Tensor:
+        if not is_init_partitioned(param):  # no flat buffer to broadcast: take rank 0's values
+            self.comm.broadcast(param.data, src=0)
+        return super().full_value(param)
+
+    def adopt(self, buckets: list[FlatBucket]) -> None:
+        self.buckets = buckets
+        unit_numel: dict[int, int] = {}
+        for bucket in buckets:
+            unit_numel[bucket.unit] = unit_numel.get(bucket.unit, 0) + bucket.numel
+        threshold = self.stage3.persistence_threshold
+        self._persistent = {u for u, numel in unit_numel.items() if numel < threshold}
+
+    def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
+        master_fp32 = bucket.param_shard
+        bucket.param_shard = master_fp32.to(bucket.dtype)
+        if bucket.unit in self._persistent:  # kept whole; its shard views the buffer
+            bucket.flat_param = torch.empty(
+                bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
+            )
+            self.comm.all_gather(bucket.flat_param, bucket.param_shard)
+            bucket.param_shard = bucket.shard(bucket.flat_param)
+        return master_fp32
+
+    def start(self) -> None:
+        units = []
+        root = len(self.unit_modules)
+        for index in range(root + 1):
+            buckets = [b for b in self.buckets if b.unit == index]
+            module = self.model if index == root else self.unit_modules[index]
+            persistent = index in self._persistent
+            units.append(GatherUnit(index, module, buckets, index == root, persistent))
+        self.gatherer = ParameterGatherer(
+            units,
+            self.comm,
+            self.in_flight,
+            prefetch_numel=self.stage3.prefetch_numel,
+            max_live_numel=self.stage3.max_live_numel,
+            max_reuse_numel=self.stage3.max_reuse_numel,
+        )
+
+    @property
+    def reduce_comm(self) -> Communicator:
+        if self._reduce_comm is None:
+            self._reduce_comm = self.comm.new_group()
+        return self._reduce_comm
+
+    def param_part(self, bucket: FlatBucket) -> torch.Tensor:
+        return bucket.param_shard
+
+    def publish(self) -> None:
+        self.gatherer.refresh_persistent()  # the others gather at their next use
+
+    def wait(self, buckets=None) -> None:
+        self.gatherer.wait_all()
+
+    def holds_whole(self, param: nn.Parameter) -> bool:
+        """At stage 3 only the root unit's and persistent units' parameters are."""
+        for bucket in self.buckets:
+            if any(slot.param is param for slot in bucket.slots):
+                unit = self.gatherer.unit_of(bucket)
+                return unit.is_root or unit.persistent
+        return True  # not trained by this engine (frozen): replicated
+
+    def begin_access(self, buckets: list[FlatBucket]) -> list:
+        self.wait()
+        gathered_here = []
+        for unit in {id(u): u for u in map(self.gatherer.unit_of, buckets)}.values():
+            if unit.state is UnitState.SHARDED:
+                self.gatherer.gather(unit)
+                gathered_here.append(unit)
+        return gathered_here
+
+    def end_access(self, gathered_here: list) -> None:
+        for unit in gathered_here:
+            self.gatherer.release(unit)
+
+    def bucket_grads_taken(self, bucket: FlatBucket) -> None:
+        self.gatherer.bucket_grads_taken(bucket)
+
+    def finish_backward(self) -> None:
+        self.gatherer.finish_backward()
+
+    @property
+    def persistent_numel(self) -> int:
+        return sum(u.numel for u in self.gatherer.units if u.persistent)
+
+
+def _own_params(module: nn.Module, bucket_of: dict[int, FlatBucket]) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if id(p) in bucket_of]
+
+
+def _waiter(in_flight: BucketGathers, buckets: list[FlatBucket]) -> Callable:
+    def wait_for_own_buckets(_module, _args) -> None:
+        in_flight.wait(buckets)
+
+    return wait_for_own_buckets

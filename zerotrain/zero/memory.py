@@ -40,11 +40,15 @@ per rank, and at stage 3 the parameter shards, p·Ψ/N. The device keeps the res
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero.partition import ZeroPolicy
+
+if TYPE_CHECKING:
+    from zerotrain.zero.group import ShardGroup
+    from zerotrain.zero.policy import ZeroPolicy
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd-momentum": 4, "sgd": 0}
 """fp32 bytes of optimizer state per parameter element (Adam: exp_avg and exp_avg_sq)."""
@@ -137,3 +141,31 @@ def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
                     if torch.is_tensor(t) and t.shape == param.shape
                 )
     return 0
+
+
+def measured_model_states(group: ShardGroup) -> dict[str, int]:
+    """Bytes of model states ``group`` holds on this rank, from the allocated storage (each
+    storage once): ``parameters``, ``gradients``, ``optimizer_states`` (fp32 masters that are
+    separate copies, plus the optimizer's state) and their ``total``."""
+    seen: set[int] = set()
+
+    def nbytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = nbytes(group.residency.param_tensors())
+    grads = nbytes(group.reduction.grad_buffers())
+    optimizer = group.store.optimizer
+    state_tensors = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    optim = nbytes(group.store.master_shards()) + nbytes(state_tensors)
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_states": optim,
+        "total": params + grads + optim,
+    }

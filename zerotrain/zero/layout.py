@@ -1,4 +1,4 @@
-"""What ZeRO partitions (a policy) and how trainable parameters are laid out to partition them.
+"""How trainable parameters are laid out to be partitioned: flat, evenly sharded buckets.
 
 [Note: buckets are sharded evenly]
 Trainable parameters of one optimizer group are packed, in reverse registration order (roughly
@@ -18,33 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zerotrain.comm import Communicator
 from zerotrain.zero.init import full_shape
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
 
-@dataclass(frozen=True)
-class ZeroPolicy:
-    """What is partitioned across data-parallel ranks (ZeRO, arXiv:1910.02054 §5).
-
-    Stage 0 partitions nothing (plain data parallelism), stage 1 the optimizer states and fp32
-    master weights, stage 2 also the gradients, stage 3 also the parameters. The engine reads
-    these flags, never the stage.
-    """
-
-    stage: int
-    shard_optimizer_states: bool
-    shard_gradients: bool
-    shard_parameters: bool
-
-    @classmethod
-    def for_stage(cls, stage: int) -> ZeroPolicy:
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_optimization.stage: must be between 0 and 3, got {stage}")
-        return cls(stage, stage >= 1, stage >= 2, stage >= 3)
-
-
-@dataclass
+@dataclass(eq=False)  # identity: slots hold tensors
 class ParamSlot:
     """Where one model parameter sits inside its bucket's flat buffer."""
 
@@ -55,8 +35,13 @@ class ParamSlot:
     numel: int
     shape: torch.Size
 
+    def overlap(self, start: int, end: int) -> tuple[int, int]:
+        """Flat positions of ``[start, end)`` this parameter occupies, as ``(lo, hi)``; empty when
+        ``lo >= hi``."""
+        return intersect(self.offset, self.offset + self.numel, start, end)
 
-@dataclass
+
+@dataclass(eq=False)  # identity: buckets hold tensors
 class FlatBucket:
     """Trainable parameters of one optimizer group stored in one flat, evenly sharded buffer."""
 
@@ -99,7 +84,7 @@ class FlatBucket:
         """For flat positions ``[start, end)``, the parameter index each holds (-1: padding)."""
         ids = torch.full((end - start,), -1, dtype=torch.int64)
         for slot in self.slots:
-            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+            lo, hi = slot.overlap(start, end)
             if lo < hi:
                 ids[lo - start : hi - start] = slot.index
         return ids
@@ -164,7 +149,7 @@ def _fill(bucket: FlatBucket, full_value, shard_only: bool) -> None:
         if not shard_only:
             target[slot.offset : slot.offset + slot.numel].copy_(value)
             continue
-        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        lo, hi = slot.overlap(start, end)
         if lo < hi:
             target[lo - start : hi - start].copy_(value[lo - slot.offset : hi - slot.offset])
     if shard_only:
@@ -183,3 +168,44 @@ def point_grads_at(bucket: FlatBucket) -> None:
     """Make every ``param.grad`` a view into ``bucket.flat_grad`` so autograd accumulates there."""
     for slot in bucket.slots:
         slot.param.grad = bucket.view(bucket.flat_grad, slot)
+
+
+def intersect(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:
+    """The overlap of ``[start, end)`` and ``[other_start, other_end)`` as ``(lo, hi)``; empty
+    when ``lo >= hi``."""
+    return max(start, other_start), min(end, other_end)
+
+
+class OptimizerPartition:
+    """Which part of every bucket this rank's optimizer steps: the whole bucket (optimizer
+    states replicated, stage 0) or this rank's shard (stages 1-3), and how a value over that
+    part becomes the global one."""
+
+    def __init__(self, comm: Communicator, sharded: bool):
+        self.comm = comm
+        self.sharded = sharded
+
+    def range(self, bucket: FlatBucket) -> tuple[int, int]:
+        """Flat positions ``[start, end)`` of ``bucket`` that this rank's optimizer steps."""
+        if self.sharded:
+            return bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
+        return 0, bucket.numel_padded
+
+    def part(self, bucket: FlatBucket, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a bucket-sized flat tensor."""
+        start, end = self.range(bucket)
+        return flat[start:end]
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        """Sum a per-rank partial (a gradient norm, Lamb's per-parameter norms) in place: each
+        element is owned by one rank when sharded, by every rank otherwise."""
+        if self.sharded:
+            self.comm.all_reduce(tensor)
+
+    def full(self, bucket: FlatBucket, local: torch.Tensor) -> torch.Tensor:
+        """The whole bucket from every rank's part ``local`` (collective when sharded)."""
+        if not self.sharded:
+            return local
+        full = torch.empty(bucket.numel_padded, dtype=local.dtype, device=local.device)
+        self.comm.all_gather(full, local.contiguous())
+        return full

@@ -1,0 +1,267 @@
+"""The shard group: ZeRO's unit of partitioning, in the spirit of FSDP2's ``FSDPParamGroup``.
+
+A group is a set of flat buckets (zerotrain/zero/layout.py) partitioned over the ranks of one
+communicator (passed in, never an implicit world group), with one strategy of each kind chosen
+once from the ZeRO policy (see [Note: the stage is read once] in policy.py):
+* which part of each bucket this rank's optimizer steps (``partition``),
+* how gradients are reduced (``reduction``, zerotrain/zero/reduce.py),
+* how parameters are made whole for use (``residency``, zerotrain/zero/gather.py),
+* where the fp32 masters and optimizer state live and are stepped (``store``, store.py).
+Its lifecycle is explicit (:class:`GroupState`) and checked when ``ZEROTRAIN_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerotrain.comm import Communicator
+from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.gather import ParamResidency, Stage3Options
+from zerotrain.zero.init import take_ownership
+from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, build_buckets
+from zerotrain.zero.policy import ZeroPolicy, choose_strategies
+from zerotrain.zero.reduce import GradientReduction
+from zerotrain.zero.store import DeviceShardStore, ShardStore
+
+
+def debug_checks() -> bool:
+    """``ZEROTRAIN_DEBUG=1``: check lifecycle transitions (read at each check, so a test can
+    turn it on in a running process)."""
+    return os.environ.get("ZEROTRAIN_DEBUG", "") not in ("", "0")
+
+
+class GroupState(enum.Enum):
+    """Where a group is in a training step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+_ALLOWED = {
+    GroupState.IDLE: {GroupState.FORWARD, GroupState.BACKWARD, GroupState.STEP, GroupState.IDLE},
+    GroupState.FORWARD: {GroupState.IDLE},
+    GroupState.BACKWARD: {GroupState.IDLE},
+    GroupState.STEP: {GroupState.IDLE},
+}
+
+
+@dataclass
+class ShardSegments:
+    """Which original parameter each element of each master tensor belongs to.
+
+    Optimizers whose update needs per-parameter norms (Lamb's trust ratio) use it to compute
+    them on flat shards: ``ids[i]`` matches the i-th master tensor (-1 marks padding), and
+    ``allreduce`` sums a per-parameter vector across ranks.
+    """
+
+    ids: list[torch.Tensor]
+    num_segments: int
+    allreduce: Callable[[torch.Tensor], None]
+
+
+OptimizerFactory = Callable[[list[dict], ShardSegments], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class MasterPiece:
+    """A run of one parameter's elements inside one of this rank's master tensors:
+    ``master[master_start : master_start + numel]`` holds elements
+    ``[param_start, param_start + numel)`` of the flattened parameter ``name``."""
+
+    name: str
+    master: int  # index into the store's master tensors (= bucket index)
+    master_start: int
+    param_start: int
+    numel: int
+
+
+class ShardGroup:
+    """Flat buckets over one communicator, with their partition, reduction, residency and
+    store (see the module docstring). Built by :func:`build_shard_group`."""
+
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        comm: Communicator,
+        partition: OptimizerPartition,
+        residency: ParamResidency,
+        reduction: GradientReduction,
+        store: ShardStore,
+    ):
+        self.buckets = buckets
+        self.comm = comm
+        self.partition = partition
+        self.residency = residency
+        self.reduction = reduction
+        self.store = store
+        self.num_params = sum(b.numel for b in buckets)
+        self.state = GroupState.IDLE
+
+    def _enter(self, state: GroupState) -> None:
+        if state not in _ALLOWED[self.state] and debug_checks():
+            raise RuntimeError(f"shard group: {self.state.value} -> {state.value} is not allowed")
+        self.state = state
+
+    # -- the step's phases ---------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        if self.state is GroupState.IDLE:  # a forward inside backward recomputes: no change
+            self._enter(GroupState.FORWARD)
+
+    def end_forward(self) -> None:
+        if self.state is GroupState.FORWARD:
+            self._enter(GroupState.IDLE)
+
+    def begin_backward(self, at_boundary: bool, grad_factor: float) -> None:
+        self.residency.wait()  # whatever the forward did not need: finish it now
+        self._enter(GroupState.BACKWARD)
+        self.reduction.begin_backward(at_boundary, grad_factor)
+
+    def finish_backward(self, at_boundary: bool) -> None:
+        self.reduction.finish_backward(at_boundary)
+        self._enter(GroupState.IDLE)
+
+    def abort_backward(self) -> None:
+        self.reduction.abort_backward()
+        self._enter(GroupState.IDLE)
+
+    def begin_step(self) -> None:
+        self.residency.wait()  # a step without a forward since the last one
+        self._enter(GroupState.STEP)
+        self.store.attach_grads(self.reduction.reduced_grads())
+
+    def end_step(self, applied: bool) -> None:
+        """After the store stepped (``applied``) or skipped: publish, drop the gradients."""
+        if applied:
+            self.publish()
+        self.store.release_grads()
+        self.reduction.zero_grads()
+        self._enter(GroupState.IDLE)
+
+    def publish(self) -> None:
+        """After the masters changed (a step, a checkpoint load): update the model's parameters
+        on every rank (collective)."""
+        self.store.write_params([self.residency.param_part(b) for b in self.buckets])
+        self.residency.publish()
+
+    # -- views of the state --------------------------------------------------------------------
+    def locate(self, param: nn.Parameter):
+        """``(bucket index, slot)`` of a parameter this group trains, or None."""
+        for index, bucket in enumerate(self.buckets):
+            for slot in bucket.slots:
+                if slot.param is param:
+                    return index, slot
+        return None
+
+    def master_pieces(self, *, own_shard_only: bool) -> list[MasterPiece]:
+        """Where each parameter's elements sit in this rank's master tensors.
+
+        ``own_shard_only``: only this rank's 1/N shard of each bucket, whatever the partition
+        (what its checkpoint file holds: with replicated optimizer states every rank holds
+        everything, and each writes its 1/N). Otherwise all the elements the masters hold.
+        """
+        pieces = []
+        for index, bucket in enumerate(self.buckets):
+            opt_start, _ = self.partition.range(bucket)
+            if own_shard_only:
+                start = bucket.rank * bucket.shard_numel
+                end = start + bucket.shard_numel
+            else:
+                start, end = self.partition.range(bucket)
+            for slot in bucket.slots:
+                lo, hi = slot.overlap(start, end)
+                if lo < hi:
+                    pieces.append(
+                        MasterPiece(slot.name, index, lo - opt_start, lo - slot.offset, hi - lo)
+                    )
+        return pieces
+
+    def full_master_params(self) -> dict[int, torch.Tensor]:
+        """``id(param) -> full fp32 master value``, gathered from every rank's part."""
+        out: dict[int, torch.Tensor] = {}
+        for bucket, master in zip(self.buckets, self.store.master_shards(), strict=True):
+            full = self.partition.full(bucket, master)
+            for slot in bucket.slots:
+                out[id(slot.param)] = bucket.view(full, slot)
+        return out
+
+
+def build_shard_group(
+    model: nn.Module,
+    groups: list[tuple[dict, NamedParams]],
+    make_optimizer: OptimizerFactory,
+    *,
+    policy: ZeroPolicy,
+    precision: PrecisionPolicy,
+    comm: Communicator,
+    owner: object,
+    bucket_numel: int = 500_000_000,
+    stage3: Stage3Options | None = None,
+    overlap_param_gather: bool = False,
+    comm_dtype: torch.dtype | None = None,
+) -> ShardGroup:
+    """Lay out ``groups``' parameters in buckets, choose the strategies for ``policy`` and
+    build the group's state; ``make_optimizer`` builds the torch optimizer over the masters.
+    ``owner`` is recorded on each parameter (zerotrain.zero.init.take_ownership)."""
+    strategies = choose_strategies(policy, comm)
+    residency = strategies.residency(
+        model,
+        comm,
+        strategies.partition,
+        stage3=stage3 or Stage3Options(),
+        overlap_param_gather=overlap_param_gather,
+    )
+    runs, split = residency.layout_runs([named for _, named in groups])
+    index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
+    buckets = build_buckets(
+        runs,
+        index_of=index_of,
+        bucket_numel=bucket_numel if split else None,
+        world_size=comm.world_size,
+        rank=comm.rank,
+        full_value=residency.full_value,
+        shard_only=residency.shards_params,
+    )
+    for bucket in buckets:
+        for slot in bucket.slots:
+            take_ownership(slot.param, owner)
+    residency.adopt(buckets)
+    masters = []
+    for bucket in buckets:
+        bucket.dtype = precision.param_dtype
+        master_fp32 = residency.init_bucket(bucket)
+        # fp32 training: the master is the model's own copy of this rank's part
+        masters.append(
+            master_fp32.clone() if precision.has_master_copy else residency.param_part(bucket)
+        )
+    residency.start()
+    reduce_comm = residency.reduce_comm
+    inner_groups = []
+    order = []  # master index per optimizer group, in the optimizer's order
+    for group_index, (hyper, _) in enumerate(groups):
+        members = [i for i, b in enumerate(buckets) if b.group_index == group_index]
+        inner_groups.append({**hyper, "params": [masters[i] for i in members]})
+        order += members
+    partition = strategies.partition
+    ids = [buckets[i].slot_ids(*partition.range(buckets[i])).to(buckets[i].device) for i in order]
+    segments = ShardSegments(ids, len(index_of), partition.sum_over_ranks)
+    store = DeviceShardStore(
+        masters,
+        make_optimizer(inner_groups, segments),
+        masters_alias_params=not precision.has_master_copy,
+    )
+    reduction = strategies.reduction(
+        buckets,
+        reduce_comm,
+        comm_dtype,
+        on_bucket_grads_taken=residency.bucket_grads_taken,
+        on_settled=residency.finish_backward,
+    )
+    return ShardGroup(buckets, comm, partition, residency, reduction, store)

@@ -1,0 +1,460 @@
+"""Gradient reduction across data-parallel ranks, bucket by bucket: three strategies.
+
+[Note: reduction order]
+Every rank must issue the same collectives in the same order. Buckets are therefore launched
+strictly in bucket order: a bucket whose gradients are complete waits until every earlier
+bucket has been launched. A bucket with a parameter that got no gradient this backward (unused
+in the forward, on this rank or all) is launched by :meth:`GradientReduction.finish_backward`
+with zeros for that parameter, so no rank waits for a gradient that will never come.
+
+[Note: the three reductions]
+* :class:`AllReduceAtBoundary` (nothing sharded, stage 0): gradients accumulate in full
+  buffers that every ``param.grad`` views; in the backward of the accumulation boundary each
+  bucket is all-reduced as soon as its gradients are complete.
+* :class:`ReduceScatterAtBoundary` (optimizer states sharded, stage 1): as above, but each
+  bucket is reduce-scattered in place, so only this rank's shard of the buffer holds the
+  average.
+* :class:`ReduceScatterInBackward` (gradients sharded, stages 2-3): during every backward, each
+  gradient is written, already multiplied by 1/N, into its bucket's transient buffer as it
+  arrives (``param.grad`` is freed at once, so no rank keeps full gradients after backward);
+  once a bucket's gradients are all there it is reduce-scattered into this rank's persistent
+  ``grad_shard``.
+Reductions are asynchronous: backward goes on computing earlier layers' gradients while a
+bucket is on the wire (wait-free backpropagation); ``finish_backward`` waits for them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from zerotrain.comm import Communicator, PendingOp
+from zerotrain.zero.layout import FlatBucket, ParamSlot, point_grads_at
+
+
+def _nothing(*_args) -> None:
+    pass
+
+
+class GradientReduction(ABC):
+    """Averages gradients over the ranks of ``comm``, bucket by bucket during backward: hooks,
+    arrival, launch order and the backward's lifecycle; subclasses say where gradients are
+    kept and which collective reduces them (see [Note: the three reductions])."""
+
+    every_backward: ClassVar[bool]
+    """Whether every backward reduces (gradients are sharded), or only the boundary's."""
+
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        comm: Communicator,
+        comm_dtype: torch.dtype | None = None,
+        on_bucket_grads_taken: Callable[[FlatBucket], None] = _nothing,
+        on_settled: Callable[[], None] = _nothing,
+    ):
+        self.buckets = buckets
+        self.comm = comm
+        # communication_data_type: the dtype gradients are summed in (None: the training dtype)
+        self.comm_dtype = comm_dtype
+        self._on_bucket_grads_taken = on_bucket_grads_taken  # all of a bucket's grads are in
+        self._on_settled = on_settled  # a backward's reductions are all done
+        self._inv_world = 1.0 / comm.world_size
+        self._arrived: list[set[int]] = [set() for _ in buckets]
+        self._pending: list[PendingOp] = []
+        self._next_launch = 0
+        # A backward was reduced in this accumulation. Stages 2-3: grad_shard holds gradients
+        # (False: stale, overwrite it); stage 1: flat_grad's shard holds an average.
+        self._shard_holds_grads = False
+        # Parameters whose .grad holds gradients another engine's backward wrote, not reduced
+        # yet: this engine's next backward reduces them with its own; step() refuses them.
+        self._stray: set[int] = set()
+        self._reducing = self.every_backward  # else only in the boundary's backward
+        self._in_backward = False  # between begin_backward and finish_backward
+        # Called with the parameter's name when a gradient arrives while no backward is open:
+        # it raises, opens one (begin_backward), or accepts the gradient as a plain .grad
+        # (see backward.py).
+        self.on_stray_grad: Callable[[str], None] = _refuse_stray_grad
+        self._grad_factor = 1.0  # on this backward's gradients (see begin_backward)
+        for bucket in buckets:
+            self._allocate(bucket)
+        for bucket_index, bucket in enumerate(buckets):
+            for slot in bucket.slots:
+                slot.param.register_post_accumulate_grad_hook(self._make_hook(bucket_index, slot))
+
+    # -- what a strategy decides -----------------------------------------------------------------
+    @abstractmethod
+    def _allocate(self, bucket: FlatBucket) -> None:
+        """Create the bucket's persistent gradient buffer."""
+
+    @abstractmethod
+    def _take_grad(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        """A parameter's gradient of this backward is complete: take it into the bucket."""
+
+    @abstractmethod
+    def _launch(self, index: int) -> None:
+        """Start bucket ``index``'s reduction (asynchronous, appended to ``_pending``)."""
+
+    @abstractmethod
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """Per bucket, the averaged gradient of the part the optimizer steps on this rank."""
+
+    @abstractmethod
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The persistent gradient buffers (for memory accounting)."""
+
+    @abstractmethod
+    def _reset_grads(self) -> None:
+        """Empty the gradient buffers for a new accumulation."""
+
+    def _on_hook(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        if self._reducing:
+            self._on_grad_ready(bucket_index, slot, param)
+
+    def _prepare_backward(self, at_boundary: bool) -> None:  # noqa: B027 (a hook: optional)
+        """Before a backward, after the factor is set."""
+
+    def _end_backward_grads(self) -> None:  # noqa: B027 (a hook: optional)
+        """After a backward, before its reductions are launched."""
+
+    def _drop_transients(self) -> None:  # noqa: B027 (a hook: optional)
+        """Forget buffers that only live within one backward."""
+
+    # -- the common path ---------------------------------------------------------------------------
+    def _make_hook(self, bucket_index: int, slot: ParamSlot):
+        def hook(param: torch.Tensor) -> None:
+            if not self._in_backward:
+                self.on_stray_grad(slot.name)  # raises, opens a backward, or leaves .grad be
+                if not self._in_backward:
+                    self._stray.add(slot.index)  # in .grad, not reduced yet
+                    return
+            self._on_hook(bucket_index, slot, param)
+
+        return hook
+
+    def _on_grad_ready(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        if bucket_index < self._next_launch:
+            raise RuntimeError(
+                f"gradient of '{slot.name}' arrived after its bucket was reduced: a parameter got "
+                "gradients from two backward passes in one micro-step. Call engine.backward "
+                "once per micro-batch (sum the losses first)."
+            )
+        self._take_grad(bucket_index, slot, param)
+        arrived = self._arrived[bucket_index]
+        arrived.add(slot.index)
+        bucket = self.buckets[bucket_index]
+        if len(arrived) == len(bucket.slots):
+            self._on_bucket_grads_taken(bucket)
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            index = self._next_launch
+            complete = len(self._arrived[index]) == len(self.buckets[index].slots)
+            if not (complete or force):
+                return
+            self._launch(index)
+            self._next_launch += 1
+
+    def begin_backward(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
+        """Called before each micro-step's backward.
+
+        ``grad_factor`` multiplies every gradient this backward produces, whichever path it
+        took to the parameter (``loss.backward()`` divides by the accumulation steps here)."""
+        self._in_backward = True
+        self._reducing = self.every_backward or at_boundary
+        self._grad_factor = grad_factor
+        self._prepare_backward(at_boundary)
+
+    def finish_backward(self, at_boundary: bool) -> None:
+        """Called after each micro-step's backward: launches what is left, waits for all."""
+        self._in_backward = False
+        self._end_backward_grads()
+        self._grad_factor = 1.0
+        if not (self.every_backward or at_boundary):
+            return
+        self._launch_ready(force=True)  # also all buckets if no hook saw this backward
+        self._settle()
+        self._stray.clear()  # reduced with this backward's
+        self._shard_holds_grads = True
+
+    def abort_backward(self) -> None:
+        """Forget a backward that raised part-way (a caught out-of-memory error, a bad batch):
+        the accumulation's gradients are dropped and the next backward starts clean.
+        Reductions already launched are waited for, so every rank stays in step."""
+        self._in_backward = False
+        self._grad_factor = 1.0
+        self._settle()
+        self._drop_transients()
+        for arrived in self._arrived:
+            arrived.clear()
+        self.zero_grads()
+
+    def _settle(self) -> None:
+        """Wait for every reduction in flight and return to the state between backwards."""
+        for op in self._pending:
+            op.wait()
+        self._pending.clear()
+        self._next_launch = 0
+        self._reducing = self.every_backward
+        self._on_settled()
+
+    @property
+    def unreduced_grads(self) -> list[str]:
+        """Names of parameters holding gradients another engine's backward wrote since this
+        engine's last reduction and still in ``.grad`` (step() would not average them)."""
+        if not self._stray:  # every step asks: skip the walk over the parameters
+            return []
+        return [
+            s.name
+            for b in self.buckets
+            for s in b.slots
+            if s.index in self._stray and s.param.grad is not None
+        ]
+
+    def zero_grads(self) -> None:
+        """Start a new accumulation."""
+        self._shard_holds_grads = False
+        self._stray.clear()
+        self._reset_grads()
+
+
+class _InPlaceReduction(GradientReduction):
+    """Gradients accumulate in a full flat buffer per bucket that every ``param.grad`` views,
+    and only the boundary's backward reduces it, in place."""
+
+    every_backward = False
+
+    def __init__(self, *args, **kwargs):
+        self._carry: list[torch.Tensor] = []  # stage 1: see _carry_reduced_shards
+        super().__init__(*args, **kwargs)
+
+    @abstractmethod
+    def _owned(self, bucket: FlatBucket, flat: torch.Tensor) -> torch.Tensor:
+        """The part of a bucket-sized tensor that holds the average after the reduction."""
+
+    @abstractmethod
+    def _reduce(self, bucket: FlatBucket, wire: torch.Tensor) -> PendingOp:
+        """The asynchronous collective over ``wire`` (the flat gradient, scaled by 1/N)."""
+
+    def _allocate(self, bucket: FlatBucket) -> None:
+        bucket.flat_grad = torch.zeros(
+            bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
+        )
+        point_grads_at(bucket)  # after the params: a grad must match their dtype
+
+    def _on_hook(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        if self._grad_factor != 1.0:
+            _fold_into_view(self.buckets[bucket_index], slot, self._grad_factor)
+        super()._on_hook(bucket_index, slot, param)
+
+    def _take_grad(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        _repair_grad_view(self.buckets[bucket_index], slot)
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        for slot in bucket.slots:  # parameters without a gradient this backward
+            if slot.index not in self._arrived[index]:
+                _repair_grad_view(bucket, slot)
+        wire = bucket.flat_grad
+        if self.comm_dtype not in (None, wire.dtype):
+            wire = wire.to(self.comm_dtype)  # summed in that dtype, stored back after
+        wire.mul_(self._inv_world)
+        op = self._reduce(bucket, wire)
+        self._pending.append(op.then(lambda: self._store_reduced(index, wire)))
+
+    def _store_reduced(self, index: int, wire: torch.Tensor) -> None:
+        """The reduced bucket into ``flat_grad`` (a copy only when it travelled in another
+        dtype)."""
+        bucket = self.buckets[index]
+        if wire is not bucket.flat_grad:
+            self._owned(bucket, bucket.flat_grad).copy_(self._owned(bucket, wire))
+        if self._carry:
+            bucket.shard(bucket.flat_grad).add_(self._carry[index])
+        self._arrived[index].clear()
+
+    def _prepare_backward(self, at_boundary: bool) -> None:  # noqa: B027 (a hook: optional)
+        """Stages 0-1 let autograd write fresh gradients under a factor and fold them, scaled,
+        into the accumulating buffer."""
+        if self._grad_factor != 1.0:
+            for bucket in self.buckets:
+                for slot in bucket.slots:
+                    _repair_grad_view(bucket, slot)  # a .grad written meanwhile: keep it
+                    slot.param.grad = None
+
+    def _end_backward_grads(self) -> None:  # noqa: B027 (a hook: optional)
+        if self._grad_factor != 1.0:
+            for bucket in self.buckets:  # parameters this backward gave no gradient
+                for slot in bucket.slots:
+                    if slot.param.grad is None:
+                        slot.param.grad = bucket.view(bucket.flat_grad, slot)
+
+    def _settle(self) -> None:
+        super()._settle()
+        self._carry = []
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        return [self._owned(b, b.flat_grad) for b in self.buckets]
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [b.flat_grad for b in self.buckets]
+
+    def _reset_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat_grad.zero_()
+            point_grads_at(bucket)  # also where a backward that raised left them None
+
+
+class AllReduceAtBoundary(_InPlaceReduction):
+    """Stage 0: every rank ends with the whole averaged gradient."""
+
+    def _owned(self, bucket: FlatBucket, flat: torch.Tensor) -> torch.Tensor:
+        return flat
+
+    def _reduce(self, bucket: FlatBucket, wire: torch.Tensor) -> PendingOp:
+        return self.comm.all_reduce(wire, async_op=True)
+
+
+class ReduceScatterAtBoundary(_InPlaceReduction):
+    """Stage 1: each rank ends with the average in its own shard of the full buffer."""
+
+    def _owned(self, bucket: FlatBucket, flat: torch.Tensor) -> torch.Tensor:
+        return bucket.shard(flat)
+
+    def _reduce(self, bucket: FlatBucket, wire: torch.Tensor) -> PendingOp:
+        shard = bucket.shard(wire)  # in place: the input's own slice
+        return self.comm.reduce_scatter(shard, wire, async_op=True)
+
+    def _prepare_backward(self, at_boundary: bool) -> None:  # noqa: B027 (a hook: optional)
+        if at_boundary and self._shard_holds_grads:
+            self._carry_reduced_shards()
+        super()._prepare_backward(at_boundary)
+
+    def _carry_reduced_shards(self) -> None:
+        """A second reduced backward in one accumulation (two losses, two engines): the first
+        reduction left the average in this rank's shard of ``flat_grad`` and unreduced values
+        elsewhere, which a second in-place reduce-scatter would sum again. Keep the average
+        (for parameters whose ``.grad`` the user did not drop, as ``zero_grad`` does in torch),
+        restart the buffer from zero, and add the average back after the reduction
+        (``_store_reduced``)."""
+        stray = self.unreduced_grads
+        if stray:
+            raise RuntimeError(
+                f"gradients of {stray[:3]} from another engine's backward arrived after this "
+                "accumulation was reduced; at ZeRO stage 1 they cannot join it: drop them with "
+                "zero_grad() first (or step before the other engine's backward)"
+            )
+        self._carry = []
+        for bucket in self.buckets:
+            kept = bucket.shard(bucket.flat_grad).clone()
+            start = bucket.rank * bucket.shard_numel
+            for slot in bucket.slots:
+                if slot.param.grad is None:  # dropped by the user: its average goes too
+                    lo, hi = slot.overlap(start, start + bucket.shard_numel)
+                    if lo < hi:
+                        kept[lo - start : hi - start].zero_()
+            self._carry.append(kept)
+            bucket.flat_grad.zero_()
+            point_grads_at(bucket)
+
+
+class ReduceScatterInBackward(GradientReduction):
+    """Stages 2-3: every backward reduce-scatters into this rank's persistent ``grad_shard``."""
+
+    every_backward = True
+
+    def __init__(self, *args, **kwargs):
+        self._comm_buffers: list[torch.Tensor | None] = []
+        super().__init__(*args, **kwargs)
+        self._comm_buffers = [None] * len(self.buckets)
+
+    def _allocate(self, bucket: FlatBucket) -> None:
+        # in the dtype the reduction produces
+        bucket.grad_shard = torch.zeros(
+            bucket.shard_numel, dtype=self.comm_dtype or bucket.dtype, device=bucket.device
+        )
+
+    def _comm_buffer(self, bucket_index: int) -> torch.Tensor:
+        # Uninitialised: every gradient is written into it once, and _launch zeroes the rest
+        # (padding, parameters without a gradient); a zeros() would write the bucket twice.
+        buffer = self._comm_buffers[bucket_index]
+        if buffer is None:
+            bucket = self.buckets[bucket_index]
+            dtype = self.comm_dtype or bucket.dtype
+            buffer = torch.empty(bucket.numel_padded, dtype=dtype, device=bucket.device)
+            self._comm_buffers[bucket_index] = buffer
+        return buffer
+
+    def _take_grad(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
+        buffer = self._comm_buffer(bucket_index)
+        # The average's 1/N on the way in: one pass over the gradient, not a copy and a
+        # scaling pass over the bucket (the same rounding: one multiply per element).
+        torch.mul(
+            param.grad.reshape(-1),
+            self._inv_world if self._grad_factor == 1.0 else self._inv_world * self._grad_factor,
+            out=buffer[slot.offset : slot.offset + slot.numel],
+        )
+        param.grad = None
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        buffer = self._comm_buffer(index)  # the gradients that arrived, already scaled
+        for slot in bucket.slots:
+            if slot.index not in self._arrived[index]:
+                buffer[slot.offset : slot.offset + slot.numel].zero_()
+        buffer[bucket.numel :].zero_()
+        if not self._shard_holds_grads:  # first micro-step of this accumulation: write directly
+            op = self.comm.reduce_scatter(bucket.grad_shard, buffer, async_op=True)
+            self._pending.append(op.then(lambda: self._free_buffer(index)))
+        else:
+            reduced = torch.empty_like(bucket.grad_shard)
+            op = self.comm.reduce_scatter(reduced, buffer, async_op=True)
+            self._pending.append(op.then(lambda: self._free_buffer(index, add_into_shard=reduced)))
+
+    def _free_buffer(self, index: int, add_into_shard: torch.Tensor | None = None) -> None:
+        if add_into_shard is not None:
+            self.buckets[index].grad_shard.add_(add_into_shard)
+        self._comm_buffers[index] = None
+        self._arrived[index].clear()
+
+    def _drop_transients(self) -> None:  # noqa: B027 (a hook: optional)
+        self._comm_buffers = [None] * len(self.buckets)
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+    def _reset_grads(self) -> None:
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.grad = None
+
+
+def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
+    """Make ``param.grad`` the view into the flat buffer again (stages 0-1). If user code
+    replaced it (e.g. ``module.zero_grad(set_to_none=True)``), autograd accumulated into a fresh
+    tensor; fold that into the buffer. No gradient at all: the parameter contributes zeros."""
+    grad = slot.param.grad
+    view = bucket.view(bucket.flat_grad, slot)
+    if grad is None or grad.data_ptr() != view.data_ptr():
+        if grad is not None:
+            view.copy_(grad)
+        else:
+            view.zero_()
+        slot.param.grad = view
+
+
+def _fold_into_view(bucket: FlatBucket, slot: ParamSlot, factor: float) -> None:
+    """Add ``factor`` times this backward's fresh gradient into the accumulating buffer, and
+    make ``param.grad`` the buffer's view again (stages 0-1, with a gradient factor)."""
+    view = bucket.view(bucket.flat_grad, slot)
+    view.add_(slot.param.grad, alpha=factor)
+    slot.param.grad = view
+
+
+def _refuse_stray_grad(name: str) -> None:
+    raise RuntimeError(f"gradient of '{name}' arrived while no backward was open")
