@@ -15,7 +15,7 @@ from torch import nn
 from zerotrain.backward import BackwardState, MicroStepBackward
 from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
-from zerotrain.checkpoint.save import frozen_keys, save_checkpoint
+from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
@@ -440,7 +440,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         not gathered now are empty placeholders; :meth:`consolidated_state_dict` has the values."""
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
-            for key in frozen_keys(self):
+            for key in self.optimizer.group.frozen_keys(self.module):
                 state.pop(prefix + key, None)
         return state
 
@@ -463,7 +463,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         if asked."""
         state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
         if exclude_frozen:
-            frozen = frozen_keys(self)
+            frozen = self.optimizer.group.frozen_keys(self.module)
             state = {key: value for key, value in state.items() if key not in frozen}
         return state
 
@@ -540,6 +540,27 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             module_only=load_module_only,
         )
         return load_checkpoint(self, load_dir, tag, options)
+
+    def training_counters(self) -> dict[str, Any]:
+        """The counters a checkpoint saves (see zerotrain/checkpoint/protocol.py)."""
+        return {
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.optimizer.skipped_steps,
+            "global_grad_norm": self.optimizer.global_grad_norm,
+            "loss_scaler": self.optimizer.loss_scaler.state_dict(),
+        }
+
+    def restore_training_counters(self, counters: dict[str, Any], loss_scaler: bool) -> None:
+        """Resume :meth:`training_counters`' values; the loss scaler's too if ``loss_scaler``."""
+        self.global_steps = counters["global_steps"]
+        self.global_samples = counters["global_samples"]
+        # resume at an accumulation boundary of *this* run's accumulation steps (they may differ)
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self.optimizer.skipped_steps = counters["skipped_steps"]
+        self.optimizer.global_grad_norm = counters["global_grad_norm"]
+        if loss_scaler:
+            self.optimizer.loss_scaler.load_state_dict(counters["loss_scaler"])
 
     def comms_summary(self) -> str:
         """A table of the collectives this rank issued: per operation, calls, payload, bytes

@@ -56,10 +56,10 @@ class DeepSpeedQueries:
         return self.optimizer.policy.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.optimizer.policy.shard_gradients
+        return self.optimizer.reduction.every_backward  # reduced into shards every backward
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.optimizer.policy.shard_parameters
+        return self.optimizer.group.residency.shards_params
 
     def zero_offload_optimizer(self) -> OffloadOptimizerConfig | None:
         """The `offload_optimizer` section when it asks for offload, else None."""

@@ -19,10 +19,10 @@ import torch
 
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
 from zerotrain.checkpoint.rng import restore_rng_state
-from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS, untrained_state
+from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS
 
 if TYPE_CHECKING:
-    from zerotrain.engine import ZeroTrainEngine
+    from zerotrain.checkpoint.protocol import TrainingState
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class _Loaded:
 
 
 def load_checkpoint(
-    engine: ZeroTrainEngine, load_dir: str | Path, tag: str | None, options: LoadOptions
+    engine: TrainingState, load_dir: str | Path, tag: str | None, options: LoadOptions
 ) -> tuple[str | None, dict | None]:
     """Load a checkpoint into ``engine`` (collective); see
     :meth:`ZeroTrainEngine.load_checkpoint`."""
@@ -89,11 +89,11 @@ def _choose(load_dir: Path, tag: str | None) -> tuple[str, str]:
 
 
 # -- checks (nothing changes yet) ----------------------------------------------------------------
-def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) -> list[str]:
+def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> list[str]:
     where = manifest.path
-    zero = engine.optimizer
+    group = engine.optimizer.group
     problems = []
-    model = {s.name: tuple(s.shape) for b in zero.buckets for s in b.slots}
+    model = {s.name: tuple(s.shape) for b in group.buckets for s in b.slots}
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
     unexpected = [n for n in saved if n not in model]
@@ -116,7 +116,7 @@ def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) ->
     saved_untrained = set(manifest["module_keys"]) - set(manifest["trained_keys"])
     # frozen parameters left out by exclude_frozen_parameters keep the model's own values
     excluded = set(manifest.data.get("frozen_keys", ())) - set(manifest["module_keys"])
-    ours = set(untrained_state(engine)) - excluded
+    ours = set(group.untrained_state(engine.module)) - excluded
     if options.module_strict and saved_untrained != ours:
         problems.append(
             f"{where}: frozen parameters and buffers differ: missing from the checkpoint "
@@ -124,13 +124,13 @@ def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) ->
             f"{sorted(saved_untrained - ours)[:5]} (load_module_strict=False loads the common ones)"
         )
     if options.optimizer_states and not options.module_only:
-        ours_type = type(zero.optimizer).__name__
+        ours_type = type(group.store.optimizer).__name__
         if manifest["optimizer"] != ours_type:
             problems.append(
                 f"{where}: optimizer states are of {manifest['optimizer']}, the engine steps "
                 f"{ours_type}; pass load_optimizer_states=False to load only the weights"
             )
-        groups = len(zero.optimizer.param_groups)
+        groups = len(group.store.param_groups)
         saved_groups = manifest["optimizer_groups"]  # empty groups count too
         if groups != saved_groups:
             problems.append(
@@ -140,7 +140,7 @@ def _check(engine: ZeroTrainEngine, manifest: Manifest, options: LoadOptions) ->
 
     ranks = {
         seg[0]
-        for piece in zero.master_pieces(own_shard_only=False)
+        for piece in group.master_pieces(own_shard_only=False)
         for seg in manifest.params[piece.name].segments
         if seg[1] < piece.param_start + piece.numel and piece.param_start < seg[2]
     }
@@ -172,77 +172,55 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Load
 
 
 # -- applying ------------------------------------------------------------------------------------
-def _apply(engine, manifest: Manifest, loaded: _Loaded, options: LoadOptions) -> None:
+def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: LoadOptions):
     zero = engine.optimizer
-    optimizer = zero.optimizer
-    masters = zero.store.master_shards()
+    group = zero.group
+    store = group.store
     load_optimizer = options.optimizer_states and not options.module_only
     state_keys = manifest["optimizer_state_keys"] if load_optimizer else []
     if load_optimizer:  # the checkpoint's state replaces the engine's (it may have none yet)
-        for master in masters:  # every key on every master, those holding only padding too
-            optimizer.state.pop(master, None)
-            optimizer.state[master].update({key: torch.zeros_like(master) for key in state_keys})
+        store.reset_element_state(state_keys)
     reader = ShardReader(manifest)
     try:
-        for piece in zero.master_pieces(own_shard_only=False):
-            master = masters[piece.master]
-            targets = {"master": master, **{k: optimizer.state[master][k] for k in state_keys}}
+        for piece in group.master_pieces(own_shard_only=False):
             end = piece.param_start + piece.numel
-            for kind, tensor in targets.items():
-                flat = tensor.view(-1)
+            for kind in ["master", *state_keys]:
+                flat = store.state_tensor(piece.master, kind).view(-1)
                 for offset, values in reader.read(piece.name, kind, piece.param_start, end):
                     start = piece.master_start + offset - piece.param_start
                     flat[start : start + values.numel()].copy_(values)
-        untrained = untrained_state(engine)
+        untrained = group.untrained_state(engine.module)
         for key in set(untrained) & set(manifest["module_keys"]):
             untrained[key].copy_(reader.module_tensor(key))
     finally:
         reader.close()
     zero.zero_grad()
     if load_optimizer:  # hyperparameters (lr) too when there is no per-element state (SGD)
-        _load_optimizer_scalars(optimizer, loaded.engine_state)
+        state = loaded.engine_state
+        hyper = [
+            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
+            for g in state["optimizer_groups"]
+        ]
+        store.load_scalar_state(hyper, state["optimizer_scalar_state"])
     zero.publish_params()
     if options.module_only:
         return
 
     state = loaded.engine_state
-    engine.global_steps = state["global_steps"]
-    engine.global_samples = state["global_samples"]
-    # resume at an accumulation boundary of *this* run's accumulation steps (they may differ)
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    zero.skipped_steps = state["skipped_steps"]
-    zero.global_grad_norm = state["global_grad_norm"]
-    if zero.loss_scaler.dynamic and manifest["precision"] == "fp16":
-        zero.loss_scaler.load_state_dict(state["loss_scaler"])
+    # the loss scale is state only for dynamic fp16 scaling, here and in the checkpoint
+    engine.restore_training_counters(
+        state, loss_scaler=zero.loss_scaler.dynamic and manifest["precision"] == "fp16"
+    )
     scheduler_state = state["lr_scheduler"]
     if options.lr_scheduler_states and engine.lr_scheduler is not None and scheduler_state:
         engine.lr_scheduler.load_state_dict(scheduler_state)
         if not load_optimizer and hasattr(engine.lr_scheduler, "get_last_lr"):
             # the groups' lr was not loaded with the optimizer: continue at the scheduler's
             last_lrs = engine.lr_scheduler.get_last_lr()
-            for group, lr in zip(optimizer.param_groups, last_lrs, strict=True):
-                group["lr"] = lr
+            for param_group, lr in zip(store.param_groups, last_lrs, strict=True):
+                param_group["lr"] = lr
     loader = engine.training_dataloader
     if state["dataloader"] is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(state["dataloader"])
     if loaded.rng_state is not None:
         restore_rng_state(loaded.rng_state)
-
-
-def _load_optimizer_scalars(optimizer: torch.optim.Optimizer, engine_state: dict) -> None:
-    """Hyperparameters per group and the per-group scalar state (Adam's ``step``)."""
-    for group, hyper, scalars in zip(
-        optimizer.param_groups,
-        engine_state["optimizer_groups"],
-        engine_state["optimizer_scalar_state"],
-        strict=True,
-    ):
-        group.update({k: v for k, v in hyper.items() if k not in LAYOUT_GROUP_KEYS})
-        # torch keeps `step` on CPU unless the fused or capturable kernels want it on device
-        on_device = group.get("fused") or group.get("capturable")
-        for master in group["params"]:
-            state = optimizer.state[master]
-            for key, value in scalars.items():
-                if torch.is_tensor(value):
-                    value = value.clone().to(master.device if on_device else "cpu")
-                state[key] = value

@@ -22,9 +22,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 from zerotrain.checkpoint.files import (
     FileRecord,
     TensorEntry,
@@ -45,14 +42,14 @@ from zerotrain.checkpoint.manifest import (
 from zerotrain.checkpoint.rng import capture_rng_state
 
 if TYPE_CHECKING:
-    from zerotrain.engine import ZeroTrainEngine
+    from zerotrain.checkpoint.protocol import TrainingState
 
 # Optimizer param-group entries that describe the layout of this rank's shards, not training.
 LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ids", "num_segments"})
 
 
 def save_checkpoint(
-    engine: ZeroTrainEngine,
+    engine: TrainingState,
     save_dir: str | Path,
     tag: str | None = None,
     client_state: dict | None = None,
@@ -105,7 +102,7 @@ def _not_saved(directory: Path, problems: list[str]) -> CheckpointError:
     )
 
 
-def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
+def _agreed_tag(engine: TrainingState, tag: str | None) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     # gather before validating: a rank raising alone would leave the others in the collective
     tags = engine.comm.all_gather_object(tag)
@@ -130,7 +127,7 @@ def _agreed_tag(engine: ZeroTrainEngine, tag: str | None) -> str:
 
 # -- what each rank writes -----------------------------------------------------------------------
 def _write_rank_files(
-    engine: ZeroTrainEngine,
+    engine: TrainingState,
     directory: Path,
     save_id: str,
     client_state: dict | None,
@@ -139,21 +136,17 @@ def _write_rank_files(
     """Write this rank's files; returns ``{"files": {name: record}, "roles": ..., "segments":
     [(param name, start, end)]}`` for the manifest."""
     rank = engine.comm.rank
-    zero = engine.optimizer
-    masters = zero.store.master_shards()
-    element_keys = per_element_state_keys(zero.optimizer, masters)
-    pieces = zero.master_pieces(own_shard_only=True)
+    group = engine.optimizer.group
+    store = group.store
+    element_keys = store.element_state_keys()
+    pieces = group.master_pieces(own_shard_only=True)
 
-    def entry(name: str, tensor: torch.Tensor, piece) -> TensorEntry:
+    def entry(piece, key: str) -> TensorEntry:
+        tensor = store.state_tensor(piece.master, key)
         part = tensor.view(-1)[piece.master_start : piece.master_start + piece.numel]
-        return tensor_entry(name, part)
+        return tensor_entry(f"{piece.name}/{key}", part)
 
-    entries = []
-    for piece in pieces:
-        master = masters[piece.master]
-        entries.append(entry(f"{piece.name}/master", master, piece))
-        state = zero.optimizer.state.get(master, {})
-        entries += [entry(f"{piece.name}/{key}", state[key], piece) for key in element_keys]
+    entries = [entry(piece, key) for piece in pieces for key in ["master", *element_keys]]
 
     files: dict[str, FileRecord] = {}
     roles: dict[str, str] = {}
@@ -166,97 +159,55 @@ def _write_rank_files(
     put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, capture_rng_state()))
     if rank == 0:
-        untrained = untrained_state(engine, exclude_frozen)
+        untrained = group.untrained_state(engine.module, exclude_frozen)
         module_entries = [tensor_entry(key, t) for key, t in untrained.items()]
         put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
-        put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine, element_keys)))
+        put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine)))
         if client_state is not None:
             put("client_state", "client_state.pt", lambda p: write_torch(p, client_state))
     segments = [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
     return {"files": files, "roles": roles, "segments": segments, "exclude_frozen": exclude_frozen}
 
 
-def per_element_state_keys(optimizer: torch.optim.Optimizer, masters) -> list[str]:
-    """Optimizer state entries shaped like their master tensor (Adam's ``exp_avg``...): these
-    are sharded with it; the rest (``step``) are per-group scalars."""
-    for master in masters:
-        state = optimizer.state.get(master)
-        if state:
-            return sorted(
-                k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
-            )
-    return []
-
-
-def trainable_names(engine: ZeroTrainEngine) -> dict[int, str]:
-    """``id(param) -> name`` of every parameter the engine trains (tied ones under one name)."""
-    return {id(s.param): s.name for b in engine.optimizer.buckets for s in b.slots}
-
-
-def frozen_keys(engine: ZeroTrainEngine) -> set[str]:
-    """State-dict keys of the model's frozen parameters."""
-    trained = trainable_names(engine)
-    return {
-        key
-        for key, value in engine.module.state_dict(keep_vars=True).items()
-        if isinstance(value, nn.Parameter) and id(value) not in trained
-    }
-
-
-def untrained_state(
-    engine: ZeroTrainEngine, exclude_frozen: bool = False
-) -> dict[str, torch.Tensor]:
-    """State-dict entries that are not trained parameters: frozen parameters (unless
-    ``exclude_frozen``) and buffers."""
-    trained = trainable_names(engine)
-    return {
-        key: value.detach()
-        for key, value in engine.module.state_dict(keep_vars=True).items()
-        if id(value) not in trained and not (exclude_frozen and isinstance(value, nn.Parameter))
-    }
-
-
-def _engine_state(engine: ZeroTrainEngine, element_keys: list[str]) -> dict:
-    zero = engine.optimizer
-    scalar_state = []
-    for group in zero.optimizer.param_groups:
-        first = zero.optimizer.state.get(group["params"][0], {}) if group["params"] else {}
-        scalar_state.append({k: v for k, v in first.items() if k not in element_keys})
+def _engine_state(engine: TrainingState) -> dict:
+    store = engine.optimizer.group.store
     loader = engine.training_dataloader
     return {
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": zero.skipped_steps,
-        "global_grad_norm": zero.global_grad_norm,
-        "loss_scaler": zero.loss_scaler.state_dict(),
+        **engine.training_counters(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "dataloader": loader.state_dict() if hasattr(loader, "state_dict") else None,
         "optimizer_groups": [
-            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
-            for g in zero.optimizer.param_groups
+            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS} for g in store.param_groups
         ],
-        "optimizer_scalar_state": scalar_state,
+        "optimizer_scalar_state": store.scalar_state(),
     }
 
 
 # -- the commit (rank 0) -------------------------------------------------------------------------
-def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict], latest: bool):
+def _commit(
+    engine: TrainingState,
+    directory: Path,
+    tag: str,
+    save_id: str,
+    written: list[dict],
+    latest: bool,
+):
     zero = engine.optimizer
+    group = zero.group
     segments: dict[str, list[list[int]]] = {}
     for rank, report in enumerate(written):
         for name, start, end in report["segments"]:
             segments.setdefault(name, []).append([rank, start, end])
-    slots = sorted((s for b in zero.buckets for s in b.slots), key=lambda s: s.index)
-    group_of = {id(s.param): b.group_index for b in zero.buckets for s in b.slots}
-    trained = trainable_names(engine)
-    frozen = frozen_keys(engine)
+    slots = sorted((s for b in group.buckets for s in b.slots), key=lambda s: s.index)
+    group_of = {id(s.param): b.group_index for b in group.buckets for s in b.slots}
+    trained = group.trained_names()
+    frozen = group.frozen_keys(engine.module)
     excluded = frozen if written[0]["exclude_frozen"] else set()  # left out on request
     module_keys = [
         (key, value)
         for key, value in engine.module.state_dict(keep_vars=True).items()
         if key not in excluded
     ]
-    masters = zero.store.master_shards()
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -266,9 +217,9 @@ def _commit(engine, directory: Path, tag: str, save_id: str, written: list[dict]
         "world_size": engine.world_size,
         "stage": zero.policy.stage,
         "precision": zero.precision.name,
-        "optimizer": type(zero.optimizer).__name__,
-        "optimizer_state_keys": per_element_state_keys(zero.optimizer, masters),
-        "optimizer_groups": len(zero.optimizer.param_groups),  # empty ones too
+        "optimizer": type(group.store.optimizer).__name__,
+        "optimizer_state_keys": group.store.element_state_keys(),
+        "optimizer_groups": len(group.store.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "params": [

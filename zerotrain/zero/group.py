@@ -160,6 +160,32 @@ class ShardGroup:
                     return index, slot
         return None
 
+    def trained_names(self) -> dict[int, str]:
+        """``id(param) -> name`` of every parameter the group trains (tied ones under one
+        name)."""
+        return {id(s.param): s.name for b in self.buckets for s in b.slots}
+
+    def frozen_keys(self, module: nn.Module) -> set[str]:
+        """State-dict keys of ``module``'s parameters this group does not train."""
+        trained = self.trained_names()
+        return {
+            key
+            for key, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, nn.Parameter) and id(value) not in trained
+        }
+
+    def untrained_state(
+        self, module: nn.Module, exclude_frozen: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """``module``'s state-dict entries that the group does not train: frozen parameters
+        (unless ``exclude_frozen``) and buffers."""
+        trained = self.trained_names()
+        return {
+            key: value.detach()
+            for key, value in module.state_dict(keep_vars=True).items()
+            if id(value) not in trained and not (exclude_frozen and isinstance(value, nn.Parameter))
+        }
+
     def master_pieces(self, *, own_shard_only: bool) -> list[MasterPiece]:
         """Where each parameter's elements sit in this rank's master tensors.
 

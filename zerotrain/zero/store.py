@@ -1,7 +1,9 @@
 """Where this rank's fp32 master shard and its optimizer state live, and the step over them.
 
-The engine only talks to the :class:`ShardStore` interface, so that a later store can keep the
-shard in CPU memory or on NVMe and step it there, without the engine changing.
+The shard group and checkpoints only talk to the :class:`ShardStore` interface (the
+placement strategy), so that a later store can keep the shard in CPU memory or on NVMe and
+step it there, without anything else changing. Checkpoints read and write the state piecewise
+through it (:meth:`ShardStore.state_tensor`), never through the torch optimizer's dict.
 """
 
 from __future__ import annotations
@@ -43,6 +45,59 @@ class ShardStore(ABC):
     @abstractmethod
     def release_grads(self) -> None:
         """Drop the master gradients until the next step."""
+
+    # -- state, piecewise (checkpoints) ------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def element_state_keys(self) -> list[str]:
+        """Optimizer state entries shaped like their master tensor (Adam's ``exp_avg``...):
+        sharded with it; the rest (``step``) are per-group scalars. Empty before the first
+        step."""
+        for master in self.master_shards():
+            state = self.optimizer.state.get(master)
+            if state:
+                return sorted(
+                    k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
+                )
+        return []
+
+    def state_tensor(self, master: int, key: str) -> torch.Tensor:
+        """Master tensor ``master``'s ``key``: ``"master"`` (the fp32 weights) or an element
+        state key (1-D, the master's length)."""
+        tensor = self.master_shards()[master]
+        return tensor if key == "master" else self.optimizer.state[tensor][key]
+
+    def reset_element_state(self, keys: list[str]) -> None:
+        """Replace the optimizer's state by zeroed ``keys`` on every master (to be loaded)."""
+        for master in self.master_shards():  # every key on every master, padding-only too
+            self.optimizer.state.pop(master, None)
+            self.optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
+
+    def scalar_state(self) -> list[dict]:
+        """Per optimizer group, the state entries that are not per element (Adam's ``step``)."""
+        element_keys = set(self.element_state_keys())
+        out = []
+        for group in self.optimizer.param_groups:
+            first = self.optimizer.state.get(group["params"][0], {}) if group["params"] else {}
+            out.append({k: v for k, v in first.items() if k not in element_keys})
+        return out
+
+    def load_scalar_state(self, hyperparameters: list[dict], scalars: list[dict]) -> None:
+        """Per optimizer group: update its hyperparameters and set its scalar state."""
+        for group, hyper, group_scalars in zip(
+            self.optimizer.param_groups, hyperparameters, scalars, strict=True
+        ):
+            group.update(hyper)
+            # torch keeps `step` on CPU unless the fused or capturable kernels want it on device
+            on_device = group.get("fused") or group.get("capturable")
+            for master in group["params"]:
+                state = self.optimizer.state[master]
+                for key, value in group_scalars.items():
+                    if torch.is_tensor(value):
+                        value = value.clone().to(master.device if on_device else "cpu")
+                    state[key] = value
 
 
 class DeviceShardStore(ShardStore):
