@@ -18,7 +18,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from zerotrain import checkpointing
 from zerotrain.accelerator import get_accelerator
-from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initialized, local_rank
+from zerotrain.comm import (
+    CommsLog,
+    Communicator,
+    Mesh,
+    init_distributed,
+    is_initialized,
+    local_rank,
+)
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
@@ -119,13 +126,14 @@ def initialize(
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
+    data_parallel = Mesh(comm).dp  # every rank is a data-parallel peer (see comm/mesh.py)
     zero_optimizer = ZeroOptimizer(
         model,
         groups,
         make_optimizer,
         policy=ZeroPolicy.for_stage(zero.stage),
         precision=precision,
-        comm=comm,
+        comm=data_parallel,
         loss_scaler=_loss_scaler(cfg),
         gradient_clipping=cfg.gradient_clipping,
         bucket_numel=zero.reduce_bucket_size,
@@ -143,7 +151,7 @@ def initialize(
     # and were copied into fp32 masters before the cast).
     model.to(precision.param_dtype)
     scheduler = _scheduler(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
-    dataloader = _dataloader(training_data, cfg, comm, collate_fn)
+    dataloader = _dataloader(training_data, cfg, data_parallel, collate_fn)
     engine = ZeroTrainEngine(
         model,
         zero_optimizer,

@@ -44,6 +44,7 @@ from zerotrain.comm.functional import (
     user_stats,
 )
 from zerotrain.comm.log import CommsLog
+from zerotrain.comm.mesh import Mesh
 from zerotrain.comm.setup import (
     DEFAULT_TIMEOUT,
     destroy_distributed,
@@ -57,6 +58,7 @@ __all__ = [
     "CollectiveError",
     "CommsLog",
     "Communicator",
+    "Mesh",
     "OpStats",
     "PendingOp",
     "ReduceOp",

@@ -176,6 +176,29 @@ class Communicator:
         group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
         return Communicator(group, device=self.device, stats=self.stats, log=self.log)
 
+    def split(self, rank_lists: list[list[int]]) -> Communicator:
+        """Make a process group for each list of default-group ranks (collective: every rank
+        makes every group, in order) and return the communicator of the one holding this rank.
+        """
+        mine = [ranks for ranks in rank_lists if self.global_rank in ranks]
+        if len(mine) != 1:
+            raise ValueError(
+                f"split: rank {self.global_rank} must be in exactly one of {rank_lists}"
+            )
+        if not self.distributed:
+            return self.new_group()
+        chosen = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
+            if ranks is mine[0]:
+                chosen = group
+        return Communicator(chosen, device=self.device, stats=self.stats, log=self.log)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default group."""
+        return dist.get_rank() if self.distributed else 0
+
     def reset_stats(self) -> None:
         """Start counting afresh (the comms log too)."""
         self.stats.clear()

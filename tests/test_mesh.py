@@ -1,0 +1,45 @@
+"""The device mesh: rank arithmetic of the parallel axes, and their process groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+
+from zerotrain.comm import Communicator, Mesh
+
+
+def test_axes_number_ranks_with_tensor_parallel_innermost():
+    mesh = Mesh.__new__(Mesh)  # rank arithmetic only: no process group needed
+    mesh.sizes = {"pp": 2, "dp": 2, "ep": 1, "tp": 2}
+    assert mesh.axis_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.axis_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.axis_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.axis_ranks("ep") == [[r] for r in range(8)]
+    assert mesh.coordinates(6) == {"pp": 1, "dp": 1, "ep": 0, "tp": 0}
+    for rank in range(8):
+        assert mesh.rank_at(mesh.coordinates(rank)) == rank
+
+
+def test_sizes_that_do_not_cover_the_world_are_refused():
+    with pytest.raises(ValueError, match=r"multiply to 3, but there are 1 ranks"):
+        Mesh(Communicator(), dp=1, tp=3)
+    with pytest.raises(ValueError, match="no axis 'xp'"):
+        Mesh(Communicator()).axis("xp")
+
+
+def _groups():
+    world = Communicator()
+    data_only = Mesh(world)
+    assert data_only.dp is world  # spans every rank: no new group
+    tensor = Mesh(world, tp=2)
+    out = {"dp_size": tensor.dp.world_size, "tp_size": tensor.axis("tp").world_size}
+    value = torch.tensor([float(world.rank + 1)])
+    tensor.axis("tp").all_reduce(value)
+    out["tp_sum"] = value.item()
+    return out
+
+
+def test_axis_groups_communicate():
+    for got in run_distributed(_groups, 2):
+        assert got == {"dp_size": 1, "tp_size": 2, "tp_sum": 3.0}

@@ -1,0 +1,81 @@
+"""The ranks as a grid of parallel axes: data, tensor, pipeline, expert.
+
+[Note: mesh layout]
+A mesh of shape (pp, dp, ep, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
+parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
+torchtitan place them. The ranks along one axis, the others fixed, form that axis's group:
+the data-parallel group is what ZeRO shards over. Today zerotrain trains data-parallel only, so
+every other axis has size 1; the 3D-parallelism and MoE work gives them sizes. A group is
+made the first time an axis is asked for (every rank must ask, in the same order: making
+process groups is collective); an axis that spans every rank is the world communicator itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from zerotrain.comm.communicator import Communicator
+
+AXES = ("pp", "dp", "ep", "tp")  # outermost first; see [Note: mesh layout]
+
+
+class Mesh:
+    """Named parallel axes over the ranks of ``world`` (sizes default to 1; ``dp=None``: the
+    rest of the world)."""
+
+    def __init__(
+        self, world: Communicator, *, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1
+    ):
+        if world.group is not None:
+            raise ValueError("mesh: build it over the default process group (Communicator())")
+        others = tp * pp * ep
+        if dp is None:
+            dp = world.world_size // others if world.world_size % others == 0 else 0
+        self.world = world
+        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+        bad = {axis: size for axis, size in self.sizes.items() if size < 1}
+        if bad or math.prod(self.sizes.values()) != world.world_size:
+            raise ValueError(
+                f"mesh: axis sizes {self.sizes} multiply to {math.prod(self.sizes.values())}, "
+                f"but there are {world.world_size} ranks; choose sizes whose product is the "
+                "world size (each at least 1)"
+            )
+        self._groups: dict[str, Communicator] = {}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s position along each axis."""
+        coords = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, self.sizes[axis])
+        return {axis: coords[axis] for axis in AXES}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes[axis] + coords[axis]
+        return rank
+
+    def axis_ranks(self, axis: str) -> list[list[int]]:
+        """Every group of ranks along ``axis`` (the other coordinates fixed), in a fixed order."""
+        if axis not in AXES:
+            raise ValueError(f"mesh: no axis {axis!r}; the axes are {', '.join(AXES)}")
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
+            coords = dict(zip(others, fixed, strict=True))
+            groups.append([self.rank_at({**coords, axis: i}) for i in range(self.sizes[axis])])
+        return groups
+
+    def axis(self, axis: str) -> Communicator:
+        """The communicator of this rank's group along ``axis`` (collective the first time)."""
+        if axis not in self._groups:
+            groups = self.axis_ranks(axis)
+            # an axis that spans every rank is the world itself: no new process group
+            self._groups[axis] = self.world if len(groups) == 1 else self.world.split(groups)
+        return self._groups[axis]
+
+    @property
+    def dp(self) -> Communicator:
+        """The data-parallel group: what ZeRO shards over."""
+        return self.axis("dp")
