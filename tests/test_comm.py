@@ -55,6 +55,41 @@ def test_stalled_rank_gives_error_naming_the_collective():
     assert result["seconds"] < 5
 
 
+def stalled_peer_in_pairwise_exchange():
+    from zerotrain.comm import CollectiveError, Communicator
+
+    comm = Communicator()
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(4)  # stalls past the others' collective timeout, never joins the gather
+        return "slept"
+    start = time.monotonic()
+    try:
+        comm.all_gather(torch.empty(3 * 4), torch.ones(4))
+    except CollectiveError as err:
+        return {"message": str(err), "seconds": time.monotonic() - start}
+    return "no error"
+
+
+def test_stalled_rank_is_named_by_its_pairwise_peers():
+    # gloo's all-gather is a pairwise exchange (pairwise.py): each message has one peer, so the
+    # error names the rank that stalled. Rank 2 hears from rank 0 first, then waits for rank 1.
+    results = run_distributed(
+        stalled_peer_in_pairwise_exchange, 3, collective_timeout_s=2, timeout=60
+    )
+    assert results[1] == "slept"
+    for rank in (0, 2):
+        got = results[rank]
+        assert isinstance(got, dict), got
+        assert got["message"].startswith(
+            f"all_gather of 48 bytes failed on rank {rank} of 3 (collective timeout 0:00:02): "
+            f"rank {rank} waited 2."
+        ), got["message"]
+        assert " s for rank 1 to send its piece of the pairwise all_gather: " in got["message"]
+        assert got["message"].endswith("Rank 1 probably died or stalled; check its log.")
+        assert got["seconds"] < 4.5
+
+
 def dead_peer():
     import os
 
@@ -77,6 +112,7 @@ def test_dead_rank_gives_error_not_hang():
     survivor, dead = run_distributed(dead_peer, 2, collective_timeout_s=5, timeout=60, may_die=(1,))
     assert dead == 3
     assert "all_gather of 32 bytes failed on rank 0 of 2" in survivor
+    assert "Rank 1 probably died or stalled" in survivor  # the pairwise peer that died
 
 
 def collectives():

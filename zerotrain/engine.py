@@ -380,7 +380,13 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     def destroy(self) -> None:
         """Flush and close the monitors (DeepSpeed's name). Also done when the engine is
         garbage-collected and at interpreter exit; call it to be sure before the process ends
-        in another way."""
+        in another way.
+
+        The process group stays: as in DeepSpeed, the engine and the group remain usable after
+        ``destroy()`` (a script may evaluate afterwards, another engine may share the group).
+        A group zerotrain made (``init_distributed``, or ``initialize`` without one) is
+        destroyed at interpreter exit; one the script made is the script's to destroy. See
+        [Note: who ends the process group] in zerotrain/comm/setup.py."""
         self.monitor.close()
 
     def zero_grad(self) -> None:

@@ -135,10 +135,17 @@ class Communicator:
         try:
             return run()
         except (RuntimeError, dist.DistBackendError) as err:
-            timeout = _group_timeout(self.group)
-            raise CollectiveError(
+            failed = (
                 f"{name} of {nbytes} bytes failed on rank {self.rank} of {self.world_size} "
-                f"(collective timeout {timeout}): {err}. A peer rank probably died or stalled; "
+                f"(collective timeout {_group_timeout(self.group)})"
+            )
+            if isinstance(err, pairwise.PeerWaitError):  # the peer is known: name it
+                raise CollectiveError(
+                    f"{failed}: rank {self.rank} {err}. Rank {err.peer} probably died or "
+                    "stalled; check its log."
+                ) from err
+            raise CollectiveError(
+                f"{failed}: {err}. A peer rank probably died or stalled; "
                 "check the other ranks' logs."
             ) from err
 

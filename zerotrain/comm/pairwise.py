@@ -13,12 +13,18 @@ rank sends (N-1)/N of the buffer, the ring minimum (ZeRO, arXiv:1910.02054 §7),
 chain of dependent steps, so all messages are posted at once and the operation is as
 asynchronous as a native collective. The sum is taken in a fixed order (own piece, then peers by
 rank) once all pieces are in, so it does not depend on which message arrives first. NCCL keeps its native ring collectives.
+
+Every message has one peer, so a message that fails or times out names the rank that did not
+send or receive it (:class:`PeerWaitError`), where a backend collective can only say that some
+peer did not arrive.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -63,24 +69,67 @@ def _complete_dropped() -> None:
         _dropped.pop().wait()
 
 
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a pairwise operation in flight."""
+
+    work: object  # the backend's handle (torch.distributed Work)
+    peer: int  # the other end: its rank in the operation's group
+    global_peer: int  # the same rank in the default group
+    receiving: bool  # True: this rank receives the peer's piece; False: it sends its own
+
+
+class PeerWaitError(RuntimeError):
+    """One message of a pairwise operation failed or timed out: ``peer`` did not send or receive
+    it (the Communicator turns this into a :class:`CollectiveError` naming that rank)."""
+
+    def __init__(self, operation: str, message: Message, seconds: float, cause: BaseException):
+        self.peer = message.peer  # the rank in the operation's group
+        peer = f"rank {message.peer}"
+        if message.global_peer != message.peer:
+            peer += f" (rank {message.global_peer} of the default group)"
+        action = "send its piece" if message.receiving else "receive this rank's piece"
+        super().__init__(
+            f"waited {seconds:.1f} s for {peer} to {action} of the pairwise {operation}: {cause}"
+        )
+
+
 class PairwiseWork:
     """The messages of one pairwise operation; :meth:`wait` completes them and the result."""
 
-    def __init__(self, works: list, finish: Callable[[], None] | None, timeout: timedelta | None):
-        self._works = works
+    def __init__(
+        self,
+        operation: str,
+        messages: list[Message],
+        finish: Callable[[], None] | None,
+        timeout: timedelta | None,
+    ):
+        self._operation = operation
+        self._messages = messages
         self._finish = finish
         self._timeout = timeout
 
     @property
     def done(self) -> bool:
         """Whether :meth:`wait` has completed it."""
-        return not self._works and self._finish is None
+        return not self._messages and self._finish is None
 
     def wait(self) -> bool:
-        for work in self._works:
-            # gloo's point-to-point waits are unbounded unless given a timeout
-            work.wait(self._timeout) if self._timeout is not None else work.wait()
-        self._works = []
+        """Complete every message, then the result; raises :class:`PeerWaitError` naming the
+        peer of the first message that fails or outlasts the timeout."""
+        start = time.monotonic()
+        for message in self._messages:
+            try:
+                # gloo's point-to-point waits are unbounded unless given a timeout
+                if self._timeout is not None:
+                    message.work.wait(self._timeout)
+                else:
+                    message.work.wait()
+            except RuntimeError as err:  # a timeout, or the peer's connection closed
+                raise PeerWaitError(
+                    self._operation, message, time.monotonic() - start, err
+                ) from err
+        self._messages = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -96,16 +145,18 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _exchange(group, tag: int, *, receive_into: dict, send: dict) -> list:
+def _exchange(group, tag: int, *, receive_into: dict, send: dict) -> list[Message]:
     """Post every receive, then every send (peer -> tensor), all at once."""
-    works = [
-        dist.irecv(tensor, src=_global(group, peer), group=group, tag=tag)
-        for peer, tensor in receive_into.items()
-    ]
-    return works + [
-        dist.isend(tensor, dst=_global(group, peer), group=group, tag=tag)
-        for peer, tensor in send.items()
-    ]
+    messages = []
+    for peer, tensor in receive_into.items():
+        src = _global(group, peer)
+        work = dist.irecv(tensor, src=src, group=group, tag=tag)
+        messages.append(Message(work, peer, src, receiving=True))
+    for peer, tensor in send.items():
+        dst = _global(group, peer)
+        work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+        messages.append(Message(work, peer, dst, receiving=False))
+    return messages
 
 
 def reduce_scatter(
@@ -125,7 +176,7 @@ def reduce_scatter(
     peers = _peers(rank, world)
     buffer = torch.empty((world - 1, pieces.shape[1]), dtype=input.dtype, device=input.device)
     received = dict(zip(sorted(peers), buffer, strict=True))
-    works = _exchange(group, tag, receive_into=received, send={p: pieces[p] for p in peers})
+    messages = _exchange(group, tag, receive_into=received, send={p: pieces[p] for p in peers})
 
     def finish() -> None:
         if output.data_ptr() != pieces[rank].data_ptr():
@@ -133,7 +184,7 @@ def reduce_scatter(
         for peer in sorted(peers):  # a fixed order: the sum does not depend on arrival order
             output.add_(received[peer])
 
-    return PairwiseWork(works, finish, timeout)
+    return PairwiseWork("reduce_scatter", messages, finish, timeout)
 
 
 def all_gather(
@@ -154,7 +205,7 @@ def all_gather(
         pieces[rank].copy_(input)
     peers = _peers(rank, world)
     receive_into = {peer: pieces[peer] for peer in peers}
-    works = _exchange(
+    messages = _exchange(
         group, tag, receive_into=receive_into, send=dict.fromkeys(peers, pieces[rank])
     )
-    return PairwiseWork(works, None, timeout)
+    return PairwiseWork("all_gather", messages, None, timeout)

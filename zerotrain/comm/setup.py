@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 import socket
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,23 @@ _LAUNCHER_ENV = (
 
 
 _timeout: timedelta | None = None  # what init_distributed was given (None: group made elsewhere)
+# The default group init_distributed made, weakly: see [Note: who ends the process group].
+_made_group: weakref.ref | None = None
+_exit_hook_registered = False
+
+# [Note: who ends the process group]
+# Whoever starts the default process group ends it. When init_distributed made it (directly or
+# through zerotrain.initialize), an atexit hook destroys it while the interpreter is whole: torch
+# wants destroy_process_group() before exit (NCCL's ProcessGroupNCCL destructor otherwise warns
+# "destroy_process_group() was not called before program exit, which can leak resources"), and
+# gloo can abort the process (see _tear_down_at_exit). The hook checks that the default group is
+# still the one zerotrain made: a group the user made, even after destroying ours, is theirs.
+# engine.destroy() leaves the group alone, as DeepSpeed's does: scripts keep using the engine or
+# the group after destroy() (examples/train_gpt.py evaluates after it, tests build one engine
+# after another in one process), and "no other live engine uses it" is a rank-local judgement
+# (garbage collection differs between ranks) while ending a group concerns every rank: one rank
+# closing early would leave its peers waiting out the collective timeout. A script that wants it
+# gone sooner calls zerotrain.comm.destroy_process_group() on every rank.
 
 
 def collective_timeout() -> timedelta | None:
@@ -120,32 +138,45 @@ def init_distributed(
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if backend == "nccl":  # CUDA only: bind this process to its GPU before NCCL starts
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    global _timeout
+    global _timeout, _made_group, _exit_hook_registered
     dist.init_process_group(
         backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
     _timeout = timeout
-    atexit.register(_tear_down_at_exit)
+    _made_group = weakref.ref(dist.group.WORLD)
+    if not _exit_hook_registered:  # once per process, however often a group is made
+        atexit.register(_tear_down_at_exit)
+        _exit_hook_registered = True
     if verbose and rank == 0:
         print(f"zerotrain: initialized {backend} with {world_size} ranks (timeout {timeout})")
+
+
+def made_default_group() -> bool:
+    """Whether the default process group exists and :func:`init_distributed` made it (zerotrain
+    then destroys it at exit; see [Note: who ends the process group])."""
+    return is_initialized() and _made_group is not None and _made_group() is dist.group.WORLD
 
 
 def _tear_down_at_exit() -> None:
     """Scripts rarely destroy their process group. Gloo's worker threads then live until the
     interpreter's final garbage collection frees the group (engines keep it in reference
     cycles), and a thread releasing a finished collective's tensors at that moment aborts the
-    process ("terminate called without an active exception"). Destroy the group and collect
-    the cycles while the interpreter is whole: the group's destructor joins its threads."""
-    destroy_distributed()
+    process ("terminate called without an active exception"); NCCL's destructor warns. Destroy
+    the group zerotrain made and collect the cycles while the interpreter is whole: the group's
+    destructor joins its threads. A group the user made is left to them."""
+    if made_default_group():
+        destroy_distributed()
     gc.collect()
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group, if any."""
-    global _timeout
+    """Tear down the default process group and every other, if any, whoever made them
+    (``zerotrain.comm.destroy_process_group()`` calls this); every rank must call it."""
+    global _timeout, _made_group
     if is_initialized():
         dist.destroy_process_group()
     _timeout = None
+    _made_group = None
 
 
 def local_rank() -> int:
