@@ -510,7 +510,7 @@ def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> Non
     assert load_error(config) == message
 
 
-# [Note: lenient where nothing is asked, strict where something is] in config_accepted.py
+# [Note: lenient where nothing is asked, strict where something is] in config/deepspeed_keys.py
 ASKS_NOTHING = [
     ("prescale_gradients", True),
     ("gradient_predivide_factor", 8),
