@@ -32,6 +32,7 @@ from zerotrain.config.files import read_config_file
 from zerotrain.config.params import TypedParamsSection
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.section import Section, canonical_choice, section_of
+from zerotrain.optim.registry import REFUSED_PARAMS
 
 __all__ = ["check_config", "load_config"]
 
@@ -61,8 +62,8 @@ def _param_problems(
         if key in known:
             continue
         owners = [name for name, spec in section._PARAMS.items() if key in spec.keys]
-        if key == "max_grad_norm":
-            fix = "not an optimizer parameter; use the top-level `gradient_clipping` instead"
+        if key in REFUSED_PARAMS:
+            fix = REFUSED_PARAMS[key]
         elif owners:
             fix = f"not a parameter of {canonical}; only of {', '.join(owners)}"
         else:

@@ -1,5 +1,7 @@
 """The sections of the form ``{"type": ..., "params": {...}}``: `optimizer` and `scheduler`.
-Each implemented ``type`` lists the ``params`` keys DeepSpeed accepts for it, with their types."""
+Each implemented ``type`` lists the ``params`` keys DeepSpeed accepts for it, with their types.
+The optimizer types and their keys are zerotrain.optim.registry's (the registry also builds
+them); this module adds the type of each key."""
 
 import difflib
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from zerotrain.config.section import (
     PositiveInt,
     Section,
 )
+from zerotrain.optim.registry import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS
 
 __all__ = ["OptimizerConfig", "Params", "SchedulerConfig", "TypedParamsSection"]
 
@@ -74,7 +77,9 @@ class TypedParamsSection(Section):
         return cls._PARAMS[info.data["type"]].adapter.validate_python(params)
 
 
-_ADAM_KEYS = {
+# The type of each `optimizer.params` key, whichever optimizer takes it; which keys each
+# optimizer takes is zerotrain.optim.registry's.
+_OPTIMIZER_PARAM_TYPES = {
     "lr": NonNegativeFloat,
     "betas": Betas,
     "eps": NonNegativeFloat,
@@ -82,8 +87,16 @@ _ADAM_KEYS = {
     "amsgrad": bool,
     "torch_adam": bool,
     "fused": bool,
+    "foreach": bool,
     "adam_w_mode": bool,
     "bias_correction": bool,
+    "set_grad_none": bool,
+    "momentum": NonNegativeFloat,
+    "dampening": NonNegativeFloat,
+    "nesterov": bool,
+    "max_coeff": NonNegativeFloat,
+    "min_coeff": NonNegativeFloat,
+    "eps_inside_sqrt": bool,
 }
 _WARMUP_KEYS = {
     "warmup_min_lr": LrValue,
@@ -100,49 +113,13 @@ class OptimizerConfig(TypedParamsSection):
 
     _KIND = "optimizer"
     _PARAMS = {
-        "Adam": Params(
-            "DeepSpeed's Adam: `adam_w_mode` (default true) selects decoupled weight decay "
-            "(torch.optim.AdamW), false L2 regularisation (torch.optim.Adam); "
-            "`bias_correction: false` steps without bias correction, as DeepSpeed's "
-            "FusedAdam does (zerotrain.ops.adam.FusedAdam).",
-            _ADAM_KEYS,
-        ),
-        "AdamW": Params(
-            "torch.optim.AdamW: decoupled weight decay whatever `adam_w_mode` says, as in "
-            "DeepSpeed; `bias_correction` as for Adam.",
-            _ADAM_KEYS,
-        ),
-        "SGD": Params(
-            "torch.optim.SGD.",
-            {
-                "lr": NonNegativeFloat,
-                "momentum": NonNegativeFloat,
-                "dampening": NonNegativeFloat,
-                "weight_decay": NonNegativeFloat,
-                "nesterov": bool,
-            },
-        ),
-        "Lamb": Params(
-            "DeepSpeed's FusedLamb (arXiv:1904.00962).",
-            {
-                "lr": NonNegativeFloat,
-                "betas": Betas,
-                "eps": NonNegativeFloat,
-                "weight_decay": NonNegativeFloat,
-                "max_coeff": NonNegativeFloat,
-                "min_coeff": NonNegativeFloat,
-                "bias_correction": bool,
-            },
-        ),
+        name: Params(spec.doc, {key: _OPTIMIZER_PARAM_TYPES[key] for key in spec.params})
+        for name, spec in OPTIMIZERS.items()
     }
-    _DEEPSPEED_ONLY_TYPES = frozenset(
-        """
-        adagrad onebitadam zerooneadam onebitlamb lion muadam muadamw musgd muon
-        """.split()
-    )
+    _DEEPSPEED_ONLY_TYPES = DEEPSPEED_ONLY_OPTIMIZERS
     _ACCEPTED = deepspeed_keys.OPTIMIZER
 
-    type: Literal["Adam", "AdamW", "SGD", "Lamb"]
+    type: Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
     """Optimizer name, any capitalisation (`adamw` is read as `AdamW`)."""
     params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     """Keyword arguments of the optimizer; only the keys DeepSpeed accepts for `type`."""
