@@ -22,6 +22,7 @@ from zerotrain.config.files import read_config_file
 from zerotrain.config.load import check_config, load_config
 from zerotrain.config.params import OptimizerConfig, SchedulerConfig
 from zerotrain.config.schema import (
+    ZERO_DEFAULTS,
     ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
@@ -40,6 +41,7 @@ from zerotrain.config.schema import (
 )
 
 __all__ = [
+    "ZERO_DEFAULTS",
     "ActivationCheckpointingConfig",
     "BF16Config",
     "CheckpointConfig",

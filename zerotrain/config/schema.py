@@ -4,7 +4,7 @@ documentation (docs.py renders them into docs/config.md)."""
 
 import enum
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from zerotrain.config.section import (
     Section,
     canonical_choice,
 )
+from zerotrain.precision import DTYPES
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -37,6 +38,7 @@ __all__ = [
     "OffloadStateTypeEnum",
     "TensorBoardConfig",
     "WandbConfig",
+    "ZERO_DEFAULTS",
     "ZeroOptimizationConfig",
     "ZeroTrainConfig",
 ]
@@ -102,7 +104,10 @@ def _offload_device(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-_OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_offload_device)]
+_OffloadDevice = Annotated[
+    Literal[tuple(device.value for device in OffloadDeviceEnum)],  # type: ignore[valid-type]
+    BeforeValidator(_offload_device),
+]
 
 
 class _OffloadSection(Section):
@@ -283,6 +288,12 @@ class ZeroOptimizationConfig(Section):
         return self
 
 
+ZERO_DEFAULTS = ZeroOptimizationConfig()
+"""`zero_optimization` with every key at its default: code outside the config reads DeepSpeed's
+defaults here (the stage-3 knobs of zerotrain.zero.optimizer.Stage3Options, `zerotrain
+estimate`), so that the schema above is the one place they are written."""
+
+
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` and `engine.load_checkpoint` behave. Every
     zerotrain checkpoint loads at any world size and ZeRO stage (see docs/checkpoints.md)."""
@@ -308,7 +319,8 @@ class CheckpointConfig(Section):
     @field_validator("tag_validation", mode="before")
     @classmethod
     def _any_case(cls, value: Any) -> Any:
-        return canonical_choice(value, ["Ignore", "Warn", "Fail"]) or value
+        choices = get_args(cls.model_fields["tag_validation"].annotation)
+        return canonical_choice(value, list(choices)) or value
 
 
 class ActivationCheckpointingConfig(Section):
@@ -485,7 +497,7 @@ class ZeroTrainConfig(Section):
     """Clip the global gradient L2 norm (over all ranks' partitions) to this value; 0 turns
     clipping off. The default is DeepSpeed 0.19.8's: clipping at 1.0 unless the config says
     otherwise."""
-    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    communication_data_type: Literal[tuple(DTYPES)] | None = None  # type: ignore[valid-type]
     """The dtype gradients are reduced in; null: the training dtype (fp32, fp16 or bf16).
     `fp32` in 16-bit training sums gradients without 16-bit rounding (stages 2-3 then also keep
     the reduced gradient partition in fp32: 2 more bytes per element of this rank's shard)."""

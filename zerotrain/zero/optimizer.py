@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
+from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.optim import NoOptimizer
 from zerotrain.precision import LossScaler, PrecisionPolicy
 from zerotrain.zero.gather import GatherUnit, ParameterGatherer, UnitState
@@ -33,10 +34,10 @@ from zerotrain.zero.units import assign_units, find_unit_modules
 class Stage3Options:
     """Stage-3 knobs, in elements (DeepSpeed's ``stage3_*`` keys)."""
 
-    prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
-    max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters
-    max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
-    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (per unit here)
+    prefetch_numel: int = ZERO_DEFAULTS.stage3_prefetch_bucket_size
+    max_live_numel: int = ZERO_DEFAULTS.stage3_max_live_parameters
+    max_reuse_numel: int = ZERO_DEFAULTS.stage3_max_reuse_distance
+    persistence_threshold: int = ZERO_DEFAULTS.stage3_param_persistence_threshold  # per unit here
 
 
 @dataclass
