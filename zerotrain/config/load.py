@@ -6,14 +6,15 @@ into a validated config with its batch fields resolved for the data-parallel wor
 # [Note: how a config is checked]
 ``load_config`` runs three passes, so that one run reports every mistake with its key path:
 1. ``_normalise`` walks the raw mapping: a key that is neither a field nor one of the DeepSpeed
-   keys accepted without a field (config_accepted.py, [Note: lenient where nothing is asked,
+   keys accepted without a field (deepspeed_keys.py, [Note: lenient where nothing is asked,
    strict where something is]) is a typo, answered with a did-you-mean; an accepted key whose
    value asks for a behaviour zerotrain lacks is refused naming it; an ``"auto"`` placeholder
    (HuggingFace's Trainer fills these in) is refused. Accepted keys and ``_comments`` are
    dropped from what pass 2 sees.
-2. pydantic checks types and ranges; ``_config_error`` rewrites each error as one
+2. pydantic checks types and ranges; ``config_error`` (errors.py) rewrites each error as one
    ``key.path: must be ..., got ...`` line of a ``ConfigError``.
-3. ``ZeroTrainConfig.resolve_batch`` derives the batch triple with DeepSpeed's arithmetic.
+3. ``ZeroTrainConfig.resolve_batch`` derives the batch triple with DeepSpeed's arithmetic
+   (batch.py).
 Constructing the models directly skips pass 1 and raises pydantic's ValidationError.
 """
 
