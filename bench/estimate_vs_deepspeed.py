@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's estimators need no device
 
 from zerotrain.cli import _parse_size  # noqa: E402
+from zerotrain.config import ZERO_DEFAULTS  # noqa: E402
 from zerotrain.estimate import (  # noqa: E402
     GiB,
     TrainingJob,
@@ -41,7 +42,6 @@ from zerotrain.estimate import (  # noqa: E402
     format_table,
     plot,
 )
-from zerotrain.zero.optimizer import Stage3Options  # noqa: E402
 
 SEQ_LEN = 4096  # Llama-2's context
 
@@ -98,8 +98,8 @@ def main() -> None:
 
     with torch.device("meta"):
         meta_model = llama2_7b()
-    defaults = Stage3Options()
-    count = count_parameters(meta_model, persistence_threshold=defaults.persistence_threshold)
+    persistence_threshold = ZERO_DEFAULTS.stage3_param_persistence_threshold
+    count = count_parameters(meta_model, persistence_threshold=persistence_threshold)
     psi, largest = count.trainable, count.largest_layer
     block = sum(p.numel() for p in meta_model.model.layers[0].parameters())
     common = dict(
@@ -110,7 +110,7 @@ def main() -> None:
         largest_layer=largest,
         root_and_largest_block=count.root_and_largest_block,
         persistent_numel=count.persistent,
-        max_live_numel=defaults.max_live_numel,
+        max_live_numel=ZERO_DEFAULTS.stage3_max_live_parameters,
     )
     shape = TransformerShape(
         batch_size=1,

@@ -1,6 +1,8 @@
 """Tests of zerotrain.config: DeepSpeed configs load unchanged, every mistake is a ConfigError
 whose message names the key path and the fix, and docs/config.md matches the schema."""
 
+import ast
+import graphlib
 import json
 import os
 import subprocess
@@ -510,7 +512,7 @@ def test_unknown_keys_name_the_path_and_a_fix(config: dict, message: str) -> Non
     assert load_error(config) == message
 
 
-# [Note: lenient where nothing is asked, strict where something is] in config_accepted.py
+# [Note: lenient where nothing is asked, strict where something is] in config/deepspeed_keys.py
 ASKS_NOTHING = [
     ("prescale_gradients", True),
     ("gradient_predivide_factor", 8),
@@ -1007,3 +1009,39 @@ def test_auto_that_huggingface_leaves_unfilled_takes_the_default() -> None:
     assert loaded.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
     config["zero_optimization"]["stage"] = 3  # filled at stage 3: an "auto" left is a mistake
     assert 'stage3_prefetch_bucket_size: "auto" must be resolved' in load_error(config)
+
+
+def _zerotrain_imports(path: Path) -> dict[str, list[str]]:
+    """What a file imports from zerotrain, module -> names, anywhere in its code (functions and
+    TYPE_CHECKING blocks included)."""
+    found: dict[str, list[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.setdefault(alias.name, [])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.setdefault(node.module, []).extend(alias.name for alias in node.names)
+    return {module: names for module, names in found.items() if module.startswith("zerotrain")}
+
+
+def test_config_modules_import_one_way() -> None:
+    package = REPO_ROOT / "zerotrain" / "config"
+    modules = {path.stem for path in package.glob("*.py")} - {"__init__", "__main__"}
+    graph: dict[str, set[str]] = {}
+    outside: set[str] = set()
+    for name in modules:
+        graph[name] = set()
+        for module, names in _zerotrain_imports(package / f"{name}.py").items():
+            if module == "zerotrain.config":  # only submodules: the package imports them all
+                assert set(names) <= modules, f"config/{name}.py imports {names} from the package"
+                graph[name] |= set(names)
+            elif module.startswith("zerotrain.config."):
+                graph[name].add(module.removeprefix("zerotrain.config."))
+            else:
+                outside.add(module)
+    list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    # the config reads the optimizer registry and the dtype names, never the runtime (engine,
+    # zero, comm)
+    assert outside <= {"zerotrain.optim.registry", "zerotrain.precision"}, outside
+    for path in (REPO_ROOT / "zerotrain" / "optim").glob("*.py"):
+        assert not any(m.startswith("zerotrain.config") for m in _zerotrain_imports(path)), path

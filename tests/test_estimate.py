@@ -26,14 +26,13 @@ from zerotrain.estimate import (
     model_state_bytes,
     stage3_gathered_numel,
 )
-from zerotrain.precision import PrecisionPolicy
+from zerotrain.precision import DTYPES, PrecisionPolicy
 from zerotrain.zero import ZeroPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt.model import GPT, gpt_config  # noqa: E402
 
 GiB = 2**30
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # -- the formula, by hand ----------------------------------------------------------------------

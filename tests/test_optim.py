@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from zerotrain.optim import Lamb, build_optimizer
+from zerotrain.config import ConfigError, check_config
+from zerotrain.optim import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS, Lamb, build_optimizer
 
 # Awkward shapes, as in FSDP2's tests; the last one starts at zero (trust ratio 1 on step 1).
 SHAPES = [(7, 15), (13,), (5, 3), (4,)]
@@ -202,6 +203,61 @@ def test_build_lamb() -> None:
 def test_build_optimizer_rejects(optimizer_type: str, options: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build_optimizer(optimizer_type, options, [{"params": _params()}])
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: what the config accepts is what build_optimizer builds
+
+# A value for every `optimizer.params` key of the registry, each a DeepSpeed default or near it.
+PARAM_VALUES: dict[str, Any] = {
+    "lr": 0.01,
+    "betas": [0.9, 0.99],
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "amsgrad": False,
+    "torch_adam": False,
+    "fused": False,
+    "foreach": False,
+    "adam_w_mode": True,
+    "bias_correction": True,
+    "set_grad_none": True,
+    "momentum": 0.9,
+    "dampening": 0.0,
+    "nesterov": False,
+    "max_coeff": 10.0,
+    "min_coeff": 0.01,
+    "eps_inside_sqrt": False,
+}
+
+
+@pytest.mark.parametrize("spelling", [str, str.lower, str.upper], ids=["name", "lower", "upper"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_registered_optimizer_passes_the_config_and_builds(name: str, spelling) -> None:
+    params = {key: PARAM_VALUES[key] for key in OPTIMIZERS[name].params}
+    section = check_config({"optimizer": {"type": spelling(name), "params": params}}).optimizer
+    assert section is not None and section.type == name
+    assert section.params.keys() == params.keys()
+    weights = _params()
+    opt = build_optimizer(spelling(name), section.params, [{"params": weights}])
+    before = [w.detach().clone() for w in weights]
+    _run(opt, weights, _grads(1))
+    assert all(not torch.equal(w, b) for w, b in zip(weights, before, strict=True))
+
+
+def test_unknown_optimizer_is_a_config_error_listing_the_choices() -> None:
+    with pytest.raises(ConfigError) as error:
+        check_config({"optimizer": {"type": "Adamax"}})
+    message = str(error.value)
+    assert message.startswith("optimizer.type: unknown optimizer 'Adamax'")
+    assert message.endswith(f"zerotrain supports {', '.join(OPTIMIZERS)}")
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_ONLY_OPTIMIZERS))
+def test_deepspeed_optimizers_not_implemented_are_named(name: str) -> None:
+    with pytest.raises(ConfigError, match=f"optimizer.type: '{name}' is a DeepSpeed optimizer"):
+        check_config({"optimizer": {"type": name}})
+    with pytest.raises(ValueError, match=r"optimizer\.type"):
+        build_optimizer(name, {}, [{"params": _params()}])
 
 
 # ---------------------------------------------------------------------------------------------

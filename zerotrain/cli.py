@@ -311,7 +311,6 @@ _SIZE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _parse_size(text: str) -> int:
@@ -337,11 +336,10 @@ def _checkpoint_error(command: str, error: Exception) -> int:
 
 
 def _consolidate_command(args: argparse.Namespace, rest: list[str]) -> int:
-    import torch  # here, not at the top: `zerotrain --version` must not wait for torch
-
     from zerotrain.checkpoint import CheckpointError, consolidate
+    from zerotrain.precision import DTYPES
 
-    options = {"tag": args.tag, "dtype": getattr(torch, _DTYPE_NAMES[args.dtype])}
+    options = {"tag": args.tag, "dtype": DTYPES[args.dtype]}
     if args.max_shard_size is not None:
         options["max_shard_size"] = args.max_shard_size
     try:
@@ -364,6 +362,8 @@ def _inspect_command(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _add_checkpoint_parser(commands) -> None:
+    from zerotrain.precision import DTYPES
+
     checkpoint = commands.add_parser(
         "checkpoint",
         help="export or inspect zerotrain checkpoints",
@@ -386,7 +386,7 @@ def _add_checkpoint_parser(commands) -> None:
     )
     consolidate.add_argument(
         "--dtype",
-        choices=list(_DTYPE_NAMES),
+        choices=list(DTYPES),
         default="fp32",
         help="dtype of the floating-point tensors written (default: fp32)",
     )
@@ -513,10 +513,9 @@ _SHAPE_FLAGS = {
 
 
 def _estimate_job(args: argparse.Namespace):
+    from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import TrainingJob, TransformerShape, count_parameters
-    from zerotrain.zero.optimizer import Stage3Options
 
-    defaults = Stage3Options()
     shape_values = {key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size")}
     counts = {"trainable_params": args.params, "largest_layer": args.largest_layer or 0}
     if args.model:
@@ -525,7 +524,8 @@ def _estimate_job(args: argparse.Namespace):
                 "--largest-layer: measured from --model; give it only with --params"
             )
         count = count_parameters(
-            _build_on_meta(args.model), persistence_threshold=defaults.persistence_threshold
+            _build_on_meta(args.model),
+            persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold,
         )
         counts = {
             "trainable_params": count.trainable,
@@ -557,7 +557,7 @@ def _estimate_job(args: argparse.Namespace):
             stages=(args.stage,)
             if args.stage is not None
             else ((1, 2, 3) if args.offload else (0, 1, 2, 3)),
-            max_live_numel=defaults.max_live_numel
+            max_live_numel=ZERO_DEFAULTS.stage3_max_live_parameters
             if args.max_live_parameters is None
             else args.max_live_parameters,
             shape=shape,
@@ -596,8 +596,11 @@ def _estimate_command(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _add_estimate_parser(commands) -> None:
-    from zerotrain.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS
+    from zerotrain.config import ZERO_DEFAULTS
+    from zerotrain.estimate import OPTIMIZER_STATE_BYTES
+    from zerotrain.precision import DTYPES
 
+    max_live_default = f"{ZERO_DEFAULTS.stage3_max_live_parameters:.0e}".replace("e+0", "e")
     parser = commands.add_parser(
         "estimate",
         help="estimate memory per device for each ZeRO stage, before running",
@@ -636,7 +639,7 @@ def _add_estimate_parser(commands) -> None:
         help="estimate what offload would move off the device (zerotrain cannot run it yet)",
     )
     parser.add_argument(
-        "--dtype", choices=list(PRECISIONS), default="bf16", help="training dtype (default: bf16)"
+        "--dtype", choices=list(DTYPES), default="bf16", help="training dtype (default: bf16)"
     )
     parser.add_argument(
         "--optimizer",
@@ -649,7 +652,7 @@ def _add_estimate_parser(commands) -> None:
         "--max-live-parameters",
         type=lambda text: 0 if text.strip() == "0" else _parse_count(text),
         metavar="COUNT",
-        help="stage3_max_live_parameters (default: 1e9, as in DeepSpeed)",
+        help=f"stage3_max_live_parameters (default: {max_live_default}, as in DeepSpeed)",
     )
     shape = parser.add_argument_group(
         "activations", "a transformer's activations per device (Korthikanti et al. 2022)"

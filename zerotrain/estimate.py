@@ -46,7 +46,6 @@ from zerotrain.zero.units import assign_units, find_unit_modules
 
 __all__ = [
     "OPTIMIZER_STATE_BYTES",
-    "PRECISIONS",
     "ActivationAssumptions",
     "ActivationBytes",
     "ModelStateBytes",
@@ -65,9 +64,6 @@ __all__ = [
 ]
 
 GiB = 2**30
-
-PRECISIONS = DTYPES  # the training dtypes by config name
-"""The ``--dtype`` names and the training dtype each stands for."""
 
 _HOST_COLUMN = {"cpu": "CPU/node", "nvme": "NVMe/node"}  # where offload would put its bytes
 
@@ -251,7 +247,7 @@ class TrainingJob:
     persistent_numel: int = 0
     """Stage 3's elements in units below the persistence threshold (kept whole)."""
     max_live_numel: int
-    """``stage3_max_live_parameters`` (zerotrain.zero.optimizer.Stage3Options has the default)."""
+    """``stage3_max_live_parameters`` (zerotrain.config.ZERO_DEFAULTS has the default)."""
     shape: TransformerShape | None = None
     """Activations are estimated only with a shape."""
     attention: Literal["eager", "flash"] = "eager"
@@ -260,8 +256,8 @@ class TrainingJob:
     """:attr:`ActivationAssumptions.dropout`."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in PRECISIONS:
-            raise ValueError(f"--dtype: one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
                 f"--optimizer: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}"
@@ -289,12 +285,12 @@ class TrainingJob:
     @property
     def precision(self) -> PrecisionPolicy:
         """The dtypes zerotrain would train in."""
-        return PrecisionPolicy(PRECISIONS[self.dtype])
+        return PrecisionPolicy(DTYPES[self.dtype])
 
     @property
     def precision_bytes(self) -> int:
         """Bytes per element of parameters, gradients and activations."""
-        return PRECISIONS[self.dtype].itemsize
+        return DTYPES[self.dtype].itemsize
 
     @property
     def assumptions(self) -> ActivationAssumptions:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The training dtypes by their config names (`communication_data_type`, the estimator)."""
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""The training dtypes by their config names: the one map of them (`communication_data_type`,
+`zerotrain estimate --dtype`, `zerotrain checkpoint consolidate --dtype`)."""
 
 
 def training_dtype(bf16: bool, fp16: bool) -> torch.dtype:

@@ -55,6 +55,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from zerotrain.comm import Communicator, PendingOp
+from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.zero.init import ZeroParamStatus, gather_param, is_init_partitioned, mark_partitioned
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, point_params_at
 from zerotrain.zero.units import assign_units, find_unit_modules
@@ -64,10 +65,10 @@ from zerotrain.zero.units import assign_units, find_unit_modules
 class Stage3Options:
     """Stage-3 knobs, in elements (DeepSpeed's ``stage3_*`` keys)."""
 
-    prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
-    max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters
-    max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
-    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (per unit here)
+    prefetch_numel: int = ZERO_DEFAULTS.stage3_prefetch_bucket_size
+    max_live_numel: int = ZERO_DEFAULTS.stage3_max_live_parameters
+    max_reuse_numel: int = ZERO_DEFAULTS.stage3_max_reuse_distance
+    persistence_threshold: int = ZERO_DEFAULTS.stage3_param_persistence_threshold  # per unit here
 
 
 class BucketGathers:

@@ -20,7 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Accepted", "is_comment"]
+__all__ = [
+    "BF16",
+    "CHECKPOINT",
+    "FP16",
+    "OPTIMIZER",
+    "TOP_LEVEL",
+    "ZERO_OPTIMIZATION",
+    "Accepted",
+    "is_comment",
+]
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class Accepted:
 
 
 def is_comment(key: str) -> bool:
+    """Keys starting with ``_`` are comments (JSON has none)."""
     return key.startswith("_")
 
 

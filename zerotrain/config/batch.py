@@ -1,0 +1,62 @@
+"""DeepSpeed's batch arithmetic: train_batch_size = train_micro_batch_size_per_gpu *
+gradient_accumulation_steps * world_size, with any one of the three derived from the others."""
+
+from typing import NamedTuple
+
+from zerotrain.config.errors import ConfigError
+
+__all__ = ["BatchSizes", "resolve_batch_sizes"]
+
+
+class BatchSizes(NamedTuple):
+    """The three batch keys of a config, all set (the field names of ZeroTrainConfig)."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+
+
+def resolve_batch_sizes(
+    total: int | None,
+    micro: int | None,
+    accum: int | None,
+    *,
+    world_size: int,
+    data_parallel_size: int | None = None,
+) -> BatchSizes:
+    """The batch triple for ``world_size`` data-parallel ranks from the keys given (None where
+    left out), by DeepSpeed's rules: any two, or ``total`` or ``micro`` alone (then ``accum`` is
+    1). ``ConfigError`` showing the arithmetic when they cannot agree."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size: must be a positive integer, got {world_size!r}")
+    if data_parallel_size not in (None, world_size):
+        raise ConfigError(
+            f"data_parallel_size: {data_parallel_size} asks for a device mesh with "
+            f"model parallelism over the {world_size} ranks, which zerotrain does not have "
+            f"yet; set it to {world_size} or remove it"
+        )
+    tb, mb, ga, ws = BatchSizes._fields + ("world_size",)
+    if total is None and micro is None:
+        given = f"only {ga} is set" if accum is not None else "no batch size is set"
+        raise ConfigError(f"{given}; set {tb} or {mb} (or both)")
+    if total is not None and micro is not None and accum is not None:
+        if total != micro * accum * world_size:
+            raise ConfigError(
+                f"{tb} ({total}) != {mb} ({micro}) * {ga} ({accum}) * {ws} ({world_size}) = "
+                f"{micro * accum * world_size}; fix one of them, or leave one out to derive it"
+            )
+    elif total is None:  # micro given, accum given or 1
+        accum = accum or 1
+        total = micro * accum * world_size
+    else:  # total given with micro, accum or neither (then accum is 1)
+        accum = 1 if micro is None and accum is None else accum
+        known, known_name, derived_name = (micro, mb, ga) if micro else (accum, ga, mb)
+        divisor = known * world_size
+        if total % divisor:
+            raise ConfigError(
+                f"{tb} ({total}) is not divisible by {known_name} ({known}) * {ws} "
+                f"({world_size}) = {divisor}, so {derived_name} cannot be derived; make "
+                f"{tb} a multiple of {divisor} or set all three batch keys"
+            )
+        micro, accum = (micro, total // divisor) if micro else (total // divisor, accum)
+    return BatchSizes(total, micro, accum)

@@ -1,0 +1,576 @@
+"""The typed schema of DeepSpeed's ``ds_config.json``, as far as zerotrain implements it: one
+pydantic model per section, ``ZeroTrainConfig`` at the top. The field docstrings are the
+documentation (docs.py renders them into docs/config.md)."""
+
+import enum
+import re
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+
+from zerotrain.config import deepspeed_keys
+from zerotrain.config.batch import resolve_batch_sizes
+from zerotrain.config.errors import fail
+from zerotrain.config.params import OptimizerConfig, SchedulerConfig
+from zerotrain.config.section import (
+    Fraction,
+    Int,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    canonical_choice,
+)
+from zerotrain.precision import DTYPES
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "BF16Config",
+    "CSVMonitorConfig",
+    "CheckpointConfig",
+    "CommsLoggerConfig",
+    "FP16Config",
+    "FlopsProfilerConfig",
+    "OffloadDeviceEnum",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OffloadStateTypeEnum",
+    "TensorBoardConfig",
+    "WandbConfig",
+    "ZERO_DEFAULTS",
+    "ZeroOptimizationConfig",
+    "ZeroTrainConfig",
+]
+
+
+class FP16Config(Section):
+    """`fp16`: float16 mixed precision with loss scaling (fp32 master weights)."""
+
+    _ACCEPTED = deepspeed_keys.FP16
+
+    enabled: bool = False
+    """Run forward and backward in float16, keep fp32 master weights, scale the loss."""
+    auto_cast: bool = False
+    """Cast the floating-point tensors among the arguments of `engine(...)` to float16 before
+    the model's forward (integer tensors, such as token ids, are left alone)."""
+    loss_scale: NonNegativeFloat = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: NonNegativeInt = 16
+    """Dynamic loss scaling starts at a scale of 2**initial_scale_power."""
+    loss_scale_window: PositiveInt = 1000
+    """The dynamic scale doubles after this many consecutive steps without overflow."""
+    hysteresis: PositiveInt = 2
+    """The dynamic scale halves on the hysteresis-th overflow since its last refill (DeepSpeed's
+    delayed shift); every overflowing step is skipped."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without overflow, so only consecutive overflows
+    count towards halving."""
+    min_loss_scale: NonNegativeFloat = 1.0
+    """Lower bound of the dynamic loss scale (0: none)."""
+
+
+class BF16Config(Section):
+    """`bf16` (DeepSpeed also reads the old name `bfloat16`): bfloat16 mixed precision; no loss
+    scaling is needed."""
+
+    _ACCEPTED = deepspeed_keys.BF16
+
+    enabled: bool = False
+    """Run forward and backward in bfloat16 and keep fp32 master weights."""
+
+
+class OffloadDeviceEnum(str, enum.Enum):
+    """Where offloaded states go (DeepSpeed's enum, also ``engine.offload_states``' device)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """The kinds of state ``engine.offload_states(include=...)`` moves (DeepSpeed's enum)."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+def _offload_device(value: Any) -> Any:
+    if value is None:  # DeepSpeed's configs write null for "none" too
+        return "none"
+    return value.lower() if isinstance(value, str) else value
+
+
+_OffloadDevice = Annotated[
+    Literal[tuple(device.value for device in OffloadDeviceEnum)],  # type: ignore[valid-type]
+    BeforeValidator(_offload_device),
+]
+
+
+class _OffloadSection(Section):
+    """The keys both offload sections have."""
+
+    device: _OffloadDevice = "none"
+    """`none` (or null): on the training device. `cpu` asks for the states in CPU memory: on a run
+    whose device is the CPU (gloo) they are there already and nothing moves; with CUDA devices
+    `initialize` refuses it until zerotrain implements offload. `nvme` (ZeRO-Infinity) is
+    refused."""
+    nvme_path: str | None = None
+    """Directory on the NVMe device (with `device: nvme`)."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers for faster copies to and from a GPU."""
+
+
+class OffloadOptimizerConfig(_OffloadSection):
+    """`zero_optimization.offload_optimizer`: where the fp32 master weights and optimizer states
+    live and are stepped (DeepSpeed's ZeRO-Offload). The keys other than `device` tune
+    DeepSpeed's transfers and have no effect on a CPU device."""
+
+    buffer_count: NonNegativeInt = 4
+    """NVMe buffer pool size."""
+    pipeline_read: bool = False
+    """Overlap NVMe reads with the step."""
+    pipeline_write: bool = False
+    """Overlap NVMe writes with the step."""
+    fast_init: bool = False
+    """Faster optimizer initialization with NVMe."""
+    ratio: Fraction = 1.0
+    """Fraction of the optimizer step run on the CPU (stage 3)."""
+    super_offload: bool = False
+    """DeepSpeed's SuperOffload for superchips (stage 3)."""
+    cpuadam_cores_perc: Fraction = 0.8
+    """Fraction of CPU cores for the CPU optimizer (with `super_offload`)."""
+
+
+class OffloadParamConfig(_OffloadSection):
+    """`zero_optimization.offload_param`: where stage 3 keeps the parameter shards between uses
+    (DeepSpeed's ZeRO-Infinity parameter offload). The keys other than `device` tune DeepSpeed's
+    transfers and have no effect on a CPU device."""
+
+    buffer_count: NonNegativeInt = 5
+    """NVMe buffer pool size."""
+    buffer_size: NonNegativeInt = 100_000_000
+    """Elements per NVMe buffer."""
+    max_in_cpu: NonNegativeInt = 1_000_000_000
+    """Parameter elements kept in CPU memory with NVMe offload."""
+
+
+class ZeroOptimizationConfig(Section):
+    """`zero_optimization`: what ZeRO (arXiv:1910.02054) partitions across data-parallel ranks.
+    Bucket sizes count elements, not bytes."""
+
+    _ACCEPTED = deepspeed_keys.ZERO_OPTIMIZATION
+    _RENAMED = {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        # DeepSpeed's field names; the stage3_ spellings are its aliases
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+
+    stage: Int = 0
+    """0: plain data parallelism; 1: partition optimizer states; 2: also gradients; 3: also
+    parameters. (DeepSpeed's old form `zero_optimization: false` / `true` is read as stage 0
+    / 1.)"""
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    """Optimizer offload; see the offload_optimizer section."""
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    """Stage 3 parameter offload; see the offload_param section."""
+    cpu_offload: bool | None = None
+    """DeepSpeed's old key: true is `offload_optimizer: {device: cpu}`."""
+    cpu_offload_param: bool | None = None
+    """DeepSpeed's old key: true is `offload_param: {device: cpu}`."""
+    cpu_offload_use_pin_memory: bool | None = None
+    """DeepSpeed's old key: `pin_memory` of the sections that `cpu_offload` and
+    `cpu_offload_param` turn on."""
+    reduce_bucket_size: PositiveInt = 500_000_000
+    """Elements per bucket (stages 0-2): gradients are reduced (or reduce-scattered), and
+    updated parameters all-gathered, one bucket per collective."""
+    allgather_bucket_size: PositiveInt = 500_000_000
+    """Accepted for DeepSpeed compatibility, without effect: zerotrain all-gathers updated
+    parameters in the buckets of `reduce_bucket_size` (one buffer serves both)."""
+    overlap_comm: bool = False
+    """Accepted for DeepSpeed compatibility, without effect: zerotrain always reduces each
+    gradient bucket as soon as it is complete, while backward goes on (same numerics)."""
+    overlap_param_gather: bool = False
+    """Stages 1-2: all-gather the updated parameters during the next forward instead of at the
+    end of `step()`, bucket by bucket, each module waiting only for the buckets that hold its
+    own parameters (DeAR, arXiv:2302.12445); same numerics. A zerotrain key. Code that reads a
+    parameter in the forward of a module that does not own it, before the owner ran, must
+    leave it false."""
+    contiguous_gradients: bool = True
+    """Accepted for DeepSpeed compatibility, without effect: gradients always accumulate in (or
+    are copied to) contiguous bucket buffers."""
+    reduce_scatter: bool = True
+    """Accepted for DeepSpeed compatibility, without effect: stages 1-3 always reduce-scatter
+    (stage 0 all-reduces)."""
+    allgather_partitions: bool = True
+    """Accepted for DeepSpeed compatibility, without effect: updated parameters are always
+    all-gathered."""
+    round_robin_gradients: bool = False
+    """Accepted for DeepSpeed compatibility. DeepSpeed uses it to spread gradient copies to CPU
+    under optimizer offload; it has no effect on numerics, and none in zerotrain."""
+    stage3_prefetch_bucket_size: NonNegativeInt = 50_000_000
+    """Stage 3: at most this many parameter elements are gathered ahead of use, in the order
+    recorded on the first step."""
+    stage3_param_persistence_threshold: NonNegativeInt = 100_000
+    """Stage 3: a gather unit (a block, or the root's own parameters) with fewer elements stays
+    whole on every rank instead of being gathered for each use (DeepSpeed counts per
+    parameter; zerotrain per unit)."""
+    stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
+    """Stage 3: prefetching stops where it would hold more gathered parameter elements than
+    this; a unit needed now is always gathered."""
+    stage3_max_reuse_distance: NonNegativeInt = 1_000_000_000
+    """Stage 3: a unit whose next use comes within this many gathered elements (per the order
+    recorded on the first step) stays gathered after its forward instead of being released and
+    gathered again for its backward (bounded by `stage3_max_live_parameters`)."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: let `engine.save_16bit_model` gather the full 16-bit weights and write them;
+    when false it saves nothing and returns False, as in DeepSpeed (DeepSpeed's old name
+    `stage3_gather_fp16_weights_on_model_save` is accepted)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_offload_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        pin = data.get("cpu_offload_use_pin_memory")
+        for old, section in (
+            ("cpu_offload", "offload_optimizer"),
+            ("cpu_offload_param", "offload_param"),
+        ):
+            if data.get(old) is True:
+                if section in data:
+                    raise fail(
+                        f"`{old}` is DeepSpeed's old form of `{section}`; set only `{section}`"
+                    )
+                data[section] = {
+                    "device": "cpu",
+                    **({"pin_memory": pin} if pin is not None else {}),
+                }
+        return data
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_in_range(cls, stage: int) -> int:
+        if not 0 <= stage <= 3:
+            raise fail(f"must be between 0 and 3, got {stage}")
+        return stage
+
+    @model_validator(mode="after")
+    def _no_nvme(self) -> "ZeroOptimizationConfig":
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name).device == "nvme":
+                raise fail(
+                    f'{name}.device: "nvme" asks for NVMe offload (ZeRO-Infinity), which '
+                    'zerotrain does not have yet; set it to "none" (or "cpu")'
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _param_gather_overlap_needs_stage_1_or_2(self) -> "ZeroOptimizationConfig":
+        if self.overlap_param_gather and self.stage not in (1, 2):
+            raise fail(
+                f"overlap_param_gather applies to stages 1-2 (they all-gather parameters after "
+                f"the step); at stage {self.stage} set it to false"
+                + (
+                    " (stage 3 already gathers ahead of use: stage3_prefetch_bucket_size)"
+                    if self.stage == 3
+                    else ""
+                )
+            )
+        return self
+
+
+ZERO_DEFAULTS = ZeroOptimizationConfig()
+"""`zero_optimization` with every key at its default: code outside the config reads DeepSpeed's
+defaults here (the stage-3 knobs of zerotrain.zero.optimizer.Stage3Options, `zerotrain
+estimate`), so that the schema above is the one place they are written."""
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: how `engine.save_checkpoint` and `engine.load_checkpoint` behave. Every
+    zerotrain checkpoint loads at any world size and ZeRO stage (see docs/checkpoints.md)."""
+
+    _ACCEPTED = deepspeed_keys.CHECKPOINT
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """What to do when ranks pass different tags to `save_checkpoint`: `Warn` (every rank then
+    saves under rank 0's tag), `Fail` (raise) or `Ignore` (use rank 0's tag silently). Any
+    capitalization is accepted, as in DeepSpeed."""
+    keep_last: NonNegativeInt = 0
+    """Keep only the newest this many complete checkpoints in the save directory; older ones
+    are deleted after a newer one is committed. 0 keeps all. (A zerotrain key.)"""
+    load_universal: bool = False
+    """Accepted for DeepSpeed compatibility and has no effect: zerotrain checkpoints are always
+    universal (they reshard to any world size and stage when loaded)."""
+    use_node_local_storage: bool = False
+    """DeepSpeed: checkpoints load without a filesystem shared by the nodes. On one node every
+    rank shares the node's disk, so `initialize` accepts true there; a job on several nodes
+    with true is refused (zerotrain's ranks read the shards they need wherever they were
+    written: keep `save_dir` on a shared filesystem)."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        choices = get_args(cls.model_fields["tag_validation"].annotation)
+        return canonical_choice(value, list(choices)) or value
+
+
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`: the policy of `zerotrain.checkpointing.checkpoint` (and of the
+    blocks `zerotrain.checkpointing.wrap` checkpoints), with DeepSpeed's keys; which blocks are
+    checkpointed is up to the model code. See docs/activation-checkpointing.md."""
+
+    partition_activations: bool = False
+    """Has no effect in zerotrain, which is purely data-parallel: DeepSpeed splits each
+    checkpointed activation across model-parallel ranks, which hold identical copies of it;
+    data-parallel ranks hold the activations of different samples, so there is nothing to split.
+    Rank 0 warns once when it is true."""
+    cpu_checkpointing: bool = False
+    """Keep the inputs of every checkpointed region (what a checkpoint retains) in CPU memory,
+    pinned on CUDA, and copy them back for the recomputation (`torch.autograd.graph.save_on_cpu`);
+    the numbers do not change. On a CPU device they are in CPU memory already: nothing moves."""
+    contiguous_memory_optimization: bool = False
+    """Has no effect in zerotrain: DeepSpeed copies partitioned activations into one buffer of
+    `number_checkpoints` slots to limit fragmentation, and zerotrain partitions none (see
+    `partition_activations`)."""
+    number_checkpoints: PositiveInt | None = None
+    """Has no effect in zerotrain: DeepSpeed sizes the buffer of `contiguous_memory_optimization`
+    with it."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at the start and end of every checkpointed forward and
+    recomputation, as DeepSpeed does (to attribute time, or to debug). On a CPU device, where
+    operations run synchronously, it does nothing."""
+    profile: bool = False
+    """Time every checkpointed forward and recomputation (synchronizing the device at their
+    boundaries); the totals are in `zerotrain.checkpointing.recompute_stats()`, which counts
+    calls whether or not this is set."""
+
+
+class CommsLoggerConfig(Section):
+    """`comms_logger`: record every collective zerotrain issues, per operation and message size;
+    `engine.comms_summary()` prints the table (calls, bytes, bytes sent, time, bandwidth)."""
+
+    enabled: bool = False
+    """Record calls, bytes and time per operation and message size."""
+    verbose: bool = False
+    """Also print one line per collective as it completes (rank 0)."""
+    prof_all: bool = True
+    """Record every operation; false records only those in `prof_ops`."""
+    prof_ops: list[str] = Field(default_factory=list)
+    """Operations to record when `prof_all` is false: `all_reduce`, `reduce_scatter`,
+    `all_gather`, `broadcast` (DeepSpeed's `all_gather_into_tensor`, `reduce_scatter_tensor`
+    and `*_base` names are read as these)."""
+    debug: bool = False
+    """Append the zerotrain function that issued it to each operation's name (`all_gather |
+    BucketGathers.issue`), to see which part of the engine communicates."""
+
+    @field_validator("prof_ops")
+    @classmethod
+    def _known_ops(cls, ops: list[str]) -> list[str]:
+        known = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+        names = []
+        for op in ops:
+            name = re.sub(r"(_into_tensor|_tensor|_base)$", "", op)
+            if name not in known:
+                raise fail(f"unknown operation {op!r}; use any of {', '.join(known)}")
+            names.append(name)
+        return names
+
+
+class FlopsProfilerConfig(Section):
+    """`flops_profiler`: profile one step's forward per module (FLOPs, MACs, parameters,
+    latency) and print the module tree, the top modules and the achieved TFLOP/s (rank 0).
+    See docs/monitoring.md."""
+
+    enabled: bool = False
+    """Profile the step given by `profile_step` and print its profile."""
+    recompute_fwd_factor: NonNegativeFloat = 0.0
+    """Forwards recomputed in backward per forward (activation checkpointing: 1.0 when every
+    block is recomputed): the profile's hardware FLOPs per step are (3 + this) x the forward
+    FLOPs. The throughput line always reports model FLOPs (3x)."""
+    profile_step: NonNegativeInt = 1
+    """Profile the step that starts when `engine.global_steps` equals this, as in DeepSpeed:
+    the default 1 profiles the second optimizer step (the first is warm-up). The first
+    micro-step's forward of that step is profiled."""
+    module_depth: Int = -1
+    """Depth of the module tree printed with `detailed`, and of the per-depth top modules; -1
+    prints every level."""
+    top_modules: PositiveInt = 1
+    """How many modules to list per depth, by MACs, by parameters and by latency."""
+    detailed: bool = True
+    """Print the module tree with each module's profile."""
+    output_file: str | None = None
+    """Write the profile to this file instead of stdout (rank 0; directories are created)."""
+    peak_tflops: PositiveFloat | None = None
+    """Peak TFLOP/s of one device, for the utilisation in the profile; null measures it once
+    with a short matmul benchmark in the training dtype (reported as measured). A zerotrain
+    key."""
+
+    @field_validator("module_depth")
+    @classmethod
+    def _depth_or_all(cls, depth: int) -> int:
+        if depth < -1:
+            raise fail(f"must be -1 (every level) or a depth >= 0, got {depth}")
+        return depth
+
+
+class TensorBoardConfig(Section):
+    """`tensorboard`: write the per-step training scalars (see docs/monitoring.md) to a
+    TensorBoard event file from rank 0; needs the `tensorboard` package."""
+
+    enabled: bool = False
+    """Write the scalars of every optimizer step (`pip install tensorboard`)."""
+    output_path: str = ""
+    """Directory for the logs; `""` is the current directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Subdirectory of `output_path` the event file goes to."""
+
+
+class CSVMonitorConfig(Section):
+    """`csv_monitor`: write the per-step training scalars to CSV files from rank 0, one file
+    per scalar with the columns `step` and the scalar's name (DeepSpeed's layout)."""
+
+    enabled: bool = False
+    """Write the scalars of every optimizer step."""
+    output_path: str = ""
+    """Directory for the files; `""` is the current directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Subdirectory of `output_path` the files go to."""
+
+
+class WandbConfig(Section):
+    """`wandb`: log the per-step training scalars to Weights & Biases from rank 0; needs the
+    `wandb` package."""
+
+    enabled: bool = False
+    """Log the scalars of every optimizer step (`pip install wandb`)."""
+    group: str | None = None
+    """W&B group of the run."""
+    team: str | None = None
+    """W&B team (entity) of the run."""
+    project: str = "deepspeed"
+    """W&B project of the run."""
+
+
+def _zero_optimization_from_bool(value: Any) -> Any:
+    # DeepSpeed's oldest form: a bool, read as stage 1 (true) or 0 (false)
+    return {"stage": 1 if value else 0} if isinstance(value, bool) else value
+
+
+def _infinite_is_none(value: Any) -> Any:
+    # JSON's Infinity (Python's json reads it) means "never", as null does
+    return None if isinstance(value, float) and value == float("inf") else value
+
+
+class ZeroTrainConfig(Section):
+    """Top level of the config, with DeepSpeed's key names. Of the three batch keys give any
+    two, or `train_batch_size` or `train_micro_batch_size_per_gpu` alone (then
+    `gradient_accumulation_steps` is 1); `load_config` derives the rest from
+    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+    world_size."""
+
+    _ACCEPTED = deepspeed_keys.TOP_LEVEL
+    _RENAMED = {"bfloat16": "bf16"}
+
+    train_batch_size: PositiveInt | None = None
+    """Samples per optimizer step, summed over all ranks and accumulation steps."""
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Samples per forward/backward pass on one rank."""
+    gradient_accumulation_steps: PositiveInt | None = None
+    """Forward/backward passes whose gradients are summed before each optimizer step."""
+    data_parallel_size: PositiveInt | None = None
+    """DeepSpeed: the data-parallel size of a device mesh with model parallelism. zerotrain is
+    data-parallel over every rank, so when given it must equal the world size."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer to build; leave out when passing a torch optimizer to the engine."""
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate schedule to build; leave out for a constant rate or a client schedule."""
+    gradient_clipping: NonNegativeFloat = 1.0
+    """Clip the global gradient L2 norm (over all ranks' partitions) to this value; 0 turns
+    clipping off. The default is DeepSpeed 0.19.8's: clipping at 1.0 unless the config says
+    otherwise."""
+    communication_data_type: Literal[tuple(DTYPES)] | None = None  # type: ignore[valid-type]
+    """The dtype gradients are reduced in; null: the training dtype (fp32, fp16 or bf16).
+    `fp32` in 16-bit training sums gradients without 16-bit rounding (stages 2-3 then also keep
+    the reduced gradient partition in fp32: 2 more bytes per element of this rank's shard)."""
+    dataloader_drop_last: bool = False
+    """The dataloader `initialize` returns leaves out each epoch's last micro-batch when it is
+    smaller than `train_micro_batch_size_per_gpu`."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """float16 mixed precision; see the fp16 section."""
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    """bfloat16 mixed precision; see the bf16 section."""
+    zero_optimization: Annotated[
+        ZeroOptimizationConfig, BeforeValidator(_zero_optimization_from_bool)
+    ] = Field(default_factory=ZeroOptimizationConfig)
+    """ZeRO partitioning; see the zero_optimization section."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint saving and loading; see the checkpoint section."""
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
+    present. See the activation_checkpointing section."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Communication logging; see the comms_logger section."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Per-module FLOPs profile of one step; see the flops_profiler section."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor; see the tensorboard section."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """CSV monitor; see the csv_monitor section."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor; see the wandb section."""
+    steps_per_print: Annotated[PositiveInt | None, BeforeValidator(_infinite_is_none)] = 10
+    """Rank 0 prints a throughput line every this many optimizer steps: loss (mean over the
+    micro-steps and ranks), lr, samples/s, tokens/s, TFLOP/s per rank, memory, grad norm, loss
+    scale (docs/monitoring.md). null or `Infinity` never prints (DeepSpeed's default is null;
+    zerotrain prints every 10 steps unless told)."""
+    dump_state: bool = False
+    """Rank 0 prints the resolved config (every key, defaults included) at `initialize`."""
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    """Level of the `zerotrain` logger (`zerotrain.utils.logger`), any capitalisation; null
+    leaves it as it is (INFO unless the script set it)."""
+    wall_clock_breakdown: bool = False
+    """Add to the throughput line the forward, backward and optimizer-step times per step and
+    the communication the training thread waited for."""
+    count_model_flops: bool = True
+    """Count the forward FLOPs of one micro-batch once (torch's FLOP formulas, on rank 0,
+    at the first step that prints or is monitored) for the TFLOP/s of the throughput line and
+    the monitors; false leaves TFLOP/s out. A zerotrain key."""
+    seed: NonNegativeInt | None = None
+    """Seed for the random generators on every rank; null leaves them alone. (A zerotrain key;
+    DeepSpeed has none.)"""
+    zero_allow_untested_optimizer: bool = False
+    """Accepted for DeepSpeed compatibility and has no effect: zerotrain wraps any torch
+    optimizer under ZeRO."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_half_precision(self) -> "ZeroTrainConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise fail("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        return self
+
+    def resolve_batch(self, world_size: int) -> "ZeroTrainConfig":
+        """A copy with all three batch fields set for ``world_size`` data-parallel ranks
+        (DeepSpeed's rules, batch.py); ``ConfigError`` showing the arithmetic when they cannot
+        agree."""
+        sizes = resolve_batch_sizes(
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            world_size=world_size,
+            data_parallel_size=self.data_parallel_size,
+        )
+        return self.model_copy(update=sizes._asdict())
