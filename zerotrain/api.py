@@ -22,7 +22,7 @@ from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initiali
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
-from zerotrain.monitor import check_monitor_packages
+from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
 from zerotrain.utils.logging import logger

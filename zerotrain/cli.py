@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zerotrain import __version__
+from zerotrain.fmt import parse_size
 
 __all__ = ["EstimateError", "LaunchError", "LaunchPlan", "main", "plan_launch"]
 
@@ -299,35 +300,17 @@ def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 # -- `zerotrain checkpoint` ----------------------------------------------------------------------
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _parse_size(text: str) -> int:
-    """A byte count as HuggingFace writes it: ``500MB``/``5GB`` (powers of 10), ``5GiB``
-    (powers of 2), or plain bytes."""
-    number = text.strip().rstrip("BbIiKkMmGgTt ")
-    unit = text.strip()[len(number) :].strip().upper()
+    """A positive byte count as :func:`zerotrain.fmt.parse_size` reads it."""
     try:
-        size = int(float(number) * _SIZE_UNITS[unit])
-    except (KeyError, ValueError, OverflowError):
-        size = 0
-    if size <= 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write bytes (1000000) or a number with KB, MB, GB "
-            "(powers of 10) or KiB, MiB, GiB (powers of 2), e.g. 500MB or 5GB"
-        )
+        size = parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if size == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; it must be more than 0 bytes")
     return size
 
 

@@ -39,6 +39,7 @@ from typing import Literal
 
 from torch import nn
 
+from zerotrain.fmt import GiB, count, quantity, scaled
 from zerotrain.precision import DTYPES, PrecisionPolicy
 from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES, ModelStateBytes, model_state_bytes
 from zerotrain.zero.partition import ZeroPolicy
@@ -63,8 +64,6 @@ __all__ = [
     "plot",
     "to_json",
 ]
-
-GiB = 2**30
 
 PRECISIONS = DTYPES  # the training dtypes by config name
 """The ``--dtype`` names and the training dtype each stands for."""
@@ -369,17 +368,6 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
 
 
 # -- output ----------------------------------------------------------------------------------
-def _count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(int(n))
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
-
-
 def _fits(row: StageEstimate, device_memory: int, with_activations: bool) -> str:
     if row.peak(checkpointing=False) <= device_memory:
         return "yes"
@@ -396,14 +384,14 @@ def format_table(
     optimizer_bytes = OPTIMIZER_STATE_BYTES[job.optimizer]
     master = 4 if job.precision.has_master_copy else 0
     lines = [
-        f"zerotrain estimate: {_count(job.trainable_params + job.frozen_params)} parameters "
-        f"({_count(job.trainable_params)} trainable, {_count(job.frozen_params)} frozen), "
+        f"zerotrain estimate: {count(job.trainable_params + job.frozen_params)} parameters "
+        f"({count(job.trainable_params)} trainable, {count(job.frozen_params)} frozen), "
         f"{job.dtype}, {job.optimizer} ({master + optimizer_bytes} bytes of optimizer state per "
         f"parameter{' with fp32 masters' if master else ', no master copy'}), "
         f"{job.nodes} node(s) x {job.gpus_per_node} device(s) = {n} ranks",
     ]
     if job.largest_layer:
-        lines.append(f"largest layer: {_count(job.largest_layer)} parameters")
+        lines.append(f"largest layer: {count(job.largest_layer)} parameters")
     if job.shape:
         shape, a = job.shape, job.assumptions
         lines.append(
@@ -412,7 +400,7 @@ def format_table(
             + (f", vocabulary {shape.vocab_size}" if shape.vocab_size else "")
             + f"; {a.element_bytes}-byte activations, {a.attention} attention, "
             + ("with" if a.dropout else "no")
-            + f" dropout: {_gib(activation_bytes(shape, a).per_layer)} GiB per layer"
+            + f" dropout: {quantity(activation_bytes(shape, a).per_layer, 'B', prefix='Gi')} per layer"
         )
     if job.offload:
         lines.append(_offload_warning(job.offload))
@@ -427,29 +415,29 @@ def format_table(
     if host:
         header.append(host)
     if device_memory is not None:
-        header.append(f"fits {device_memory / GiB:.2f}GiB")
+        header.append(f"fits {scaled(device_memory, 'Gi')}GiB")
     table = [header]
     for row in rows:
         cells = [
             str(row.stage),
-            _gib(row.states.parameters + row.frozen),
-            _gib(row.states.gradients),
-            _gib(row.states.optimizer_states),
-            _gib(row.model_states),
-            _gib(row.gathered),
-            _gib(row.states.step_grads),
+            scaled(row.states.parameters + row.frozen, "Gi"),
+            scaled(row.states.gradients, "Gi"),
+            scaled(row.states.optimizer_states, "Gi"),
+            scaled(row.model_states, "Gi"),
+            scaled(row.gathered, "Gi"),
+            scaled(row.states.step_grads, "Gi"),
         ]
         if row.activations is not None:
             cells += [
-                _gib(row.activations.without_checkpointing),
-                _gib(row.activations.checkpointed_peak),
-                _gib(row.peak(checkpointing=False)),
-                _gib(row.peak(checkpointing=True)),
+                scaled(row.activations.without_checkpointing, "Gi"),
+                scaled(row.activations.checkpointed_peak, "Gi"),
+                scaled(row.peak(checkpointing=False), "Gi"),
+                scaled(row.peak(checkpointing=True), "Gi"),
             ]
         else:
-            cells.append(_gib(row.peak(checkpointing=False)))
+            cells.append(scaled(row.peak(checkpointing=False), "Gi"))
         if host:
-            cells.append(_gib(row.states.offloaded * job.gpus_per_node))
+            cells.append(scaled(row.states.offloaded * job.gpus_per_node, "Gi"))
         if device_memory is not None:
             cells.append(_fits(row, device_memory, row.activations is not None))
         table.append(cells)
@@ -469,7 +457,7 @@ def _notes(job: TrainingJob, device_memory: int | None) -> list[str]:
         "params: trainable and frozen, training dtype; grads: training dtype; optim: fp32 "
         "masters (16-bit training) + optimizer state; states: their sum.",
         "gathered: stage 3, full units live during forward/backward, at most "
-        f"max(stage3_max_live_parameters = {_count(job.max_live_numel)}, root unit + largest "
+        f"max(stage3_max_live_parameters = {count(job.max_live_numel)}, root unit + largest "
         "block) elements; step: the fp32 gradient copy during a 16-bit optimizer step.",
         "peak = states + max(gathered + activations, step)"
         + ("; act ckpt: every layer checkpointed, one recomputed." if job.shape else "."),
@@ -492,7 +480,8 @@ def _notes(job: TrainingJob, device_memory: int | None) -> list[str]:
         )
     if device_memory is not None:
         notes.append(
-            f"fits: peak <= {device_memory / GiB:.2f} GiB ({device_memory} bytes), no margin; "
+            f"fits: peak <= {quantity(device_memory, 'B', prefix='Gi')} ({device_memory} bytes), "
+            "no margin; "
             "'with ckpt': only with activation checkpointing."
         )
     if job.offload:
@@ -618,11 +607,11 @@ def figure(job: TrainingJob, rows: list[StageEstimate], device_memory: int | Non
             color="black",
             linestyle="--",
             linewidth=1,
-            label=f"device memory {device_memory / GiB:.1f} GiB",
+            label=f"device memory {quantity(device_memory, 'B', prefix='Gi', digits=1)}",
         )
     offload = f", offload={job.offload} (not runnable yet)" if job.offload else ""
     axes.set_title(
-        f"{_count(job.trainable_params + job.frozen_params)} parameters, {job.dtype}, "
+        f"{count(job.trainable_params + job.frozen_params)} parameters, {job.dtype}, "
         f"{job.optimizer}, {job.nodes}x{job.gpus_per_node} devices{offload}",
         fontsize=10,
     )
