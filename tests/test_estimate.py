@@ -1,4 +1,4 @@
-"""The memory estimator (zerotrain/estimate.py, `zerotrain estimate`): the ZeRO formula by hand,
+"""The memory estimator (zerotrain/estimate/, `zerotrain estimate`): the ZeRO formula by hand,
 against what a real run allocates, activations against autograd's saved tensors, and the CLI."""
 
 from __future__ import annotations
