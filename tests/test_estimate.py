@@ -14,7 +14,7 @@ from distributed import run_distributed
 from test_activation_checkpointing import gpt_batch
 
 from zerotrain import cli
-from zerotrain.checkpointing import count_saved_activations, wrap
+from zerotrain.activation_checkpointing import count_saved_activations, wrap
 from zerotrain.estimate import (
     ActivationAssumptions,
     TrainingJob,

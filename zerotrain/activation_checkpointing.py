@@ -2,8 +2,9 @@
 
 DeepSpeed's ``deepspeed.checkpointing`` API (``configure``, ``checkpoint``, ``is_configured``,
 ``reset``) on torch's non-reentrant ``torch.utils.checkpoint`` (Chen et al., arXiv:1604.06174),
-plus ``wrap`` to checkpoint every k-th block of a model without editing its code. Not to be
-confused with ``zerotrain.checkpoint``, which saves training state to files.
+plus ``wrap`` to checkpoint every k-th block of a model without editing its code. Scripts reach
+it under DeepSpeed's name, ``zerotrain.checkpointing`` (a re-export of the public names). Not to
+be confused with ``zerotrain.checkpoint``, which saves training state to files.
 
 [Note: why the policy is module-global]
 DeepSpeed's ``checkpoint(function, *args)`` is called from inside model code, which has no handle

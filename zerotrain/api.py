@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from zerotrain import checkpointing
+from zerotrain import activation_checkpointing as checkpointing
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initialized, local_rank
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
