@@ -10,7 +10,7 @@ from zerotrain.estimate.stages import HOST_COLUMN, StageEstimate, TrainingJob
 from zerotrain.fmt import count, quantity, scaled
 from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES
 
-__all__ = ["format_table", "offload_warning", "to_json"]
+__all__ = ["format_table", "to_json"]
 
 
 def _fits(row: StageEstimate, device_memory: int, with_activations: bool) -> str:
@@ -48,7 +48,7 @@ def format_table(
             + f" dropout: {quantity(activation_bytes(shape, a).per_layer, 'B', prefix='Gi')} per layer"
         )
     if job.offload:
-        lines.append(offload_warning(job.offload))
+        lines.append(_offload_warning(job.offload))
     lines.append("bytes per device in GiB (2^30 bytes)")
     lines.append("")
     header = ["stage", "params", "grads", "optim", "states", "gathered", "step"]
@@ -146,7 +146,7 @@ def _notes(job: TrainingJob, device_memory: int | None) -> list[str]:
     return notes
 
 
-def offload_warning(target: str) -> str:
+def _offload_warning(target: str) -> str:
     return (
         f"offload={target}: zerotrain cannot run offload yet (its config rejects "
         "zero_optimization.offload_optimizer and offload_param); this only estimates it"
@@ -191,5 +191,5 @@ def to_json(job: TrainingJob, rows: list[StageEstimate], device_memory: int | No
         "rows": out_rows,
     }
     if job.offload:
-        out["warning"] = offload_warning(job.offload)
+        out["warning"] = _offload_warning(job.offload)
     return out
