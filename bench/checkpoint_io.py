@@ -28,6 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
+
+from zerotrain.fmt import MB  # noqa: E402
+
 GRID = [(stage, precision) for precision in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
 
 
@@ -148,9 +151,9 @@ def main() -> None:
         )
         print(
             f"{row['precision']:<9} {row['stage']:>5} {row['world']:>2} {row['save_s']:>7.3f} "
-            f"{row['load_s']:>7.3f} {reshard:>15} {row['disk_bytes'] / 1e6:>8.2f} "
-            f"{row['formula_bytes'] / 1e6:>7.2f} {row['disk_bytes'] / row['formula_bytes']:>9.4f} "
-            f"{row['largest_rank_file'] / 1e6:>13.2f} {row['largest_rank_file'] / per_rank:>13.4f}"
+            f"{row['load_s']:>7.3f} {reshard:>15} {row['disk_bytes'] / MB:>8.2f} "
+            f"{row['formula_bytes'] / MB:>7.2f} {row['disk_bytes'] / row['formula_bytes']:>9.4f} "
+            f"{row['largest_rank_file'] / MB:>13.2f} {row['largest_rank_file'] / per_rank:>13.4f}"
         )
     print(f"\nconsolidate (stage 3 bf16 checkpoint -> fp32 safetensors): {consolidate_s:.3f} s")
     path = Path(args.out)

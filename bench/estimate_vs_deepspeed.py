@@ -31,10 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's estimators need no device
 
-from zerotrain.cli import _parse_size  # noqa: E402
 from zerotrain.config import ZERO_DEFAULTS  # noqa: E402
 from zerotrain.estimate import (  # noqa: E402
-    GiB,
     TrainingJob,
     TransformerShape,
     count_parameters,
@@ -42,6 +40,7 @@ from zerotrain.estimate import (  # noqa: E402
     format_table,
     plot,
 )
+from zerotrain.fmt import GiB, parse_size, quantity  # noqa: E402
 
 SEQ_LEN = 4096  # Llama-2's context
 
@@ -68,7 +67,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--device-memory", type=_parse_size, default=_parse_size("80GB"))
+    parser.add_argument("--device-memory", type=parse_size, default=parse_size("80GB"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "estimate_7b.txt"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "img" / "estimate_7b.png"))
     return parser.parse_args()
@@ -133,7 +132,7 @@ def main() -> None:
         f"zerotrain stage 3 root unit + largest block: {count.root_and_largest_block:,}"
     )
     emit(
-        f"{nodes} nodes x {gpn} GPUs, bf16, Adam, device memory {args.device_memory / GiB:.2f} GiB"
+        f"{nodes} nodes x {gpn} GPUs, bf16, Adam, device memory {quantity(args.device_memory, 'B', prefix='Gi')}"
     )
     emit()
     emit("== zerotrain estimate --model bench/estimate_vs_deepspeed.py:llama2_7b "

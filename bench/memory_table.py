@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
+from zerotrain.fmt import MB  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -104,9 +106,9 @@ def main() -> None:
         row["ratio"] = row["total"] / row["formula_total"]
         print(
             f"{row['precision']:<9} {row['stage']:>5} {row['world']:>3} "
-            f"{row['parameters'] / 1e6:>10.2f} {row['gradients'] / 1e6:>9.2f} "
-            f"{row['optimizer_states'] / 1e6:>9.2f} {row['total'] / 1e6:>9.2f} "
-            f"{row['formula_total'] / 1e6:>11.2f} {row['ratio']:>17.4f}"
+            f"{row['parameters'] / MB:>10.2f} {row['gradients'] / MB:>9.2f} "
+            f"{row['optimizer_states'] / MB:>9.2f} {row['total'] / MB:>9.2f} "
+            f"{row['formula_total'] / MB:>11.2f} {row['ratio']:>17.4f}"
         )
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
+from zerotrain.fmt import MB, count, quantity  # noqa: E402
+
 # One AdamW for every system, every setting spelled out: torch's AdamW defaults to weight_decay
 # 0.01, DeepSpeed's (and so zerotrain's) config AdamW to 0.
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -688,7 +690,7 @@ def report(
     ddp_loss = next((r.loss for r in rows if r.spec.key == "ddp" and r.times_s), None)
     tokens_per_step = args.micro_batch * model.seq_len * args.nproc
     print(
-        f"\n{model.family} '{args.model}' ({params / 1e6:.2f}M params), {args.nproc} ranks, fp32, "
+        f"\n{model.family} '{args.model}' ({count(params)} params), {args.nproc} ranks, fp32, "
         f"gloo, micro-batch {args.micro_batch}x{model.seq_len}, {args.rounds} rounds x "
         f"{args.steps} steps, --launch {args.launch}; load average before the run {load:.2f}\n"
     )
@@ -757,10 +759,10 @@ def report(
             _fmt(out["vs_deepspeed"], ".3f"),
             _fmt(out["efficiency"], ".3f"),
             f"{out['tokens_per_s']:.0f}",
-            _fmt(row.model_state and row.model_state / 1e6, ".1f"),
+            _fmt(row.model_state and row.model_state / MB, ".1f"),
             _fmt(row.model_state and row.formula and row.model_state / row.formula, ".4f"),
-            f"{row.peak_rss / 1e6:.0f}",
-            _fmt(sent and sent / 1e6, ".2f", mark),
+            f"{row.peak_rss / MB:.0f}",
+            _fmt(sent and sent / MB, ".2f", mark),
             _fmt(out["sent_vs_ring"], ".3f", mark),
             f"{row.loss:.5f}",
             "-" if rel_loss is None else f"{rel_loss:.1e}" + (" !" if flag else ""),
@@ -825,7 +827,7 @@ def footer(
         "['formula_total'].",
         "sent: bytes one rank sends per step, zerotrain's engine.comm.stats, max over ranks, "
         "mean over the timed steps; "
-        f"sent/ring: over the ring minimum 2Ψ(N-1)/N x 4 B = {ring_min / 1e6:.2f} MB "
+        f"sent/ring: over the ring minimum 2Ψ(N-1)/N x 4 B = {quantity(ring_min, 'B', prefix='M')} "
         "(ZeRO's stage 3 volume 3Ψ is 1.5 of it).",
     ]
     if by_formula_shown:

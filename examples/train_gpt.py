@@ -23,9 +23,8 @@ from gpt.data import TokenWindows, train_val_datasets
 from gpt.model import GPT, PRESETS, Block, gpt_config
 
 import zerotrain
-from zerotrain.metrics import memory_use
-
-MB = 2**20
+from zerotrain.fmt import MiB, quantity
+from zerotrain.observability.metrics import memory_use
 
 
 def parse_args() -> argparse.Namespace:
@@ -237,14 +236,16 @@ def main() -> None:
             ("tokens/s (all ranks)", f"{tokens_per_step * steps_run / train_seconds:,.0f}"),
             (
                 "model states per rank (rank 0)",
-                f"{memory['total'] / MB:.1f} MB: parameters {memory['parameters'] / MB:.1f}, "
-                f"gradients {memory['gradients'] / MB:.1f}, "
-                f"optimizer states {memory['optimizer_states'] / MB:.1f} "
-                f"(ZeRO formula: {memory['formula_total'] / MB:.1f} MB)",
+                f"{memory['total'] / MiB:.1f} MiB: parameters {memory['parameters'] / MiB:.1f}, "
+                f"gradients {memory['gradients'] / MiB:.1f}, "
+                f"optimizer states {memory['optimizer_states'] / MiB:.1f} "
+                f"(ZeRO formula: {memory['formula_total'] / MiB:.1f} MiB)",
             ),
             (
                 "peak RSS (rank 0)",
-                f"{(memory_use(torch.device('cpu')).peak_bytes or 0) / MB:.0f} MB",
+                quantity(
+                    memory_use(torch.device("cpu")).peak_bytes or 0, "B", prefix="Mi", digits=0
+                ),
             ),
         ]
         if args.activation_checkpointing:

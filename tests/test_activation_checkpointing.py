@@ -1,4 +1,5 @@
-"""Activation checkpointing (zerotrain.checkpointing): the same gradients as without it, on one
+"""Activation checkpointing (zerotrain/activation_checkpointing.py, DeepSpeed's
+zerotrain.checkpointing): the same gradients as without it, on one
 process and under the engine at every stage; dropout replayed; memory as derived."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from distributed import run_distributed
 from models import VOCAB, BlockModel, make_batches, param_groups, run_steps
 
 import zerotrain
-from zerotrain import checkpointing
+from zerotrain import activation_checkpointing as checkpointing
 from zerotrain.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -23,9 +23,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("checkpoint", "observability", "estimate", "data", "activation_checkpointing"),
     ),
     ("engine", ("backward", "engine_queries", "engine")),
-    ("api", ("api", "__init__")),
-    # DeepSpeed's module names, re-exporting the layers below: `import zerotrain as deepspeed`
-    ("deepspeed surface", ("checkpointing", "runtime", "ops", "utils", "moe", "pipe")),
+    ("api", ("api",)),
+    # DeepSpeed's module names over the layers below (`import zerotrain as deepspeed`), and
+    # the package root, which re-exports everything
+    (
+        "deepspeed surface",
+        ("checkpointing", "runtime", "ops", "utils", "moe", "pipe", "profiling", "__init__"),
+    ),
     ("cli", ("cli", "__main__")),
 ]
 MAX_LINES = 800

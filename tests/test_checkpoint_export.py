@@ -27,6 +27,7 @@ from zerotrain.checkpoint import (
     inspect_checkpoints,
     load_consolidated,
 )
+from zerotrain.cli.arguments import size_argument
 
 WORLD, STAGE, MICRO = 2, 3, 2
 
@@ -286,10 +287,10 @@ def test_cli_consolidate_and_inspect(trained, tmp_path, capsys):
     ],
 )
 def test_shard_sizes_are_read_like_huggingface(text, size):
-    assert cli._parse_size(text) == size
+    assert size_argument(text) == size
 
 
 @pytest.mark.parametrize("text", ["", "GB", "5XB", "-1GB", "0", "inf"])
 def test_bad_shard_sizes_are_usage_errors(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
-        cli._parse_size(text)
+        size_argument(text)

@@ -11,7 +11,7 @@ import pytest
 
 import zerotrain
 from zerotrain import cli
-from zerotrain.cli import LaunchError, plan_launch
+from zerotrain.cli import LaunchError, launch, plan_launch
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -167,8 +167,8 @@ def test_an_invalid_torchrun_option_value_is_a_usage_error(capsys):
 
 def test_dry_run_prints_the_command_with_its_environment(monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(cli, "_available_cpus", lambda: 4)
-    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(launch, "_available_cpus", lambda: 4)
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 0)
     status = cli.main(["run", "--dry-run", "--nproc-per-node", "2", "train.py", "--name", "a b"])
     assert status == 0
     assert capsys.readouterr().out == (
@@ -178,13 +178,13 @@ def test_dry_run_prints_the_command_with_its_environment(monkeypatch, capsys):
 
 
 def test_main_reports_launch_errors_with_status_2(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 0)
     assert cli.main(["run", "--dry-run", "--bogus", "train.py"]) == 2
     assert "unknown launcher option '--bogus'" in capsys.readouterr().err
 
 
 def test_run_help(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 0)
     assert cli.main(["run", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: zerotrain run")
@@ -196,6 +196,27 @@ def test_version(capsys):
         cli.main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == f"zerotrain {zerotrain.__version__}\n"
+
+
+@pytest.mark.parametrize("option", ["--version", "--help"])
+def test_version_and_help_import_no_torch(option):
+    # see [Note: `zerotrain --version` imports nothing heavy] in zerotrain/cli/__init__.py
+    code = (
+        "import sys\n"
+        "from zerotrain.cli import main\n"
+        "try:\n"
+        f"    main([{option!r}])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic')))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
 
 
 def test_a_subcommand_is_required(capsys):

@@ -13,7 +13,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "zerotrain"
 
 
 # The launcher reads torchrun's own argument parser; it issues no collectives.
-LAUNCHER_ONLY = {"cli.py": ("torch.distributed.run", "torch.distributed.run.get_args_parser")}
+LAUNCHER_ONLY = {
+    "cli/launch.py": ("torch.distributed.run", "torch.distributed.run.get_args_parser")
+}
 
 
 def test_only_comm_imports_torch_distributed():
@@ -27,7 +29,11 @@ def test_only_comm_imports_torch_distributed():
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            names = [n for n in names if n not in LAUNCHER_ONLY.get(path.name, ())]
+            names = [
+                n
+                for n in names
+                if n not in LAUNCHER_ONLY.get(path.relative_to(PACKAGE).as_posix(), ())
+            ]
             if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not offenders, f"only zerotrain/comm may import torch.distributed: {offenders}"

@@ -41,6 +41,8 @@ DEEPSPEED_NAMES = [
     ("runtime.zero.offload_config", ["OffloadDeviceEnum", "OffloadStateTypeEnum"]),
     ("runtime.zero.partition_parameters", ["ZeroParamStatus", "GatheredParameters", "Init"]),
     ("checkpoint.utils", ["clone_tensors_for_torch_save"]),
+    ("checkpointing", ["checkpoint", "configure", "is_configured", "reset"]),
+    ("profiling.flops_profiler", ["FlopsProfiler"]),
     ("zero", ["Init", "GatheredParameters", "register_external_parameter", "ZeroParamStatus"]),
     ("ops.adam", ["FusedAdam", "DeepSpeedCPUAdam"]),
     ("ops.lamb", ["FusedLamb"]),

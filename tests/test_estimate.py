@@ -1,4 +1,4 @@
-"""The memory estimator (zerotrain/estimate.py, `zerotrain estimate`): the ZeRO formula by hand,
+"""The memory estimator (zerotrain/estimate/, `zerotrain estimate`): the ZeRO formula by hand,
 against what a real run allocates, activations against autograd's saved tensors, and the CLI."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from distributed import run_distributed
 from test_activation_checkpointing import gpt_batch
 
 from zerotrain import cli
-from zerotrain.checkpointing import count_saved_activations, wrap
+from zerotrain.activation_checkpointing import count_saved_activations, wrap
 from zerotrain.estimate import (
     ActivationAssumptions,
     TrainingJob,

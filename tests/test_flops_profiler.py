@@ -12,7 +12,7 @@ from distributed import run_distributed
 from torch import nn
 
 import zerotrain
-from zerotrain.flops_profiler import FlopCounter, FlopsProfiler
+from zerotrain.observability.flops_profiler import FlopCounter, FlopsProfiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt.model import GPT, gpt_config  # noqa: E402

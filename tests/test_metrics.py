@@ -12,9 +12,9 @@ from distributed import run_distributed
 from models import SEQ, AwkwardModel, make_batches, micro_batch
 
 import zerotrain
-from zerotrain import metrics
 from zerotrain.comm import Communicator, OpStats
-from zerotrain.metrics import StepMetrics, sequence_length
+from zerotrain.observability import metrics
+from zerotrain.observability.metrics import StepMetrics, sequence_length
 
 MICRO, ACCUM = 2, 2
 

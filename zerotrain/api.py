@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import os
 import random
 import socket
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from zerotrain import checkpointing
+from zerotrain import activation_checkpointing as checkpointing
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import (
     CommsLog,
@@ -29,10 +30,9 @@ from zerotrain.comm import (
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
-from zerotrain.monitor import check_monitor_packages
+from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
-from zerotrain.utils.logging import logger
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
 from zerotrain.zero.optimizer import NamedParams, OptimizerFactory, Stage3Options
@@ -100,7 +100,8 @@ def initialize(
     _check_offload(cfg, device)
     _check_node_local_storage(cfg, comm)
     if cfg.log_level is not None:
-        logger.setLevel(cfg.log_level.upper())
+        # the `zerotrain` logger (zerotrain.utils.logger, DeepSpeed's deepspeed.utils.logger)
+        logging.getLogger("zerotrain").setLevel(cfg.log_level.upper())
     if cfg.dump_state and comm.rank == 0:
         print(f"zerotrain config:\n{cfg.model_dump_json(indent=2)}", flush=True)
     comms_logger = cfg.comms_logger

@@ -19,9 +19,9 @@ from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
-from zerotrain.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
-from zerotrain.metrics import StepMetrics
-from zerotrain.monitor import MonitorMaster
+from zerotrain.observability.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
+from zerotrain.observability.metrics import StepMetrics
+from zerotrain.observability.monitor import MonitorMaster
 from zerotrain.optim import NoOptimizer
 from zerotrain.zero import ZeroOptimizer
 

@@ -43,6 +43,7 @@ from zerotrain.checkpoint.manifest import (
     scan,
     status_of,
 )
+from zerotrain.fmt import KiB, quantity
 
 __all__ = ["consolidate", "inspect_checkpoints", "load_consolidated", "read_state_dict"]
 
@@ -487,9 +488,5 @@ def _dtypes_in(manifest: Manifest) -> list[str]:
 
 
 def _human_bytes(size: int) -> str:
-    value, unit = float(size), "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{size:,} bytes" if unit == "B" else f"{size:,} bytes ({value:.1f} {unit})"
+    exact = f"{size:,} bytes"
+    return exact if size < KiB else f"{exact} ({quantity(size, 'B', binary=True, digits=1)})"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from zerotrain.fmt import GB, MB, quantity
+
 
 @dataclass
 class SizeStats:
@@ -61,7 +63,7 @@ class CommsLog:
         line.seconds += seconds
         if self.verbose and self.rank == 0 and done:
             print(
-                f"[zerotrain comm] {label}: {_human(size)}, waited {seconds * 1e3:.3f} ms",
+                f"[zerotrain comm] {label}: {quantity(size, 'B')}, waited {seconds * 1e3:.3f} ms",
                 flush=True,
             )
 
@@ -74,9 +76,9 @@ class CommsLog:
         rows = [header, "-" * len(header)]
         for (label, size), line in sorted(self.lines.items()):
             avg = line.seconds / line.calls * 1e3 if line.calls else 0.0
-            bandwidth = line.sent / line.seconds / 1e9 if line.seconds > 0 else 0.0
+            bandwidth = line.sent / line.seconds / GB if line.seconds > 0 else 0.0
             rows.append(
-                f"{label:<36} {_human(size):>12} {line.calls:>7} {line.sent / 1e6:>10.3f} "
+                f"{label:<36} {quantity(size, 'B'):>12} {line.calls:>7} {line.sent / MB:>10.3f} "
                 f"{line.seconds * 1e3:>10.2f} {avg:>8.3f} {bandwidth:>7.2f}"
             )
         rows.append(
@@ -84,10 +86,3 @@ class CommsLog:
             "waited: time the training thread was blocked in the collective; GB/s: sent/waited"
         )
         return "\n".join(rows)
-
-
-def _human(size: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size} B"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.api import seed_everything as set_random_seed
 from zerotrain.comm import get_rank
+from zerotrain.fmt import quantity
 
 __all__ = ["see_memory_usage", "set_random_seed"]
 
@@ -18,12 +20,12 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         return
     gc.collect()
     accelerator = get_accelerator()
-    gb = 2**30
+    gib = functools.partial(quantity, unit="B", prefix="Gi")  # DeepSpeed's values (2^30 bytes)
     print(
-        f"{message} | MA {accelerator.memory_allocated() / gb:.2f} GB "
-        f"Max_MA {accelerator.max_memory_allocated() / gb:.2f} GB "
-        f"CA {accelerator.memory_reserved() / gb:.2f} GB "
-        f"Max_CA {accelerator.max_memory_reserved() / gb:.2f} GB",
+        f"{message} | MA {gib(accelerator.memory_allocated())} "
+        f"Max_MA {gib(accelerator.max_memory_allocated())} "
+        f"CA {gib(accelerator.memory_reserved())} "
+        f"Max_CA {gib(accelerator.max_memory_reserved())}",
         flush=True,
     )
     accelerator.reset_peak_memory_stats()

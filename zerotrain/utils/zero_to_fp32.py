@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 
 from zerotrain.checkpoint.export import consolidate, read_state_dict
 from zerotrain.checkpoint.files import commit_text, write_state_dict
+from zerotrain.fmt import parse_size
 from zerotrain.precision import DTYPES
 
 __all__ = [
@@ -27,18 +27,15 @@ __all__ = [
     "load_state_dict_from_zero_checkpoint",
 ]
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
 
 def _size_in_bytes(size: int | str) -> int:
     """``5 * 10**9``, ``"5GB"`` or ``"500MiB"`` (HuggingFace's spellings) in bytes."""
     if isinstance(size, int):
         return size
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-    if match is None:
-        raise ValueError(f"max_shard_size: expected bytes or a size like '5GB', got {size!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    try:
+        return parse_size(size)
+    except ValueError as error:
+        raise ValueError(f"max_shard_size: {error}") from None
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -46,13 +46,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from zerotrain.zero.init import full_shape, owner_of
+from zerotrain.fmt import duration, quantity
 
 __all__ = [
     "FlopCounter",
     "FlopsProfiler",
     "ModuleProfile",
     "StepContext",
+    "logical_numel",
     "measure_peak_tflops",
     "warm_up",
 ]
@@ -109,20 +110,13 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
-def _logical_numels(model: nn.Module) -> dict[int, int]:
-    """``id(param) -> elements`` of the parameter's logical (full) shape. At stage 3 a
-    parameter outside its unit's forward is an empty placeholder: its shape is recorded in the
-    slot of its bucket (the ZeroOptimizer that owns it); under ``zero.Init`` before
-    ``initialize``, ``full_shape`` knows it."""
-    numels: dict[int, int] = {}
-    owners = {id(o): o for p in model.parameters() if (o := owner_of(p)) is not None}
-    for owner in owners.values():
-        for bucket in getattr(owner, "buckets", ()):
-            for slot in bucket.slots:
-                numels[id(slot.param)] = slot.numel
-    for param in model.parameters():
-        numels.setdefault(id(param), full_shape(param).numel())
-    return numels
+def logical_numel(param: nn.Parameter) -> int:
+    """Elements of ``param``'s logical (full) shape. A partitioned parameter (a ``zero.Init``
+    chunk, or at stage 3 an empty placeholder outside its unit's forward) carries DeepSpeed's
+    ``ds_numel``, which zerotrain sets for libraries that count parameters
+    (``mark_partitioned`` in zerotrain/zero/init.py), as DeepSpeed's own profiler reads it."""
+    numel = getattr(param, "ds_numel", None)
+    return param.numel() if numel is None else numel
 
 
 @dataclass
@@ -236,10 +230,9 @@ class FlopsProfiler:
 
     def reset_profile(self) -> None:
         """Zero every module's counts (parameters are counted afresh)."""
-        numels = _logical_numels(self.model)
         self.profiles = {}
         for name, module in self.model.named_modules():
-            params = sum(numels[id(p)] for p in module.parameters())
+            params = sum(logical_numel(p) for p in module.parameters())
             depth = 0 if not name else name.count(".") + 1
             self.profiles[id(module)] = ModuleProfile(name, type(module).__name__, depth, params)
         self._total_flops = 0
@@ -278,22 +271,22 @@ class FlopsProfiler:
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward FLOPs counted while profiling (see [Note: what is counted])."""
         total = self._total_flops + (self._counter.flops if self._counter else 0)
-        return _number(total) if as_string else total
+        return quantity(total) if as_string else total
 
     def get_total_macs(self, as_string: bool = False) -> int | str:
         """Forward multiply-accumulates: FLOPs / 2."""
         total = int(self.get_total_flops()) // 2
-        return _number(total) if as_string else total
+        return quantity(total) if as_string else total
 
     def get_total_params(self, as_string: bool = False) -> int | str:
         """Parameters of the model, at their logical shapes (whole, also at stage 3)."""
         total = self._root().params
-        return _number(total) if as_string else total
+        return quantity(total) if as_string else total
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """Seconds spent in the model's forward while profiling."""
         total = self._root().seconds
-        return _seconds(total) if as_string else total
+        return duration(total) if as_string else total
 
     # -- output --------------------------------------------------------------------------------
     def print_model_profile(
@@ -352,10 +345,10 @@ class FlopsProfiler:
                 ("micro-batches per step per rank", str(step.micro_steps)),
             ]
         rows += [
-            ("params (whole model)", _number(root.params)),
-            ("fwd MACs per micro-batch", _number(flops // 2)),
-            ("fwd FLOPs per micro-batch", _number(flops)),
-            ("fwd latency", _seconds(root.seconds)),
+            ("params (whole model)", quantity(root.params)),
+            ("fwd MACs per micro-batch", quantity(flops // 2)),
+            ("fwd FLOPs per micro-batch", quantity(flops)),
+            ("fwd latency", duration(root.seconds)),
             ("fwd FLOP/s = fwd FLOPs / fwd latency", _rate(flops, root.seconds)),
         ]
         if step is not None:
@@ -366,9 +359,9 @@ class FlopsProfiler:
                 (
                     f"fwd+bwd FLOPs per step = {factor:g} x fwd FLOPs x {step.micro_steps} "
                     f"micro-batches x {step.world_size} ranks",
-                    _number(per_step),
+                    quantity(per_step),
                 ),
-                ("step latency", _seconds(step.step_seconds)),
+                ("step latency", duration(step.step_seconds)),
                 ("achieved per rank = FLOPs per step / ranks / step latency", _rate(achieved, 1)),
                 (f"peak per device ({step.peak_source})", f"{step.peak_tflops:.3g} TFLOP/s"),
                 (
@@ -403,9 +396,9 @@ class FlopsProfiler:
             types = by_depth[depth]
             lines.append(f"depth {depth}:")
             for label, index, show in (
-                ("MACs", 0, _number),
-                ("params", 1, _number),
-                ("fwd latency", 2, _seconds),
+                ("MACs", 0, quantity),
+                ("params", 1, quantity),
+                ("fwd latency", 2, duration),
             ):
                 top = sorted(types.items(), key=lambda kv, i=index: -kv[1][i])[:top_modules]
                 shown = ", ".join(f"{name} {show(values[index])}" for name, values in top)
@@ -423,12 +416,12 @@ class FlopsProfiler:
             label = profile.name.rsplit(".", 1)[-1] if profile.name else "(model)"
             line = (
                 f"{'  ' * profile.depth}{label} {profile.type_name}: "
-                f"{_number(profile.params)} params ({_share(profile.params, root.params)}), "
+                f"{quantity(profile.params)} params ({_share(profile.params, root.params)}), "
             )
             if profile.calls:
                 line += (
-                    f"{_number(profile.macs)} MACs ({_share(profile.flops, flops)}), "
-                    f"{_seconds(profile.seconds)} ({_share(profile.seconds, root.seconds)}), "
+                    f"{quantity(profile.macs)} MACs ({_share(profile.flops, flops)}), "
+                    f"{duration(profile.seconds)} ({_share(profile.seconds, root.seconds)}), "
                     f"{_rate(profile.flops, profile.seconds)}"
                 )
             else:  # a container (ModuleList) or a module the forward did not call
@@ -469,26 +462,8 @@ def measure_peak_tflops(
 
 
 # -- formatting -----------------------------------------------------------------------------
-def _number(value: float) -> str:
-    for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {suffix}"
-    return f"{value:g}"
-
-
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.2f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.2f} us"
-
-
 def _rate(flops: float, seconds: float) -> str:
-    if seconds <= 0:
-        return "-"
-    number = _number(flops / seconds)
-    return f"{number}FLOP/s" if number[-1].isalpha() else f"{number} FLOP/s"
+    return quantity(flops / seconds, "FLOP/s") if seconds > 0 else "-"
 
 
 def _share(part: float, whole: float) -> str:

@@ -34,11 +34,11 @@ import torch
 
 from zerotrain.accelerator import current_rss, peak_rss
 from zerotrain.comm import Communicator
-from zerotrain.flops_profiler import FlopCounter, warm_up
+from zerotrain.fmt import GB, MB, quantity
+from zerotrain.observability.flops_profiler import FlopCounter, warm_up
 
 __all__ = ["MemoryUse", "StepMetrics", "StepRecord", "memory_use", "sequence_length"]
 
-GB = 1e9
 _PHASES = ("forward", "backward", "step")
 
 
@@ -292,9 +292,9 @@ class StepMetrics:
         parts.append("loss -" if record.loss is None else f"loss {record.loss:.4g}")
         lrs = [f"{lr:.3g}" for lr in record.lr]
         parts.append(f"lr {lrs[0]}" if len(lrs) == 1 else f"lr [{', '.join(lrs)}]")
-        parts.append(f"{_si(window.samples / window.seconds)} samples/s")
+        parts.append(f"{quantity(window.samples / window.seconds)} samples/s")
         if window.tokens is not None:
-            parts.append(f"{_si(window.tokens / window.seconds)} tokens/s")
+            parts.append(f"{quantity(window.tokens / window.seconds)} tokens/s")
         flops = self._model_flops(window.steps)
         if flops is not None:
             tflops = flops / self.comm.world_size / window.seconds / 1e12
@@ -314,20 +314,20 @@ class StepMetrics:
             # the time the training thread waited for collectives: what overlap did not hide
             parts.append(
                 f"communication: {comm_seconds / n * 1e3:.1f} ms exposed, "
-                f"{comm_sent / n / 1e6:.2f} MB sent per step"
+                f"{comm_sent / n / MB:.2f} MB sent per step"
             )
         return " | ".join(parts)
 
 
-def _si(value: float) -> str:
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
-
-
 def _memory_text(memory: MemoryUse) -> str:
     label = "CUDA allocated" if memory.kind == "cuda" else "RSS"
-    current = "?" if memory.current_bytes is None else f"{memory.current_bytes / GB:.2f} GB"
-    peak = "" if memory.peak_bytes is None else f" (peak {memory.peak_bytes / GB:.2f} GB)"
+    # one prefix, so that the lines of a run compare at a glance
+    current = (
+        "?" if memory.current_bytes is None else quantity(memory.current_bytes, "B", prefix="G")
+    )
+    peak = (
+        ""
+        if memory.peak_bytes is None
+        else f" (peak {quantity(memory.peak_bytes, 'B', prefix='G')})"
+    )
     return f"{label} {current}{peak}"

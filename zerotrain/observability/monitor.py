@@ -2,7 +2,7 @@
 
 One small interface (:class:`Monitor`: ``write``, ``flush``, ``close``), one class per backend,
 and :class:`MonitorMaster` (DeepSpeed's name) holding the enabled ones. The engine writes one
-:class:`~zerotrain.metrics.StepRecord`'s scalars per optimizer step, from rank 0 only: the
+:class:`~zerotrain.observability.metrics.StepRecord`'s scalars per optimizer step, from rank 0 only: the
 other ranks build no backend and create no file.
 
 [Note: nothing is lost at exit]

@@ -1,0 +1,278 @@
+"""``zerotrain estimate``: the memory a training job needs per device at each ZeRO stage
+(zerotrain/estimate/), from a parameter count or a model built on the meta device."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zerotrain.cli.arguments import positive_int, size_argument
+
+__all__ = ["PARSER", "EstimateError", "add_arguments"]
+
+_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+class EstimateError(ValueError):
+    """A `zerotrain estimate` command line that cannot be estimated."""
+
+
+def _parse_count(text: str) -> int:
+    """A parameter count: ``7B``, ``6.74B``, ``350M``, ``7e9`` or ``7000000000``."""
+    stripped = text.strip().replace("_", "")
+    unit = stripped[-1:].upper() if stripped[-1:].isalpha() else ""
+    number = stripped[: len(stripped) - len(unit)]
+    try:
+        count = round(float(number) * _COUNT_UNITS[unit])
+    except (KeyError, ValueError, OverflowError):
+        count = 0
+    if count <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; write 7B, 6.74B, 350M, 7e9 or 7000000000 "
+            "(K, M, B or T for thousands, millions, billions, trillions)"
+        )
+    return count
+
+
+def _import_target(target: str):
+    import importlib
+    import importlib.util
+
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        if not os.path.isfile(target):
+            raise EstimateError(f"--model: no file {target!r}")
+        name = os.path.splitext(os.path.basename(target))[0]
+        spec = importlib.util.spec_from_file_location(f"_zerotrain_estimate_{name}", target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path and "" not in sys.path:  # console scripts leave it out
+        sys.path.insert(0, os.getcwd())
+    return importlib.import_module(target)
+
+
+def _build_on_meta(spec: str):
+    """``module.path:factory`` or ``path/to/file.py:factory`` called on the meta device: the
+    parameters have shapes and no storage, so a 70B model costs nothing to build."""
+    import torch
+    from torch import nn
+
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise EstimateError(
+            f"--model: expected module.path:factory or path/to/file.py:factory, got {spec!r}"
+        )
+    try:
+        module = _import_target(target)
+    except EstimateError:
+        raise
+    except Exception as error:  # whatever the user's module raises: report it, no traceback
+        raise EstimateError(
+            f"--model: cannot import {target!r}: {type(error).__name__}: {error}"
+        ) from error
+    factory = getattr(module, name, None)
+    if not callable(factory) or isinstance(factory, nn.Module):
+        raise EstimateError(
+            f"--model: {target!r} has no function or class {name!r} that builds the model"
+        )
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as error:
+        raise EstimateError(
+            f"--model: {spec}() failed on the meta device: {type(error).__name__}: {error}"
+        ) from error
+    if not isinstance(model, nn.Module):
+        raise EstimateError(f"--model: {spec}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+_SHAPE_FLAGS = {
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+    "hidden_size": "--hidden-size",
+    "layers": "--layers",
+    "heads": "--heads",
+}
+
+
+def _estimate_job(args: argparse.Namespace):
+    from zerotrain.config import ZERO_DEFAULTS
+    from zerotrain.estimate import TrainingJob, TransformerShape, count_parameters
+
+    shape_values = {key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size")}
+    counts = {"trainable_params": args.params, "largest_layer": args.largest_layer or 0}
+    if args.model:
+        if args.largest_layer is not None:
+            raise EstimateError(
+                "--largest-layer: measured from --model; give it only with --params"
+            )
+        count = count_parameters(
+            _build_on_meta(args.model),
+            persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold,
+        )
+        counts = {
+            "trainable_params": count.trainable,
+            "frozen_params": count.frozen,
+            "largest_layer": count.largest_layer,
+            "root_and_largest_block": count.root_and_largest_block,
+            "persistent_numel": count.persistent,
+        }
+        for key, value in count.config.items():  # the model's config fills what is not given
+            if shape_values[key] is None:
+                shape_values[key] = value
+    shape = None
+    if args.batch_size is not None or args.seq_len is not None:
+        missing = [flag for key, flag in _SHAPE_FLAGS.items() if shape_values[key] is None]
+        if missing:
+            raise EstimateError(
+                f"activations need {', '.join(_SHAPE_FLAGS.values())}; missing {', '.join(missing)}"
+                + ("" if args.model else " (or --model with an HF-like .config)")
+            )
+        shape = TransformerShape(**shape_values)
+    try:
+        return TrainingJob(
+            **counts,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            dtype=args.dtype,
+            optimizer=args.optimizer,
+            offload=args.offload,
+            stages=(args.stage,)
+            if args.stage is not None
+            else ((1, 2, 3) if args.offload else (0, 1, 2, 3)),
+            max_live_numel=ZERO_DEFAULTS.stage3_max_live_parameters
+            if args.max_live_parameters is None
+            else args.max_live_parameters,
+            shape=shape,
+            attention=args.attention,
+            dropout=not args.no_dropout,
+        )
+    except ValueError as error:
+        raise EstimateError(str(error)) from error
+
+
+def _estimate_command(args: argparse.Namespace, rest: list[str]) -> int:
+    import json
+
+    from zerotrain.estimate import estimate, format_table, plot, to_json
+
+    try:
+        job = _estimate_job(args)
+    except EstimateError as error:
+        print(f"zerotrain estimate: {error}", file=sys.stderr)
+        return 2
+    rows = estimate(job)
+    if args.json:
+        print(json.dumps(to_json(job, rows, args.device_memory), indent=2))
+    else:
+        print(format_table(job, rows, args.device_memory))
+    if args.plot:
+        try:
+            plot(job, rows, args.plot, args.device_memory)
+        except ImportError as error:
+            print(f"zerotrain estimate: {error}", file=sys.stderr)
+            return 2
+        except OSError as error:
+            print(f"zerotrain estimate: --plot: cannot write {args.plot}: {error}", file=sys.stderr)
+            return 1
+    return 0
+
+
+PARSER = {
+    "help": "estimate memory per device for each ZeRO stage, before running",
+    "description": "Bytes per device of parameters, gradients, optimizer states and (given the "
+    "batch shape) activations, per ZeRO stage, as zerotrain allocates them; which stages fit "
+    "a device. See docs/estimator.md.",
+}
+"""``add_parser`` arguments of the ``estimate`` command."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``estimate``'s arguments (imports torch: the dtype and optimizer choices come from
+    the estimator)."""
+    from zerotrain.config import ZERO_DEFAULTS
+    from zerotrain.estimate import OPTIMIZER_STATE_BYTES
+    from zerotrain.precision import DTYPES
+
+    max_live_default = f"{ZERO_DEFAULTS.stage3_max_live_parameters:.0e}".replace("e+0", "e")
+
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument(
+        "--params", type=_parse_count, metavar="COUNT", help="trainable parameters: 7B, 7e9, ..."
+    )
+    model.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="module.path:factory or path/to/file.py:factory, called on the meta device (no "
+        "memory); counts trainable and frozen parameters, stage 3's units, and reads hidden "
+        "size, layers, heads and vocabulary from an HF-like .config",
+    )
+    parser.add_argument(
+        "--largest-layer",
+        type=_parse_count,
+        metavar="COUNT",
+        help="with --params: most parameters in one layer (DeepSpeed's largest_layer_params); "
+        "stage 3 gathers at least that many",
+    )
+    parser.add_argument("--nodes", type=positive_int, default=1, help="(default: 1)")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, default=1, help="devices per node (default: 1)"
+    )
+    parser.add_argument(
+        "--stage", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all)"
+    )
+    parser.add_argument(
+        "--offload",
+        choices=("cpu", "nvme"),
+        help="estimate what offload would move off the device (zerotrain cannot run it yet)",
+    )
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="bf16", help="training dtype (default: bf16)"
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_STATE_BYTES),
+        default="adam",
+        help="decides the optimizer state per parameter (default: adam, 8 bytes + 4 of fp32 "
+        "master in 16-bit training)",
+    )
+    parser.add_argument(
+        "--max-live-parameters",
+        type=lambda text: 0 if text.strip() == "0" else _parse_count(text),
+        metavar="COUNT",
+        help=f"stage3_max_live_parameters (default: {max_live_default}, as in DeepSpeed)",
+    )
+    shape = parser.add_argument_group(
+        "activations", "a transformer's activations per device (Korthikanti et al. 2022)"
+    )
+    shape.add_argument("--batch-size", type=positive_int, help="micro-batch per device")
+    shape.add_argument("--seq-len", type=positive_int, help="tokens per sample")
+    shape.add_argument("--hidden-size", type=positive_int)
+    shape.add_argument("--layers", type=positive_int)
+    shape.add_argument("--heads", type=positive_int)
+    shape.add_argument(
+        "--vocab-size", type=positive_int, help="adds the loss's fp32 logits (optional)"
+    )
+    shape.add_argument(
+        "--attention",
+        choices=("eager", "flash"),
+        default="eager",
+        help="eager keeps the s x s softmax (the paper's 5as/h term, default); flash (fused "
+        "SDPA kernels) keeps only a log-sum-exp per row",
+    )
+    shape.add_argument(
+        "--no-dropout", action="store_true", help="no dropout masks (the paper assumes dropout)"
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=size_argument,
+        metavar="SIZE",
+        help="device memory, e.g. 80GB, 80GiB: adds a column saying which stages fit",
+    )
+    parser.add_argument(
+        "--plot", metavar="PNG", help="draw stacked bars per stage (needs matplotlib)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+    parser.set_defaults(handler=_estimate_command)

@@ -1,0 +1,306 @@
+"""``zerotrain run [launcher options] SCRIPT [SCRIPT ARGS]``: start SCRIPT once per local device
+through torchrun (``python -m torch.distributed.run``). We do not write our own launcher or
+rendezvous, we only pick defaults that suit ZeRO training and then hand over to torchrun.
+
+# [Note: how `zerotrain run` splits its arguments]
+argparse cannot tell a torchrun option's value from the script path (in ``--nnodes 2 train.py``
+it would take ``2`` as the script), so the ``run`` arguments are split by hand: every token before
+the first positional that is not an option's value is a launcher option, the first positional is
+the script, and everything after it belongs to the script. Which options take a value is read
+from torchrun's own parser, so options that torchrun adds later pass through as well. The
+launcher options we do not own are then validated by torchrun's parser and forwarded unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["PARSER", "LaunchError", "LaunchPlan", "add_arguments", "plan_launch"]
+
+# Options that belong to `zerotrain run` itself; all other launcher options go to torchrun.
+_DRY_RUN = "--dry-run"
+_HELP = ("-h", "--help")
+_NPROC = ("--nproc-per-node", "--nproc_per_node")
+
+# Launcher options (torchrun `dest` names) that choose how the nodes meet. With none of them and
+# a single node, `--standalone` is added: torchrun then runs its own c10d store on a free local
+# port, so two runs on one machine do not collide on the default master port 29500.
+_RENDEZVOUS_DESTS = frozenset(
+    {
+        "standalone",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "rdzv_conf",
+        "master_addr",
+        "master_port",
+        "node_rank",
+        "local_addr",
+    }
+)
+
+_RUN_USAGE = (
+    "zerotrain run [--nproc-per-node N] [--dry-run] [TORCHRUN OPTIONS] SCRIPT [SCRIPT ARGS]"
+)
+_RUN_DESCRIPTION = """\
+Launch SCRIPT once per local device with torchrun (python -m torch.distributed.run).
+
+options:
+  --nproc-per-node N  processes on this node (default: the number of CUDA devices, or 1
+                      without CUDA)
+  --dry-run           print the torchrun command line instead of running it
+  -h, --help          show this help and exit
+
+Every other option before SCRIPT is passed to torchrun unchanged, e.g. the multi-node flags
+--nnodes, --node-rank, --rdzv-backend, --rdzv-endpoint, --rdzv-id, --master-addr, --master-port,
+--max-restarts (see `python -m torch.distributed.run --help`).
+
+Defaults added for you:
+  --standalone        on a single node without rendezvous options: torchrun picks a free port
+  OMP_NUM_THREADS     with several processes and no CUDA, set to (CPU cores // processes)
+                      unless already set, so the processes share the cores without
+                      oversubscribing them
+
+examples:
+  zerotrain run --nproc-per-node 2 examples/train_gpt.py --steps 200
+  zerotrain run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+      --rdzv-endpoint node0:29500 --rdzv-id job42 train.py
+"""
+
+
+class LaunchError(ValueError):
+    """A `zerotrain run` command line that cannot be turned into a torchrun command."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """The torchrun invocation that `zerotrain run` executes."""
+
+    argv: list[str]
+    """The full command: ``[python, -m, torch.distributed.run, ...launcher options, script, ...]``."""
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    """Environment variables set on top of the caller's environment."""
+    dry_run: bool = False
+    """Print the command instead of running it."""
+
+    def shell_line(self) -> str:
+        """The command as one shell line, environment overrides first."""
+        env = [f"{name}={shlex.quote(value)}" for name, value in self.env_overrides.items()]
+        return " ".join([*env, shlex.join(self.argv)])
+
+
+def _torchrun_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "zerotrain run"
+    parser.usage = _RUN_USAGE  # its own usage lists every torchrun option: 20 lines
+    return parser
+
+
+def _option_arity(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Maps every option string of `parser` to whether it takes a value."""
+    # argparse has no public accessor for its actions; `_actions` has been stable since 3.2.
+    return {
+        option: action.nargs != 0 for action in parser._actions for option in action.option_strings
+    }
+
+
+def _split_run_argv(
+    run_argv: Sequence[str], takes_value: Mapping[str, bool]
+) -> tuple[list[str], str | None, list[str]]:
+    """Splits ``run`` arguments into (launcher options, script, script args).
+
+    See [Note: how `zerotrain run` splits its arguments]. The script is None when absent.
+    """
+    tokens = list(run_argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":
+            if i + 1 == len(tokens):
+                return tokens[:i], None, []
+            return tokens[:i], tokens[i + 1], tokens[i + 2 :]
+        if not token.startswith("-") or token == "-":
+            return tokens[:i], token, tokens[i + 1 :]
+        name = token.split("=", 1)[0]
+        if name in takes_value:
+            attached = "=" in token
+        elif not token.startswith("--") and token[:2] in takes_value:
+            name, attached = token[:2], True  # short option with its value attached: -r3
+        else:
+            raise LaunchError(
+                f"zerotrain run: unknown launcher option {token!r} before the script; "
+                "see `zerotrain run --help` and `python -m torch.distributed.run --help`"
+            )
+        if takes_value[name] and not attached:
+            if i + 1 == len(tokens):
+                raise LaunchError(f"zerotrain run: option {name} needs a value")
+            i += 2
+        else:
+            i += 1
+    return tokens, None, []
+
+
+def _take_own_options(launcher_argv: list[str]) -> tuple[list[str], str | None, bool, bool]:
+    """Removes our own options; returns (rest, nproc value or None, dry_run, help)."""
+    rest: list[str] = []
+    nproc: str | None = None
+    dry_run = show_help = False
+    i = 0
+    while i < len(launcher_argv):
+        token = launcher_argv[i]
+        name, _, attached = token.partition("=")
+        if token == _DRY_RUN:
+            dry_run = True
+        elif token in _HELP:
+            show_help = True
+        elif name in _NPROC:
+            if "=" in token:
+                nproc = attached
+            else:
+                nproc = launcher_argv[i + 1]  # present: _split_run_argv checked it
+                i += 1
+        else:
+            rest.append(token)
+        i += 1
+    return rest, nproc, dry_run, show_help
+
+
+def _parse_nproc(value: str | None, cuda_devices: int) -> int:
+    if value is None:
+        return max(1, cuda_devices)
+    try:
+        nproc = int(value)
+    except ValueError:
+        nproc = 0
+    if nproc < 1:
+        raise LaunchError(
+            f"zerotrain run: --nproc-per-node must be a positive integer, got {value!r} "
+            "(leave it out for one process per CUDA device, or 1 without CUDA)"
+        )
+    return nproc
+
+
+def _is_single_node(nnodes: str) -> bool:
+    # torchrun accepts "N" or an elastic range "MIN:MAX".
+    return all(part.strip() == "1" for part in str(nnodes).split(":"))
+
+
+def plan_launch(
+    run_argv: Sequence[str],
+    *,
+    environ: Mapping[str, str],
+    cpu_count: int,
+    cuda_devices: int,
+    python: str = sys.executable,
+) -> LaunchPlan | None:
+    """Builds the torchrun command for ``zerotrain run RUN_ARGV``.
+
+    Launches nothing, so it can be tested. `environ` is the environment the launch inherits
+    (torchrun's parser reads its PET_* defaults from `os.environ` itself); `cuda_devices` is the
+    number of local CUDA devices. Returns None when help was requested, after printing it.
+    Raises `LaunchError` on a bad command line.
+    """
+    torchrun = _torchrun_parser()
+    takes_value = _option_arity(torchrun)
+    takes_value.update({_DRY_RUN: False, _HELP[0]: False, _HELP[1]: False})
+    launcher_argv, script, script_args = _split_run_argv(run_argv, takes_value)
+    forwarded, nproc_value, dry_run, show_help = _take_own_options(launcher_argv)
+    if show_help:
+        print(f"usage: {_RUN_USAGE}\n\n{_RUN_DESCRIPTION}", end="")
+        return None
+    if script is None:
+        raise LaunchError(f"zerotrain run: missing SCRIPT\nusage: {_RUN_USAGE}")
+    if script.startswith("-"):  # python itself would read it as an option
+        raise LaunchError(f"zerotrain run: SCRIPT {script!r} starts with '-'; write ./{script}")
+    nproc = _parse_nproc(nproc_value, cuda_devices)
+
+    # torchrun's parser validates the forwarded options and fills in what comes from its
+    # PET_* environment variables; exits with a usage message on an invalid option value.
+    parsed = torchrun.parse_args([*forwarded, script])
+    given = {
+        action.dest
+        for action in torchrun._actions
+        for token in forwarded
+        if token.split("=", 1)[0] in action.option_strings
+    }
+    given |= {dest for dest in _RENDEZVOUS_DESTS if f"PET_{dest.upper()}" in environ}
+    has_rendezvous = bool(given & _RENDEZVOUS_DESTS)
+    single_node = _is_single_node(parsed.nnodes)
+    if not single_node and not has_rendezvous:
+        raise LaunchError(
+            f"zerotrain run: --nnodes {parsed.nnodes} needs a rendezvous so that the nodes find "
+            "each other: pass --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID "
+            "(or --master-addr, --master-port and --node-rank)"
+        )
+
+    env_overrides: dict[str, str] = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ and cuda_devices == 0:
+        # Without CUDA the processes do their math on CPU threads. torchrun would set 1 thread
+        # per process (right for GPU jobs, where the CPU only feeds the device), which leaves
+        # cores idle when there are fewer processes than cores; the default of every process
+        # taking all cores oversubscribes them. Split the cores evenly instead.
+        env_overrides["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
+
+    argv = [python, "-m", "torch.distributed.run"]
+    if single_node and not has_rendezvous:
+        argv.append("--standalone")
+    argv += ["--nproc-per-node", str(nproc), *forwarded, script, *script_args]
+    return LaunchPlan(argv=argv, env_overrides=env_overrides, dry_run=dry_run)
+
+
+def _available_cpus() -> int:
+    # The affinity mask respects taskset, cgroup cpusets and SLURM's --cpus-per-task.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
+    try:
+        plan = plan_launch(
+            rest,
+            environ=os.environ,
+            cpu_count=_available_cpus(),
+            cuda_devices=_cuda_device_count(),
+        )
+    except LaunchError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if plan is None:
+        return 0
+    if plan.dry_run:
+        print(plan.shell_line())
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # exec rather than a child process: torchrun then receives SIGINT/SIGTERM directly (and
+    # forwards them to the workers), and its exit status is ours without any relaying.
+    os.execve(plan.argv[0], plan.argv, {**os.environ, **plan.env_overrides})
+
+
+PARSER = {
+    "help": "launch a training script on every local device with torchrun",
+    "add_help": False,
+    "usage": _RUN_USAGE,
+}
+"""``add_parser`` arguments of the ``run`` command."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``run``: no arguments to argparse, so ``parse_known_args`` hands back every token
+    after ``run``, in order, as unrecognized; :func:`plan_launch` splits them (see the module
+    note) and prints its own help."""
+    parser.set_defaults(handler=_run_command, takes_raw_arguments=True)

@@ -1,0 +1,67 @@
+"""A model's parameters as the estimate needs them: trainable, frozen, the largest layer and
+stage 3's gather units, counted on any device (``meta`` included: a 70B model costs nothing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from zerotrain.zero.units import assign_units, find_unit_modules
+
+__all__ = ["ParameterCount", "count_parameters"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParameterCount:
+    """A model's parameters as the estimate needs them (tied parameters counted once)."""
+
+    trainable: int
+    frozen: int
+    largest_layer: int
+    """Most parameters held directly by one module (DeepSpeed's ``largest_layer_params``)."""
+    root_and_largest_block: int = 0
+    """Stage 3: trainable elements of the root unit plus the largest block unit, which are
+    gathered together (0: unknown)."""
+    persistent: int = 0
+    """Stage 3: trainable elements in units below the persistence threshold (kept whole)."""
+    config: dict[str, int] = field(default_factory=dict)
+    """hidden_size, layers, heads, vocab_size found on the model's HF-like ``.config``."""
+
+
+# HF-like config attribute names, first match wins (GPT-2 style n_* names included).
+_CONFIG_NAMES = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "heads": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def count_parameters(model: nn.Module, *, persistence_threshold: int) -> ParameterCount:
+    """Count ``model``'s parameters (on any device, ``meta`` included) and, for stage 3, its
+    gather units as zerotrain would form them (zerotrain/zero/units.py)."""
+    params = {id(p): p for p in model.parameters()}.values()  # tied: once
+    trainable = [p for p in params if p.requires_grad]
+    largest_layer = max(
+        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+    )
+    blocks = find_unit_modules(model)
+    unit_of = assign_units(model, blocks)
+    unit_numel = [0] * (len(blocks) + 1)  # the root unit last
+    for param in trainable:
+        unit_numel[unit_of[id(param)]] += param.numel()
+    config = {}
+    model_config = getattr(model, "config", None)
+    for key, names in _CONFIG_NAMES.items():
+        value = next((getattr(model_config, n) for n in names if hasattr(model_config, n)), None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            config[key] = value
+    return ParameterCount(
+        trainable=sum(p.numel() for p in trainable),
+        frozen=sum(p.numel() for p in params if not p.requires_grad),
+        largest_layer=largest_layer,
+        root_and_largest_block=unit_numel[-1] + max(unit_numel[:-1], default=0),
+        persistent=sum(n for n in unit_numel if 0 < n < persistence_threshold),
+        config=config,
+    )

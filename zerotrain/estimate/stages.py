@@ -1,0 +1,180 @@
+"""One training job, every ZeRO stage: the bytes per device of model states (the formula of
+:func:`zerotrain.zero.memory.model_state_bytes`), stage 3's gathered parameters, the step's fp32
+gradients and the activations, and the peak they add up to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from zerotrain.estimate.activations import (
+    ActivationAssumptions,
+    ActivationBytes,
+    TransformerShape,
+    activation_bytes,
+)
+from zerotrain.precision import DTYPES, PrecisionPolicy
+from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES, ModelStateBytes, model_state_bytes
+from zerotrain.zero.policy import ZeroPolicy
+
+__all__ = [
+    "HOST_COLUMN",
+    "StageEstimate",
+    "TrainingJob",
+    "estimate",
+    "stage3_gathered_numel",
+]
+
+"""The ``--dtype`` names and the training dtype each stands for."""
+
+HOST_COLUMN = {"cpu": "CPU/node", "nvme": "NVMe/node"}  # where offload would put its bytes
+
+
+def stage3_gathered_numel(
+    *, trainable: float, root_and_largest_block: float, max_live_numel: float
+) -> float:
+    """Most elements stage 3 holds gathered at once, persistent units included (see
+    [Note: model states]): prefetch and reuse stay within ``max_live_numel``; the root unit and
+    the unit in use are gathered whatever the bound."""
+    return max(min(float(max_live_numel), float(trainable)), float(root_and_largest_block))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingJob:
+    """The inputs of an estimate: model, hardware, precision, optimizer and batch."""
+
+    trainable_params: int
+    """Ψ: parameters with gradients and optimizer state."""
+    frozen_params: int = 0
+    """Parameters with requires_grad=False: whole on every rank, no gradient, no state."""
+    nodes: int = 1
+    gpus_per_node: int = 1
+    dtype: str = "bf16"
+    """``fp32``, ``bf16`` or ``fp16`` (training dtype of parameters, gradients, activations)."""
+    optimizer: str = "adam"
+    """A key of :data:`OPTIMIZER_STATE_BYTES`."""
+    offload: str | None = None
+    """None, ``cpu`` or ``nvme``: estimate what offload would move (zerotrain cannot run it)."""
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    largest_layer: int = 0
+    """DeepSpeed's largest layer, shown for comparison with its estimator."""
+    root_and_largest_block: int = 0
+    """Stage 3's always-gathered elements (:attr:`ParameterCount.root_and_largest_block`)."""
+    persistent_numel: int = 0
+    """Stage 3's elements in units below the persistence threshold (kept whole)."""
+    max_live_numel: int
+    """``stage3_max_live_parameters`` (zerotrain.config.ZERO_DEFAULTS has the default)."""
+    shape: TransformerShape | None = None
+    """Activations are estimated only with a shape."""
+    attention: Literal["eager", "flash"] = "eager"
+    """:attr:`ActivationAssumptions.attention`."""
+    dropout: bool = True
+    """:attr:`ActivationAssumptions.dropout`."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(
+                f"--optimizer: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}"
+            )
+        if self.offload not in (None, *HOST_COLUMN):
+            raise ValueError(f"--offload: cpu or nvme, got {self.offload!r}")
+        if self.offload and 0 in self.stages:
+            raise ValueError(
+                "--offload needs ZeRO stage 1, 2 or 3 (offload moves the partitioned optimizer "
+                "states); pass --stage 1, 2 or 3, or leave --stage out"
+            )
+        if self.trainable_params <= 0:
+            raise ValueError(
+                "--params / --model: the model has no trainable parameters "
+                f"({self.trainable_params}); ZeRO partitions only trainable ones"
+            )
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError("--nodes and --gpus-per-node must be at least 1")
+
+    @property
+    def world_size(self) -> int:
+        """N: data-parallel ranks, one per device."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The dtypes zerotrain would train in."""
+        return PrecisionPolicy(DTYPES[self.dtype])
+
+    @property
+    def precision_bytes(self) -> int:
+        """Bytes per element of parameters, gradients and activations."""
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def assumptions(self) -> ActivationAssumptions:
+        """What the activation estimate assumes (norm statistics as on CUDA)."""
+        return ActivationAssumptions(
+            element_bytes=self.precision_bytes, attention=self.attention, dropout=self.dropout
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    """Bytes per device at one ZeRO stage."""
+
+    stage: int
+    states: ModelStateBytes
+    frozen: float
+    """Frozen parameters (whole on every rank)."""
+    gathered: float
+    """Stage 3: gathered parameters beyond this rank's shards, during forward and backward."""
+    activations: ActivationBytes | None
+
+    @property
+    def model_states(self) -> float:
+        """Model states on the device: trainable and frozen parameters, gradients, optimizer."""
+        return self.states.total + self.frozen
+
+    def peak(self, checkpointing: bool) -> float:
+        """Model states plus the larger of the two transient phases: forward/backward
+        (gathered parameters and activations) and the optimizer step (fp32 gradients)."""
+        activations = 0.0
+        if self.activations is not None:
+            act = self.activations
+            activations = act.checkpointed_peak if checkpointing else act.without_checkpointing
+        return self.model_states + max(self.gathered + activations, self.states.step_grads)
+
+
+def estimate(job: TrainingJob) -> list[StageEstimate]:
+    """Bytes per device at each of ``job.stages``."""
+    precision = job.precision
+    p = job.precision_bytes
+    act = activation_bytes(job.shape, job.assumptions) if job.shape else None
+    rows = []
+    for stage in job.stages:
+        policy = ZeroPolicy.for_stage(stage)
+        states = model_state_bytes(
+            job.trainable_params,
+            world_size=job.world_size,
+            policy=policy,
+            precision=precision,
+            optimizer_state_bytes=OPTIMIZER_STATE_BYTES[job.optimizer],
+            persistent_numel=job.persistent_numel,
+            offload=job.offload is not None,
+        )
+        gathered = 0.0
+        if policy.shard_parameters:
+            live = stage3_gathered_numel(
+                trainable=job.trainable_params,
+                root_and_largest_block=max(job.root_and_largest_block, job.largest_layer),
+                max_live_numel=job.max_live_numel,
+            )
+            gathered = p * max(0.0, live - job.persistent_numel)
+        rows.append(
+            StageEstimate(
+                stage=stage,
+                states=states,
+                frozen=p * job.frozen_params,
+                gathered=gathered,
+                activations=act,
+            )
+        )
+    return rows
