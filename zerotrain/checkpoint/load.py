@@ -20,6 +20,7 @@ import torch
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
 from zerotrain.checkpoint.rng import restore_rng_state
 from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS
+from zerotrain.ranges import overlaps
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
@@ -142,7 +143,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         seg[0]
         for piece in group.master_pieces(own_shard_only=False)
         for seg in manifest.params[piece.name].segments
-        if seg[1] < piece.param_start + piece.numel and piece.param_start < seg[2]
+        if overlaps(piece.param_start, piece.param_start + piece.numel, seg[1], seg[2])
     }
     files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
     if not options.module_only:

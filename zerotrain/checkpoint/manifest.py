@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from zerotrain.checkpoint.files import record_of
+from zerotrain.ranges import intersect
 
 FORMAT = "zerotrain-checkpoint"
 VERSION = 1
@@ -173,7 +174,7 @@ class ShardReader:
         ``param``'s ``kind`` (``master`` or an optimizer state key), in order."""
         pieces = []
         for rank, seg_start, seg_end in self.manifest.params[param].segments:
-            lo, hi = max(start, seg_start), min(end, seg_end)
+            lo, hi = intersect(start, end, seg_start, seg_end)
             if lo < hi:
                 handle = self._handle(self.manifest.file("shard", rank))
                 values = handle.get_slice(f"{param}/{kind}")[lo - seg_start : hi - seg_start]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
+from zerotrain.ranges import intersect
 from zerotrain.zero.init import full_shape
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -168,12 +169,6 @@ def point_grads_at(bucket: FlatBucket) -> None:
     """Make every ``param.grad`` a view into ``bucket.flat_grad`` so autograd accumulates there."""
     for slot in bucket.slots:
         slot.param.grad = bucket.view(bucket.flat_grad, slot)
-
-
-def intersect(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:
-    """The overlap of ``[start, end)`` and ``[other_start, other_end)`` as ``(lo, hi)``; empty
-    when ``lo >= hi``."""
-    return max(start, other_start), min(end, other_end)
 
 
 class OptimizerPartition:
