@@ -214,17 +214,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         compiled_autograd_enabled: bool = False,
     ) -> None:
         """``torch.compile`` the wrapped model in place (``module.compile``), as DeepSpeed does
-        without DeepCompile; a second call does nothing. Stages 0-2 only: stage 3 gathers
-        parameters in module hooks, which zerotrain does not yet run under torch.compile."""
+        without DeepCompile; a second call does nothing. At stage 3 the gather hooks run
+        eagerly between the compiled regions (zerotrain/zero/gather.py)."""
         if schedule is not None or compiled_autograd_enabled:
             raise ValueError(
                 "engine.compile(schedule=..., compiled_autograd_enabled=...): these configure "
                 "DeepSpeed's DeepCompile, which zerotrain does not have; leave them out"
-            )
-        if self.zero_optimization_partition_weights():
-            raise NotImplementedError(
-                "engine.compile() at ZeRO stage 3 is not supported yet; use stages 0-2, or "
-                "leave the model uncompiled at stage 3"
             )
         if not self._compiled:
             self.module.compile(backend=backend, **(compile_kwargs or {}))

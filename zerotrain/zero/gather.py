@@ -41,6 +41,20 @@ directly) runs a region's forward again inside the backward, and with it the hoo
 the region calls. Such a forward gathers its unit for immediate use and nothing else: it neither
 records nor advances the order, nor releases the unit afterwards (the hook on the first
 forward's outputs and the reducer do that, as without checkpointing).
+
+[Note: stage 3 under torch.compile]
+``model.compile()`` compiles ``Module._call_impl``, forward hooks included, so dynamo would trace
+the gatherer's forward hooks. It turns their ``param.data = ...`` into ``aten.set_`` on graph
+inputs, which AOTAutograd replays as real in-place ops: the version counter of a parameter that
+an earlier compiled region saved for backward moves, and backward fails with "modified by an
+inplace operation". (It would also cut the collectives and the bookkeeping into small graphs,
+recompiled per parameter shape.) The hooks therefore run eagerly (``torch.compiler.disable``,
+as FSDP2 does with its own): dynamo breaks the graph at each hook and compiles the module code
+between them, which only ever sees gathered parameters. Eager ``.data`` assignment keeps the
+version counter, a gather writes a fresh buffer (never one that parameters saved for backward
+view), and AOTAutograd saves the parameter objects, so backward finds them re-gathered as
+without compile. The multi-grad and reducer hooks run in the autograd engine, outside dynamo;
+compiled autograd, which would trace them, is not supported.
 """
 
 from __future__ import annotations
@@ -177,13 +191,19 @@ class ParameterGatherer:
                 self.live_numel += unit.numel
             else:
                 self._point_at_placeholders(unit)
+            # Eager even in a compiled model: [Note: stage 3 under torch.compile]. Wrapped here,
+            # not at import: torch.compiler.disable imports dynamo (seconds), which torch.optim's
+            # constructors do anyway but `import zerotrain` should not.
+            eager = torch.compiler.disable
             if unit.is_root:
-                unit.module.register_forward_pre_hook(self._root_pre_forward)
-                unit.module.register_forward_hook(self._root_post_forward)
+                unit.module.register_forward_pre_hook(eager(self._root_pre_forward))
+                unit.module.register_forward_hook(eager(self._root_post_forward))
             else:
-                unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+                unit.module.register_forward_pre_hook(
+                    eager(lambda m, args, u=unit: self._pre_forward(u))
+                )
                 unit.module.register_forward_hook(
-                    lambda m, args, out, u=unit: self._post_forward(u, out)
+                    eager(lambda m, args, out, u=unit: self._post_forward(u, out))
                 )
         self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
 
