@@ -69,7 +69,7 @@ def _train_one(variant: str, backend: str) -> dict:
         "state": engine.consolidated_state_dict(),
         "evals": evals,
         "graphs": graphs,
-        "live_after": optimizer.gatherer.live_numel,
+        "live_after": optimizer.group.residency.gatherer.live_numel,
     }
 
 
