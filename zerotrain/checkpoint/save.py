@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from zerotrain.engine import ZeroTrainEngine
 
 # Optimizer param-group entries that describe the layout of this rank's shards, not training.
-LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ids", "num_segments"})
+LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ranges", "num_segments"})
 
 
 def save_checkpoint(

@@ -111,9 +111,10 @@ def build_optimizer(
         type: ``optimizer.type``, one of "Adam", "AdamW", "SGD", "Lamb".
         params: ``optimizer.params``; only keys of that optimizer are accepted.
         param_groups: torch-style groups, ``[{"params": [tensors...], **overrides}]``; for Lamb
-            a group may carry ``segment_ids`` and ``num_segments`` (see :class:`Lamb`).
+            a group may carry ``segment_ranges`` and ``num_segments`` (see :class:`Lamb`).
         norm_allreduce: for Lamb on shards, sums a 1-D tensor in place across ranks; ignored
-            by the other optimizers, so the engine may always pass it.
+            by the other optimizers. (The engine gives a Lamb its layout and this callback
+            afterwards, through ``Lamb.set_segments``.)
 
     Raises:
         ValueError: unknown type, unknown or unsupported parameter, naming the config key.

@@ -41,14 +41,15 @@ class Stage3Options:
 
 @dataclass
 class ShardSegments:
-    """Which original parameter each element of each master tensor belongs to.
+    """Which original parameters each master tensor holds, and where.
 
     Optimizers whose update needs per-parameter norms (Lamb's trust ratio) use it to compute
-    them on flat shards: ``ids[i]`` matches the i-th master tensor (-1 marks padding), and
-    ``allreduce`` sums a per-parameter vector across ranks.
+    them on flat shards: ``ranges[i]`` lists the ``(start, end, param_index)`` runs of the i-th
+    master tensor, in order (elements in no run are padding), and ``allreduce`` sums a
+    per-parameter vector across ranks. Memory per parameter, not per element.
     """
 
-    ids: list[torch.Tensor]
+    ranges: list[list[tuple[int, int, int]]]
     num_segments: int
     allreduce: Callable[[torch.Tensor], None]
 
@@ -192,12 +193,12 @@ class ZeroOptimizer:
             reduce_comm = comm.new_group()
 
         inner_groups = []
-        ids = []
+        ranges = []
         for group_index, (hyper, _) in enumerate(groups):
             members = [i for i, b in enumerate(self.buckets) if b.group_index == group_index]
             inner_groups.append({**hyper, "params": [masters[i] for i in members]})
-            ids += [self._segment_ids(self.buckets[i]) for i in members]
-        segments = ShardSegments(ids, len(index_of), self._allreduce_sum)
+            ranges += [self._segment_ranges(self.buckets[i]) for i in members]
+        segments = ShardSegments(ranges, len(index_of), self._allreduce_sum)
         self.store: ShardStore = DeviceShardStore(
             masters,
             make_optimizer(inner_groups, segments),
@@ -247,8 +248,8 @@ class ZeroOptimizer:
             return bucket.param_shard
         return self._optimizer_part(bucket, bucket.flat_param)
 
-    def _segment_ids(self, bucket: FlatBucket) -> torch.Tensor:
-        return bucket.slot_ids(*self._optimizer_range(bucket)).to(bucket.device)
+    def _segment_ranges(self, bucket: FlatBucket) -> list[tuple[int, int, int]]:
+        return bucket.slot_ranges(*self._optimizer_range(bucket))
 
     def _allreduce_sum(self, tensor: torch.Tensor) -> None:
         if self.policy.shard_optimizer_states:
