@@ -74,7 +74,7 @@ def _mismatches(expected: dict, actual: dict) -> list[str]:
 def _optimizer_case(case: str):
     """A fresh engine for ``case``: a second one needs its own model (and torch optimizer)."""
     model = _fresh()
-    if case == "lamb":  # segment ids for trust ratios; parameters straddle ranks and buckets
+    if case == "lamb":  # segment ranges for trust ratios; parameters straddle ranks and buckets
         lamb = {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}}
         return _engine(
             model,

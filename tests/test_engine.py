@@ -115,6 +115,51 @@ def test_user_torch_optimizer_and_scheduler_are_rebuilt_over_shards():
             assert relative_error(state[key], value) < 1e-5, key
 
 
+def user_lamb(stages):
+    from zerotrain.comm import Communicator
+
+    def factory(groups):
+        return Lamb(groups, **OPTIMIZERS["Lamb"])
+
+    comm = Communicator()
+    out = {}
+    for how in ("instance", "factory"):
+        for stage in stages:
+            torch.manual_seed(0)
+            model = AwkwardModel()
+            groups = param_groups(model, 0.1)
+            engine, *_ = zerotrain.initialize(
+                model=model,
+                optimizer=Lamb(groups, **OPTIMIZERS["Lamb"]) if how == "instance" else factory,
+                model_parameters=None if how == "instance" else groups,
+                config=dict(BASE, zero_optimization={"stage": stage, "reduce_bucket_size": 50}),
+            )
+            # The layout costs memory per parameter, not per element: at most one range for
+            # each parameter (a parameter lies in one bucket), plain ints, no tensors.
+            layout = [
+                value
+                for group in engine.optimizer.param_groups
+                for ranges in group["segment_ranges"]
+                for value in ranges
+            ]
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            assert len(layout) <= len(trainable), (how, stage, layout)
+            assert all(type(v) is int for entry in layout for v in entry), (how, stage)
+            out[(how, stage)] = _train(engine, comm.world_size, comm.rank)
+    return out
+
+
+def test_user_lamb_gets_per_parameter_trust_ratios_on_shards():
+    """A Lamb the user builds (an instance or a factory) is rebuilt over the flat masters; its
+    trust ratios must still be those of the model's parameters, as from the config."""
+    want = _reference(REFERENCES["Lamb"], 2)
+    for rank_result in run_distributed(user_lamb, 2, [0, 1, 2, 3]):
+        for (how, stage), got in rank_result.items():
+            for key, value in want.items():
+                error = relative_error(got[key], value)
+                assert error < 1e-5, (how, stage, key, error)
+
+
 class Branchy(nn.Module):
     """``skip`` is used only on rank 1's batches; ``never`` is never used."""
 

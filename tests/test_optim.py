@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -382,14 +383,17 @@ def test_lamb_state_dict_round_trip_resumes_identically() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Lamb on ZeRO shards: segment_ids, padding and the norm all-reduce
+# Lamb on ZeRO shards: segment_ranges, padding and the norm all-reduce
+
+Ranges = list[tuple[int, int, int]]
 
 
 def _shard(
     tensors: list[Tensor], world: int, pieces: int
-) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+) -> tuple[list[list[Tensor]], list[list[Ranges]]]:
     """Flatten, concatenate and pad to a multiple of ``world``, then give each rank its slice,
-    itself cut into ``pieces`` tensors of unequal size. Returns (shards, segment_ids) per rank.
+    itself cut into ``pieces`` tensors of unequal size. Returns (shards, segment_ranges) per
+    rank.
     """
     numels = [t.numel() for t in tensors]
     total = sum(numels)
@@ -397,19 +401,34 @@ def _shard(
     flat = torch.cat(
         [t.detach().reshape(-1) for t in tensors] + [tensors[0].new_zeros(padded - total)]
     )
-    ids = torch.cat(
-        [torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(numels)]
-        + [torch.full((padded - total,), -1, dtype=torch.int64)]
-    )
+    ends = list(itertools.accumulate(numels))
+    param_bounds = list(zip([0, *ends[:-1]], ends, strict=True))
     shard_numel = padded // world
     cuts = [0, shard_numel // 3, shard_numel] if pieces == 2 else [0, shard_numel]
-    shards, shard_ids = [], []
+    shards, shard_ranges = [], []
     for rank in range(world):
         base = rank * shard_numel
-        bounds = list(zip(cuts[:-1], cuts[1:], strict=True))
-        shards.append([flat[base + lo : base + hi].clone() for lo, hi in bounds])
-        shard_ids.append([ids[base + lo : base + hi].clone() for lo, hi in bounds])
-    return shards, shard_ids
+        bounds = [(base + lo, base + hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
+        shards.append([flat[lo:hi].clone() for lo, hi in bounds])
+        shard_ranges.append(
+            [
+                [
+                    (max(start, lo) - lo, min(end, hi) - lo, i)
+                    for i, (start, end) in enumerate(param_bounds)
+                    if max(start, lo) < min(end, hi)
+                ]
+                for lo, hi in bounds
+            ]
+        )
+    return shards, shard_ranges
+
+
+def _padding(ranges: Ranges, numel: int) -> Tensor:
+    """True where an element of a segmented tensor is in none of its ranges."""
+    padding = torch.ones(numel, dtype=torch.bool)
+    for start, end, _ in ranges:
+        padding[start:end] = False
+    return padding
 
 
 def _unshard(shards: list[list[Tensor]], shapes: list[tuple[int, ...]]) -> list[Tensor]:
@@ -462,13 +481,17 @@ def test_segmented_lamb_matches_per_parameter_lamb(
     reference = _params(scales=STRADDLE_SCALES)
     _run(Lamb(reference, **LAMB_OPTIONS), reference, grads)
 
-    shards, shard_ids = _shard(params, world, pieces)
+    shards, shard_ranges = _shard(params, world, pieces)
     allreduce = _ThreadAllReduce(world)
     optimizers = []
     for rank in range(world):
         shard = [torch.nn.Parameter(piece) for piece in shards[rank]]
         shards[rank] = shard
-        group = {"params": shard, "segment_ids": shard_ids[rank], "num_segments": len(SHAPES)}
+        group = {
+            "params": shard,
+            "segment_ranges": shard_ranges[rank],
+            "num_segments": len(SHAPES),
+        }
         opt = Lamb([group], **LAMB_OPTIONS, norm_allreduce=allreduce.for_rank(rank))
         if chunk_numel is not None:
             opt._chunk_numel = chunk_numel
@@ -478,12 +501,12 @@ def test_segmented_lamb_matches_per_parameter_lamb(
     for step_grads in grads:
         grad_shards, _ = _shard(step_grads, world, pieces)
         for rank in range(world):
-            for piece, grad, ids in zip(
-                shards[rank], grad_shards[rank], shard_ids[rank], strict=True
+            for piece, grad, ranges in zip(
+                shards[rank], grad_shards[rank], shard_ranges[rank], strict=True
             ):
                 # Garbage in the padding's gradient must not move the padding.
                 noise = torch.randn(grad.shape, generator=gen)
-                piece.grad = torch.where(ids < 0, noise, grad)
+                piece.grad = torch.where(_padding(ranges, grad.numel()), noise, grad)
         _run_ranks(world, lambda rank: optimizers[rank].step())
 
     assert allreduce.calls == [num_steps] * world
@@ -494,15 +517,44 @@ def test_segmented_lamb_matches_per_parameter_lamb(
     assert torch.count_nonzero(flat[total:]) == 0
 
 
+def test_padding_between_ranges_stays_and_the_ranges_match_per_parameter_lamb() -> None:
+    """Ranges need not be adjacent: padding may sit between them, and before them."""
+    num_steps = 4
+    params = _params(scales=STRADDLE_SCALES)[:2]  # (7, 15) and (13,)
+    grads = [step[:2] for step in _grads(num_steps)]
+    reference = _params(scales=STRADDLE_SCALES)[:2]
+    _run(Lamb(reference, **LAMB_OPTIONS), reference, grads)
+
+    gap = 3
+    flat = torch.nn.Parameter(
+        torch.cat([torch.zeros(gap), params[0].detach().reshape(-1), torch.zeros(gap), params[1]])
+    )
+    first, second = gap + 105, 2 * gap + 105
+    ranges = [(gap, first, 0), (second, second + 13, 1)]
+    opt = Lamb([{"params": [flat], "segment_ranges": [ranges], "num_segments": 2}], **LAMB_OPTIONS)
+    opt._chunk_numel = 16
+    garbage = torch.full((gap,), 5.0)  # in the padding's gradient: must not move the padding
+    for step_grads in grads:
+        flat.grad = torch.cat([garbage, step_grads[0].reshape(-1), garbage, step_grads[1]])
+        opt.step()
+    got = flat.detach()
+    padding = _padding(ranges, flat.numel())
+    torch.testing.assert_close(
+        got[gap:first].view(7, 15), reference[0].detach(), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(got[second:], reference[1].detach(), rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(got[padding]) == 0
+
+
 def test_segmented_groups_share_one_allreduce_per_step() -> None:
     params = _params()
-    ids = [torch.tensor([0] * 4 + [1] * 5 + [-1]), torch.tensor([0, 0, 1, 1, 2, 2])]
+    ranges = [[(0, 4, 0), (4, 9, 1)], [(0, 2, 0), (2, 4, 1), (4, 6, 2)]]
     shards = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(6))]
     seen: list[int] = []
     opt = Lamb(
         [
-            {"params": [shards[0]], "segment_ids": [ids[0]], "num_segments": 2},
-            {"params": [shards[1]], "segment_ids": [ids[1]], "num_segments": 3},
+            {"params": [shards[0]], "segment_ranges": [ranges[0]], "num_segments": 2},
+            {"params": [shards[1]], "segment_ranges": [ranges[1]], "num_segments": 3},
             {"params": params},  # a plain group takes no part in the collective
         ],
         norm_allreduce=lambda t: seen.append(t.numel()),
@@ -515,28 +567,57 @@ def test_segmented_groups_share_one_allreduce_per_step() -> None:
 
 def test_segmented_state_dict_leaves_out_the_layout() -> None:
     shard = torch.nn.Parameter(torch.randn(6))
-    ids = torch.tensor([0, 0, 1, 1, 1, -1])
-    opt = Lamb([{"params": [shard], "segment_ids": [ids], "num_segments": 2}])
+    ranges = ((0, 2, 0), (2, 5, 1))
+    opt = Lamb([{"params": [shard], "segment_ranges": [ranges], "num_segments": 2}])
     shard.grad = torch.randn(6)
     opt.step()
     state = opt.state_dict()
-    assert "segment_ids" not in state["param_groups"][0]
+    assert "segment_ranges" not in state["param_groups"][0]
     assert "num_segments" not in state["param_groups"][0]
     opt.load_state_dict(state)
-    assert opt.param_groups[0]["segment_ids"][0] is ids
+    assert opt.param_groups[0]["segment_ranges"][0] == ranges
     assert opt.param_groups[0]["num_segments"] == 2
+
+
+def test_set_segments_is_the_group_keys_on_a_built_optimizer() -> None:
+    """What the engine does to a Lamb built before its tensors were sharded."""
+    ranges = [[(0, 4, 0), (4, 9, 1)], [(0, 2, 1), (2, 6, 2)]]
+    start = [torch.randn(10), torch.randn(6)]
+    grads = [torch.randn(10), torch.randn(6)]
+    keyed = [torch.nn.Parameter(t.clone()) for t in start]
+    later = [torch.nn.Parameter(t.clone()) for t in start]
+    seen: list[int] = []
+    opt_keyed = Lamb(
+        [{"params": keyed, "segment_ranges": ranges, "num_segments": 3}], **LAMB_OPTIONS
+    )
+    opt_later = Lamb(later, **LAMB_OPTIONS)
+    opt_later.set_segments(
+        dict(zip(later, ranges, strict=True)), 3, norm_allreduce=lambda t: seen.append(t.numel())
+    )
+    for opt, tensors in ((opt_keyed, keyed), (opt_later, later)):
+        for t, g in zip(tensors, grads, strict=True):
+            t.grad = g.clone()
+        opt.step()
+    assert seen == [2 * (3 + 1)]
+    for a, b in zip(keyed, later, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] params\[1\] .* no entry"):
+        Lamb(later).set_segments({later[0]: ranges[0]}, 3)
 
 
 @pytest.mark.parametrize(
     ("group", "match"),
     [
-        ({"segment_ids": [torch.zeros(6, dtype=torch.int64)]}, "together"),
+        ({"segment_ranges": [[(0, 6, 0)]]}, "together"),
         ({"num_segments": 2}, "together"),
-        ({"segment_ids": [torch.zeros(5, dtype=torch.int64)], "num_segments": 1}, "elements"),
-        ({"segment_ids": [torch.full((6,), 2)], "num_segments": 2}, r"\[-1, 2\)"),
-        ({"segment_ids": [torch.full((6,), -2)], "num_segments": 2}, r"\[-1, 2\)"),
-        ({"segment_ids": [torch.zeros(6)], "num_segments": 2}, "int32 or int64"),
-        ({"segment_ids": [], "num_segments": 2}, "one per tensor"),
+        ({"segment_ranges": [[(0, 7, 0)]], "num_segments": 1}, "within the tensor's 6 elements"),
+        ({"segment_ranges": [[(0, 3, 0), (2, 6, 1)]], "num_segments": 2}, "previous range"),
+        ({"segment_ranges": [[(3, 3, 0)]], "num_segments": 1}, "non-empty"),
+        ({"segment_ranges": [[(0, 6, 2)]], "num_segments": 2}, r"\[0, 2\)"),
+        ({"segment_ranges": [[(0, 6, -1)]], "num_segments": 2}, r"\[0, 2\)"),
+        ({"segment_ranges": [[(0, 6.0, 0)]], "num_segments": 1}, "triple of ints"),
+        ({"segment_ranges": [[(0, 6)]], "num_segments": 1}, "triple of ints"),
+        ({"segment_ranges": [], "num_segments": 2}, "one per tensor"),
     ],
 )
 def test_segment_layout_is_validated(group: dict[str, Any], match: str) -> None:

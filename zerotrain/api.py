@@ -31,7 +31,7 @@ from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_con
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.observability.monitor import check_monitor_packages
-from zerotrain.optim import NoOptimizer, build_optimizer, build_scheduler
+from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
 from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
@@ -323,26 +323,23 @@ def _optimizer_plan(
         accepted = inspect.signature(opt_cls.__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
-        def make(groups, segments):
-            return opt_cls(groups, **defaults)
+        def make(groups, segments: ShardSegments):
+            return _on_shards(opt_cls(groups, **defaults), groups, segments)
 
     else:
         raw_groups = _groups_from(model_parameters if model_parameters is not None else model)
         if callable(optimizer):
             user_factory = optimizer
 
-            def make(groups, segments):
-                return user_factory(groups)
+            def make(groups, segments: ShardSegments):
+                return _on_shards(user_factory(groups), groups, segments)
 
         elif cfg.optimizer is not None:
             opt_cfg = cfg.optimizer
 
             def make(groups, segments: ShardSegments):
-                if opt_cfg.type == "Lamb":  # trust ratios need per-parameter norms on shards
-                    groups = _with_segments(groups, segments)
-                return build_optimizer(
-                    opt_cfg.type, opt_cfg.params, groups, norm_allreduce=segments.allreduce
-                )
+                optimizer = build_optimizer(opt_cfg.type, opt_cfg.params, groups)
+                return _on_shards(optimizer, groups, segments)
 
         else:  # evaluation only (DeepSpeed allows it); backward and step say so
             raw_groups = _groups_from(model)  # DeepSpeed ignores model_parameters here
@@ -374,12 +371,21 @@ def _optimizer_plan(
     return groups, make
 
 
-def _with_segments(groups: list[dict], segments: ShardSegments) -> list[dict]:
-    ids = iter(segments.ids)
-    return [
-        dict(g, segment_ids=[next(ids) for _ in g["params"]], num_segments=segments.num_segments)
-        for g in groups
-    ]
+def _on_shards(
+    optimizer: torch.optim.Optimizer, groups: list[dict], segments: ShardSegments
+) -> torch.optim.Optimizer:
+    """``optimizer``, built over the flat master shards in ``groups``, told which model
+    parameters those hold where its update needs per-parameter norms: Lamb's trust ratios,
+    whether the Lamb comes from the config or from the user (an instance rebuilt here, or a
+    factory). Per-element optimizers need nothing."""
+    if isinstance(optimizer, Lamb):
+        masters = [master for group in groups for master in group["params"]]
+        optimizer.set_segments(
+            dict(zip(masters, segments.ranges, strict=True)),
+            segments.num_segments,
+            norm_allreduce=segments.allreduce,
+        )
+    return optimizer
 
 
 def _groups_from(parameters) -> list[dict]:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
 
 # Optimizer param-group entries that describe the layout of this rank's shards, not training.
-LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ids", "num_segments"})
+LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ranges", "num_segments"})
 
 
 def save_checkpoint(

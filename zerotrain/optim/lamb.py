@@ -8,12 +8,16 @@ norm is 0 (DeepSpeed's ``csrc/lamb/fused_lamb_cuda_kernel.cu``).
 [Note: trust ratios on shards]
 Under ZeRO the optimizer holds flat 1-D tensors, each a slice of many model parameters, and a
 model parameter may straddle two ranks. The trust ratio is a property of the *original*
-parameter, so a group may carry ``segment_ids`` (one integer tensor per flat tensor, giving the
-index of the original parameter of each element, -1 for padding) and ``num_segments``. A step
-then sums ``w**2`` and ``update**2`` per segment with ``index_add_`` (bin 0 collects padding, so
-ids are shifted by one), hands the sums of all segmented groups to ``norm_allreduce`` in one
-1-D float64 tensor (one collective per step), and scales every element by the ratio of its
-segment, gathered by index. Padding gets ratio 0: it never moves.
+parameter, so a group may carry ``num_segments`` and ``segment_ranges``: for each flat tensor,
+the ``(start, end, segment)`` ranges of the original parameters (index ``segment``) it holds, in
+order; elements in no range are padding. The elements of one parameter inside one flat tensor are
+contiguous, so the layout costs memory per parameter, not per element (an int64 index per element
+would cost 8 bytes each, as much as Adam's two moments). A step cuts each chunk of a flat tensor
+into runs of one bin each (bin ``segment + 1``; bin 0 is padding), sums ``w**2`` and
+``update**2`` per run with ``torch.segment_reduce`` and adds the run sums into their bins, hands
+the sums of all segmented groups to ``norm_allreduce`` in one 1-D float64 tensor (one collective
+per step), and scales every element by the ratio of its bin, repeated over its run. Padding gets
+ratio 0: it never moves.
 
 [Note: two passes and chunks]
 The update is needed twice: for its norm, and after the all-reduce to apply it. Keeping it would
@@ -26,7 +30,9 @@ the shard size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import bisect
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +44,54 @@ __all__ = ["FusedLamb", "Lamb"]
 # Keys of a param group that describe how the group's tensors map onto model parameters. They
 # are a property of the current sharding, not training state: state_dict() leaves them out and
 # load_state_dict() keeps the ones the optimizer was built with.
-_LAYOUT_KEYS = ("segment_ids", "num_segments")
+_LAYOUT_KEYS = ("segment_ranges", "num_segments")
 
 _SUM_DTYPE = torch.float64
+
+# A range of a segmented tensor: elements [start, end) belong to model parameter `segment`.
+SegmentRange = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """A segmented tensor as consecutive runs of one bin each, covering all its elements: bin
+    ``segment + 1`` for each of its ranges, bin 0 for the padding between and after them."""
+
+    ends: list[int]  # exclusive end of each run; increasing, the last one is the tensor's numel
+    bins: list[int]
+
+    @classmethod
+    def of(cls, ranges: Sequence[SegmentRange], numel: int) -> _Runs:
+        ends: list[int] = []
+        bins: list[int] = []
+        position = 0
+        for start, end, segment in ranges:
+            if start > position:
+                ends.append(start)
+                bins.append(0)
+            ends.append(end)
+            bins.append(segment + 1)
+            position = end
+        if position < numel:
+            ends.append(numel)
+            bins.append(0)
+        return cls(ends, bins)
+
+    def in_chunk(self, chunk: slice, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(lengths, bins)`` of the runs cut to ``chunk``, as int64 tensors on ``device``."""
+        lengths, bins = [], []
+        position = chunk.start
+        for i in range(bisect.bisect_right(self.ends, chunk.start), len(self.ends)):
+            end = min(self.ends[i], chunk.stop)
+            lengths.append(end - position)
+            bins.append(self.bins[i])
+            if end == chunk.stop:
+                break
+            position = end
+        return (
+            torch.tensor(lengths, dtype=torch.int64, device=device),
+            torch.tensor(bins, dtype=torch.int64, device=device),
+        )
 
 
 @dataclass
@@ -52,7 +103,7 @@ class _TensorStep:
     exp_avg_sq: Tensor
     bias_correction1: float
     bias_correction2: float
-    segment_ids: Tensor | None  # 1D, same numel as param; None: the tensor is one parameter
+    runs: _Runs | None  # None: the tensor is one model parameter
 
 
 @dataclass
@@ -68,7 +119,7 @@ class _GroupStep:
 
     @property
     def segmented(self) -> bool:
-        return "segment_ids" in self.group
+        return "segment_ranges" in self.group
 
 
 class Lamb(torch.optim.Optimizer):
@@ -86,14 +137,16 @@ class Lamb(torch.optim.Optimizer):
     ``clamp(||w|| / ||update||, min_coeff, max_coeff)`` over one model parameter, or 1 when either
     norm is 0.
 
-    Without ``segment_ids`` every tensor in a group is one model parameter. A group may instead
-    describe flat ZeRO shards with the keys:
+    Without ``segment_ranges`` every tensor in a group is one model parameter. A group may
+    instead describe flat ZeRO shards (see [Note: trust ratios on shards]) with the keys:
 
-    - ``"segment_ids"``: one integer tensor (int32 or int64) per tensor in ``params``, on the same
-      device and with the same number of elements, holding for each element the index of the
-      model parameter it belongs to, or -1 for padding (padding never changes);
-    - ``"num_segments"``: the number of model parameters (segment ids are in
-      ``[0, num_segments)``).
+    - ``"segment_ranges"``: per tensor in ``params`` (contiguous, all on one device), a sequence
+      of ``(start, end, segment)`` int triples, in order and disjoint: elements ``[start, end)``
+      of the flattened tensor belong to model parameter ``segment``; elements in no range are
+      padding and never change;
+    - ``"num_segments"``: the number of model parameters (segments are in ``[0, num_segments)``).
+
+    :meth:`set_segments` adds both keys to the groups of an optimizer already built.
 
     A segmented group treats a missing gradient as zeros, so every rank runs the same
     collectives.
@@ -161,9 +214,45 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, checking its ``segment_ids``/``num_segments`` against its tensors."""
+        """Add a group, checking its ``segment_ranges``/``num_segments`` against its tensors."""
         super().add_param_group(param_group)
         _check_layout(self.param_groups[-1], len(self.param_groups) - 1)
+
+    def set_segments(
+        self,
+        segment_ranges: Mapping[Tensor, Sequence[SegmentRange]],
+        num_segments: int,
+        *,
+        norm_allreduce: Callable[[Tensor], None] | None = None,
+    ) -> None:
+        """Make every group segmented: each of its tensors is a flat shard of model parameters.
+
+        For an optimizer built before the layout of its tensors was known (the ZeRO engine
+        calls it on a Lamb however it was built: from the config, or by the user).
+
+        Args:
+            segment_ranges: for every tensor of every group, its ``(start, end, segment)``
+                ranges, as the group key ``"segment_ranges"`` (see the class docstring).
+            num_segments: the number of model parameters.
+            norm_allreduce: replaces the optimizer's ``norm_allreduce``.
+
+        Raises:
+            ValueError: a tensor without ranges, or ranges that do not fit their tensor.
+        """
+        for index, group in enumerate(self.param_groups):
+            ranges = []
+            for i, param in enumerate(group["params"]):
+                if param not in segment_ranges:
+                    raise ValueError(
+                        f"Lamb.set_segments: param_groups[{index}] params[{i}] (shape "
+                        f"{tuple(param.shape)}) has no entry in segment_ranges; give every "
+                        "tensor of the optimizer its ranges"
+                    )
+                ranges.append(segment_ranges[param])
+            group["segment_ranges"] = ranges
+            group["num_segments"] = num_segments
+            _check_layout(group, index)
+        self.norm_allreduce = norm_allreduce
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state without the groups' layout keys (they depend on sharding)."""
@@ -239,17 +328,19 @@ class Lamb(torch.optim.Optimizer):
                 exp_avg_sq=exp_avg_sq,
                 bias_correction1=bc1,
                 bias_correction2=bc2,
-                segment_ids=group["segment_ids"][index] if segmented else None,
+                runs=_Runs.of(group["segment_ranges"][index], param.numel()) if segmented else None,
             )
             plan.tensors.append(item)
 
             if segmented:
+                assert item.runs is not None
                 for chunk, update in self._updates(item, group):
-                    bins = _bins(item, chunk)
-                    weight = param.view(-1)[chunk].to(_SUM_DTYPE, copy=True)
-                    weight_sq.index_add_(0, bins, weight.square_())
+                    lengths, bins = item.runs.in_chunk(chunk, param.device)
+                    weight = param.view(-1)[chunk].to(_SUM_DTYPE, copy=True).square_()
+                    weight_sq.index_add_(0, bins, _run_sums(weight, lengths))
                     # `update` is scratch: squaring it in place is fine even when it is float64.
-                    update_sq.index_add_(0, bins, update.to(_SUM_DTYPE).square_())
+                    update = update.to(_SUM_DTYPE).square_()
+                    update_sq.index_add_(0, bins, _run_sums(update, lengths))
             else:
                 w_sq = torch.zeros((), dtype=_SUM_DTYPE, device=param.device)
                 u_sq = torch.zeros((), dtype=_SUM_DTYPE, device=param.device)
@@ -284,9 +375,12 @@ class Lamb(torch.optim.Optimizer):
             ratio[0] = 0.0  # padding bin
             step_scale = ratio.mul_(lr)
             for item in plan.tensors:
+                assert item.runs is not None
                 flat_param = item.param.view(-1)
                 for chunk, update in self._updates(item, group):
-                    scale = step_scale[_bins(item, chunk)].to(update.dtype)
+                    lengths, bins = item.runs.in_chunk(chunk, update.device)
+                    scale = step_scale[bins].to(update.dtype)
+                    scale = scale.repeat_interleave(lengths, output_size=update.numel())
                     flat_param[chunk].addcmul_(update, scale, value=-1.0)
             return
         for item, w_sq, u_sq in zip(plan.tensors, plan.weight_sq, plan.update_sq, strict=True):
@@ -331,10 +425,10 @@ def _update(
     return update
 
 
-def _bins(item: _TensorStep, chunk: slice) -> Tensor:
-    """Segment bins of a chunk: segment id + 1, so padding (-1) lands in bin 0."""
-    assert item.segment_ids is not None
-    return item.segment_ids.view(-1)[chunk].to(torch.int64) + 1
+def _run_sums(values: Tensor, lengths: Tensor) -> Tensor:
+    """The sum of each run of ``values`` (1-D), the runs ``lengths`` long and covering it."""
+    # unsafe: skip checking that the lengths add up (a device sync); they do by construction.
+    return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
 
 
 def _trust_ratio(
@@ -348,21 +442,21 @@ def _trust_ratio(
 
 
 def _check_layout(group: dict[str, Any], index: int) -> None:
-    """Validate a group's ``segment_ids``/``num_segments`` (see the Lamb docstring)."""
+    """Validate a group's ``segment_ranges``/``num_segments`` (see the Lamb docstring)."""
     where = f"Lamb param_groups[{index}]"
-    has_ids, has_count = "segment_ids" in group, "num_segments" in group
-    if not has_ids and not has_count:
+    has_ranges, has_count = "segment_ranges" in group, "num_segments" in group
+    if not has_ranges and not has_count:
         return
-    if not (has_ids and has_count):
-        raise ValueError(f"{where}: 'segment_ids' and 'num_segments' must be given together")
+    if not (has_ranges and has_count):
+        raise ValueError(f"{where}: 'segment_ranges' and 'num_segments' must be given together")
     num_segments = group["num_segments"]
     if isinstance(num_segments, bool) or not isinstance(num_segments, int) or num_segments < 0:
         raise ValueError(f"{where}: num_segments must be a non-negative int, got {num_segments!r}")
-    segment_ids = list(group["segment_ids"])
+    segment_ranges = list(group["segment_ranges"])
     params = group["params"]
-    if len(segment_ids) != len(params):
+    if len(segment_ranges) != len(params):
         raise ValueError(
-            f"{where}: segment_ids has {len(segment_ids)} tensors for {len(params)} params; "
+            f"{where}: segment_ranges has {len(segment_ranges)} entries for {len(params)} params; "
             "give one per tensor"
         )
     devices = {p.device for p in params}
@@ -370,26 +464,41 @@ def _check_layout(group: dict[str, Any], index: int) -> None:
         raise ValueError(
             f"{where}: a segmented group must be on one device, got {sorted(map(str, devices))}"
         )
-    for i, (param, ids) in enumerate(zip(params, segment_ids, strict=True)):
-        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{where}: segment_ids[{i}] must be an int32 or int64 tensor")
-        if ids.numel() != param.numel():
+    for i, param in enumerate(params):
+        if not param.is_contiguous():
+            raise ValueError(f"{where}: params[{i}] must be contiguous")
+    group["segment_ranges"] = [
+        _checked_ranges(ranges, param.numel(), num_segments, f"{where}: segment_ranges[{i}]")
+        for i, (param, ranges) in enumerate(zip(params, segment_ranges, strict=True))
+    ]
+
+
+def _checked_ranges(
+    ranges: Iterable[Any], numel: int, num_segments: int, where: str
+) -> tuple[SegmentRange, ...]:
+    """``ranges`` as int triples, checked to be in order, disjoint, non-empty, inside a tensor of
+    ``numel`` elements and of segments in ``[0, num_segments)``."""
+    checked = []
+    position = 0
+    for entry in ranges:
+        try:
+            start, end, segment = (operator.index(value) for value in entry)
+        except (TypeError, ValueError):
             raise ValueError(
-                f"{where}: segment_ids[{i}] has {ids.numel()} elements, its tensor {param.numel()}"
-            )
-        if ids.device != param.device:
+                f"{where}: each range must be a (start, end, segment) triple of ints, got {entry!r}"
+            ) from None
+        if not position <= start < end <= numel:
             raise ValueError(
-                f"{where}: segment_ids[{i}] is on {ids.device}, its tensor on {param.device}; "
-                "move it to the tensor's device"
+                f"{where}: range {(start, end, segment)} must be non-empty, after the previous "
+                f"range (which ends at {position}) and within the tensor's {numel} elements"
             )
-        if not (param.is_contiguous() and ids.is_contiguous()):
-            raise ValueError(f"{where}: params[{i}] and segment_ids[{i}] must be contiguous")
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= num_segments):
+        if not 0 <= segment < num_segments:
             raise ValueError(
-                f"{where}: segment_ids[{i}] must lie in [-1, {num_segments}), "
-                f"got [{int(ids.min())}, {int(ids.max())}]"
+                f"{where}: range {(start, end, segment)}: segment must lie in [0, {num_segments})"
             )
-    group["segment_ids"] = segment_ids
+        checked.append((start, end, segment))
+        position = end
+    return tuple(checked)
 
 
 class FusedLamb(Lamb):

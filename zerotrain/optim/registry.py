@@ -205,7 +205,7 @@ def build_optimizer(
         type: ``optimizer.type``, a name of :data:`OPTIMIZERS` in any capitalisation.
         params: ``optimizer.params``; only keys of that optimizer are accepted.
         param_groups: torch-style groups, ``[{"params": [tensors...], **overrides}]``; for Lamb
-            a group may carry ``segment_ids`` and ``num_segments`` (see :class:`Lamb`).
+            a group may carry ``segment_ranges`` and ``num_segments`` (see :class:`Lamb`).
         norm_allreduce: for Lamb on shards, sums a 1-D tensor in place across ranks; ignored
             by the other optimizers, so the engine may always pass it.
 

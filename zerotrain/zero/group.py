@@ -55,14 +55,15 @@ _ALLOWED = {
 
 @dataclass
 class ShardSegments:
-    """Which original parameter each element of each master tensor belongs to.
+    """Which original parameters each master tensor holds, and where.
 
     Optimizers whose update needs per-parameter norms (Lamb's trust ratio) use it to compute
-    them on flat shards: ``ids[i]`` matches the i-th master tensor (-1 marks padding), and
-    ``allreduce`` sums a per-parameter vector across ranks.
+    them on flat shards: ``ranges[i]`` lists the ``(start, end, param_index)`` runs of the i-th
+    master tensor, in order (elements in no run are padding), and ``allreduce`` sums a
+    per-parameter vector across ranks. Memory per parameter, not per element.
     """
 
-    ids: list[torch.Tensor]
+    ranges: list[list[tuple[int, int, int]]]
     num_segments: int
     allreduce: Callable[[torch.Tensor], None]
 
@@ -276,8 +277,8 @@ def build_shard_group(
         inner_groups.append({**hyper, "params": [masters[i] for i in members]})
         order += members
     partition = strategies.partition
-    ids = [buckets[i].slot_ids(*partition.range(buckets[i])).to(buckets[i].device) for i in order]
-    segments = ShardSegments(ids, len(index_of), partition.sum_over_ranks)
+    ranges = [buckets[i].slot_ranges(*partition.range(buckets[i])) for i in order]
+    segments = ShardSegments(ranges, len(index_of), partition.sum_over_ranks)
     store = DeviceShardStore(
         masters,
         make_optimizer(inner_groups, segments),

@@ -81,14 +81,15 @@ class FlatBucket:
         """``slot``'s parameter-shaped view into a bucket-sized flat tensor."""
         return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    def slot_ids(self, start: int, end: int) -> torch.Tensor:
-        """For flat positions ``[start, end)``, the parameter index each holds (-1: padding)."""
-        ids = torch.full((end - start,), -1, dtype=torch.int64)
+    def slot_ranges(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The parameters in flat positions ``[start, end)``: ``(lo, hi, index)`` per parameter
+        there, in order, positions relative to ``start``; positions in none are padding."""
+        ranges = []
         for slot in self.slots:
             lo, hi = slot.overlap(start, end)
             if lo < hi:
-                ids[lo - start : hi - start] = slot.index
-        return ids
+                ranges.append((lo - start, hi - start, slot.index))
+        return ranges
 
 
 def build_buckets(
