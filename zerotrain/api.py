@@ -33,9 +33,11 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
-from zerotrain.zero import ShardSegments, ZeroOptimizer, ZeroPolicy
+from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
+from zerotrain.zero.gather import Stage3Options
+from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
-from zerotrain.zero.optimizer import NamedParams, OptimizerFactory, Stage3Options
+from zerotrain.zero.layout import NamedParams
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -128,15 +130,10 @@ def initialize(
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
     data_parallel = Mesh(comm).dp  # every rank is a data-parallel peer (see comm/mesh.py)
-    zero_optimizer = ZeroOptimizer(
-        model,
-        groups,
-        make_optimizer,
+    options = GroupOptions(
         policy=ZeroPolicy.for_stage(zero.stage),
-        precision=precision,
         comm=data_parallel,
-        loss_scaler=_loss_scaler(cfg),
-        gradient_clipping=cfg.gradient_clipping,
+        precision=precision,
         bucket_numel=zero.reduce_bucket_size,
         stage3=Stage3Options(
             prefetch_numel=zero.stage3_prefetch_bucket_size,
@@ -146,6 +143,14 @@ def initialize(
         ),
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES.get(cfg.communication_data_type),
+    )
+    zero_optimizer = ZeroOptimizer(
+        model,
+        groups,
+        make_optimizer,
+        options,
+        loss_scaler=_loss_scaler(cfg),
+        gradient_clipping=cfg.gradient_clipping,
     )
     _broadcast_untrained_state(model, comm)
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,

@@ -5,7 +5,7 @@
 """
 
 from zerotrain.zero.gathered import GatheredParameters
-from zerotrain.zero.group import GroupState, ShardGroup, ShardSegments
+from zerotrain.zero.group import GroupOptions, GroupState, ShardGroup, ShardSegments
 from zerotrain.zero.init import (
     Init,
     ZeroParamStatus,
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceShardStore",
     "FlatBucket",
     "GatheredParameters",
+    "GroupOptions",
     "GroupState",
     "Init",
     "ShardGroup",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -220,37 +220,46 @@ class ShardGroup:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupOptions:
+    """What a shard group is built from, besides the model (the ``zero_optimization`` section,
+    the precision, and the communicator of the ranks it is partitioned over)."""
+
+    policy: ZeroPolicy
+    comm: Communicator
+    precision: PrecisionPolicy
+    bucket_numel: int = 500_000_000  # reduce_bucket_size
+    stage3: Stage3Options = field(default_factory=Stage3Options)
+    overlap_param_gather: bool = False
+    comm_dtype: torch.dtype | None = None  # communication_data_type (None: the training dtype)
+
+
 def build_shard_group(
     model: nn.Module,
     groups: list[tuple[dict, NamedParams]],
     make_optimizer: OptimizerFactory,
+    options: GroupOptions,
     *,
-    policy: ZeroPolicy,
-    precision: PrecisionPolicy,
-    comm: Communicator,
     owner: object,
-    bucket_numel: int = 500_000_000,
-    stage3: Stage3Options | None = None,
-    overlap_param_gather: bool = False,
-    comm_dtype: torch.dtype | None = None,
 ) -> ShardGroup:
-    """Lay out ``groups``' parameters in buckets, choose the strategies for ``policy`` and
+    """Lay out ``groups``' parameters in buckets, choose the strategies for the policy and
     build the group's state; ``make_optimizer`` builds the torch optimizer over the masters.
     ``owner`` is recorded on each parameter (zerotrain.zero.init.take_ownership)."""
-    strategies = choose_strategies(policy, comm)
+    comm, precision = options.comm, options.precision
+    strategies = choose_strategies(options.policy, comm)
     residency = strategies.residency(
         model,
         comm,
         strategies.partition,
-        stage3=stage3 or Stage3Options(),
-        overlap_param_gather=overlap_param_gather,
+        stage3=options.stage3,
+        overlap_param_gather=options.overlap_param_gather,
     )
     runs, split = residency.layout_runs([named for _, named in groups])
     index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
     buckets = build_buckets(
         runs,
         index_of=index_of,
-        bucket_numel=bucket_numel if split else None,
+        bucket_numel=options.bucket_numel if split else None,
         world_size=comm.world_size,
         rank=comm.rank,
         full_value=residency.full_value,
@@ -287,7 +296,7 @@ def build_shard_group(
     reduction = strategies.reduction(
         buckets,
         reduce_comm,
-        comm_dtype,
+        options.comm_dtype,
         on_bucket_grads_taken=residency.bucket_grads_taken,
         on_settled=residency.finish_backward,
     )

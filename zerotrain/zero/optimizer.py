@@ -13,15 +13,13 @@ import warnings
 import torch
 from torch import nn
 
-from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
-from zerotrain.precision import LossScaler, PrecisionPolicy
-from zerotrain.zero.gather import Stage3Options
+from zerotrain.precision import LossScaler
 from zerotrain.zero.group import (
+    GroupOptions,
     MasterPiece,
     OptimizerFactory,
     ShardGroup,
-    ShardSegments,
     build_shard_group,
 )
 from zerotrain.zero.layout import FlatBucket, NamedParams
@@ -30,9 +28,8 @@ from zerotrain.zero.memory import (
     model_state_bytes,
     optimizer_state_bytes_per_element,
 )
-from zerotrain.zero.policy import ZeroPolicy
 
-__all__ = ["MasterPiece", "ShardSegments", "Stage3Options", "ZeroOptimizer"]
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer:
@@ -49,37 +46,22 @@ class ZeroOptimizer:
         model: nn.Module,
         groups: list[tuple[dict, NamedParams]],
         make_optimizer: OptimizerFactory,
+        options: GroupOptions,
         *,
-        policy: ZeroPolicy,
-        precision: PrecisionPolicy,
-        comm: Communicator,
         loss_scaler: LossScaler,
         gradient_clipping: float = 0.0,
-        bucket_numel: int = 500_000_000,
-        stage3: Stage3Options | None = None,
-        overlap_param_gather: bool = False,
-        comm_dtype: torch.dtype | None = None,
     ):
-        self.policy = policy  # reported (checkpoints, DeepSpeed's queries); never branched on
-        self.precision = precision
-        self.comm = comm
+        # the policy is reported (checkpoints, DeepSpeed's queries), never branched on
+        self.policy = options.policy
+        self.precision = options.precision
+        self.comm = options.comm
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
         self.overflow = False  # the last step was skipped for a non-finite gradient
         self.group: ShardGroup = build_shard_group(
-            model,
-            groups,
-            make_optimizer,
-            policy=policy,
-            precision=precision,
-            comm=comm,
-            owner=self,
-            bucket_numel=bucket_numel,
-            stage3=stage3,
-            overlap_param_gather=overlap_param_gather,
-            comm_dtype=comm_dtype,
+            model, groups, make_optimizer, options, owner=self
         )
         self.store = self.group.store
         self.reduction = self.group.reduction
