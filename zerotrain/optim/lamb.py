@@ -247,8 +247,10 @@ class Lamb(torch.optim.Optimizer):
                 for chunk, update in self._updates(item, group):
                     bins = _bins(item, chunk)
                     weight = param.view(-1)[chunk].to(_SUM_DTYPE, copy=True)
+                    # pyrefly: ignore[unbound-name] (bound above under the same `segmented`)
                     weight_sq.index_add_(0, bins, weight.square_())
                     # `update` is scratch: squaring it in place is fine even when it is float64.
+                    # pyrefly: ignore[unbound-name] (as weight_sq)
                     update_sq.index_add_(0, bins, update.to(_SUM_DTYPE).square_())
             else:
                 w_sq = torch.zeros((), dtype=_SUM_DTYPE, device=param.device)

@@ -23,7 +23,7 @@ from torch import nn
 from zerotrain.comm import Communicator
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Stage3Options
-from zerotrain.zero.init import take_ownership
+from zerotrain.zero.init import ParamOwner, take_ownership
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, build_buckets
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
@@ -227,7 +227,7 @@ def build_shard_group(
     policy: ZeroPolicy,
     precision: PrecisionPolicy,
     comm: Communicator,
-    owner: object,
+    owner: ParamOwner,
     bucket_numel: int = 500_000_000,
     stage3: Stage3Options | None = None,
     overlap_param_gather: bool = False,
