@@ -17,6 +17,8 @@ test: env
 test-all: env
 	.venv/bin/python -m pytest -q -m ''
 
+# The type checker's scope, interpreter and preset are in pyproject.toml ([tool.pyrefly]).
 lint: env
 	.venv/bin/ruff check zerotrain tests examples bench
 	.venv/bin/ruff format --check zerotrain tests examples bench
+	.venv/bin/pyrefly check

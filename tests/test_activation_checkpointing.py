@@ -252,6 +252,17 @@ def test_config_section_and_configure(tmp_path):
         checkpointing.configure(partition_activations=True)
 
 
+def test_configure_with_a_null_section_takes_the_defaults():
+    """A DeepSpeed dict whose section is null reads as a config without one (found by the type
+    checker: the null section used to reach configure as None, an AttributeError)."""
+    checkpointing.configure(deepspeed_config={"activation_checkpointing": {"profile": True}})
+    checkpointing.configure(
+        deepspeed_config={"train_batch_size": 4, "activation_checkpointing": None}
+    )
+    assert checkpointing._policy == zerotrain.config.ActivationCheckpointingConfig()
+    checkpointing.configure()
+
+
 # -- under the engine, 2 ranks -----------------------------------------------------------------
 class ManualCheckpointModel(BlockModel):
     """BlockModel whose forward calls ``checkpoint`` on block modules itself, DeepSpeed style:

@@ -155,6 +155,23 @@ def test_collectives_and_byte_counts():
         }
 
 
+def new_group_of_rank_0():
+    from zerotrain.comm import Communicator
+
+    try:
+        return Communicator().new_group([0]).world_size
+    except ValueError as err:
+        return str(err)
+
+
+def test_new_group_names_the_rank_left_out():
+    """A rank outside ``ranks`` gets an error that says so (found by the type checker: torch's
+    non-member marker reached Communicator, which failed with "Invalid process group")."""
+    member, outside = run_distributed(new_group_of_rank_0, 2)
+    assert member == 1
+    assert "new_group: rank 1 is not in ranks [0]" in outside
+
+
 def dropped_gather():
     import gc
     import time

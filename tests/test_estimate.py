@@ -456,6 +456,16 @@ def test_cli_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
     assert code == 2 and "pip install matplotlib" in err and "Traceback" not in err
 
 
+def test_cli_model_path_that_is_not_python(capsys, tmp_path):
+    """A --model path Python cannot import is named as such (found by the type checker: it
+    used to surface as "AttributeError: 'NoneType' object has no attribute 'loader'")."""
+    target = tmp_path / "model.txt"
+    target.write_text("def build(): pass\n")
+    code = cli.main(["estimate", "--model", f"{target}:build"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "is not a Python file" in err and "NoneType" not in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -207,8 +207,10 @@ def _given(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validated(section: Any) -> ActivationCheckpointingConfig:
-    """The section checked as ``load_config`` checks it, errors naming the full key path."""
-    return check_config({"activation_checkpointing": section}).activation_checkpointing
+    """The section checked as ``load_config`` checks it, errors naming the full key path; null
+    is the default section, as in a ZeroTrainConfig."""
+    checked = check_config({"activation_checkpointing": section}).activation_checkpointing
+    return checked if checked is not None else ActivationCheckpointingConfig()
 
 
 def _section_from(config: Any) -> ActivationCheckpointingConfig:
@@ -245,7 +247,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     with (
         _boundary(policy, device, "forward_seconds"),
         # [Note: what a checkpoint keeps]: only the region's inputs go through these hooks.
-        torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+        torch.autograd.graph.save_on_cpu(pin_memory=device is not None and device.type == "cuda")
         if offload
         else contextlib.nullcontext(),
     ):

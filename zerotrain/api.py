@@ -142,7 +142,7 @@ def initialize(
             persistence_threshold=zero.stage3_param_persistence_threshold,
         ),
         overlap_param_gather=zero.overlap_param_gather,
-        comm_dtype=DTYPES.get(cfg.communication_data_type),
+        comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
     )
     zero_optimizer = ZeroOptimizer(
         model,
@@ -183,7 +183,8 @@ def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:
 def _config_from_args(args, config):
     if args is None:
         return config
-    paths = {getattr(args, k, None) for k in ("deepspeed_config", "zerotrain_config")} - {None}
+    given = (getattr(args, k, None) for k in ("deepspeed_config", "zerotrain_config"))
+    paths = {path for path in given if path is not None}
     if len(paths) > 1:
         raise ConfigError(
             f"--deepspeed_config and --zerotrain_config name different files ({sorted(paths)}); "

@@ -11,14 +11,16 @@ resumed with another world size continues with the samples not yet seen.
 
 from __future__ import annotations
 
+from collections.abc import Sized
+
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 class ResumableDistributedSampler(Sampler[int]):
     """``DistributedSampler`` (``drop_last=False``) that can start mid-epoch."""
 
-    def __init__(self, dataset: Dataset, world_size: int, rank: int, shuffle: bool, seed: int):
+    def __init__(self, dataset: Sized, world_size: int, rank: int, shuffle: bool, seed: int):
         self.num_samples_total = len(dataset)
         self.world_size = world_size
         self.rank = rank
@@ -60,10 +62,14 @@ class ResumableDataLoader(DataLoader):
     iteration starts the next epoch (so ``set_epoch`` calls are not needed, and harmless).
     """
 
-    sampler: ResumableDistributedSampler
+    # Narrower than DataLoader's: this loader is always given a ResumableDistributedSampler.
+    sampler: ResumableDistributedSampler  # pyrefly: ignore[bad-override-mutable-attribute]
 
-    def __iter__(self):
+    # A generator over DataLoader's iterator (it moves the position), not a _BaseDataLoaderIter.
+    def __iter__(self):  # pyrefly: ignore[bad-override]
         sampler = self.sampler
+        if self.batch_size is None:  # DataLoader's unbatched mode: the position counts batches
+            raise ValueError("ResumableDataLoader: batch_size must be set, not None")
         step = self.batch_size * sampler.world_size
         for batch in super().__iter__():
             sampler.start = min(sampler.start + step, sampler.num_samples_total)

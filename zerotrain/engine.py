@@ -69,8 +69,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self.metrics = StepMetrics(
             comm,
             device,
-            train_batch_size=config.train_batch_size,
-            micro_steps=config.gradient_accumulation_steps,
+            train_batch_size=config.batch_sizes().train_batch_size,
+            micro_steps=config.batch_sizes().gradient_accumulation_steps,
             count_flops=config.count_model_flops,
         )
         self.monitor = MonitorMaster(config, comm.rank)
@@ -155,14 +155,13 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             return contextlib.nullcontext()
         profile_step = self.zerotrain_config.flops_profiler.profile_step
         if self.flops_profiler and not self._profiled and self.global_steps == profile_step:
-            return self._profiled_forward()
+            return self._profiled_forward(self.flops_profiler)
         if self.metrics.wants_flops() and self._reports(self.global_steps + 1):
             return self.metrics.counting_flops()
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _profiled_forward(self):
-        profiler = self.flops_profiler
+    def _profiled_forward(self, profiler: FlopsProfiler):
         profiler.start_profile()
         self.metrics.exclude(profiler.warm_up_seconds, "forward")
         try:
@@ -333,6 +332,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 record.step, record.scalars(with_times=self.zerotrain_config.wall_clock_breakdown)
             )
         if printing:
+            assert record is not None  # finish_step reports when printing
             line = self.metrics.throughput_line(record, self.zerotrain_config.wall_clock_breakdown)
             self.monitor.flush()
             if self.global_rank == 0:
@@ -347,6 +347,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
 
     def _print_profile(self) -> None:
         profiler, section = self.flops_profiler, self.zerotrain_config.flops_profiler
+        step_seconds = self.metrics.last_step_seconds
+        # the profiled step ran on the profiler (rank 0) and finish_step timed it
+        assert profiler is not None and step_seconds is not None
         dtype = self.optimizer.precision.param_dtype
         if section.peak_tflops is not None:
             peak, source = section.peak_tflops, "given: flops_profiler.peak_tflops"
@@ -358,7 +361,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             world_size=self.world_size,
             micro_batch_size=self.train_micro_batch_size_per_gpu(),
             micro_steps=self.gradient_accumulation_steps(),
-            step_seconds=self.metrics.last_step_seconds,
+            step_seconds=step_seconds,
             peak_tflops=peak,
             peak_source=source,
         )
@@ -384,9 +387,11 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         [Note: who ends the process group] in zerotrain/comm/setup.py."""
         self.monitor.close()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (step() already does this at each boundary), also those
-        a backward that raised part-way left behind."""
+        a backward that raised part-way left behind. ``set_to_none`` is accepted, as by
+        ``nn.Module.zero_grad``; the gradient buffers are reused either way."""
+        del set_to_none
         if self._backward.state is not BackwardState.IDLE:
             self._backward.abort()
         self.optimizer.zero_grad()
@@ -439,7 +444,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     ) -> dict[str, torch.Tensor]:
         """The wrapped model's own ``state_dict`` (DeepSpeed's name): at stage 3 the parameters
         not gathered now are empty placeholders; :meth:`consolidated_state_dict` has the values."""
-        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if destination is None:  # torch's overloads take no None; its default makes a dict
+            state = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        else:
+            state = self.module.state_dict(
+                destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
         if exclude_frozen_parameters:
             for key in self.optimizer.group.frozen_keys(self.module):
                 state.pop(prefix + key, None)

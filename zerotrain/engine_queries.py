@@ -27,13 +27,13 @@ class DeepSpeedQueries:
 
     # -- batch ---------------------------------------------------------------------------------
     def train_batch_size(self) -> int:
-        return self.zerotrain_config.train_batch_size
+        return self.zerotrain_config.batch_sizes().train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.zerotrain_config.train_micro_batch_size_per_gpu
+        return self.zerotrain_config.batch_sizes().train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.zerotrain_config.gradient_accumulation_steps
+        return self.zerotrain_config.batch_sizes().gradient_accumulation_steps
 
     def get_batch_info(self) -> tuple[int, int, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``

@@ -87,22 +87,22 @@ class _CheckpointSource(_Source):
         problems = manifest.layout_problems()
         ranks = sorted({seg[0] for record in manifest.params.values() for seg in record.segments})
         files = [manifest.file("shard", rank) for rank in ranks]
-        if manifest.file("module"):
-            files.append(manifest.file("module"))
+        module = manifest.optional_file("module")
+        if module:
+            files.append(module)
         problems += manifest.verify(files)
         if problems:
             raise CheckpointError(
                 f"cannot read checkpoint {self.where}:\n  " + "\n  ".join(problems)
             )
         self.reader = ShardReader(manifest)
-        module = manifest.file("module")
         self.module = safe_open(str(self.where / module), framework="pt") if module else None
         stored = set(self.module.keys()) if self.module is not None else set()
         self.specs = {}
         for key in manifest["module_keys"]:
             if key in self.trained:
                 self.specs[key] = (manifest.params[self.trained[key]].shape, torch.float32)
-            elif key in stored:
+            elif self.module is not None and key in stored:
                 piece = self.module.get_slice(key)
                 self.specs[key] = (tuple(piece.get_shape()), _DTYPES[piece.get_dtype()])
             else:
@@ -118,6 +118,8 @@ class _CheckpointSource(_Source):
     def pieces(self, key: str) -> Iterator[torch.Tensor]:
         name = self.trained.get(key)
         if name is None:
+            if self.module is None:  # closed, or a save that wrote no module file
+                raise CheckpointError(f"{self.where}: no module file open to read {key} from")
             yield self.module.get_tensor(key)
             return
         for _, start, end in self.manifest.params[name].segments:
@@ -205,8 +207,8 @@ def _open_source(path: Path, tag: str | None) -> _Source:
 
 # -- consolidate ---------------------------------------------------------------------------------
 def consolidate(
-    ckpt_dir: str | Path,
-    out_dir: str | Path,
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     tag: str | None = None,
     dtype: torch.dtype = torch.float32,
@@ -284,7 +286,7 @@ def _keys(source: _CheckpointSource, exclude_frozen_parameters: bool) -> list[st
 
 
 def read_state_dict(
-    ckpt_dir: str | Path,
+    ckpt_dir: str | os.PathLike[str],
     *,
     tag: str | None = None,
     dtype: torch.dtype = torch.float32,
@@ -427,7 +429,7 @@ def inspect_checkpoints(path: str | Path, *, verify: bool = True) -> str:
     corrupt = set()
     for status in statuses:
         problems = []
-        if status.complete and verify:
+        if status.manifest is not None and verify:
             problems = status.manifest.verify(list(status.manifest["files"]))
         if problems:
             corrupt.add(status.tag)
@@ -448,9 +450,9 @@ def inspect_checkpoints(path: str | Path, *, verify: bool = True) -> str:
 def _describe(status: CheckpointStatus, problems: list[str]) -> list[str]:
     files = [p for p in status.path.iterdir() if p.is_file()]
     on_disk = f"files: {len(files)}, {_human_bytes(sum(p.stat().st_size for p in files))} on disk"
-    if not status.complete:
-        return [f"{status.tag}: INCOMPLETE", f"  reason: {status.problem}", f"  {on_disk}"]
     manifest = status.manifest
+    if manifest is None:  # incomplete
+        return [f"{status.tag}: INCOMPLETE", f"  reason: {status.problem}", f"  {on_disk}"]
     lines = [f"{status.tag}: {'CORRUPT' if problems else 'complete'}"]
     lines += [f"  problem: {problem}" for problem in problems]
     state_keys = ", ".join(manifest["optimizer_state_keys"])
@@ -474,7 +476,7 @@ def _dtypes_in(manifest: Manifest) -> list[str]:
     from safetensors import safe_open
 
     found = set()
-    for name in [*manifest["roles"]["shard"], manifest.file("module")]:
+    for name in [*manifest["roles"]["shard"], manifest.optional_file("module")]:
         if not name:
             continue
         try:

@@ -114,7 +114,7 @@ def write_safetensors(
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")  # the array's buffer, no copy
 
 
 def write_torch(path: Path, obj: object) -> FileRecord:

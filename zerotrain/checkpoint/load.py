@@ -42,6 +42,12 @@ class _Loaded:
     rng_state: dict | None = None
     client_state: dict | None = None
 
+    def engine(self) -> dict:
+        """``engine.pt``'s contents, read unless ``module_only``."""
+        if self.engine_state is None:
+            raise RuntimeError("load_checkpoint: engine.pt was not read (module_only)")
+        return self.engine_state
+
 
 def load_checkpoint(
     engine: TrainingState, load_dir: str | Path, tag: str | None, options: LoadOptions
@@ -51,7 +57,9 @@ def load_checkpoint(
     comm = engine.comm
     load_dir = Path(load_dir)
     choice = _choose(load_dir, tag) if comm.rank == 0 else None
-    kind, value = comm.all_gather_object(choice)[0]  # rank 0 decides for everyone
+    decided = comm.all_gather_object(choice)[0]  # rank 0 decides for everyone
+    assert decided is not None  # rank 0's own choice
+    kind, value = decided
     if kind == "none":
         if comm.rank == 0:
             warnings.warn(f"load_checkpoint: {value}; nothing loaded", stacklevel=3)
@@ -59,7 +67,7 @@ def load_checkpoint(
     if kind == "error":
         raise CheckpointError(value)
 
-    loaded, problems = _Loaded(), []
+    loaded, problems, manifest = _Loaded(), [], None
     try:
         manifest = Manifest.read(load_dir / value)
         problems = _check(engine, manifest, options)
@@ -76,6 +84,7 @@ def load_checkpoint(
             f"cannot load checkpoint {load_dir / value} (nothing was changed):\n  "
             + "\n  ".join(merged)
         )
+    assert manifest is not None  # else reading it was a problem, raised above
     _apply(engine, manifest, loaded, options)
     return str(manifest.directory), loaded.client_state if loaded.client_state is not None else {}
 
@@ -150,8 +159,9 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         files.append(manifest.file("engine"))
         if engine.comm.rank < manifest["world_size"]:
             files.append(manifest.file("rank_state", engine.comm.rank))
-        if manifest.file("client_state"):
-            files.append(manifest.file("client_state"))
+        client_state = manifest.optional_file("client_state")
+        if client_state:
+            files.append(client_state)
     return problems + manifest.verify(files)
 
 
@@ -166,9 +176,10 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Load
     loaded.engine_state = read(manifest.file("engine"))
     if engine.comm.rank < manifest["world_size"]:
         loaded.rng_state = read(manifest.file("rank_state", engine.comm.rank))
-    if manifest.file("client_state"):
+    client_state = manifest.optional_file("client_state")
+    if client_state:
         # The one pickled file: the user's own objects (documented in docs/checkpoints.md).
-        loaded.client_state = read(manifest.file("client_state"), weights_only=False)
+        loaded.client_state = read(client_state, weights_only=False)
     return loaded
 
 
@@ -197,7 +208,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         reader.close()
     zero.zero_grad()
     if load_optimizer:  # hyperparameters (lr) too when there is no per-element state (SGD)
-        state = loaded.engine_state
+        state = loaded.engine()
         hyper = [
             {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
             for g in state["optimizer_groups"]
@@ -207,7 +218,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     if options.module_only:
         return
 
-    state = loaded.engine_state
+    state = loaded.engine()
     # the loss scale is state only for dynamic fp16 scaling, here and in the checkpoint
     engine.restore_training_counters(
         state, loss_scaler=zero.loss_scaler.dynamic and manifest["precision"] == "fp16"

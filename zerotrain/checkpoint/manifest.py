@@ -28,11 +28,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerotrain.checkpoint.files import record_of
 from zerotrain.ranges import intersect
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 FORMAT = "zerotrain-checkpoint"
 VERSION = 1
@@ -112,9 +116,17 @@ class Manifest:
     def __getitem__(self, key: str):
         return self.data[key]
 
-    def file(self, role: str, rank: int | None = None) -> str | None:
+    def file(self, role: str, rank: int | None = None) -> str:
         """The file name of a role (``shard``/``rank_state`` per rank; ``module``, ``engine``,
-        ``client_state``)."""
+        ``client_state``); ``CheckpointError`` when the save wrote none."""
+        name = self.optional_file(role, rank)
+        if not name:
+            of_rank = f" of rank {rank}" if rank is not None else ""
+            raise CheckpointError(f"{self.path}: the manifest names no {role} file{of_rank}")
+        return name
+
+    def optional_file(self, role: str, rank: int | None = None) -> str | None:
+        """:meth:`file`, or None when the save wrote none (``client_state`` without one)."""
         entry = self.data["roles"][role]
         return entry[rank] if rank is not None else entry
 
@@ -160,9 +172,9 @@ class ShardReader:
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
-        self._open: dict[str, object] = {}
+        self._open: dict[str, safe_open] = {}
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> safe_open:
         if name not in self._open:
             from safetensors import safe_open
 
@@ -234,10 +246,10 @@ def resolve(save_dir: Path, tag: str | None) -> Manifest:
     """The manifest of ``tag``, or of the newest complete checkpoint when ``tag`` is None."""
     if tag is not None:
         return Manifest.read(save_dir / tag)
-    complete = [s for s in scan(save_dir) if s.complete]
+    complete = [s.manifest for s in scan(save_dir) if s.manifest is not None]
     if not complete:
         raise CheckpointError(f"{save_dir}: no complete checkpoint to load")
-    return complete[-1].manifest
+    return complete[-1]
 
 
 def read_latest(save_dir: Path) -> str | None:

@@ -28,6 +28,7 @@ class TrainingState(Protocol):
     training_dataloader: Any  # resumable when it has state_dict / load_state_dict
     zerotrain_config: ZeroTrainConfig  # the checkpoint section: tag validation, retention
     global_steps: int
+    global_samples: int
     micro_steps: int
 
     @property

@@ -5,6 +5,7 @@ masks and random numbers as an uninterrupted one."""
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import torch
 
@@ -21,7 +22,9 @@ def capture_rng_state() -> dict:
         import numpy as np
     except ImportError:
         return state
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stubs type this call as get_state(legacy=False)'s dict; it returns the legacy tuple
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    name, keys, pos, has_gauss, cached = legacy
     state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
     return state
 

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from typing import TypedDict
 
 from zerotrain.fmt import parse_size
 
-__all__ = ["positive_int", "size_argument"]
+__all__ = ["ParserSpec", "positive_int", "size_argument"]
+
+
+class ParserSpec(TypedDict, total=False):
+    """The ``add_parser`` keyword arguments a command module declares as ``PARSER``."""
+
+    help: str
+    description: str
+    usage: str
+    add_help: bool
 
 
 def size_argument(text: str) -> int:

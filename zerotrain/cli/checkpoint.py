@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerotrain.cli.arguments import size_argument
+from zerotrain.cli.arguments import ParserSpec, size_argument
 
 __all__ = ["PARSER", "add_arguments"]
 
@@ -42,7 +42,7 @@ def _inspect_command(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-PARSER = {
+PARSER: ParserSpec = {
     "help": "export or inspect zerotrain checkpoints",
     "description": "Work on checkpoints written by engine.save_checkpoint.",
 }

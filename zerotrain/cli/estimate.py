@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from zerotrain.cli.arguments import positive_int, size_argument
+from zerotrain.cli.arguments import ParserSpec, positive_int, size_argument
 
 __all__ = ["PARSER", "EstimateError", "add_arguments"]
 
@@ -44,6 +44,8 @@ def _import_target(target: str):
             raise EstimateError(f"--model: no file {target!r}")
         name = os.path.splitext(os.path.basename(target))[0]
         spec = importlib.util.spec_from_file_location(f"_zerotrain_estimate_{name}", target)
+        if spec is None or spec.loader is None:  # not a file Python can import
+            raise EstimateError(f"--model: {target!r} is not a Python file (path/to/file.py)")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -180,7 +182,7 @@ def _estimate_command(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-PARSER = {
+PARSER: ParserSpec = {
     "help": "estimate memory per device for each ZeRO stage, before running",
     "description": "Bytes per device of parameters, gradients, optimizer states and (given the "
     "batch shape) activations, per ZeRO stage, as zerotrain allocates them; which stages fit "

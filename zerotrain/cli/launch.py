@@ -20,6 +20,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from zerotrain.cli.arguments import ParserSpec
+
 __all__ = ["PARSER", "LaunchError", "LaunchPlan", "add_arguments", "plan_launch"]
 
 # Options that belong to `zerotrain run` itself; all other launcher options go to torchrun.
@@ -291,7 +293,7 @@ def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
     os.execve(plan.argv[0], plan.argv, {**os.environ, **plan.env_overrides})
 
 
-PARSER = {
+PARSER: ParserSpec = {
     "help": "launch a training script on every local device with torchrun",
     "add_help": False,
     "usage": _RUN_USAGE,

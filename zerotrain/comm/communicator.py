@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,10 @@ from zerotrain.comm.setup import collective_timeout
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+T = TypeVar("T")
 
 
 class CollectiveError(RuntimeError):
@@ -123,6 +128,7 @@ class Communicator:
         stats.sent += sent
         stats.seconds += seconds
         if message is not None:
+            assert self.log is not None  # a message is only made when logging (_message)
             self.log.record(*message, calls, sent, seconds, done)
 
     def _message(self, name: str, nbytes: int) -> tuple[str, int] | None:
@@ -149,6 +155,16 @@ class Communicator:
                 "check the other ranks' logs."
             ) from err
 
+    @overload
+    def issue(
+        self,
+        name: str,
+        nbytes: int,
+        launch: Callable[[bool], object],
+        async_op: Literal[True],
+        sent: int | None = None,
+    ) -> PendingOp: ...
+    @overload
     def issue(
         self,
         name: str,
@@ -156,7 +172,15 @@ class Communicator:
         launch: Callable[[bool], object],
         async_op: bool,
         sent: int | None = None,
-    ) -> PendingOp | None:
+    ) -> object: ...
+    def issue(
+        self,
+        name: str,
+        nbytes: int,
+        launch: Callable[[bool], object],
+        async_op: bool,
+        sent: int | None = None,
+    ) -> object:
         """Run ``launch(async_op)``, a ``torch.distributed`` call on this group, as the
         collective ``name`` of ``nbytes`` payload (``sent``: bytes this rank transmits, by
         default the ring's count): counted, logged, and a failure or timeout raised as a
@@ -171,6 +195,16 @@ class Communicator:
             return PendingOp(self, name, nbytes, work, message)
         return work  # what a synchronous call returns (recv: the sender's rank)
 
+    def _collective(
+        self, name: str, nbytes: int, launch: Callable[[bool], object], async_op: bool
+    ) -> PendingOp | None:
+        """:meth:`issue` for a collective, whose synchronous form returns nothing (see
+        [Note: typed collectives])."""
+        if async_op:
+            return self.issue(name, nbytes, launch, True)
+        self.issue(name, nbytes, launch, False)
+        return None
+
     def new_group(self, ranks: list[int] | None = None) -> Communicator:
         """A communicator over a new process group of ``ranks`` (default-group ranks; None:
         the same ranks as this group), with this group's timeout. Collective: every rank of
@@ -181,6 +215,11 @@ class Communicator:
         if ranks is None and self.group is not None:
             ranks = dist.get_process_group_ranks(self.group)
         group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
+        if not isinstance(group, dist.ProcessGroup):  # torch's marker for a rank not in ranks
+            raise ValueError(
+                f"new_group: rank {self.global_rank} is not in ranks {ranks}; every rank makes "
+                "the group, only its members get a communicator (split() gives every rank one)"
+            )
         return Communicator(group, device=self.device, stats=self.stats, log=self.log)
 
     def split(self, rank_lists: list[list[int]]) -> Communicator:
@@ -199,6 +238,8 @@ class Communicator:
             group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
             if ranks is mine[0]:
                 chosen = group
+        if not isinstance(chosen, dist.ProcessGroup):  # torch made the group of mine[0] here
+            raise RuntimeError(f"split: torch made no process group for ranks {mine[0]}")
         return Communicator(chosen, device=self.device, stats=self.stats, log=self.log)
 
     @property
@@ -213,33 +254,65 @@ class Communicator:
             self.log.lines.clear()
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", async_op=False):
+    # [Note: typed collectives] Each collective returns its PendingOp with async_op=True and
+    # None otherwise; the overloads say so, so callers of the asynchronous form need no check.
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str | dist.ReduceOp = ..., *, async_op: Literal[True]
+    ) -> PendingOp: ...
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str | dist.ReduceOp = ..., async_op: bool = ...
+    ) -> PendingOp | None: ...
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", async_op: bool = False
+    ) -> PendingOp | None:
         """Reduce ``tensor`` in place across ranks (``op``: sum or max, or a ``ReduceOp``)."""
         if self.world_size == 1:
             return PendingOp(self, "all_reduce", 0, None) if async_op else None
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}.get(op, op)
-        return self.issue(
+        reduce_op = _REDUCE_OPS.get(op, op) if isinstance(op, str) else op
+        return self._collective(
             "all_reduce",
             tensor.numel() * tensor.element_size(),
             lambda a: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=a),
             async_op,
         )
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    @overload
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: Literal[True]
+    ) -> PendingOp: ...
+    @overload
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = ...
+    ) -> PendingOp | None: ...
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> PendingOp | None:
         """Sum ``input`` (world_size equal pieces) across ranks; this rank's piece to ``output``."""
         if self.world_size == 1:
             output.copy_(input)
             return PendingOp(self, "reduce_scatter", 0, None) if async_op else None
         if self._pairwise:
             return self._issue_pairwise(pairwise.reduce_scatter, output, input, async_op)
-        return self.issue(
+        return self._collective(
             "reduce_scatter",
             input.numel() * input.element_size(),
             lambda a: _reduce_scatter_single(output, input, group=self.group, async_op=a),
             async_op,
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    @overload
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: Literal[True]
+    ) -> PendingOp: ...
+    @overload
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = ...
+    ) -> PendingOp | None: ...
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> PendingOp | None:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may be ``output``'s own
         slice for this rank (an in-place gather)."""
         if self.world_size == 1:
@@ -248,14 +321,16 @@ class Communicator:
             return PendingOp(self, "all_gather", 0, None) if async_op else None
         if self._pairwise:
             return self._issue_pairwise(pairwise.all_gather, output, input, async_op)
-        return self.issue(
+        return self._collective(
             "all_gather",
             output.numel() * output.element_size(),
             lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
             async_op,
         )
 
-    def _issue_pairwise(self, operation, output: torch.Tensor, input: torch.Tensor, async_op):
+    def _issue_pairwise(
+        self, operation, output: torch.Tensor, input: torch.Tensor, async_op: bool
+    ) -> PendingOp | None:
         name = operation.__name__
         full = input if name == "reduce_scatter" else output
         nbytes = full.numel() * full.element_size()
@@ -280,12 +355,22 @@ class Communicator:
             return None
         return op
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True]
+    ) -> PendingOp: ...
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = ..., async_op: bool = ...
+    ) -> PendingOp | None: ...
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
+    ) -> PendingOp | None:
         """Copy ``tensor`` from rank ``src`` (a rank of the default group) to every rank of
         this group, in place."""
         if self.world_size == 1:
             return PendingOp(self, "broadcast", 0, None) if async_op else None
-        return self.issue(
+        return self._collective(
             "broadcast",
             tensor.numel() * tensor.element_size(),
             lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a),
@@ -300,11 +385,11 @@ class Communicator:
         # in some versions, and this one is bounded like every other collective.
         self.all_reduce(torch.zeros(1, device=self.device))
 
-    def all_gather_object(self, obj: object) -> list[object]:
-        """Every rank's picklable ``obj``, in rank order."""
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's picklable ``obj``, in rank order (every rank passes the same kind)."""
         if self.world_size == 1:
             return [obj]
-        out: list[object] = [None] * self.world_size
+        out: list = [None] * self.world_size
         self._complete(
             "all_gather_object", 0, lambda: dist.all_gather_object(out, obj, group=self.group)
         )

@@ -73,7 +73,7 @@ def _complete_dropped() -> None:
 class Message:
     """One point-to-point message of a pairwise operation in flight."""
 
-    work: object  # the backend's handle (torch.distributed Work)
+    work: dist.Work  # the backend's handle
     peer: int  # the other end: its rank in the operation's group
     global_peer: int  # the same rank in the default group
     receiving: bool  # True: this rank receives the peer's piece; False: it sends its own
@@ -151,12 +151,18 @@ def _exchange(group, tag: int, *, receive_into: dict, send: dict) -> list[Messag
     for peer, tensor in receive_into.items():
         src = _global(group, peer)
         work = dist.irecv(tensor, src=src, group=group, tag=tag)
-        messages.append(Message(work, peer, src, receiving=True))
+        messages.append(Message(_posted(work, peer), peer, src, receiving=True))
     for peer, tensor in send.items():
         dst = _global(group, peer)
         work = dist.isend(tensor, dst=dst, group=group, tag=tag)
-        messages.append(Message(work, peer, dst, receiving=False))
+        messages.append(Message(_posted(work, peer), peer, dst, receiving=False))
     return messages
+
+
+def _posted(work: dist.Work | None, peer: int) -> dist.Work:
+    if work is None:  # torch's answer to a rank outside the group: the caller passed another one
+        raise RuntimeError(f"pairwise exchange with rank {peer}: this rank is not in the group")
+    return work
 
 
 def reduce_scatter(

@@ -36,27 +36,34 @@ def resolve_batch_sizes(
             f"yet; set it to {world_size} or remove it"
         )
     tb, mb, ga, ws = BatchSizes._fields + ("world_size",)
-    if total is None and micro is None:
-        given = f"only {ga} is set" if accum is not None else "no batch size is set"
-        raise ConfigError(f"{given}; set {tb} or {mb} (or both)")
-    if total is not None and micro is not None and accum is not None:
+    if total is None:
+        if micro is None:
+            given = f"only {ga} is set" if accum is not None else "no batch size is set"
+            raise ConfigError(f"{given}; set {tb} or {mb} (or both)")
+        accum = accum or 1  # micro given, accum given or 1
+        total = micro * accum * world_size
+    elif micro is not None and accum is not None:
         if total != micro * accum * world_size:
             raise ConfigError(
                 f"{tb} ({total}) != {mb} ({micro}) * {ga} ({accum}) * {ws} ({world_size}) = "
                 f"{micro * accum * world_size}; fix one of them, or leave one out to derive it"
             )
-    elif total is None:  # micro given, accum given or 1
-        accum = accum or 1
-        total = micro * accum * world_size
-    else:  # total given with micro, accum or neither (then accum is 1)
-        accum = 1 if micro is None and accum is None else accum
-        known, known_name, derived_name = (micro, mb, ga) if micro else (accum, ga, mb)
-        divisor = known * world_size
-        if total % divisor:
-            raise ConfigError(
-                f"{tb} ({total}) is not divisible by {known_name} ({known}) * {ws} "
-                f"({world_size}) = {divisor}, so {derived_name} cannot be derived; make "
-                f"{tb} a multiple of {divisor} or set all three batch keys"
-            )
-        micro, accum = (micro, total // divisor) if micro else (total // divisor, accum)
+    elif micro is not None:  # total and micro given
+        accum = _derived(total, micro, world_size, known_name=mb, derived_name=ga)
+    else:  # total given with accum, or alone (then accum is 1)
+        accum = 1 if accum is None else accum
+        micro = _derived(total, accum, world_size, known_name=ga, derived_name=mb)
     return BatchSizes(total, micro, accum)
+
+
+def _derived(total: int, known: int, world_size: int, *, known_name: str, derived_name: str) -> int:
+    """The batch key left out: ``total / (known * world_size)``; ``ConfigError`` unless exact."""
+    tb, ws = BatchSizes._fields[0], "world_size"
+    divisor = known * world_size
+    if total % divisor:
+        raise ConfigError(
+            f"{tb} ({total}) is not divisible by {known_name} ({known}) * {ws} "
+            f"({world_size}) = {divisor}, so {derived_name} cannot be derived; make "
+            f"{tb} a multiple of {divisor} or set all three batch keys"
+        )
+    return total // divisor

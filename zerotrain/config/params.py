@@ -38,6 +38,8 @@ class Params:
 
     @cached_property
     def adapter(self) -> TypeAdapter[Any]:
+        # a TypedDict built at run time: Required[...] wraps annotations held as values
+        # pyrefly: ignore[invalid-annotation]
         fields = {k: Required[v] if k in self.required else v for k, v in self.keys.items()}
         spec = TypedDict("Params", fields, total=False)  # type: ignore[operator]
         spec.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]

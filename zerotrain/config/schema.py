@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from zerotrain.config import deepspeed_keys
-from zerotrain.config.batch import resolve_batch_sizes
-from zerotrain.config.errors import fail
+from zerotrain.config.batch import BatchSizes, resolve_batch_sizes
+from zerotrain.config.errors import ConfigError, fail
 from zerotrain.config.params import OptimizerConfig, SchedulerConfig
 from zerotrain.config.section import (
     Fraction,
@@ -574,3 +574,15 @@ class ZeroTrainConfig(Section):
             data_parallel_size=self.data_parallel_size,
         )
         return self.model_copy(update=sizes._asdict())
+
+    def batch_sizes(self) -> BatchSizes:
+        """The three batch keys of a resolved config (``load_config`` resolves; see
+        :meth:`resolve_batch`)."""
+        total = self.train_batch_size
+        micro, accum = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if total is None or micro is None or accum is None:
+            raise ConfigError(
+                "the batch sizes are not resolved: take the config from load_config, or call "
+                "config.resolve_batch(world_size)"
+            )
+        return BatchSizes(total, micro, accum)

@@ -157,7 +157,7 @@ def to_json(job: TrainingJob, rows: list[StageEstimate], device_memory: int | No
     """The estimate as plain data, in bytes per device."""
     out_rows = []
     for row in rows:
-        record = {
+        record: dict[str, object] = {
             "stage": row.stage,
             "parameters": row.states.parameters,
             "frozen_parameters": row.frozen,

@@ -14,8 +14,8 @@ same update with ``bc1 = bc2 = 1`` in foreach operations:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -59,8 +59,12 @@ class FusedAdam(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

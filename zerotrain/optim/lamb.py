@@ -337,9 +337,11 @@ class Lamb(torch.optim.Optimizer):
                 for chunk, update in self._updates(item, group):
                     lengths, bins = item.runs.in_chunk(chunk, param.device)
                     weight = param.view(-1)[chunk].to(_SUM_DTYPE, copy=True).square_()
+                    # pyrefly: ignore[unbound-name] (bound above under the same `segmented`)
                     weight_sq.index_add_(0, bins, _run_sums(weight, lengths))
                     # `update` is scratch: squaring it in place is fine even when it is float64.
                     update = update.to(_SUM_DTYPE).square_()
+                    # pyrefly: ignore[unbound-name] (as weight_sq)
                     update_sq.index_add_(0, bins, _run_sums(update, lengths))
             else:
                 w_sq = torch.zeros((), dtype=_SUM_DTYPE, device=param.device)

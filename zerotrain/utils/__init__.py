@@ -68,5 +68,6 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_foun
     if not found and raise_if_not_found:
         raise ValueError(f"set_z3_leaf_modules: no module of {list(wanted)} in the model")
     for module in found:
-        module._z3_leaf = True
+        # torch annotates Module.__setattr__ for tensors and modules; other values are plain
+        module._z3_leaf = True  # pyrefly: ignore[bad-argument-type]
     return found

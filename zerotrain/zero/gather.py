@@ -94,7 +94,8 @@ class BucketGathers:
 
     def issue(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """Start gathering ``bucket.flat_param`` from every rank's ``shard``."""
-        self._ops[id(bucket)] = self.comm.all_gather(bucket.flat_param, shard, async_op=True)
+        flat_param = bucket.require_flat_param()
+        self._ops[id(bucket)] = self.comm.all_gather(flat_param, shard, async_op=True)
 
     def wait(self, buckets) -> None:
         """Complete the gathers of ``buckets`` that are in flight."""
@@ -145,6 +146,7 @@ class GatherUnit:
         status = _DS_STATUS[state]
         for bucket in self.buckets:
             for slot in bucket.slots:
+                # pyrefly: ignore[missing-attribute] (a DeepSpeed attribute torch does not declare)
                 slot.param.ds_status = status
 
 
@@ -215,7 +217,7 @@ class ParameterGatherer:
             bucket.flat_param = torch.empty(
                 bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
             )
-            self.in_flight.issue(bucket, bucket.param_shard)
+            self.in_flight.issue(bucket, bucket.require_param_shard())
         unit.set_status(UnitState.GATHERING)
         self.gathers += 1
         self.live_numel += unit.numel
@@ -379,7 +381,7 @@ class ParameterGatherer:
         for unit in self.units:
             if unit.persistent:
                 for bucket in unit.buckets:
-                    self.in_flight.issue(bucket, bucket.param_shard)
+                    self.in_flight.issue(bucket, bucket.require_param_shard())
                 unit.set_status(UnitState.GATHERING)
 
     def wait_all(self) -> None:
@@ -444,12 +446,12 @@ class ParamResidency:
         """Take the built buckets: every rank starts from rank 0's weights, as in DeepSpeed."""
         self.buckets = buckets
         for bucket in buckets:
-            self.comm.broadcast(bucket.flat_param, src=0)
+            self.comm.broadcast(bucket.require_flat_param(), src=0)
 
     def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
         """Put the bucket in the training dtype; returns the fp32 values of the optimizer's
         part."""
-        flat_fp32 = bucket.flat_param
+        flat_fp32 = bucket.require_flat_param()
         bucket.flat_param = flat_fp32.to(bucket.dtype)
         point_params_at(bucket)
         return self.partition.part(bucket, flat_fp32)
@@ -465,7 +467,7 @@ class ParamResidency:
     # -- during training ---------------------------------------------------------------------------
     def param_part(self, bucket: FlatBucket) -> torch.Tensor:
         """The model's copy (training dtype) of the part this rank's optimizer steps."""
-        return self.partition.part(bucket, bucket.flat_param)
+        return self.partition.part(bucket, bucket.require_flat_param())
 
     def publish(self) -> None:
         """The optimizer wrote its part of every bucket: make the parameters current."""
@@ -523,7 +525,7 @@ class GatheredAfterStep(ParamResidency):
     def publish(self) -> None:
         # Buckets hold parameters in reverse order: the forward needs the last one first.
         for bucket in reversed(self.buckets):
-            self.in_flight.issue(bucket, bucket.shard(bucket.flat_param))
+            self.in_flight.issue(bucket, bucket.shard(bucket.require_flat_param()))
         if not self.overlap_param_gather:
             self.wait()
 
@@ -536,7 +538,7 @@ class GatheredForUse(ParamResidency):
     def __init__(self, model: nn.Module, comm: Communicator, partition, **options):
         super().__init__(model, comm, partition, **options)
         self.unit_modules = find_unit_modules(model)
-        self.gatherer: ParameterGatherer | None = None
+        self._gatherer: ParameterGatherer | None = None  # made by start()
         self._persistent: set[int] = set()
         # Gathers and reductions on separate groups: each keeps its own order on all ranks
         # even when backward interleaves them differently (see [Note: reduction order]).
@@ -568,7 +570,7 @@ class GatheredForUse(ParamResidency):
         self._persistent = {u for u, numel in unit_numel.items() if numel < threshold}
 
     def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
-        master_fp32 = bucket.param_shard
+        master_fp32 = bucket.require_param_shard()
         bucket.param_shard = master_fp32.to(bucket.dtype)
         if bucket.unit in self._persistent:  # kept whole; its shard views the buffer
             bucket.flat_param = torch.empty(
@@ -586,7 +588,7 @@ class GatheredForUse(ParamResidency):
             module = self.model if index == root else self.unit_modules[index]
             persistent = index in self._persistent
             units.append(GatherUnit(index, module, buckets, index == root, persistent))
-        self.gatherer = ParameterGatherer(
+        self._gatherer = ParameterGatherer(
             units,
             self.comm,
             self.in_flight,
@@ -596,13 +598,20 @@ class GatheredForUse(ParamResidency):
         )
 
     @property
+    def gatherer(self) -> ParameterGatherer:
+        """The units' life cycle, from :meth:`start` on."""
+        if self._gatherer is None:
+            raise RuntimeError("stage 3: the parameter gatherer is made by start(), not yet called")
+        return self._gatherer
+
+    @property
     def reduce_comm(self) -> Communicator:
         if self._reduce_comm is None:
             self._reduce_comm = self.comm.new_group()
         return self._reduce_comm
 
     def param_part(self, bucket: FlatBucket) -> torch.Tensor:
-        return bucket.param_shard
+        return bucket.require_param_shard()
 
     def publish(self) -> None:
         self.gatherer.refresh_persistent()  # the others gather at their next use

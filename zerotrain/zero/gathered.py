@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
-from zerotrain.zero.init import gather_param, is_init_partitioned, owner_of, partition_param
+from zerotrain.zero.init import (
+    ParamOwner,
+    gather_param,
+    is_init_partitioned,
+    owner_of,
+    partition_param,
+)
 
 
 @contextlib.contextmanager
@@ -35,7 +41,7 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
         return
     comm = Communicator()
     init_params = [p for p in params if is_init_partitioned(p)]
-    owners: dict[int, tuple[object, list[nn.Parameter]]] = {}
+    owners: dict[int, tuple[ParamOwner, list[nn.Parameter]]] = {}
     for param in params:
         owner = owner_of(param)
         if owner is not None:

@@ -23,7 +23,7 @@ from torch import nn
 from zerotrain.comm import Communicator
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Stage3Options
-from zerotrain.zero.init import take_ownership
+from zerotrain.zero.init import ParamOwner, take_ownership
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, build_buckets
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
@@ -240,7 +240,7 @@ def build_shard_group(
     make_optimizer: OptimizerFactory,
     options: GroupOptions,
     *,
-    owner: object,
+    owner: ParamOwner,
 ) -> ShardGroup:
     """Lay out ``groups``' parameters in buckets, choose the strategies for the policy and
     build the group's state; ``make_optimizer`` builds the torch optimizer over the masters.

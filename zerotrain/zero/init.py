@@ -20,6 +20,7 @@ import enum
 import functools
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -40,6 +41,19 @@ class ZeroParamStatus(enum.Enum):
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
+
+
+class ParamOwner(Protocol):
+    """What the ZeroOptimizer that manages a parameter offers (:func:`owner_of`); a protocol,
+    since zero/optimizer.py imports this module."""
+
+    def holds_whole_during_step(self, param: nn.Parameter) -> bool: ...
+
+    def full_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None: ...
+
+    def begin_access(self, params: list[nn.Parameter]) -> object: ...
+
+    def end_access(self, access: object, modifier_rank: int | None) -> None: ...
 
 
 class _PartitionNumel:
@@ -64,13 +78,15 @@ def mark_partitioned(
     ``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_status``, ``partition_numel()``."""
     global _next_ds_id
     numel = shape.numel()
+    # DeepSpeed's attributes, set on the Parameter object: torch's class does not declare them
     if not hasattr(param, "ds_id"):
-        param.ds_id = _next_ds_id
+        param.ds_id = _next_ds_id  # pyrefly: ignore[missing-attribute]
         _next_ds_id += 1
-    param.ds_shape = shape
-    param.ds_numel = numel
-    param.ds_status = status
-    param.partition_numel = _PartitionNumel(-(-numel // world_size))
+    param.ds_shape = shape  # pyrefly: ignore[missing-attribute]
+    param.ds_numel = numel  # pyrefly: ignore[missing-attribute]
+    param.ds_status = status  # pyrefly: ignore[missing-attribute]
+    partition_numel = _PartitionNumel(-(-numel // world_size))
+    param.partition_numel = partition_numel  # pyrefly: ignore[missing-attribute]
 
 
 _PARTITION_MARKS = ("ds_id", "ds_shape", "ds_numel", "ds_status", "partition_numel")
@@ -157,7 +173,7 @@ def unpartition_param(param: nn.Parameter, comm: Communicator) -> None:
     _clear_partition_marks(param)
 
 
-def take_ownership(param: nn.Parameter, owner: object) -> None:
+def take_ownership(param: nn.Parameter, owner: ParamOwner) -> None:
     """Hand ``param`` to an engine's optimizer: it is no longer an Init chunk."""
     if hasattr(param, _FULL_SHAPE):
         delattr(param, _FULL_SHAPE)
@@ -165,7 +181,7 @@ def take_ownership(param: nn.Parameter, owner: object) -> None:
     setattr(param, _OWNER, owner)
 
 
-def owner_of(param: torch.Tensor) -> object | None:
+def owner_of(param: torch.Tensor) -> ParamOwner | None:
     """The ZeroOptimizer managing ``param``, if any."""
     return getattr(param, _OWNER, None)
 
@@ -302,6 +318,8 @@ class Init:
             super(nn.Module, cls).__init_subclass__(**kwargs)
             init._patch(cls)
 
+        # a patch of torch's class, undone in __exit__ (the checker sees a method reassigned)
+        # pyrefly: ignore[bad-assignment]
         nn.Module.__init_subclass__ = classmethod(__init_subclass__)
         self._patched.append((nn.Module, ("__init_subclass__", original_hook)))
         return self
@@ -314,8 +332,8 @@ class Init:
                     delattr(cls, name)
                 else:
                     setattr(cls, name, value)
-            else:
-                cls.__init__ = original
+            else:  # the __init__ _patch wrapped (the checker sees a method reassigned)
+                cls.__init__ = original  # pyrefly: ignore[bad-assignment]
         self._patched.clear()
 
 

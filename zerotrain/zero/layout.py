@@ -72,6 +72,32 @@ class FlatBucket:
     def shard_numel(self) -> int:
         return self.numel_padded // self.world_size
 
+    # The buffers by what the stage and the moment guarantee; each raises naming the bucket
+    # where a caller asks for one that does not exist now (a bug in the caller's stage logic).
+    def require_flat_param(self) -> torch.Tensor:
+        """``flat_param``: at stages 0-2, and at stage 3 while the bucket's unit is gathered."""
+        return self._present(self.flat_param, "flat_param", "stage 3: its unit is not gathered")
+
+    def require_param_shard(self) -> torch.Tensor:
+        """``param_shard`` (stage 3)."""
+        return self._present(self.param_shard, "param_shard", "it exists at stage 3 only")
+
+    def require_flat_grad(self) -> torch.Tensor:
+        """``flat_grad`` (stages 0-1)."""
+        return self._present(self.flat_grad, "flat_grad", "it exists at stages 0-1 only")
+
+    def require_grad_shard(self) -> torch.Tensor:
+        """``grad_shard`` (stages 2-3)."""
+        return self._present(self.grad_shard, "grad_shard", "it exists at stages 2-3 only")
+
+    def _present(self, tensor: torch.Tensor | None, name: str, why: str) -> torch.Tensor:
+        if tensor is None:
+            raise RuntimeError(
+                f"the bucket of {self.slots[0].name!r} (optimizer group {self.group_index}) has "
+                f"no {name} now ({why})"
+            )
+        return tensor
+
     def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) piece of a bucket-sized flat tensor."""
         r = self.rank if rank is None else rank
@@ -162,14 +188,16 @@ def _fill(bucket: FlatBucket, full_value, shard_only: bool) -> None:
 
 def point_params_at(bucket: FlatBucket) -> None:
     """Make every parameter of ``bucket`` a view into ``bucket.flat_param`` (keeps identity)."""
+    flat_param = bucket.require_flat_param()
     for slot in bucket.slots:
-        slot.param.data = bucket.view(bucket.flat_param, slot)
+        slot.param.data = bucket.view(flat_param, slot)
 
 
 def point_grads_at(bucket: FlatBucket) -> None:
     """Make every ``param.grad`` a view into ``bucket.flat_grad`` so autograd accumulates there."""
+    flat_grad = bucket.require_flat_grad()
     for slot in bucket.slots:
-        slot.param.grad = bucket.view(bucket.flat_grad, slot)
+        slot.param.grad = bucket.view(flat_grad, slot)
 
 
 class OptimizerPartition:

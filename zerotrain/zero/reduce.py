@@ -258,7 +258,7 @@ class _InPlaceReduction(GradientReduction):
         for slot in bucket.slots:  # parameters without a gradient this backward
             if slot.index not in self._arrived[index]:
                 _repair_grad_view(bucket, slot)
-        wire = bucket.flat_grad
+        wire = bucket.require_flat_grad()
         if self.comm_dtype not in (None, wire.dtype):
             wire = wire.to(self.comm_dtype)  # summed in that dtype, stored back after
         wire.mul_(self._inv_world)
@@ -269,10 +269,11 @@ class _InPlaceReduction(GradientReduction):
         """The reduced bucket into ``flat_grad`` (a copy only when it travelled in another
         dtype)."""
         bucket = self.buckets[index]
-        if wire is not bucket.flat_grad:
-            self._owned(bucket, bucket.flat_grad).copy_(self._owned(bucket, wire))
+        flat_grad = bucket.require_flat_grad()
+        if wire is not flat_grad:
+            self._owned(bucket, flat_grad).copy_(self._owned(bucket, wire))
         if self._carry:
-            bucket.shard(bucket.flat_grad).add_(self._carry[index])
+            bucket.shard(flat_grad).add_(self._carry[index])
         self._arrived[index].clear()
 
     def _prepare_backward(self, at_boundary: bool) -> None:  # noqa: B027 (a hook: optional)
@@ -289,21 +290,21 @@ class _InPlaceReduction(GradientReduction):
             for bucket in self.buckets:  # parameters this backward gave no gradient
                 for slot in bucket.slots:
                     if slot.param.grad is None:
-                        slot.param.grad = bucket.view(bucket.flat_grad, slot)
+                        slot.param.grad = bucket.view(bucket.require_flat_grad(), slot)
 
     def _settle(self) -> None:
         super()._settle()
         self._carry = []
 
     def reduced_grads(self) -> list[torch.Tensor]:
-        return [self._owned(b, b.flat_grad) for b in self.buckets]
+        return [self._owned(b, b.require_flat_grad()) for b in self.buckets]
 
     def grad_buffers(self) -> list[torch.Tensor]:
-        return [b.flat_grad for b in self.buckets]
+        return [b.require_flat_grad() for b in self.buckets]
 
     def _reset_grads(self) -> None:
         for bucket in self.buckets:
-            bucket.flat_grad.zero_()
+            bucket.require_flat_grad().zero_()
             point_grads_at(bucket)  # also where a backward that raised left them None
 
 
@@ -348,7 +349,7 @@ class ReduceScatterAtBoundary(_InPlaceReduction):
             )
         self._carry = []
         for bucket in self.buckets:
-            kept = bucket.shard(bucket.flat_grad).clone()
+            kept = bucket.shard(bucket.require_flat_grad()).clone()
             start = bucket.rank * bucket.shard_numel
             for slot in bucket.slots:
                 if slot.param.grad is None:  # dropped by the user: its average goes too
@@ -356,7 +357,7 @@ class ReduceScatterAtBoundary(_InPlaceReduction):
                     if lo < hi:
                         kept[lo - start : hi - start].zero_()
             self._carry.append(kept)
-            bucket.flat_grad.zero_()
+            bucket.require_flat_grad().zero_()
             point_grads_at(bucket)
 
 
@@ -392,7 +393,7 @@ class ReduceScatterInBackward(GradientReduction):
         # The average's 1/N on the way in: one pass over the gradient, not a copy and a
         # scaling pass over the bucket (the same rounding: one multiply per element).
         torch.mul(
-            param.grad.reshape(-1),
+            _hooked_grad(param, slot).reshape(-1),
             self._inv_world if self._grad_factor == 1.0 else self._inv_world * self._grad_factor,
             out=buffer[slot.offset : slot.offset + slot.numel],
         )
@@ -406,16 +407,16 @@ class ReduceScatterInBackward(GradientReduction):
                 buffer[slot.offset : slot.offset + slot.numel].zero_()
         buffer[bucket.numel :].zero_()
         if not self._shard_holds_grads:  # first micro-step of this accumulation: write directly
-            op = self.comm.reduce_scatter(bucket.grad_shard, buffer, async_op=True)
+            op = self.comm.reduce_scatter(bucket.require_grad_shard(), buffer, async_op=True)
             self._pending.append(op.then(lambda: self._free_buffer(index)))
         else:
-            reduced = torch.empty_like(bucket.grad_shard)
+            reduced = torch.empty_like(bucket.require_grad_shard())
             op = self.comm.reduce_scatter(reduced, buffer, async_op=True)
             self._pending.append(op.then(lambda: self._free_buffer(index, add_into_shard=reduced)))
 
     def _free_buffer(self, index: int, add_into_shard: torch.Tensor | None = None) -> None:
         if add_into_shard is not None:
-            self.buckets[index].grad_shard.add_(add_into_shard)
+            self.buckets[index].require_grad_shard().add_(add_into_shard)
         self._comm_buffers[index] = None
         self._arrived[index].clear()
 
@@ -423,10 +424,10 @@ class ReduceScatterInBackward(GradientReduction):
         self._comm_buffers = [None] * len(self.buckets)
 
     def reduced_grads(self) -> list[torch.Tensor]:
-        return [b.grad_shard for b in self.buckets]
+        return [b.require_grad_shard() for b in self.buckets]
 
     def grad_buffers(self) -> list[torch.Tensor]:
-        return [b.grad_shard for b in self.buckets]
+        return [b.require_grad_shard() for b in self.buckets]
 
     def _reset_grads(self) -> None:
         for bucket in self.buckets:
@@ -439,7 +440,7 @@ def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
     replaced it (e.g. ``module.zero_grad(set_to_none=True)``), autograd accumulated into a fresh
     tensor; fold that into the buffer. No gradient at all: the parameter contributes zeros."""
     grad = slot.param.grad
-    view = bucket.view(bucket.flat_grad, slot)
+    view = bucket.view(bucket.require_flat_grad(), slot)
     if grad is None or grad.data_ptr() != view.data_ptr():
         if grad is not None:
             view.copy_(grad)
@@ -451,9 +452,20 @@ def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
 def _fold_into_view(bucket: FlatBucket, slot: ParamSlot, factor: float) -> None:
     """Add ``factor`` times this backward's fresh gradient into the accumulating buffer, and
     make ``param.grad`` the buffer's view again (stages 0-1, with a gradient factor)."""
-    view = bucket.view(bucket.flat_grad, slot)
-    view.add_(slot.param.grad, alpha=factor)
+    view = bucket.view(bucket.require_flat_grad(), slot)
+    view.add_(_hooked_grad(slot.param, slot), alpha=factor)
     slot.param.grad = view
+
+
+def _hooked_grad(param: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """``param.grad`` in its post-accumulate-grad hook, where autograd has just written it."""
+    grad = param.grad
+    if grad is None:  # another hook on the parameter, run first, took it
+        raise RuntimeError(
+            f"gradient of '{slot.name}' is None in this engine's gradient hook: another hook "
+            "on the parameter set its .grad to None first"
+        )
+    return grad
 
 
 def _refuse_stray_grad(name: str) -> None:
