@@ -1040,8 +1040,24 @@ def test_config_modules_import_one_way() -> None:
             else:
                 outside.add(module)
     list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
-    # the config reads the optimizer registry and the dtype names, never the runtime (engine,
-    # zero, comm)
-    assert outside <= {"zerotrain.optim.registry", "zerotrain.precision"}, outside
+    # the config reads the optimizer and scheduler names and the dtype names, never the runtime
+    # (engine, zero, comm)
+    allowed = {"zerotrain.optim.registry", "zerotrain.optim.schedulers", "zerotrain.precision"}
+    assert outside <= allowed, outside
     for path in (REPO_ROOT / "zerotrain" / "optim").glob("*.py"):
         assert not any(m.startswith("zerotrain.config") for m in _zerotrain_imports(path)), path
+
+
+def test_every_registered_scheduler_has_its_params_checked():
+    """One list of schedule names (zerotrain.optim.schedulers.SCHEDULERS): the config accepts
+    exactly those types, and describes the `params` of each."""
+    from zerotrain.optim.schedulers import SCHEDULERS
+
+    assert set(SchedulerConfig._PARAMS) == set(SCHEDULERS)
+    for name in SCHEDULERS:
+        params = {"total_num_steps": 10} if name in ("WarmupDecayLR", "WarmupCosineLR") else {}
+        if name == "OneCycle":
+            params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}
+        scheduler = {"type": name.lower(), "params": params}  # any capitalisation
+        config = load_config({"train_batch_size": 1, "scheduler": scheduler}, world_size=1)
+        assert config.scheduler.type == name

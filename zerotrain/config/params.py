@@ -23,6 +23,7 @@ from zerotrain.config.section import (
     Section,
 )
 from zerotrain.optim.registry import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS
+from zerotrain.optim.schedulers import SCHEDULERS
 
 __all__ = ["OptimizerConfig", "Params", "SchedulerConfig", "TypedParamsSection"]
 
@@ -173,7 +174,7 @@ class SchedulerConfig(TypedParamsSection):
     }
     _DEEPSPEED_ONLY_TYPES = frozenset({"lrrangetest"})
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+    type: Literal[tuple(SCHEDULERS)]  # type: ignore[valid-type]
     """Schedule name, any capitalisation (`warmuplr` is read as `WarmupLR`)."""
     params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     """Keyword arguments of the schedule (names as in DeepSpeed's `lr_schedules.py`)."""

@@ -28,6 +28,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = [
+    "SCHEDULERS",
     "OneCycle",
     "WarmupCosineLR",
     "WarmupDecayLR",
@@ -458,7 +459,8 @@ class OneCycle(_IterationScheduler):
                 group["betas"] = (beta1, _ONECYCLE_BETA2)
 
 
-_SCHEDULERS: dict[str, type[_IterationScheduler]] = {
+SCHEDULERS: dict[str, type[_IterationScheduler]] = {
+    # DeepSpeed's names; the config validates `scheduler.type` against these keys
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
@@ -481,10 +483,10 @@ def build_scheduler(
         ValueError: an unknown type, an unknown parameter, or a missing required one, naming the
             config key.
     """
-    cls = _SCHEDULERS.get(type)
+    cls = SCHEDULERS.get(type)
     if cls is None:
         raise ValueError(
-            f"scheduler.type: unknown scheduler {type!r}; expected one of {sorted(_SCHEDULERS)}"
+            f"scheduler.type: unknown scheduler {type!r}; expected one of {sorted(SCHEDULERS)}"
         )
     signature = inspect.signature(cls.__init__)
     accepted = {
