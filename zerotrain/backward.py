@@ -14,7 +14,7 @@ only its forward's outputs, so it acts there, as DeepSpeed does since 0.18 (PR #
   (a ``torch.autograd.grad`` for a gradient penalty does not) opens the reducer and queues its
   epilogue as autograd's final callback of that backward;
 * the reducer multiplies each parameter's gradient by 1/accumulation steps as it takes it
-  (``GradientReducer.begin_backward``). Scaling the parameters' gradients rather than the
+  (``GradientReduction.begin_backward``). Scaling the parameters' gradients rather than the
   outputs' keeps every term of the loss divided exactly once: DeepSpeed divides each output's
   gradient, so a loss computed inside the model from another output (HuggingFace's ``loss``
   from ``logits``) is divided twice there, and a term that reads parameters without passing an

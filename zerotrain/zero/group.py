@@ -197,11 +197,7 @@ class ShardGroup:
         pieces = []
         for index, bucket in enumerate(self.buckets):
             opt_start, _ = self.partition.range(bucket)
-            if own_shard_only:
-                start = bucket.rank * bucket.shard_numel
-                end = start + bucket.shard_numel
-            else:
-                start, end = self.partition.range(bucket)
+            start, end = bucket.shard_range() if own_shard_only else self.partition.range(bucket)
             for slot in bucket.slots:
                 lo, hi = slot.overlap(start, end)
                 if lo < hi:

@@ -98,10 +98,15 @@ class FlatBucket:
             )
         return tensor
 
+    def shard_range(self, rank: int | None = None) -> tuple[int, int]:
+        """Flat positions ``[start, end)`` of rank ``rank``'s (default: this rank's) shard."""
+        r = self.rank if rank is None else rank
+        return r * self.shard_numel, (r + 1) * self.shard_numel
+
     def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) piece of a bucket-sized flat tensor."""
-        r = self.rank if rank is None else rank
-        return flat[r * self.shard_numel : (r + 1) * self.shard_numel]
+        start, end = self.shard_range(rank)
+        return flat[start:end]
 
     def view(self, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """``slot``'s parameter-shaped view into a bucket-sized flat tensor."""
@@ -168,8 +173,7 @@ def _make_bucket(group_index: int, unit: int, slots: list[ParamSlot], world_size
 
 
 def _fill(bucket: FlatBucket, full_value, shard_only: bool) -> None:
-    start = bucket.rank * bucket.shard_numel
-    end = start + bucket.shard_numel
+    start, end = bucket.shard_range()
     size = bucket.shard_numel if shard_only else bucket.numel_padded
     target = torch.zeros(size, dtype=torch.float32, device=bucket.device)
     for slot in bucket.slots:
@@ -212,7 +216,7 @@ class OptimizerPartition:
     def range(self, bucket: FlatBucket) -> tuple[int, int]:
         """Flat positions ``[start, end)`` of ``bucket`` that this rank's optimizer steps."""
         if self.sharded:
-            return bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
+            return bucket.shard_range()
         return 0, bucket.numel_padded
 
     def part(self, bucket: FlatBucket, flat: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ from zerotrain.zero.memory import (
     model_state_bytes,
     optimizer_state_bytes_per_element,
 )
+from zerotrain.zero.reduce import GradientReduction
+from zerotrain.zero.store import ShardStore
 
 __all__ = ["ZeroOptimizer"]
 
@@ -63,8 +65,14 @@ class ZeroOptimizer:
         self.group: ShardGroup = build_shard_group(
             model, groups, make_optimizer, options, owner=self
         )
-        self.store = self.group.store
-        self.reduction = self.group.reduction
+
+    @property
+    def store(self) -> ShardStore:
+        return self.group.store
+
+    @property
+    def reduction(self) -> GradientReduction:
+        return self.group.reduction
 
     @property
     def buckets(self) -> list[FlatBucket]:

@@ -350,10 +350,10 @@ class ReduceScatterAtBoundary(_InPlaceReduction):
         self._carry = []
         for bucket in self.buckets:
             kept = bucket.shard(bucket.require_flat_grad()).clone()
-            start = bucket.rank * bucket.shard_numel
+            start, end = bucket.shard_range()
             for slot in bucket.slots:
                 if slot.param.grad is None:  # dropped by the user: its average goes too
-                    lo, hi = slot.overlap(start, start + bucket.shard_numel)
+                    lo, hi = slot.overlap(start, end)
                     if lo < hi:
                         kept[lo - start : hi - start].zero_()
             self._carry.append(kept)
