@@ -174,6 +174,14 @@ def test_defaults_match_deepspeed() -> None:
             "min_loss_scale": 1.0,
         },
         "bf16": {"enabled": False},
+        "aio": {
+            "block_size": 1_048_576,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+            "use_gds": False,
+        },
         "zero_optimization": {
             "stage": 0,
             "offload_optimizer": {
@@ -198,6 +206,7 @@ def test_defaults_match_deepspeed() -> None:
             },
             "cpu_offload": None,
             "cpu_offload_param": None,
+            "sub_group_size": 1_000_000_000,
             "cpu_offload_use_pin_memory": None,
             "reduce_bucket_size": 500_000_000,
             "allgather_bucket_size": 500_000_000,
@@ -354,7 +363,7 @@ def test_old_deepspeed_names_are_read_as_the_new_ones() -> None:
         load_config(nested("zero_optimization", False), world_size=1).zero_optimization.stage == 0
     )
     assert load_config(nested("zero_optimization", True), world_size=1).zero_optimization.stage == 1
-    old_offload = {"cpu_offload": True, "cpu_offload_use_pin_memory": False}
+    old_offload = {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": False}
     zero = load_config(nested("zero_optimization", old_offload), world_size=1).zero_optimization
     assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory is False
     assert zero.offload_param.device == "none"
@@ -522,7 +531,6 @@ ASKS_NOTHING = [
     ("memory_breakdown", True),
     ("timers", {"throughput": {"enabled": True}}),
     ("pipeline", {"stages": 2, "partition": "parameters"}),
-    ("aio", {"block_size": 1048576, "queue_depth": 8}),
     ("sequence_parallel_size", 1),
     ("tensor_parallel", {"autotp_size": 1}),
     ("torch_autocast", {"enabled": False, "dtype": "bfloat16"}),
@@ -533,7 +541,6 @@ ASKS_NOTHING = [
     ("managed_gradient_accumulation", True),
     ("_comment", "JSON has no comments"),
     ("zero_optimization._why", "stage 2 fits"),
-    ("zero_optimization.sub_group_size", 1e9),
     ("zero_optimization.elastic_checkpoint", True),
     ("zero_optimization.zero_quantized_gradients", False),
     ("zero_optimization.zero_hpz_partition_size", 1),
@@ -603,17 +610,30 @@ def test_keys_that_ask_for_a_missing_behaviour_are_refused_naming_it(
     assert message.endswith(f"which zerotrain does not have yet; set it to {idle} or remove it")
 
 
-def test_offload_sections_are_typed_and_nvme_is_refused() -> None:
+def test_offload_sections_are_typed_and_checked() -> None:
     config = nested("zero_optimization", {"stage": 3, "offload_param": {"device": "CPU"}})
     zero = load_config(config, world_size=1).zero_optimization
     assert zero.offload_param.device == "cpu" and zero.offload_param.max_in_cpu == 1_000_000_000
-    nvme = nested("zero_optimization.offload_optimizer", {"device": "nvme", "nvme_path": "/x"})
-    assert load_error(nvme) == (
-        'zero_optimization: offload_optimizer.device: "nvme" asks for NVMe offload '
-        '(ZeRO-Infinity), which zerotrain does not have yet; set it to "none" (or "cpu")'
+    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": "AUTO"}}
+    zero = load_config(nested("zero_optimization", nvme), world_size=1).zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.ratio) == ("nvme", "auto")
+    no_path = {"stage": 1, "offload_optimizer": {"device": "nvme"}}
+    assert load_error(nested("zero_optimization", no_path)) == (
+        'zero_optimization: offload_optimizer.device: "nvme" needs offload_optimizer.nvme_path '
+        "(a directory)"
+    )
+    stage_0 = nested("zero_optimization.offload_optimizer", {"device": "cpu"})
+    assert "at stage 0 nothing is partitioned: set stage to 1, 2 or 3" in load_error(stage_0)
+    assert 'ratio: must be a number between 0 and 1, or "auto"; got 1.5' in load_error(
+        nested("zero_optimization.offload_optimizer", {"ratio": 1.5})
     )
     assert "zero_optimization.offload_param.ratio: unknown key" in load_error(
         nested("zero_optimization.offload_param", {"ratio": 0.5})
+    )
+    aio = load_config({"train_batch_size": 1, "aio": {"thread_count": 4}}, world_size=1).aio
+    assert aio.intra_op_parallelism == 4
+    assert "aio.block_size: must be a multiple of 4096 (direct I/O's alignment), got 1000" in (
+        load_error(nested("aio", {"block_size": 1000}))
     )
 
 

@@ -80,12 +80,16 @@ def test_model_states_persistent_sgd_and_offload_by_hand():
     assert (sgd.optimizer_states, sgd.total) == (0, 8000)
     # Offload moves fp32 master + Adam state + an fp32 gradient partition: (4+8+4)*1000/4 = 4000
     # per rank; at stage 3 also the 2-byte parameter shards (2*1000/4 = 500).
-    stage2 = states("bf16", 2, offload=True)
+    stage2 = states("bf16", 2, offload=1.0)
     assert (stage2.parameters, stage2.gradients, stage2.optimizer_states) == (2000, 500, 0)
     assert (stage2.offloaded, stage2.step_grads) == (4000, 0)  # the step runs on the host
-    stage3 = states("bf16", 3, offload=True)
+    assert states("bf16", 3, offload=1.0).offloaded == 4000  # optimizer offload only
+    stage3 = states("bf16", 3, offload=1.0, offload_params=True)
     assert (stage3.parameters, stage3.offloaded) == (0, 4500)
-    assert states("fp32", 2, offload=True).offloaded == 4000  # fp32: the host needs a master
+    assert states("fp32", 2, offload=1.0).offloaded == 4000  # fp32: the host needs a master
+    # ratio 0.25: a quarter of the optimizer's part on the host, the rest stepped on the device
+    quarter = states("bf16", 2, offload=0.25)
+    assert (quarter.offloaded, quarter.optimizer_states, quarter.step_grads) == (1000, 2250, 750)
 
 
 def test_stage3_gathered_bound():

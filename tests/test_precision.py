@@ -108,7 +108,9 @@ def _bucket_sizes():
     return sizes
 
 
-def train_fp16_with_overflow(stage: int, overflow_rank: int, overflow_step: int):
+def train_fp16_with_overflow(
+    stage: int, overflow_rank: int, overflow_step: int, zero: dict | None = None
+):
     import zerotrain
     from zerotrain.comm import Communicator
 
@@ -120,6 +122,7 @@ def train_fp16_with_overflow(stage: int, overflow_rank: int, overflow_step: int)
         {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}},
         accum=2,
     )
+    config["zero_optimization"].update(zero or {})
     config["scheduler"] = {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},

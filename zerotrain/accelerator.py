@@ -16,7 +16,14 @@ import sys
 
 import torch
 
-__all__ = ["Accelerator", "current_rss", "get_accelerator", "peak_rss", "set_accelerator"]
+__all__ = [
+    "Accelerator",
+    "available_host_memory",
+    "current_rss",
+    "get_accelerator",
+    "peak_rss",
+    "set_accelerator",
+]
 
 
 def current_rss() -> int | None:
@@ -36,6 +43,54 @@ def peak_rss() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory this process can still allocate without swapping or being killed:
+    the kernel's ``MemAvailable``, lowered to what the process's cgroup (v2 or v1) still
+    allows. None where the platform does not say."""
+    limits = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    cgroup = _cgroup_headroom()
+    if cgroup is not None:
+        limits.append(cgroup)
+    return min(limits) if limits else None
+
+
+def _cgroup_headroom() -> int | None:
+    """The process's cgroup memory limit minus its usage (None: no limit, or unknown)."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            base = f"/sys/fs/cgroup{path}"
+            files = (f"{base}/memory.max", f"{base}/memory.current")
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            files = (f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            with open(files[0], encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(files[1], encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for "none"
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def _local_rank() -> int:

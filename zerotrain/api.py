@@ -38,6 +38,7 @@ from zerotrain.zero.gather import Stage3Options
 from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
 from zerotrain.zero.layout import NamedParams
+from zerotrain.zero.offload import OffloadOptions, device_budget
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -99,7 +100,7 @@ def initialize(
     comm = Communicator(device=device)
     cfg = load_config(config, world_size=comm.world_size)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
-    _check_offload(cfg, device)
+    _check_offload(cfg, device, comm.rank)
     _check_node_local_storage(cfg, comm)
     if cfg.log_level is not None:
         # the `zerotrain` logger (zerotrain.utils.logger, DeepSpeed's deepspeed.utils.logger)
@@ -143,6 +144,7 @@ def initialize(
         ),
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
+        offload=_offload_options(cfg, device),
     )
     zero_optimizer = ZeroOptimizer(
         model,
@@ -254,21 +256,40 @@ def _check_node_local_storage(cfg: ZeroTrainConfig, comm: Communicator) -> None:
         )
 
 
-def _check_offload(cfg: ZeroTrainConfig, device: torch.device) -> None:
-    """Offload to CPU memory asks for nothing on a CPU device (the states are there already);
-    from a GPU it asks for what zerotrain does not have yet."""
+def _check_offload(cfg: ZeroTrainConfig, device: torch.device, rank: int) -> None:
+    """Stage-3 parameter offload is not implemented from a GPU yet (on a CPU device the shards
+    are in host memory already); below stage 3 offload_param is not read, as in DeepSpeed."""
     zero = cfg.zero_optimization
-    asked = [("offload_optimizer", zero.offload_optimizer.device)]
-    if zero.stage == 3:  # DeepSpeed reads offload_param only at stage 3
-        asked.append(("offload_param", zero.offload_param.device))
-    for name, target in asked:
-        if target == "cpu" and device.type != "cpu":
-            raise ConfigError(
-                f"zero_optimization.{name}.device: cpu asks to keep these states in CPU memory "
-                f"while training on {device.type}; zerotrain does not offload from a GPU yet. "
-                'Set it to "none" (on a CPU-only run it is accepted: the states are in CPU '
-                "memory already)"
-            )
+    if zero.stage < 3 and zero.offload_param.device != "none" and rank == 0:
+        warnings.warn(
+            f"zero_optimization.offload_param.device: {zero.offload_param.device} is ignored at "
+            f"stage {zero.stage}: only stage 3 partitions parameters (as in DeepSpeed); use "
+            "offload_optimizer to move the optimizer states",
+            stacklevel=3,
+        )
+    if zero.stage == 3 and zero.offload_param.device == "cpu" and device.type != "cpu":
+        raise ConfigError(
+            "zero_optimization.offload_param.device: cpu asks to keep stage 3's parameter shards "
+            f"in host memory while training on {device.type}; zerotrain does not offload "
+            'parameters from a GPU yet. Set it to "none" (offload_optimizer works)'
+        )
+
+
+def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptions | None:
+    """The `offload_optimizer` section as the shard group takes it (None: not offloaded)."""
+    zero = cfg.zero_optimization
+    section = zero.offload_optimizer
+    if section.device == "none":
+        return None
+    return OffloadOptions(
+        device=section.device,
+        ratio=section.ratio,
+        pin_memory=section.pin_memory,
+        buffer_count=section.buffer_count,
+        nvme_path=section.nvme_path,
+        sub_group_size=zero.sub_group_size,
+        device_budget=lambda: device_budget(device),
+    )
 
 
 def seed_everything(seed: int) -> None:

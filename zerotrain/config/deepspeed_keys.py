@@ -3,7 +3,7 @@
 [Note: lenient where nothing is asked, strict where something is]
 Public ds_config files carry many keys that ask zerotrain for nothing: a feature switched off
 (``zero_quantized_gradients: false``, ``offload_param: {device: none}``), a knob of a mechanism
-zerotrain does differently (``sub_group_size``, ``prescale_gradients``), a section that only
+zerotrain does differently (``prescale_gradients``), a section that only
 another DeepSpeed tool reads (``autotuning``). Refusing them made four of five public configs
 unusable. Each such key is listed here, per config section, as an :class:`Accepted`:
 * ``idle`` None: every value is accepted; ``why`` says why the key changes nothing here;
@@ -219,20 +219,12 @@ TOP_LEVEL: dict[str, Accepted] = {
         "periodic manual garbage collection",
         "0",
     ),
-    "aio": Accepted(
-        "No effect: tunes DeepSpeed's asynchronous NVMe I/O for ZeRO-Infinity offload, which "
-        "zerotrain does not have (`device: nvme` is refused)."
-    ),
     "vocabulary_size": Accepted(
         "No effect: DeepSpeed reads it only for its data efficiency library."
     ),
 }
 
 ZERO_OPTIMIZATION: dict[str, Accepted] = {
-    "sub_group_size": Accepted(
-        "No effect: DeepSpeed steps the optimizer in sub-groups of this many elements to bound "
-        "its CPU/NVMe buffers under offload; zerotrain steps each bucket's shard in one call."
-    ),
     "elastic_checkpoint": Accepted(
         "No effect: every zerotrain checkpoint loads at any world size and stage."
     ),

@@ -110,6 +110,8 @@ def _normalise(data: dict[Any, Any], section: type[Section], found: _Pass1, path
             continue
         if name == "params" and issubclass(section, TypedParamsSection) and isinstance(value, dict):
             found.problems += _param_problems(section, data.get("type"), value, key_path)
+        elif _is_auto(value) and key_path in _AUTO_IS_A_VALUE:
+            pass
         elif _is_auto(value) and _auto_left_by_huggingface(key_path, data):
             default = show(fields[name].get_default(call_default_factory=True))
             found.notes.append(
@@ -122,6 +124,9 @@ def _normalise(data: dict[Any, Any], section: type[Section], found: _Pass1, path
         kept[raw_key] = value
     return kept
 
+
+# Keys whose "auto" is a value zerotrain resolves itself (not a placeholder to fill).
+_AUTO_IS_A_VALUE = {"zero_optimization.offload_optimizer.ratio"}
 
 # Keys that HuggingFace's Trainer never fills, so a public config's "auto" reaches DeepSpeed,
 # which reads it as the key's default: the old section name, DeepSpeed's unprefixed stage-3

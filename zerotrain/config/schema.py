@@ -10,7 +10,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from zerotrain.config import deepspeed_keys
 from zerotrain.config.batch import BatchSizes, resolve_batch_sizes
-from zerotrain.config.errors import ConfigError, fail
+from zerotrain.config.errors import ConfigError, fail, show
 from zerotrain.config.params import OptimizerConfig, SchedulerConfig
 from zerotrain.config.section import (
     Fraction,
@@ -114,33 +114,49 @@ class _OffloadSection(Section):
     """The keys both offload sections have."""
 
     device: _OffloadDevice = "none"
-    """`none` (or null): on the training device. `cpu` asks for the states in CPU memory: on a run
-    whose device is the CPU (gloo) they are there already and nothing moves; with CUDA devices
-    `initialize` refuses it until zerotrain implements offload. `nvme` (ZeRO-Infinity) is
-    refused."""
+    """`none` (or null): on the training device. `cpu`: in host memory. `nvme`: in per-rank
+    working files under `nvme_path` (ZeRO-Infinity), with host memory for the sub-groups in
+    flight only. See docs/offload.md."""
     nvme_path: str | None = None
-    """Directory on the NVMe device (with `device: nvme`)."""
+    """Directory for the working files (with `device: nvme`); each rank writes its own file
+    there and removes it at exit. They are not checkpoints."""
     pin_memory: bool = True
-    """Page-locked CPU buffers for faster copies to and from a GPU."""
+    """Page-locked host buffers for faster copies to and from a GPU (no effect on a CPU device;
+    falls back to pageable memory with a warning when the host refuses)."""
+
+
+def _ratio(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+        return float(value)
+    raise fail(f'must be a number between 0 and 1, or "auto"; got {show(value)}')
 
 
 class OffloadOptimizerConfig(_OffloadSection):
-    """`zero_optimization.offload_optimizer`: where the fp32 master weights and optimizer states
-    live and are stepped (DeepSpeed's ZeRO-Offload). The keys other than `device` tune
-    DeepSpeed's transfers and have no effect on a CPU device."""
+    """`zero_optimization.offload_optimizer` (stages 1-3): where the fp32 master weights and
+    optimizer states live and are stepped (DeepSpeed's ZeRO-Offload)."""
 
-    buffer_count: NonNegativeInt = 4
-    """NVMe buffer pool size."""
+    buffer_count: PositiveInt = 4
+    """Host buffers in the ring that carries updated parameters back to the device, and (with
+    `device: nvme`) sub-groups of optimizer state in host memory at once (at least 3: one read
+    ahead, one stepped, one written back)."""
     pipeline_read: bool = False
-    """Overlap NVMe reads with the step."""
+    """Accepted for DeepSpeed compatibility, without effect: zerotrain always reads the next NVMe
+    sub-group while stepping the current one."""
     pipeline_write: bool = False
-    """Overlap NVMe writes with the step."""
+    """Accepted for DeepSpeed compatibility, without effect: zerotrain always writes a stepped
+    NVMe sub-group back while stepping the next one."""
     fast_init: bool = False
-    """Faster optimizer initialization with NVMe."""
-    ratio: Fraction = 1.0
-    """Fraction of the optimizer step run on the CPU (stage 3)."""
+    """Accepted for DeepSpeed compatibility, without effect: the NVMe files are written once, at
+    `initialize`, with large sequential writes."""
+    ratio: Annotated[float | Literal["auto"], BeforeValidator(_ratio)] = 1.0
+    """Share of the optimizer state (in elements, bucket by bucket) kept and stepped on the
+    host; the rest stays on the device. `auto` keeps on the device whatever fits in its free
+    memory. The host takes the buckets whose gradients arrive first in backward and whose
+    parameters are needed last in forward."""
     super_offload: bool = False
-    """DeepSpeed's SuperOffload for superchips (stage 3)."""
+    """DeepSpeed's SuperOffload for superchips (stage 3); true is refused."""
     cpuadam_cores_perc: Fraction = 0.8
     """Fraction of CPU cores for the CPU optimizer (with `super_offload`)."""
 
@@ -148,7 +164,7 @@ class OffloadOptimizerConfig(_OffloadSection):
 class OffloadParamConfig(_OffloadSection):
     """`zero_optimization.offload_param`: where stage 3 keeps the parameter shards between uses
     (DeepSpeed's ZeRO-Infinity parameter offload). The keys other than `device` tune DeepSpeed's
-    transfers and have no effect on a CPU device."""
+    transfers and have no effect on a CPU device. Read at stage 3 only, as DeepSpeed does."""
 
     buffer_count: NonNegativeInt = 5
     """NVMe buffer pool size."""
@@ -156,6 +172,41 @@ class OffloadParamConfig(_OffloadSection):
     """Elements per NVMe buffer."""
     max_in_cpu: NonNegativeInt = 1_000_000_000
     """Parameter elements kept in CPU memory with NVMe offload."""
+
+
+class AioConfig(Section):
+    """`aio`: how the NVMe working files of `offload_optimizer.device: nvme` are read and
+    written (by a thread pool with direct I/O where the filesystem allows it)."""
+
+    _RENAMED = {"thread_count": "intra_op_parallelism"}  # DeepSpeed's older name
+
+    block_size: PositiveInt = 1_048_576
+    """Bytes per read or write call: a multiple of 4096 (direct I/O's alignment)."""
+    queue_depth: PositiveInt = 8
+    """Read or write calls in flight per file."""
+    intra_op_parallelism: PositiveInt = 1
+    """I/O threads per rank (DeepSpeed's older name `thread_count` is accepted)."""
+    single_submit: bool = False
+    """Accepted for DeepSpeed compatibility, without effect (calls are always submitted one by
+    one)."""
+    overlap_events: bool = True
+    """Accepted for DeepSpeed compatibility, without effect (I/O always overlaps the step)."""
+    use_gds: bool = False
+    """GPUDirect Storage; true is refused (zerotrain reads into host memory)."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _aligned(cls, value: int) -> int:
+        if value % 4096:
+            raise fail(f"must be a multiple of 4096 (direct I/O's alignment), got {value}")
+        return value
+
+    @field_validator("use_gds")
+    @classmethod
+    def _no_gds(cls, value: bool) -> bool:
+        if value:
+            raise fail("GPUDirect Storage is not supported; set it to false")
+        return value
 
 
 class ZeroOptimizationConfig(Section):
@@ -185,6 +236,10 @@ class ZeroOptimizationConfig(Section):
     """DeepSpeed's old key: true is `offload_optimizer: {device: cpu}`."""
     cpu_offload_param: bool | None = None
     """DeepSpeed's old key: true is `offload_param: {device: cpu}`."""
+    sub_group_size: PositiveInt = 1_000_000_000
+    """With `offload_optimizer.device: nvme`: elements of optimizer state read, stepped and
+    written back as one unit (host memory holds `buffer_count` of them at most). No effect
+    otherwise: the host and the device step each bucket's shard in one call."""
     cpu_offload_use_pin_memory: bool | None = None
     """DeepSpeed's old key: `pin_memory` of the sections that `cpu_offload` and
     `cpu_offload_param` turn on."""
@@ -264,13 +319,28 @@ class ZeroOptimizationConfig(Section):
         return stage
 
     @model_validator(mode="after")
-    def _no_nvme(self) -> "ZeroOptimizationConfig":
+    def _offload_is_coherent(self) -> "ZeroOptimizationConfig":
+        optimizer = self.offload_optimizer
+        if optimizer.device != "none" and self.stage == 0:
+            raise fail(
+                f'offload_optimizer.device: "{optimizer.device}" offloads the partitioned '
+                "optimizer states of stages 1-3; at stage 0 nothing is partitioned: set stage to "
+                '1, 2 or 3, or the device to "none"'
+            )
+        if optimizer.super_offload:
+            raise fail(
+                "offload_optimizer.super_offload: true asks for DeepSpeed's SuperOffload for "
+                "superchips, which zerotrain does not have; set it to false"
+            )
         for name in ("offload_optimizer", "offload_param"):
-            if getattr(self, name).device == "nvme":
-                raise fail(
-                    f'{name}.device: "nvme" asks for NVMe offload (ZeRO-Infinity), which '
-                    'zerotrain does not have yet; set it to "none" (or "cpu")'
-                )
+            section = getattr(self, name)
+            if section.device == "nvme" and not section.nvme_path:
+                raise fail(f'{name}.device: "nvme" needs {name}.nvme_path (a directory)')
+        if self.offload_param.device == "nvme" and self.stage == 3:
+            raise fail(
+                'offload_param.device: "nvme" (stage-3 parameters on NVMe) is not implemented '
+                'yet; use "cpu" or "none" (offload_optimizer.device: "nvme" works)'
+            )
         return self
 
     @model_validator(mode="after")
@@ -506,6 +576,8 @@ class ZeroTrainConfig(Section):
     smaller than `train_micro_batch_size_per_gpu`."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     """float16 mixed precision; see the fp16 section."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """NVMe I/O of offload; see the aio section."""
     bf16: BF16Config = Field(default_factory=BF16Config)
     """bfloat16 mixed precision; see the bf16 section."""
     zero_optimization: Annotated[

@@ -27,7 +27,8 @@ from zerotrain.estimate.stages import (
     estimate,
     stage3_gathered_numel,
 )
-from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES, ModelStateBytes, model_state_bytes
+from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
+from zerotrain.zero.memory import ModelStateBytes, model_state_bytes
 
 __all__ = [
     "OPTIMIZER_STATE_BYTES",

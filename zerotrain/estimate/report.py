@@ -8,7 +8,7 @@ import textwrap
 from zerotrain.estimate.activations import activation_bytes
 from zerotrain.estimate.stages import HOST_COLUMN, StageEstimate, TrainingJob
 from zerotrain.fmt import count, quantity, scaled
-from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES
+from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 
 __all__ = ["format_table", "to_json"]
 

@@ -13,8 +13,9 @@ from zerotrain.estimate.activations import (
     TransformerShape,
     activation_bytes,
 )
+from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import DTYPES, PrecisionPolicy
-from zerotrain.zero.memory import OPTIMIZER_STATE_BYTES, ModelStateBytes, model_state_bytes
+from zerotrain.zero.memory import ModelStateBytes, model_state_bytes
 from zerotrain.zero.policy import ZeroPolicy
 
 __all__ = [
@@ -158,7 +159,8 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
             precision=precision,
             optimizer_state_bytes=OPTIMIZER_STATE_BYTES[job.optimizer],
             persistent_numel=job.persistent_numel,
-            offload=job.offload is not None,
+            offload=1.0 if job.offload else 0.0,
+            offload_params=job.offload is not None,
         )
         gathered = 0.0
         if policy.shard_parameters:

@@ -25,9 +25,10 @@ from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Stage3Options
 from zerotrain.zero.init import ParamOwner, take_ownership
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, build_buckets
+from zerotrain.zero.offload import OffloadOptions
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
-from zerotrain.zero.store import DeviceShardStore, ShardStore
+from zerotrain.zero.store import ShardStore
 
 
 def debug_checks() -> bool:
@@ -123,6 +124,8 @@ class ShardGroup:
     def begin_backward(self, at_boundary: bool, grad_factor: float) -> None:
         self.residency.wait()  # whatever the forward did not need: finish it now
         self._enter(GroupState.BACKWARD)
+        if at_boundary:
+            self.store.forget_taken()
         self.reduction.begin_backward(at_boundary, grad_factor)
 
     def finish_backward(self, at_boundary: bool) -> None:
@@ -228,6 +231,7 @@ class GroupOptions:
     stage3: Stage3Options = field(default_factory=Stage3Options)
     overlap_param_gather: bool = False
     comm_dtype: torch.dtype | None = None  # communication_data_type (None: the training dtype)
+    offload: OffloadOptions | None = None  # offload_optimizer (None: masters on the device)
 
 
 def build_shard_group(
@@ -242,7 +246,7 @@ def build_shard_group(
     build the group's state; ``make_optimizer`` builds the torch optimizer over the masters.
     ``owner`` is recorded on each parameter (zerotrain.zero.init.take_ownership)."""
     comm, precision = options.comm, options.precision
-    strategies = choose_strategies(options.policy, comm)
+    strategies = choose_strategies(options.policy, comm, options.offload)
     residency = strategies.residency(
         model,
         comm,
@@ -265,29 +269,30 @@ def build_shard_group(
         for slot in bucket.slots:
             take_ownership(slot.param, owner)
     residency.adopt(buckets)
-    masters = []
+    masters_fp32 = []
     for bucket in buckets:
         bucket.dtype = precision.param_dtype
-        master_fp32 = residency.init_bucket(bucket)
-        # fp32 training: the master is the model's own copy of this rank's part
-        masters.append(
-            master_fp32.clone() if precision.has_master_copy else residency.param_part(bucket)
-        )
+        masters_fp32.append(residency.init_bucket(bucket))
     residency.start()
     reduce_comm = residency.reduce_comm
-    inner_groups = []
-    order = []  # master index per optimizer group, in the optimizer's order
-    for group_index, (hyper, _) in enumerate(groups):
-        members = [i for i, b in enumerate(buckets) if b.group_index == group_index]
-        inner_groups.append({**hyper, "params": [masters[i] for i in members]})
-        order += members
     partition = strategies.partition
+    order = []  # master index per optimizer group, in the optimizer's order
+    members = []
+    for group_index in range(len(groups)):
+        members.append([i for i, b in enumerate(buckets) if b.group_index == group_index])
+        order += members[-1]
     ranges = [buckets[i].slot_ranges(*partition.range(buckets[i])) for i in order]
     segments = ShardSegments(ranges, len(index_of), partition.sum_over_ranks)
-    store = DeviceShardStore(
-        masters,
-        make_optimizer(inner_groups, segments),
-        masters_alias_params=not precision.has_master_copy,
+
+    def optimizer_over(masters: list[torch.Tensor]) -> torch.optim.Optimizer:
+        inner_groups = [
+            {**hyper, "params": [masters[i] for i in indices]}
+            for (hyper, _), indices in zip(groups, members, strict=True)
+        ]
+        return make_optimizer(inner_groups, segments)
+
+    store = strategies.placement.build_store(
+        masters_fp32, [residency.param_part(b) for b in buckets], precision, optimizer_over
     )
     reduction = strategies.reduction(
         buckets,
@@ -295,5 +300,6 @@ def build_shard_group(
         options.comm_dtype,
         on_bucket_grads_taken=residency.bucket_grads_taken,
         on_settled=residency.finish_backward,
+        on_bucket_reduced=store.take_reduced,
     )
     return ShardGroup(buckets, comm, partition, residency, reduction, store)

@@ -31,10 +31,12 @@ Not counted: the gradient bucket being reduce-scattered at stages 2-3 (up to
 ``param.grad`` of a unit before the reducer copies it, kernel workspaces, the CUDA context and
 the allocator's fragmentation.
 
-Offload (``offload_optimizer`` / ``offload_param``) is not implemented in zerotrain; the
-estimate says what it would move, as DeepSpeed's ZeRO-Offload does: the fp32 masters and the
-optimizer state, with an fp32 gradient partition for the host's optimizer step, (4 + s + 4)·Ψ/N_o
-per rank, and at stage 3 the parameter shards, p·Ψ/N. The device keeps the rest.
+Offload (zerotrain/zero/offload.py) moves the fp32 masters, the optimizer state and an fp32
+gradient of the offloaded share of the optimizer's part to the host: (4 + s + 4)·Ψ/N_o per
+rank there (``offloaded``), as DeepSpeed's ZeRO-Offload does, plus a ring of ``buffer_count``
+buffers of one bucket in the training dtype that carries parameters back (``staging``, not in
+the formula). The device keeps the rest. ``zerotrain estimate --offload`` also counts stage 3's
+parameter shards, p·Ψ/N, on the host (offload_param).
 """
 
 from __future__ import annotations
@@ -44,14 +46,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
     from zerotrain.zero.group import ShardGroup
     from zerotrain.zero.policy import ZeroPolicy
-
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd-momentum": 4, "sgd": 0}
-"""fp32 bytes of optimizer state per parameter element (Adam: exp_avg and exp_avg_sq)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,14 +83,16 @@ def model_state_bytes(
     precision: PrecisionPolicy,
     optimizer_state_bytes: int = OPTIMIZER_STATE_BYTES["adam"],
     persistent_numel: float = 0,
-    offload: bool = False,
+    offload: float = 0.0,
+    offload_params: bool = False,
 ) -> ModelStateBytes:
     """ZeRO's p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o for ``num_params`` trainable elements, as
     zerotrain allocates them (see [Note: model states]).
 
     ``policy`` says what is partitioned; ``persistent_numel`` elements (stage 3's units below the
-    persistence threshold) stay whole. ``offload``: the masters and optimizer state (and at
-    stage 3 the parameter shards) are counted in ``offloaded`` instead of on the device.
+    persistence threshold) stay whole. ``offload``: the share of the optimizer's part whose
+    masters and state (and an fp32 gradient) are on the host, in ``offloaded``;
+    ``offload_params``: stage 3's parameter shards are there too.
     """
     psi, n = float(num_params), world_size
     p = g = precision.param_dtype.itemsize
@@ -102,51 +104,27 @@ def model_state_bytes(
     whole = min(float(persistent_numel), psi) if policy.shard_parameters else 0.0
     parameters = p * (whole + (psi - whole) / n_p)
     gradients = g * psi / n_g
-    if not offload:
-        return ModelStateBytes(
-            parameters=parameters,
-            gradients=gradients,
-            optimizer_states=(m + s) * psi / n_o,
-            step_grads=4 * psi / n_o if precision.has_master_copy else 0.0,
-        )
+    on_device = (psi / n_o) * (1.0 - offload)
+    on_host = (psi / n_o) * offload
     # The host steps fp32 masters (a copy even in fp32 training) with fp32 gradients.
-    offloaded = (4 + s + 4) * psi / n_o
-    if policy.shard_parameters:  # offload_param: the shards live on the host between gathers
+    offloaded = (4 + s + 4) * on_host
+    if offload_params and policy.shard_parameters:  # shards on the host between gathers
         offloaded += p * (psi - whole) / n
         parameters = p * whole
     return ModelStateBytes(
-        parameters=parameters, gradients=gradients, optimizer_states=0.0, offloaded=offloaded
+        parameters=parameters,
+        gradients=gradients,
+        optimizer_states=(m + s) * on_device,
+        step_grads=4 * on_device if precision.has_master_copy else 0.0,
+        offloaded=offloaded,
     )
-
-
-def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
-    """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v), from
-    the estimator's table, so the two cannot disagree."""
-    defaults = optimizer.defaults
-    name = type(optimizer).__name__
-    if name in ("Adam", "AdamW"):
-        return OPTIMIZER_STATE_BYTES["adam"] + (4 if defaults.get("amsgrad") else 0)  # max v
-    if name == "Lamb":
-        return OPTIMIZER_STATE_BYTES["lamb"]
-    if name == "SGD":
-        return OPTIMIZER_STATE_BYTES["sgd-momentum" if defaults.get("momentum", 0) else "sgd"]
-    # Unknown optimizer: count the state tensors shaped like their parameter, once populated.
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state:
-                return sum(
-                    t.element_size()
-                    for t in state.values()
-                    if torch.is_tensor(t) and t.shape == param.shape
-                )
-    return 0
 
 
 def measured_model_states(group: ShardGroup) -> dict[str, int]:
     """Bytes of model states ``group`` holds on this rank, from the allocated storage (each
     storage once): ``parameters``, ``gradients``, ``optimizer_states`` (fp32 masters that are
-    separate copies, plus the optimizer's state) and their ``total``."""
+    separate copies, plus the optimizer's state) and their ``total``, on the device; and off it
+    ``offloaded`` (host masters, state and gradients) and ``staging`` (the transfer ring)."""
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
@@ -160,12 +138,17 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
 
     params = nbytes(group.residency.param_tensors())
     grads = nbytes(group.reduction.grad_buffers())
-    optimizer = group.store.optimizer
-    state_tensors = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    optim = nbytes(group.store.master_shards()) + nbytes(state_tensors)
+    store = group.store
+    offloaded = nbytes(store.offloaded_tensors())  # first: the rest is on the device
+    state_tensors = [
+        t for s in store.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    ]
+    optim = nbytes(store.master_shards()) + nbytes(state_tensors)
     return {
         "parameters": params,
         "gradients": grads,
         "optimizer_states": optim,
         "total": params + grads + optim,
+        "offloaded": offloaded,
+        "staging": store.staging_bytes(),
     }

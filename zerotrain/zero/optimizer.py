@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zerotrain.optim import NoOptimizer
+from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import LossScaler
 from zerotrain.zero.group import (
     GroupOptions,
@@ -24,9 +25,9 @@ from zerotrain.zero.group import (
 )
 from zerotrain.zero.layout import FlatBucket, NamedParams
 from zerotrain.zero.memory import (
+    ModelStateBytes,
     measured_model_states,
     model_state_bytes,
-    optimizer_state_bytes_per_element,
 )
 from zerotrain.zero.reduce import GradientReduction
 from zerotrain.zero.store import ShardStore
@@ -282,7 +283,12 @@ class ZeroOptimizer:
         figure for the same job (arXiv:1910.02054 §5: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N in mixed
         precision with Adam).
         """
-        return {**measured_model_states(self.group), "formula_total": self.formula_bytes()}
+        formula = self._formula()
+        return {
+            **measured_model_states(self.group),
+            "formula_total": formula.total,
+            "formula_offloaded": formula.offloaded,
+        }
 
     def formula_bytes(self) -> float:
         """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o
@@ -290,6 +296,10 @@ class ZeroOptimizer:
 
         Stage 3 keeps units below the persistence threshold whole: those count p·Ψ_persistent.
         """
+        return self._formula().total
+
+    def _formula(self) -> ModelStateBytes:
+        masters = self.store.master_shards()
         return model_state_bytes(
             self.num_params,
             world_size=self.comm.world_size,
@@ -297,4 +307,5 @@ class ZeroOptimizer:
             precision=self.precision,
             optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
             persistent_numel=self.group.residency.persistent_numel,
-        ).total
+            offload=self.store.offloaded_numel() / max(1, sum(m.numel() for m in masters)),
+        )

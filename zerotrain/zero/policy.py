@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from zerotrain.comm import Communicator
 from zerotrain.zero.gather import GatheredAfterStep, GatheredForUse, ParamResidency, Replicated
 from zerotrain.zero.layout import OptimizerPartition
+from zerotrain.zero.offload import HostPlacement, OffloadOptions
 from zerotrain.zero.reduce import (
     AllReduceAtBoundary,
     GradientReduction,
     ReduceScatterAtBoundary,
     ReduceScatterInBackward,
 )
+from zerotrain.zero.store import Placement
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,14 @@ class Strategies:
     partition: OptimizerPartition
     reduction: type[GradientReduction]
     residency: type[ParamResidency]
+    placement: Placement
 
 
-def choose_strategies(policy: ZeroPolicy, comm: Communicator) -> Strategies:
-    """The strategies that implement ``policy`` over ``comm``'s ranks."""
+def choose_strategies(
+    policy: ZeroPolicy, comm: Communicator, offload: OffloadOptions | None = None
+) -> Strategies:
+    """The strategies that implement ``policy`` over ``comm``'s ranks, with the masters where
+    ``offload`` puts them (None: on the device)."""
     if policy.shard_gradients:
         reduction: type[GradientReduction] = ReduceScatterInBackward
     elif policy.shard_optimizer_states:
@@ -72,4 +78,5 @@ def choose_strategies(policy: ZeroPolicy, comm: Communicator) -> Strategies:
         partition=OptimizerPartition(comm, sharded=policy.shard_optimizer_states),
         reduction=reduction,
         residency=residency,
+        placement=Placement() if offload is None else HostPlacement(offload),
     )

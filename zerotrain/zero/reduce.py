@@ -54,6 +54,7 @@ class GradientReduction(ABC):
         comm_dtype: torch.dtype | None = None,
         on_bucket_grads_taken: Callable[[FlatBucket], None] = _nothing,
         on_settled: Callable[[], None] = _nothing,
+        on_bucket_reduced: Callable[[int, torch.Tensor], None] = _nothing,
     ):
         self.buckets = buckets
         self.comm = comm
@@ -61,9 +62,13 @@ class GradientReduction(ABC):
         self.comm_dtype = comm_dtype
         self._on_bucket_grads_taken = on_bucket_grads_taken  # all of a bucket's grads are in
         self._on_settled = on_settled  # a backward's reductions are all done
+        # A bucket's gradient is final for the step: its reduction at the boundary completed.
+        self._on_bucket_reduced = on_bucket_reduced
+        self._at_boundary = False
         self._inv_world = 1.0 / comm.world_size
         self._arrived: list[set[int]] = [set() for _ in buckets]
         self._pending: list[PendingOp] = []
+        self._pending_buckets: list[int] = []  # the bucket of each pending op
         self._next_launch = 0
         # A backward was reduced in this accumulation. Stages 2-3: grad_shard holds gradients
         # (False: stale, overwrite it); stage 1: flat_grad's shard holds an average.
@@ -156,6 +161,7 @@ class GradientReduction(ABC):
             if not (complete or force):
                 return
             self._launch(index)
+            self._pending_buckets.append(index)
             self._next_launch += 1
 
     def begin_backward(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
@@ -164,6 +170,7 @@ class GradientReduction(ABC):
         ``grad_factor`` multiplies every gradient this backward produces, whichever path it
         took to the parameter (``loss.backward()`` divides by the accumulation steps here)."""
         self._in_backward = True
+        self._at_boundary = at_boundary
         self._reducing = self.every_backward or at_boundary
         self._grad_factor = grad_factor
         self._prepare_backward(at_boundary)
@@ -185,6 +192,7 @@ class GradientReduction(ABC):
         the accumulation's gradients are dropped and the next backward starts clean.
         Reductions already launched are waited for, so every rank stays in step."""
         self._in_backward = False
+        self._at_boundary = False
         self._grad_factor = 1.0
         self._settle()
         self._drop_transients()
@@ -194,9 +202,13 @@ class GradientReduction(ABC):
 
     def _settle(self) -> None:
         """Wait for every reduction in flight and return to the state between backwards."""
-        for op in self._pending:
+        grads = self.reduced_grads() if self._at_boundary and self._pending else []
+        for op, index in zip(self._pending, self._pending_buckets, strict=True):
             op.wait()
+            if grads:  # views of the persistent buffers: final once the op completed
+                self._on_bucket_reduced(index, grads[index])
         self._pending.clear()
+        self._pending_buckets.clear()
         self._next_launch = 0
         self._reducing = self.every_backward
         self._on_settled()

@@ -9,8 +9,14 @@ through it (:meth:`ShardStore.state_tensor`), never through the torch optimizer'
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
+
+from zerotrain.precision import PrecisionPolicy
+
+OptimizerOver = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the torch optimizer over the master tensors (one per bucket, in bucket order)."""
 
 
 class ShardStore(ABC):
@@ -21,6 +27,25 @@ class ShardStore(ABC):
     @abstractmethod
     def master_shards(self) -> list[torch.Tensor]:
         """The fp32 master tensors, one per bucket, in bucket order."""
+
+    def take_reduced(self, index: int, grad: torch.Tensor) -> None:  # noqa: B027 (optional)
+        """Bucket ``index``'s gradient is final for this step (its reduction at the accumulation
+        boundary completed): a store that moves gradients starts here."""
+
+    def forget_taken(self) -> None:  # noqa: B027 (optional)
+        """A boundary backward begins: gradients taken before are not final."""
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        """The tensors held off the training device (host memory): none here."""
+        return []
+
+    def offloaded_numel(self) -> int:
+        """Elements of master tensors held off the training device."""
+        return 0
+
+    def staging_bytes(self) -> int:
+        """Bytes of buffers that carry data between host and device."""
+        return 0
 
     @abstractmethod
     def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
@@ -149,3 +174,28 @@ class DeviceShardStore(ShardStore):
     def release_grads(self) -> None:
         for master in self._masters:
             master.grad = None
+
+
+class Placement:
+    """Where the masters live: the strategy that builds a shard group's store. Here, on the
+    training device (zerotrain/zero/offload.py has the host's)."""
+
+    def build_store(
+        self,
+        masters_fp32: list[torch.Tensor],
+        param_parts: list[torch.Tensor],
+        precision: PrecisionPolicy,
+        optimizer_over: OptimizerOver,
+    ) -> ShardStore:
+        """The store over each bucket's optimizer part: ``masters_fp32`` its fp32 values (they
+        may alias ``param_parts``, the model's own copy, in fp32 training)."""
+        # fp32 training: the master is the model's own copy of this rank's part
+        masters = [
+            master.clone() if precision.has_master_copy else part
+            for master, part in zip(masters_fp32, param_parts, strict=True)
+        ]
+        return DeviceShardStore(
+            masters,
+            optimizer_over(masters),
+            masters_alias_params=not precision.has_master_copy,
+        )

@@ -1,0 +1,247 @@
+"""Optimizer offload: the same parameters as in-memory training, bit for bit, at every stage,
+ratio and world size; the hand-off, the ring, the preflight, checkpoints across placements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import AwkwardModel, make_batches, param_groups, relative_error, run_steps
+from test_parity import ACCUM, BETAS, CLIP, EPS, LR, MICRO, STEPS, WD, reference
+from test_precision import train_fp16_with_overflow
+
+import zerotrain
+from zerotrain.config import ConfigError
+from zerotrain.zero.offload import (
+    HostBytes,
+    check_host_memory,
+    choose_host_buckets,
+    fit_on_device,
+    host_bytes,
+)
+
+# offload_optimizer sections; "none" is the in-memory run the others must equal bit for bit
+VARIANTS = {
+    "none": {"device": "none"},
+    "cpu": {"device": "cpu", "buffer_count": 1},  # one ring buffer: reused for every bucket
+    "cpu-half": {"device": "cpu", "ratio": 0.5},
+}
+
+
+def _config(stage: int, offload: dict, precision: dict | None = None) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 60,  # several buckets: the ratio splits them
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": offload,
+        },
+        "steps_per_print": 10**6,
+        **(precision or {}),
+    }
+
+
+def train_variants(stages, variants, precision=None):
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    out = {}
+    for stage in stages:
+        for name in variants:
+            torch.manual_seed(0)
+            model = AwkwardModel()
+            engine, optimizer, *_ = zerotrain.initialize(
+                model=model,
+                model_parameters=param_groups(model, WD),
+                config=_config(stage, VARIANTS[name], precision),
+            )
+            idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
+            norms = []
+            run_steps(
+                engine,
+                idx,
+                tgt,
+                MICRO,
+                ACCUM,
+                comm.world_size,
+                comm.rank,
+                after_step=lambda _, e=engine, n=norms: n.append(e.get_global_grad_norm()),
+            )
+            out[(stage, name)] = {
+                "state": engine.consolidated_state_dict(),
+                "norms": norms,
+                "on_host": list(getattr(optimizer.store, "on_host", [])),
+                "memory": engine.memory_breakdown(),
+            }
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_offload_equals_in_memory_bit_for_bit(world):
+    expected_state, _ = reference(world)
+    for results in run_distributed(train_variants, world, [1, 2, 3], list(VARIANTS)):
+        for stage in (1, 2, 3):
+            base = results[(stage, "none")]
+            for name in ("cpu", "cpu-half"):
+                got = results[(stage, name)]
+                for key, value in base["state"].items():
+                    assert torch.equal(got["state"][key], value), (world, stage, name, key)
+                assert got["norms"] == base["norms"]
+            on_host = results[(stage, "cpu-half")]["on_host"]
+            assert any(on_host) and not all(on_host), on_host  # really split
+            assert all(results[(stage, "cpu")]["on_host"])
+            for key, value in expected_state.items():  # and the single-process reference
+                assert relative_error(base["state"][key], value) < 1e-5, (stage, key)
+
+
+def test_offload_bf16_equals_in_memory_bit_for_bit():
+    for results in run_distributed(
+        train_variants, 2, [2], ["none", "cpu-half"], {"bf16": {"enabled": True}}
+    ):
+        base, got = results[(2, "none")], results[(2, "cpu-half")]
+        for key, value in base["state"].items():
+            assert torch.equal(got["state"][key], value), key
+
+
+def test_fp16_overflow_skips_the_offloaded_step_on_every_rank():
+    for stage in (1, 3):
+        logs = run_distributed(
+            train_fp16_with_overflow, 2, stage, 1, 1, {"offload_optimizer": {"device": "cpu"}}
+        )
+        for rank_log in logs:
+            assert [e["changed"] for e in rank_log] == [True, False, True, True], stage
+            assert rank_log[-1]["skipped"] == 1
+            assert all(e["finite"] for e in rank_log)
+
+
+def train_gpt2(stages):
+    from test_transformers_gpt2 import batches, build_gpt2, groups
+
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    out = {}
+    for stage in stages:
+        for name in ("none", "cpu"):
+            model = build_gpt2()
+            config = _config(stage, VARIANTS[name])
+            config["zero_optimization"]["reduce_bucket_size"] = 5000
+            config["optimizer"]["params"]["eps"] = 1e-6
+            engine, *_ = zerotrain.initialize(
+                model=model, model_parameters=groups(model), config=config
+            )
+            data = batches(comm.world_size)
+            for step in range(2):
+                for micro in range(ACCUM):
+                    chunk = micro * comm.world_size + comm.rank
+                    x = data[step][chunk * MICRO : (chunk + 1) * MICRO]
+                    engine.backward(engine(input_ids=x, labels=x).loss)
+                    engine.step()
+            out[(stage, name)] = engine.consolidated_state_dict()
+    return out
+
+
+def test_offload_gpt2_equals_in_memory_bit_for_bit():
+    pytest.importorskip("transformers")
+    for results in run_distributed(train_gpt2, 2, [1, 2, 3]):
+        for stage in (1, 2, 3):
+            base, got = results[(stage, "none")], results[(stage, "cpu")]
+            for key, value in base.items():
+                assert torch.equal(got[key], value), (stage, key)
+
+
+def _engine(stage: int, offload: dict):
+    torch.manual_seed(0)
+    model = AwkwardModel()
+    engine, *_ = zerotrain.initialize(
+        model=model, model_parameters=param_groups(model, WD), config=_config(stage, offload)
+    )
+    return engine
+
+
+def _train(engine, steps: range) -> None:
+    idx, tgt = make_batches(4, MICRO * ACCUM)  # the same 4 batches, whichever steps run
+    run_steps(
+        engine, idx[steps.start : steps.stop], tgt[steps.start : steps.stop], MICRO, ACCUM, 1, 0
+    )
+
+
+@pytest.mark.parametrize(("first", "second"), [("cpu", "none"), ("none", "cpu-half")])
+def test_checkpoints_move_between_offloaded_and_in_memory_runs(tmp_path, first, second):
+    straight = _engine(2, VARIANTS["none"])
+    _train(straight, range(4))
+    before = _engine(2, VARIANTS[first])
+    _train(before, range(2))
+    before.save_checkpoint(tmp_path, tag="two")
+    after = _engine(2, VARIANTS[second])
+    after.load_checkpoint(tmp_path, tag="two")
+    _train(after, range(2, 4))
+    want = straight.consolidated_state_dict()
+    for key, value in after.consolidated_state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
+def test_memory_breakdown_counts_the_host_bytes_of_the_formula():
+    engine = _engine(1, VARIANTS["cpu"])
+    _train(engine, range(1))  # Adam's state exists after a step
+    memory = engine.memory_breakdown()
+    # fp32 masters + exp_avg + exp_avg_sq + fp32 gradients, per element, and Adam's 4-byte step
+    # counter per master; the formula leaves out the counters, and the padding of each bucket to
+    # the world size (none here: one rank)
+    masters = len(engine.optimizer.store.master_shards())
+    assert memory["formula_offloaded"] == 16 * engine.optimizer.num_params
+    assert memory["offloaded"] == memory["formula_offloaded"] + 4 * masters
+    assert memory["optimizer_states"] == 0  # none left on the device
+    largest = max(m.numel() for m in engine.optimizer.store.master_shards())
+    assert memory["staging"] == 1 * largest * 4  # buffer_count 1, fp32 training
+
+
+def test_host_buckets_are_the_first_in_backward():
+    assert choose_host_buckets([10, 10, 10, 10], 0.5) == [True, True, False, False]
+    assert choose_host_buckets([10, 10, 10, 10], 0.3) == [True, True, False, False]
+    assert choose_host_buckets([10, 10, 10, 10], 0.0) == [False] * 4
+    assert choose_host_buckets([10, 10, 10, 10], 1.0) == [True] * 4
+    # auto: the device keeps the last buckets while their 12 bytes per element fit
+    assert fit_on_device([10, 10, 10, 10], 12, 250) == [True, True, False, False]
+    assert fit_on_device([10, 10, 10, 10], 12, 10_000) == [False] * 4
+    assert fit_on_device([10, 10, 10, 10], 12, 0) == [True] * 4
+
+
+def test_ratio_auto_keeps_on_the_device_what_fits(monkeypatch):
+    per_bucket = []
+
+    def budget(device):
+        per_bucket.append(device)
+        return 0  # a full device: everything goes to the host
+
+    monkeypatch.setattr(zerotrain.api, "device_budget", budget)
+    engine = _engine(2, {"device": "cpu", "ratio": "auto"})
+    assert per_bucket and all(engine.optimizer.store.on_host)
+    monkeypatch.setattr(zerotrain.api, "device_budget", lambda device: 10**12)
+    assert not any(_engine(2, {"device": "cpu", "ratio": "auto"}).optimizer.store.on_host)
+
+
+def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
+    needed = host_bytes([3 << 30], state_bytes=8, param_itemsize=2, buffer_count=4)
+    assert needed == HostBytes(12 << 30, 24 << 30, 12 << 30, 24 << 30)
+    check_host_memory(needed, local_ranks=2, available=None)  # unknown: no check
+    check_host_memory(needed, local_ranks=1, available=72 << 30)
+    with pytest.raises(ConfigError) as error:
+        check_host_memory(needed, local_ranks=2, available=100 << 30)
+    assert str(error.value) == (
+        "zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
+        "each rank needs 72.00 GiB of host memory (fp32 masters 12.00 GiB, optimizer state "
+        "24.00 GiB, fp32 gradients 12.00 GiB, transfer ring 24.00 GiB), x 2 rank(s) on this "
+        'node = 144.00 GiB, but 100.00 GiB is available. Options: device: "nvme" with an '
+        "nvme_path (host memory then holds only the sub-groups in flight), a lower ratio "
+        "(keeps more of the optimizer state on the device), a lower buffer_count (the ring), "
+        "or more nodes"
+    )
+    # at initialize, before the host buffers are allocated
+    monkeypatch.setattr(zerotrain.zero.offload, "available_host_memory", lambda: 100)
+    with pytest.raises(ConfigError, match="but 100 B is available"):
+        _engine(2, {"device": "cpu"})

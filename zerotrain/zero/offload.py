@@ -1,0 +1,386 @@
+"""Optimizer offload: fp32 masters and optimizer state in host memory, stepped there.
+
+[Note: the offload hand-off]
+ZeRO-Offload (arXiv:2101.06840) keeps the fp32 master weights and the optimizer state of
+some buckets ("host buckets") in host memory and runs their optimizer step on the CPU; the
+device keeps the 16-bit parameters and gradients. A step's data moves bucket by bucket:
+* at the accumulation boundary, as soon as a bucket's gradient reduction has completed, its
+  gradient is copied into the bucket's preallocated fp32 host buffer (on CUDA: on a side
+  stream, so backward goes on) and its norm is taken on the device, so the global norm is
+  known when backward ends (:meth:`OffloadedShardStore.take_reduced`);
+* the step unscales and clips the host gradients, steps the masters with the configured torch
+  optimizer (fused CPU kernels where torch has them) and sends each updated bucket back through
+  a ring of ``buffer_count`` preallocated (pinned) host buffers in the training dtype
+  (:meth:`OffloadedShardStore.write_params`): no host allocation inside a step.
+Buckets kept on the device (``ratio`` below 1) are stepped there, as without offload. The
+numerics are the in-memory path's: the same optimizer over the same fp32 values, the same norm
+of each bucket's fp32 gradient, summed in bucket order (bit for bit on a CPU device).
+
+Which buckets go to the host: backward produces gradients in bucket order (buckets hold the
+parameters in reverse registration order), and forward needs parameters in the reverse of it.
+The first buckets therefore have their gradients earliest and their parameters needed last:
+the host takes buckets from the front until it holds ``ratio`` of the elements, so the work
+left on the critical path is the device's (:func:`choose_host_buckets`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.accelerator import available_host_memory
+from zerotrain.config import ConfigError
+from zerotrain.fmt import quantity
+from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
+from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.store import OptimizerOver, Placement, ShardStore
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptions:
+    """``zero_optimization.offload_optimizer`` (with ``sub_group_size`` and ``aio``), as the
+    shard group reads it."""
+
+    device: str = "cpu"  # "cpu" or "nvme"
+    ratio: float | str = 1.0  # share of the optimizer state on the host, or "auto"
+    pin_memory: bool = True
+    buffer_count: int = 4
+    nvme_path: str | None = None
+    sub_group_size: int = 1_000_000_000
+    device_budget: Callable[[], int | None] | None = None  # ratio "auto": free device bytes
+
+
+def choose_host_buckets(numels: list[int], ratio: float) -> list[bool]:
+    """Per bucket (in bucket order), whether its optimizer state lives on the host: buckets
+    from the front until the host holds at least ``ratio`` of the elements (see [Note: the
+    offload hand-off])."""
+    total = sum(numels)
+    on_host, held = [], 0
+    for numel in numels:
+        take = total > 0 and held < ratio * total
+        on_host.append(take)
+        held += numel if take else 0
+    return on_host
+
+
+def fit_on_device(numels: list[int], bytes_per_element: float, budget: int) -> list[bool]:
+    """``ratio: auto``: per bucket, whether it goes to the host, keeping on the device the
+    buckets from the back (gradients last in backward, parameters first in forward) while
+    their optimizer state fits in ``budget`` bytes."""
+    on_host = [True] * len(numels)
+    used = 0.0
+    for index in reversed(range(len(numels))):
+        need = numels[index] * bytes_per_element
+        if used + need > budget:
+            break
+        on_host[index] = False
+        used += need
+    return on_host
+
+
+def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A 1-D host tensor; page-locked when ``pin`` and CUDA is there (pageable, with a warning,
+    when the host refuses: pinned memory is a speed-up, not a requirement)."""
+    if pin and torch.cuda.is_available():
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as error:
+            size = _gib(numel * dtype.itemsize)
+            warnings.warn(
+                f"zerotrain offload: could not pin {size} of host memory ({error}); using "
+                "pageable memory (slower copies). Set "
+                "offload_optimizer.pin_memory: false to silence this.",
+                stacklevel=2,
+            )
+    return torch.empty(numel, dtype=dtype)
+
+
+class _Ring:
+    """``count`` host buffers of ``numel`` elements, reused in turn to send updated parameters
+    to the device; a buffer is reused once the copy out of it has completed (CUDA events; on a
+    CPU device the copy is synchronous)."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, *, pin: bool):
+        self.buffers = [host_tensor(numel, dtype, pin=pin) for _ in range(count)]
+        self._events: list[torch.cuda.Event | None] = [None] * count
+        self._next = 0
+
+    def send(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy host ``source`` (any dtype) to ``target`` (the device shard) through the ring."""
+        index = self._next
+        self._next = (index + 1) % len(self.buffers)
+        event = self._events[index]
+        if event is not None:
+            event.synchronize()  # its previous copy to the device is done: reusable
+        staged = self.buffers[index][: source.numel()]
+        staged.copy_(source)
+        if target.is_cuda:  # CUDA-only: asynchronous copy out of pinned memory
+            target.copy_(staged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._events[index] = event
+        else:
+            target.copy_(staged)
+
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self.buffers)
+
+
+class OffloadedShardStore(ShardStore):
+    """The masters of host buckets in host memory, stepped there; the others on the device
+    (see [Note: the offload hand-off]). One torch optimizer steps them all."""
+
+    def __init__(
+        self,
+        masters: list[torch.Tensor],
+        on_host: list[bool],
+        optimizer: torch.optim.Optimizer,
+        *,
+        masters_alias_params: bool,
+        param_dtype: torch.dtype,
+        options: OffloadOptions,
+    ):
+        self._masters = masters
+        self.on_host = on_host
+        self.optimizer = optimizer
+        self.masters_alias_params = masters_alias_params  # device buckets in fp32 training
+        self.options = options
+        pin = options.pin_memory
+        # The host buckets' gradients, in fp32 (the "4" of ZeRO-Offload's host bytes).
+        self._host_grads = [
+            host_tensor(m.numel(), torch.float32, pin=pin) if host else None
+            for m, host in zip(masters, on_host, strict=True)
+        ]
+        host_numels = [m.numel() for m, host in zip(masters, on_host, strict=True) if host]
+        self._ring = (
+            _Ring(options.buffer_count, max(host_numels), param_dtype, pin=pin)
+            if host_numels
+            else None
+        )
+        self._norms: list[torch.Tensor | None] = [None] * len(masters)  # taken this step
+        self._copied: list[torch.cuda.Event | None] = [None] * len(masters)
+        self._side_stream = None  # CUDA-only: the device-to-host gradient copies
+
+    # -- gradients in ---------------------------------------------------------------------------
+    def take_reduced(self, index: int, grad: torch.Tensor) -> None:
+        """Bucket ``index``'s gradient is final for this step (its reduction at the boundary has
+        completed): take its norm and, for a host bucket, start its copy to the host."""
+        fp32 = grad if grad.dtype == torch.float32 else grad.float()
+        self._norms[index] = torch._foreach_norm([fp32])[0]
+        host_grad = self._host_grads[index]
+        if host_grad is None:
+            return
+        if grad.is_cuda:  # CUDA-only: copy on a side stream while backward goes on
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream()
+            self._side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._side_stream):
+                host_grad.copy_(grad, non_blocking=True)
+                grad.record_stream(self._side_stream)
+                event = torch.cuda.Event()
+                event.record()
+            self._copied[index] = event
+        else:
+            host_grad.copy_(grad)
+
+    def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
+        for index, grad in enumerate(reduced_grads):
+            if self._norms[index] is None:  # no boundary backward handed it over
+                self.take_reduced(index, grad)
+            master, host_grad = self._masters[index], self._host_grads[index]
+            if host_grad is None:
+                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+                continue
+            event = self._copied[index]
+            if event is not None:
+                event.synchronize()
+                self._copied[index] = None
+            master.grad = host_grad
+
+    def grad_sum_of_squares(self) -> torch.Tensor:
+        norms = [n for n in self._norms if n is not None]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack(norms).float().square().sum()
+
+    def scale_grads(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        grads = [m.grad for m in self._masters if m.grad is not None]
+        for device in {g.device for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.device == device], factor)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    # -- parameters out -------------------------------------------------------------------------
+    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+        # The first buckets' parameters are needed last in forward: send the last ones first.
+        for index in reversed(range(len(self._masters))):
+            master, target = self._masters[index], param_shards[index]
+            if self.on_host[index]:
+                assert self._ring is not None
+                self._ring.send(master, target)
+            elif not self.masters_alias_params:
+                target.copy_(master)
+
+    def release_grads(self) -> None:
+        for master in self._masters:
+            master.grad = None
+        self._norms = [None] * len(self._masters)
+
+    def forget_taken(self) -> None:
+        """A new boundary backward: the gradients taken so far are not final."""
+        self._norms = [None] * len(self._masters)
+        self._copied = [None] * len(self._masters)
+
+    # -- what lives where -----------------------------------------------------------------------
+    def master_shards(self) -> list[torch.Tensor]:
+        return self._masters
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        masters = [m for m, host in zip(self._masters, self.on_host, strict=True) if host]
+        state = [
+            t
+            for m in masters
+            for t in self.optimizer.state.get(m, {}).values()
+            if torch.is_tensor(t)
+        ]
+        return masters + state + [g for g in self._host_grads if g is not None]
+
+    def offloaded_numel(self) -> int:
+        return sum(m.numel() for m, host in zip(self._masters, self.on_host, strict=True) if host)
+
+    def staging_bytes(self) -> int:
+        return self._ring.nbytes() if self._ring is not None else 0
+
+
+def _gib(nbytes: float) -> str:
+    return quantity(nbytes, "B", binary=True)
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """Host memory one rank's optimizer offload allocates (see [Note: the offload hand-off])."""
+
+    masters: int
+    optimizer_state: int
+    gradients: int
+    staging: int  # the ring that carries parameters back
+
+    @property
+    def total(self) -> int:
+        return self.masters + self.optimizer_state + self.gradients + self.staging
+
+
+def host_bytes(
+    host_numels: list[int], state_bytes: int, param_itemsize: int, buffer_count: int
+) -> HostBytes:
+    """What :class:`OffloadedShardStore` allocates for buckets of ``host_numels`` elements:
+    fp32 masters, ``state_bytes`` of optimizer state and an fp32 gradient per element, and
+    ``buffer_count`` ring buffers of the largest bucket in the training dtype."""
+    numel = sum(host_numels)
+    ring = buffer_count * max(host_numels, default=0) * param_itemsize
+    return HostBytes(4 * numel, state_bytes * numel, 4 * numel, ring)
+
+
+def check_host_memory(needed: HostBytes, *, local_ranks: int, available: int | None) -> None:
+    """Preflight: refuse, before allocating, what the host cannot hold (instead of the kernel's
+    OOM kill in the first step). ``local_ranks`` ranks of this node allocate as much each."""
+    if available is None:
+        return
+    total = needed.total * local_ranks
+    if total <= available:
+        return
+    per_rank = (
+        f"fp32 masters {_gib(needed.masters)}, optimizer state {_gib(needed.optimizer_state)}, "
+        f"fp32 gradients {_gib(needed.gradients)}, transfer ring {_gib(needed.staging)}"
+    )
+    raise ConfigError(
+        f"zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
+        f"each rank needs {_gib(needed.total)} of host memory ({per_rank}), x {local_ranks} "
+        f"rank(s) on this node = {_gib(total)}, but {_gib(available)} is available. Options: "
+        'device: "nvme" with an nvme_path (host memory then holds only the sub-groups in '
+        "flight), a lower ratio (keeps more of the optimizer state on the device), a lower "
+        "buffer_count (the ring), or more nodes"
+    )
+
+
+AUTO_HEADROOM = 0.25
+"""``ratio: auto`` leaves this share of the device's memory free for activations and
+workspaces."""
+
+
+def device_budget(device: torch.device) -> int | None:
+    """Bytes of optimizer state ``ratio: auto`` may keep on ``device``: its free memory less
+    :data:`AUTO_HEADROOM` of its total (a CPU device: the host's available memory, likewise)."""
+    if device.type == "cuda":  # CUDA-only
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        free = available_host_memory()
+        if free is None:
+            return None
+        total = free
+    return max(0, int(free - AUTO_HEADROOM * total))
+
+
+def local_ranks() -> int:
+    """Ranks sharing this node's host memory (torchrun's LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+class HostPlacement(Placement):
+    """The masters of the host buckets in host memory (see [Note: the offload hand-off])."""
+
+    def __init__(self, options: OffloadOptions):
+        self.options = options
+
+    def build_store(
+        self,
+        masters_fp32: list[torch.Tensor],
+        param_parts: list[torch.Tensor],
+        precision: PrecisionPolicy,
+        optimizer_over: OptimizerOver,
+    ) -> ShardStore:
+        options = self.options
+        numels = [m.numel() for m in masters_fp32]
+        # The optimizer's state size, from a probe over one-element stand-ins: nothing large
+        # is allocated before the preflight.
+        probe = optimizer_over([torch.zeros(1) for _ in masters_fp32])
+        state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)  # Adam-like
+        if options.ratio == "auto":
+            budget = options.device_budget() if options.device_budget else None
+            per_element = state_bytes + (8 if precision.has_master_copy else 0)
+            on_host = (
+                [True] * len(numels)
+                if budget is None
+                else fit_on_device(numels, per_element, budget)
+            )
+        else:
+            on_host = choose_host_buckets(numels, float(options.ratio))
+        host_numels = [n for n, host in zip(numels, on_host, strict=True) if host]
+        itemsize = precision.param_dtype.itemsize
+        check_host_memory(
+            host_bytes(host_numels, state_bytes, itemsize, options.buffer_count),
+            local_ranks=local_ranks(),
+            available=available_host_memory(),
+        )
+        masters = []
+        for master, part, host in zip(masters_fp32, param_parts, on_host, strict=True):
+            if host:
+                masters.append(host_tensor(master.numel(), torch.float32, pin=False))
+                masters[-1].copy_(master)
+            else:
+                masters.append(master.clone() if precision.has_master_copy else part)
+        return OffloadedShardStore(
+            masters,
+            on_host,
+            optimizer_over(masters),
+            masters_alias_params=not precision.has_master_copy,
+            param_dtype=precision.param_dtype,
+            options=options,
+        )
