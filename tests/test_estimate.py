@@ -208,7 +208,13 @@ def measure_runs() -> dict:
         }
         step_grads = []
 
-        def step(store=store, original=store.step, grad_buffers=grad_buffers, out=step_grads):
+        def step(
+            param_shards,
+            store=store,
+            original=store.step,
+            grad_buffers=grad_buffers,
+            out=step_grads,
+        ):
             # what the step holds beyond the gradient buffers: the fp32 copies
             out.append(
                 sum(
@@ -217,7 +223,7 @@ def measure_runs() -> dict:
                     if m.grad.untyped_storage().data_ptr() not in grad_buffers
                 )
             )
-            original()
+            original(param_shards)
 
         store.step = step
         x, y = gpt_batch(2, ODD_GPT["block_size"])

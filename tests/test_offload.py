@@ -3,6 +3,8 @@ ratio and world size; the hand-off, the ring, the preflight, checkpoints across 
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 from distributed import run_distributed
@@ -20,15 +22,22 @@ from zerotrain.zero.offload import (
     host_bytes,
 )
 
-# offload_optimizer sections; "none" is the in-memory run the others must equal bit for bit
+# offload_optimizer sections; "none" is the in-memory run the others must equal bit for bit.
+# NVME_PATH is replaced by a fresh directory per process.
+NVME_PATH = "<tmp>"
 VARIANTS = {
     "none": {"device": "none"},
     "cpu": {"device": "cpu", "buffer_count": 1},  # one ring buffer: reused for every bucket
     "cpu-half": {"device": "cpu", "ratio": 0.5},
+    "nvme": {"device": "nvme", "nvme_path": NVME_PATH, "buffer_count": 3},
+    "nvme-half": {"device": "nvme", "nvme_path": NVME_PATH, "ratio": 0.5, "buffer_count": 1},
 }
+OFFLOADED = [name for name in VARIANTS if name != "none"]
 
 
 def _config(stage: int, offload: dict, precision: dict | None = None) -> dict:
+    if offload.get("nvme_path") == NVME_PATH:
+        offload = {**offload, "nvme_path": tempfile.mkdtemp(prefix="zerotrain-nvme-")}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
@@ -86,14 +95,16 @@ def test_offload_equals_in_memory_bit_for_bit(world):
     for results in run_distributed(train_variants, world, [1, 2, 3], list(VARIANTS)):
         for stage in (1, 2, 3):
             base = results[(stage, "none")]
-            for name in ("cpu", "cpu-half"):
+            for name in OFFLOADED:
                 got = results[(stage, name)]
                 for key, value in base["state"].items():
                     assert torch.equal(got["state"][key], value), (world, stage, name, key)
                 assert got["norms"] == base["norms"]
-            on_host = results[(stage, "cpu-half")]["on_host"]
-            assert any(on_host) and not all(on_host), on_host  # really split
+            for half in ("cpu-half", "nvme-half"):
+                on_host = results[(stage, half)]["on_host"]
+                assert any(on_host) and not all(on_host), on_host  # really split
             assert all(results[(stage, "cpu")]["on_host"])
+            assert results[(stage, "nvme")]["memory"]["disk"] > 0
             for key, value in expected_state.items():  # and the single-process reference
                 assert relative_error(base["state"][key], value) < 1e-5, (stage, key)
 
@@ -107,10 +118,12 @@ def test_offload_bf16_equals_in_memory_bit_for_bit():
             assert torch.equal(got["state"][key], value), key
 
 
-def test_fp16_overflow_skips_the_offloaded_step_on_every_rank():
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_fp16_overflow_skips_the_offloaded_step_on_every_rank(tmp_path, device):
+    offload = {"device": device, "nvme_path": str(tmp_path)}
     for stage in (1, 3):
         logs = run_distributed(
-            train_fp16_with_overflow, 2, stage, 1, 1, {"offload_optimizer": {"device": "cpu"}}
+            train_fp16_with_overflow, 2, stage, 1, 1, {"offload_optimizer": offload}
         )
         for rank_log in logs:
             assert [e["changed"] for e in rank_log] == [True, False, True, True], stage
@@ -126,10 +139,11 @@ def train_gpt2(stages):
     comm = Communicator()
     out = {}
     for stage in stages:
-        for name in ("none", "cpu"):
+        for name in ("none", "cpu", "nvme"):
             model = build_gpt2()
             config = _config(stage, VARIANTS[name])
-            config["zero_optimization"]["reduce_bucket_size"] = 5000
+            # NVMe: several sub-groups per bucket (sub-group sizes are multiples of 1024)
+            config["zero_optimization"].update(reduce_bucket_size=5000, sub_group_size=2048)
             config["optimizer"]["params"]["eps"] = 1e-6
             engine, *_ = zerotrain.initialize(
                 model=model, model_parameters=groups(model), config=config
@@ -149,9 +163,10 @@ def test_offload_gpt2_equals_in_memory_bit_for_bit():
     pytest.importorskip("transformers")
     for results in run_distributed(train_gpt2, 2, [1, 2, 3]):
         for stage in (1, 2, 3):
-            base, got = results[(stage, "none")], results[(stage, "cpu")]
-            for key, value in base.items():
-                assert torch.equal(got[key], value), (stage, key)
+            for name in ("cpu", "nvme"):
+                base, got = results[(stage, "none")], results[(stage, name)]
+                for key, value in base.items():
+                    assert torch.equal(got[key], value), (stage, name, key)
 
 
 def _engine(stage: int, offload: dict):
@@ -170,7 +185,10 @@ def _train(engine, steps: range) -> None:
     )
 
 
-@pytest.mark.parametrize(("first", "second"), [("cpu", "none"), ("none", "cpu-half")])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("cpu", "none"), ("none", "cpu-half"), ("nvme", "none"), ("none", "nvme-half")],
+)
 def test_checkpoints_move_between_offloaded_and_in_memory_runs(tmp_path, first, second):
     straight = _engine(2, VARIANTS["none"])
     _train(straight, range(4))
@@ -238,10 +256,49 @@ def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
         "24.00 GiB, fp32 gradients 12.00 GiB, transfer ring 24.00 GiB), x 2 rank(s) on this "
         'node = 144.00 GiB, but 100.00 GiB is available. Options: device: "nvme" with an '
         "nvme_path (host memory then holds only the sub-groups in flight), a lower ratio "
-        "(keeps more of the optimizer state on the device), a lower buffer_count (the ring), "
+        "(keeps more of the optimizer state on the device), a lower buffer_count, "
         "or more nodes"
     )
     # at initialize, before the host buffers are allocated
     monkeypatch.setattr(zerotrain.zero.offload, "available_host_memory", lambda: 100)
     with pytest.raises(ConfigError, match="but 100 B is available"):
         _engine(2, {"device": "cpu"})
+
+
+def test_nvme_preflight_and_refusals(tmp_path, monkeypatch):
+    from zerotrain.zero import nvme
+
+    nvme_config = {"device": "nvme", "nvme_path": str(tmp_path)}
+    # a file left by a process killed with -9 (pid 2**22 + 1 is above Linux's pid_max)
+    stale = tmp_path / f"zerotrain-{2**22 + 1}-1.swap"
+    stale.write_bytes(b"x")
+    engine = _engine(2, nvme_config)
+    assert not stale.exists()
+    assert len(list(tmp_path.glob("zerotrain-*.swap"))) == 1  # this engine's
+    del engine
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())
+    with pytest.raises(ConfigError) as error:
+        _engine(2, nvme_config)
+    assert str(error.value).startswith(
+        f"zero_optimization.offload_optimizer.nvme_path: {tmp_path} has 100 B free, but each "
+        "rank's working file needs "
+    )
+    monkeypatch.undo()
+    lamb = _config(2, nvme_config)
+    lamb["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="Lamb needs whole parameters"):
+        zerotrain.initialize(model=AwkwardModel(), config=lamb)
+
+
+def test_lamb_offloaded_to_cpu_equals_in_memory():
+    states = []
+    for name in ("none", "cpu-half"):
+        config = _config(2, VARIANTS[name])
+        config["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-2}}
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=AwkwardModel(), config=config)
+        _train(engine, range(3))
+        states.append(engine.consolidated_state_dict())
+    for key, value in states[0].items():
+        assert torch.equal(states[1][key], value), key

@@ -39,6 +39,7 @@ from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import OffloadOptions, device_budget
+from zerotrain.zero.swap import AioOptions
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -289,6 +290,11 @@ def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptio
         nvme_path=section.nvme_path,
         sub_group_size=zero.sub_group_size,
         device_budget=lambda: device_budget(device),
+        aio=AioOptions(
+            block_size=cfg.aio.block_size,
+            queue_depth=cfg.aio.queue_depth,
+            thread_count=cfg.aio.intra_op_parallelism,
+        ),
     )
 
 
@@ -350,7 +356,7 @@ def _optimizer_plan(
         accepted = inspect.signature(opt_cls.__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
-        def make(groups, segments: ShardSegments):
+        def make(groups, segments: ShardSegments | None):
             return _on_shards(opt_cls(groups, **defaults), groups, segments)
 
     else:
@@ -358,13 +364,13 @@ def _optimizer_plan(
         if callable(optimizer):
             user_factory = optimizer
 
-            def make(groups, segments: ShardSegments):
+            def make(groups, segments: ShardSegments | None):
                 return _on_shards(user_factory(groups), groups, segments)
 
         elif cfg.optimizer is not None:
             opt_cfg = cfg.optimizer
 
-            def make(groups, segments: ShardSegments):
+            def make(groups, segments: ShardSegments | None):
                 optimizer = build_optimizer(opt_cfg.type, opt_cfg.params, groups)
                 return _on_shards(optimizer, groups, segments)
 
@@ -399,13 +405,13 @@ def _optimizer_plan(
 
 
 def _on_shards(
-    optimizer: torch.optim.Optimizer, groups: list[dict], segments: ShardSegments
+    optimizer: torch.optim.Optimizer, groups: list[dict], segments: ShardSegments | None
 ) -> torch.optim.Optimizer:
     """``optimizer``, built over the flat master shards in ``groups``, told which model
     parameters those hold where its update needs per-parameter norms: Lamb's trust ratios,
     whether the Lamb comes from the config or from the user (an instance rebuilt here, or a
     factory). Per-element optimizers need nothing."""
-    if isinstance(optimizer, Lamb):
+    if isinstance(optimizer, Lamb) and segments is not None:
         masters = [master for group in groups for master in group["params"]]
         optimizer.set_segments(
             dict(zip(masters, segments.ranges, strict=True)),

@@ -194,13 +194,19 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         store.reset_element_state(state_keys)
     reader = ShardReader(manifest)
     try:
+        by_master: dict[int, list] = {}
         for piece in group.master_pieces(own_shard_only=False):
-            end = piece.param_start + piece.numel
+            by_master.setdefault(piece.master, []).append(piece)
+        for master, pieces in by_master.items():
             for kind in ["master", *state_keys]:
-                flat = store.state_tensor(piece.master, kind).view(-1)
-                for offset, values in reader.read(piece.name, kind, piece.param_start, end):
-                    start = piece.master_start + offset - piece.param_start
-                    flat[start : start + values.numel()].copy_(values)
+                # read and written once per master: a store that swaps to disk copies it
+                flat = store.state_tensor(master, kind).view(-1)
+                for piece in pieces:
+                    end = piece.param_start + piece.numel
+                    for offset, values in reader.read(piece.name, kind, piece.param_start, end):
+                        start = piece.master_start + offset - piece.param_start
+                        flat[start : start + values.numel()].copy_(values)
+                store.write_state(master, kind, flat)
         untrained = group.untrained_state(engine.module)
         for key in set(untrained) & set(manifest["module_keys"]):
             untrained[key].copy_(reader.module_tensor(key))

@@ -69,7 +69,9 @@ class ShardSegments:
     allreduce: Callable[[torch.Tensor], None]
 
 
-OptimizerFactory = Callable[[list[dict], ShardSegments], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[dict], ShardSegments | None], torch.optim.Optimizer]
+"""Builds the optimizer over parameter groups of master tensors; ``segments`` None: a probe over
+stand-ins (zerotrain/zero/offload.py), which needs no per-parameter layout."""
 
 
 @dataclass(frozen=True)
@@ -142,17 +144,22 @@ class ShardGroup:
         self.store.attach_grads(self.reduction.reduced_grads())
 
     def end_step(self, applied: bool) -> None:
-        """After the store stepped (``applied``) or skipped: publish, drop the gradients."""
+        """After the store stepped (and wrote the parameter parts: ``applied``) or skipped:
+        publish, drop the gradients."""
         if applied:
-            self.publish()
+            self.residency.publish()
         self.store.release_grads()
         self.reduction.zero_grads()
         self._enter(GroupState.IDLE)
 
+    def param_parts(self) -> list[torch.Tensor]:
+        """Per bucket, the model's copy of the part this rank's optimizer steps."""
+        return [self.residency.param_part(b) for b in self.buckets]
+
     def publish(self) -> None:
-        """After the masters changed (a step, a checkpoint load): update the model's parameters
-        on every rank (collective)."""
-        self.store.write_params([self.residency.param_part(b) for b in self.buckets])
+        """After the masters changed outside a step (a checkpoint load): update the model's
+        parameters on every rank (collective)."""
+        self.store.write_params(self.param_parts())
         self.residency.publish()
 
     # -- views of the state --------------------------------------------------------------------
@@ -212,8 +219,8 @@ class ShardGroup:
     def full_master_params(self) -> dict[int, torch.Tensor]:
         """``id(param) -> full fp32 master value``, gathered from every rank's part."""
         out: dict[int, torch.Tensor] = {}
-        for bucket, master in zip(self.buckets, self.store.master_shards(), strict=True):
-            full = self.partition.full(bucket, master)
+        for index, bucket in enumerate(self.buckets):
+            full = self.partition.full(bucket, self.store.state_tensor(index, "master"))
             for slot in bucket.slots:
                 out[id(slot.param)] = bucket.view(full, slot)
         return out
@@ -284,12 +291,14 @@ def build_shard_group(
     ranges = [buckets[i].slot_ranges(*partition.range(buckets[i])) for i in order]
     segments = ShardSegments(ranges, len(index_of), partition.sum_over_ranks)
 
-    def optimizer_over(masters: list[torch.Tensor]) -> torch.optim.Optimizer:
+    def optimizer_over(
+        masters: list[list[torch.Tensor]], probe: bool = False
+    ) -> torch.optim.Optimizer:
         inner_groups = [
-            {**hyper, "params": [masters[i] for i in indices]}
+            {**hyper, "params": [t for i in indices for t in masters[i]]}
             for (hyper, _), indices in zip(groups, members, strict=True)
         ]
-        return make_optimizer(inner_groups, segments)
+        return make_optimizer(inner_groups, None if probe else segments)
 
     store = strategies.placement.build_store(
         masters_fp32, [residency.param_part(b) for b in buckets], precision, optimizer_over

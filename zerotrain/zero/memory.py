@@ -44,8 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import PrecisionPolicy
 
@@ -124,7 +122,8 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     """Bytes of model states ``group`` holds on this rank, from the allocated storage (each
     storage once): ``parameters``, ``gradients``, ``optimizer_states`` (fp32 masters that are
     separate copies, plus the optimizer's state) and their ``total``, on the device; and off it
-    ``offloaded`` (host masters, state and gradients) and ``staging`` (the transfer ring)."""
+    ``offloaded`` (host masters, state and gradients), ``staging`` (the host buffers that carry
+    data to and from the device or disk) and ``disk`` (NVMe working files)."""
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
@@ -140,10 +139,7 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     grads = nbytes(group.reduction.grad_buffers())
     store = group.store
     offloaded = nbytes(store.offloaded_tensors())  # first: the rest is on the device
-    state_tensors = [
-        t for s in store.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
-    ]
-    optim = nbytes(store.master_shards()) + nbytes(state_tensors)
+    optim = nbytes(store.held_tensors())
     return {
         "parameters": params,
         "gradients": grads,
@@ -151,4 +147,5 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "total": params + grads + optim,
         "offloaded": offloaded,
         "staging": store.staging_bytes(),
+        "disk": store.disk_bytes(),
     }

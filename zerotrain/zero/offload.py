@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,7 +37,8 @@ from zerotrain.config import ConfigError
 from zerotrain.fmt import quantity
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero.store import OptimizerOver, Placement, ShardStore
+from zerotrain.zero.store import InMemoryShardStore, OptimizerOver, Placement, ShardStore
+from zerotrain.zero.swap import AioOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,7 @@ class OffloadOptions:
     nvme_path: str | None = None
     sub_group_size: int = 1_000_000_000
     device_budget: Callable[[], int | None] | None = None  # ratio "auto": free device bytes
+    aio: AioOptions = field(default_factory=AioOptions)  # NVMe I/O
 
 
 def choose_host_buckets(numels: list[int], ratio: float) -> list[bool]:
@@ -89,7 +91,7 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
         try:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         except RuntimeError as error:
-            size = _gib(numel * dtype.itemsize)
+            size = gib(numel * dtype.itemsize)
             warnings.warn(
                 f"zerotrain offload: could not pin {size} of host memory ({error}); using "
                 "pageable memory (slower copies). Set "
@@ -99,7 +101,7 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype)
 
 
-class _Ring:
+class Ring:
     """``count`` host buffers of ``numel`` elements, reused in turn to send updated parameters
     to the device; a buffer is reused once the copy out of it has completed (CUDA events; on a
     CPU device the copy is synchronous)."""
@@ -130,7 +132,31 @@ class _Ring:
         return sum(b.untyped_storage().nbytes() for b in self.buffers)
 
 
-class OffloadedShardStore(ShardStore):
+class BucketNorms:
+    """Each bucket's fp32 gradient norm, taken on the device as its reduction completes; summed
+    in bucket order, as the in-memory store sums them."""
+
+    def __init__(self, buckets: int):
+        self._norms: list[torch.Tensor | None] = [None] * buckets
+
+    def take(self, index: int, grad: torch.Tensor) -> None:
+        fp32 = grad if grad.dtype == torch.float32 else grad.float()
+        self._norms[index] = torch._foreach_norm([fp32])[0]
+
+    def taken(self, index: int) -> bool:
+        return self._norms[index] is not None
+
+    def forget(self) -> None:
+        self._norms = [None] * len(self._norms)
+
+    def sum_of_squares(self) -> torch.Tensor:
+        norms = [n for n in self._norms if n is not None]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack(norms).float().square().sum()
+
+
+class OffloadedShardStore(InMemoryShardStore):
     """The masters of host buckets in host memory, stepped there; the others on the device
     (see [Note: the offload hand-off]). One torch optimizer steps them all."""
 
@@ -157,11 +183,11 @@ class OffloadedShardStore(ShardStore):
         ]
         host_numels = [m.numel() for m, host in zip(masters, on_host, strict=True) if host]
         self._ring = (
-            _Ring(options.buffer_count, max(host_numels), param_dtype, pin=pin)
+            Ring(options.buffer_count, max(host_numels), param_dtype, pin=pin)
             if host_numels
             else None
         )
-        self._norms: list[torch.Tensor | None] = [None] * len(masters)  # taken this step
+        self._norms = BucketNorms(len(masters))  # taken this step
         self._copied: list[torch.cuda.Event | None] = [None] * len(masters)
         self._side_stream = None  # CUDA-only: the device-to-host gradient copies
 
@@ -169,8 +195,7 @@ class OffloadedShardStore(ShardStore):
     def take_reduced(self, index: int, grad: torch.Tensor) -> None:
         """Bucket ``index``'s gradient is final for this step (its reduction at the boundary has
         completed): take its norm and, for a host bucket, start its copy to the host."""
-        fp32 = grad if grad.dtype == torch.float32 else grad.float()
-        self._norms[index] = torch._foreach_norm([fp32])[0]
+        self._norms.take(index, grad)
         host_grad = self._host_grads[index]
         if host_grad is None:
             return
@@ -189,7 +214,7 @@ class OffloadedShardStore(ShardStore):
 
     def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
         for index, grad in enumerate(reduced_grads):
-            if self._norms[index] is None:  # no boundary backward handed it over
+            if not self._norms.taken(index):  # no boundary backward handed it over
                 self.take_reduced(index, grad)
             master, host_grad = self._masters[index], self._host_grads[index]
             if host_grad is None:
@@ -202,10 +227,7 @@ class OffloadedShardStore(ShardStore):
             master.grad = host_grad
 
     def grad_sum_of_squares(self) -> torch.Tensor:
-        norms = [n for n in self._norms if n is not None]
-        if not norms:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.stack(norms).float().square().sum()
+        return self._norms.sum_of_squares()
 
     def scale_grads(self, factor: float) -> None:
         if factor == 1.0:
@@ -213,9 +235,6 @@ class OffloadedShardStore(ShardStore):
         grads = [m.grad for m in self._masters if m.grad is not None]
         for device in {g.device for g in grads}:
             torch._foreach_mul_([g for g in grads if g.device == device], factor)
-
-    def step(self) -> None:
-        self.optimizer.step()
 
     # -- parameters out -------------------------------------------------------------------------
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
@@ -231,17 +250,13 @@ class OffloadedShardStore(ShardStore):
     def release_grads(self) -> None:
         for master in self._masters:
             master.grad = None
-        self._norms = [None] * len(self._masters)
+        self._norms.forget()
 
     def forget_taken(self) -> None:
-        """A new boundary backward: the gradients taken so far are not final."""
-        self._norms = [None] * len(self._masters)
+        self._norms.forget()
         self._copied = [None] * len(self._masters)
 
     # -- what lives where -----------------------------------------------------------------------
-    def master_shards(self) -> list[torch.Tensor]:
-        return self._masters
-
     def offloaded_tensors(self) -> list[torch.Tensor]:
         masters = [m for m, host in zip(self._masters, self.on_host, strict=True) if host]
         state = [
@@ -259,7 +274,7 @@ class OffloadedShardStore(ShardStore):
         return self._ring.nbytes() if self._ring is not None else 0
 
 
-def _gib(nbytes: float) -> str:
+def gib(nbytes: float) -> str:
     return quantity(nbytes, "B", binary=True)
 
 
@@ -288,7 +303,9 @@ def host_bytes(
     return HostBytes(4 * numel, state_bytes * numel, 4 * numel, ring)
 
 
-def check_host_memory(needed: HostBytes, *, local_ranks: int, available: int | None) -> None:
+def check_host_memory(
+    needed: HostBytes, *, local_ranks: int, available: int | None, nvme: bool = False
+) -> None:
     """Preflight: refuse, before allocating, what the host cannot hold (instead of the kernel's
     OOM kill in the first step). ``local_ranks`` ranks of this node allocate as much each."""
     if available is None:
@@ -297,16 +314,21 @@ def check_host_memory(needed: HostBytes, *, local_ranks: int, available: int | N
     if total <= available:
         return
     per_rank = (
-        f"fp32 masters {_gib(needed.masters)}, optimizer state {_gib(needed.optimizer_state)}, "
-        f"fp32 gradients {_gib(needed.gradients)}, transfer ring {_gib(needed.staging)}"
+        f"fp32 masters {gib(needed.masters)}, optimizer state {gib(needed.optimizer_state)}, "
+        f"fp32 gradients {gib(needed.gradients)}, transfer ring {gib(needed.staging)}"
+    )
+    first = (
+        "a lower sub_group_size (the staging sets hold buffer_count sub-groups)"
+        if nvme
+        else 'device: "nvme" with an nvme_path (host memory then holds only the sub-groups in '
+        "flight)"
     )
     raise ConfigError(
         f"zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
-        f"each rank needs {_gib(needed.total)} of host memory ({per_rank}), x {local_ranks} "
-        f"rank(s) on this node = {_gib(total)}, but {_gib(available)} is available. Options: "
-        'device: "nvme" with an nvme_path (host memory then holds only the sub-groups in '
-        "flight), a lower ratio (keeps more of the optimizer state on the device), a lower "
-        "buffer_count (the ring), or more nodes"
+        f"each rank needs {gib(needed.total)} of host memory ({per_rank}), x {local_ranks} "
+        f"rank(s) on this node = {gib(total)}, but {gib(available)} is available. Options: "
+        f"{first}, a lower ratio (keeps more of the optimizer state on the device), a lower "
+        "buffer_count, or more nodes"
     )
 
 
@@ -347,22 +369,10 @@ class HostPlacement(Placement):
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
         options = self.options
-        numels = [m.numel() for m in masters_fp32]
-        # The optimizer's state size, from a probe over one-element stand-ins: nothing large
-        # is allocated before the preflight.
-        probe = optimizer_over([torch.zeros(1) for _ in masters_fp32])
-        state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)  # Adam-like
-        if options.ratio == "auto":
-            budget = options.device_budget() if options.device_budget else None
-            per_element = state_bytes + (8 if precision.has_master_copy else 0)
-            on_host = (
-                [True] * len(numels)
-                if budget is None
-                else fit_on_device(numels, per_element, budget)
-            )
-        else:
-            on_host = choose_host_buckets(numels, float(options.ratio))
-        host_numels = [n for n, host in zip(numels, on_host, strict=True) if host]
+        probe = probe_optimizer(optimizer_over, len(masters_fp32))
+        state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
+        on_host = self.on_host([m.numel() for m in masters_fp32], state_bytes, precision)
+        host_numels = [m.numel() for m, host in zip(masters_fp32, on_host, strict=True) if host]
         itemsize = precision.param_dtype.itemsize
         check_host_memory(
             host_bytes(host_numels, state_bytes, itemsize, options.buffer_count),
@@ -379,8 +389,35 @@ class HostPlacement(Placement):
         return OffloadedShardStore(
             masters,
             on_host,
-            optimizer_over(masters),
+            optimizer_over([[m] for m in masters]),
             masters_alias_params=not precision.has_master_copy,
             param_dtype=precision.param_dtype,
             options=options,
         )
+
+    def on_host(self, numels: list[int], state_bytes: int, precision: PrecisionPolicy):
+        """Per bucket, whether it is offloaded (``ratio``, or what does not fit: ``auto``)."""
+        if self.options.ratio != "auto":
+            return choose_host_buckets(numels, float(self.options.ratio))
+        budget = self.options.device_budget() if self.options.device_budget else None
+        if budget is None:
+            return [True] * len(numels)
+        per_element = state_bytes + (8 if precision.has_master_copy else 0)
+        return fit_on_device(numels, per_element, budget)
+
+
+def needs_whole_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's update needs per-parameter norms (Lamb's trust ratio)."""
+    return hasattr(optimizer, "set_segments")
+
+
+def probe_optimizer(optimizer_over: OptimizerOver, buckets: int) -> torch.optim.Optimizer:
+    """The optimizer over one-element stand-ins of each bucket, stepped once with zero
+    gradients: its state says what it keeps per element, before anything large exists."""
+    stand_ins = [[torch.zeros(1)] for _ in range(buckets)]
+    probe = optimizer_over(stand_ins, probe=True)
+    for (tensor,) in stand_ins:
+        tensor.grad = torch.zeros(1)
+    if not needs_whole_parameters(probe):  # Lamb's step is collective: not stepped here
+        probe.step()
+    return probe

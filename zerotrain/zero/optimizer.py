@@ -111,7 +111,7 @@ class ZeroOptimizer:
         return {
             "world_size": self.comm.world_size,
             "stage": self.policy.stage,  # recorded, to name the layout in errors
-            "master_numels": [m.numel() for m in self.store.master_shards()],
+            "master_numels": self.store.master_numels(),
         }
 
     def state_dict(self) -> dict:
@@ -121,8 +121,11 @@ class ZeroOptimizer:
         world size and stage."""
         return {
             "layout": self._layout(),
-            "optimizer": self.optimizer.state_dict(),
-            "masters": [m.detach().clone() for m in self.store.master_shards()],
+            "optimizer": self.store.optimizer_state_dict(),
+            "masters": [
+                self.store.state_tensor(i, "master").detach().clone()
+                for i in range(len(self.buckets))
+            ],
             "loss_scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
@@ -138,13 +141,10 @@ class ZeroOptimizer:
                 f"({len(ours['master_numels'])}); move state between layouts with "
                 "engine.save_checkpoint / load_checkpoint"
             )
-        with torch.no_grad():
-            for master, value in zip(
-                self.store.master_shards(), state_dict["masters"], strict=True
-            ):
-                master.copy_(value)
+        for index, value in enumerate(state_dict["masters"]):
+            self.store.write_state(index, "master", value)
         if load_optimizer_states:
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            self.store.load_optimizer_state_dict(state_dict["optimizer"])
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = state_dict["skipped_steps"]
         self.publish_params()
@@ -207,7 +207,7 @@ class ZeroOptimizer:
             if self.gradient_clipping > 0:
                 clip = min(1.0, self.gradient_clipping / (norm + 1e-6))
             self.store.scale_grads(inv_scale * clip)
-            self.store.step()
+            self.store.step(self.group.param_parts())
         self.group.end_step(applied=not overflow)
         return not overflow
 
@@ -239,10 +239,9 @@ class ZeroOptimizer:
                 if bucket.param_shard is not None:  # a separate shard: take the new values
                     bucket.param_shard.copy_(bucket.shard(bucket.flat_param))
             if self.precision.has_master_copy:
-                masters = self.store.master_shards()
                 for bucket in buckets:
                     part = self.group.partition.part(bucket, bucket.flat_param)
-                    masters[self.buckets.index(bucket)].copy_(part)
+                    self.store.write_state(self.buckets.index(bucket), "master", part)
         self.group.residency.end_access(gathered_here)
 
     # -- state views ---------------------------------------------------------------------------
@@ -264,15 +263,13 @@ class ZeroOptimizer:
         if found is None:
             return None
         index, slot = found
-        bucket, master = self.buckets[index], self.store.master_shards()[index]
-        if kind == "master":
-            local = master
-        elif kind == "grad":
+        bucket = self.buckets[index]
+        if kind == "grad":
             local = self.reduction.reduced_grads()[index].float() / self.loss_scaler.scale
+        elif kind == "master" or kind in self.store.element_state_keys():
+            local = self.store.state_tensor(index, kind)
         else:
-            local = self.optimizer.state.get(master, {}).get(kind)
-            if local is None:
-                return None
+            return None
         return bucket.view(self.group.partition.full(bucket, local), slot).float().clone()
 
     def memory_breakdown(self) -> dict[str, float]:
@@ -299,7 +296,7 @@ class ZeroOptimizer:
         return self._formula().total
 
     def _formula(self) -> ModelStateBytes:
-        masters = self.store.master_shards()
+        numels = self.store.master_numels()
         return model_state_bytes(
             self.num_params,
             world_size=self.comm.world_size,
@@ -307,5 +304,5 @@ class ZeroOptimizer:
             precision=self.precision,
             optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
             persistent_numel=self.group.residency.persistent_numel,
-            offload=self.store.offloaded_numel() / max(1, sum(m.numel() for m in masters)),
+            offload=self.store.offloaded_numel() / max(1, sum(numels)),
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from zerotrain.comm import Communicator
 from zerotrain.zero.gather import GatheredAfterStep, GatheredForUse, ParamResidency, Replicated
 from zerotrain.zero.layout import OptimizerPartition
+from zerotrain.zero.nvme import NvmePlacement
 from zerotrain.zero.offload import HostPlacement, OffloadOptions
 from zerotrain.zero.reduce import (
     AllReduceAtBoundary,
@@ -78,5 +79,13 @@ def choose_strategies(
         partition=OptimizerPartition(comm, sharded=policy.shard_optimizer_states),
         reduction=reduction,
         residency=residency,
-        placement=Placement() if offload is None else HostPlacement(offload),
+        placement=_placement(offload),
     )
+
+
+def _placement(offload: OffloadOptions | None) -> Placement:
+    if offload is None:
+        return Placement()
+    if offload.device == "nvme":
+        return NvmePlacement(offload, offload.aio)
+    return HostPlacement(offload)

@@ -15,8 +15,10 @@ import torch
 
 from zerotrain.precision import PrecisionPolicy
 
-OptimizerOver = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-"""Builds the torch optimizer over the master tensors (one per bucket, in bucket order)."""
+OptimizerOver = Callable[..., torch.optim.Optimizer]
+"""``optimizer_over(masters, probe=False)`` builds the torch optimizer over the master tensors:
+per bucket, in bucket order, the tensors its optimizer part is stepped as (one, or a store's
+sub-groups); ``probe``: over stand-ins, to learn what it keeps (no per-parameter layout)."""
 
 
 class ShardStore(ABC):
@@ -25,8 +27,8 @@ class ShardStore(ABC):
     optimizer: torch.optim.Optimizer  # the torch optimizer that steps the masters
 
     @abstractmethod
-    def master_shards(self) -> list[torch.Tensor]:
-        """The fp32 master tensors, one per bucket, in bucket order."""
+    def master_numels(self) -> list[int]:
+        """Elements of each bucket's master (its optimizer part), in bucket order."""
 
     def take_reduced(self, index: int, grad: torch.Tensor) -> None:  # noqa: B027 (optional)
         """Bucket ``index``'s gradient is final for this step (its reduction at the accumulation
@@ -35,9 +37,21 @@ class ShardStore(ABC):
     def forget_taken(self) -> None:  # noqa: B027 (optional)
         """A boundary backward begins: gradients taken before are not final."""
 
-    def offloaded_tensors(self) -> list[torch.Tensor]:
-        """The tensors held off the training device (host memory): none here."""
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The masters and optimizer state tensors in memory (for memory accounting)."""
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return self._resident_masters() + state
+
+    def _resident_masters(self) -> list[torch.Tensor]:
         return []
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        """Those of :meth:`held_tensors` in host memory, off the training device: none here."""
+        return []
+
+    def disk_bytes(self) -> int:
+        """Bytes of working files (NVMe offload)."""
+        return 0
 
     def offloaded_numel(self) -> int:
         """Elements of master tensors held off the training device."""
@@ -59,46 +73,50 @@ class ShardStore(ABC):
     def scale_grads(self, factor: float) -> None:
         """Multiply every master gradient by ``factor`` (unscaling and clipping in one pass)."""
 
-    @abstractmethod
-    def step(self) -> None:
-        """One optimizer step over the master shards."""
+    def step(self, param_shards: list[torch.Tensor]) -> None:
+        """One optimizer step over the masters, then their new values into the model's
+        (possibly lower-precision) ``param_shards``: a store may interleave the two."""
+        self.optimizer.step()
+        self.write_params(param_shards)
 
     @abstractmethod
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
-        """Copy the updated masters into the model's (possibly lower-precision) shards."""
+        """Copy the masters into the model's (possibly lower-precision) shards."""
 
     @abstractmethod
     def release_grads(self) -> None:
         """Drop the master gradients until the next step."""
+
+    def optimizer_state_dict(self) -> dict:
+        """The torch optimizer's ``state_dict()`` (``ZeroOptimizer.state_dict``)."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
     # -- state, piecewise (checkpoints) ------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    @abstractmethod
     def element_state_keys(self) -> list[str]:
         """Optimizer state entries shaped like their master tensor (Adam's ``exp_avg``...):
         sharded with it; the rest (``step``) are per-group scalars. Empty before the first
         step."""
-        for master in self.master_shards():
-            state = self.optimizer.state.get(master)
-            if state:
-                return sorted(
-                    k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
-                )
-        return []
 
+    @abstractmethod
     def state_tensor(self, master: int, key: str) -> torch.Tensor:
-        """Master tensor ``master``'s ``key``: ``"master"`` (the fp32 weights) or an element
-        state key (1-D, the master's length)."""
-        tensor = self.master_shards()[master]
-        return tensor if key == "master" else self.optimizer.state[tensor][key]
+        """Bucket ``master``'s ``key``: ``"master"`` (the fp32 weights) or an element state key
+        (1-D, the master's length). Change it through :meth:`write_state`: it may be a copy."""
 
+    @abstractmethod
+    def write_state(self, master: int, key: str, value: torch.Tensor) -> None:
+        """Set bucket ``master``'s ``key`` (see :meth:`state_tensor`) to ``value``."""
+
+    @abstractmethod
     def reset_element_state(self, keys: list[str]) -> None:
         """Replace the optimizer's state by zeroed ``keys`` on every master (to be loaded)."""
-        for master in self.master_shards():  # every key on every master, padding-only too
-            self.optimizer.state.pop(master, None)
-            self.optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
 
     def scalar_state(self) -> list[dict]:
         """Per optimizer group, the state entries that are not per element (Adam's ``step``)."""
@@ -125,7 +143,48 @@ class ShardStore(ABC):
                     state[key] = value
 
 
-class DeviceShardStore(ShardStore):
+class InMemoryShardStore(ShardStore):
+    """A store whose masters are tensors in memory (the device's or the host's), one per
+    bucket, that the torch optimizer keys its state by."""
+
+    _masters: list[torch.Tensor]
+
+    def master_shards(self) -> list[torch.Tensor]:
+        """The fp32 master tensors, one per bucket, in bucket order."""
+        return self._masters
+
+    def master_numels(self) -> list[int]:
+        return [m.numel() for m in self._masters]
+
+    def _resident_masters(self) -> list[torch.Tensor]:
+        return self._masters
+
+    def element_state_keys(self) -> list[str]:
+        for master in self._masters:
+            state = self.optimizer.state.get(master)
+            if state:
+                return sorted(
+                    k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
+                )
+        return []
+
+    def state_tensor(self, master: int, key: str) -> torch.Tensor:
+        tensor = self._masters[master]
+        return tensor if key == "master" else self.optimizer.state[tensor][key]
+
+    def write_state(self, master: int, key: str, value: torch.Tensor) -> None:
+        target = self.state_tensor(master, key)
+        if value.data_ptr() != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(value.view_as(target))
+
+    def reset_element_state(self, keys: list[str]) -> None:
+        for master in self._masters:  # every key on every master, padding-only too
+            self.optimizer.state.pop(master, None)
+            self.optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
+
+
+class DeviceShardStore(InMemoryShardStore):
     """Master shards on the training device, stepped by a torch optimizer.
 
     With ``masters_alias_params`` (fp32 training) the masters are the model's own shards, so
@@ -141,9 +200,6 @@ class DeviceShardStore(ShardStore):
         self._masters = masters
         self.masters_alias_params = masters_alias_params
         self.optimizer = optimizer  # built over ``masters``
-
-    def master_shards(self) -> list[torch.Tensor]:
-        return self._masters
 
     def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
         for master, grad in zip(self._masters, reduced_grads, strict=True):
@@ -162,9 +218,6 @@ class DeviceShardStore(ShardStore):
     def scale_grads(self, factor: float) -> None:
         if factor != 1.0:
             torch._foreach_mul_(self._grads(), factor)
-
-    def step(self) -> None:
-        self.optimizer.step()
 
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
         if self.masters_alias_params:
@@ -196,6 +249,6 @@ class Placement:
         ]
         return DeviceShardStore(
             masters,
-            optimizer_over(masters),
+            optimizer_over([[m] for m in masters]),
             masters_alias_params=not precision.has_master_copy,
         )
