@@ -450,20 +450,13 @@ def test_cpu_offload_on_a_cpu_device_and_fp32_gradient_communication() -> None:
         )
 
 
-def test_parameter_offload_from_a_gpu_is_refused() -> None:
+def test_parameter_offload_below_stage_3_is_ignored_with_a_warning() -> None:
     from zerotrain.api import _check_offload
     from zerotrain.config import load_config
 
-    config = load_config(
-        _config(3, zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}),
-        world_size=1,
-    )
-    _check_offload(config, torch.device("cpu"), rank=0)
-    with pytest.raises(zerotrain.ConfigError, match="does not offload parameters from a GPU yet"):
-        _check_offload(config, torch.device("cuda", 0), rank=0)
     below_3 = _config(2, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
     with pytest.warns(UserWarning, match="offload_param.device: cpu is ignored at stage 2"):
-        _check_offload(load_config(below_3, world_size=1), torch.device("cpu"), rank=0)
+        _check_offload(load_config(below_3, world_size=1), rank=0)
 
 
 def test_zero_init_takes_the_configs_precision_and_unmarks_what_stage_2_trains() -> None:

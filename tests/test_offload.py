@@ -20,6 +20,7 @@ from zerotrain.zero.offload import (
     choose_host_buckets,
     fit_on_device,
     host_bytes,
+    host_cores_for_rank,
 )
 
 # offload_optimizer sections; "none" is the in-memory run the others must equal bit for bit.
@@ -35,10 +36,12 @@ VARIANTS = {
 OFFLOADED = [name for name in VARIANTS if name != "none"]
 
 
-def _config(stage: int, offload: dict, precision: dict | None = None) -> dict:
+def _config(
+    stage: int, offload: dict, precision: dict | None = None, zero: dict | None = None
+) -> dict:
     if offload.get("nvme_path") == NVME_PATH:
         offload = {**offload, "nvme_path": tempfile.mkdtemp(prefix="zerotrain-nvme-")}
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
         "gradient_clipping": CLIP,
@@ -52,9 +55,11 @@ def _config(stage: int, offload: dict, precision: dict | None = None) -> dict:
         "steps_per_print": 10**6,
         **(precision or {}),
     }
+    config["zero_optimization"].update(zero or {})
+    return config
 
 
-def train_variants(stages, variants, precision=None):
+def train_variants(stages, variants, precision=None, zero=None):
     from zerotrain.comm import Communicator
 
     comm = Communicator()
@@ -66,7 +71,7 @@ def train_variants(stages, variants, precision=None):
             engine, optimizer, *_ = zerotrain.initialize(
                 model=model,
                 model_parameters=param_groups(model, WD),
-                config=_config(stage, VARIANTS[name], precision),
+                config=_config(stage, VARIANTS[name], precision, zero),
             )
             idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
             norms = []
@@ -107,6 +112,22 @@ def test_offload_equals_in_memory_bit_for_bit(world):
             assert results[(stage, "nvme")]["memory"]["disk"] > 0
             for key, value in expected_state.items():  # and the single-process reference
                 assert relative_error(base["state"][key], value) < 1e-5, (stage, key)
+
+
+def test_stage3_parameter_offload_equals_in_memory_bit_for_bit():
+    base = run_distributed(train_variants, 2, [3], ["none"])
+    in_host = {"offload_param": {"device": "cpu"}}  # with each optimizer placement
+    offloaded = run_distributed(train_variants, 2, [3], ["none", "cpu", "nvme"], None, in_host)
+    for want, got in zip(base, offloaded, strict=True):
+        in_memory = want[(3, "none")]
+        for name in ("none", "cpu", "nvme"):
+            result = got[(3, name)]
+            for key, value in in_memory["state"].items():
+                assert torch.equal(result["state"][key], value), (name, key)
+            # every unit is sharded (persistence threshold 0): the shards are all on the host
+            params = in_memory["memory"]["parameters"]
+            assert result["memory"]["parameters"] == 0 and params > 0, name
+            assert result["memory"]["offloaded"] >= params, name
 
 
 def test_offload_bf16_equals_in_memory_bit_for_bit():
@@ -227,6 +248,13 @@ def test_host_buckets_are_the_first_in_backward():
     assert fit_on_device([10, 10, 10, 10], 12, 250) == [True, True, False, False]
     assert fit_on_device([10, 10, 10, 10], 12, 10_000) == [False] * 4
     assert fit_on_device([10, 10, 10, 10], 12, 0) == [True] * 4
+
+
+def test_each_rank_steps_on_its_share_of_the_cores():
+    cores = list(range(16))
+    assert host_cores_for_rank(cores, 1, 4) == [4, 5, 6, 7]
+    assert host_cores_for_rank(cores, 0, 1) == cores  # one rank: all of them
+    assert host_cores_for_rank(cores[:6], 2, 4) == cores[:6]  # one core each: not pinned
 
 
 def test_ratio_auto_keeps_on_the_device_what_fits(monkeypatch):

@@ -101,7 +101,7 @@ def initialize(
     comm = Communicator(device=device)
     cfg = load_config(config, world_size=comm.world_size)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
-    _check_offload(cfg, device, comm.rank)
+    _check_offload(cfg, comm.rank)
     _check_node_local_storage(cfg, comm)
     if cfg.log_level is not None:
         # the `zerotrain` logger (zerotrain.utils.logger, DeepSpeed's deepspeed.utils.logger)
@@ -142,6 +142,8 @@ def initialize(
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_numel=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
+            shards_on_host=zero.stage == 3 and zero.offload_param.device == "cpu",
+            pin_memory=zero.offload_param.pin_memory,
         ),
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
@@ -257,9 +259,8 @@ def _check_node_local_storage(cfg: ZeroTrainConfig, comm: Communicator) -> None:
         )
 
 
-def _check_offload(cfg: ZeroTrainConfig, device: torch.device, rank: int) -> None:
-    """Stage-3 parameter offload is not implemented from a GPU yet (on a CPU device the shards
-    are in host memory already); below stage 3 offload_param is not read, as in DeepSpeed."""
+def _check_offload(cfg: ZeroTrainConfig, rank: int) -> None:
+    """Below stage 3 offload_param is not read, as in DeepSpeed: say so."""
     zero = cfg.zero_optimization
     if zero.stage < 3 and zero.offload_param.device != "none" and rank == 0:
         warnings.warn(
@@ -267,12 +268,6 @@ def _check_offload(cfg: ZeroTrainConfig, device: torch.device, rank: int) -> Non
             f"stage {zero.stage}: only stage 3 partitions parameters (as in DeepSpeed); use "
             "offload_optimizer to move the optimizer states",
             stacklevel=3,
-        )
-    if zero.stage == 3 and zero.offload_param.device == "cpu" and device.type != "cpu":
-        raise ConfigError(
-            "zero_optimization.offload_param.device: cpu asks to keep stage 3's parameter shards "
-            f"in host memory while training on {device.type}; zerotrain does not offload "
-            'parameters from a GPU yet. Set it to "none" (offload_optimizer works)'
         )
 
 

@@ -163,8 +163,11 @@ class OffloadOptimizerConfig(_OffloadSection):
 
 class OffloadParamConfig(_OffloadSection):
     """`zero_optimization.offload_param`: where stage 3 keeps the parameter shards between uses
-    (DeepSpeed's ZeRO-Infinity parameter offload). The keys other than `device` tune DeepSpeed's
-    transfers and have no effect on a CPU device. Read at stage 3 only, as DeepSpeed does."""
+    (DeepSpeed's ZeRO-Infinity parameter offload): `cpu` keeps them in host memory and copies
+    each to the device ahead of its all-gather, in the prefetch order of stage 3. Read at stage
+    3 only, as DeepSpeed does. `buffer_count`, `buffer_size` and `max_in_cpu` size DeepSpeed's
+    NVMe parameter buffers and have no effect (the stage-3 prefetch bounds,
+    `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`, bound what is on the device)."""
 
     buffer_count: NonNegativeInt = 5
     """NVMe buffer pool size."""

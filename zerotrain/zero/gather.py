@@ -72,6 +72,7 @@ from zerotrain.comm import Communicator, PendingOp
 from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.zero.init import ZeroParamStatus, gather_param, is_init_partitioned, mark_partitioned
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, point_params_at
+from zerotrain.zero.offload import host_tensor
 from zerotrain.zero.units import assign_units, find_unit_modules
 
 
@@ -83,18 +84,23 @@ class Stage3Options:
     max_live_numel: int = ZERO_DEFAULTS.stage3_max_live_parameters
     max_reuse_numel: int = ZERO_DEFAULTS.stage3_max_reuse_distance
     persistence_threshold: int = ZERO_DEFAULTS.stage3_param_persistence_threshold  # per unit here
+    shards_on_host: bool = False  # offload_param: shards between uses in host memory
+    pin_memory: bool = True  # offload_param.pin_memory (CUDA)
 
 
 class BucketGathers:
     """Parameter all-gathers in flight, by bucket (see [Note: waiting for parameters])."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, stage_shards: bool = False):
         self.comm = comm
+        self.stage_shards = stage_shards  # shards live in host memory: copy each to the device
         self._ops: dict[int, PendingOp] = {}  # id(bucket) -> its all-gather
 
     def issue(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """Start gathering ``bucket.flat_param`` from every rank's ``shard``."""
         flat_param = bucket.require_flat_param()
+        if self.stage_shards:
+            shard = _to_device(shard, flat_param)
         self._ops[id(bucket)] = self.comm.all_gather(flat_param, shard, async_op=True)
 
     def wait(self, buckets) -> None:
@@ -427,7 +433,7 @@ class ParamResidency:
         self.partition = partition
         self.stage3 = stage3
         self.overlap_param_gather = overlap_param_gather
-        self.in_flight = BucketGathers(comm)
+        self.in_flight = BucketGathers(comm, stage_shards=stage3.shards_on_host)
         self.buckets: list[FlatBucket] = []
 
     # -- building the layout -----------------------------------------------------------------------
@@ -498,6 +504,10 @@ class ParamResidency:
     def persistent_numel(self) -> int:
         """Elements kept whole on every rank although parameters are sharded."""
         return 0
+
+    def host_param_tensors(self) -> list[torch.Tensor]:
+        """The parameter shards kept in host memory (``offload_param``): none here."""
+        return []
 
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter storage this rank holds (for memory accounting)."""
@@ -578,6 +588,9 @@ class GatheredForUse(ParamResidency):
             )
             self.comm.all_gather(bucket.flat_param, bucket.param_shard)
             bucket.param_shard = bucket.shard(bucket.flat_param)
+        elif self.stage3.shards_on_host:  # offload_param: a host copy, not a view of the master
+            host = host_tensor(bucket.shard_numel, bucket.dtype, pin=self.stage3.pin_memory)
+            bucket.param_shard = host.copy_(bucket.param_shard)
         return master_fp32
 
     def start(self) -> None:
@@ -649,6 +662,19 @@ class GatheredForUse(ParamResidency):
     @property
     def persistent_numel(self) -> int:
         return sum(u.numel for u in self.gatherer.units if u.persistent)
+
+    def host_param_tensors(self) -> list[torch.Tensor]:
+        if not self.stage3.shards_on_host:
+            return []
+        return [b.require_param_shard() for b in self.buckets if b.unit not in self._persistent]
+
+
+def _to_device(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host shard (``offload_param``) brought to the device for its all-gather; the copy is
+    asynchronous from pinned memory and ordered before the gather on the current stream."""
+    staged = torch.empty(shard.numel(), dtype=like.dtype, device=like.device)
+    staged.copy_(shard, non_blocking=True)
+    return staged
 
 
 def _own_params(module: nn.Module, bucket_of: dict[int, FlatBucket]) -> list[nn.Parameter]:

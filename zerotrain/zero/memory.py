@@ -122,7 +122,7 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     """Bytes of model states ``group`` holds on this rank, from the allocated storage (each
     storage once): ``parameters``, ``gradients``, ``optimizer_states`` (fp32 masters that are
     separate copies, plus the optimizer's state) and their ``total``, on the device; and off it
-    ``offloaded`` (host masters, state and gradients), ``staging`` (the host buffers that carry
+    ``offloaded`` (host masters, state and gradients, parameter shards), ``staging`` (the host buffers that carry
     data to and from the device or disk) and ``disk`` (NVMe working files)."""
     seen: set[int] = set()
 
@@ -135,10 +135,11 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
                 total += storage.nbytes()
         return total
 
+    store = group.store
+    # first what is off the device (nbytes counts each storage once): the rest is on it
+    offloaded = nbytes(store.offloaded_tensors()) + nbytes(group.residency.host_param_tensors())
     params = nbytes(group.residency.param_tensors())
     grads = nbytes(group.reduction.grad_buffers())
-    store = group.store
-    offloaded = nbytes(store.offloaded_tensors())  # first: the rest is on the device
     optim = nbytes(store.held_tensors())
     return {
         "parameters": params,

@@ -45,12 +45,14 @@ from zerotrain.zero.offload import (
     OffloadOptions,
     Ring,
     check_host_memory,
+    configure_host_threads,
     gib,
     local_ranks,
     needs_whole_parameters,
     probe_optimizer,
+    quiesce_device,
 )
-from zerotrain.zero.store import OptimizerOver, Placement, ShardStore
+from zerotrain.zero.store import OptimizerOver, Placement, ShardStore, masters_alias_params
 from zerotrain.zero.swap import AioOptions, SwapFile, aligned_empty
 
 _EMPTY = torch.empty(0)  # the data of a sub-group that is not in a staging set
@@ -240,6 +242,7 @@ class NvmeShardStore(ShardStore):
     def _walk(self, order: list[SubGroup], param_shards, *, step: bool) -> None:
         """Stage each sub-group of ``order`` in turn (reads ahead, writes behind), step it if
         ``step``, and send its master to its parameter shard."""
+        quiesce_device()
         count = len(self._sets)
         # read k + ahead while k is stepped: into the set of k - 2 (its writes are then done)
         # where there are sets enough, else of k - 1, else (one set) no overlap at all
@@ -425,6 +428,8 @@ class NvmePlacement(HostPlacement):
     ) -> ShardStore:
         global _files
         options = self.options
+        if masters_fp32 and masters_fp32[0].is_cuda:  # a CPU device trains on these threads
+            configure_host_threads()
         probe = probe_optimizer(optimizer_over, len(masters_fp32))
         if needs_whole_parameters(probe):
             raise ConfigError(
@@ -467,8 +472,9 @@ class NvmePlacement(HostPlacement):
             part = staging[: group.numel]
             part.copy_(masters_fp32[group.bucket][group.start : group.end])
             swap.write(group.slot, part).result()
+        alias = masters_alias_params(precision, masters_fp32, param_parts)
         device_masters: list[torch.Tensor | None] = [
-            None if host else (master.clone() if precision.has_master_copy else part)
+            None if host else (part if alias else master.clone())
             for master, part, host in zip(masters_fp32, param_parts, on_host, strict=True)
         ]
         tensors = [
@@ -482,7 +488,7 @@ class NvmePlacement(HostPlacement):
             layout,
             optimizer_over(tensors),
             swap,
-            masters_alias_params=not precision.has_master_copy,
+            masters_alias_params=alias,
             param_dtype=precision.param_dtype,
             options=options,
         )

@@ -37,7 +37,13 @@ from zerotrain.config import ConfigError
 from zerotrain.fmt import quantity
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero.store import InMemoryShardStore, OptimizerOver, Placement, ShardStore
+from zerotrain.zero.store import (
+    InMemoryShardStore,
+    OptimizerOver,
+    Placement,
+    ShardStore,
+    masters_alias_params,
+)
 from zerotrain.zero.swap import AioOptions
 
 
@@ -130,6 +136,13 @@ class Ring:
 
     def nbytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in self.buffers)
+
+
+def quiesce_device() -> None:
+    """CUDA-only: wait for the device's queued work before the host writes memory that queued
+    copies may still read (offload_param's host shards, read by asynchronous copies)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 class BucketNorms:
@@ -238,6 +251,7 @@ class OffloadedShardStore(InMemoryShardStore):
 
     # -- parameters out -------------------------------------------------------------------------
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
+        quiesce_device()
         # The first buckets' parameters are needed last in forward: send the last ones first.
         for index in reversed(range(len(self._masters))):
             master, target = self._masters[index], param_shards[index]
@@ -350,6 +364,28 @@ def device_budget(device: torch.device) -> int | None:
     return max(0, int(free - AUTO_HEADROOM * total))
 
 
+def host_cores_for_rank(cores: list[int], local_rank: int, ranks: int) -> list[int]:
+    """The cores a rank's host optimizer step runs on: its equal share of ``cores`` (all of
+    them when there are fewer than two per rank: pinning would then only hurt)."""
+    share = len(cores) // max(1, ranks)
+    if ranks <= 1 or share < 2:
+        return cores
+    return cores[local_rank * share : (local_rank + 1) * share]
+
+
+def configure_host_threads() -> int:
+    """CUDA-only: give the host step this rank's share of the cores (torchrun sets
+    OMP_NUM_THREADS=1 per rank, which would run the step on one core) and pin the rank to
+    them when there are enough. ``ZEROTRAIN_HOST_THREADS`` overrides the count. Returns it."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    mine = host_cores_for_rank(cores, int(os.environ.get("LOCAL_RANK", "0")), local_ranks())
+    if mine and mine != cores:
+        os.sched_setaffinity(0, mine)
+    threads = int(os.environ.get("ZEROTRAIN_HOST_THREADS", "0")) or max(1, len(mine))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def local_ranks() -> int:
     """Ranks sharing this node's host memory (torchrun's LOCAL_WORLD_SIZE)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -369,6 +405,8 @@ class HostPlacement(Placement):
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
         options = self.options
+        if masters_fp32 and masters_fp32[0].is_cuda:  # a CPU device trains on these threads
+            configure_host_threads()
         probe = probe_optimizer(optimizer_over, len(masters_fp32))
         state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
         on_host = self.on_host([m.numel() for m in masters_fp32], state_bytes, precision)
@@ -379,18 +417,19 @@ class HostPlacement(Placement):
             local_ranks=local_ranks(),
             available=available_host_memory(),
         )
+        alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = []
         for master, part, host in zip(masters_fp32, param_parts, on_host, strict=True):
             if host:
                 masters.append(host_tensor(master.numel(), torch.float32, pin=False))
                 masters[-1].copy_(master)
             else:
-                masters.append(master.clone() if precision.has_master_copy else part)
+                masters.append(part if alias else master.clone())
         return OffloadedShardStore(
             masters,
             on_host,
             optimizer_over([[m] for m in masters]),
-            masters_alias_params=not precision.has_master_copy,
+            masters_alias_params=alias,
             param_dtype=precision.param_dtype,
             options=options,
         )

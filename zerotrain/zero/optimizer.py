@@ -305,4 +305,5 @@ class ZeroOptimizer:
             optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
             persistent_numel=self.group.residency.persistent_numel,
             offload=self.store.offloaded_numel() / max(1, sum(numels)),
+            offload_params=self.group.residency.stage3.shards_on_host,
         )

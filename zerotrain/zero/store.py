@@ -222,6 +222,10 @@ class DeviceShardStore(InMemoryShardStore):
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
         if self.masters_alias_params:
             return
+        if param_shards and param_shards[0].device != self._masters[0].device:
+            for target, master in zip(param_shards, self._masters, strict=True):
+                target.copy_(master)  # offload_param: host shards (a copy ordered on the stream)
+            return
         torch._foreach_copy_(param_shards, self._masters)
 
     def release_grads(self) -> None:
@@ -242,13 +246,21 @@ class Placement:
     ) -> ShardStore:
         """The store over each bucket's optimizer part: ``masters_fp32`` its fp32 values (they
         may alias ``param_parts``, the model's own copy, in fp32 training)."""
-        # fp32 training: the master is the model's own copy of this rank's part
+        alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = [
-            master.clone() if precision.has_master_copy else part
+            part if alias else master.clone()
             for master, part in zip(masters_fp32, param_parts, strict=True)
         ]
         return DeviceShardStore(
-            masters,
-            optimizer_over([[m] for m in masters]),
-            masters_alias_params=not precision.has_master_copy,
+            masters, optimizer_over([[m] for m in masters]), masters_alias_params=alias
         )
+
+
+def masters_alias_params(
+    precision: PrecisionPolicy, masters_fp32: list[torch.Tensor], param_parts: list[torch.Tensor]
+) -> bool:
+    """fp32 training: the master is the model's own copy of this rank's part, unless that copy
+    lives elsewhere (offload_param keeps stage 3's shards in host memory)."""
+    return not precision.has_master_copy and all(
+        m.device == p.device for m, p in zip(masters_fp32, param_parts, strict=True)
+    )
