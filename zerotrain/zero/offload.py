@@ -328,7 +328,8 @@ def check_host_memory(
     if total <= available:
         return
     per_rank = (
-        f"fp32 masters {gib(needed.masters)}, optimizer state {gib(needed.optimizer_state)}, "
+        ("staging sets of buffer_count sub-groups: " if nvme else "")
+        + f"fp32 masters {gib(needed.masters)}, optimizer state {gib(needed.optimizer_state)}, "
         f"fp32 gradients {gib(needed.gradients)}, transfer ring {gib(needed.staging)}"
     )
     first = (
