@@ -330,3 +330,48 @@ def test_lamb_offloaded_to_cpu_equals_in_memory():
         states.append(engine.consolidated_state_dict())
     for key, value in states[0].items():
         assert torch.equal(states[1][key], value), key
+
+
+def train_deferred(stages):
+    """Stage 3, and stage 2 with overlap_param_gather: the host buckets' steps wait for their
+    next use, under a scheduler that changes the learning rate every step."""
+    from zerotrain.comm import Communicator
+
+    comm = Communicator()
+    out = {}
+    for stage in stages:
+        for name in ("none", "cpu-half"):
+            torch.manual_seed(0)
+            model = AwkwardModel()
+            config = _config(stage, VARIANTS[name], zero={"overlap_param_gather": stage < 3})
+            config["scheduler"] = {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": LR, "warmup_num_steps": 4},
+            }
+            engine, optimizer, *_ = zerotrain.initialize(
+                model=model, model_parameters=param_groups(model, WD), config=config
+            )
+            idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
+            deferred = []
+            in_flight = optimizer.group.residency.in_flight
+            run_steps(
+                engine,
+                idx,
+                tgt,
+                MICRO,
+                ACCUM,
+                comm.world_size,
+                comm.rank,
+                after_step=lambda _, f=in_flight, d=deferred: d.append(f.deferred),
+            )
+            out[(stage, name)] = (engine.consolidated_state_dict(), deferred)
+    return out
+
+
+def test_a_deferred_host_step_runs_at_the_next_use_with_its_own_learning_rate():
+    for results in run_distributed(train_deferred, 2, [2, 3]):
+        for stage in (2, 3):
+            (want, _), (got, deferred) = results[(stage, "none")], results[(stage, "cpu-half")]
+            assert all(deferred), deferred  # host buckets waited for the next forward
+            for key, value in want.items():
+                assert torch.equal(got[key], value), (stage, key)

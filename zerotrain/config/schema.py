@@ -260,9 +260,10 @@ class ZeroOptimizationConfig(Section):
     overlap_param_gather: bool = False
     """Stages 1-2: all-gather the updated parameters during the next forward instead of at the
     end of `step()`, bucket by bucket, each module waiting only for the buckets that hold its
-    own parameters (DeAR, arXiv:2302.12445); same numerics. A zerotrain key. Code that reads a
-    parameter in the forward of a module that does not own it, before the owner ran, must
-    leave it false."""
+    own parameters (DeAR, arXiv:2302.12445); same numerics. With optimizer offload to `cpu`, the
+    host buckets' steps are deferred to their next use too (docs/offload.md). A zerotrain key.
+    Code that reads a parameter in the forward of a module that does not own it, before the
+    owner ran, must leave it false."""
     contiguous_gradients: bool = True
     """Accepted for DeepSpeed compatibility, without effect: gradients always accumulate in (or
     are copied to) contiguous bucket buffers."""

@@ -11,6 +11,15 @@ in :class:`BucketGathers`, and whoever needs its values waits there, for that bu
 * :class:`GatheredForUse` (stage 3): the units' life cycle below. Persistent units are
   refreshed after the step like stages 1-2's buckets, and each waits at its next use.
 
+[Note: a step deferred to the next use]
+A store that steps on the host (zerotrain/zero/offload.py) may leave buckets to be stepped
+later, where the forward waits per bucket anyway (stage 3; stages 1-2 with
+``overlap_param_gather``): the bucket's step then runs when its parameters are next gathered or
+waited for, in the order the forward needs them, so on CUDA the host steps a later layer's
+bucket while the device runs the earlier layers' forward. :class:`BucketGathers` holds the
+deferred calls; every path that reads parameters (a gather, a wait, ``wait()`` before a
+backward, a step or a checkpoint) runs them first, and they run in the same order on every rank.
+
 
 [Note: the life of a stage-3 unit]
 Between uses a unit's parameters are empty placeholders and only this rank's shard
@@ -95,17 +104,40 @@ class BucketGathers:
         self.comm = comm
         self.stage_shards = stage_shards  # shards live in host memory: copy each to the device
         self._ops: dict[int, PendingOp] = {}  # id(bucket) -> its all-gather
+        # id(bucket) -> what must run before its shard is read: a deferred optimizer step (and,
+        # stages 1-2, the gather itself); see [Note: a step deferred to the next use]
+        self._before: dict[int, Callable[[], None]] = {}
+
+    def defer(self, bucket: FlatBucket, before: Callable[[], None]) -> None:
+        """Run ``before`` when ``bucket`` is next gathered or waited for (or at :meth:`flush`)."""
+        self._before[id(bucket)] = before
+
+    def _run_before(self, bucket: FlatBucket) -> None:
+        before = self._before.pop(id(bucket), None)
+        if before is not None:
+            before()
+
+    def flush(self) -> None:
+        """Run every deferred call, in the order they were deferred (the same on every rank)."""
+        while self._before:
+            self._before.pop(next(iter(self._before)))()
+
+    @property
+    def deferred(self) -> int:
+        return len(self._before)
 
     def issue(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """Start gathering ``bucket.flat_param`` from every rank's ``shard``."""
+        self._run_before(bucket)  # a deferred step writes ``shard``
         flat_param = bucket.require_flat_param()
         if self.stage_shards:
             shard = _to_device(shard, flat_param)
         self._ops[id(bucket)] = self.comm.all_gather(flat_param, shard, async_op=True)
 
     def wait(self, buckets) -> None:
-        """Complete the gathers of ``buckets`` that are in flight."""
+        """Complete the gathers of ``buckets`` that are in flight (or deferred)."""
         for bucket in buckets:
+            self._run_before(bucket)
             op = self._ops.pop(id(bucket), None)
             if op is not None:
                 op.wait()
@@ -475,11 +507,23 @@ class ParamResidency:
         """The model's copy (training dtype) of the part this rank's optimizer steps."""
         return self.partition.part(bucket, bucket.require_flat_param())
 
-    def publish(self) -> None:
-        """The optimizer wrote its part of every bucket: make the parameters current."""
+    def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
+        """The optimizer wrote its part of every bucket, or will: ``deferred`` maps a bucket
+        index to the call that steps it and writes its part (see [Note: a step deferred to the
+        next use]). Make the parameters current, each by its next use at the latest."""
+        for index, finish in (deferred or {}).items():
+            self.in_flight.defer(self.buckets[index], finish)
+
+    @property
+    def defers_use(self) -> bool:
+        """Whether each use in forward waits for its own buckets, so that the optimizer may
+        step a bucket as late as its first use."""
+        return False
 
     def wait(self, buckets=None) -> None:
         """Finish gathering ``buckets`` (default: all): their values are current after this."""
+        if buckets is None:
+            self.in_flight.flush()
         self.in_flight.wait(self.buckets if buckets is None else buckets)
 
     def holds_whole(self, param: nn.Parameter) -> bool:
@@ -532,10 +576,19 @@ class GatheredAfterStep(ParamResidency):
                 buckets = sorted(own.values(), key=self.buckets.index, reverse=True)
                 module.register_forward_pre_hook(_waiter(self.in_flight, buckets))
 
-    def publish(self) -> None:
+    @property
+    def defers_use(self) -> bool:
+        return self.overlap_param_gather
+
+    def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
+        deferred = deferred or {}
         # Buckets hold parameters in reverse order: the forward needs the last one first.
-        for bucket in reversed(self.buckets):
-            self.in_flight.issue(bucket, bucket.shard(bucket.require_flat_param()))
+        for index in reversed(range(len(self.buckets))):
+            bucket = self.buckets[index]
+            if index in deferred:  # step it, then gather it, at its first use
+                self.in_flight.defer(bucket, _then_gather(deferred[index], self.in_flight, bucket))
+            else:
+                self.in_flight.issue(bucket, bucket.shard(bucket.require_flat_param()))
         if not self.overlap_param_gather:
             self.wait()
 
@@ -626,10 +679,16 @@ class GatheredForUse(ParamResidency):
     def param_part(self, bucket: FlatBucket) -> torch.Tensor:
         return bucket.require_param_shard()
 
-    def publish(self) -> None:
+    @property
+    def defers_use(self) -> bool:
+        return True
+
+    def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
+        super().publish(deferred)  # deferred steps run before their bucket's next gather
         self.gatherer.refresh_persistent()  # the others gather at their next use
 
     def wait(self, buckets=None) -> None:
+        self.in_flight.flush()
         self.gatherer.wait_all()
 
     def holds_whole(self, param: nn.Parameter) -> bool:
@@ -667,6 +726,16 @@ class GatheredForUse(ParamResidency):
         if not self.stage3.shards_on_host:
             return []
         return [b.require_param_shard() for b in self.buckets if b.unit not in self._persistent]
+
+
+def _then_gather(
+    finish: Callable[[], None], in_flight: BucketGathers, bucket: FlatBucket
+) -> Callable[[], None]:
+    def finish_then_gather() -> None:
+        finish()
+        in_flight.issue(bucket, bucket.shard(bucket.require_flat_param()))
+
+    return finish_then_gather
 
 
 def _to_device(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

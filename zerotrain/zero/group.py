@@ -108,6 +108,7 @@ class ShardGroup:
         self.store = store
         self.num_params = sum(b.numel for b in buckets)
         self.state = GroupState.IDLE
+        self._deferred: dict[int, Callable[[], None]] = {}  # bucket -> its deferred step
 
     def _enter(self, state: GroupState) -> None:
         if state not in _ALLOWED[self.state] and debug_checks():
@@ -143,11 +144,21 @@ class ShardGroup:
         self._enter(GroupState.STEP)
         self.store.attach_grads(self.reduction.reduced_grads())
 
+    def step_store(self) -> None:
+        """The store's step over the reduced gradients (attached by :meth:`begin_step`):
+        deferred bucket by bucket to each one's next use where the residency allows it."""
+        parts = self.param_parts()
+        if self.residency.defers_use:
+            self._deferred = self.store.step_deferred(parts)
+        else:
+            self.store.step(parts)
+
     def end_step(self, applied: bool) -> None:
-        """After the store stepped (and wrote the parameter parts: ``applied``) or skipped:
-        publish, drop the gradients."""
+        """After the store stepped (and wrote the parameter parts, or will: ``applied``) or
+        skipped: publish, drop the gradients."""
         if applied:
-            self.residency.publish()
+            self.residency.publish(self._deferred)
+            self._deferred = {}
         self.store.release_grads()
         self.reduction.zero_grads()
         self._enter(GroupState.IDLE)

@@ -169,6 +169,39 @@ class BucketNorms:
         return torch.stack(norms).float().square().sum()
 
 
+class _DeferredStep:
+    """One host bucket's share of a deferred step: its gradient, its target, the step's
+    hyperparameters."""
+
+    def __init__(self, store, index: int, grad, target: torch.Tensor, hyper: list[dict]):
+        self.store, self.index, self.grad, self.target, self.hyper = (
+            store,
+            index,
+            grad,
+            target,
+            hyper,
+        )
+
+    def run(self) -> None:
+        store = self.store
+        if store._deferred.pop(self.index, None) is None:
+            return  # ran already (a state access settled it)
+        master = store._masters[self.index]
+        groups = store.optimizer.param_groups
+        now = [{k: g[k] for k in h} for g, h in zip(groups, self.hyper, strict=True)]
+        for group, hyper in zip(groups, self.hyper, strict=True):
+            group.update(hyper)
+        master.grad = self.grad
+        try:
+            store.optimizer.step()  # only this master has a gradient
+        finally:
+            master.grad = None
+            for group, current in zip(groups, now, strict=True):
+                group.update(current)
+        assert store._ring is not None
+        store._ring.send(master, self.target)
+
+
 class OffloadedShardStore(InMemoryShardStore):
     """The masters of host buckets in host memory, stepped there; the others on the device
     (see [Note: the offload hand-off]). One torch optimizer steps them all."""
@@ -203,6 +236,7 @@ class OffloadedShardStore(InMemoryShardStore):
         self._norms = BucketNorms(len(masters))  # taken this step
         self._copied: list[torch.cuda.Event | None] = [None] * len(masters)
         self._side_stream = None  # CUDA-only: the device-to-host gradient copies
+        self._deferred: dict[int, _DeferredStep] = {}  # host buckets not stepped yet
 
     # -- gradients in ---------------------------------------------------------------------------
     def take_reduced(self, index: int, grad: torch.Tensor) -> None:
@@ -249,8 +283,38 @@ class OffloadedShardStore(InMemoryShardStore):
         for device in {g.device for g in grads}:
             torch._foreach_mul_([g for g in grads if g.device == device], factor)
 
+    # -- a step deferred to each bucket's next use ----------------------------------------------
+    def step_deferred(self, param_shards: list[torch.Tensor]) -> dict[int, Callable[[], None]]:
+        """Step the device buckets now and return the host buckets' steps, each to run at its
+        bucket's next use (see [Note: a step deferred to the next use] in gather.py)."""
+        if needs_whole_parameters(self.optimizer):  # one collective step over every bucket
+            self.step(param_shards)
+            return {}
+        self._settle()
+        hosted = [i for i, host in enumerate(self.on_host) if host]
+        grads = {i: self._masters[i].grad for i in hosted}
+        for index in hosted:  # out of the device buckets' step
+            self._masters[index].grad = None
+        if len(hosted) < len(self._masters):
+            self.optimizer.step()
+            for index, host in enumerate(self.on_host):
+                if not host and not self.masters_alias_params:
+                    param_shards[index].copy_(self._masters[index])
+        # this step's hyperparameters: a scheduler changes them before the deferred steps run
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        quiesce_device()
+        self._deferred = {
+            i: _DeferredStep(self, i, grads[i], param_shards[i], hyper) for i in hosted
+        }
+        return {i: step.run for i, step in self._deferred.items()}
+
+    def _settle(self) -> None:
+        for step in list(self._deferred.values()):
+            step.run()
+
     # -- parameters out -------------------------------------------------------------------------
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
+        self._settle()
         quiesce_device()
         # The first buckets' parameters are needed last in forward: send the last ones first.
         for index in reversed(range(len(self._masters))):

@@ -207,7 +207,7 @@ class ZeroOptimizer:
             if self.gradient_clipping > 0:
                 clip = min(1.0, self.gradient_clipping / (norm + 1e-6))
             self.store.scale_grads(inv_scale * clip)
-            self.store.step(self.group.param_parts())
+            self.group.step_store()
         self.group.end_step(applied=not overflow)
         return not overflow
 

@@ -79,6 +79,13 @@ class ShardStore(ABC):
         self.optimizer.step()
         self.write_params(param_shards)
 
+    def step_deferred(self, param_shards: list[torch.Tensor]) -> dict[int, Callable[[], None]]:
+        """Like :meth:`step`, but the store may leave buckets to step later: returns, per such
+        bucket index, the call that steps it and writes its parameter shard, with this step's
+        hyperparameters (see [Note: a step deferred to the next use] in gather.py)."""
+        self.step(param_shards)
+        return {}
+
     @abstractmethod
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
         """Copy the masters into the model's (possibly lower-precision) shards."""
@@ -89,9 +96,11 @@ class ShardStore(ABC):
 
     def optimizer_state_dict(self) -> dict:
         """The torch optimizer's ``state_dict()`` (``ZeroOptimizer.state_dict``)."""
+        self._settle()
         return self.optimizer.state_dict()
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        self._settle()
         self.optimizer.load_state_dict(state_dict)
 
     # -- state, piecewise (checkpoints) ------------------------------------------------------------
@@ -118,8 +127,12 @@ class ShardStore(ABC):
     def reset_element_state(self, keys: list[str]) -> None:
         """Replace the optimizer's state by zeroed ``keys`` on every master (to be loaded)."""
 
+    def _settle(self) -> None:  # noqa: B027 (a hook: optional)
+        """Finish deferred steps (see :meth:`step_deferred`) before the state is read."""
+
     def scalar_state(self) -> list[dict]:
         """Per optimizer group, the state entries that are not per element (Adam's ``step``)."""
+        self._settle()
         element_keys = set(self.element_state_keys())
         out = []
         for group in self.optimizer.param_groups:
@@ -129,6 +142,7 @@ class ShardStore(ABC):
 
     def load_scalar_state(self, hyperparameters: list[dict], scalars: list[dict]) -> None:
         """Per optimizer group: update its hyperparameters and set its scalar state."""
+        self._settle()
         for group, hyper, group_scalars in zip(
             self.optimizer.param_groups, hyperparameters, scalars, strict=True
         ):
@@ -151,6 +165,7 @@ class InMemoryShardStore(ShardStore):
 
     def master_shards(self) -> list[torch.Tensor]:
         """The fp32 master tensors, one per bucket, in bucket order."""
+        self._settle()
         return self._masters
 
     def master_numels(self) -> list[int]:
@@ -160,6 +175,7 @@ class InMemoryShardStore(ShardStore):
         return self._masters
 
     def element_state_keys(self) -> list[str]:
+        self._settle()
         for master in self._masters:
             state = self.optimizer.state.get(master)
             if state:
@@ -169,6 +185,7 @@ class InMemoryShardStore(ShardStore):
         return []
 
     def state_tensor(self, master: int, key: str) -> torch.Tensor:
+        self._settle()
         tensor = self._masters[master]
         return tensor if key == "master" else self.optimizer.state[tensor][key]
 
@@ -179,6 +196,7 @@ class InMemoryShardStore(ShardStore):
                 target.copy_(value.view_as(target))
 
     def reset_element_state(self, keys: list[str]) -> None:
+        self._settle()
         for master in self._masters:  # every key on every master, padding-only too
             self.optimizer.state.pop(master, None)
             self.optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
