@@ -190,11 +190,13 @@ def test_offload_gpt2_equals_in_memory_bit_for_bit():
                     assert torch.equal(got[key], value), (stage, name, key)
 
 
-def _engine(stage: int, offload: dict):
+def _engine(stage: int, offload: dict, zero: dict | None = None):
     torch.manual_seed(0)
     model = AwkwardModel()
     engine, *_ = zerotrain.initialize(
-        model=model, model_parameters=param_groups(model, WD), config=_config(stage, offload)
+        model=model,
+        model_parameters=param_groups(model, WD),
+        config=_config(stage, offload, zero=zero),
     )
     return engine
 
@@ -375,3 +377,21 @@ def test_a_deferred_host_step_runs_at_the_next_use_with_its_own_learning_rate():
             assert all(deferred), deferred  # host buckets waited for the next forward
             for key, value in want.items():
                 assert torch.equal(got[key], value), (stage, key)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_loaded_while_steps_are_deferred_trains_on_exactly(tmp_path, stage):
+    overlap = {"overlap_param_gather": stage == 2}
+    straight = _engine(stage, VARIANTS["none"], overlap)
+    _train(straight, range(4))
+    saver = _engine(stage, VARIANTS["cpu"], overlap)
+    _train(saver, range(2))
+    saver.save_checkpoint(tmp_path, tag="two")  # with the host steps still deferred
+    loader = _engine(stage, VARIANTS["cpu"], overlap)
+    _train(loader, range(1))
+    assert loader.optimizer.group.residency.in_flight.deferred  # pending when it loads
+    loader.load_checkpoint(tmp_path, tag="two")
+    _train(loader, range(2, 4))
+    want = straight.consolidated_state_dict()
+    for key, value in loader.consolidated_state_dict().items():
+        assert torch.equal(value, want[key]), key

@@ -129,6 +129,9 @@ class BucketGathers:
     def issue(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """Start gathering ``bucket.flat_param`` from every rank's ``shard``."""
         self._run_before(bucket)  # a deferred step writes ``shard``
+        earlier = self._ops.pop(id(bucket), None)
+        if earlier is not None:  # never two gathers into one buffer at once
+            earlier.wait()
         flat_param = bucket.require_flat_param()
         if self.stage_shards:
             shard = _to_device(shard, flat_param)
