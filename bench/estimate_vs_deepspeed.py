@@ -109,6 +109,7 @@ def main() -> None:
         largest_layer=largest,
         root_and_largest_block=count.root_and_largest_block,
         persistent_numel=count.persistent,
+        largest_unit=count.largest_unit,
         max_live_numel=ZERO_DEFAULTS.stage3_max_live_parameters,
     )
     shape = TransformerShape(
@@ -224,6 +225,9 @@ def main() -> None:
         "zt CPU/node"
     )
 
+    def host_per_node(row) -> float:
+        return row.host.total * gpn  # what the offload preflight counts, x ranks per node
+
     def line(name, ds_gpu, row, ds_cpu, zt_cpu):
         peak = row.peak(checkpointing=False)  # rows without activations
         emit(
@@ -234,15 +238,18 @@ def main() -> None:
     line("stage 1, no offload", ds2[False][1], states_rows[1], ds2[False][0], "      -")
     line("stage 2, no offload", ds2[False][1], states_rows[2], ds2[False][0], "      -")
     line("stage 2, offload_optimizer=cpu", ds2[True][1], offload_rows[2], ds2[True][0],
-         g(offload_rows[2].states.offloaded * gpn))  # fmt: skip
+         g(host_per_node(offload_rows[2])))  # fmt: skip
     line("stage 3, no offload, zero_init=1", ds3[(False, False, True)][1], states_rows[3],
          ds3[(False, False, True)][0], "      -")  # fmt: skip
-    line("stage 3, offload optimizer+param, zi=1", ds3[(True, True, True)][1], offload_rows[3],
-         ds3[(True, True, True)][0], g(offload_rows[3].states.offloaded * gpn))  # fmt: skip
+    line("stage 3, offload_optimizer=cpu, zi=1", ds3[(True, False, True)][1], offload_rows[3],
+         ds3[(True, False, True)][0], g(host_per_node(offload_rows[3])))  # fmt: skip
     emit("* zt peak: model states plus the larger transient (stage-3 gathered parameters, or the")
     emit("  fp32 gradient copy of the optimizer step), activations left out as DeepSpeed does.")
 
     # -- why they differ ---------------------------------------------------------------------
+    o3_host = offload_rows[3].host
+    assert o3_host is not None
+    o3_states_per_node = (o3_host.total - o3_host.staging) * gpn  # all but the ring
     r1, r2, r3, o2, o3 = (
         states_rows[1],
         states_rows[2],
@@ -279,23 +286,27 @@ def main() -> None:
         f"{g(2 * count.root_and_largest_block).strip()}.",
         "5. additional_buffer_factor = 1.5: DeepSpeed multiplies every CPU figure by it; "
         "zerotrain adds no margin (its notes list what is not counted). With offload the "
-        f"host figures differ by exactly that factor: stage 3 optimizer+param, DeepSpeed "
-        f"18Ψ/nodes x 1.5 = {g(ds3[(True, True, True)][0]).strip()} vs zerotrain "
-        f"(16 + 2)Ψ/N x {gpn} = {g(o3.states.offloaded * gpn).strip()}, ratio "
-        f"{ds3[(True, True, True)][0] / (o3.states.offloaded * gpn):.2f}.",
+        "host figures differ by that factor and zerotrain's transfer ring: stage 3 "
+        f"offload_optimizer, DeepSpeed 16Ψ/nodes x 1.5 = {g(ds3[(True, False, True)][0]).strip()} "
+        f"vs zerotrain (4 + 8 + 4)Ψ/N x {gpn} = {g(o3_states_per_node).strip()} "
+        f"(ratio {ds3[(True, False, True)][0] / o3_states_per_node:.2f}) plus the "
+        f"ring, buffer_count x the largest unit's shard x 2 bytes x {gpn} = "
+        f"{g(o3_host.staging * gpn).strip()}.",
         "6. Stage 2 with offload, CPU. DeepSpeed: Ψ x max(4·N, 16) x 1.5 per node = "
         f"{g(ds2[True][0]).strip()}. Its 4·N term is like the no-offload loading term "
         "(4 bytes x processes) but with all N GPUs, not one node's; its 16Ψ term (fp32 masters, "
         f"Adam, fp32 gradients) is not divided by nodes or GPUs; with N = {n} the first wins. "
-        f"zerotrain counts the moved states per rank, (4 + 8 + 4)Ψ/N, x {gpn} ranks per node = "
-        f"{g(o2.states.offloaded * gpn).strip()}.",
+        "zerotrain counts what its offload allocates per rank, (4 + 8 + 4)Ψ/N and a ring of "
+        f"buffer_count x the largest bucket's shard, x {gpn} ranks per node = "
+        f"{g(host_per_node(o2)).strip()}.",
         "7. Offload, GPU. DeepSpeed's stage-2 offload keeps only the 16-bit parameters, 2Ψ "
-        f"({g(ds2[True][1]).strip()}), and stage-3 offload only 4·largest_layer "
-        f"({g(ds3[(True, True, True)][1]).strip()}): gradients stream to the host. zerotrain's "
-        "offload estimate keeps the gradient partition on the device (2Ψ/N): "
-        f"{g(o2.model_states).strip()} and {g(o3.model_states).strip()} of states, plus stage "
-        f"3's gathered parameters ({g(o3.gathered).strip()}). zerotrain cannot run offload "
-        "yet; these rows say what it would move.",
+        f"({g(ds2[True][1]).strip()}), and stage-3 optimizer offload 2Ψ/N + 4·largest_layer "
+        f"({g(ds3[(True, False, True)][1]).strip()}): gradients stream to the host. zerotrain's "
+        "offload keeps the gradient partition on the device (2Ψ/N) and copies it to its fp32 "
+        f"host buffers bucket by bucket: {g(o2.model_states).strip()} and "
+        f"{g(o3.model_states).strip()} of states, plus stage 3's gathered parameters "
+        f"({g(o3.gathered).strip()}). DeepSpeed's offload_param rows (parameter shards on the "
+        "host too) have no zerotrain estimate.",
         "8. CPU without offload. DeepSpeed reports host memory to load the model: zero_init=1 "
         "largest_layer x 4 x GPUs per node x 1.5, zero_init=0 Ψ x 4 x GPUs per node x 1.5 "
         f"({g(ds3[(False, False, False)][0]).strip()}: every process builds an fp32 copy). "

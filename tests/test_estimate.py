@@ -317,6 +317,94 @@ def test_estimate_matches_memory_breakdown_of_a_real_run():
     )
 
 
+OFFLOAD_RUNS = [  # (offload_optimizer.device, stage, dtype, buffer_count, sub_group_size)
+    ("cpu", 1, "bf16", 3, None),
+    ("cpu", 2, "fp32", 4, None),
+    ("cpu", 3, "bf16", 2, None),  # one bucket per gather unit: the ring holds the largest
+    ("nvme", 2, "bf16", 3, 2048),  # sub-groups smaller than the bucket
+    ("nvme", 3, "fp32", 4, 10**9),  # a sub-group is the whole bucket
+]
+
+
+@pytest.mark.parametrize(("device", "stage", "dtype", "buffer_count", "sub_group"), OFFLOAD_RUNS)
+def test_offload_estimate_is_what_the_preflight_counts(
+    monkeypatch, tmp_path, device, stage, dtype, buffer_count, sub_group
+):
+    """`zerotrain estimate --offload` gives, per rank, exactly the host bytes (and NVMe file
+    bytes) that the preflight of ``initialize`` checks for the same model and settings."""
+    import zerotrain
+    from zerotrain.zero import nvme, offload
+
+    checked = {}
+
+    def capture_host(needed, **kwargs):
+        checked["host"] = needed
+
+    def capture_disk(directory, needed, local_ranks):
+        checked["disk"] = needed
+
+    monkeypatch.setattr(offload, "check_host_memory", capture_host)
+    monkeypatch.setattr(nvme, "check_host_memory", capture_host)
+    monkeypatch.setattr(nvme, "check_disk", capture_disk)
+    section = {"device": device, "buffer_count": buffer_count, "nvme_path": str(tmp_path)}
+    zero = {"stage": stage, "offload_optimizer": section}
+    if sub_group is not None:
+        zero["sub_group_size"] = sub_group
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", **ODD_GPT))
+    count = count_parameters(model, persistence_threshold=0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    buckets = engine.optimizer.buckets
+    assert engine.optimizer.comm.world_size == 1
+    assert len(buckets) == (1 if stage < 3 else ODD_GPT["n_layer"] + 1)  # the case meant
+
+    job = TrainingJob(
+        trainable_params=count.trainable,
+        dtype=dtype,
+        offload=device,
+        stages=(stage,),
+        max_live_numel=10**9,
+        largest_unit=count.largest_unit,
+        buffer_count=buffer_count,
+        **({"sub_group_size": sub_group} if sub_group is not None else {}),
+    )
+    (row,) = estimate(job)
+    assert row.host == checked["host"]
+    assert row.disk == checked.get("disk", 0)
+    assert row.host.total > 0 and (device == "cpu") == ("disk" not in checked)
+
+
+def test_offload_host_memory_verdict_is_the_preflights(capsys):
+    argv = ["--params", "7B", "--gpus-per-node", "8", "--offload", "cpu", "--stage", "2"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)["rows"]
+    per_rank = 16 * 7 * 10**9 // 8 + 4 * (5 * 10**8 // 8) * 2  # masters, Adam, grads; ring
+    assert row["host_per_rank"]["total"] == per_rank
+    assert row["cpu_per_node"] == 8 * per_rank
+    fits, short = str(8 * per_rank), str(8 * per_rank - 1)
+    code, out, _ = run_cli(capsys, *argv, "--host-memory", fits, "--json")
+    (row,) = json.loads(out)["rows"]
+    assert row["host_fits"] == "yes" and "host_preflight" not in row
+    code, out, _ = run_cli(capsys, *argv, "--host-memory", short, "--json")
+    (row,) = json.loads(out)["rows"]
+    assert row["host_fits"] == "no"
+    assert row["host_preflight"].startswith(
+        "zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
+        "each rank needs 13.50 GiB of host memory"
+    )
+    code, out, _ = run_cli(capsys, *argv, "--host-memory", short)
+    assert table_rows(out)[2][-1] == "no"
+    assert "- stage 2: zero_optimization.offload_optimizer: this node cannot hold" in out
+
+
 def test_count_parameters_units_and_config():
     model = GPT(gpt_config("tiny", **ODD_GPT))
     count = count_parameters(model, persistence_threshold=100_000)
@@ -324,6 +412,7 @@ def test_count_parameters_units_and_config():
     assert count.trainable == model.num_parameters() and count.frozen == 0
     assert count.root_and_largest_block == count.trainable - sum(blocks) + max(blocks)
     assert count.persistent == count.trainable  # every unit below 100k elements
+    assert count.largest_unit == max(count.trainable - sum(blocks), *blocks)
     assert count.largest_layer == 35 * 140  # an MLP linear (35 -> 4x35, no bias) > 77 x 35
     assert count.config == {"hidden_size": 35, "layers": 3, "heads": 5, "vocab_size": 77}
     assert count_parameters(model, persistence_threshold=0).persistent == 0
@@ -394,13 +483,30 @@ def test_cli_activations_offload_and_json(capsys):
     act = activation_bytes(shape)
     assert row["activations"] == act.without_checkpointing
     assert row["activations_checkpointed"] == act.checkpointed_peak
-    psi, n = 6.74e9, 16
-    assert row["optimizer_states"] == 0 and row["parameters"] == 0  # all moved to the host
-    assert row["cpu_per_node"] == pytest.approx(8 * (16 * psi / n + 2 * psi / n))
-    assert "cannot run offload yet" in data["warning"]
-    code, out, _ = run_cli(capsys, *argv[:-1])  # the table says it too, before the numbers
-    assert "zerotrain cannot run offload yet" in out.split("stage")[0]
-    assert "CPU/node" in out
+    psi, n = 6_740_000_000, 16
+    # the optimizer partition on the host; stage 3's parameter shards stay on the device
+    assert row["optimizer_states"] == 0 and row["step_grads"] == 0
+    assert row["parameters"] == pytest.approx(2 * psi / n)
+    ring = 4 * (5 * 10**8 // n) * 2  # buffer_count x the largest bucket's shard x bf16
+    assert row["host_per_rank"] == {
+        "masters": 4 * psi // n,
+        "optimizer_state": 8 * psi // n,
+        "gradients": 4 * psi // n,
+        "staging": ring,
+        "total": 16 * psi // n + ring,
+    }
+    assert row["cpu_per_node"] == 8 * row["host_per_rank"]["total"]
+    assert "warning" not in data
+    code, out, _ = run_cli(capsys, *argv[:-1])
+    assert "offload_optimizer: cpu, ratio 1, buffer_count 4" in out.split("stage")[0]
+    assert "CPU/node" in out and "cannot run" not in out
+    code, out, _ = run_cli(capsys, *argv[:-2], "nvme", "--sub-group-size", "1e8", "--json")
+    (row,) = json.loads(out)["rows"]
+    sub_group = 10**8 // 1024 * 1024
+    largest = min(sub_group, 5 * 10**8 // n)  # a sub-group is at most a bucket's shard
+    assert row["host_per_rank"]["total"] == 4 * largest * (4 + 8 + 4 + 2)  # 4 sets and the ring
+    assert row["disk_per_rank"] == (4 + 8) * psi // n
+    assert row["nvme_per_node"] == 8 * row["disk_per_rank"]
 
 
 def test_cli_model_on_meta_device_and_hf_config(capsys, tmp_path):
@@ -485,6 +591,12 @@ def test_cli_model_path_that_is_not_python(capsys, tmp_path):
         (["--model", "tests.models:no_such_factory"], "no function or class 'no_such_factory'"),
         (["--model", "tests.models"], "expected module.path:factory"),
         (["--params", "7B", "--stage", "0", "--offload", "cpu"], "--offload needs ZeRO stage 1"),
+        (["--params", "7B", "--host-memory", "1TB"], "--host-memory: only with --offload"),
+        (
+            ["--params", "7B", "--offload", "cpu", "--sub-group-size", "1e8"],
+            "--sub-group-size: only with --offload nvme",
+        ),
+        (["--params", "7B", "--offload", "nvme", "--optimizer", "lamb"], "lamb needs whole"),
         (["--params", "7B", "--batch-size", "1", "--seq-len", "8"], "missing --hidden-size"),
         (
             ["--model", "tests.models:tiny_hf_gpt2", "--largest-layer", "5"],

@@ -274,7 +274,7 @@ def test_ratio_auto_keeps_on_the_device_what_fits(monkeypatch):
 
 
 def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
-    needed = host_bytes([3 << 30], state_bytes=8, param_itemsize=2, buffer_count=4)
+    needed = host_bytes(3 << 30, 3 << 30, state_bytes=8, param_itemsize=2, buffer_count=4)
     assert needed == HostBytes(12 << 30, 24 << 30, 12 << 30, 24 << 30)
     check_host_memory(needed, local_ranks=2, available=None)  # unknown: no check
     check_host_memory(needed, local_ranks=1, available=72 << 30)

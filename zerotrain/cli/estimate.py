@@ -99,6 +99,23 @@ _SHAPE_FLAGS = {
 }
 
 
+def _offload_settings(args: argparse.Namespace) -> dict[str, int]:
+    """The offload flags given, checked against ``--offload`` (they size nothing without it)."""
+    given = {
+        "--reduce-bucket-size": args.reduce_bucket_size,
+        "--buffer-count": args.buffer_count,
+        "--sub-group-size": args.sub_group_size,
+        "--host-memory": args.host_memory,
+    }
+    stray = [flag for flag, value in given.items() if value is not None]
+    if not args.offload and stray:
+        raise EstimateError(f"{', '.join(stray)}: only with --offload cpu or nvme")
+    if args.offload == "cpu" and args.sub_group_size is not None:
+        raise EstimateError("--sub-group-size: only with --offload nvme (cpu steps whole buckets)")
+    keys = {"reduce_bucket_size", "buffer_count", "sub_group_size"}
+    return {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+
+
 def _estimate_job(args: argparse.Namespace):
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import TrainingJob, TransformerShape, count_parameters
@@ -120,6 +137,7 @@ def _estimate_job(args: argparse.Namespace):
             "largest_layer": count.largest_layer,
             "root_and_largest_block": count.root_and_largest_block,
             "persistent_numel": count.persistent,
+            "largest_unit": count.largest_unit,
         }
         for key, value in count.config.items():  # the model's config fills what is not given
             if shape_values[key] is None:
@@ -133,9 +151,11 @@ def _estimate_job(args: argparse.Namespace):
                 + ("" if args.model else " (or --model with an HF-like .config)")
             )
         shape = TransformerShape(**shape_values)
+    offload = _offload_settings(args)
     try:
         return TrainingJob(
             **counts,
+            **offload,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
             dtype=args.dtype,
@@ -167,9 +187,9 @@ def _estimate_command(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     rows = estimate(job)
     if args.json:
-        print(json.dumps(to_json(job, rows, args.device_memory), indent=2))
+        print(json.dumps(to_json(job, rows, args.device_memory, args.host_memory), indent=2))
     else:
-        print(format_table(job, rows, args.device_memory))
+        print(format_table(job, rows, args.device_memory, args.host_memory))
     if args.plot:
         try:
             plot(job, rows, args.plot, args.device_memory)
@@ -180,6 +200,10 @@ def _estimate_command(args: argparse.Namespace, rest: list[str]) -> int:
             print(f"zerotrain estimate: --plot: cannot write {args.plot}: {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def _count_default(value: int) -> str:
+    return f"{value:.0e}".replace("e+0", "e")
 
 
 PARSER: ParserSpec = {
@@ -196,9 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     the estimator)."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import OPTIMIZER_STATE_BYTES
+    from zerotrain.estimate.stages import OFFLOAD_DEVICES
     from zerotrain.precision import DTYPES
-
-    max_live_default = f"{ZERO_DEFAULTS.stage3_max_live_parameters:.0e}".replace("e+0", "e")
 
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument(
@@ -225,10 +248,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stage", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all)"
     )
-    parser.add_argument(
+    offload = parser.add_argument_group(
+        "offload",
+        "offload_optimizer (ratio 1): host memory and NVMe per node, as the preflight of "
+        "initialize counts them",
+    )
+    offload.add_argument(
         "--offload",
-        choices=("cpu", "nvme"),
-        help="estimate what offload would move off the device (zerotrain cannot run it yet)",
+        choices=OFFLOAD_DEVICES,
+        help="offload_optimizer.device: the fp32 masters and optimizer state in host memory "
+        "(cpu) or NVMe working files (nvme), stepped there",
+    )
+    offload.add_argument(
+        "--reduce-bucket-size",
+        type=_parse_count,
+        metavar="COUNT",
+        help="reduce_bucket_size: sizes the transfer ring at stages 1-2 (default: "
+        f"{_count_default(ZERO_DEFAULTS.reduce_bucket_size)})",
+    )
+    offload.add_argument(
+        "--buffer-count",
+        type=positive_int,
+        help="offload_optimizer.buffer_count: ring buffers, and NVMe staging sets (default: "
+        f"{ZERO_DEFAULTS.offload_optimizer.buffer_count}, as in DeepSpeed)",
+    )
+    offload.add_argument(
+        "--sub-group-size",
+        type=_parse_count,
+        metavar="COUNT",
+        help="with --offload nvme: sub_group_size, elements stepped at once (default: "
+        f"{_count_default(ZERO_DEFAULTS.sub_group_size)}, as in DeepSpeed)",
+    )
+    offload.add_argument(
+        "--host-memory",
+        type=size_argument,
+        metavar="SIZE",
+        help="a node's available host memory, e.g. 512GiB: adds a column with the verdict of "
+        "initialize's host-memory preflight",
     )
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="bf16", help="training dtype (default: bf16)"
@@ -244,7 +300,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-live-parameters",
         type=lambda text: 0 if text.strip() == "0" else _parse_count(text),
         metavar="COUNT",
-        help=f"stage3_max_live_parameters (default: {max_live_default}, as in DeepSpeed)",
+        help="stage3_max_live_parameters (default: "
+        f"{_count_default(ZERO_DEFAULTS.stage3_max_live_parameters)}, as in DeepSpeed)",
     )
     shape = parser.add_argument_group(
         "activations", "a transformer's activations per device (Korthikanti et al. 2022)"

@@ -25,6 +25,9 @@ class ParameterCount:
     gathered together (0: unknown)."""
     persistent: int = 0
     """Stage 3: trainable elements in units below the persistence threshold (kept whole)."""
+    largest_unit: int = 0
+    """Stage 3: trainable elements of the largest gather unit, root included: its largest
+    bucket (one per unit), which sizes offload's transfer ring (0: unknown)."""
     config: dict[str, int] = field(default_factory=dict)
     """hidden_size, layers, heads, vocab_size found on the model's HF-like ``.config``."""
 
@@ -63,5 +66,6 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         largest_layer=largest_layer,
         root_and_largest_block=unit_numel[-1] + max(unit_numel[:-1], default=0),
         persistent=sum(n for n in unit_numel if 0 < n < persistence_threshold),
+        largest_unit=max(unit_numel),
         config=config,
     )

@@ -67,7 +67,7 @@ def figure(job: TrainingJob, rows: list[StageEstimate], device_memory: int | Non
             linewidth=1,
             label=f"device memory {quantity(device_memory, 'B', prefix='Gi', digits=1)}",
         )
-    offload = f", offload={job.offload} (not runnable yet)" if job.offload else ""
+    offload = f", offload_optimizer={job.offload}" if job.offload else ""
     axes.set_title(
         f"{count(job.trainable_params + job.frozen_params)} parameters, {job.dtype}, "
         f"{job.optimizer}, {job.nodes}x{job.gpus_per_node} devices{offload}",

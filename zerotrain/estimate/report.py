@@ -6,9 +6,16 @@ from __future__ import annotations
 import textwrap
 
 from zerotrain.estimate.activations import activation_bytes
-from zerotrain.estimate.stages import HOST_COLUMN, StageEstimate, TrainingJob
+from zerotrain.estimate.stages import (
+    StageEstimate,
+    TrainingJob,
+    host_memory_shortfall,
+    largest_bucket,
+)
 from zerotrain.fmt import count, quantity, scaled
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
+from zerotrain.zero.nvme import SUB_GROUP_ALIGNMENT, sub_group_numel
+from zerotrain.zero.policy import ZeroPolicy
 
 __all__ = ["format_table", "to_json"]
 
@@ -21,10 +28,19 @@ def _fits(row: StageEstimate, device_memory: int, with_activations: bool) -> str
     return "no"
 
 
+def _host_fits(job: TrainingJob, row: StageEstimate, host_memory: int) -> str:
+    return "no" if host_memory_shortfall(job, row, host_memory) else "yes"
+
+
 def format_table(
-    job: TrainingJob, rows: list[StageEstimate], device_memory: int | None = None
+    job: TrainingJob,
+    rows: list[StageEstimate],
+    device_memory: int | None = None,
+    host_memory: int | None = None,
 ) -> str:
-    """The human-readable estimate: inputs, one line per stage (GiB per device), notes."""
+    """The human-readable estimate: inputs, one line per stage (GiB per device; with offload,
+    GiB per node off the device), notes. ``host_memory``: a node's available host memory, for
+    the preflight's verdict."""
     n = job.world_size
     optimizer_bytes = OPTIMIZER_STATE_BYTES[job.optimizer]
     master = 4 if job.precision.has_master_copy else 0
@@ -48,19 +64,29 @@ def format_table(
             + f" dropout: {quantity(activation_bytes(shape, a).per_layer, 'B', prefix='Gi')} per layer"
         )
     if job.offload:
-        lines.append(_offload_warning(job.offload))
-    lines.append("bytes per device in GiB (2^30 bytes)")
+        lines.append(
+            f"offload_optimizer: {job.offload}, ratio 1, buffer_count {job.buffer_count}"
+            + (f", sub_group_size {count(job.sub_group_size)}" if job.offload == "nvme" else "")
+            + f"; reduce_bucket_size {count(job.reduce_bucket_size)}"
+        )
+    lines.append(
+        "bytes per device in GiB (2^30 bytes)"
+        + (", off the device per node" if job.offload else "")
+    )
     lines.append("")
     header = ["stage", "params", "grads", "optim", "states", "gathered", "step"]
     if job.shape:
         header += ["act", "act ckpt", "peak", "peak ckpt"]
     else:
         header += ["peak"]
-    host = HOST_COLUMN.get(job.offload or "")
-    if host:
-        header.append(host)
+    if job.offload:
+        header.append("CPU/node")
+    if job.offload == "nvme":
+        header.append("NVMe/node")
     if device_memory is not None:
         header.append(f"fits {scaled(device_memory, 'Gi')}GiB")
+    if job.offload and host_memory is not None:
+        header.append(f"host fits {scaled(host_memory, 'Gi')}GiB")
     table = [header]
     for row in rows:
         cells = [
@@ -81,23 +107,31 @@ def format_table(
             ]
         else:
             cells.append(scaled(row.peak(checkpointing=False), "Gi"))
-        if host:
-            cells.append(scaled(row.states.offloaded * job.gpus_per_node, "Gi"))
+        if row.host is not None:
+            cells.append(scaled(row.host.total * job.gpus_per_node, "Gi"))
+        if job.offload == "nvme":
+            cells.append(scaled(row.disk * job.gpus_per_node, "Gi"))
         if device_memory is not None:
             cells.append(_fits(row, device_memory, row.activations is not None))
+        if job.offload and host_memory is not None:
+            cells.append(_host_fits(job, row, host_memory))
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         lines.append("  ".join(cell.rjust(width) for cell, width in zip(r, widths, strict=True)))
     lines.append("")
     lines += [
-        textwrap.fill(note, 100, initial_indent="- ", subsequent_indent="  ")
-        for note in _notes(job, device_memory)
+        textwrap.fill(
+            note, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False
+        )
+        for note in _notes(job, rows, device_memory, host_memory)
     ]
     return "\n".join(lines)
 
 
-def _notes(job: TrainingJob, device_memory: int | None) -> list[str]:
+def _notes(
+    job: TrainingJob, rows: list[StageEstimate], device_memory: int | None, host_memory: int | None
+) -> list[str]:
     notes = [
         "params: trainable and frozen, training dtype; grads: training dtype; optim: fp32 "
         "masters (16-bit training) + optimizer state; states: their sum.",
@@ -130,31 +164,107 @@ def _notes(job: TrainingJob, device_memory: int | None) -> list[str]:
             "'with ckpt': only with activation checkpointing."
         )
     if job.offload:
-        moved = "the optimizer states" + (
-            " (stage 3: and the parameter shards)" if 3 in job.stages else ""
-        )
-        notes.append(
-            f"{HOST_COLUMN[job.offload]}: what DeepSpeed-style offload would move there, per node "
-            f"(devices per node x per rank): {moved}, i.e. fp32 masters, optimizer state and "
-            "an fp32 gradient partition for the host's step"
-            + (
-                "; NVMe offload also needs CPU staging buffers, not counted."
-                if job.offload == "nvme"
-                else "."
-            )
-        )
+        notes += _offload_notes(job, rows, host_memory)
     return notes
 
 
-def _offload_warning(target: str) -> str:
-    return (
-        f"offload={target}: zerotrain cannot run offload yet (its config rejects "
-        "zero_optimization.offload_optimizer and offload_param); this only estimates it"
+def _offload_notes(
+    job: TrainingJob, rows: list[StageEstimate], host_memory: int | None
+) -> list[str]:
+    """What offload puts off the device, as zerotrain allocates it, and the preflight's
+    verdict."""
+    s = OPTIMIZER_STATE_BYTES[job.optimizer]
+    p = job.precision_bytes
+    stage3 = 3 in job.stages
+    bucket = f"largest bucket: min(reduce_bucket_size, Ψ) = {count(largest_bucket(job, ZeroPolicy.for_stage(1)))}"
+    if stage3:
+        bucket += "; stage 3 has one bucket per gather unit: " + (
+            f"the largest unit, {count(job.largest_unit)}"
+            if job.largest_unit
+            else "taken as the same (--model counts the units)"
+        )
+    bucket += (
+        "; sharded over the N ranks. An upper bound unless one parameter alone is larger "
+        "(buckets close between parameters)."
     )
+    if job.offload == "cpu":
+        notes = [
+            f"CPU/node: the host memory offload_optimizer.device: cpu allocates, {job.gpus_per_node} "
+            "ranks per node x what the preflight of initialize counts per rank "
+            "(zerotrain.zero.offload.host_bytes): per element of the rank's optimizer "
+            f"partition ⌈Ψ/N⌉ an fp32 master (4), the optimizer state ({s}) and an fp32 "
+            f"gradient (4), plus a ring of buffer_count = {job.buffer_count} buffers of the "
+            f"largest bucket's shard in {job.dtype} ({p} bytes) that carries parameters back.",
+            bucket,
+        ]
+    else:
+        notes = [
+            f"CPU/node: the host memory offload_optimizer.device: nvme allocates, "
+            f"{job.gpus_per_node} ranks per node x what the preflight of initialize counts per "
+            "rank (zerotrain.zero.nvme.staging_host_bytes): buffer_count = "
+            f"{job.buffer_count} staging sets of the largest sub-group (fp32 master, optimizer "
+            f"state and fp32 gradient: {4 + s + 4} bytes per element) and a ring of as many "
+            f"sub-groups in {job.dtype}; a sub-group is sub_group_size rounded down to a "
+            f"multiple of {SUB_GROUP_ALIGNMENT} ({count(sub_group_numel(job.sub_group_size))}), "
+            "or the largest bucket's shard where that is smaller.",
+            bucket,
+            "NVMe/node: the working files under nvme_path, an fp32 master and the optimizer "
+            f"state per element of the rank's partition, (4 + {s})·⌈Ψ/N⌉ per rank "
+            "(zerotrain.zero.nvme.disk_bytes_needed, which the disk preflight checks), before "
+            "the padding of its slots to the I/O block.",
+        ]
+    notes.append(
+        "the whole optimizer partition is offloaded (ratio 1): the device keeps the "
+        f"{job.dtype} parameters and gradients, and the step runs off it (optim and step 0)."
+        + (
+            " Stage 3's offload_param (its parameter shards in host memory, p·Ψ/N more per "
+            "rank) is not estimated."
+            if stage3
+            else ""
+        )
+    )
+    per_rank = {}
+    for row in rows:
+        h = row.host
+        if h is None:
+            continue
+        key = (
+            ("staging sets: " if job.offload == "nvme" else "")
+            + f"fp32 masters {_gib(h.masters)}, optimizer state {_gib(h.optimizer_state)}, "
+            f"fp32 gradients {_gib(h.gradients)}, transfer ring {_gib(h.staging)}"
+        )
+        per_rank.setdefault(key, []).append(str(row.stage))
+    for key, stages in per_rank.items():
+        notes.append(f"host memory per rank, stage {', '.join(stages)}: {key}.")
+    if host_memory is not None:
+        notes.append(
+            f"host fits: what the preflight of initialize says on a node with "
+            f"{quantity(host_memory, 'B', prefix='Gi')} of available memory "
+            "(zerotrain.zero.offload.check_host_memory; initialize reads MemAvailable and the "
+            "cgroup limit)."
+        )
+        refusals: dict[str, list[str]] = {}
+        for row in rows:
+            refusal = host_memory_shortfall(job, row, host_memory)
+            if refusal:
+                refusals.setdefault(refusal, []).append(str(row.stage))
+        for refusal, stages in refusals.items():
+            notes.append(f"stage {', '.join(stages)}: {refusal}")
+    return notes
 
 
-def to_json(job: TrainingJob, rows: list[StageEstimate], device_memory: int | None = None) -> dict:
-    """The estimate as plain data, in bytes per device."""
+def _gib(nbytes: float) -> str:
+    return quantity(nbytes, "B", prefix="Gi")
+
+
+def to_json(
+    job: TrainingJob,
+    rows: list[StageEstimate],
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+) -> dict:
+    """The estimate as plain data, in bytes per device (with offload: per rank and per node
+    off the device)."""
     out_rows = []
     for row in rows:
         record: dict[str, object] = {
@@ -172,10 +282,19 @@ def to_json(job: TrainingJob, rows: list[StageEstimate], device_memory: int | No
             record["activations"] = row.activations.without_checkpointing
             record["activations_checkpointed"] = row.activations.checkpointed_peak
             record["peak_checkpointed"] = row.peak(checkpointing=True)
-        if job.offload:
-            record[f"{job.offload}_per_node"] = row.states.offloaded * job.gpus_per_node
+        if row.host is not None:
+            record["host_per_rank"] = {**vars(row.host), "total": row.host.total}
+            record["cpu_per_node"] = row.host.total * job.gpus_per_node
+        if job.offload == "nvme":
+            record["disk_per_rank"] = row.disk
+            record["nvme_per_node"] = row.disk * job.gpus_per_node
         if device_memory is not None:
             record["fits"] = _fits(row, device_memory, row.activations is not None)
+        if job.offload and host_memory is not None:
+            refusal = host_memory_shortfall(job, row, host_memory)
+            record["host_fits"] = "no" if refusal else "yes"
+            if refusal:
+                record["host_preflight"] = refusal
         out_rows.append(record)
     inputs = {
         key: value for key, value in vars(job).items() if key != "shape" and not key.startswith("_")
@@ -187,9 +306,8 @@ def to_json(job: TrainingJob, rows: list[StageEstimate], device_memory: int | No
         "inputs": inputs,
         "world_size": job.world_size,
         "device_memory": device_memory,
+        "host_memory": host_memory,
         "unit": "bytes per device",
         "rows": out_rows,
     }
-    if job.offload:
-        out["warning"] = _offload_warning(job.offload)
     return out

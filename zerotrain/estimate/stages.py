@@ -1,12 +1,14 @@
 """One training job, every ZeRO stage: the bytes per device of model states (the formula of
 :func:`zerotrain.zero.memory.model_state_bytes`), stage 3's gathered parameters, the step's fp32
-gradients and the activations, and the peak they add up to."""
+gradients and the activations, and the peak they add up to; with optimizer offload, the host
+memory and NVMe bytes per rank from the functions the preflight of ``initialize`` calls."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+from zerotrain.config import ZERO_DEFAULTS, ConfigError
 from zerotrain.estimate.activations import (
     ActivationAssumptions,
     ActivationBytes,
@@ -16,19 +18,22 @@ from zerotrain.estimate.activations import (
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import DTYPES, PrecisionPolicy
 from zerotrain.zero.memory import ModelStateBytes, model_state_bytes
+from zerotrain.zero.nvme import disk_bytes_needed, staging_host_bytes
+from zerotrain.zero.offload import HostBytes, check_host_memory, host_bytes
 from zerotrain.zero.policy import ZeroPolicy
 
 __all__ = [
-    "HOST_COLUMN",
+    "OFFLOAD_DEVICES",
     "StageEstimate",
     "TrainingJob",
     "estimate",
+    "host_memory_shortfall",
+    "largest_bucket",
     "stage3_gathered_numel",
 ]
 
-"""The ``--dtype`` names and the training dtype each stands for."""
-
-HOST_COLUMN = {"cpu": "CPU/node", "nvme": "NVMe/node"}  # where offload would put its bytes
+OFFLOAD_DEVICES = ("cpu", "nvme")
+"""``offload_optimizer.device`` values the estimate models."""
 
 
 def stage3_gathered_numel(
@@ -55,7 +60,8 @@ class TrainingJob:
     optimizer: str = "adam"
     """A key of :data:`OPTIMIZER_STATE_BYTES`."""
     offload: str | None = None
-    """None, ``cpu`` or ``nvme``: estimate what offload would move (zerotrain cannot run it)."""
+    """None, ``cpu`` or ``nvme``: ``offload_optimizer.device``, with ``ratio`` 1 (the whole
+    optimizer partition off the device)."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     largest_layer: int = 0
     """DeepSpeed's largest layer, shown for comparison with its estimator."""
@@ -65,6 +71,15 @@ class TrainingJob:
     """Stage 3's elements in units below the persistence threshold (kept whole)."""
     max_live_numel: int
     """``stage3_max_live_parameters`` (zerotrain.config.ZERO_DEFAULTS has the default)."""
+    reduce_bucket_size: int = ZERO_DEFAULTS.reduce_bucket_size
+    """Elements per bucket at stages 1-2: with offload, the largest bucket sizes the ring."""
+    largest_unit: int = 0
+    """Stage 3's largest gather unit (:attr:`ParameterCount.largest_unit`), its largest
+    bucket; 0: unknown, taken as ``min(reduce_bucket_size, Ψ)``."""
+    buffer_count: int = ZERO_DEFAULTS.offload_optimizer.buffer_count
+    """``offload_optimizer.buffer_count``: ring buffers (and NVMe staging sets)."""
+    sub_group_size: int = ZERO_DEFAULTS.sub_group_size
+    """``zero_optimization.sub_group_size``: elements stepped at once with NVMe offload."""
     shape: TransformerShape | None = None
     """Activations are estimated only with a shape."""
     attention: Literal["eager", "flash"] = "eager"
@@ -79,8 +94,17 @@ class TrainingJob:
             raise ValueError(
                 f"--optimizer: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}"
             )
-        if self.offload not in (None, *HOST_COLUMN):
+        if self.offload not in (None, *OFFLOAD_DEVICES):
             raise ValueError(f"--offload: cpu or nvme, got {self.offload!r}")
+        if self.offload == "nvme" and self.optimizer == "lamb":
+            raise ValueError(
+                "--offload nvme steps the optimizer sub-group by sub-group, and lamb needs whole "
+                "parameters (its trust ratio); use --offload cpu, or adam, adamw or sgd"
+            )
+        if min(self.reduce_bucket_size, self.buffer_count, self.sub_group_size) < 1:
+            raise ValueError(
+                "--reduce-bucket-size, --buffer-count and --sub-group-size must be at least 1"
+            )
         if self.offload and 0 in self.stages:
             raise ValueError(
                 "--offload needs ZeRO stage 1, 2 or 3 (offload moves the partitioned optimizer "
@@ -128,6 +152,10 @@ class StageEstimate:
     gathered: float
     """Stage 3: gathered parameters beyond this rank's shards, during forward and backward."""
     activations: ActivationBytes | None
+    host: HostBytes | None = None
+    """With offload: the host memory one rank allocates, as the preflight counts it."""
+    disk: int = 0
+    """With NVMe offload: bytes of one rank's working file."""
 
     @property
     def model_states(self) -> float:
@@ -160,7 +188,6 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
             optimizer_state_bytes=OPTIMIZER_STATE_BYTES[job.optimizer],
             persistent_numel=job.persistent_numel,
             offload=1.0 if job.offload else 0.0,
-            offload_params=job.offload is not None,
         )
         gathered = 0.0
         if policy.shard_parameters:
@@ -170,6 +197,7 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
                 max_live_numel=job.max_live_numel,
             )
             gathered = p * max(0.0, live - job.persistent_numel)
+        host, disk = _offload_bytes(job, policy) if job.offload else (None, 0)
         rows.append(
             StageEstimate(
                 stage=stage,
@@ -177,6 +205,61 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
                 frozen=p * job.frozen_params,
                 gathered=gathered,
                 activations=act,
+                host=host,
+                disk=disk,
             )
         )
     return rows
+
+
+def largest_bucket(job: TrainingJob, policy: ZeroPolicy) -> int:
+    """Elements of the job's largest bucket: at stage 3 one bucket per gather unit (the largest
+    unit, when known), else buckets close at ``reduce_bucket_size`` elements. An upper bound,
+    unless one parameter alone exceeds it (buckets close between parameters)."""
+    if policy.shard_parameters and job.largest_unit:
+        return job.largest_unit
+    return min(job.reduce_bucket_size, job.trainable_params)
+
+
+def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int]:
+    """One rank's host memory and working-file bytes with the whole optimizer partition
+    offloaded, from the functions the preflight of ``initialize`` calls."""
+    n = job.world_size
+    partition = -(-job.trainable_params // n)  # stages 1-3: ⌈Ψ/N⌉ (buckets pad to N)
+    largest = -(-largest_bucket(job, policy) // n)
+    state_bytes = OPTIMIZER_STATE_BYTES[job.optimizer]
+    if job.offload == "nvme":
+        host = staging_host_bytes(
+            largest,
+            sub_group_size=job.sub_group_size,
+            state_bytes=state_bytes,
+            param_itemsize=job.precision_bytes,
+            buffer_count=job.buffer_count,
+        )
+        return host, disk_bytes_needed(partition, state_bytes)
+    host = host_bytes(
+        partition,
+        largest,
+        state_bytes=state_bytes,
+        param_itemsize=job.precision_bytes,
+        buffer_count=job.buffer_count,
+    )
+    return host, 0
+
+
+def host_memory_shortfall(job: TrainingJob, row: StageEstimate, host_memory: int) -> str | None:
+    """What the preflight of ``initialize`` (:func:`check_host_memory`, ``gpus_per_node`` ranks
+    on a node with ``host_memory`` bytes available) says of ``row``'s host bytes: None when the
+    node holds them, else its refusal."""
+    if row.host is None:
+        return None
+    try:
+        check_host_memory(
+            row.host,
+            local_ranks=job.gpus_per_node,
+            available=host_memory,
+            nvme=job.offload == "nvme",
+        )
+    except ConfigError as error:
+        return str(error)
+    return None

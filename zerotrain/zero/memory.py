@@ -35,8 +35,10 @@ Offload (zerotrain/zero/offload.py) moves the fp32 masters, the optimizer state 
 gradient of the offloaded share of the optimizer's part to the host: (4 + s + 4)·Ψ/N_o per
 rank there (``offloaded``), as DeepSpeed's ZeRO-Offload does, plus a ring of ``buffer_count``
 buffers of one bucket in the training dtype that carries parameters back (``staging``, not in
-the formula). The device keeps the rest. ``zerotrain estimate --offload`` also counts stage 3's
-parameter shards, p·Ψ/N, on the host (offload_param).
+the formula). The device keeps the rest; with ``offload_params`` (stage 3's offload_param) the
+parameter shards, p·Ψ/N, are on the host too. ``zerotrain estimate --offload`` reports the host
+bytes with the preflight's own functions (offload.host_bytes, nvme.staging_host_bytes), ring
+included.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from zerotrain.zero.offload import (
     check_host_memory,
     configure_host_threads,
     gib,
+    host_bytes,
     local_ranks,
     needs_whole_parameters,
     probe_optimizer,
@@ -110,10 +111,17 @@ lane of the optimizer's vectorized CPU kernels as in one whole-bucket step: an e
 sub-group's tail would otherwise take the scalar path, whose rounding differs."""
 
 
+def sub_group_numel(sub_group_size: int) -> int:
+    """Elements per sub-group: ``sub_group_size`` rounded down to a multiple of
+    :data:`SUB_GROUP_ALIGNMENT` (at least one)."""
+    aligned = sub_group_size // SUB_GROUP_ALIGNMENT * SUB_GROUP_ALIGNMENT
+    return max(SUB_GROUP_ALIGNMENT, aligned)
+
+
 def split_sub_groups(numels: list[int], on_host: list[bool], size: int, keys: int):
-    """The sub-groups of the offloaded buckets, each with ``1 + keys`` file slots: ``size``
-    elements, rounded down to a multiple of :data:`SUB_GROUP_ALIGNMENT` (at least one)."""
-    size = max(SUB_GROUP_ALIGNMENT, size // SUB_GROUP_ALIGNMENT * SUB_GROUP_ALIGNMENT)
+    """The sub-groups of the offloaded buckets, each with ``1 + keys`` file slots: at most
+    :func:`sub_group_numel` of ``size`` elements."""
+    size = sub_group_numel(size)
     groups, slot = [], 0
     for bucket, (numel, host) in enumerate(zip(numels, on_host, strict=True)):
         if not host:
@@ -124,9 +132,34 @@ def split_sub_groups(numels: list[int], on_host: list[bool], size: int, keys: in
     return groups
 
 
-def disk_bytes_needed(numel: int, layout: StateLayout) -> int:
-    """Bytes of working file for ``numel`` offloaded elements (before slot padding)."""
-    return numel * (4 + layout.bytes_per_element)
+def staging_host_bytes(
+    largest_bucket: int,
+    *,
+    sub_group_size: int,
+    state_bytes: int,
+    param_itemsize: int,
+    buffer_count: int,
+) -> HostBytes:
+    """What :class:`NvmeShardStore` allocates in host memory when its largest offloaded bucket
+    has ``largest_bucket`` elements: ``buffer_count`` staging sets of the largest sub-group
+    (fp32 master, ``state_bytes`` of element state, fp32 gradient per element) and a ring of as
+    many buffers of it in the training dtype. The preflight and ``zerotrain estimate --offload
+    nvme`` both call it."""
+    largest = min(sub_group_numel(sub_group_size), largest_bucket)
+    count = max(1, buffer_count)
+    return host_bytes(
+        count * largest,
+        largest,
+        state_bytes=state_bytes,
+        param_itemsize=param_itemsize,
+        buffer_count=count,
+    )
+
+
+def disk_bytes_needed(numel: int, state_bytes: int) -> int:
+    """Bytes of working file for ``numel`` offloaded elements with ``state_bytes`` of element
+    state each, besides the fp32 master (before slot padding)."""
+    return numel * (4 + state_bytes)
 
 
 def check_disk(directory: Path, needed: int, local_ranks: int) -> None:
@@ -442,17 +475,16 @@ class NvmePlacement(HostPlacement):
         on_host = self.on_host(numels, layout.bytes_per_element, precision)
         if not any(on_host):  # nothing to swap: the device store
             return Placement().build_store(masters_fp32, param_parts, precision, optimizer_over)
-        size = options.sub_group_size
-        groups = split_sub_groups(numels, on_host, size, len(layout.keys))
+        groups = split_sub_groups(numels, on_host, options.sub_group_size, len(layout.keys))
         largest = max(g.numel for g in groups)
-        count = max(1, options.buffer_count)
-        ring = count * largest * precision.param_dtype.itemsize
+        host_numels = [n for n, host in zip(numels, on_host, strict=True) if host]
         check_host_memory(
-            HostBytes(
-                4 * largest * count,
-                layout.bytes_per_element * largest * count,
-                4 * largest * count,
-                ring,
+            staging_host_bytes(
+                max(host_numels),
+                sub_group_size=options.sub_group_size,
+                state_bytes=layout.bytes_per_element,
+                param_itemsize=precision.param_dtype.itemsize,
+                buffer_count=options.buffer_count,
             ),
             local_ranks=local_ranks(),
             available=available_host_memory(),
@@ -460,8 +492,8 @@ class NvmePlacement(HostPlacement):
         )
         directory = Path(options.nvme_path or ".")
         remove_stale_files(directory)
-        offloaded = sum(n for n, host in zip(numels, on_host, strict=True) if host)
-        check_disk(directory, disk_bytes_needed(offloaded, layout), local_ranks())
+        needed = disk_bytes_needed(sum(host_numels), layout.bytes_per_element)
+        check_disk(directory, needed, local_ranks())
         slot_bytes = []
         for group in groups:
             slot_bytes += [4 * group.numel, *(d.itemsize * group.numel for d in layout.dtypes)]

@@ -371,13 +371,14 @@ class HostBytes:
 
 
 def host_bytes(
-    host_numels: list[int], state_bytes: int, param_itemsize: int, buffer_count: int
+    numel: int, largest: int, *, state_bytes: int, param_itemsize: int, buffer_count: int
 ) -> HostBytes:
-    """What :class:`OffloadedShardStore` allocates for buckets of ``host_numels`` elements:
-    fp32 masters, ``state_bytes`` of optimizer state and an fp32 gradient per element, and
-    ``buffer_count`` ring buffers of the largest bucket in the training dtype."""
-    numel = sum(host_numels)
-    ring = buffer_count * max(host_numels, default=0) * param_itemsize
+    """What :class:`OffloadedShardStore` allocates for ``numel`` offloaded elements in buckets
+    of at most ``largest``: fp32 masters, ``state_bytes`` of optimizer state and an fp32
+    gradient per element, and ``buffer_count`` ring buffers of the largest bucket in the
+    training dtype. The preflight at ``initialize`` and ``zerotrain estimate --offload`` both
+    call it, so they cannot disagree."""
+    ring = buffer_count * largest * param_itemsize
     return HostBytes(4 * numel, state_bytes * numel, 4 * numel, ring)
 
 
@@ -476,9 +477,15 @@ class HostPlacement(Placement):
         state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
         on_host = self.on_host([m.numel() for m in masters_fp32], state_bytes, precision)
         host_numels = [m.numel() for m, host in zip(masters_fp32, on_host, strict=True) if host]
-        itemsize = precision.param_dtype.itemsize
+        needed = host_bytes(
+            sum(host_numels),
+            max(host_numels, default=0),
+            state_bytes=state_bytes,
+            param_itemsize=precision.param_dtype.itemsize,
+            buffer_count=options.buffer_count,
+        )
         check_host_memory(
-            host_bytes(host_numels, state_bytes, itemsize, options.buffer_count),
+            needed,
             local_ranks=local_ranks(),
             available=available_host_memory(),
         )
