@@ -293,6 +293,10 @@ def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
     monkeypatch.setattr(zerotrain.zero.offload, "available_host_memory", lambda: 100)
     with pytest.raises(ConfigError, match="but 100 B is available"):
         _engine(2, {"device": "cpu"})
+    # stage 3's parameter shards (offload_param), before they are allocated
+    monkeypatch.setattr(zerotrain.zero.gather, "available_host_memory", lambda: 100)
+    with pytest.raises(ConfigError, match="cannot hold stage 3's parameter shards in host memory"):
+        _engine(3, VARIANTS["none"], {"offload_param": {"device": "cpu"}})
 
 
 def test_nvme_preflight_and_refusals(tmp_path, monkeypatch):

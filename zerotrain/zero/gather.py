@@ -77,11 +77,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from zerotrain.accelerator import available_host_memory
 from zerotrain.comm import Communicator, PendingOp
 from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.zero.init import ZeroParamStatus, gather_param, is_init_partitioned, mark_partitioned
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, point_params_at
-from zerotrain.zero.offload import host_tensor
+from zerotrain.zero.offload import check_param_host_memory, host_tensor, local_ranks
 from zerotrain.zero.units import assign_units, find_unit_modules
 
 
@@ -634,6 +635,13 @@ class GatheredForUse(ParamResidency):
             unit_numel[bucket.unit] = unit_numel.get(bucket.unit, 0) + bucket.numel
         threshold = self.stage3.persistence_threshold
         self._persistent = {u for u, numel in unit_numel.items() if numel < threshold}
+        if self.stage3.shards_on_host:  # before init_bucket allocates them
+            shards = [
+                b.shard_numel * b.dtype.itemsize for b in buckets if b.unit not in self._persistent
+            ]
+            check_param_host_memory(
+                sum(shards), local_ranks=local_ranks(), available=available_host_memory()
+            )
 
     def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
         master_fp32 = bucket.require_param_shard()

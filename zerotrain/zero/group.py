@@ -286,11 +286,10 @@ def build_shard_group(
     for bucket in buckets:
         for slot in bucket.slots:
             take_ownership(slot.param, owner)
-    residency.adopt(buckets)
-    masters_fp32 = []
     for bucket in buckets:
-        bucket.dtype = precision.param_dtype
-        masters_fp32.append(residency.init_bucket(bucket))
+        bucket.dtype = precision.param_dtype  # the values stay fp32 until init_bucket
+    residency.adopt(buckets)
+    masters_fp32 = [residency.init_bucket(bucket) for bucket in buckets]
     residency.start()
     reduce_comm = residency.reduce_comm
     partition = strategies.partition

@@ -452,6 +452,18 @@ def configure_host_threads() -> int:
     return threads
 
 
+def check_param_host_memory(nbytes: int, *, local_ranks: int, available: int | None) -> None:
+    """Preflight of ``offload_param``: stage 3's parameter shards in host memory."""
+    if available is None or nbytes * local_ranks <= available:
+        return
+    raise ConfigError(
+        f"zero_optimization.offload_param: this node cannot hold stage 3's parameter shards in "
+        f"host memory: each rank needs {gib(nbytes)}, x {local_ranks} rank(s) on this node = "
+        f"{gib(nbytes * local_ranks)}, but {gib(available)} is available. Options: more nodes "
+        '(each rank holds 1/N of the parameters), or offload_param.device: "none"'
+    )
+
+
 def local_ranks() -> int:
     """Ranks sharing this node's host memory (torchrun's LOCAL_WORLD_SIZE)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
