@@ -36,7 +36,19 @@ def current_rss() -> int | None:
 
 
 def peak_rss() -> int | None:
-    """The largest resident set size this process has had, in bytes (None: unknown)."""
+    """The largest resident set size this process has had, in bytes (None: unknown).
+
+    On Linux: ``VmHWM``, the high-water mark of this process's own address space. Not
+    ``ru_maxrss``: Linux carries it across ``execve``, so a process started by a larger one
+    (torchrun's agent, ``subprocess``, multiprocessing's spawn: fork or vfork, then exec) would
+    report its parent's peak whenever that is the higher."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # Windows

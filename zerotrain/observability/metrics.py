@@ -46,7 +46,7 @@ _PHASES = ("forward", "backward", "step")
 class MemoryUse:
     """This rank's memory. On CUDA (``kind="cuda"``) the bytes allocated by tensors now and at
     their peak (``max_memory_allocated``); on CPU (``kind="rss"``) the process's resident set
-    now and at its peak (``ru_maxrss``)."""
+    now and at its peak (:func:`zerotrain.accelerator.peak_rss`)."""
 
     kind: str
     current_bytes: int | None  # None where the platform does not say
