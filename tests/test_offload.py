@@ -399,3 +399,15 @@ def test_a_checkpoint_loaded_while_steps_are_deferred_trains_on_exactly(tmp_path
     want = straight.consolidated_state_dict()
     for key, value in loader.consolidated_state_dict().items():
         assert torch.equal(value, want[key]), key
+
+
+def test_buckets_larger_than_a_ring_buffer_go_through_it_in_pieces(monkeypatch):
+    monkeypatch.setattr(zerotrain.zero.offload, "RING_CHUNK", 7)  # every bucket is larger
+    want = _engine(2, VARIANTS["none"])
+    _train(want, range(2))
+    got = _engine(2, VARIANTS["cpu"])  # buffer_count 1
+    _train(got, range(2))
+    assert got.memory_breakdown()["staging"] == 1 * 7 * 4
+    expected = want.consolidated_state_dict()
+    for key, value in got.consolidated_state_dict().items():
+        assert torch.equal(value, expected[key]), key

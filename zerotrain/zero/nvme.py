@@ -52,6 +52,7 @@ from zerotrain.zero.offload import (
     needs_whole_parameters,
     probe_optimizer,
     quiesce_device,
+    ring_numel,
 )
 from zerotrain.zero.store import OptimizerOver, Placement, ShardStore, masters_alias_params
 from zerotrain.zero.swap import AioOptions, SwapFile, aligned_empty
@@ -216,7 +217,7 @@ class NvmeShardStore(ShardStore):
         largest = max(g.numel for g in sub_groups)
         count = max(1, options.buffer_count)
         self._sets = [_StagingSet(largest, layout, options.pin_memory) for _ in range(count)]
-        self._ring = Ring(count, largest, param_dtype, pin=options.pin_memory)
+        self._ring = Ring(count, ring_numel(largest), param_dtype, pin=options.pin_memory)
         self._norms = BucketNorms(len(numels))
         self._grads: list[torch.Tensor | None] = [None] * len(numels)  # the reduced, on device
         self._factor = 1.0

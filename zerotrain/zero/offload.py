@@ -107,6 +107,16 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype)
 
 
+RING_CHUNK = 1 << 24
+"""Elements per ring buffer at most (32 MiB in bf16): a bucket larger than this goes through
+the ring in pieces, so the ring's size does not grow with ``reduce_bucket_size``."""
+
+
+def ring_numel(largest: int) -> int:
+    """Elements per ring buffer for buckets (or sub-groups) of at most ``largest``."""
+    return min(largest, RING_CHUNK)
+
+
 class Ring:
     """``count`` host buffers of ``numel`` elements, reused in turn to send updated parameters
     to the device; a buffer is reused once the copy out of it has completed (CUDA events; on a
@@ -118,7 +128,14 @@ class Ring:
         self._next = 0
 
     def send(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy host ``source`` (any dtype) to ``target`` (the device shard) through the ring."""
+        """Copy host ``source`` (any dtype) to ``target`` (the device shard) through the ring,
+        a buffer's worth at a time."""
+        size = self.buffers[0].numel()
+        for start in range(0, source.numel(), size):
+            end = min(source.numel(), start + size)
+            self._send_piece(source[start:end], target[start:end])
+
+    def _send_piece(self, source: torch.Tensor, target: torch.Tensor) -> None:
         index = self._next
         self._next = (index + 1) % len(self.buffers)
         event = self._events[index]
@@ -229,7 +246,7 @@ class OffloadedShardStore(InMemoryShardStore):
         ]
         host_numels = [m.numel() for m, host in zip(masters, on_host, strict=True) if host]
         self._ring = (
-            Ring(options.buffer_count, max(host_numels), param_dtype, pin=pin)
+            Ring(options.buffer_count, ring_numel(max(host_numels)), param_dtype, pin=pin)
             if host_numels
             else None
         )
@@ -375,10 +392,10 @@ def host_bytes(
 ) -> HostBytes:
     """What :class:`OffloadedShardStore` allocates for ``numel`` offloaded elements in buckets
     of at most ``largest``: fp32 masters, ``state_bytes`` of optimizer state and an fp32
-    gradient per element, and ``buffer_count`` ring buffers of the largest bucket in the
-    training dtype. The preflight at ``initialize`` and ``zerotrain estimate --offload`` both
+    gradient per element, and ``buffer_count`` ring buffers of the largest bucket (at most
+    :data:`RING_CHUNK` elements) in the training dtype. The preflight at ``initialize`` and ``zerotrain estimate --offload`` both
     call it, so they cannot disagree."""
-    ring = buffer_count * largest * param_itemsize
+    ring = buffer_count * ring_numel(largest) * param_itemsize
     return HostBytes(4 * numel, state_bytes * numel, 4 * numel, ring)
 
 
