@@ -45,17 +45,15 @@ from zerotrain.zero.offload import (
     OffloadOptions,
     Ring,
     check_host_memory,
-    configure_host_threads,
     gib,
     host_bytes,
     local_ranks,
     needs_whole_parameters,
-    probe_optimizer,
     quiesce_device,
     ring_numel,
 )
 from zerotrain.zero.store import OptimizerOver, Placement, ShardStore, masters_alias_params
-from zerotrain.zero.swap import AioOptions, SwapFile, aligned_empty
+from zerotrain.zero.swap import SwapFile, aligned_empty
 
 _EMPTY = torch.empty(0)  # the data of a sub-group that is not in a staging set
 
@@ -449,10 +447,6 @@ _files = 0  # working files this process created (their names must differ)
 class NvmePlacement(HostPlacement):
     """The offloaded buckets' masters and state in a working file under ``nvme_path``."""
 
-    def __init__(self, options: OffloadOptions, aio: AioOptions):
-        super().__init__(options)
-        self.aio = aio
-
     def build_store(
         self,
         masters_fp32: list[torch.Tensor],
@@ -462,9 +456,7 @@ class NvmePlacement(HostPlacement):
     ) -> ShardStore:
         global _files
         options = self.options
-        if masters_fp32 and masters_fp32[0].is_cuda:  # a CPU device trains on these threads
-            configure_host_threads()
-        probe = probe_optimizer(optimizer_over, len(masters_fp32))
+        probe = self._probe(masters_fp32, optimizer_over)
         if needs_whole_parameters(probe):
             raise ConfigError(
                 f'zero_optimization.offload_optimizer.device: "nvme" steps the optimizer '
@@ -499,7 +491,9 @@ class NvmePlacement(HostPlacement):
         for group in groups:
             slot_bytes += [4 * group.numel, *(d.itemsize * group.numel for d in layout.dtypes)]
         _files += 1
-        swap = SwapFile(directory / f"zerotrain-{os.getpid()}-{_files}.swap", slot_bytes, self.aio)
+        swap = SwapFile(
+            directory / f"zerotrain-{os.getpid()}-{_files}.swap", slot_bytes, options.aio
+        )
         staging = aligned_empty(largest, torch.float32)
         for group in groups:  # the initial masters, through one host buffer
             part = staging[: group.numel]

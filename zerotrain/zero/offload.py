@@ -186,18 +186,16 @@ class BucketNorms:
         return torch.stack(norms).float().square().sum()
 
 
+@dataclass(eq=False)
 class _DeferredStep:
     """One host bucket's share of a deferred step: its gradient, its target, the step's
     hyperparameters."""
 
-    def __init__(self, store, index: int, grad, target: torch.Tensor, hyper: list[dict]):
-        self.store, self.index, self.grad, self.target, self.hyper = (
-            store,
-            index,
-            grad,
-            target,
-            hyper,
-        )
+    store: OffloadedShardStore
+    index: int
+    grad: torch.Tensor | None
+    target: torch.Tensor
+    hyper: list[dict]
 
     def run(self) -> None:
         store = self.store
@@ -500,9 +498,7 @@ class HostPlacement(Placement):
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
         options = self.options
-        if masters_fp32 and masters_fp32[0].is_cuda:  # a CPU device trains on these threads
-            configure_host_threads()
-        probe = probe_optimizer(optimizer_over, len(masters_fp32))
+        probe = self._probe(masters_fp32, optimizer_over)
         state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
         on_host = self.on_host([m.numel() for m in masters_fp32], state_bytes, precision)
         host_numels = [m.numel() for m, host in zip(masters_fp32, on_host, strict=True) if host]
@@ -534,6 +530,14 @@ class HostPlacement(Placement):
             param_dtype=precision.param_dtype,
             options=options,
         )
+
+    def _probe(
+        self, masters_fp32: list[torch.Tensor], optimizer_over: OptimizerOver
+    ) -> torch.optim.Optimizer:
+        """Set the host step's threads, then probe the optimizer (see probe_optimizer)."""
+        if masters_fp32 and masters_fp32[0].is_cuda:  # a CPU device trains on these threads
+            configure_host_threads()
+        return probe_optimizer(optimizer_over, len(masters_fp32))
 
     def on_host(self, numels: list[int], state_bytes: int, precision: PrecisionPolicy):
         """Per bucket, whether it is offloaded (``ratio``, or what does not fit: ``auto``)."""

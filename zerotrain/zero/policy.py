@@ -87,5 +87,5 @@ def _placement(offload: OffloadOptions | None) -> Placement:
     if offload is None:
         return Placement()
     if offload.device == "nvme":
-        return NvmePlacement(offload, offload.aio)
+        return NvmePlacement(offload)
     return HostPlacement(offload)
