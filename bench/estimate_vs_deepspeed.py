@@ -297,7 +297,8 @@ def main() -> None:
         "(4 bytes x processes) but with all N GPUs, not one node's; its 16Ψ term (fp32 masters, "
         f"Adam, fp32 gradients) is not divided by nodes or GPUs; with N = {n} the first wins. "
         "zerotrain counts what its offload allocates per rank, (4 + 8 + 4)Ψ/N and a ring of "
-        f"buffer_count x the largest bucket's shard, x {gpn} ranks per node = "
+        f"buffer_count x the largest bucket's shard (at most 16M elements), x {gpn} ranks per "
+        "node = "
         f"{g(host_per_node(o2)).strip()}.",
         "7. Offload, GPU. DeepSpeed's stage-2 offload keeps only the 16-bit parameters, 2Ψ "
         f"({g(ds2[True][1]).strip()}), and stage-3 optimizer offload 2Ψ/N + 4·largest_layer "

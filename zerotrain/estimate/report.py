@@ -15,6 +15,7 @@ from zerotrain.estimate.stages import (
 from zerotrain.fmt import count, quantity, scaled
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.zero.nvme import SUB_GROUP_ALIGNMENT, sub_group_numel
+from zerotrain.zero.offload import RING_CHUNK
 from zerotrain.zero.policy import ZeroPolicy
 
 __all__ = ["format_table", "to_json"]
@@ -194,7 +195,8 @@ def _offload_notes(
             "(zerotrain.zero.offload.host_bytes): per element of the rank's optimizer "
             f"partition ⌈Ψ/N⌉ an fp32 master (4), the optimizer state ({s}) and an fp32 "
             f"gradient (4), plus a ring of buffer_count = {job.buffer_count} buffers of the "
-            f"largest bucket's shard in {job.dtype} ({p} bytes) that carries parameters back.",
+            f"largest bucket's shard, at most {count(RING_CHUNK)} elements, in {job.dtype} ({p} "
+            "bytes) that carries parameters back.",
             bucket,
         ]
     else:
@@ -204,7 +206,7 @@ def _offload_notes(
             "rank (zerotrain.zero.nvme.staging_host_bytes): buffer_count = "
             f"{job.buffer_count} staging sets of the largest sub-group (fp32 master, optimizer "
             f"state and fp32 gradient: {4 + s + 4} bytes per element) and a ring of as many "
-            f"sub-groups in {job.dtype}; a sub-group is sub_group_size rounded down to a "
+            f"sub-groups (at most {count(RING_CHUNK)} elements each) in {job.dtype}; a sub-group is sub_group_size rounded down to a "
             f"multiple of {SUB_GROUP_ALIGNMENT} ({count(sub_group_numel(job.sub_group_size))}), "
             "or the largest bucket's shard where that is smaller.",
             bucket,
