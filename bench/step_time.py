@@ -280,6 +280,11 @@ class Built:
     step: Step
     model_state: Callable[[], dict[str, float]] | None = None
     comm: Any = None  # zerotrain's Communicator: counts the bytes this rank sends
+    round_start: Callable[[], None] | None = None
+    """Called on every rank before a round's first timed step (a benchmark's own counters)."""
+    round_stats: Callable[[], dict[str, Any]] | None = None
+    """Called on every rank after a round's timed steps; the parent gets every rank's dict, in
+    rank order, as the round's "ranks"."""
 
 
 def fused_adamw(params) -> torch.optim.Optimizer:
@@ -396,11 +401,16 @@ class Channel:
         self.sock.close()
 
 
-def run_worker(args: argparse.Namespace) -> None:
-    """One rank of one system's job: build, warm up, then time the rounds the parent asks for."""
+def run_worker(
+    args: argparse.Namespace,
+    specs: dict[str, Spec] = SPECS,
+    builders: dict[str, Callable[[torch.nn.Module, Spec, argparse.Namespace], Built]] = BUILDERS,
+) -> None:
+    """One rank of one system's job: build, warm up, then time the rounds the parent asks for.
+    Another benchmark passes its own `specs` and `builders` (bench/offload.py)."""
     import torch.distributed as dist
 
-    spec = SPECS[args.worker]
+    spec = specs[args.worker]
     rank = int(os.environ["RANK"])
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.control)
@@ -417,7 +427,7 @@ def run_worker(args: argparse.Namespace) -> None:
     try:
         dist.init_process_group("gloo")
         torch.manual_seed(0)
-        built = BUILDERS[spec.family](model.build(), spec, args)
+        built = builders[spec.family](model.build(), spec, args)
         built.step(*batches[0])  # allocations, first optimizer state
     except Exception as exc:
         channel.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -428,6 +438,8 @@ def run_worker(args: argparse.Namespace) -> None:
         first = 1 + order["round"] * args.steps
         if built.comm is not None:
             built.comm.reset_stats()  # count the timed steps: not the warm-up, not the last round
+        if built.round_start is not None:
+            built.round_start()
         times = []
         for x, y in batches[first : first + args.steps]:
             dist.barrier()
@@ -451,6 +463,9 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         loss_t = loss.detach().double().reshape(1)
         dist.all_reduce(loss_t)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        if built.round_stats is not None:
+            dist.all_gather_object(per_rank, built.round_stats())
         if rank == 0:
             rss, state_total, formula_total, sent = peaks.tolist()
             channel.send(
@@ -461,6 +476,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     "model_state": state_total if state_total >= 0 else None,
                     "formula": formula_total if formula_total >= 0 else None,
                     "sent_bytes": sent if sent >= 0 else None,  # over this round's steps
+                    **({"ranks": per_rank} if built.round_stats is not None else {}),
                 }
             )
     channel.close()
@@ -481,7 +497,9 @@ class Job:
     and taken the warm-up step, so several jobs can start side by side.
     """
 
-    def __init__(self, spec: Spec, args: argparse.Namespace, logs: Path):
+    def __init__(
+        self, spec: Spec, args: argparse.Namespace, logs: Path, script: str | Path = __file__
+    ):
         self.spec, self.nproc = spec, args.nproc
         self.log_path = logs / f"{spec.key}.log"
         self.ranks: list[Channel] = []
@@ -492,7 +510,7 @@ class Job:
         self.server.settimeout(1.0)  # accept() wakes up to notice a job that died
         threads = max(1, (os.cpu_count() or 2) // args.nproc)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(args.nproc), "--monitor-interval", "1", __file__]
+        cmd += ["--nproc-per-node", str(args.nproc), "--monitor-interval", "1", str(script)]
         # The job's own model goes last: argparse keeps the last --model.
         cmd += [*sys.argv[1:], "--model", args.model, "--worker", spec.key]
         cmd += ["--control", self.server.getsockname()]
@@ -620,7 +638,8 @@ def unavailable(spec: Spec, args: argparse.Namespace) -> str:
 
 
 def progress(message: str) -> None:
-    print(f"[step_time {time.monotonic() - STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
+    name = Path(sys.argv[0]).stem  # the benchmark that imported this machinery, or step_time
+    print(f"[{name} {time.monotonic() - STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def ready(row: Row, job: Job, launched: float) -> bool:
@@ -644,15 +663,16 @@ def run_round(row: Row, job: Job, round_index: int) -> bool:
         return False
 
 
-def measure(rows: list[Row], args: argparse.Namespace) -> None:
-    """Time every runnable row, alternating systems within each round (see the Note above)."""
+def measure(rows: list[Row], args: argparse.Namespace, script: str | Path = __file__) -> None:
+    """Time every runnable row, alternating systems within each round (see the Note above);
+    `script` is the benchmark whose `--worker` the jobs run."""
     runnable = [row for row in rows if not row.status]
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
         logs = Path(tmp)
         if args.launch == "once":
             # All jobs start together: start-up is not timed, and side by side they fill both cores.
             launched = time.perf_counter()
-            pending = [(row, Job(row.spec, args, logs)) for row in runnable]
+            pending = [(row, Job(row.spec, args, logs, script)) for row in runnable]
             jobs = [(row, job) for row, job in pending if ready(row, job, launched)]
             for round_index in range(args.rounds):
                 progress(f"round {round_index + 1}/{args.rounds}")
@@ -671,7 +691,7 @@ def measure(rows: list[Row], args: argparse.Namespace) -> None:
                     if row.status:
                         continue
                     launched = time.perf_counter()
-                    job = Job(row.spec, args, logs)  # appends to the same log
+                    job = Job(row.spec, args, logs, script)  # appends to the same log
                     if ready(row, job, launched) and run_round(row, job, round_index):
                         job.stop()
                         job.close()

@@ -53,11 +53,13 @@ PRESETS: dict[str, GPTConfig] = {
     "demo": GPTConfig(block_size=128, n_layer=6, n_head=8, n_embd=256),
     # 31.7M parameters.
     "30m": GPTConfig(block_size=256, n_layer=10, n_head=8, n_embd=512),
+    # 99.5M parameters: GPT-2 small's width and heads, 14 blocks (bench/offload.py).
+    "100m": GPTConfig(block_size=256, n_layer=14, n_head=12, n_embd=768),
 }
 
 
 def gpt_config(name: str, **overrides: object) -> GPTConfig:
-    """The preset `name` ("tiny", "demo" or "30m") with `overrides` applied."""
+    """The preset `name` ("tiny", "demo", "30m" or "100m") with `overrides` applied."""
     if name not in PRESETS:
         raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
