@@ -75,6 +75,7 @@ from step_time import (
     Built,
     Row,
     Spec,
+    add_run_arguments,
     bench_models,
     engine_step,
     fused_adamw,
@@ -117,33 +118,13 @@ SPECS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model",
-        dest="models",
-        nargs="+",
-        default=["demo"],
-        choices=list(bench_models()),
-        help="GPT presets of examples/gpt/model.py (100m: 99.5M parameters); the benchmark runs "
-        "for each in turn",
-    )
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--systems", nargs="+", default=list(SPECS), choices=list(SPECS))
-    parser.add_argument(
-        "--launch",
-        choices=["once", "per-round"],
-        default=None,
-        help="start each system's job once per stage (resident between rounds) or anew every "
-        f"round; default: once for models under {RESIDENT_MAX_PARAMS / 1e6:g}M parameters",
-    )
-    parser.add_argument(
-        "--deepspeed-optimizer",
-        choices=["torch", "deepspeed"],
-        default="torch",
-        help="torch: torch.optim.AdamW(fused=True) passed to deepspeed.initialize; deepspeed: its "
-        "config AdamW (DeepSpeedCPUAdam under offload, a C++ op built on first use)",
+    add_run_arguments(
+        parser,
+        list(SPECS),
+        model_help="GPT presets of examples/gpt/model.py (100m: 99.5M parameters); the "
+        "benchmark runs for each in turn",
+        launch_help="start each system's job once per stage (resident between rounds) or anew "
+        "every round",
     )
     parser.add_argument(
         "--sub-group-size",
@@ -159,8 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bytes written then read by each measure_disk_bandwidth of the nvme directory",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload.json"))
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--control", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

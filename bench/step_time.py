@@ -202,38 +202,51 @@ def ring_bytes(passes: float, params: int, nproc: int) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(
+        parser,
+        list(SPECS),
+        model_help="GPT presets of examples/gpt/model.py, or gpt2-34m (transformers' GPT-2, "
+        "sequence 128); the benchmark runs for each in turn",
+        launch_help="start each system's job once (resident between rounds) or anew every round",
+    )
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
+    return parser.parse_args(argv)
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser, systems: list[str], *, model_help: str, launch_help: str
+) -> None:
+    """The options every benchmark built on this machinery takes (bench/offload.py too)."""
     parser.add_argument(
         "--model",
         dest="models",
         nargs="+",
         default=["demo"],
         choices=list(bench_models()),
-        help="GPT presets of examples/gpt/model.py, or gpt2-34m (transformers' GPT-2, sequence "
-        "128); the benchmark runs for each in turn",
+        help=model_help,
     )
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--systems", nargs="+", default=list(SPECS), choices=list(SPECS))
+    parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
     parser.add_argument(
         "--launch",
         choices=["once", "per-round"],
         default=None,
-        help="start each system's job once (resident between rounds) or anew every round; "
-        f"default: once for models under {RESIDENT_MAX_PARAMS / 1e6:g}M parameters",
+        help=f"{launch_help}; default: once for models under "
+        f"{RESIDENT_MAX_PARAMS / 1e6:g}M parameters",
     )
     parser.add_argument(
         "--deepspeed-optimizer",
         choices=["torch", "deepspeed"],
         default="torch",
         help="torch: pass torch.optim.AdamW(fused=True) to deepspeed.initialize; deepspeed: "
-        "DeepSpeed's own AdamW from the config (on CPU a C++ op built on first use)",
+        "DeepSpeed's own AdamW from the config (on CPU a C++ op built on first use; "
+        "DeepSpeedCPUAdam under offload)",
     )
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--control", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
 
 
 def import_deepspeed() -> Any:

@@ -235,7 +235,6 @@ class OffloadedShardStore(InMemoryShardStore):
         self.on_host = on_host
         self.optimizer = optimizer
         self.masters_alias_params = masters_alias_params  # device buckets in fp32 training
-        self.options = options
         pin = options.pin_memory
         # The host buckets' gradients, in fp32 (the "4" of ZeRO-Offload's host bytes).
         self._host_grads = [
