@@ -70,16 +70,16 @@ from step_time import (
     ADAMW,
     CLIP,
     LOSS_RTOL,
-    RESIDENT_MAX_PARAMS,
     ROOT,
     Built,
     Row,
     Spec,
     add_run_arguments,
-    bench_models,
     engine_step,
+    for_model,
     fused_adamw,
     import_deepspeed,
+    print_header,
     progress,
 )
 
@@ -384,10 +384,7 @@ def disk_bandwidth(nbytes: int) -> tuple[float, float]:
 
 def run_model(model: str, args: argparse.Namespace) -> dict:
     """The whole benchmark for one model, stage by stage ([Note: stages run one at a time])."""
-    spec = bench_models()[model]
-    params = sum(p.numel() for p in spec.build().parameters() if p.requires_grad)
-    launch = args.launch or ("once" if params < RESIDENT_MAX_PARAMS else "per-round")
-    model_args = argparse.Namespace(**{**vars(args), "model": model, "launch": launch})
+    spec, params, model_args = for_model(model, args)
     rows = [OffloadRow(SPECS[key]) for key in args.systems]
     for row in rows:
         row.status = unavailable(row.spec, model_args)
@@ -448,11 +445,7 @@ def report(
         ("final loss", 10),
         ("Δloss/1st", 9),
     ]
-    header = " ".join(
-        f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(columns)
-    )
-    print(header)
-    print("-" * len(header))
+    print_header(columns)
     records, flagged, idle_nvme = [], False, []
     sources: dict[str, list[str]] = {}  # bytes_source -> nvme rows
     for row in rows:

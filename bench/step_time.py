@@ -200,6 +200,15 @@ def ring_bytes(passes: float, params: int, nproc: int) -> float:
     return passes * params * (nproc - 1) / nproc * 4
 
 
+def print_header(columns: list[tuple[str, int]]) -> None:
+    """A table's header line, ``(name, width)`` per column (the first left-aligned), and a rule."""
+    header = " ".join(
+        f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(columns)
+    )
+    print(header)
+    print("-" * len(header))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(
@@ -742,11 +751,7 @@ def report(
         ("final loss", 10),
         ("Δloss/DDP", 10),
     ]
-    header = " ".join(
-        f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(columns)
-    )
-    print(header)
-    print("-" * len(header))
+    print_header(columns)
     flagged = by_formula_shown = False
     records = []
     for row in rows:
@@ -897,13 +902,19 @@ def main() -> None:
     progress("done")
 
 
-def run_model(model: str, args: argparse.Namespace) -> dict:
-    """The whole benchmark for one model: print its table, return its JSON entry."""
+def for_model(model: str, args: argparse.Namespace) -> tuple[Any, int, argparse.Namespace]:
+    """``model``'s preset, its trainable parameters (Ψ of [Note: bytes sent per step]: every
+    parameter trains here, the tied embedding once), and ``args`` for it with the launch mode
+    resolved (see [Note: one torchrun job per system, driven over a socket])."""
     spec = bench_models()[model]
-    # Ψ of [Note: bytes sent per step]: here every parameter trains (the tied embedding once).
     params = sum(p.numel() for p in spec.build().parameters() if p.requires_grad)
     launch = args.launch or ("once" if params < RESIDENT_MAX_PARAMS else "per-round")
-    model_args = argparse.Namespace(**{**vars(args), "model": model, "launch": launch})
+    return spec, params, argparse.Namespace(**{**vars(args), "model": model, "launch": launch})
+
+
+def run_model(model: str, args: argparse.Namespace) -> dict:
+    """The whole benchmark for one model: print its table, return its JSON entry."""
+    spec, params, model_args = for_model(model, args)
     rows = [Row(SPECS[key]) for key in args.systems]
     for row in rows:
         row.status = unavailable(row.spec, model_args)

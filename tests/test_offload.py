@@ -59,6 +59,12 @@ def _config(
     return config
 
 
+def _run_parity_steps(engine, comm, after_step) -> None:
+    """The parity tests' STEPS global batches on this rank, ``after_step()`` after each step."""
+    idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
+    run_steps(engine, idx, tgt, MICRO, ACCUM, comm.world_size, comm.rank, lambda _: after_step())
+
+
 def train_variants(stages, variants, precision=None, zero=None):
     from zerotrain.comm import Communicator
 
@@ -73,17 +79,9 @@ def train_variants(stages, variants, precision=None, zero=None):
                 model_parameters=param_groups(model, WD),
                 config=_config(stage, VARIANTS[name], precision, zero),
             )
-            idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
             norms = []
-            run_steps(
-                engine,
-                idx,
-                tgt,
-                MICRO,
-                ACCUM,
-                comm.world_size,
-                comm.rank,
-                after_step=lambda _, e=engine, n=norms: n.append(e.get_global_grad_norm()),
+            _run_parity_steps(
+                engine, comm, lambda e=engine, n=norms: n.append(e.get_global_grad_norm())
             )
             out[(stage, name)] = {
                 "state": engine.consolidated_state_dict(),
@@ -358,19 +356,9 @@ def train_deferred(stages):
             engine, optimizer, *_ = zerotrain.initialize(
                 model=model, model_parameters=param_groups(model, WD), config=config
             )
-            idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
             deferred = []
             in_flight = optimizer.group.residency.in_flight
-            run_steps(
-                engine,
-                idx,
-                tgt,
-                MICRO,
-                ACCUM,
-                comm.world_size,
-                comm.rank,
-                after_step=lambda _, f=in_flight, d=deferred: d.append(f.deferred),
-            )
+            _run_parity_steps(engine, comm, lambda f=in_flight, d=deferred: d.append(f.deferred))
             out[(stage, name)] = (engine.consolidated_state_dict(), deferred)
     return out
 

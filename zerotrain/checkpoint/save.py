@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from zerotrain.checkpoint.files import (
     FileRecord,
     TensorEntry,
@@ -141,8 +143,12 @@ def _write_rank_files(
     element_keys = store.element_state_keys()
     pieces = group.master_pieces(own_shard_only=True)
 
+    tensors: dict[tuple[int, str], torch.Tensor] = {}  # each read once: a store may swap
+
     def entry(piece, key: str) -> TensorEntry:
-        tensor = store.state_tensor(piece.master, key)
+        tensor = tensors.get((piece.master, key))
+        if tensor is None:
+            tensor = tensors[piece.master, key] = store.state_tensor(piece.master, key)
         part = tensor.view(-1)[piece.master_start : piece.master_start + piece.numel]
         return tensor_entry(f"{piece.name}/{key}", part)
 

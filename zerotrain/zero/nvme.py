@@ -51,8 +51,16 @@ from zerotrain.zero.offload import (
     needs_whole_parameters,
     quiesce_device,
     ring_numel,
+    write_device_params,
 )
-from zerotrain.zero.store import OptimizerOver, Placement, ShardStore, masters_alias_params
+from zerotrain.zero.store import (
+    OptimizerOver,
+    Placement,
+    ShardStore,
+    copy_into,
+    masters_alias_params,
+    zero_element_state,
+)
 from zerotrain.zero.swap import SwapFile, aligned_empty
 
 _EMPTY = torch.empty(0)  # the data of a sub-group that is not in a staging set
@@ -334,11 +342,7 @@ class NvmeShardStore(ShardStore):
         param.data = _EMPTY
 
     def _write_device_params(self, param_shards: list[torch.Tensor]) -> None:
-        if self.masters_alias_params:
-            return
-        for master, target in zip(self._device_masters, param_shards, strict=True):
-            if master is not None:
-                target.copy_(master)
+        write_device_params(self._device_masters, param_shards, alias=self.masters_alias_params)
 
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
         self._write_device_params(param_shards)
@@ -384,12 +388,8 @@ class NvmeShardStore(ShardStore):
         return out
 
     def write_state(self, master: int, key: str, value: torch.Tensor) -> None:
-        device_master = self._device_masters[master]
-        if device_master is not None:
-            target = self.state_tensor(master, key)
-            if value.data_ptr() != target.data_ptr():
-                with torch.no_grad():
-                    target.copy_(value.view_as(target))
+        if self._device_masters[master] is not None:
+            copy_into(self.state_tensor(master, key), value)
             return
         offset = self._slot_offset(key)
         value = value.detach().reshape(-1).cpu().contiguous()
@@ -402,9 +402,7 @@ class NvmeShardStore(ShardStore):
             write.result()
 
     def reset_element_state(self, keys: list[str]) -> None:
-        for master in self._resident_masters():
-            self.optimizer.state.pop(master, None)
-            self.optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
+        zero_element_state(self.optimizer, self._resident_masters(), keys)
         for group in self.sub_groups:
             self.optimizer.state.pop(group.param, None)
             self.optimizer.state[group.param].update({key: _EMPTY for key in self.layout.keys})

@@ -162,6 +162,18 @@ def quiesce_device() -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def write_device_params(
+    masters: list[torch.Tensor | None], targets: list[torch.Tensor], *, alias: bool
+) -> None:
+    """The new values of the buckets the device steps (``masters``, None for the others) into
+    the model's shards; nothing to do where the masters are those shards (``alias``)."""
+    if alias:
+        return
+    for master, target in zip(masters, targets, strict=True):
+        if master is not None:
+            target.copy_(master)
+
+
 class BucketNorms:
     """Each bucket's fp32 gradient norm, taken on the device as its reduction completes; summed
     in bucket order, as the in-memory store sums them."""
@@ -311,9 +323,7 @@ class OffloadedShardStore(InMemoryShardStore):
             self._masters[index].grad = None
         if len(hosted) < len(self._masters):
             self.optimizer.step()
-            for index, host in enumerate(self.on_host):
-                if not host and not self.masters_alias_params:
-                    param_shards[index].copy_(self._masters[index])
+            write_device_params(self._device_side(), param_shards, alias=self.masters_alias_params)
         # this step's hyperparameters: a scheduler changes them before the deferred steps run
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         quiesce_device()
@@ -330,14 +340,16 @@ class OffloadedShardStore(InMemoryShardStore):
     def write_params(self, param_shards: list[torch.Tensor]) -> None:
         self._settle()
         quiesce_device()
+        write_device_params(self._device_side(), param_shards, alias=self.masters_alias_params)
         # The first buckets' parameters are needed last in forward: send the last ones first.
         for index in reversed(range(len(self._masters))):
-            master, target = self._masters[index], param_shards[index]
             if self.on_host[index]:
                 assert self._ring is not None
-                self._ring.send(master, target)
-            elif not self.masters_alias_params:
-                target.copy_(master)
+                self._ring.send(self._masters[index], param_shards[index])
+
+    def _device_side(self) -> list[torch.Tensor | None]:
+        """Per bucket, its master where the device steps it, else None."""
+        return [None if host else m for m, host in zip(self._masters, self.on_host, strict=True)]
 
     def release_grads(self) -> None:
         for master in self._masters:

@@ -190,16 +190,28 @@ class InMemoryShardStore(ShardStore):
         return tensor if key == "master" else self.optimizer.state[tensor][key]
 
     def write_state(self, master: int, key: str, value: torch.Tensor) -> None:
-        target = self.state_tensor(master, key)
-        if value.data_ptr() != target.data_ptr():
-            with torch.no_grad():
-                target.copy_(value.view_as(target))
+        copy_into(self.state_tensor(master, key), value)
 
     def reset_element_state(self, keys: list[str]) -> None:
         self._settle()
-        for master in self._masters:  # every key on every master, padding-only too
-            self.optimizer.state.pop(master, None)
-            self.optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
+        zero_element_state(self.optimizer, self._masters, keys)
+
+
+def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target`` takes ``value`` (shaped like it); nothing to do when they share storage."""
+    if value.data_ptr() != target.data_ptr():
+        with torch.no_grad():
+            target.copy_(value.view_as(target))
+
+
+def zero_element_state(
+    optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], keys: list[str]
+) -> None:
+    """Replace the state of ``masters`` by zeroed ``keys`` (every key on every master,
+    padding-only ones too: a checkpoint load then writes the values)."""
+    for master in masters:
+        optimizer.state.pop(master, None)
+        optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
 
 
 class DeviceShardStore(InMemoryShardStore):
