@@ -88,8 +88,20 @@ def train_variants(stages, variants, precision=None, zero=None):
                 "norms": norms,
                 "on_host": list(getattr(optimizer.store, "on_host", [])),
                 "memory": engine.memory_breakdown(),
+                "param_home": _home_figures(engine.optimizer.group.residency.home),
             }
     return out
+
+
+def _home_figures(home) -> dict:
+    """What stage 3's NVMe parameter home did (see zerotrain/zero/param_home.py)."""
+    buffers = home.host_tensors()
+    return {
+        "read_ahead": getattr(home, "reads_ahead", 0),
+        "bytes_read": getattr(home, "bytes_read", 0),
+        "buffers": len(buffers),
+        "buffer_bytes": max((b.numel() for b in buffers), default=0),
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -112,20 +124,32 @@ def test_offload_equals_in_memory_bit_for_bit(world):
                 assert relative_error(base["state"][key], value) < 1e-5, (stage, key)
 
 
-def test_stage3_parameter_offload_equals_in_memory_bit_for_bit():
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_stage3_parameter_offload_equals_in_memory_bit_for_bit(device):
     base = run_distributed(train_variants, 2, [3], ["none"])
-    in_host = {"offload_param": {"device": "cpu"}}  # with each optimizer placement
-    offloaded = run_distributed(train_variants, 2, [3], ["none", "cpu", "nvme"], None, in_host)
+    section = {"device": device}
+    if device == "nvme":  # two buffers, reused for every bucket
+        section.update(nvme_path=tempfile.mkdtemp(prefix="zerotrain-nvme-"), buffer_count=2)
+    zero = {"offload_param": section}
+    offloaded = run_distributed(train_variants, 2, [3], ["none", "cpu", "nvme"], None, zero)
     for want, got in zip(base, offloaded, strict=True):
         in_memory = want[(3, "none")]
         for name in ("none", "cpu", "nvme"):
             result = got[(3, name)]
             for key, value in in_memory["state"].items():
                 assert torch.equal(result["state"][key], value), (name, key)
-            # every unit is sharded (persistence threshold 0): the shards are all on the host
+            assert result["norms"] == in_memory["norms"], name
+            # every unit is sharded (persistence threshold 0): no shard is on the device
             params = in_memory["memory"]["parameters"]
             assert result["memory"]["parameters"] == 0 and params > 0, name
-            assert result["memory"]["offloaded"] >= params, name
+            if device == "cpu":
+                assert result["memory"]["offloaded"] >= params, name
+                continue
+            # on NVMe: in the file, read at each gather; the host holds two buffers
+            home = result["param_home"]
+            assert result["memory"]["disk"] >= params, name
+            assert home["bytes_read"] > 0 and home["buffers"] == 2, (name, home)
+            assert home["buffer_bytes"] < params, (name, home)  # one bucket's shard
 
 
 def test_offload_bf16_equals_in_memory_bit_for_bit():
@@ -150,6 +174,14 @@ def test_fp16_overflow_skips_the_offloaded_step_on_every_rank(tmp_path, device):
             assert all(e["finite"] for e in rank_log)
 
 
+# stage 3 with both the optimizer and the parameter shards on NVMe: three buffers, prefetch
+# of at most one block ahead, so that the next block's shard is read ahead
+PARAMS_ON_NVME = {
+    "offload_param": {"device": "nvme", "nvme_path": NVME_PATH, "buffer_count": 3},
+    "stage3_prefetch_bucket_size": 6000,
+}
+
+
 def train_gpt2(stages):
     from test_transformers_gpt2 import batches, build_gpt2, groups
 
@@ -158,13 +190,17 @@ def train_gpt2(stages):
     comm = Communicator()
     out = {}
     for stage in stages:
-        for name in ("none", "cpu", "nvme"):
+        names = ["none", "cpu", "nvme"] + (["nvme-params"] if stage == 3 else [])
+        for name in names:
             model = build_gpt2()
-            config = _config(stage, VARIANTS[name])
+            config = _config(stage, VARIANTS[name.removesuffix("-params")])
             # NVMe: several sub-groups per bucket (sub-group sizes are multiples of 1024)
             config["zero_optimization"].update(reduce_bucket_size=5000, sub_group_size=2048)
+            if name == "nvme-params":
+                section = {**PARAMS_ON_NVME["offload_param"], "nvme_path": tempfile.mkdtemp()}
+                config["zero_optimization"].update(PARAMS_ON_NVME, offload_param=section)
             config["optimizer"]["params"]["eps"] = 1e-6
-            engine, *_ = zerotrain.initialize(
+            engine, optimizer, *_ = zerotrain.initialize(
                 model=model, model_parameters=groups(model), config=config
             )
             data = batches(comm.world_size)
@@ -175,6 +211,7 @@ def train_gpt2(stages):
                     engine.backward(engine(input_ids=x, labels=x).loss)
                     engine.step()
             out[(stage, name)] = engine.consolidated_state_dict()
+            out[(stage, name, "home")] = _home_figures(optimizer.group.residency.home)
     return out
 
 
@@ -182,10 +219,12 @@ def test_offload_gpt2_equals_in_memory_bit_for_bit():
     pytest.importorskip("transformers")
     for results in run_distributed(train_gpt2, 2, [1, 2, 3]):
         for stage in (1, 2, 3):
-            for name in ("cpu", "nvme"):
+            for name in ("cpu", "nvme") + (("nvme-params",) if stage == 3 else ()):
                 base, got = results[(stage, "none")], results[(stage, name)]
                 for key, value in base.items():
                     assert torch.equal(got[key], value), (stage, name, key)
+        home = results[(3, "nvme-params", "home")]
+        assert home["read_ahead"] > 0 and home["buffers"] == 3, home
 
 
 def _engine(stage: int, offload: dict, zero: dict | None = None):
@@ -293,7 +332,7 @@ def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
     with pytest.raises(ConfigError, match="but 100 B is available"):
         _engine(2, {"device": "cpu"})
     # stage 3's parameter shards (offload_param), before they are allocated
-    monkeypatch.setattr(zerotrain.zero.gather, "available_host_memory", lambda: 100)
+    monkeypatch.setattr(zerotrain.zero.param_home, "available_host_memory", lambda: 100)
     with pytest.raises(ConfigError, match="cannot hold stage 3's parameter shards in host memory"):
         _engine(3, VARIANTS["none"], {"offload_param": {"device": "cpu"}})
 
@@ -322,6 +361,71 @@ def test_nvme_preflight_and_refusals(tmp_path, monkeypatch):
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="Lamb needs whole parameters"):
         zerotrain.initialize(model=AwkwardModel(), config=lamb)
+
+
+def test_parameters_on_nvme_preflight(tmp_path, monkeypatch):
+    from zerotrain.zero import nvme
+
+    params_on_nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    stale = tmp_path / f"zerotrain-{2**22 + 1}-params-1.swap"  # a killed process's
+    stale.write_bytes(b"x")
+    _engine(3, VARIANTS["none"], params_on_nvme)
+    assert not stale.exists()
+    assert len(list(tmp_path.glob("zerotrain-*-params-*.swap"))) == 1  # this engine's
+    small = {"offload_param": {**params_on_nvme["offload_param"], "buffer_size": 10}}
+    with pytest.raises(ConfigError) as error:
+        _engine(3, VARIANTS["none"], small)
+    assert str(error.value) == (
+        "zero_optimization.offload_param.buffer_size: 10 elements, but this rank's largest "
+        "stage-3 parameter shard (one gather unit's share) has 294; set buffer_size to at "
+        "least 294"
+    )
+    monkeypatch.setattr(zerotrain.zero.param_home, "available_host_memory", lambda: 100)
+    with pytest.raises(ConfigError, match="cannot hold the NVMe buffers of stage 3's parameter"):
+        _engine(3, VARIANTS["none"], params_on_nvme)
+    monkeypatch.undo()
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())
+    with pytest.raises(ConfigError) as error:
+        _engine(3, VARIANTS["none"], params_on_nvme)
+    assert str(error.value).startswith(
+        f"zero_optimization.offload_param.nvme_path: {tmp_path} has 100 B free, but each rank's "
+        "working file needs 1.24 KiB (stage-3 parameter shards)"  # 318 fp32 elements
+    )
+
+
+@pytest.mark.parametrize(("first", "second"), [("nvme", "none"), ("none", "nvme")])
+def test_checkpoints_move_between_parameter_homes(tmp_path, first, second):
+    def engine(where: str):
+        section = {"device": where, "nvme_path": str(tmp_path / "swap"), "buffer_count": 1}
+        return _engine(3, VARIANTS[where], {"offload_param": section})
+
+    straight = engine("none")
+    _train(straight, range(4))
+    before = engine(first)
+    _train(before, range(2))
+    before.save_checkpoint(tmp_path, tag="two")
+    after = engine(second)
+    after.load_checkpoint(tmp_path, tag="two")
+    _train(after, range(2, 4))
+    want = straight.consolidated_state_dict()
+    for key, value in after.consolidated_state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.parametrize(
+    ("stage", "optimizer", "params"), [(3, "none", "nvme"), (2, "cpu", "none")]
+)
+def test_a_parameter_modified_in_place_reaches_its_offloaded_copies(
+    tmp_path, stage, optimizer, params
+):
+    section = {"device": params, "nvme_path": str(tmp_path), "buffer_count": 1}
+    engine = _engine(stage, VARIANTS[optimizer], {"offload_param": section})
+    weight = engine.module.up.weight
+    with zerotrain.zero.GatheredParameters([weight], modifier_rank=0):
+        weight.data.fill_(0.25)
+    with zerotrain.zero.GatheredParameters([weight]):  # gathered again (from the file)
+        assert torch.equal(weight.data, torch.full((13, 7), 0.25))
+    assert engine.consolidated_state_dict()["up.weight"].eq(0.25).all()  # the master (host)
 
 
 def test_lamb_offloaded_to_cpu_equals_in_memory():

@@ -39,6 +39,7 @@ from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import OffloadOptions, device_budget
+from zerotrain.zero.param_home import ParamOffload
 from zerotrain.zero.swap import AioOptions
 
 
@@ -142,8 +143,7 @@ def initialize(
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_numel=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
-            shards_on_host=zero.stage == 3 and zero.offload_param.device == "cpu",
-            pin_memory=zero.offload_param.pin_memory,
+            offload_param=_param_offload(cfg) if zero.stage == 3 else None,
         ),
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
@@ -271,6 +271,27 @@ def _check_offload(cfg: ZeroTrainConfig, rank: int) -> None:
         )
 
 
+def _aio_options(cfg: ZeroTrainConfig) -> AioOptions:
+    return AioOptions(
+        block_size=cfg.aio.block_size,
+        queue_depth=cfg.aio.queue_depth,
+        thread_count=cfg.aio.intra_op_parallelism,
+    )
+
+
+def _param_offload(cfg: ZeroTrainConfig) -> ParamOffload:
+    """The `offload_param` section as stage 3 takes it."""
+    section = cfg.zero_optimization.offload_param
+    return ParamOffload(
+        device=section.device,
+        pin_memory=section.pin_memory,
+        nvme_path=section.nvme_path,
+        buffer_count=section.buffer_count,
+        buffer_size=section.buffer_size,
+        aio=_aio_options(cfg),
+    )
+
+
 def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptions | None:
     """The `offload_optimizer` section as the shard group takes it (None: not offloaded)."""
     zero = cfg.zero_optimization
@@ -285,11 +306,7 @@ def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptio
         nvme_path=section.nvme_path,
         sub_group_size=zero.sub_group_size,
         device_budget=lambda: device_budget(device),
-        aio=AioOptions(
-            block_size=cfg.aio.block_size,
-            queue_depth=cfg.aio.queue_depth,
-            thread_count=cfg.aio.intra_op_parallelism,
-        ),
+        aio=_aio_options(cfg),
     )
 
 

@@ -163,18 +163,18 @@ class OffloadOptimizerConfig(_OffloadSection):
 
 class OffloadParamConfig(_OffloadSection):
     """`zero_optimization.offload_param`: where stage 3 keeps the parameter shards between uses
-    (DeepSpeed's ZeRO-Infinity parameter offload): `cpu` keeps them in host memory and copies
-    each to the device ahead of its all-gather, in the prefetch order of stage 3. Read at stage
-    3 only, as DeepSpeed does. `buffer_count`, `buffer_size` and `max_in_cpu` size DeepSpeed's
-    NVMe parameter buffers and have no effect (the stage-3 prefetch bounds,
-    `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`, bound what is on the device)."""
+    (DeepSpeed's ZeRO-Infinity parameter offload): `cpu` keeps them in host memory, `nvme` in a
+    working file under `nvme_path`, read through `buffer_count` host buffers; each shard goes to
+    the device ahead of its all-gather, in the prefetch order of stage 3. Read at stage 3 only,
+    as DeepSpeed does."""
 
     buffer_count: NonNegativeInt = 5
-    """NVMe buffer pool size."""
+    """Host buffers that NVMe shards are read and written through."""
     buffer_size: NonNegativeInt = 100_000_000
-    """Elements per NVMe buffer."""
+    """Elements per NVMe buffer: at least the largest gather unit's shard."""
     max_in_cpu: NonNegativeInt = 1_000_000_000
-    """Parameter elements kept in CPU memory with NVMe offload."""
+    """Accepted for DeepSpeed compatibility, without effect (the NVMe buffers bound what is in
+    host memory)."""
 
 
 class AioConfig(Section):
@@ -342,11 +342,6 @@ class ZeroOptimizationConfig(Section):
             section = getattr(self, name)
             if section.device == "nvme" and not section.nvme_path:
                 raise fail(f'{name}.device: "nvme" needs {name}.nvme_path (a directory)')
-        if self.offload_param.device == "nvme" and self.stage == 3:
-            raise fail(
-                'offload_param.device: "nvme" (stage-3 parameters on NVMe) is not implemented '
-                'yet; use "cpu" or "none" (offload_optimizer.device: "nvme" works)'
-            )
         return self
 
     @model_validator(mode="after")

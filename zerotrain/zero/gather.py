@@ -77,12 +77,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from zerotrain.accelerator import available_host_memory
 from zerotrain.comm import Communicator, PendingOp
 from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.zero.init import ZeroParamStatus, gather_param, is_init_partitioned, mark_partitioned
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, point_params_at
-from zerotrain.zero.offload import check_param_host_memory, host_tensor, local_ranks
+from zerotrain.zero.param_home import ParamOffload, ShardHome, shard_home
+from zerotrain.zero.store import ParamShards
 from zerotrain.zero.units import assign_units, find_unit_modules
 
 
@@ -94,16 +94,19 @@ class Stage3Options:
     max_live_numel: int = ZERO_DEFAULTS.stage3_max_live_parameters
     max_reuse_numel: int = ZERO_DEFAULTS.stage3_max_reuse_distance
     persistence_threshold: int = ZERO_DEFAULTS.stage3_param_persistence_threshold  # per unit here
-    shards_on_host: bool = False  # offload_param: shards between uses in host memory
-    pin_memory: bool = True  # offload_param.pin_memory (CUDA)
+    offload_param: ParamOffload | None = None  # where the shards live between uses
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device != "none"
 
 
 class BucketGathers:
     """Parameter all-gathers in flight, by bucket (see [Note: waiting for parameters])."""
 
-    def __init__(self, comm: Communicator, stage_shards: bool = False):
+    def __init__(self, comm: Communicator, home: ShardHome | None = None):
         self.comm = comm
-        self.stage_shards = stage_shards  # shards live in host memory: copy each to the device
+        self.home = home or ShardHome()  # stage 3: where the shards are lent from
         self._ops: dict[int, PendingOp] = {}  # id(bucket) -> its all-gather
         # id(bucket) -> what must run before its shard is read: a deferred optimizer step (and,
         # stages 1-2, the gather itself); see [Note: a step deferred to the next use]
@@ -127,16 +130,25 @@ class BucketGathers:
     def deferred(self) -> int:
         return len(self._before)
 
-    def issue(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        """Start gathering ``bucket.flat_param`` from every rank's ``shard``."""
-        self._run_before(bucket)  # a deferred step writes ``shard``
+    def issue(self, bucket: FlatBucket, shard: torch.Tensor | None = None) -> None:
+        """Start gathering ``bucket.flat_param`` from every rank's ``shard`` (stage 3: the one
+        the shard home lends, see [Note: lending a shard] in param_home.py)."""
+        self._run_before(bucket)  # a deferred step writes the shard
         earlier = self._ops.pop(id(bucket), None)
         if earlier is not None:  # never two gathers into one buffer at once
             earlier.wait()
         flat_param = bucket.require_flat_param()
-        if self.stage_shards:
-            shard = _to_device(shard, flat_param)
+        if shard is None:
+            shard = self.home.lend(bucket)
+            if self.home.on_host:
+                shard = _to_device(shard, flat_param)
+            self.home.give_back(bucket)
         self._ops[id(bucket)] = self.comm.all_gather(flat_param, shard, async_op=True)
+
+    def read_ahead(self, buckets: list[FlatBucket]) -> None:
+        """Stage 3: ``buckets`` are gathered soon (beyond the prefetch): start their reads."""
+        for bucket in buckets:
+            self.home.read_ahead(bucket)
 
     def wait(self, buckets) -> None:
         """Complete the gathers of ``buckets`` that are in flight (or deferred)."""
@@ -259,7 +271,7 @@ class ParameterGatherer:
             bucket.flat_param = torch.empty(
                 bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
             )
-            self.in_flight.issue(bucket, bucket.require_param_shard())
+            self.in_flight.issue(bucket)
         unit.set_status(UnitState.GATHERING)
         self.gathers += 1
         self.live_numel += unit.numel
@@ -332,6 +344,7 @@ class ParameterGatherer:
             if unit.state is not UnitState.SHARDED:
                 continue
             if unit.numel > budget or self.live_numel + unit.numel > self.max_live_numel:
+                self.in_flight.read_ahead(unit.buckets)  # the next to gather: start its reads
                 return
             self._issue(unit)
             self.prefetched += 1
@@ -423,7 +436,7 @@ class ParameterGatherer:
         for unit in self.units:
             if unit.persistent:
                 for bucket in unit.buckets:
-                    self.in_flight.issue(bucket, bucket.require_param_shard())
+                    self.in_flight.issue(bucket)
                 unit.set_status(UnitState.GATHERING)
 
     def wait_all(self) -> None:
@@ -469,7 +482,9 @@ class ParamResidency:
         self.partition = partition
         self.stage3 = stage3
         self.overlap_param_gather = overlap_param_gather
-        self.in_flight = BucketGathers(comm, stage_shards=stage3.shards_on_host)
+        # where stage 3 keeps the shards between uses (the other stages keep whole parameters)
+        self.home = shard_home(stage3.offload_param) if self.shards_params else ShardHome()
+        self.in_flight = BucketGathers(comm, self.home)
         self.buckets: list[FlatBucket] = []
 
     # -- building the layout -----------------------------------------------------------------------
@@ -507,9 +522,13 @@ class ParamResidency:
         return self.comm
 
     # -- during training ---------------------------------------------------------------------------
-    def param_part(self, bucket: FlatBucket) -> torch.Tensor:
-        """The model's copy (training dtype) of the part this rank's optimizer steps."""
-        return self.partition.part(bucket, bucket.require_flat_param())
+    def param_targets(self) -> ParamShards:
+        """The model's copies (training dtype) of the parts this rank's optimizer steps."""
+        return ParamShards([self.partition.part(b, b.require_flat_param()) for b in self.buckets])
+
+    def take_values(self, bucket: FlatBucket) -> None:
+        """``bucket.flat_param`` was changed in place: the shard kept between uses takes its
+        part (stage 3; the other stages keep nothing else)."""
 
     def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
         """The optimizer wrote its part of every bucket, or will: ``deferred`` maps a bucket
@@ -554,8 +573,8 @@ class ParamResidency:
         return 0
 
     def host_param_tensors(self) -> list[torch.Tensor]:
-        """The parameter shards kept in host memory (``offload_param``): none here."""
-        return []
+        """The host memory holding parameter shards (``offload_param``)."""
+        return self.home.host_tensors()
 
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter storage this rank holds (for memory accounting)."""
@@ -635,13 +654,7 @@ class GatheredForUse(ParamResidency):
             unit_numel[bucket.unit] = unit_numel.get(bucket.unit, 0) + bucket.numel
         threshold = self.stage3.persistence_threshold
         self._persistent = {u for u, numel in unit_numel.items() if numel < threshold}
-        if self.stage3.shards_on_host:  # before init_bucket allocates them
-            shards = [
-                b.shard_numel * b.dtype.itemsize for b in buckets if b.unit not in self._persistent
-            ]
-            check_param_host_memory(
-                sum(shards), local_ranks=local_ranks(), available=available_host_memory()
-            )
+        self.home.check([b for b in buckets if b.unit not in self._persistent])
 
     def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
         master_fp32 = bucket.require_param_shard()
@@ -652,9 +665,8 @@ class GatheredForUse(ParamResidency):
             )
             self.comm.all_gather(bucket.flat_param, bucket.param_shard)
             bucket.param_shard = bucket.shard(bucket.flat_param)
-        elif self.stage3.shards_on_host:  # offload_param: a host copy, not a view of the master
-            host = host_tensor(bucket.shard_numel, bucket.dtype, pin=self.stage3.pin_memory)
-            bucket.param_shard = host.copy_(bucket.param_shard)
+        else:  # a copy, not a view of the master
+            self.home.keep(bucket, bucket.param_shard)
         return master_fp32
 
     def start(self) -> None:
@@ -687,8 +699,11 @@ class GatheredForUse(ParamResidency):
             self._reduce_comm = self.comm.new_group()
         return self._reduce_comm
 
-    def param_part(self, bucket: FlatBucket) -> torch.Tensor:
-        return bucket.require_param_shard()
+    def param_targets(self) -> ParamShards:
+        return self.home.targets(self.buckets)
+
+    def take_values(self, bucket: FlatBucket) -> None:
+        self.home.targets([bucket]).fill(0, bucket.shard(bucket.require_flat_param()))
 
     @property
     def defers_use(self) -> bool:
@@ -732,11 +747,6 @@ class GatheredForUse(ParamResidency):
     @property
     def persistent_numel(self) -> int:
         return sum(u.numel for u in self.gatherer.units if u.persistent)
-
-    def host_param_tensors(self) -> list[torch.Tensor]:
-        if not self.stage3.shards_on_host:
-            return []
-        return [b.require_param_shard() for b in self.buckets if b.unit not in self._persistent]
 
 
 def _then_gather(

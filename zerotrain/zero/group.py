@@ -147,7 +147,7 @@ class ShardGroup:
     def step_store(self) -> None:
         """The store's step over the reduced gradients (attached by :meth:`begin_step`):
         deferred bucket by bucket to each one's next use where the residency allows it."""
-        parts = self.param_parts()
+        parts = self.residency.param_targets()
         if self.residency.defers_use:
             self._deferred = self.store.step_deferred(parts)
         else:
@@ -163,14 +163,10 @@ class ShardGroup:
         self.reduction.zero_grads()
         self._enter(GroupState.IDLE)
 
-    def param_parts(self) -> list[torch.Tensor]:
-        """Per bucket, the model's copy of the part this rank's optimizer steps."""
-        return [self.residency.param_part(b) for b in self.buckets]
-
     def publish(self) -> None:
         """After the masters changed outside a step (a checkpoint load): update the model's
         parameters on every rank (collective)."""
-        self.store.write_params(self.param_parts())
+        self.store.write_params(self.residency.param_targets())
         self.residency.publish()
 
     # -- views of the state --------------------------------------------------------------------
@@ -311,7 +307,7 @@ def build_shard_group(
         return make_optimizer(inner_groups, None if probe else segments)
 
     store = strategies.placement.build_store(
-        masters_fp32, [residency.param_part(b) for b in buckets], precision, optimizer_over
+        masters_fp32, residency.param_targets(), precision, optimizer_over
     )
     reduction = strategies.reduction(
         buckets,

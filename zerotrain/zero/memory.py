@@ -150,5 +150,5 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "total": params + grads + optim,
         "offloaded": offloaded,
         "staging": store.staging_bytes(),
-        "disk": store.disk_bytes(),
+        "disk": store.disk_bytes() + group.residency.home.disk_bytes(),
     }

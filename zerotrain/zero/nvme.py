@@ -55,6 +55,7 @@ from zerotrain.zero.offload import (
 )
 from zerotrain.zero.store import (
     OptimizerOver,
+    ParamShards,
     Placement,
     ShardStore,
     copy_into,
@@ -169,19 +170,35 @@ def disk_bytes_needed(numel: int, state_bytes: int) -> int:
     return numel * (4 + state_bytes)
 
 
-def check_disk(directory: Path, needed: int, local_ranks: int) -> None:
-    """Preflight: refuse, before writing, what the disk under ``directory`` cannot hold."""
+def check_disk(
+    directory: Path, needed: int, local_ranks: int, *, key: str = "offload_optimizer"
+) -> None:
+    """Preflight: refuse, before writing, what the disk under ``directory`` cannot hold (for
+    the working file of the ``key`` section)."""
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     total = needed * local_ranks
     if total > free:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.nvme_path: {directory} has {gib(free)} free, "
-            f"but each rank's working file needs {gib(needed)} (fp32 masters and optimizer "
-            f"state), x {local_ranks} rank(s) on this node = {gib(total)}. Options: a path on "
-            "a larger disk, a lower ratio (keeps more of the optimizer state on the device), or "
-            "more nodes"
+        what, lower = (
+            ("stage-3 parameter shards", 'offload_param.device: "cpu"')
+            if key == "offload_param"
+            else (
+                "fp32 masters and optimizer state",
+                "a lower ratio (keeps more of the optimizer state on the device)",
+            )
         )
+        raise ConfigError(
+            f"zero_optimization.{key}.nvme_path: {directory} has {gib(free)} free, but each "
+            f"rank's working file needs {gib(needed)} ({what}), x {local_ranks} rank(s) on this "
+            f"node = {gib(total)}. Options: a path on a larger disk, {lower}, or more nodes"
+        )
+
+
+def working_file(directory: Path, kind: str) -> Path:
+    """A new working file's path: its name carries the pid (see :func:`remove_stale_files`)."""
+    global _files
+    _files += 1
+    return directory / f"zerotrain-{os.getpid()}-{kind}-{_files}.swap"
 
 
 def remove_stale_files(directory: Path) -> None:
@@ -266,7 +283,7 @@ class NvmeShardStore(ShardStore):
         self._factor = 1.0
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self, param_shards: list[torch.Tensor]) -> None:
+    def step(self, param_shards: ParamShards) -> None:
         if self._resident_masters():
             self.optimizer.step()  # only the device masters have gradients now
             self._write_device_params(param_shards)
@@ -279,7 +296,7 @@ class NvmeShardStore(ShardStore):
         # the first buckets' parameters are needed last in forward: the last ones first
         return sorted(self.sub_groups, key=lambda g: (-g.bucket, g.start))
 
-    def _walk(self, order: list[SubGroup], param_shards, *, step: bool) -> None:
+    def _walk(self, order: list[SubGroup], param_shards: ParamShards, *, step: bool) -> None:
         """Stage each sub-group of ``order`` in turn (reads ahead, writes behind), step it if
         ``step``, and send its master to its parameter shard."""
         quiesce_device()
@@ -289,6 +306,7 @@ class NvmeShardStore(ShardStore):
         ahead = min(count - 1, max(1, count - 2))
         for k in range(min(ahead, len(order))):
             self._read(order[k], self._sets[k % count], with_state=step and self._has_state)
+        target = _EMPTY  # the open parameter shard: a bucket's sub-groups are walked in a row
         for k, group in enumerate(order):
             if k + ahead < len(order):
                 upcoming = self._sets[(k + ahead) % count]
@@ -298,8 +316,11 @@ class NvmeShardStore(ShardStore):
             master = staged.master[: group.numel]
             if step:
                 self._step_one(group, staged)
-            target = param_shards[group.bucket][group.start : group.end]
-            self._ring.send(master, target)
+            if group.start == 0:
+                target = param_shards.open(group.bucket)
+            self._ring.send(master, target[group.start : group.end])
+            if group.end == self._numels[group.bucket]:
+                param_shards.close(group.bucket)
             if step:
                 self._write(group, staged)
         for staged in self._sets:
@@ -341,10 +362,10 @@ class NvmeShardStore(ShardStore):
         param.grad = None
         param.data = _EMPTY
 
-    def _write_device_params(self, param_shards: list[torch.Tensor]) -> None:
+    def _write_device_params(self, param_shards: ParamShards) -> None:
         write_device_params(self._device_masters, param_shards, alias=self.masters_alias_params)
 
-    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+    def write_params(self, param_shards: ParamShards) -> None:
         self._write_device_params(param_shards)
         self._walk(self._step_order(), param_shards, step=False)
 
@@ -448,11 +469,10 @@ class NvmePlacement(HostPlacement):
     def build_store(
         self,
         masters_fp32: list[torch.Tensor],
-        param_parts: list[torch.Tensor],
+        param_parts: ParamShards,
         precision: PrecisionPolicy,
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
-        global _files
         options = self.options
         probe = self._probe(masters_fp32, optimizer_over)
         if needs_whole_parameters(probe):
@@ -488,10 +508,7 @@ class NvmePlacement(HostPlacement):
         slot_bytes = []
         for group in groups:
             slot_bytes += [4 * group.numel, *(d.itemsize * group.numel for d in layout.dtypes)]
-        _files += 1
-        swap = SwapFile(
-            directory / f"zerotrain-{os.getpid()}-{_files}.swap", slot_bytes, options.aio
-        )
+        swap = SwapFile(working_file(directory, "optimizer"), slot_bytes, options.aio)
         staging = aligned_empty(largest, torch.float32)
         for group in groups:  # the initial masters, through one host buffer
             part = staging[: group.numel]
@@ -499,8 +516,8 @@ class NvmePlacement(HostPlacement):
             swap.write(group.slot, part).result()
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         device_masters: list[torch.Tensor | None] = [
-            None if host else (part if alias else master.clone())
-            for master, part, host in zip(masters_fp32, param_parts, on_host, strict=True)
+            None if host else (param_parts.tensors[index] if alias else master.clone())
+            for index, (master, host) in enumerate(zip(masters_fp32, on_host, strict=True))
         ]
         tensors = [
             [g.param for g in groups if g.bucket == index] if master is None else [master]

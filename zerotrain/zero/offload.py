@@ -40,6 +40,7 @@ from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.store import (
     InMemoryShardStore,
     OptimizerOver,
+    ParamShards,
     Placement,
     ShardStore,
     masters_alias_params,
@@ -163,15 +164,15 @@ def quiesce_device() -> None:
 
 
 def write_device_params(
-    masters: list[torch.Tensor | None], targets: list[torch.Tensor], *, alias: bool
+    masters: list[torch.Tensor | None], targets: ParamShards, *, alias: bool
 ) -> None:
     """The new values of the buckets the device steps (``masters``, None for the others) into
     the model's shards; nothing to do where the masters are those shards (``alias``)."""
     if alias:
         return
-    for master, target in zip(masters, targets, strict=True):
+    for index, master in enumerate(masters):
         if master is not None:
-            target.copy_(master)
+            targets.fill(index, master)
 
 
 class BucketNorms:
@@ -206,7 +207,7 @@ class _DeferredStep:
     store: OffloadedShardStore
     index: int
     grad: torch.Tensor | None
-    target: torch.Tensor
+    targets: ParamShards
     hyper: list[dict]
 
     def run(self) -> None:
@@ -226,7 +227,8 @@ class _DeferredStep:
             for group, current in zip(groups, now, strict=True):
                 group.update(current)
         assert store._ring is not None
-        store._ring.send(master, self.target)
+        store._ring.send(master, self.targets.open(self.index))
+        self.targets.close(self.index)
 
 
 class OffloadedShardStore(InMemoryShardStore):
@@ -310,7 +312,7 @@ class OffloadedShardStore(InMemoryShardStore):
             torch._foreach_mul_([g for g in grads if g.device == device], factor)
 
     # -- a step deferred to each bucket's next use ----------------------------------------------
-    def step_deferred(self, param_shards: list[torch.Tensor]) -> dict[int, Callable[[], None]]:
+    def step_deferred(self, param_shards: ParamShards) -> dict[int, Callable[[], None]]:
         """Step the device buckets now and return the host buckets' steps, each to run at its
         bucket's next use (see [Note: a step deferred to the next use] in gather.py)."""
         if needs_whole_parameters(self.optimizer):  # one collective step over every bucket
@@ -327,9 +329,7 @@ class OffloadedShardStore(InMemoryShardStore):
         # this step's hyperparameters: a scheduler changes them before the deferred steps run
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         quiesce_device()
-        self._deferred = {
-            i: _DeferredStep(self, i, grads[i], param_shards[i], hyper) for i in hosted
-        }
+        self._deferred = {i: _DeferredStep(self, i, grads[i], param_shards, hyper) for i in hosted}
         return {i: step.run for i, step in self._deferred.items()}
 
     def _settle(self) -> None:
@@ -337,7 +337,7 @@ class OffloadedShardStore(InMemoryShardStore):
             step.run()
 
     # -- parameters out -------------------------------------------------------------------------
-    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+    def write_params(self, param_shards: ParamShards) -> None:
         self._settle()
         quiesce_device()
         write_device_params(self._device_side(), param_shards, alias=self.masters_alias_params)
@@ -345,7 +345,8 @@ class OffloadedShardStore(InMemoryShardStore):
         for index in reversed(range(len(self._masters))):
             if self.on_host[index]:
                 assert self._ring is not None
-                self._ring.send(self._masters[index], param_shards[index])
+                self._ring.send(self._masters[index], param_shards.open(index))
+                param_shards.close(index)
 
     def _device_side(self) -> list[torch.Tensor | None]:
         """Per bucket, its master where the device steps it, else None."""
@@ -478,15 +479,26 @@ def configure_host_threads() -> int:
     return threads
 
 
-def check_param_host_memory(nbytes: int, *, local_ranks: int, available: int | None) -> None:
-    """Preflight of ``offload_param``: stage 3's parameter shards in host memory."""
+def check_param_host_memory(
+    nbytes: int, *, local_ranks: int, available: int | None, nvme: bool = False
+) -> None:
+    """Preflight of ``offload_param``: stage 3's parameter shards in host memory, or (``nvme``)
+    the host buffers they are staged through."""
     if available is None or nbytes * local_ranks <= available:
         return
+    what = (
+        "the NVMe buffers of stage 3's parameter shards" if nvme else "stage 3's parameter shards"
+    )
+    options = (
+        "a lower offload_param.buffer_count, or smaller gather units"
+        if nvme
+        else 'more nodes (each rank holds 1/N of the parameters), offload_param.device: "nvme", '
+        'or offload_param.device: "none"'
+    )
     raise ConfigError(
-        f"zero_optimization.offload_param: this node cannot hold stage 3's parameter shards in "
-        f"host memory: each rank needs {gib(nbytes)}, x {local_ranks} rank(s) on this node = "
-        f"{gib(nbytes * local_ranks)}, but {gib(available)} is available. Options: more nodes "
-        '(each rank holds 1/N of the parameters), or offload_param.device: "none"'
+        f"zero_optimization.offload_param: this node cannot hold {what} in host memory: each "
+        f"rank needs {gib(nbytes)}, x {local_ranks} rank(s) on this node = "
+        f"{gib(nbytes * local_ranks)}, but {gib(available)} is available. Options: {options}"
     )
 
 
@@ -504,7 +516,7 @@ class HostPlacement(Placement):
     def build_store(
         self,
         masters_fp32: list[torch.Tensor],
-        param_parts: list[torch.Tensor],
+        param_parts: ParamShards,
         precision: PrecisionPolicy,
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
@@ -527,12 +539,12 @@ class HostPlacement(Placement):
         )
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = []
-        for master, part, host in zip(masters_fp32, param_parts, on_host, strict=True):
+        for index, (master, host) in enumerate(zip(masters_fp32, on_host, strict=True)):
             if host:
                 masters.append(host_tensor(master.numel(), torch.float32, pin=False))
                 masters[-1].copy_(master)
             else:
-                masters.append(part if alias else master.clone())
+                masters.append(param_parts.tensors[index] if alias else master.clone())
         return OffloadedShardStore(
             masters,
             on_host,

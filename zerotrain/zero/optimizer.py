@@ -236,12 +236,11 @@ class ZeroOptimizer:
         if modifier_rank is not None:
             for bucket in buckets:
                 self.comm.broadcast(bucket.flat_param, src=modifier_rank)
-                if bucket.param_shard is not None:  # a separate shard: take the new values
-                    bucket.param_shard.copy_(bucket.shard(bucket.flat_param))
-            if self.precision.has_master_copy:
-                for bucket in buckets:
-                    part = self.group.partition.part(bucket, bucket.flat_param)
-                    self.store.write_state(self.buckets.index(bucket), "master", part)
+                self.group.residency.take_values(bucket)
+            # the masters too (a no-op where they are the model's own fp32 shards)
+            for bucket in buckets:
+                part = self.group.partition.part(bucket, bucket.flat_param)
+                self.store.write_state(self.buckets.index(bucket), "master", part)
         self.group.residency.end_access(gathered_here)
 
     # -- state views ---------------------------------------------------------------------------
@@ -305,5 +304,5 @@ class ZeroOptimizer:
             optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
             persistent_numel=self.group.residency.persistent_numel,
             offload=self.store.offloaded_numel() / max(1, sum(numels)),
-            offload_params=self.group.residency.stage3.shards_on_host,
+            offload_params=self.group.residency.stage3.offloads_params,
         )

@@ -21,6 +21,36 @@ per bucket, in bucket order, the tensors its optimizer part is stepped as (one, 
 sub-groups); ``probe``: over stand-ins, to learn what it keeps (no per-parameter layout)."""
 
 
+class ParamShards:
+    """The model's copies (training dtype) of the parts a store steps, one per bucket, which
+    a store writes bucket by bucket: it fills ``open(i)`` with bucket i's new values, then calls
+    ``close(i)``, with no other bucket open in between. Here they are resident tensors; stage
+    3's shards on NVMe stage each bucket in a host buffer and write it to disk at ``close``
+    (zerotrain/zero/param_home.py)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def open(self, index: int) -> torch.Tensor:
+        return self.tensors[index]
+
+    def close(self, index: int) -> None:
+        """Bucket ``index``'s values are complete."""
+
+    def fill(self, index: int, values: torch.Tensor) -> None:
+        """Bucket ``index`` takes ``values`` (cast to its dtype)."""
+        self.open(index).copy_(values)
+        self.close(index)
+
+    @property
+    def resident(self) -> bool:
+        """Whether :attr:`tensors` are the copies themselves (a master may alias them)."""
+        return True
+
+
 class ShardStore(ABC):
     """The optimizer's view of this rank's partition: master tensors, their grads, one step."""
 
@@ -73,13 +103,13 @@ class ShardStore(ABC):
     def scale_grads(self, factor: float) -> None:
         """Multiply every master gradient by ``factor`` (unscaling and clipping in one pass)."""
 
-    def step(self, param_shards: list[torch.Tensor]) -> None:
+    def step(self, param_shards: ParamShards) -> None:
         """One optimizer step over the masters, then their new values into the model's
         (possibly lower-precision) ``param_shards``: a store may interleave the two."""
         self.optimizer.step()
         self.write_params(param_shards)
 
-    def step_deferred(self, param_shards: list[torch.Tensor]) -> dict[int, Callable[[], None]]:
+    def step_deferred(self, param_shards: ParamShards) -> dict[int, Callable[[], None]]:
         """Like :meth:`step`, but the store may leave buckets to step later: returns, per such
         bucket index, the call that steps it and writes its parameter shard, with this step's
         hyperparameters (see [Note: a step deferred to the next use] in gather.py)."""
@@ -87,7 +117,7 @@ class ShardStore(ABC):
         return {}
 
     @abstractmethod
-    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+    def write_params(self, param_shards: ParamShards) -> None:
         """Copy the masters into the model's (possibly lower-precision) shards."""
 
     @abstractmethod
@@ -249,14 +279,17 @@ class DeviceShardStore(InMemoryShardStore):
         if factor != 1.0:
             torch._foreach_mul_(self._grads(), factor)
 
-    def write_params(self, param_shards: list[torch.Tensor]) -> None:
+    def write_params(self, param_shards: ParamShards) -> None:
         if self.masters_alias_params:
             return
-        if param_shards and param_shards[0].device != self._masters[0].device:
-            for target, master in zip(param_shards, self._masters, strict=True):
-                target.copy_(master)  # offload_param: host shards (a copy ordered on the stream)
+        targets = param_shards.tensors
+        if param_shards.resident and all(
+            t.device == m.device for t, m in zip(targets, self._masters, strict=True)
+        ):
+            torch._foreach_copy_(targets, self._masters)
             return
-        torch._foreach_copy_(param_shards, self._masters)
+        for index, master in enumerate(self._masters):  # offload_param: shards elsewhere
+            param_shards.fill(index, master)
 
     def release_grads(self) -> None:
         for master in self._masters:
@@ -270,7 +303,7 @@ class Placement:
     def build_store(
         self,
         masters_fp32: list[torch.Tensor],
-        param_parts: list[torch.Tensor],
+        param_parts: ParamShards,
         precision: PrecisionPolicy,
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
@@ -278,8 +311,8 @@ class Placement:
         may alias ``param_parts``, the model's own copy, in fp32 training)."""
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = [
-            part if alias else master.clone()
-            for master, part in zip(masters_fp32, param_parts, strict=True)
+            param_parts.tensors[index] if alias else master.clone()
+            for index, master in enumerate(masters_fp32)
         ]
         return DeviceShardStore(
             masters, optimizer_over([[m] for m in masters]), masters_alias_params=alias
@@ -287,10 +320,10 @@ class Placement:
 
 
 def masters_alias_params(
-    precision: PrecisionPolicy, masters_fp32: list[torch.Tensor], param_parts: list[torch.Tensor]
+    precision: PrecisionPolicy, masters_fp32: list[torch.Tensor], param_parts: ParamShards
 ) -> bool:
     """fp32 training: the master is the model's own copy of this rank's part, unless that copy
-    lives elsewhere (offload_param keeps stage 3's shards in host memory)."""
-    return not precision.has_master_copy and all(
-        m.device == p.device for m, p in zip(masters_fp32, param_parts, strict=True)
-    )
+    lives elsewhere (offload_param keeps stage 3's shards in host memory or on NVMe)."""
+    if precision.has_master_copy or not param_parts.resident:
+        return False
+    return all(m.device == p.device for m, p in zip(masters_fp32, param_parts.tensors, strict=True))
