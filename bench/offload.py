@@ -95,7 +95,11 @@ NVME_ENV = "ZEROTRAIN_OFFLOAD_BENCH_NVME"  # the parent's nvme directory, passed
 class OffloadSpec(Spec):
     """A system of the table: a library, a ZeRO stage and where the optimizer states live."""
 
-    offload: str = "none"  # offload_optimizer.device: "none", "cpu" or "nvme"
+    offload: str = "none"  # offload_optimizer.device: "none", "cpu", "nvme"; or "nvme-params"
+
+    @property
+    def uses_nvme(self) -> bool:
+        return self.offload.startswith("nvme")
 
 
 def _spec(family: str, stage: int, offload: str) -> OffloadSpec:
@@ -104,14 +108,16 @@ def _spec(family: str, stage: int, offload: str) -> OffloadSpec:
     return OffloadSpec(key, f"{name} {stage} {offload}", family, stage, offload=offload)
 
 
-# Rows in table order: per stage, zerotrain's three placements, then DeepSpeed's.
+# Rows in table order: per stage, zerotrain's three placements (at stage 3 a fourth: the
+# parameter shards on NVMe too, offload_param, which DeepSpeed's stage-3 NVMe lacks here: no
+# libaio), then DeepSpeed's.
 SPECS = {
     spec.key: spec
     for spec in (
         _spec(family, stage, offload)
         for stage in STAGES
         for family in ("zerotrain", "deepspeed")
-        for offload in OFFLOADS
+        for offload in OFFLOADS + (("nvme-params",) if (stage, family) == (3, "zerotrain") else ())
     )
 }
 
@@ -150,12 +156,14 @@ def with_offload(config: dict, spec: OffloadSpec, args: argparse.Namespace) -> d
     """`config` with the spec's `offload_optimizer` (DeepSpeed's keys, which zerotrain reads)."""
     if spec.offload == "none":
         return config
-    section: dict[str, Any] = {"device": spec.offload}
+    section: dict[str, Any] = {"device": "nvme" if spec.uses_nvme else spec.offload}
     zero = config["zero_optimization"]
-    if spec.offload == "nvme":
+    if spec.uses_nvme:
         section["nvme_path"] = str(Path(os.environ[NVME_ENV]) / spec.key)
         zero["sub_group_size"] = args.sub_group_size
     zero["offload_optimizer"] = section
+    if spec.offload == "nvme-params":
+        zero["offload_param"] = dict(section)
     return config
 
 
@@ -248,7 +256,12 @@ class RoundCounters:
             out |= self.timer.snapshot()
         store = self.engine.optimizer.store if self.engine is not None else None
         if hasattr(store, "bytes_read"):  # NvmeShardStore counts what it reads and writes
-            out |= {"store_read_bytes": store.bytes_read, "store_write_bytes": store.bytes_written}
+            # and so does the parameter home with offload_param nvme
+            home = self.engine.optimizer.group.residency.home
+            out |= {
+                f"store_{kind}_bytes": getattr(store, counter) + getattr(home, counter, 0)
+                for kind, counter in (("read", "bytes_read"), ("write", "bytes_written"))
+            }
         return out
 
     def start(self) -> None:
@@ -272,10 +285,10 @@ def build_zerotrain(model: torch.nn.Module, spec: OffloadSpec, args: argparse.Na
     import zerotrain
 
     timer = SwapTimer()
-    timed = spec.offload == "nvme" and timer.install()
+    timed = spec.uses_nvme and timer.install()
     engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, args))
     store = type(engine.optimizer.store).__name__
-    if spec.offload == "nvme" and store != NVME_STORE:
+    if spec.uses_nvme and store != NVME_STORE:
         raise NotNvmeOffload(
             f"device nvme built {store}, not {NVME_STORE}: this tree keeps the optimizer "
             "state in host memory, so the row would time cpu offload"
@@ -389,7 +402,7 @@ def run_model(model: str, args: argparse.Namespace) -> dict:
     for row in rows:
         row.status = unavailable(row.spec, model_args)
     load = os.getloadavg()[0]
-    nvme = any(row.spec.offload == "nvme" for row in rows)
+    nvme = any(row.spec.uses_nvme for row in rows)
     disk = [disk_bandwidth(args.disk_bytes)] if nvme else []
     started = time.perf_counter()
     for stage in STAGES:
@@ -469,7 +482,7 @@ def report(
         flag = rel_loss is not None and rel_loss > LOSS_RTOL
         flagged |= flag
         io = row.disk()
-        if spec.offload == "nvme":
+        if spec.uses_nvme:
             sources.setdefault(io["bytes_source"], []).append(spec.label)
             if io["read_bytes_per_step"] + io["write_bytes_per_step"] == 0:
                 idle_nvme.append(spec.label)
@@ -494,7 +507,7 @@ def report(
             loss_mismatch=flag,
             ranks_per_round=row.rounds,
         )
-        nvme = spec.offload == "nvme"
+        nvme = spec.uses_nvme
         cells = [
             f"{median:.4f}",
             _fmt(out["vs_zerotrain_no_offload"], ".3f"),

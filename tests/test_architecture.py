@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "deepspeed surface",
         ("checkpointing", "runtime", "ops", "utils", "moe", "pipe", "profiling", "__init__"),
     ),
+    # opt-in aliases that present the whole package under DeepSpeed's name
+    ("compat", ("compat",)),
     ("cli", ("cli", "__main__")),
 ]
 MAX_LINES = 800

@@ -177,6 +177,27 @@ def test_dry_run_prints_the_command_with_its_environment(monkeypatch, capsys):
     )
 
 
+def test_deepspeed_compat_starts_each_rank_through_the_alias():
+    launch = plan(["--deepspeed-compat", "--nproc-per-node", "2", "train.py", "--lr", "1"])
+    assert launch.argv[len(TORCHRUN) + 3 :] == [
+        "-m",
+        "zerotrain.compat",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    shadow = plan(["--deepspeed-compat=shadow", "train.py"])
+    assert shadow.argv[len(TORCHRUN) + 3 :] == [
+        "-m",
+        "zerotrain.compat",
+        "--shadow-deepspeed",
+        "train.py",
+    ]
+    assert "zerotrain.compat" not in plan(["train.py"]).argv
+    with pytest.raises(LaunchError, match="takes no value or =shadow, got 'yes'"):
+        plan(["--deepspeed-compat=yes", "train.py"])
+
+
 def test_main_reports_launch_errors_with_status_2(monkeypatch, capsys):
     monkeypatch.setattr(launch, "_cuda_device_count", lambda: 0)
     assert cli.main(["run", "--dry-run", "--bogus", "train.py"]) == 2

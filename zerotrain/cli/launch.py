@@ -28,6 +28,7 @@ __all__ = ["PARSER", "LaunchError", "LaunchPlan", "add_arguments", "plan_launch"
 _DRY_RUN = "--dry-run"
 _HELP = ("-h", "--help")
 _NPROC = ("--nproc-per-node", "--nproc_per_node")
+_COMPAT = "--deepspeed-compat"  # ... or --deepspeed-compat=shadow
 
 # Launcher options (torchrun `dest` names) that choose how the nodes meet. With none of them and
 # a single node, `--standalone` is added: torchrun then runs its own c10d store on a free local
@@ -47,7 +48,8 @@ _RENDEZVOUS_DESTS = frozenset(
 )
 
 _RUN_USAGE = (
-    "zerotrain run [--nproc-per-node N] [--dry-run] [TORCHRUN OPTIONS] SCRIPT [SCRIPT ARGS]"
+    "zerotrain run [--nproc-per-node N] [--deepspeed-compat[=shadow]] [--dry-run] "
+    "[TORCHRUN OPTIONS] SCRIPT [SCRIPT ARGS]"
 )
 _RUN_DESCRIPTION = """\
 Launch SCRIPT once per local device with torchrun (python -m torch.distributed.run).
@@ -55,6 +57,10 @@ Launch SCRIPT once per local device with torchrun (python -m torch.distributed.r
 options:
   --nproc-per-node N  processes on this node (default: the number of CUDA devices, or 1
                       without CUDA)
+  --deepspeed-compat  in every process, `import deepspeed` is zerotrain before SCRIPT starts
+                      (zerotrain.compat.deepspeed.activate: for frameworks that import
+                      deepspeed by name, such as the HuggingFace Trainer and Accelerate);
+                      =shadow: even where a real DeepSpeed is installed
   --dry-run           print the torchrun command line instead of running it
   -h, --help          show this help and exit
 
@@ -149,29 +155,42 @@ def _split_run_argv(
     return tokens, None, []
 
 
-def _take_own_options(launcher_argv: list[str]) -> tuple[list[str], str | None, bool, bool]:
-    """Removes our own options; returns (rest, nproc value or None, dry_run, help)."""
-    rest: list[str] = []
+@dataclass
+class _OwnOptions:
     nproc: str | None = None
-    dry_run = show_help = False
+    dry_run: bool = False
+    show_help: bool = False
+    compat: str | None = None  # --deepspeed-compat: "on" or "shadow"
+
+
+def _take_own_options(launcher_argv: list[str]) -> tuple[list[str], _OwnOptions]:
+    """Removes our own options; returns (rest, what they said)."""
+    rest: list[str] = []
+    own = _OwnOptions()
     i = 0
     while i < len(launcher_argv):
         token = launcher_argv[i]
         name, _, attached = token.partition("=")
         if token == _DRY_RUN:
-            dry_run = True
+            own.dry_run = True
         elif token in _HELP:
-            show_help = True
+            own.show_help = True
+        elif name == _COMPAT:
+            if attached not in ("", "shadow"):
+                raise LaunchError(
+                    f"zerotrain run: {_COMPAT} takes no value or =shadow, got {attached!r}"
+                )
+            own.compat = attached or "on"
         elif name in _NPROC:
             if "=" in token:
-                nproc = attached
+                own.nproc = attached
             else:
-                nproc = launcher_argv[i + 1]  # present: _split_run_argv checked it
+                own.nproc = launcher_argv[i + 1]  # present: _split_run_argv checked it
                 i += 1
         else:
             rest.append(token)
         i += 1
-    return rest, nproc, dry_run, show_help
+    return rest, own
 
 
 def _parse_nproc(value: str | None, cuda_devices: int) -> int:
@@ -211,17 +230,17 @@ def plan_launch(
     """
     torchrun = _torchrun_parser()
     takes_value = _option_arity(torchrun)
-    takes_value.update({_DRY_RUN: False, _HELP[0]: False, _HELP[1]: False})
+    takes_value.update({_DRY_RUN: False, _HELP[0]: False, _HELP[1]: False, _COMPAT: False})
     launcher_argv, script, script_args = _split_run_argv(run_argv, takes_value)
-    forwarded, nproc_value, dry_run, show_help = _take_own_options(launcher_argv)
-    if show_help:
+    forwarded, own = _take_own_options(launcher_argv)
+    if own.show_help:
         print(f"usage: {_RUN_USAGE}\n\n{_RUN_DESCRIPTION}", end="")
         return None
     if script is None:
         raise LaunchError(f"zerotrain run: missing SCRIPT\nusage: {_RUN_USAGE}")
     if script.startswith("-"):  # python itself would read it as an option
         raise LaunchError(f"zerotrain run: SCRIPT {script!r} starts with '-'; write ./{script}")
-    nproc = _parse_nproc(nproc_value, cuda_devices)
+    nproc = _parse_nproc(own.nproc, cuda_devices)
 
     # torchrun's parser validates the forwarded options and fills in what comes from its
     # PET_* environment variables; exits with a usage message on an invalid option value.
@@ -253,8 +272,11 @@ def plan_launch(
     argv = [python, "-m", "torch.distributed.run"]
     if single_node and not has_rendezvous:
         argv.append("--standalone")
-    argv += ["--nproc-per-node", str(nproc), *forwarded, script, *script_args]
-    return LaunchPlan(argv=argv, env_overrides=env_overrides, dry_run=dry_run)
+    argv += ["--nproc-per-node", str(nproc), *forwarded]
+    if own.compat:  # each rank: python -m zerotrain.compat SCRIPT (activates, then runs it)
+        argv += ["-m", "zerotrain.compat", *(["--shadow-deepspeed"] * (own.compat == "shadow"))]
+    argv += [script, *script_args]
+    return LaunchPlan(argv=argv, env_overrides=env_overrides, dry_run=own.dry_run)
 
 
 def _available_cpus() -> int:

@@ -1,0 +1,1 @@
+"""Opt-in compatibility layers for frameworks that know DeepSpeed and not zerotrain."""
