@@ -442,7 +442,7 @@ def report(
         print(f"disk under {os.environ[NVME_ENV]} (measure_disk_bandwidth, GB/s): {runs}")
     print()
     columns = [
-        ("system", 19),
+        ("system", 23),
         ("median s/step", 13),
         ("vs zt none", 10),
         ("vs DS", 6),
@@ -472,7 +472,7 @@ def report(
         }
         if not row.times_s:
             out["status"] = row.status
-            print(f"{spec.label:<19} {row.status}")
+            print(f"{spec.label:<23} {row.status}")
             records.append(out)
             continue
         median = medians[spec.key]
@@ -527,7 +527,7 @@ def report(
         if row.status:  # measured, then failed in a later round
             cells[-1] += f"  ({row.status})"
         print(
-            f"{spec.label:<19} "
+            f"{spec.label:<23} "
             + " ".join(f"{cell:>{w}}" for cell, (_, w) in zip(cells, columns[1:], strict=True))
         )
         records.append(out)
