@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "deepspeed surface",
         ("checkpointing", "runtime", "ops", "utils", "moe", "pipe", "profiling", "__init__"),
     ),
-    # opt-in aliases that present the whole package under DeepSpeed's name
-    ("compat", ("compat",)),
+    # frameworks: the opt-in DeepSpeed alias and native integrations, over the whole package
+    ("frameworks", ("compat", "integrations")),
     ("cli", ("cli", "__main__")),
 ]
 MAX_LINES = 800

@@ -1,0 +1,1 @@
+"""Native integrations with training frameworks (imported on demand: each needs its framework)."""

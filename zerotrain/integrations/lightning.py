@@ -1,0 +1,272 @@
+"""Lightning Fabric on zerotrain: a native strategy, with no DeepSpeed involved.
+
+    fabric = Fabric(strategy=ZeroTrainStrategy(stage=3), accelerator="cpu", devices=2)
+    fabric = Fabric(strategy="zerotrain_stage_2_offload", ...)   # registered names, below
+    model, optimizer = fabric.setup(model, optimizer)            # zerotrain.initialize
+    loss = model(batch); fabric.backward(loss); optimizer.step()
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": step})
+
+The strategy is Fabric's DDP strategy (its launching, process group and data sharding) with the
+model and optimizer set up by :func:`zerotrain.initialize`: ``fabric.backward`` is
+``engine.backward`` and ``optimizer.step()`` is ``engine.step()``, which counts micro-steps
+against the config's ``gradient_accumulation_steps`` (call it every iteration, as with
+DeepSpeed). Checkpoints are zerotrain's (``engine.save_checkpoint``: every rank writes its
+shard; the rest of the state given to ``fabric.save`` is the client state). Precision comes from
+``precision=``: ``"bf16-mixed"`` and ``"16-mixed"`` become the config's ``bf16`` / ``fp16``
+sections (zerotrain's master weights and loss scaling), as DeepSpeed's strategy does.
+
+Registered with Fabric at import: ``zerotrain``, ``zerotrain_stage_1``/``_2``/``_3`` and
+``zerotrain_stage_2_offload`` / ``zerotrain_stage_3_offload`` (optimizer, and at stage 3
+parameters, in host memory). The Lightning Trainer's strategy is not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import nn
+
+import zerotrain
+from zerotrain.config import ConfigError
+from zerotrain.engine import ZeroTrainEngine
+
+_PRECISION_SECTIONS = {
+    "32-true": {},
+    "32": {},
+    "bf16-mixed": {"bf16": {"enabled": True}},
+    "16-mixed": {"fp16": {"enabled": True}},
+}
+_CHECKPOINT_TAG = "checkpoint"
+
+
+class ZeroTrainStrategy(DDPStrategy):
+    """Fabric's strategy for zerotrain (see the module docstring)."""
+
+    strategy_name = "zerotrain"
+
+    def __init__(
+        self,
+        config: dict | str | Path | None = None,
+        *,
+        stage: int | None = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        **ddp_options: Any,
+    ):
+        """``config``: a zerotrain (DeepSpeed-style) config dict or JSON path; ``stage`` and the
+        offload switches fill in its ``zero_optimization`` where the config leaves them out."""
+        super().__init__(**ddp_options)
+        self.config = _read_config(config)
+        zero = self.config.setdefault("zero_optimization", {})
+        if stage is not None:
+            zero.setdefault("stage", stage)
+        if offload_optimizer:
+            zero.setdefault("offload_optimizer", {"device": "cpu"})
+        if offload_parameters:
+            zero.setdefault("offload_param", {"device": "cpu"})
+        self.config.setdefault("train_micro_batch_size_per_gpu", 1)  # for the throughput line
+        self._engine: ZeroTrainEngine | None = None
+
+    # -- precision -------------------------------------------------------------------------------
+    def _take_precision(self) -> None:
+        """Move Fabric's precision choice into the config; zerotrain then does the casting."""
+        name = str(self.precision.precision)
+        if name not in _PRECISION_SECTIONS:
+            raise ConfigError(
+                f"ZeroTrainStrategy: precision={name!r} is not supported; use '32-true', "
+                "'bf16-mixed' or '16-mixed' (zerotrain keeps fp32 master weights)"
+            )
+        for key, section in _PRECISION_SECTIONS[name].items():
+            self.config.setdefault(key, section)
+        self.precision = Precision()  # no autocast or casting of its own on top of zerotrain's
+
+    # -- setup -----------------------------------------------------------------------------------
+    @property
+    def model(self) -> ZeroTrainEngine | None:
+        """The engine of the model set up last (``None`` before ``fabric.setup``)."""
+        return self._engine
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config["zero_optimization"].get("stage", 0))
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[ZeroTrainEngine, list, Any]:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"ZeroTrainStrategy: set up one optimizer with the model, got {len(optimizers)}"
+            )
+        engine, optimizer, _, scheduler = self._initialize(module, optimizers[0], scheduler)
+        return engine, [optimizer], scheduler
+
+    # pyrefly: ignore[bad-override] (an engine, not DDP's wrapper: Lightning's own DeepSpeed
+    # strategy overrides DDPStrategy the same way)
+    def setup_module(self, module: nn.Module) -> ZeroTrainEngine:
+        """A model without an optimizer (evaluation, inference)."""
+        return self._initialize(module, None, None)[0]
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        raise NotImplementedError(
+            "ZeroTrainStrategy: set up the model and its optimizer together, "
+            "`model, optimizer = fabric.setup(model, optimizer)`: zerotrain partitions the "
+            "optimizer over the model's parameters"
+        )
+
+    def _initialize(self, module: nn.Module, optimizer, scheduler):
+        self._take_precision()
+        engine, zero_optimizer, _, scheduler = zerotrain.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.config
+        )
+        self._engine = engine
+        return engine, zero_optimizer, None, scheduler
+
+    def module_sharded_context(self) -> AbstractContextManager:
+        """At stage 3, ``fabric.init_module()`` builds the model already partitioned."""
+        if self.zero_stage == 3:
+            return zerotrain.zero.Init(config_dict_or_path=self.config)
+        return nullcontext()
+
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        if self.zero_stage == 3:
+            return self.module_sharded_context()
+        return super().module_init_context(empty_init)
+
+    # -- a training step -------------------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args, **kwargs) -> None:
+        engine = module if isinstance(module, ZeroTrainEngine) else self._require_engine()
+        engine.backward(tensor, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        """``engine.step()``: steps at the accumulation boundary, counts micro-steps otherwise."""
+        if kwargs.get("closure") is not None:
+            raise NotImplementedError("ZeroTrainStrategy: optimizer.step(closure) is not supported")
+        return self._require_engine().step()
+
+    def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(
+            "ZeroTrainStrategy: clipping is the config's `gradient_clipping` (applied by the "
+            "engine over the global norm of the sharded gradients), not fabric.clip_gradients"
+        )
+
+    def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "ZeroTrainStrategy: clipping by value is not supported; set `gradient_clipping` "
+            "(by norm) in the config"
+        )
+
+    def _require_engine(self) -> ZeroTrainEngine:
+        if self._engine is None:
+            raise RuntimeError("ZeroTrainStrategy: no model set up yet; call fabric.setup(...)")
+        return self._engine
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(
+        self, path, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        """zerotrain's checkpoint directory at ``path``: the engine (model, optimizer, scheduler)
+        and the rest of ``state`` as its client state."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "ZeroTrainStrategy.save_checkpoint: storage_options and filter are not supported"
+            )
+        engine = self._engine_in(state)
+        path = self.broadcast(str(path))
+        client = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
+        client = self._convert_stateful_objects_in_state(client, filter={})
+        engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state=client)
+
+    def load_checkpoint(
+        self, path, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Restore the engine in ``state`` and, in place, the other entries that the client
+        state holds; returns the client state entries ``state`` did not ask for."""
+        if not isinstance(state, dict):
+            raise ValueError(
+                "ZeroTrainStrategy.load_checkpoint: pass the state as a dict holding the model, "
+                "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+        engine = self._engine_in(state)
+        wants_optimizer = any(v is engine.optimizer for v in state.values())
+        _, client = engine.load_checkpoint(
+            str(path),
+            tag=_CHECKPOINT_TAG,
+            load_optimizer_states=wants_optimizer,
+            load_module_strict=strict,
+        )
+        if client is None:
+            raise RuntimeError(f"ZeroTrainStrategy: no zerotrain checkpoint at {path}")
+        rest = {}
+        for key, value in client.items():
+            target = state.get(key)
+            if target is engine or target is engine.optimizer:
+                continue
+            if key in state and hasattr(target, "load_state_dict"):
+                target.load_state_dict(value)
+            elif key in state:
+                state[key] = value
+            else:
+                rest[key] = value
+        return rest
+
+    def _engine_in(self, state: dict[str, Any]) -> ZeroTrainEngine:
+        engines = [v for v in state.values() if isinstance(_unwrap(v), ZeroTrainEngine)]
+        if len(engines) != 1:
+            raise ValueError(
+                f"ZeroTrainStrategy: the checkpoint state must hold exactly one model set up by "
+                f"fabric.setup, found {len(engines)}"
+            )
+        return _unwrap(engines[0])
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("zerotrain", cls, description="zerotrain, config's stage")
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"zerotrain_stage_{stage}", cls, description=f"zerotrain ZeRO-{stage}", stage=stage
+            )
+        strategy_registry.register(
+            "zerotrain_stage_2_offload",
+            cls,
+            description="zerotrain ZeRO-2, optimizer in host memory",
+            stage=2,
+            offload_optimizer=True,
+        )
+        strategy_registry.register(
+            "zerotrain_stage_3_offload",
+            cls,
+            description="zerotrain ZeRO-3, optimizer and parameters in host memory",
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+        )
+
+
+def _unwrap(value: Any) -> Any:
+    """Fabric's wrappers hold the engine as ``_forward_module``."""
+    return getattr(value, "_forward_module", value)
+
+
+def _read_config(config: dict | str | Path | None) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))  # a copy the strategy may fill in
+    return json.loads(Path(config).read_text())
+
+
+def _register() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    if "zerotrain" not in STRATEGY_REGISTRY:
+        ZeroTrainStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+_register()
