@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("zero", ("zero",)),
     (
         "services",
-        ("checkpoint", "observability", "estimate", "data", "activation_checkpointing"),
+        ("checkpoint", "observability", "estimate", "data", "activation_checkpointing", "lora"),
     ),
     ("engine", ("backward", "engine_queries", "engine")),
     ("api", ("api",)),
