@@ -1,9 +1,10 @@
-"""Lightning Fabric on zerotrain's native strategy (zerotrain/integrations/lightning.py).
+"""Lightning Fabric and the Lightning Trainer on zerotrain's native strategies
+(zerotrain/integrations/lightning/).
 
-2 gloo ranks, the awkward model of the parity tests: Fabric's training loop at stages 1-3 (by
-registered name, accumulation 2, clipping on) must equal zerotrain called directly on the same
-batches, parameters bit for bit; a Fabric checkpoint resumes exactly; bf16-mixed becomes
-zerotrain's bf16.
+2 gloo ranks, the awkward model of the parity tests: Fabric's training loop and the Trainer's
+fit at stages 1-3 (accumulation 2, clipping on) must equal zerotrain called directly on the same
+batches, parameters bit for bit; checkpoints resume exactly; validation runs; the registered
+names resolve; bf16-mixed becomes zerotrain's bf16.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _train(model, optimizer, backward, batches) -> list[float]:
 
 
 def fabric_versus_direct(root: str) -> dict:
-    from zerotrain.integrations.lightning import ZeroTrainStrategy
+    from zerotrain.integrations.lightning.fabric import ZeroTrainStrategy
 
     out = {}
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -105,14 +106,14 @@ def test_fabric_trains_as_zerotrain_called_directly(tmp_path):
 
 
 def fabric_checkpoint_and_names(root: str) -> dict:
-    import zerotrain.integrations.lightning  # noqa: F401
+    import zerotrain.integrations.lightning  # noqa: F401 (registers the strategy names)
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     batches = list(_batches(rank, world))
     half = len(batches) // 2
 
     def fresh(strategy: str, precision: str = "32-true"):
-        from zerotrain.integrations.lightning import ZeroTrainStrategy
+        from zerotrain.integrations.lightning.fabric import ZeroTrainStrategy
 
         fabric = _fabric(strategy, precision)
         assert isinstance(fabric.strategy, ZeroTrainStrategy)
@@ -150,3 +151,120 @@ def test_fabric_checkpoint_resumes_exactly_and_names_resolve(tmp_path):
         assert got["resumed"] == got["straight"]
         assert got["equal"]
         assert got["bf16"] and got["offload"] and got["stage"] == 2
+
+
+def _lightning_module(batches_seen: list):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.optimizer = _model_and_optimizer()
+
+        def forward(self, idx, tgt):
+            return self.net(idx, tgt)
+
+        def training_step(self, batch, batch_index):
+            batches_seen.append((batch[0].clone(), batch[1].clone()))
+            loss = self(*batch)
+            self.losses.append(loss.item())
+            return loss
+
+        def validation_step(self, batch, batch_index):
+            loss = self(*batch)
+            self.log("val_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return self.optimizer
+
+    module = Module()
+    module.losses = []
+    return module
+
+
+def _loader(rank: int, world: int):
+    """This rank's micro-batches (the Trainer's sampler is replaced: the order is the test's)."""
+    batches = list(_batches(rank, world))
+    data = [(i, t) for idx, tgt in batches for i, t in zip(idx, tgt, strict=True)]
+    return torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
+
+
+def _trainer(stage: int, root: str, max_steps: int):
+    import lightning.pytorch as pl
+
+    from zerotrain.integrations.lightning.trainer import ZeroTrainStrategy
+
+    return pl.Trainer(
+        strategy=ZeroTrainStrategy(stage=stage, config={"steps_per_print": 10**6}),
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CONFIG["gradient_clipping"],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+    )
+
+
+def trainer_versus_direct(root: str) -> dict:
+    from zerotrain.engine import ZeroTrainEngine
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        seen: list = []
+        module = _lightning_module(seen)
+        trainer = _trainer(stage, root, STEPS)
+        trainer.fit(module, train_dataloaders=_loader(rank, world))
+        engine = trainer.model
+        direct = _direct(stage)
+        direct_losses = _train(direct, direct, direct.backward, seen)
+        mine, theirs = engine.consolidated_state_dict(), direct.consolidated_state_dict()
+        validated = trainer.validate(module, dataloaders=_loader(rank, world), verbose=False)
+        # a checkpoint after 2 of the 4 steps, restored by fit(ckpt_path=...) in a new Trainer
+        # (which then has no step left to take); both engines then go on by hand over the last
+        # batches: the restored one (model, optimizer state, step count) as the original
+        half = _trainer(stage, root, STEPS // 2)
+        half.fit(_lightning_module([]), train_dataloaders=_loader(rank, world))
+        half.save_checkpoint(f"{root}/half-{stage}")
+        resumed = _lightning_module([])
+        again = _trainer(stage, root, STEPS // 2)
+        again.fit(resumed, train_dataloaders=_loader(rank, world), ckpt_path=f"{root}/half-{stage}")
+        rest = seen[STEPS // 2 * ACCUM :]
+        original_tail = _train(half.model, half.model, half.model.backward, rest)
+        resumed_tail = _train(again.model, again.model, again.model.backward, rest)
+        after = again.model.consolidated_state_dict()
+        out[stage] = {
+            "engine": isinstance(engine, ZeroTrainEngine),
+            "stage": engine.zero_optimization_stage(),
+            "losses": module.losses,
+            "direct_losses": direct_losses,
+            "equal": all(torch.equal(mine["net." + k], v) for k, v in theirs.items()),
+            "val_loss": validated[0]["val_loss"],
+            "steps_after_restore": len(resumed.losses),
+            "original_tail": original_tail,
+            "resumed_tail": resumed_tail,
+            "resumed_equal": all(torch.equal(after[k], mine[k]) for k in mine),
+            "global_step": again.global_step,
+        }
+    return out
+
+
+def test_lightning_trainer_trains_as_zerotrain_called_directly(tmp_path):
+    for rank in run_distributed(trainer_versus_direct, 2, str(tmp_path), timeout=400):
+        for stage, got in rank.items():
+            assert got["engine"] and got["stage"] == stage
+            assert len(got["losses"]) == STEPS * ACCUM
+            assert got["losses"] == got["direct_losses"], stage
+            assert got["equal"], stage
+            assert got["val_loss"] > 0
+            assert got["steps_after_restore"] == 0 and got["global_step"] == STEPS // 2
+            assert got["resumed_tail"] == got["original_tail"], stage
+            assert got["resumed_tail"] == got["losses"][STEPS * ACCUM // 2 :], stage
+            assert got["resumed_equal"], stage

@@ -15,16 +15,14 @@ shard; the rest of the state given to ``fabric.save`` is the client state). Prec
 ``precision=``: ``"bf16-mixed"`` and ``"16-mixed"`` become the config's ``bf16`` / ``fp16``
 sections (zerotrain's master weights and loss scaling), as DeepSpeed's strategy does.
 
-Registered with Fabric at import: ``zerotrain``, ``zerotrain_stage_1``/``_2``/``_3`` and
-``zerotrain_stage_2_offload`` / ``zerotrain_stage_3_offload`` (optimizer, and at stage 3
-parameters, in host memory). The Lightning Trainer's strategy is not built yet.
+Registered with Fabric at import (config.REGISTERED): ``zerotrain``,
+``zerotrain_stage_1``/``_2``/``_3`` and ``zerotrain_stage_2_offload`` /
+``zerotrain_stage_3_offload`` (optimizer, and at stage 3 parameters, in host memory).
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,57 +32,30 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
 import zerotrain
-from zerotrain.config import ConfigError
 from zerotrain.engine import ZeroTrainEngine
+from zerotrain.integrations.lightning.config import (
+    CHECKPOINT_TAG,
+    Configured,
+    register_all,
+    take_precision,
+    zero_stage,
+)
 
-_PRECISION_SECTIONS = {
-    "32-true": {},
-    "32": {},
-    "bf16-mixed": {"bf16": {"enabled": True}},
-    "16-mixed": {"fp16": {"enabled": True}},
-}
-_CHECKPOINT_TAG = "checkpoint"
 
-
-class ZeroTrainStrategy(DDPStrategy):
+class ZeroTrainStrategy(Configured, DDPStrategy):
     """Fabric's strategy for zerotrain (see the module docstring)."""
 
     strategy_name = "zerotrain"
 
-    def __init__(
-        self,
-        config: dict | str | Path | None = None,
-        *,
-        stage: int | None = None,
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
-        **ddp_options: Any,
-    ):
-        """``config``: a zerotrain (DeepSpeed-style) config dict or JSON path; ``stage`` and the
-        offload switches fill in its ``zero_optimization`` where the config leaves them out."""
-        super().__init__(**ddp_options)
-        self.config = _read_config(config)
-        zero = self.config.setdefault("zero_optimization", {})
-        if stage is not None:
-            zero.setdefault("stage", stage)
-        if offload_optimizer:
-            zero.setdefault("offload_optimizer", {"device": "cpu"})
-        if offload_parameters:
-            zero.setdefault("offload_param", {"device": "cpu"})
-        self.config.setdefault("train_micro_batch_size_per_gpu", 1)  # for the throughput line
+    def __init__(self, *args: Any, **kwargs: Any):
+        """See :class:`~zerotrain.integrations.lightning.config.Configured`."""
+        super().__init__(*args, **kwargs)
         self._engine: ZeroTrainEngine | None = None
 
     # -- precision -------------------------------------------------------------------------------
     def _take_precision(self) -> None:
         """Move Fabric's precision choice into the config; zerotrain then does the casting."""
-        name = str(self.precision.precision)
-        if name not in _PRECISION_SECTIONS:
-            raise ConfigError(
-                f"ZeroTrainStrategy: precision={name!r} is not supported; use '32-true', "
-                "'bf16-mixed' or '16-mixed' (zerotrain keeps fp32 master weights)"
-            )
-        for key, section in _PRECISION_SECTIONS[name].items():
-            self.config.setdefault(key, section)
+        take_precision(self.config, str(self.precision.precision))
         self.precision = Precision()  # no autocast or casting of its own on top of zerotrain's
 
     # -- setup -----------------------------------------------------------------------------------
@@ -92,10 +63,6 @@ class ZeroTrainStrategy(DDPStrategy):
     def model(self) -> ZeroTrainEngine | None:
         """The engine of the model set up last (``None`` before ``fabric.setup``)."""
         return self._engine
-
-    @property
-    def zero_stage(self) -> int:
-        return int(self.config["zero_optimization"].get("stage", 0))
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
@@ -130,12 +97,12 @@ class ZeroTrainStrategy(DDPStrategy):
 
     def module_sharded_context(self) -> AbstractContextManager:
         """At stage 3, ``fabric.init_module()`` builds the model already partitioned."""
-        if self.zero_stage == 3:
+        if zero_stage(self.config) == 3:
             return zerotrain.zero.Init(config_dict_or_path=self.config)
         return nullcontext()
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        if self.zero_stage == 3:
+        if zero_stage(self.config) == 3:
             return self.module_sharded_context()
         return super().module_init_context(empty_init)
 
@@ -181,7 +148,7 @@ class ZeroTrainStrategy(DDPStrategy):
         path = self.broadcast(str(path))
         client = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
         client = self._convert_stateful_objects_in_state(client, filter={})
-        engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state=client)
+        engine.save_checkpoint(path, tag=CHECKPOINT_TAG, client_state=client)
 
     def load_checkpoint(
         self, path, state: Any = None, strict: bool = True, weights_only: bool | None = None
@@ -197,7 +164,7 @@ class ZeroTrainStrategy(DDPStrategy):
         wants_optimizer = any(v is engine.optimizer for v in state.values())
         _, client = engine.load_checkpoint(
             str(path),
-            tag=_CHECKPOINT_TAG,
+            tag=CHECKPOINT_TAG,
             load_optimizer_states=wants_optimizer,
             load_module_strict=strict,
         )
@@ -227,39 +194,12 @@ class ZeroTrainStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("zerotrain", cls, description="zerotrain, config's stage")
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zerotrain_stage_{stage}", cls, description=f"zerotrain ZeRO-{stage}", stage=stage
-            )
-        strategy_registry.register(
-            "zerotrain_stage_2_offload",
-            cls,
-            description="zerotrain ZeRO-2, optimizer in host memory",
-            stage=2,
-            offload_optimizer=True,
-        )
-        strategy_registry.register(
-            "zerotrain_stage_3_offload",
-            cls,
-            description="zerotrain ZeRO-3, optimizer and parameters in host memory",
-            stage=3,
-            offload_optimizer=True,
-            offload_parameters=True,
-        )
+        register_all(strategy_registry, cls)
 
 
 def _unwrap(value: Any) -> Any:
     """Fabric's wrappers hold the engine as ``_forward_module``."""
     return getattr(value, "_forward_module", value)
-
-
-def _read_config(config: dict | str | Path | None) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))  # a copy the strategy may fill in
-    return json.loads(Path(config).read_text())
 
 
 def _register() -> None:
