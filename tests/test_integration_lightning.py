@@ -268,3 +268,60 @@ def test_lightning_trainer_trains_as_zerotrain_called_directly(tmp_path):
             assert got["resumed_tail"] == got["original_tail"], stage
             assert got["resumed_tail"] == got["losses"][STEPS * ACCUM // 2 :], stage
             assert got["resumed_equal"], stage
+
+
+def _gpt2_module():
+    import lightning.pytorch as pl
+    from models import tiny_hf_gpt2
+
+    class GPT(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = tiny_hf_gpt2()
+
+        def training_step(self, ids, batch_index):
+            return self.net(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return GPT()
+
+
+def gpt2_trainer_export(root: str) -> dict:
+    import lightning.pytorch as pl
+
+    import zerotrain.integrations.lightning  # noqa: F401 (registers the strategy names)
+    from zerotrain.checkpoint import load_consolidated
+
+    tokens = [
+        torch.randint(0, 101, (16,), generator=torch.Generator().manual_seed(i)) for i in range(8)
+    ]
+    trainer = pl.Trainer(
+        strategy="zerotrain_stage_3",
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(_gpt2_module(), torch.utils.data.DataLoader(tokens, batch_size=2))
+    trained = trainer.model.consolidated_state_dict()
+    trainer.save_checkpoint(f"{root}/gpt2")
+    plain = load_consolidated(_gpt2_module(), f"{root}/gpt2")  # no process group needed
+    exported = plain.state_dict()
+    return {
+        "stage": trainer.model.zero_optimization_stage(),
+        "equal": all(torch.equal(exported[k], v) for k, v in trained.items()),
+        "moved": any(
+            not torch.equal(v, _gpt2_module().state_dict()[k]) for k, v in trained.items()
+        ),
+    }
+
+
+def test_lightning_trainer_gpt2_at_zero3_exports_a_plain_model(tmp_path):
+    for got in run_distributed(gpt2_trainer_export, 2, str(tmp_path), timeout=300):
+        assert got["stage"] == 3 and got["moved"] and got["equal"]
