@@ -115,14 +115,14 @@ class _Buffer:
     write: Future[None] | None = None  # its last write to the file
     copied: torch.cuda.Event | None = None  # CUDA-only: its last copy to the device
 
-    def ready(self) -> torch.Tensor:
+    def wait(self) -> None:
+        """Until nothing reads or writes it any more."""
         if self.write is not None:
             self.write.result()  # raises SwapIOError naming the file
             self.write = None
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
-        return self.data
 
     def holding(self, bucket: FlatBucket) -> torch.Tensor:
         return self.data[: bucket.shard_numel * bucket.dtype.itemsize].view(bucket.dtype)
@@ -188,7 +188,7 @@ class NvmeShardHome(ShardHome):
                 "(raise offload_param.buffer_count)"
             )
         buffer = self._free.popleft()
-        buffer.ready()
+        buffer.wait()
         return buffer
 
     def _drop_ahead(self, bucket: FlatBucket) -> None:
@@ -199,14 +199,9 @@ class NvmeShardHome(ShardHome):
             self._free.append(early[0])
 
     def keep(self, bucket: FlatBucket, values: torch.Tensor) -> None:
-        self.write(bucket, values)
+        self.open(bucket).copy_(values)
+        self.close(bucket)  # to the file: the host keeps no copy
         bucket.param_shard = None
-
-    def write(self, bucket: FlatBucket, values: torch.Tensor) -> None:
-        """Write the bucket's shard (through a pool buffer)."""
-        staged = self.open(bucket)
-        staged.copy_(values)
-        self.close(bucket)
 
     def open(self, bucket: FlatBucket) -> torch.Tensor:
         """A pool buffer to fill with the bucket's new shard; :meth:`close` writes it."""

@@ -50,7 +50,8 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
     def __init__(self, *args: Any, **kwargs: Any):
         """See :class:`~zerotrain.integrations.lightning.config.Configured`."""
         super().__init__(*args, **kwargs)
-        self._engine: ZeroTrainEngine | None = None
+        self._engine: ZeroTrainEngine | None = None  # the model set up last
+        self._engine_of: dict[int, ZeroTrainEngine] = {}  # id(optimizer) -> its engine
 
     # -- precision -------------------------------------------------------------------------------
     def _take_precision(self) -> None:
@@ -71,7 +72,7 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
             raise ValueError(
                 f"ZeroTrainStrategy: set up one optimizer with the model, got {len(optimizers)}"
             )
-        engine, optimizer, _, scheduler = self._initialize(module, optimizers[0], scheduler)
+        engine, optimizer, scheduler = self._initialize(module, optimizers[0], scheduler)
         return engine, [optimizer], scheduler
 
     # pyrefly: ignore[bad-override] (an engine, not DDP's wrapper: Lightning's own DeepSpeed
@@ -92,8 +93,8 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
         engine, zero_optimizer, _, scheduler = zerotrain.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.config
         )
-        self._engine = engine
-        return engine, zero_optimizer, None, scheduler
+        self._engine = self._engine_of[id(zero_optimizer)] = engine
+        return engine, zero_optimizer, scheduler
 
     def module_sharded_context(self) -> AbstractContextManager:
         """At stage 3, ``fabric.init_module()`` builds the model already partitioned."""
@@ -112,10 +113,12 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
         engine.backward(tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        """``engine.step()``: steps at the accumulation boundary, counts micro-steps otherwise."""
+        """The step of the optimizer's engine (``engine.step()``: it steps at the accumulation
+        boundary and counts micro-steps otherwise)."""
         if kwargs.get("closure") is not None:
             raise NotImplementedError("ZeroTrainStrategy: optimizer.step(closure) is not supported")
-        return self._require_engine().step()
+        engine = self._engine_of.get(id(optimizer))
+        return (engine or self._require_engine()).step()
 
     def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError(
