@@ -96,10 +96,6 @@ class Stage3Options:
     persistence_threshold: int = ZERO_DEFAULTS.stage3_param_persistence_threshold  # per unit here
     offload_param: ParamOffload | None = None  # where the shards live between uses
 
-    @property
-    def offloads_params(self) -> bool:
-        return self.offload_param is not None and self.offload_param.device != "none"
-
 
 class BucketGathers:
     """Parameter all-gathers in flight, by bucket (see [Note: waiting for parameters])."""

@@ -51,7 +51,6 @@ from zerotrain.zero.offload import (
     needs_whole_parameters,
     quiesce_device,
     ring_numel,
-    write_device_params,
 )
 from zerotrain.zero.store import (
     OptimizerOver,
@@ -60,6 +59,7 @@ from zerotrain.zero.store import (
     ShardStore,
     copy_into,
     masters_alias_params,
+    write_device_params,
     zero_element_state,
 )
 from zerotrain.zero.swap import SwapFile, aligned_empty

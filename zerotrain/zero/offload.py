@@ -44,6 +44,7 @@ from zerotrain.zero.store import (
     Placement,
     ShardStore,
     masters_alias_params,
+    write_device_params,
 )
 from zerotrain.zero.swap import AioOptions
 
@@ -161,18 +162,6 @@ def quiesce_device() -> None:
     copies may still read (offload_param's host shards, read by asynchronous copies)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
-
-
-def write_device_params(
-    masters: list[torch.Tensor | None], targets: ParamShards, *, alias: bool
-) -> None:
-    """The new values of the buckets the device steps (``masters``, None for the others) into
-    the model's shards; nothing to do where the masters are those shards (``alias``)."""
-    if alias:
-        return
-    for index, master in enumerate(masters):
-        if master is not None:
-            targets.fill(index, master)
 
 
 class BucketNorms:

@@ -304,5 +304,5 @@ class ZeroOptimizer:
             optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
             persistent_numel=self.group.residency.persistent_numel,
             offload=self.store.offloaded_numel() / max(1, sum(numels)),
-            offload_params=self.group.residency.stage3.offloads_params,
+            offload_params=self.group.residency.home.on_host,
         )

@@ -9,7 +9,7 @@ through it (:meth:`ShardStore.state_tensor`), never through the torch optimizer'
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -234,6 +234,18 @@ def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
             target.copy_(value.view_as(target))
 
 
+def write_device_params(
+    masters: Sequence[torch.Tensor | None], targets: ParamShards, *, alias: bool
+) -> None:
+    """The new values of the buckets the device steps (``masters``, None for the others) into
+    the model's shards; nothing to do where the masters are those shards (``alias``)."""
+    if alias:
+        return
+    for index, master in enumerate(masters):
+        if master is not None:
+            targets.fill(index, master)
+
+
 def zero_element_state(
     optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], keys: list[str]
 ) -> None:
@@ -288,8 +300,7 @@ class DeviceShardStore(InMemoryShardStore):
         ):
             torch._foreach_copy_(targets, self._masters)
             return
-        for index, master in enumerate(self._masters):  # offload_param: shards elsewhere
-            param_shards.fill(index, master)
+        write_device_params(self._masters, param_shards, alias=False)  # offload_param
 
     def release_grads(self) -> None:
         for master in self._masters:
