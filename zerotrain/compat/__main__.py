@@ -29,7 +29,22 @@ def main(argv: list[str]) -> int:
     sys.argv = list(argv)
     sys.path[0] = str(Path(script).resolve().parent)  # as `python SCRIPT` sets it
     runpy.run_path(script, run_name="__main__")
+    _end_process_group()
     return 0
+
+
+def _end_process_group() -> None:
+    """The script has returned and this process is about to exit: end the process group even
+    where the framework made it (Accelerate's CPU path calls init_process_group itself, so
+    zerotrain's exit hook leaves that group alone). Left to the interpreter's last garbage
+    collection, gloo's threads can abort the process (see comm/setup.py, _tear_down_at_exit)."""
+    import gc
+
+    from zerotrain.comm import destroy_process_group, is_initialized
+
+    if is_initialized():
+        destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
