@@ -1,6 +1,6 @@
 """Stage 3 with a torch.compile'd model: the training of the uncompiled model, compiled once.
 
-See [Note: stage 3 under torch.compile] in zerotrain/zero/gather.py.
+See [Note: stage 3 under torch.compile] in zerotrain/zero/unit_cycle.py.
 """
 
 from __future__ import annotations

@@ -228,6 +228,7 @@ def test_defaults_match_deepspeed() -> None:
             "load_universal": False,
             "use_node_local_storage": False,
         },
+        "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
         "activation_checkpointing": None,
         "comms_logger": {
             "enabled": False,

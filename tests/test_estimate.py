@@ -95,15 +95,11 @@ def test_model_states_persistent_sgd_and_offload_by_hand():
 def test_stage3_gathered_bound():
     # prefetch/reuse within max_live; the root and the unit in use regardless of it
     assert (
-        stage3_gathered_numel(trainable=5000, root_and_largest_block=700, max_live_numel=10**9)
-        == 5000
+        stage3_gathered_numel(params=5000, root_and_largest_block=700, max_live_numel=10**9) == 5000
     )
+    assert stage3_gathered_numel(params=5000, root_and_largest_block=700, max_live_numel=0) == 700
     assert (
-        stage3_gathered_numel(trainable=5000, root_and_largest_block=700, max_live_numel=0) == 700
-    )
-    assert (
-        stage3_gathered_numel(trainable=5000, root_and_largest_block=700, max_live_numel=2000)
-        == 2000
+        stage3_gathered_numel(params=5000, root_and_largest_block=700, max_live_numel=2000) == 2000
     )
 
 
@@ -301,7 +297,7 @@ def test_estimate_matches_memory_breakdown_of_a_real_run():
                 root = next(n for is_root, n in units if is_root)
                 largest_block = max(n for is_root, n in units if not is_root)
                 live = stage3_gathered_numel(
-                    trainable=got["numel_padded"],
+                    params=got["numel_padded"],
                     root_and_largest_block=root + largest_block,
                     max_live_numel=max_live,
                 )

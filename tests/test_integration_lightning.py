@@ -1,10 +1,11 @@
 """Lightning Fabric and the Lightning Trainer on zerotrain's native strategies
 (zerotrain/integrations/lightning/).
 
-2 gloo ranks, the awkward model of the parity tests: Fabric's training loop and the Trainer's
-fit at stages 1-3 (accumulation 2, clipping on) must equal zerotrain called directly on the same
-batches, parameters bit for bit; checkpoints resume exactly; validation runs; the registered
-names resolve; bf16-mixed becomes zerotrain's bf16.
+2 gloo ranks; the awkward model of the parity tests at stage 1, a tiny HF GPT-2 from a config
+at stages 2 and 3: Fabric's training loop and the Trainer's fit (accumulation 2, clipping on)
+must equal zerotrain called directly on the same batches, parameters bit for bit; checkpoints
+resume exactly; validation runs; the registered names resolve; bf16-mixed becomes zerotrain's
+bf16; a ZeRO-3 checkpoint exports a plain model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from distributed import run_distributed
 from models import AwkwardModel, make_batches
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("lightning") is None, reason="needs lightning"
+    importlib.util.find_spec("lightning") is None
+    or importlib.util.find_spec("transformers") is None,
+    reason="needs lightning and transformers",
 )
 
 MICRO, ACCUM, STEPS = 2, 2, 4
@@ -30,9 +33,28 @@ CONFIG = {
 }
 
 
-def _model_and_optimizer():
+RUNS = [("awkward", 1), ("gpt2", 2), ("gpt2", 3)]  # (model, stage)
+
+
+class GPT2Loss(torch.nn.Module):
+    """A tiny HF GPT-2 called as the awkward model is: ``(idx, targets) -> loss``."""
+
+    def __init__(self):
+        super().__init__()
+        from models import tiny_hf_gpt2
+
+        self.gpt2 = tiny_hf_gpt2()
+        for module in self.gpt2.modules():  # the runs compared would draw different masks
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+
+    def forward(self, idx, targets):
+        return self.gpt2(input_ids=idx, labels=targets).loss
+
+
+def _model_and_optimizer(kind: str = "awkward"):
     torch.manual_seed(0)
-    model = AwkwardModel()
+    model = AwkwardModel() if kind == "awkward" else GPT2Loss()
     params = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(params, lr=1e-2)
 
@@ -68,12 +90,12 @@ def fabric_versus_direct(root: str) -> dict:
 
     out = {}
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    for stage in (1, 2, 3):
+    for kind, stage in RUNS:
         fabric = _fabric(ZeroTrainStrategy(CONFIG, stage=stage))
-        model, optimizer = fabric.setup(*_model_and_optimizer())
+        model, optimizer = fabric.setup(*_model_and_optimizer(kind))
         losses = _train(model, optimizer, fabric.backward, _batches(rank, world))
         engine = fabric.strategy.model
-        direct = _direct(stage)
+        direct = _direct(stage, kind)
         direct_losses = _train(direct, direct, direct.backward, _batches(rank, world))
         mine, theirs = engine.consolidated_state_dict(), direct.consolidated_state_dict()
         out[stage] = {
@@ -85,10 +107,10 @@ def fabric_versus_direct(root: str) -> dict:
     return out
 
 
-def _direct(stage: int):
+def _direct(stage: int, kind: str):
     import zerotrain
 
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = _model_and_optimizer(kind)
     zero = {**CONFIG["zero_optimization"], "stage": stage}
     engine, *_ = zerotrain.initialize(
         model=model, optimizer=optimizer, config={**CONFIG, "zero_optimization": zero}
@@ -153,13 +175,13 @@ def test_fabric_checkpoint_resumes_exactly_and_names_resolve(tmp_path):
         assert got["bf16"] and got["offload"] and got["stage"] == 2
 
 
-def _lightning_module(batches_seen: list):
+def _lightning_module(batches_seen: list, kind: str):
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net, self.optimizer = _model_and_optimizer()
+            self.net, self.optimizer = _model_and_optimizer(kind)
 
         def forward(self, idx, tgt):
             return self.net(idx, tgt)
@@ -217,13 +239,13 @@ def trainer_versus_direct(root: str) -> dict:
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = {}
-    for stage in (1, 2, 3):
+    for kind, stage in RUNS:
         seen: list = []
-        module = _lightning_module(seen)
+        module = _lightning_module(seen, kind)
         trainer = _trainer(stage, root, STEPS)
         trainer.fit(module, train_dataloaders=_loader(rank, world))
         engine = trainer.model
-        direct = _direct(stage)
+        direct = _direct(stage, kind)
         direct_losses = _train(direct, direct, direct.backward, seen)
         mine, theirs = engine.consolidated_state_dict(), direct.consolidated_state_dict()
         validated = trainer.validate(module, dataloaders=_loader(rank, world), verbose=False)
@@ -231,9 +253,9 @@ def trainer_versus_direct(root: str) -> dict:
         # (which then has no step left to take); both engines then go on by hand over the last
         # batches: the restored one (model, optimizer state, step count) as the original
         half = _trainer(stage, root, STEPS // 2)
-        half.fit(_lightning_module([]), train_dataloaders=_loader(rank, world))
+        half.fit(_lightning_module([], kind), train_dataloaders=_loader(rank, world))
         half.save_checkpoint(f"{root}/half-{stage}")
-        resumed = _lightning_module([])
+        resumed = _lightning_module([], kind)
         again = _trainer(stage, root, STEPS // 2)
         again.fit(resumed, train_dataloaders=_loader(rank, world), ckpt_path=f"{root}/half-{stage}")
         rest = seen[STEPS // 2 * ACCUM :]

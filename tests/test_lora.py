@@ -4,12 +4,15 @@ and the activation bytes it keeps for backward."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
 from distributed import run_distributed
 from torch import nn
 
+from zerotrain.config import ConfigError, load_config
+from zerotrain.estimate import TrainingJob, count_parameters, estimate
 from zerotrain.lora import LoRAFA, apply_lora_fa
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -132,7 +135,11 @@ def train_adapters(stages) -> dict:
                     "train_micro_batch_size_per_gpu": 2,
                     "gradient_clipping": 1.0,
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                    "zero_optimization": {"stage": stage},
+                    # every unit partitioned, frozen base included (none kept whole)
+                    "zero_optimization": {
+                        "stage": stage,
+                        "stage3_param_persistence_threshold": 0,
+                    },
                     "steps_per_print": 10**6,
                 },
             )
@@ -144,18 +151,32 @@ def train_adapters(stages) -> dict:
                 engine.step()
                 losses.append(loss.item())
             state = engine.consolidated_state_dict()
+            frozen = [p for p in model.parameters() if not p.requires_grad]
             out[stage, reference] = {
                 "losses": losses,
                 "b": state["transformer.h.0.mlp.c_fc.lora_B"],
                 "base_unchanged": torch.equal(
-                    model.transformer.h[0].mlp.c_fc.base.weight, base_before
+                    state["transformer.h.0.mlp.c_fc.base.weight"], base_before
                 ),
+                # between uses a rank holds 1/N of the frozen base at stage 3, all of it below
+                "frozen_numel": sum(getattr(p, "ds_numel", p.numel()) for p in frozen),
+                "frozen_bytes": engine.memory_breakdown()["frozen"],
+                "base_held": model.transformer.h[0].mlp.c_fc.base.weight.numel(),
             }
     return out
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
 def test_lora_fa_trains_as_lora_with_a_frozen_at_every_stage():
+    count = count_parameters(_gpt2_with_adapters(False), persistence_threshold=0)
+    job = TrainingJob(
+        trainable_params=count.trainable,
+        frozen_params=count.frozen,
+        persistent_frozen=count.persistent_frozen,
+        dtype="fp32",
+        gpus_per_node=2,
+        max_live_numel=10**9,
+    )
     for results in run_distributed(train_adapters, 2, [0, 1, 2, 3], timeout=300):
         for stage in (0, 1, 2, 3):
             fa, reference = results[stage, False], results[stage, True]
@@ -163,6 +184,14 @@ def test_lora_fa_trains_as_lora_with_a_frozen_at_every_stage():
             assert fa["losses"][-1] < fa["losses"][0], stage  # the adapters learn
             assert torch.allclose(fa["b"], reference["b"], rtol=1e-5, atol=1e-6), stage
             assert fa["base_unchanged"] and reference["base_unchanged"], stage
+            # what `zerotrain estimate` predicts (padding: under one element per bucket and rank)
+            (row,) = estimate(replace(job, stages=(stage,)))
+            assert row.frozen <= fa["frozen_bytes"] < row.frozen + 4 * 2 * 8, stage
+            if stage == 3:
+                assert row.frozen == 4 * fa["frozen_numel"] / 2
+                assert fa["base_held"] == 0  # a placeholder between uses
+            else:
+                assert row.frozen == 4 * fa["frozen_numel"] and fa["base_held"] > 0, stage
             assert fa["losses"] == pytest.approx(results[0, False]["losses"], rel=1e-5), stage
 
 
@@ -228,9 +257,12 @@ def _peft_gpt2():
 
 
 def _peft_engine(config: dict):
+    return _peft_engine_of(_peft_gpt2(), config)
+
+
+def _peft_engine_of(model: nn.Module, config: dict):
     import zerotrain
 
-    model = _peft_gpt2()
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = zerotrain.initialize(model=model, model_parameters=trainable, config=config)
     return engine
@@ -258,6 +290,7 @@ def train_peft(stages, root: str) -> dict:
             "zero_optimization": {
                 "stage": stage,
                 "stage3_gather_16bit_weights_on_model_save": True,
+                "stage3_param_persistence_threshold": 0,
             },
             "steps_per_print": 10**6,
         }
@@ -304,3 +337,102 @@ def test_peft_lora_trains_checkpoints_and_exports_at_every_stage(tmp_path):
     for stage in (0, 1, 2, 3):
         exported = load_file(tmp_path / f"{stage}-16bit" / "model.safetensors")
         assert any("lora_A" in k for k in exported) and any("base_layer" in k for k in exported)
+
+
+def train_peft_recomputed(modes: list[str]) -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batch = torch.randint(0, 101, (2 * world, 16), generator=torch.Generator().manual_seed(2))
+    ids = batch[2 * rank : 2 * rank + 2]
+    out = {}
+    for mode in modes:
+        stage = 0 if mode == "reference" else 3
+        model = _peft_gpt2()
+        if mode != "reference":
+            # HF's checkpointing around each block; reentrant recomputes a forward that ran
+            # without grad, so the input must ask for grad for the adapters to get theirs
+            model.gradient_checkpointing_enable({"use_reentrant": mode == "reentrant"})
+            model.enable_input_require_grads()
+        engine = _peft_engine_of(
+            model,
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                "steps_per_print": 10**6,
+            },
+        )
+        engine.train()
+        out[mode] = _steps(engine, ids, 3)
+    return out
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="needs transformers and peft")
+def test_peft_lora_at_stage_3_with_a_partitioned_base_under_activation_checkpointing():
+    """Recomputation gathers a unit inside backward; its frozen base must stay gathered until
+    the gradient of the block's input is computed, with both kinds of torch checkpoint."""
+    modes = ["reference", "reentrant", "non_reentrant"]
+    for got in run_distributed(train_peft_recomputed, 2, modes, timeout=200):
+        for mode in modes[1:]:
+            assert got[mode] == pytest.approx(got["reference"], rel=1e-5), mode
+
+
+def lora_fa_from_config() -> dict:
+    from models import tiny_hf_gpt2
+
+    import zerotrain
+
+    rank = torch.distributed.get_rank()
+    ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(2))[2 * rank :][:2]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**6,
+    }
+    targets = ["c_attn", "c_fc"]
+    out = {}
+    for how in ("call", "config"):
+        torch.manual_seed(0)
+        model = tiny_hf_gpt2()
+        if how == "call":
+            apply_lora_fa(model, targets, r=4, alpha=8)
+            given, cfg = None, config
+        else:  # as HF's Trainer calls it: every trainable parameter, taken before
+            given = [p for p in model.parameters() if p.requires_grad]
+            lora_fa = {"enabled": True, "target_modules": targets, "r": 4, "alpha": 8}
+            cfg = {**config, "lora_fa": lora_fa}
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=given, config=cfg)
+        for module in model.modules():  # B nonzero: the steps move the loss
+            if isinstance(module, LoRAFA):
+                with zerotrain.zero.GatheredParameters([module.lora_B], modifier_rank=0):
+                    torch.manual_seed(1)
+                    module.lora_B.data.normal_(std=0.02)
+        out[how] = {
+            "losses": _steps(engine, ids, 3),
+            "state": engine.consolidated_state_dict(),
+            "trained": engine.optimizer.num_params,
+        }
+    torch.manual_seed(0)
+    model = tiny_hf_gpt2()
+    try:
+        zerotrain.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters()),
+            config={**config, "lora_fa": {"enabled": True, "target_modules": targets}},
+        )
+    except zerotrain.ConfigError as error:
+        out["refused"] = str(error)
+    return out
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_lora_fa_config_section_converts_the_model_inside_initialize():
+    with pytest.raises(ConfigError, match="target_modules is empty"):
+        load_config({"train_batch_size": 2, "lora_fa": {"enabled": True}}, world_size=1)
+    for got in run_distributed(lora_fa_from_config, 2, timeout=200):
+        call, config = got["call"], got["config"]
+        assert config["losses"] == call["losses"] and config["losses"][-1] < config["losses"][0]
+        # B (out x r) of c_attn (out 3 x 48) and c_fc (out 4 x 48) in 2 blocks
+        assert config["trained"] == call["trained"] == 2 * (144 * 4 + 192 * 4)
+        assert all(torch.equal(call["state"][k], v) for k, v in config["state"].items())
+        assert got["refused"].startswith("lora_fa.enabled: initialize adapts the model's layers")

@@ -168,3 +168,99 @@ def test_stage3_reuse_distance_keeps_blocks_for_their_backward():
     assert reuse == [8, 4, 4]
     for key, value in state_a.items():
         assert torch.equal(value, state_b[key]), key
+
+
+class _AdaptedBlock(torch.nn.Module):
+    """A frozen norm and base layer with a trainable low-rank adapter, as in LoRA."""
+
+    def __init__(self, dim: int = 16, rank: int = 2):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.base = torch.nn.Linear(dim, dim)
+        self.down = torch.nn.Linear(dim, rank, bias=False)
+        self.up = torch.nn.Linear(rank, dim, bias=False)
+        for param in [*self.norm.parameters(), *self.base.parameters()]:
+            param.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.base(h) + self.up(self.down(h))
+
+
+class _AdaptedNet(torch.nn.Module):
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)  # trainable: the blocks' inputs need gradients
+        self.blocks = torch.nn.ModuleList(_AdaptedBlock() for _ in range(3))
+        self.reentrant = reentrant  # None: no activation checkpointing
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            if self.reentrant is None:
+                h = block(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+        return h.pow(2).mean()
+
+
+def train_adapted(runs: list[tuple[int, bool | None]], save_dir: str) -> dict:
+    out = {}
+    for stage, reentrant in runs:
+        torch.manual_seed(0)
+        model = _AdaptedNet(reentrant)
+        config = _config(stage)
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+        engine, *_ = zerotrain.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config,
+        )
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(STEPS * ACCUM):
+            loss = engine(torch.randn(MICRO, 8))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        base = model.blocks[0].base.weight
+        with zerotrain.zero.GatheredParameters([base], modifier_rank=0):
+            # stage 3 keeps rank 0's change on every rank's shard; whole parameters (stage 0)
+            # are each rank's own, as in DeepSpeed
+            other = 3.0 if stage == 3 else 2.0
+            base.data.mul_(2.0 if torch.distributed.get_rank() == 0 else other)
+        engine.save_checkpoint(save_dir, tag=f"stage{stage}-{reentrant}")
+        out[stage, reentrant] = {
+            "losses": losses,
+            "held": base.numel(),
+            "state": engine.consolidated_state_dict(),
+        }
+    # a stage-3 checkpoint, frozen base included, loads where frozen parameters are whole
+    model = _AdaptedNet(None)
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config={**_config(0), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+    )
+    engine.load_checkpoint(save_dir, tag="stage3-True")
+    out["loaded at stage 0"] = engine.consolidated_state_dict()
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_stage3_partitions_frozen_parameters_and_keeps_them_for_input_gradients(world, tmp_path):
+    """Frozen parameters are partitioned at stage 3 and stay gathered until backward has used
+    them for the input gradient, also when activation checkpointing recomputes the block
+    (reentrant: the first forward ran without grad); GatheredParameters changes them and
+    checkpoints carry them."""
+    runs = [(0, None), (3, None), (3, True), (3, False)]
+    for got in run_distributed(train_adapted, world, runs, str(tmp_path), timeout=200):
+        want = got[0, None]
+        assert want["held"] == 16 * 16
+        for run in runs[1:]:
+            assert got[run]["held"] == 0, run  # a placeholder between uses: partitioned
+            assert got[run]["losses"] == pytest.approx(want["losses"], rel=1e-6), run
+            for key, value in want["state"].items():
+                assert torch.allclose(got[run]["state"][key], value, atol=1e-7), (run, key)
+        for key, value in got[3, True]["state"].items():
+            assert torch.equal(got["loaded at stage 0"][key], value), key

@@ -15,7 +15,7 @@ section. The policy holds no process group: activations never cross ranks here.
 [Note: activation checkpointing and stage 3]
 Stage 3 gathers a block's parameters in its forward pre-hook, releases them after its forward,
 and gathers them again from a hook on the block's outputs that fires before the block's backward
-(zerotrain/zero/gather.py). The recomputation runs inside that backward, when the first saved
+(zerotrain/zero/unit_cycle.py). The recomputation runs inside that backward, when the first saved
 tensor of the region is unpacked, so a region that is one block, or part of one, finds the
 block's parameters gathered. ``wrap`` replaces the block's ``forward``, not its ``__call__``: the
 module hooks run once, around the checkpointed forward, and the recomputation calls the plain

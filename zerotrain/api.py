@@ -30,13 +30,14 @@ from zerotrain.comm import (
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
+from zerotrain.lora import apply_lora_fa
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
 from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.gather import Stage3Options
 from zerotrain.zero.group import OptimizerFactory
-from zerotrain.zero.init import is_init_partitioned, owner_of, unpartition_param
+from zerotrain.zero.init import full_shape, owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import OffloadOptions, device_budget
 from zerotrain.zero.param_home import ParamOffload
@@ -125,10 +126,9 @@ def initialize(
             "zerotrain.initialize: this model is already wrapped by an engine (its parameters "
             "are views into that engine's buffers); build a new model, or keep the first engine"
         )
+    if cfg.lora_fa.enabled:
+        model_parameters = _convert_to_lora_fa(model, cfg, optimizer, model_parameters, comm.rank)
     model.to(device)
-    for param in model.parameters():
-        if not param.requires_grad and is_init_partitioned(param):
-            unpartition_param(param, comm)  # frozen parameters are replicated, not partitioned
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
@@ -179,10 +179,49 @@ def initialize(
 
 # -- pieces of initialize ----------------------------------------------------------------------
 def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:
-    """Rank 0's frozen parameters and buffers to every rank (trainable ones are broadcast with
-    their buckets), so all replicas start identical even without a shared seed."""
-    for tensor in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+    """Rank 0's frozen parameters and buffers to every rank (trainable ones and frozen ones
+    that stage 3 partitions, which the engine owns, are broadcast as their buckets are built),
+    so all replicas start identical even without a shared seed."""
+    frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]
+    for tensor in frozen + list(model.buffers()):
         comm.broadcast(tensor.data, src=0)
+
+
+def _convert_to_lora_fa(
+    model: nn.Module, cfg: ZeroTrainConfig, optimizer, model_parameters, rank: int
+) -> Iterable[Any] | None:
+    """The config's ``lora_fa``: adapt the model's target layers, freeze the rest. Returns the
+    parameters to train: ``model_parameters`` given as the model's trainable (or all)
+    parameters, as HF's Trainer passes them, become the adapters."""
+    section = cfg.lora_fa
+    before = [p for p in model.parameters() if p.requires_grad]
+    given = None if model_parameters is None else list(model_parameters)
+    taken_before = isinstance(optimizer, torch.optim.Optimizer) or (
+        given is not None
+        and {id(p) for p in given}
+        not in ({id(p) for p in before}, {id(p) for p in model.parameters()})
+    )
+    if taken_before:
+        argument = (
+            "optimizer" if isinstance(optimizer, torch.optim.Optimizer) else "model_parameters"
+        )
+        raise ConfigError(
+            f"lora_fa.enabled: initialize adapts the model's layers, but initialize({argument}=...) "
+            "holds parameters chosen before; use the config's optimizer section (or pass an "
+            "optimizer factory), or call zerotrain.lora.apply_lora_fa(model, ...) before building "
+            "the optimizer and leave lora_fa out of the config"
+        )
+    adapted = apply_lora_fa(model, section.target_modules, r=section.r, alpha=section.alpha)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if rank == 0:
+        total = sum(full_shape(p).numel() for p in model.parameters())  # Init chunks too
+        print(
+            f"zerotrain: lora_fa adapted {len(adapted)} layers (r {section.r}, alpha "
+            f"{section.alpha:g}): {sum(p.numel() for p in trainable):,} of {total:,} parameters "
+            "train",
+            flush=True,
+        )
+    return None if given is None else trainable
 
 
 def _config_from_args(args, config):

@@ -214,7 +214,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     ) -> None:
         """``torch.compile`` the wrapped model in place (``module.compile``), as DeepSpeed does
         without DeepCompile; a second call does nothing. At stage 3 the gather hooks run
-        eagerly between the compiled regions (zerotrain/zero/gather.py)."""
+        eagerly between the compiled regions (zerotrain/zero/unit_cycle.py)."""
         if schedule is not None or compiled_autograd_enabled:
             raise ValueError(
                 "engine.compile(schedule=..., compiled_autograd_enabled=...): these configure "
@@ -427,12 +427,25 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         """The full model state dict from the fp32 master weights, on every rank (collective).
 
         Same keys as ``module.state_dict()``; floating-point entries are cast to ``dtype``.
+        Frozen parameters that stage 3 partitions are gathered unit by unit, onto the host.
         """
+        return self._full_state(dtype, exclude_frozen=False)
+
+    def _full_state(
+        self, dtype: torch.dtype, exclude_frozen: bool, on_rank: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """See :meth:`consolidated_state_dict`; frozen values are kept on ``on_rank`` only (None:
+        on every rank), see ``ShardGroup.untrained_state``."""
         masters = self.optimizer.full_master_params()
+        untrained = self.optimizer.group.untrained_state(
+            self.module, exclude_frozen, on_rank=on_rank
+        )
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            tensor = masters.get(id(value), value).detach()
-            out[key] = tensor.to(dtype).clone() if tensor.is_floating_point() else tensor.clone()
+            if key not in untrained and id(value) not in masters:
+                continue  # a frozen parameter left out
+            tensor = masters[id(value)] if id(value) in masters else untrained[key]
+            out[key] = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
         return out
 
     def module_state_dict(
@@ -470,13 +483,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         return {key: value.cpu() for key, value in state.items()}
 
     def _training_dtype_state(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
-        """The full state dict in the training dtype (collective), less the frozen parameters
-        if asked."""
-        state = self.consolidated_state_dict(dtype=self.optimizer.precision.param_dtype)
-        if exclude_frozen:
-            frozen = self.optimizer.group.frozen_keys(self.module)
-            state = {key: value for key, value in state.items() if key not in frozen}
-        return state
+        """The full state dict in the training dtype (collective; complete on rank 0, which
+        alone writes or returns it), less the frozen parameters if asked."""
+        return self._full_state(self.optimizer.precision.param_dtype, exclude_frozen, on_rank=0)
 
     def _consolidated_16bit_state_dict(
         self, exclude_frozen_parameters: bool = False

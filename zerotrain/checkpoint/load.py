@@ -126,7 +126,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     saved_untrained = set(manifest["module_keys"]) - set(manifest["trained_keys"])
     # frozen parameters left out by exclude_frozen_parameters keep the model's own values
     excluded = set(manifest.data.get("frozen_keys", ())) - set(manifest["module_keys"])
-    ours = set(group.untrained_state(engine.module)) - excluded
+    ours = group.untrained_keys(engine.module) - excluded
     if options.module_strict and saved_untrained != ours:
         problems.append(
             f"{where}: frozen parameters and buffers differ: missing from the checkpoint "
@@ -207,9 +207,10 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
                         start = piece.master_start + offset - piece.param_start
                         flat[start : start + values.numel()].copy_(values)
                 store.write_state(master, kind, flat)
-        untrained = group.untrained_state(engine.module)
-        for key in set(untrained) & set(manifest["module_keys"]):
-            untrained[key].copy_(reader.module_tensor(key))
+        saved = set(manifest["module_keys"])
+        group.load_untrained(
+            engine.module, lambda key: reader.module_tensor(key) if key in saved else None
+        )
     finally:
         reader.close()
     zero.zero_grad()

@@ -164,8 +164,9 @@ def _write_rank_files(
 
     put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, capture_rng_state()))
+    # collective where stage 3 partitions frozen parameters: their values gather to rank 0
+    untrained = group.untrained_state(engine.module, exclude_frozen, on_rank=0)
     if rank == 0:
-        untrained = group.untrained_state(engine.module, exclude_frozen)
         module_entries = [tensor_entry(key, t) for key, t in untrained.items()]
         put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
         put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine)))

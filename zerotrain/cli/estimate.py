@@ -137,6 +137,7 @@ def _estimate_job(args: argparse.Namespace):
             "largest_layer": count.largest_layer,
             "root_and_largest_block": count.root_and_largest_block,
             "persistent_numel": count.persistent,
+            "persistent_frozen": count.persistent_frozen,
             "largest_unit": count.largest_unit,
         }
         for key, value in count.config.items():  # the model's config fills what is not given

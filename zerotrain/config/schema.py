@@ -394,6 +394,33 @@ class CheckpointConfig(Section):
         return canonical_choice(value, list(choices)) or value
 
 
+class LoRAFAConfig(Section):
+    """`lora_fa` (a zerotrain section): `initialize` converts the model's linear layers named
+    in `target_modules` to LoRA-FA adapters (`zerotrain.lora.apply_lora_fa`; Zhang et al.,
+    arXiv:2308.03303) and freezes everything else, before ZeRO partitions it. The optimizer
+    then comes from the `optimizer` section, or from a factory passed to `initialize`: a torch
+    optimizer built before would hold the layers replaced here. See docs/integrations.md."""
+
+    enabled: bool = False
+    """Convert the model at `initialize`."""
+    target_modules: list[str] = Field(default_factory=list)
+    """Layers to adapt, by qualified name or its last parts, as peft's `target_modules`
+    (e.g. `["q_proj", "v_proj"]`, or `["c_attn", "c_proj", "c_fc"]` for GPT-2)."""
+    r: PositiveInt = 8
+    """The adapters' rank: B is (out x r), A (r x in) is frozen."""
+    alpha: PositiveFloat = 16.0
+    """The adapter output is scaled by alpha / r, as in peft."""
+
+    @model_validator(mode="after")
+    def _targets_when_enabled(self) -> "LoRAFAConfig":
+        if self.enabled and not self.target_modules:
+            raise fail(
+                "target_modules is empty; name the linear layers to adapt, e.g. "
+                '["q_proj", "v_proj"]'
+            )
+        return self
+
+
 class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`: the policy of `zerotrain.checkpointing.checkpoint` (and of the
     blocks `zerotrain.checkpointing.wrap` checkpoints), with DeepSpeed's keys; which blocks are
@@ -587,6 +614,9 @@ class ZeroTrainConfig(Section):
     """ZeRO partitioning; see the zero_optimization section."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint saving and loading; see the checkpoint section."""
+    lora_fa: LoRAFAConfig = Field(default_factory=LoRAFAConfig)
+    """Fine-tune with LoRA-FA adapters, the model converted by `initialize`; see the lora_fa
+    section."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
     present. See the activation_checkpointing section."""

@@ -21,10 +21,12 @@ class ParameterCount:
     largest_layer: int
     """Most parameters held directly by one module (DeepSpeed's ``largest_layer_params``)."""
     root_and_largest_block: int = 0
-    """Stage 3: trainable elements of the root unit plus the largest block unit, which are
-    gathered together (0: unknown)."""
+    """Stage 3: elements (trainable and frozen) of the root unit plus the largest block unit,
+    which are gathered together (0: unknown)."""
     persistent: int = 0
     """Stage 3: trainable elements in units below the persistence threshold (kept whole)."""
+    persistent_frozen: int = 0
+    """Stage 3: frozen elements in those units (the others' are partitioned)."""
     largest_unit: int = 0
     """Stage 3: trainable elements of the largest gather unit, root included: its largest
     bucket (one per unit), which sizes offload's transfer ring (0: unknown)."""
@@ -51,9 +53,14 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
     )
     blocks = find_unit_modules(model)
     unit_of = assign_units(model, blocks)
-    unit_numel = [0] * (len(blocks) + 1)  # the root unit last
-    for param in trainable:
-        unit_numel[unit_of[id(param)]] += param.numel()
+    unit_numel = [0] * (len(blocks) + 1)  # trainable elements per unit, the root unit last
+    unit_frozen = [0] * (len(blocks) + 1)  # floating-point frozen ones (partitioned too)
+    for param in params:
+        if param.requires_grad or param.is_floating_point():
+            held = unit_numel if param.requires_grad else unit_frozen
+            held[unit_of[id(param)]] += param.numel()
+    unit_total = [t + f for t, f in zip(unit_numel, unit_frozen, strict=True)]
+    persistent = [0 < n < persistence_threshold for n in unit_total]
     config = {}
     model_config = getattr(model, "config", None)
     for key, names in _CONFIG_NAMES.items():
@@ -64,8 +71,9 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         trainable=sum(p.numel() for p in trainable),
         frozen=sum(p.numel() for p in params if not p.requires_grad),
         largest_layer=largest_layer,
-        root_and_largest_block=unit_numel[-1] + max(unit_numel[:-1], default=0),
-        persistent=sum(n for n in unit_numel if 0 < n < persistence_threshold),
+        root_and_largest_block=unit_total[-1] + max(unit_total[:-1], default=0),
+        persistent=sum(n for n, kept in zip(unit_numel, persistent, strict=True) if kept),
+        persistent_frozen=sum(n for n, kept in zip(unit_frozen, persistent, strict=True) if kept),
         largest_unit=max(unit_numel),
         config=config,
     )

@@ -37,12 +37,12 @@ OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
 def stage3_gathered_numel(
-    *, trainable: float, root_and_largest_block: float, max_live_numel: float
+    *, params: float, root_and_largest_block: float, max_live_numel: float
 ) -> float:
-    """Most elements stage 3 holds gathered at once, persistent units included (see
-    [Note: model states]): prefetch and reuse stay within ``max_live_numel``; the root unit and
-    the unit in use are gathered whatever the bound."""
-    return max(min(float(max_live_numel), float(trainable)), float(root_and_largest_block))
+    """Most elements stage 3 holds gathered at once out of ``params`` (trainable and frozen),
+    persistent units included (see [Note: model states]): prefetch and reuse stay within
+    ``max_live_numel``; the root unit and the unit in use are gathered whatever the bound."""
+    return max(min(float(max_live_numel), float(params)), float(root_and_largest_block))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,8 @@ class TrainingJob:
     trainable_params: int
     """Ψ: parameters with gradients and optimizer state."""
     frozen_params: int = 0
-    """Parameters with requires_grad=False: whole on every rank, no gradient, no state."""
+    """Parameters with requires_grad=False: no gradient, no state; partitioned at stage 3
+    (but for those in persistent units), whole on every rank below."""
     nodes: int = 1
     gpus_per_node: int = 1
     dtype: str = "bf16"
@@ -68,7 +69,9 @@ class TrainingJob:
     root_and_largest_block: int = 0
     """Stage 3's always-gathered elements (:attr:`ParameterCount.root_and_largest_block`)."""
     persistent_numel: int = 0
-    """Stage 3's elements in units below the persistence threshold (kept whole)."""
+    """Stage 3's trainable elements in units below the persistence threshold (kept whole)."""
+    persistent_frozen: int = 0
+    """Stage 3's frozen elements in those units (:attr:`ParameterCount.persistent_frozen`)."""
     max_live_numel: int
     """``stage3_max_live_parameters`` (zerotrain.config.ZERO_DEFAULTS has the default)."""
     reduce_bucket_size: int = ZERO_DEFAULTS.reduce_bucket_size
@@ -148,7 +151,8 @@ class StageEstimate:
     stage: int
     states: ModelStateBytes
     frozen: float
-    """Frozen parameters (whole on every rank)."""
+    """Frozen parameters (whole on every rank; at stage 3 partitioned, but for those in
+    persistent units)."""
     gathered: float
     """Stage 3: gathered parameters beyond this rank's shards, during forward and backward."""
     activations: ActivationBytes | None
@@ -189,20 +193,22 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
             persistent_numel=job.persistent_numel,
             offload=1.0 if job.offload else 0.0,
         )
-        gathered = 0.0
+        gathered, frozen = 0.0, float(job.frozen_params)
         if policy.shard_parameters:
+            whole = min(job.persistent_frozen, job.frozen_params)
+            frozen = whole + (job.frozen_params - whole) / job.world_size
             live = stage3_gathered_numel(
-                trainable=job.trainable_params,
+                params=job.trainable_params + job.frozen_params,
                 root_and_largest_block=max(job.root_and_largest_block, job.largest_layer),
                 max_live_numel=job.max_live_numel,
             )
-            gathered = p * max(0.0, live - job.persistent_numel)
+            gathered = p * max(0.0, live - job.persistent_numel - whole)
         host, disk = _offload_bytes(job, policy) if job.offload else (None, 0)
         rows.append(
             StageEstimate(
                 stage=stage,
                 states=states,
-                frozen=p * job.frozen_params,
+                frozen=p * frozen,
                 gathered=gathered,
                 activations=act,
                 host=host,

@@ -193,16 +193,47 @@ class ShardGroup:
         }
 
     def untrained_state(
-        self, module: nn.Module, exclude_frozen: bool = False
+        self, module: nn.Module, exclude_frozen: bool = False, *, on_rank: int | None = None
     ) -> dict[str, torch.Tensor]:
         """``module``'s state-dict entries that the group does not train: frozen parameters
-        (unless ``exclude_frozen``) and buffers."""
+        (unless ``exclude_frozen``) and buffers. Frozen parameters that stage 3 partitions are
+        gathered (collective: every rank calls it) and kept, as host copies, on rank ``on_rank``
+        (None: every rank); elsewhere they are placeholders."""
         trained = self.trained_names()
-        return {
-            key: value.detach()
+        entries = {
+            key: value
             for key, value in module.state_dict(keep_vars=True).items()
             if id(value) not in trained and not (exclude_frozen and isinstance(value, nn.Parameter))
         }
+        frozen = {}
+        if not exclude_frozen:
+            frozen = self.residency.frozen_values(keep=on_rank in (None, self.comm.rank))
+        return {key: frozen.get(id(value), value.detach()) for key, value in entries.items()}
+
+    def untrained_keys(self, module: nn.Module) -> set[str]:
+        """The keys of :meth:`untrained_state` (nothing is gathered)."""
+        trained = self.trained_names()
+        return {
+            key
+            for key, value in module.state_dict(keep_vars=True).items()
+            if id(value) not in trained
+        }
+
+    def load_untrained(self, module: nn.Module, read: Callable[[str], torch.Tensor | None]) -> None:
+        """Set the untrained entries of ``module``'s state dict to ``read(key)`` (None: keep
+        the value); collective where stage 3 partitions frozen parameters."""
+        trained = self.trained_names()
+        partitioned = {id(s.param) for b in self.residency.frozen_buckets for s in b.slots}
+        key_of: dict[int, str] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if id(value) in trained:
+                continue
+            key_of.setdefault(id(value), key)
+            if id(value) not in partitioned:
+                loaded = read(key)
+                if loaded is not None:
+                    value.detach().copy_(loaded)
+        self.residency.load_frozen(lambda param: read(key_of[id(param)]))
 
     def master_pieces(self, *, own_shard_only: bool) -> list[MasterPiece]:
         """Where each parameter's elements sit in this rank's master tensors.
@@ -279,7 +310,9 @@ def build_shard_group(
         full_value=residency.full_value,
         shard_only=residency.shards_params,
     )
-    for bucket in buckets:
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    residency.take_frozen(frozen, precision.param_dtype)
+    for bucket in buckets + residency.frozen_buckets:
         for slot in bucket.slots:
             take_ownership(slot.param, owner)
     for bucket in buckets:

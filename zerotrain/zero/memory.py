@@ -12,8 +12,9 @@ measured by ``memory_breakdown()`` in tests/test_estimate.py). Where it differs 
 - 16-bit training (bf16, fp16): parameters and gradients in the training dtype (gradients are
   reduced in it too), fp32 masters: 2 + 2 + (4 + 8) = 16, as in the paper.
 - Stage 3 keeps units smaller than ``stage3_param_persistence_threshold`` whole on every rank.
-- Frozen parameters are never partitioned: p bytes each on every rank, no gradient, no state
-  (counted apart: ``memory_breakdown()`` counts only what the optimizer owns).
+- Frozen parameters have no gradient and no state; stage 3 partitions them (p/N bytes each,
+  but in persistent units), the other stages keep them whole. They are counted apart:
+  ``memory_breakdown()["frozen"]``, not in the formula's total.
 - Left out, a few bytes: each bucket is padded to a multiple of N (< N elements per bucket), and
   Adam keeps a 4-byte step counter per master tensor (one per bucket).
 
@@ -22,7 +23,7 @@ Two transients come on top, at different moments of a step:
   fp32 (4·Ψ/N_o) for the optimizer, and frees it after the step. DeepSpeed's estimator counts
   such an fp32 gradient partition as always there (the 4 in its "18 bytes per parameter").
 - *gathered* (stage 3, during forward and backward): the units gathered at once. zerotrain's
-  gatherer (zerotrain/zero/gather.py) prefetches and keeps units for reuse only while the live
+  gatherer (zerotrain/zero/unit_cycle.py) prefetches and keeps units for reuse only while the live
   total stays within ``stage3_max_live_parameters``, and always gathers the unit in use next to
   the root unit (embeddings, head), so at most max(min(max_live, Ψ), root + largest block)
   elements are gathered, persistent units included.
@@ -125,7 +126,9 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     storage once): ``parameters``, ``gradients``, ``optimizer_states`` (fp32 masters that are
     separate copies, plus the optimizer's state) and their ``total``, on the device; and off it
     ``offloaded`` (host masters, state and gradients, parameter shards), ``staging`` (the host buffers that carry
-    data to and from the device or disk) and ``disk`` (NVMe working files)."""
+    data to and from the device or disk) and ``disk`` (NVMe working files). Frozen parameters
+    are not model states of the formula: ``frozen`` counts theirs apart, wherever they are
+    (whole, or stage 3's shards and gathered buffers, on the device or the host)."""
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
@@ -138,7 +141,8 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         return total
 
     store = group.store
-    # first what is off the device (nbytes counts each storage once): the rest is on it
+    frozen = nbytes(group.residency.frozen_tensors())
+    # then what is off the device (nbytes counts each storage once): the rest is on it
     offloaded = nbytes(store.offloaded_tensors()) + nbytes(group.residency.host_param_tensors())
     params = nbytes(group.residency.param_tensors())
     grads = nbytes(group.reduction.grad_buffers())
@@ -149,6 +153,7 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "optimizer_states": optim,
         "total": params + grads + optim,
         "offloaded": offloaded,
+        "frozen": frozen,
         "staging": store.staging_bytes(),
         "disk": store.disk_bytes() + group.residency.home.disk_bytes(),
     }

@@ -303,7 +303,7 @@ class OffloadedShardStore(InMemoryShardStore):
     # -- a step deferred to each bucket's next use ----------------------------------------------
     def step_deferred(self, param_shards: ParamShards) -> dict[int, Callable[[], None]]:
         """Step the device buckets now and return the host buckets' steps, each to run at its
-        bucket's next use (see [Note: a step deferred to the next use] in gather.py)."""
+        bucket's next use (see [Note: a step deferred to the next use] in in_flight.py)."""
         if needs_whole_parameters(self.optimizer):  # one collective step over every bucket
             self.step(param_shards)
             return {}

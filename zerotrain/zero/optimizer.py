@@ -226,8 +226,13 @@ class ZeroOptimizer:
     def begin_access(self, params: list[nn.Parameter]) -> tuple[list[FlatBucket], list]:
         """Make ``params`` whole (collective); returns what :meth:`end_access` needs."""
         wanted = {id(p) for p in params}
-        buckets = [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
-        return buckets, self.group.residency.begin_access(buckets)
+        residency = self.group.residency
+        buckets = [
+            b
+            for b in self.buckets + residency.frozen_buckets
+            if any(id(s.param) in wanted for s in b.slots)
+        ]
+        return buckets, residency.begin_access(buckets)
 
     def end_access(self, access, modifier_rank: int | None) -> None:
         """Finish :meth:`begin_access`; with ``modifier_rank``, that rank's (possibly changed)
@@ -238,9 +243,10 @@ class ZeroOptimizer:
                 self.comm.broadcast(bucket.flat_param, src=modifier_rank)
                 self.group.residency.take_values(bucket)
             # the masters too (a no-op where they are the model's own fp32 shards)
-            for bucket in buckets:
-                part = self.group.partition.part(bucket, bucket.flat_param)
-                self.store.write_state(self.buckets.index(bucket), "master", part)
+            for index, bucket in enumerate(self.buckets):
+                if bucket in buckets:
+                    part = self.group.partition.part(bucket, bucket.require_flat_param())
+                    self.store.write_state(index, "master", part)
         self.group.residency.end_access(gathered_here)
 
     # -- state views ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 training device, in host memory, or in a working file on NVMe (ZeRO-Infinity, arXiv:2104.07857).
 
 [Note: lending a shard]
-A stage-3 gather (zerotrain/zero/gather.py) borrows the shard it sends from the home and gives
+A stage-3 gather (zerotrain/zero/in_flight.py) borrows the shard it sends from the home and gives
 it back once its copy to the device is issued: :meth:`ShardHome.lend` / :meth:`give_back`. On
 the device the shard is simply there; in host memory it is a pinned tensor; on NVMe it is read
 into one of ``buffer_count`` host buffers, which goes back to the pool at ``give_back`` (on CUDA

@@ -112,7 +112,7 @@ class ShardStore(ABC):
     def step_deferred(self, param_shards: ParamShards) -> dict[int, Callable[[], None]]:
         """Like :meth:`step`, but the store may leave buckets to step later: returns, per such
         bucket index, the call that steps it and writes its parameter shard, with this step's
-        hyperparameters (see [Note: a step deferred to the next use] in gather.py)."""
+        hyperparameters (see [Note: a step deferred to the next use] in in_flight.py)."""
         self.step(param_shards)
         return {}
 
