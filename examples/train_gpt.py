@@ -140,6 +140,14 @@ def forever(loader) -> Iterator:
         yield from loader
 
 
+def print_summary(rows: list[tuple[str, object]]) -> None:
+    """The end-of-run summary: one aligned ``name  value`` line per row."""
+    width = max(len(name) for name, _ in rows)
+    print("summary")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
 @torch.no_grad()
 def validation_loss(
     engine, val_set: TokenWindows, batches: int, batch_size: int
@@ -257,10 +265,7 @@ def main() -> None:
                     f"{stats.recomputations} recomputations, {stats.recompute_seconds:.1f} s",
                 )
             )
-        width = max(len(name) for name, _ in rows)
-        print("summary")
-        for name, value in rows:
-            print(f"  {name:<{width}}  {value}")
+        print_summary(rows)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email
 import os
 import re
 import signal
@@ -88,6 +89,20 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
         "global_step40",
         "latest",
     ]
+
+    # LoRA-FA fine-tuning of that model at stage 3, on other text (the email package)
+    email_sources = str(Path(email.__file__).parent)
+    finetune = ["--nproc-per-node", "2", "examples/finetune_lora_fa.py", "--model", "tiny"]
+    tuned = zerotrain_run(*finetune, "--base", str(tmp_path / "ckpt"), "--data", email_sources)
+    assert tuned.returncode == 0, tuned.stdout
+    assert "lora_fa adapted 16 layers (r 8, alpha 16)" in tuned.stdout, tuned.stdout
+    before = float(re.search(r"validation loss before\s+(\d+\.\d+)", tuned.stdout).group(1))
+    after = float(re.search(r"validation loss after\s+(\d+\.\d+)", tuned.stdout).group(1))
+    assert after < before, tuned.stdout
+    held, whole = re.search(
+        r"frozen parameters, this rank\s+([\d.]+) MiB \(all of them: ([\d.]+) MiB", tuned.stdout
+    ).groups()
+    assert abs(float(held) - float(whole) / 2) <= 0.01, tuned.stdout  # partitioned over 2
 
 
 def test_deepspeed_style_classifier_on_two_processes():

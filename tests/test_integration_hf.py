@@ -370,6 +370,26 @@ def test_zerotrain_run_deepspeed_compat_runs_an_unchanged_trainer_script(tmp_pat
     assert len(announced) == 1  # rank 0 only
 
 
+def test_accelerate_launch_runs_ranks_through_the_compat_runner(tmp_path):
+    """`accelerate launch --module zerotrain.compat script.py`: each rank activates the alias
+    before the script runs (`--use_deepspeed` would need DeepSpeed in the launcher itself)."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_SCRIPT)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
+    launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    launch += ["--dynamo_backend", "no", "--main_process_port", "0"]
+    done = subprocess.run(
+        [*launch, "--module", "zerotrain.compat", str(script), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("engine: zerotrain.engine 0.1.0") == 2, done.stdout  # per rank
+    assert done.stdout.count("is zerotrain 0.1.0 in this process") == 1  # rank 0 announces
+
+
 def _accelerate_run(stage: int, root: str) -> dict:
     """Accelerate with a DeepSpeed plugin and the tiny GPT-2: 4 steps saving its state after
     the second, then the state loaded into a new run that repeats steps 3-4; and zerotrain

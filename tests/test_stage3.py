@@ -264,3 +264,36 @@ def test_stage3_partitions_frozen_parameters_and_keeps_them_for_input_gradients(
                 assert torch.allclose(got[run]["state"][key], value, atol=1e-7), (run, key)
         for key, value in got[3, True]["state"].items():
             assert torch.equal(got["loaded at stage 0"][key], value), key
+
+
+def evaluate_around_training() -> dict:
+    torch.manual_seed(0)
+    model = BlockModel()
+    engine, optimizer, *_ = zerotrain.initialize(
+        model=model, model_parameters=param_groups(model, WD), config=_config(3)
+    )
+    gatherer = optimizer.group.residency.gatherer
+    idx, tgt = make_batches(2, MICRO)
+
+    def evaluate() -> None:
+        engine.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                engine(idx[0], tgt[0])
+        engine.train()
+
+    evaluate()  # before the first step, which records the order
+    loss = engine(idx[1], tgt[1])
+    engine.backward(loss)
+    engine.step()
+    evaluate()  # prefetches along the recorded order
+    return {"forward_order": gatherer._order["forward"], "live_after_eval": gatherer.live_numel}
+
+
+def test_stage3_evaluation_leaves_nothing_gathered_nor_in_the_recorded_order():
+    """Forwards without grad neither enter the order the first training step records (they
+    have no backward) nor leave prefetched units gathered when they end."""
+    (got,) = run_distributed(evaluate_around_training, 1)
+    # the training forward's uses once: root, blocks 0, 1 (twice), 2
+    assert got["forward_order"] == [4, 0, 1, 1, 2], got["forward_order"]
+    assert got["live_after_eval"] == 0

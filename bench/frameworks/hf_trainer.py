@@ -12,7 +12,8 @@ import sys
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from gpt2 import WINDOWS, gpt2, token_ids
+from transformers import Trainer, TrainingArguments
 
 stage, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 auto = "auto"
@@ -48,19 +49,7 @@ config = {
         ),
     },
 }
-torch.manual_seed(0)
-model = GPT2LMHeadModel(
-    GPT2Config(
-        n_layer=4,
-        n_embd=128,
-        n_head=4,
-        vocab_size=512,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-)
+model = gpt2()
 losses = []
 model.register_forward_hook(
     lambda module, args, kwargs, output: (
@@ -72,10 +61,10 @@ model.register_forward_hook(
 
 class Tokens(torch.utils.data.Dataset):
     def __len__(self):
-        return 256
+        return WINDOWS
 
     def __getitem__(self, index):
-        ids = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(index))
+        ids = token_ids(index)
         return {"input_ids": ids, "labels": ids}
 
 
@@ -102,4 +91,5 @@ evaluation = trainer.evaluate()
 trainer.save_model(f"{out}/model")
 if trainer.args.process_index == 0:
     with open(f"{out}/result.json", "w") as f:
-        json.dump({"losses": losses, "eval_loss": evaluation["eval_loss"], "train_s": seconds}, f)
+        result = {"losses": losses, "eval_loss": evaluation["eval_loss"], "train_s": seconds}
+        json.dump({**result, "engine": type(trainer.model_wrapped).__module__}, f)

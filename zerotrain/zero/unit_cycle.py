@@ -248,7 +248,9 @@ class ParameterGatherer:
         self._issue(unit)  # before any prefetch: the live bound counts the unit in use first
         order = self._order[phase]
         if not self._recorded:
-            order.append(unit.index)
+            # the order of a training step: forwards without grad (evaluation) have no backward
+            if phase == "backward" or torch.is_grad_enabled():
+                order.append(unit.index)
         else:
             cursor = self._cursor[phase]
             if cursor < len(order) and order[cursor] == unit.index:
@@ -301,8 +303,9 @@ class ParameterGatherer:
     def _root_post_forward(self, module, args, output) -> None:
         if _recomputing():
             return
-        if not torch.is_grad_enabled():  # no backward will follow
-            self.release(self.units[-1])
+        if not torch.is_grad_enabled():  # no backward will follow: release the units in use,
+            for unit in self.units:  # and those prefetched for a use that did not come
+                self.release(unit)
 
     def _pre_forward(self, unit: GatherUnit) -> None:
         if _recomputing():  # see "Recomputation" in the note above
