@@ -1,10 +1,9 @@
 """Fine-tune a GPT with LoRA-FA adapters at ZeRO stage 3, the frozen base partitioned too.
 
     zerotrain run --nproc-per-node 2 examples/train_gpt.py --checkpoint-dir ckpt    # a base
-    zerotrain run --nproc-per-node 2 examples/finetune_lora_fa.py --base ckpt \
-        --data /usr/lib/python3.12/email --steps 100
+    zerotrain run --nproc-per-node 2 examples/finetune_lora_fa.py --base ckpt --data DIR
 
-The base weights come from train_gpt.py's checkpoints (any stage and world size), loaded into a
+DIR: text to fine-tune on, e.g. the standard library's `email` package. The base weights come from train_gpt.py's checkpoints (any stage and world size), loaded into a
 plain model by `zerotrain.checkpoint.load_consolidated`; without --base the base is random. The
 config's `lora_fa` section makes `initialize` replace the attention and MLP projections by
 LoRA-FA adapters (A frozen, B trained; Zhang et al., arXiv:2308.03303) and freeze everything

@@ -204,18 +204,45 @@ class _AdaptedNet(torch.nn.Module):
         return h.pow(2).mean()
 
 
+class _ReadsMemory(_AdaptedBlock):
+    def forward(self, x, memory):
+        return super().forward(x + memory)
+
+
+class _SharedInputNet(torch.nn.Module):
+    """Every block also reads one shared tensor that needs gradients, as decoder layers read
+    the encoder's output: its gradient is complete only after the last block's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.memory = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_ReadsMemory() for _ in range(4))
+
+    def forward(self, x):
+        h, memory = self.embed(x), self.memory(x)
+        for block in self.blocks:
+            h = block(h, memory)
+        return h.pow(2).mean()
+
+
+def _adapted_engine(model, stage: int, **zero):
+    config = _config(stage, **zero)
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    engine, optimizer, *_ = zerotrain.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=config,
+    )
+    return engine, optimizer
+
+
 def train_adapted(runs: list[tuple[int, bool | None]], save_dir: str) -> dict:
     out = {}
     for stage, reentrant in runs:
         torch.manual_seed(0)
         model = _AdaptedNet(reentrant)
-        config = _config(stage)
-        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-        engine, *_ = zerotrain.initialize(
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=config,
-        )
+        engine, _ = _adapted_engine(model, stage)
         torch.manual_seed(1)
         losses = []
         for _ in range(STEPS * ACCUM):
@@ -223,6 +250,12 @@ def train_adapted(runs: list[tuple[int, bool | None]], save_dir: str) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        # a retained graph's second backward (the next micro-step) reads the frozen base again
+        loss = engine(torch.randn(MICRO, 8))
+        engine.backward(loss, retain_graph=True)
+        engine.step()
+        engine.backward(loss)
+        engine.step()
         base = model.blocks[0].base.weight
         with zerotrain.zero.GatheredParameters([base], modifier_rank=0):
             # stage 3 keeps rank 0's change on every rank's shard; whole parameters (stage 0)
@@ -235,15 +268,30 @@ def train_adapted(runs: list[tuple[int, bool | None]], save_dir: str) -> dict:
             "held": base.numel(),
             "state": engine.consolidated_state_dict(),
         }
-    # a stage-3 checkpoint, frozen base included, loads where frozen parameters are whole
-    model = _AdaptedNet(None)
-    engine, *_ = zerotrain.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config={**_config(0), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
-    )
-    engine.load_checkpoint(save_dir, tag="stage3-True")
-    out["loaded at stage 0"] = engine.consolidated_state_dict()
+    # a stage-3 checkpoint, frozen base included, loads into other engines built from other
+    # weights: where frozen parameters are whole, partitioned in host memory, kept whole in
+    # persistent units (blocks under 400 elements)
+    homes = {
+        "stage 0": (0, {}),
+        "stage 3, cpu": (3, {"offload_param": {"device": "cpu", "pin_memory": False}}),
+        "stage 3, persistent": (3, {"stage3_param_persistence_threshold": 400}),
+    }
+    for name, (stage, zero) in homes.items():
+        torch.manual_seed(7)
+        engine, _ = _adapted_engine(_AdaptedNet(None), stage, **zero)
+        engine.load_checkpoint(save_dir, tag="stage3-True")
+        out["loaded", name] = engine.consolidated_state_dict()
+    # a shared input does not keep every block gathered until the backward ends
+    torch.manual_seed(0)
+    one_at_a_time = {"stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 0}
+    engine, optimizer = _adapted_engine(_SharedInputNet(), 3, **one_at_a_time)
+    loss = engine(torch.randn(MICRO, 8))
+    engine.backward(loss)
+    gatherer = optimizer.group.residency.gatherer
+    out["shared input"] = {
+        "max_live": gatherer.max_live_numel_seen,
+        "units": [u.numel for u in gatherer.units],
+    }
     return out
 
 
@@ -262,8 +310,14 @@ def test_stage3_partitions_frozen_parameters_and_keeps_them_for_input_gradients(
             assert got[run]["losses"] == pytest.approx(want["losses"], rel=1e-6), run
             for key, value in want["state"].items():
                 assert torch.allclose(got[run]["state"][key], value, atol=1e-7), (run, key)
-        for key, value in got[3, True]["state"].items():
-            assert torch.equal(got["loaded at stage 0"][key], value), key
+        for name in ("stage 0", "stage 3, cpu", "stage 3, persistent"):
+            loaded = got["loaded", name]
+            for key, value in got[3, True]["state"].items():
+                assert torch.equal(loaded[key], value), (name, key)
+        shared = got["shared input"]
+        root, block = shared["units"][-1], max(shared["units"][:-1])
+        # the root and the block in use, and the next one gathered as this one finishes
+        assert shared["max_live"] <= root + 2 * block, shared
 
 
 def evaluate_around_training() -> dict:

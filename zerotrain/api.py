@@ -196,6 +196,10 @@ def _convert_to_lora_fa(
     section = cfg.lora_fa
     before = [p for p in model.parameters() if p.requires_grad]
     given = None if model_parameters is None else list(model_parameters)
+    if given is not None:  # parameters, or groups of them
+        given = [
+            p for item in given for p in (item["params"] if isinstance(item, dict) else [item])
+        ]
     taken_before = isinstance(optimizer, torch.optim.Optimizer) or (
         given is not None
         and {id(p) for p in given}

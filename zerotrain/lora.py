@@ -25,6 +25,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from zerotrain.zero.init import full_shape
+
 
 class _LoRAFAFunction(torch.autograd.Function):
     """``base(x) + scaling * (x A^T) B^T``; saves ``h = x A^T`` and the weights, never ``x``."""
@@ -130,7 +132,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 def _features(module: nn.Module) -> tuple[int, int]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    in_features, out_features = _weight(module).shape
+    in_features, out_features = full_shape(_weight(module))  # an Init chunk is 1-D
     return int(in_features), int(out_features)
 
 

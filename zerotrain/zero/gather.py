@@ -148,7 +148,7 @@ class ParamResidency:
     def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
         """The optimizer wrote its part of every bucket, or will: ``deferred`` maps a bucket
         index to the call that steps it and writes its part (see [Note: a step deferred to the
-        next use]). Make the parameters current, each by its next use at the latest."""
+        next use] in in_flight.py). Make the parameters current, each by its next use at the latest."""
         for index, finish in (deferred or {}).items():
             self.in_flight.defer(self.buckets[index], finish)
 
@@ -184,7 +184,8 @@ class ParamResidency:
 
     @property
     def persistent_numel(self) -> int:
-        """Elements kept whole on every rank although parameters are sharded."""
+        """Trainable elements kept whole on every rank although parameters are sharded (the
+        formula's; frozen ones are counted apart)."""
         return 0
 
     def host_param_tensors(self) -> list[torch.Tensor]:
@@ -263,7 +264,8 @@ class GatheredForUse(ParamResidency):
 
     def take_frozen(self, named: NamedParams, dtype: torch.dtype) -> None:
         """Partition the floating-point frozen parameters in frozen buckets, one per unit (see
-        [Note: frozen parameters at stage 3]); others (integer ones) stay whole."""
+        [Note: frozen parameters at stage 3] in unit_cycle.py); others (integer ones) stay
+        whole."""
         floating = [(n, p) for n, p in named if p.is_floating_point()]
         super().take_frozen([(n, p) for n, p in named if not p.is_floating_point()], dtype)
         self.frozen_params = []  # partitioned: the buckets hold them
@@ -365,7 +367,7 @@ class GatheredForUse(ParamResidency):
             if any(slot.param is param for slot in bucket.slots):
                 unit = self.gatherer.unit_of(bucket)
                 return unit.is_root or unit.persistent
-        return True  # not managed by this engine (an integer frozen one): whole
+        return True  # in no bucket (an integer frozen one, or another engine's): whole
 
     def _each_frozen_unit(self):
         """Each unit with frozen buckets, gathered in turn (collective), as its buckets."""
@@ -418,7 +420,8 @@ class GatheredForUse(ParamResidency):
 
     @property
     def persistent_numel(self) -> int:
-        return sum(u.numel for u in self.gatherer.units if u.persistent)
+        units = self.gatherer.units
+        return sum(b.numel_padded for u in units if u.persistent for b in u.buckets)
 
 
 _NO_OPTIMIZER_GROUP = -1  # a frozen bucket's group_index

@@ -23,7 +23,8 @@ from zerotrain.zero.param_home import ShardHome
 
 
 class BucketGathers:
-    """Parameter all-gathers in flight, by bucket (see [Note: waiting for parameters])."""
+    """Parameter all-gathers in flight, by bucket (see [Note: waiting for parameters] in
+    gather.py)."""
 
     def __init__(self, comm: Communicator, home: ShardHome | None = None):
         self.comm = comm

@@ -93,10 +93,14 @@ class FlatBucket:
     def _present(self, tensor: torch.Tensor | None, name: str, why: str) -> torch.Tensor:
         if tensor is None:
             raise RuntimeError(
-                f"the bucket of {self.slots[0].name!r} (optimizer group {self.group_index}) has "
-                f"no {name} now ({why})"
+                f"the bucket of {self.slots[0].name!r} ({self._kind()}) has no {name} now ({why})"
             )
         return tensor
+
+    def _kind(self) -> str:
+        if self.group_index < 0:  # see GatheredForUse.take_frozen
+            return "frozen parameters"
+        return f"optimizer group {self.group_index}"
 
     def shard_range(self, rank: int | None = None) -> tuple[int, int]:
         """Flat positions ``[start, end)`` of rank ``rank``'s (default: this rank's) shard."""

@@ -19,13 +19,16 @@ the models it is for: each unit packs its floating-point frozen parameters into 
 that are gathered and released with the unit's trainable buckets, but that no reduction, store
 or optimizer sees. One thing changes in the life cycle: backward reads a frozen weight to
 compute the gradient of the unit's input (``W^T g``), and autograd may run that after every
-trainable gradient of the unit has arrived (a LoRA adapter's come first). So a unit with frozen
-buckets also waits, before its release, for the gradients of its inputs (a multi-grad hook on
-them, registered at its forward, or at its recomputation when the first forward ran without
-grad).
+trainable gradient of the unit has arrived (a LoRA adapter's come first). So the forward
+pre-hook of a unit with frozen buckets passes the inputs that need gradients through an
+identity function (:class:`_InputGradsDone`, as FSDP2 does for its post-backward), whose
+backward runs once this unit's backward has produced their gradients, and the unit is released
+only after that too. Each backward use of the unit (a retained graph's second backward
+included) holds it once; a recomputation whose first forward ran without grad (reentrant
+checkpointing) wraps its own inputs, as its backward follows at once.
 
 Prefetch: the order in which units are gathered is recorded on the first step (forward and
-backward separately). Later, gathering the unit at position k also issues the gathers of the
+backward separately; forwards without grad, which have no backward, are left out). Later, gathering the unit at position k also issues the gathers of the
 next units in that order, up to ``prefetch_numel`` elements, as long as the live gathered total
 stays within ``max_live_numel``. Every rank records the same order when every rank runs the
 same modules, which stage 3 requires (as FSDP does): gathers are collectives.
@@ -100,7 +103,10 @@ class GatherUnit:
     frozen: list[FlatBucket] = field(default_factory=list)
     state: UnitState = UnitState.SHARDED
     buckets_left: int = 0  # buckets whose gradients have not all arrived this backward
-    inputs_left: int = 0  # forwards whose input gradients backward has not computed yet
+    # frozen buckets only: forward uses whose inputs were wrapped (see _InputGradsDone), and
+    # backward uses still to produce their input gradients
+    wrapped_uses: int = 0
+    inputs_left: int = 0
 
     @property
     def all_buckets(self) -> list[FlatBucket]:
@@ -118,6 +124,22 @@ class GatherUnit:
             for slot in bucket.slots:
                 # pyrefly: ignore[missing-attribute] (a DeepSpeed attribute torch does not declare)
                 slot.param.ds_status = status
+
+
+class _InputGradsDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's own backward has produced
+    their gradients (as FSDP2's post-backward function): then ``done`` (see [Note: frozen
+    parameters at stage 3])."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
 
 
 class ParameterGatherer:
@@ -149,6 +171,8 @@ class ParameterGatherer:
         self._order: dict[str, list[int]] = {"forward": [], "backward": []}
         self._recorded = False
         self._cursor = {"forward": 0, "backward": 0}
+        self._records_forward = True  # whether this forward's uses enter the recorded order
+        self._wrapped_now = False  # the unit whose forward runs now had its inputs wrapped
         for unit in units:
             unit.buckets_left = len(unit.buckets)
             for bucket in unit.all_buckets:
@@ -172,15 +196,11 @@ class ParameterGatherer:
                 unit.module.register_forward_hook(eager(self._root_post_forward))
             else:
                 unit.module.register_forward_pre_hook(
-                    eager(lambda m, args, u=unit: self._pre_forward(u))
+                    eager(lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs)),
+                    with_kwargs=True,
                 )
                 unit.module.register_forward_hook(
-                    eager(
-                        lambda m, args, kwargs, out, u=unit: self._post_forward(
-                            u, out, args, kwargs
-                        )
-                    ),
-                    with_kwargs=True,
+                    eager(lambda m, args, out, u=unit: self._post_forward(u, out))
                 )
         self._unit_of_bucket = {id(b): u for u in units for b in u.all_buckets}
 
@@ -248,8 +268,7 @@ class ParameterGatherer:
         self._issue(unit)  # before any prefetch: the live bound counts the unit in use first
         order = self._order[phase]
         if not self._recorded:
-            # the order of a training step: forwards without grad (evaluation) have no backward
-            if phase == "backward" or torch.is_grad_enabled():
+            if phase == "backward" or self._records_forward:
                 order.append(unit.index)
         else:
             cursor = self._cursor[phase]
@@ -298,6 +317,8 @@ class ParameterGatherer:
         if _recomputing():  # the root is gathered until the end of the backward
             return
         self._cursor = {"forward": 0, "backward": 0}  # a new forward (training or eval)
+        # the recorded order is a training step's: a forward without grad has no backward
+        self._records_forward = torch.is_grad_enabled()
         self._use(self.units[-1], "forward")
 
     def _root_post_forward(self, module, args, output) -> None:
@@ -306,47 +327,73 @@ class ParameterGatherer:
         if not torch.is_grad_enabled():  # no backward will follow: release the units in use,
             for unit in self.units:  # and those prefetched for a use that did not come
                 self.release(unit)
+            return
+        tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+        if tensors:  # a second backward of a retained graph finds the root released: gather it
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self._gather_now(self.units[-1]), mode="any"
+            )
 
-    def _pre_forward(self, unit: GatherUnit) -> None:
+    def _pre_forward(self, unit: GatherUnit, args, kwargs):
         if _recomputing():  # see "Recomputation" in the note above
             self._make_room(unit)
             self._gather_now(unit)
-            return
+            if unit.frozen and not unit.wrapped_uses:
+                # the first forward ran without grad (reentrant checkpointing): this
+                # recomputation's backward is the unit's, and it starts now
+                wrapped = self._wrap_inputs(unit, args, kwargs)
+                if wrapped is not None:
+                    unit.inputs_left += 1
+                return wrapped
+            return None
         self._use(unit, "forward")
+        if unit.frozen and torch.is_grad_enabled():
+            wrapped = self._wrap_inputs(unit, args, kwargs)
+            unit.wrapped_uses += wrapped is not None
+            self._wrapped_now = wrapped is not None  # for the post-forward of this call
+            return wrapped
+        return None
 
-    def _post_forward(self, unit: GatherUnit, output, args, kwargs) -> None:
+    def _wrap_inputs(self, unit: GatherUnit, args, kwargs):
+        """``(args, kwargs)`` with the tensors that need gradients passed through
+        :class:`_InputGradsDone` for ``unit``; None when none needs them."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        needing = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+        if not needing:
+            return None
+
+        def done(u=unit) -> None:
+            u.inputs_left = max(0, u.inputs_left - 1)
+            self._release_after_backward(u)
+
+        wrapped = _InputGradsDone.apply(done, *(leaves[i] for i in needing))
+        for i, tensor in zip(needing, wrapped, strict=True):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _post_forward(self, unit: GatherUnit, output) -> None:
         if _recomputing():
-            if unit.frozen and unit.inputs_left == 0:  # the first forward ran without grad
-                self._hold_for_input_grads(unit, (args, kwargs))
             return
         if not torch.is_grad_enabled():  # no backward will follow
             self.release(unit)
             return
-        if unit.frozen:
-            self._hold_for_input_grads(unit, (args, kwargs))
         if self._reused_soon(self._cursor["forward"] - 1):
             self._kept.append(unit)
         else:
             self.release(unit)
         tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+        wrapped, self._wrapped_now = self._wrapped_now, False
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads, u=unit: self._use(u, "backward"), mode="any"
+                tensors, lambda grads, u=unit: self._begin_backward(u, wrapped), mode="any"
             )
 
-    def _hold_for_input_grads(self, unit: GatherUnit, inputs) -> None:
-        """Keep ``unit`` gathered in backward until the gradients of its inputs are computed:
-        computing them reads its frozen parameters (see [Note: frozen parameters at stage 3])."""
-        tensors = [t for t in pytree.tree_leaves(inputs) if torch.is_tensor(t) and t.requires_grad]
-        if not tensors:
-            return
-        unit.inputs_left += 1
-
-        def inputs_done(grads, u=unit) -> None:
-            u.inputs_left = max(0, u.inputs_left - 1)
-            self._release_after_backward(u)
-
-        torch.autograd.graph.register_multi_grad_hook(tensors, inputs_done, mode="all")
+    def _begin_backward(self, unit: GatherUnit, inputs_wrapped: bool) -> None:
+        """Backward reached one forward use of ``unit``: gather it, and where that use's inputs
+        were wrapped, hold it until their gradients are computed (_InputGradsDone)."""
+        if inputs_wrapped:
+            unit.inputs_left += 1
+        self._use(unit, "backward")
 
     def _release_after_backward(self, unit: GatherUnit) -> None:
         if unit.buckets_left == 0 and unit.inputs_left == 0 and not unit.is_root:
@@ -364,14 +411,14 @@ class ParameterGatherer:
         for unit in self.units:
             self.release(unit)
             unit.buckets_left = len(unit.buckets)
-            unit.inputs_left = 0
+            unit.wrapped_uses = unit.inputs_left = 0
         if not self._recorded:
             self._recorded = True
             self._plan_reuse()
 
     def refresh_persistent(self) -> None:
         """After an optimizer step: start bringing persistent units' full buffers up to date
-        (each unit's next use waits for its own; see [Note: waiting for parameters]), and drop
+        (each unit's next use waits for its own; see [Note: waiting for parameters] in gather.py), and drop
         any other unit still gathered (a backward this engine did not run, e.g. another
         engine's loss through this model, gathers without releasing): its values predate the
         step, so its next use must gather again."""
@@ -379,6 +426,7 @@ class ParameterGatherer:
             if not unit.persistent:
                 self.release(unit)
             unit.buckets_left = len(unit.buckets)
+            unit.wrapped_uses = unit.inputs_left = 0
         for unit in self.units:
             if unit.persistent:
                 for bucket in unit.buckets:
