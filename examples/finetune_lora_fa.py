@@ -3,13 +3,14 @@
     zerotrain run --nproc-per-node 2 examples/train_gpt.py --checkpoint-dir ckpt    # a base
     zerotrain run --nproc-per-node 2 examples/finetune_lora_fa.py --base ckpt --data DIR
 
-DIR: text to fine-tune on, e.g. the standard library's `email` package. The base weights come from train_gpt.py's checkpoints (any stage and world size), loaded into a
-plain model by `zerotrain.checkpoint.load_consolidated`; without --base the base is random. The
-config's `lora_fa` section makes `initialize` replace the attention and MLP projections by
-LoRA-FA adapters (A frozen, B trained; Zhang et al., arXiv:2308.03303) and freeze everything
-else. Stage 3 then partitions the frozen base like the adapters: each rank keeps 1/N of it
-between uses. The script prints the validation loss on the fine-tuning data before and after,
-and what a rank holds of the base and of the adapters.
+DIR: text to fine-tune on, e.g. the standard library's `email` package. The base weights come
+from train_gpt.py's checkpoints (any stage and world size), loaded into a plain model by
+`zerotrain.checkpoint.load_consolidated`; without --base the base is random. The config's
+`lora_fa` section makes `initialize` replace the attention and MLP projections by LoRA-FA
+adapters (A frozen, B trained; Zhang et al., arXiv:2308.03303) and freeze everything else. Stage
+3 then partitions the frozen base like the adapters: each rank keeps 1/N of it between uses. The
+script prints the validation loss on the fine-tuning data before and after, and what a rank
+holds of the base and of the adapters.
 """
 
 from __future__ import annotations

@@ -210,10 +210,11 @@ def _convert_to_lora_fa(
             "optimizer" if isinstance(optimizer, torch.optim.Optimizer) else "model_parameters"
         )
         raise ConfigError(
-            f"lora_fa.enabled: initialize adapts the model's layers, but initialize({argument}=...) "
-            "holds parameters chosen before; use the config's optimizer section (or pass an "
-            "optimizer factory), or call zerotrain.lora.apply_lora_fa(model, ...) before building "
-            "the optimizer and leave lora_fa out of the config"
+            "lora_fa.enabled: initialize adapts the model's layers, but "
+            f"initialize({argument}=...) holds parameters chosen before; use the config's "
+            "optimizer section (or pass an optimizer factory), or call "
+            "zerotrain.lora.apply_lora_fa(model, ...) before building the optimizer and leave "
+            "lora_fa out of the config"
         )
     adapted = apply_lora_fa(model, section.target_modules, r=section.r, alpha=section.alpha)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -12,8 +12,8 @@ in :class:`BucketGathers`, and whoever needs its values waits there, for that bu
   in zerotrain/zero/unit_cycle.py). Persistent units are refreshed after the step like stages
   1-2's buckets, and each waits at its next use.
 
-Stage 3's units (gathered around their use) live in zerotrain/zero/unit_cycle.py; the gathers in
-flight, and steps deferred to a bucket's next use, in zerotrain/zero/in_flight.py.
+The gathers in flight, and optimizer steps deferred to a bucket's next use, are in
+zerotrain/zero/in_flight.py.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ class ParamResidency:
     def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
         """The optimizer wrote its part of every bucket, or will: ``deferred`` maps a bucket
         index to the call that steps it and writes its part (see [Note: a step deferred to the
-        next use] in in_flight.py). Make the parameters current, each by its next use at the latest."""
+        next use] in in_flight.py). Make the parameters current, each by its next use at the
+        latest."""
         for index, finish in (deferred or {}).items():
             self.in_flight.defer(self.buckets[index], finish)
 

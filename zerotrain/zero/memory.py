@@ -125,10 +125,11 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     """Bytes of model states ``group`` holds on this rank, from the allocated storage (each
     storage once): ``parameters``, ``gradients``, ``optimizer_states`` (fp32 masters that are
     separate copies, plus the optimizer's state) and their ``total``, on the device; and off it
-    ``offloaded`` (host masters, state and gradients, parameter shards), ``staging`` (the host buffers that carry
-    data to and from the device or disk) and ``disk`` (NVMe working files). Frozen parameters
-    are not model states of the formula: ``frozen`` counts theirs apart, wherever they are
-    (whole, or stage 3's shards and gathered buffers, on the device or the host)."""
+    ``offloaded`` (host masters, state and gradients, parameter shards), ``staging`` (the host
+    buffers that carry data to and from the device or disk) and ``disk`` (NVMe working files).
+    Frozen parameters are not model states of the formula: ``frozen`` counts theirs apart,
+    wherever they are (whole, or stage 3's shards and gathered buffers, on the device or the
+    host)."""
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:

@@ -10,8 +10,9 @@ the forward they are released again (``.data`` back to the placeholder). Autogra
 parameter *objects*, not their storage, so a hook on the module's outputs re-gathers the unit
 just before its backward runs; once every gradient of a bucket has been handed to the reducer
 the unit is released. The root unit stays gathered from the start of the forward to the end of
-the backward. Units smaller than the persistence threshold are never released: their shard is a
-view of a full buffer that the optimizer step refreshes, as in stages 1-2.
+the backward (and is gathered again for a retained graph's second backward). Units smaller than
+the persistence threshold are never released: their shard is a view of a full buffer that the
+optimizer step refreshes, as in stages 1-2.
 
 [Note: frozen parameters at stage 3]
 Frozen parameters (a LoRA fine-tune's base model) are partitioned too, or stage 3 would not fit
@@ -28,10 +29,12 @@ included) holds it once; a recomputation whose first forward ran without grad (r
 checkpointing) wraps its own inputs, as its backward follows at once.
 
 Prefetch: the order in which units are gathered is recorded on the first step (forward and
-backward separately; forwards without grad, which have no backward, are left out). Later, gathering the unit at position k also issues the gathers of the
-next units in that order, up to ``prefetch_numel`` elements, as long as the live gathered total
-stays within ``max_live_numel``. Every rank records the same order when every rank runs the
-same modules, which stage 3 requires (as FSDP does): gathers are collectives.
+backward separately; forwards without grad, which have no backward, are left out). Later,
+gathering the unit at position k also issues the gathers of the next units in that order, up to
+``prefetch_numel`` elements, as long as the live gathered total stays within ``max_live_numel``.
+A forward without grad releases, at its end, what it prefetched. Every rank records the same
+order when every rank runs the same modules, which stage 3 requires (as FSDP does): gathers are
+collectives.
 
 Reuse: from the recorded order, each forward use of a unit knows its reuse distance, the
 elements gathered between the end of that forward and the unit's next use (DeepSpeed's
@@ -418,10 +421,10 @@ class ParameterGatherer:
 
     def refresh_persistent(self) -> None:
         """After an optimizer step: start bringing persistent units' full buffers up to date
-        (each unit's next use waits for its own; see [Note: waiting for parameters] in gather.py), and drop
-        any other unit still gathered (a backward this engine did not run, e.g. another
-        engine's loss through this model, gathers without releasing): its values predate the
-        step, so its next use must gather again."""
+        (each unit's next use waits for its own; see [Note: waiting for parameters] in
+        gather.py), and drop any other unit still gathered (a backward this engine did not
+        run, e.g. another engine's loss through this model, gathers without releasing): its
+        values predate the step, so its next use must gather again."""
         for unit in self.units:
             if not unit.persistent:
                 self.release(unit)
