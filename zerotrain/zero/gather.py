@@ -269,7 +269,6 @@ class GatheredForUse(ParamResidency):
         whole."""
         floating = [(n, p) for n, p in named if p.is_floating_point()]
         super().take_frozen([(n, p) for n, p in named if not p.is_floating_point()], dtype)
-        self.frozen_params = []  # partitioned: the buckets hold them
         runs, _ = self.layout_runs([floating])
         self.frozen_buckets = build_buckets(
             [(_NO_OPTIMIZER_GROUP, unit, run) for _, unit, run in runs],

@@ -183,14 +183,19 @@ class ShardGroup:
         name)."""
         return {id(s.param): s.name for b in self.buckets for s in b.slots}
 
-    def frozen_keys(self, module: nn.Module) -> set[str]:
-        """State-dict keys of ``module``'s parameters this group does not train."""
+    def _untrained_entries(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s state-dict entries (the tensors themselves) the group does not train."""
         trained = self.trained_names()
         return {
-            key
+            key: value
             for key, value in module.state_dict(keep_vars=True).items()
-            if isinstance(value, nn.Parameter) and id(value) not in trained
+            if id(value) not in trained
         }
+
+    def frozen_keys(self, module: nn.Module) -> set[str]:
+        """State-dict keys of ``module``'s parameters this group does not train."""
+        entries = self._untrained_entries(module)
+        return {key for key, value in entries.items() if isinstance(value, nn.Parameter)}
 
     def untrained_state(
         self, module: nn.Module, exclude_frozen: bool = False, *, on_rank: int | None = None
@@ -199,35 +204,22 @@ class ShardGroup:
         (unless ``exclude_frozen``) and buffers. Frozen parameters that stage 3 partitions are
         gathered (collective: every rank calls it) and kept, as host copies, on rank ``on_rank``
         (None: every rank); elsewhere they are placeholders."""
-        trained = self.trained_names()
-        entries = {
-            key: value
-            for key, value in module.state_dict(keep_vars=True).items()
-            if id(value) not in trained and not (exclude_frozen and isinstance(value, nn.Parameter))
-        }
-        frozen = {}
-        if not exclude_frozen:
-            frozen = self.residency.frozen_values(keep=on_rank in (None, self.comm.rank))
+        entries = self._untrained_entries(module)
+        if exclude_frozen:
+            return {k: v.detach() for k, v in entries.items() if not isinstance(v, nn.Parameter)}
+        frozen = self.residency.frozen_values(keep=on_rank in (None, self.comm.rank))
         return {key: frozen.get(id(value), value.detach()) for key, value in entries.items()}
 
     def untrained_keys(self, module: nn.Module) -> set[str]:
         """The keys of :meth:`untrained_state` (nothing is gathered)."""
-        trained = self.trained_names()
-        return {
-            key
-            for key, value in module.state_dict(keep_vars=True).items()
-            if id(value) not in trained
-        }
+        return set(self._untrained_entries(module))
 
     def load_untrained(self, module: nn.Module, read: Callable[[str], torch.Tensor | None]) -> None:
         """Set the untrained entries of ``module``'s state dict to ``read(key)`` (None: keep
         the value); collective where stage 3 partitions frozen parameters."""
-        trained = self.trained_names()
         partitioned = {id(s.param) for b in self.residency.frozen_buckets for s in b.slots}
         key_of: dict[int, str] = {}
-        for key, value in module.state_dict(keep_vars=True).items():
-            if id(value) in trained:
-                continue
+        for key, value in self._untrained_entries(module).items():
             key_of.setdefault(id(value), key)
             if id(value) not in partitioned:
                 loaded = read(key)
