@@ -442,10 +442,19 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         )
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            if key not in untrained and id(value) not in masters:
+            if id(value) in masters:
+                tensor, live = masters[id(value)], True  # it may be the optimizer's own master
+            elif key in untrained:
+                tensor = untrained[key]
+                # a partitioned frozen parameter comes as a host copy of its own: no second copy
+                # of the frozen base; buffers and whole frozen parameters are the model's
+                live = tensor.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+            else:
                 continue  # a frozen parameter left out
-            tensor = masters[id(value)] if id(value) in masters else untrained[key]
-            out[key] = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+            if tensor.is_floating_point():
+                out[key] = tensor.to(dtype, copy=live)
+            else:
+                out[key] = tensor.clone() if live else tensor
         return out
 
     def module_state_dict(
