@@ -4,9 +4,11 @@ Lightning precision setting becomes zerotrain's."""
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import zerotrain
 from zerotrain.config import ConfigError
 
 CHECKPOINT_TAG = "checkpoint"  # the tag of the checkpoint inside a Lightning checkpoint path
@@ -101,3 +103,14 @@ class Configured:
         offload switches fill in its ``zero_optimization`` where the config leaves them out."""
         super().__init__(**ddp_options)
         self.config = strategy_config(config, stage, offload_optimizer, offload_parameters)
+
+    def partitioned_init(self) -> AbstractContextManager:
+        """Where the model is built: at stage 3 already partitioned (``zerotrain.zero.Init``)."""
+        if zero_stage(self.config) == 3:
+            return zerotrain.zero.Init(config_dict_or_path=self.config)
+        return nullcontext()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's hook: the names of :data:`REGISTERED`."""
+        register_all(strategy_registry, cls)

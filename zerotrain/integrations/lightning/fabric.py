@@ -22,13 +22,12 @@ Registered with Fabric at import (config.REGISTERED): ``zerotrain``,
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
 import zerotrain
@@ -36,7 +35,6 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.integrations.lightning.config import (
     CHECKPOINT_TAG,
     Configured,
-    register_all,
     take_precision,
     zero_stage,
 )
@@ -98,9 +96,7 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
 
     def module_sharded_context(self) -> AbstractContextManager:
         """At stage 3, ``fabric.init_module()`` builds the model already partitioned."""
-        if zero_stage(self.config) == 3:
-            return zerotrain.zero.Init(config_dict_or_path=self.config)
-        return nullcontext()
+        return self.partitioned_init()
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         if zero_stage(self.config) == 3:
@@ -194,10 +190,6 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
                 f"fabric.setup, found {len(engines)}"
             )
         return _unwrap(engines[0])
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_all(strategy_registry, cls)
 
 
 def _unwrap(value: Any) -> Any:

@@ -20,10 +20,9 @@ rank writes its shard, and the Trainer's own state rides along as the client sta
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, cast
 
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -35,9 +34,7 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.integrations.lightning.config import (
     CHECKPOINT_TAG,
     Configured,
-    register_all,
     take_precision,
-    zero_stage,
 )
 
 
@@ -152,12 +149,7 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
     @contextmanager
     def model_sharded_context(self):
         """At stage 3, ``configure_model`` builds the model already partitioned."""
-        context = (
-            zerotrain.zero.Init(config_dict_or_path=self.config)
-            if zero_stage(self.config) == 3
-            else nullcontext()
-        )
-        with context:
+        with self.partitioned_init():
             yield
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -202,10 +194,6 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
         if not isinstance(self.model, ZeroTrainEngine):
             raise RuntimeError("zerotrain's Lightning strategy: the engine is not set up yet")
         return self.model
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_all(strategy_registry, cls)
 
 
 def _register() -> None:
