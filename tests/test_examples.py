@@ -5,12 +5,11 @@ from __future__ import annotations
 import email
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from launched import output_or_kill
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,12 +36,7 @@ def zerotrain_run(*args: str) -> subprocess.CompletedProcess:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(args)} ran past {TIMEOUT_S} s; output:\n{output}")
+    output = output_or_kill(process, TIMEOUT_S, " ".join(args))
     return subprocess.CompletedProcess(command, process.returncode, output, None)
 
 

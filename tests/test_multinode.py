@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launched import output_or_kill
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.213.{}.{}"  # inside the test's namespaces only
@@ -107,12 +108,7 @@ def two_nodes():
 
 
 def _finish(process: subprocess.Popen, timeout: float = 240) -> str:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"ran past {timeout} s; output:\n{output}")
+    output = output_or_kill(process, timeout, "zerotrain run")
     assert process.returncode == 0, output
     return output
 
