@@ -340,7 +340,8 @@ args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, per_device_train_b
                          report_to=[], use_cpu=True, deepspeed=ds, save_strategy="no")
 trainer = Trainer(model=model, args=args, train_dataset=data)
 trainer.train()
-print("engine:", type(trainer.model_wrapped).__module__, deepspeed.__version__, flush=True)
+# one string, one write: the ranks share stdout, and print writes each argument apart
+print(f"engine: {type(trainer.model_wrapped).__module__} {deepspeed.__version__}", flush=True)
 """
 
 
@@ -398,7 +399,7 @@ trainer.train(resume_from_checkpoint=f"{out}/checkpoint-4" if resume else None)
 if trainer.args.process_index == 0:
     print("losses", json.dumps([h["loss"] for h in trainer.state.log_history if "loss" in h]))
     base = trainer.model_wrapped.module.base_model.model.transformer.h[0].mlp.c_fc.base_layer
-    print("base held", base.weight.numel(), "of", base.weight.ds_numel)
+    print(f"base held {base.weight.numel()} of {base.weight.ds_numel}")
 """
 
 
