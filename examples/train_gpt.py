@@ -30,6 +30,13 @@ from zerotrain.observability.metrics import memory_use
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: ranks that split each block's attention and MLP (ZeRO "
+        "shards over the world size / tp data-parallel ranks)",
+    )
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--model", choices=sorted(PRESETS), default="demo", help="GPT preset")
@@ -80,6 +87,7 @@ def parse_args() -> argparse.Namespace:
         "val_batches",
         "checkpoint_every",
         "ac_every",
+        "tp",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -110,6 +118,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         },
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
+        "tensor_parallel": {"autotp_size": args.tp},
         "checkpoint": {"keep_last": 2},
         # profile: the summary reports the time spent recomputing
         **(
@@ -177,6 +186,7 @@ def main() -> None:
     if args.activation_checkpointing:
         zerotrain.checkpointing.wrap(model, block_type=Block, every=args.ac_every)
     train_set, val_set = train_val_datasets(config.block_size, args.data)
+    num_parameters = model.num_parameters()  # whole: initialize may split and shard them
     engine, _, train_loader, _ = zerotrain.initialize(
         model=model,
         model_parameters=model.parameters(),
@@ -187,9 +197,10 @@ def main() -> None:
     tokens_per_step = engine.train_batch_size() * config.block_size  # over all ranks
     if is_rank0:
         print(
-            f"GPT '{args.model}': {model.num_parameters():,} parameters | ZeRO stage "
+            f"GPT '{args.model}': {num_parameters:,} parameters | ZeRO stage "
             f"{engine.zero_optimization_stage()} | {args.precision} | world {engine.world_size} "
-            f"| {engine.train_batch_size()} windows x {config.block_size} tokens per step | "
+            + (f"(tp {args.tp} x dp {engine.dp_world_size}) " if args.tp > 1 else "")
+            + f"| {engine.train_batch_size()} windows x {config.block_size} tokens per step | "
             f"{len(train_set):,} training windows",
             flush=True,
         )
@@ -234,7 +245,12 @@ def main() -> None:
         rows = [
             ("ZeRO stage", engine.zero_optimization_stage()),
             ("world size", engine.world_size),
-            ("parameters", f"{model.num_parameters():,}"),
+            *(
+                [("tensor x data parallel", f"{args.tp} x {engine.dp_world_size}")]
+                if args.tp > 1
+                else []
+            ),
+            ("parameters", f"{num_parameters:,}"),
             ("precision", args.precision),
             ("first loss", f"{step_losses[0]:.4f}"),
             ("final loss", f"{step_losses[-1]:.4f}"),

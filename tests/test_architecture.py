@@ -20,7 +20,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("zero", ("zero",)),
     (
         "services",
-        ("checkpoint", "observability", "estimate", "data", "activation_checkpointing", "lora"),
+        (
+            "checkpoint",
+            "observability",
+            "estimate",
+            "data",
+            "activation_checkpointing",
+            "lora",
+            "tensor_parallel",
+        ),
     ),
     ("engine", ("backward", "engine_queries", "engine")),
     ("api", ("api",)),

@@ -229,6 +229,7 @@ def test_defaults_match_deepspeed() -> None:
             "use_node_local_storage": False,
         },
         "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
+        "tensor_parallel": {"autotp_size": 1, "tp_plan": None},
         "activation_checkpointing": None,
         "comms_logger": {
             "enabled": False,
@@ -533,7 +534,7 @@ ASKS_NOTHING = [
     ("timers", {"throughput": {"enabled": True}}),
     ("pipeline", {"stages": 2, "partition": "parameters"}),
     ("sequence_parallel_size", 1),
-    ("tensor_parallel", {"autotp_size": 1}),
+    ("tensor_parallel", {"autotp_size": 1, "tp_grain_size": 64}),
     ("torch_autocast", {"enabled": False, "dtype": "bfloat16"}),
     ("compile", {"deepcompile": False}),
     ("amp", {"enabled": False}),
@@ -583,7 +584,6 @@ ASKS_FOR_MISSING = [
         "`enabled: false`",
     ),
     ("torch_autocast", {"enabled": True}, "torch.autocast mixed precision", "`enabled: false`"),
-    ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism (AutoTP)", "`autotp_size: 1`"),
     ("sequence_parallel_size", 2, "sequence parallelism (Ulysses)", "1"),
     ("compile", {"deepcompile": True}, "DeepCompile", "`deepcompile: false`"),
     ("managed_gradient_accumulation", False, "unmanaged gradient accumulation", "true"),
@@ -672,7 +672,7 @@ def test_deepspeed_values_zerotrain_reads() -> None:
         nested("communication_data_type", "bfp16")
     )
     assert load_config(nested("data_parallel_size", 2), world_size=2).data_parallel_size == 2
-    assert "data_parallel_size: 2 asks for a device mesh" in load_error(
+    assert "data_parallel_size: 2, but the mesh has 4 data-parallel ranks" in load_error(
         nested("data_parallel_size", 2), world_size=4
     )
 

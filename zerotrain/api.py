@@ -34,9 +34,10 @@ from zerotrain.lora import apply_lora_fa
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
+from zerotrain.tensor_parallel import TensorParallel, is_split, parallelize
 from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.gather import Stage3Options
-from zerotrain.zero.group import OptimizerFactory
+from zerotrain.zero.group import ModelParallel, OptimizerFactory
 from zerotrain.zero.init import full_shape, owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import OffloadOptions, device_budget
@@ -129,10 +130,12 @@ def initialize(
     if cfg.lora_fa.enabled:
         model_parameters = _convert_to_lora_fa(model, cfg, optimizer, model_parameters, comm.rank)
     model.to(device)
+    mesh = Mesh(comm, tp=cfg.tensor_parallel.autotp_size)
+    tensor_parallel = _tensor_parallel(model, cfg, mesh)
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
-    data_parallel = Mesh(comm).dp  # every rank is a data-parallel peer (see comm/mesh.py)
+    data_parallel = mesh.dp  # what ZeRO shards over and the data is split by
     options = GroupOptions(
         policy=ZeroPolicy.for_stage(zero.stage),
         comm=data_parallel,
@@ -148,6 +151,9 @@ def initialize(
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         offload=_offload_options(cfg, device),
+        model_parallel=(
+            None if tensor_parallel is None else ModelParallel(tensor_parallel.comm, is_split)
+        ),
     )
     zero_optimizer = ZeroOptimizer(
         model,
@@ -157,7 +163,12 @@ def initialize(
         loss_scaler=_loss_scaler(cfg),
         gradient_clipping=cfg.gradient_clipping,
     )
-    _broadcast_untrained_state(model, comm)
+    if tensor_parallel is not None and isinstance(zero_optimizer.optimizer, Lamb):
+        raise ConfigError(
+            "optimizer: LAMB's trust ratio needs each parameter's whole norm, and tensor "
+            "parallelism (tensor_parallel.autotp_size > 1) splits parameters; use Adam or AdamW"
+        )
+    _broadcast_untrained_state(model, data_parallel)
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,
     # and were copied into fp32 masters before the cast).
     model.to(precision.param_dtype)
@@ -173,18 +184,38 @@ def initialize(
         dataloader,
         raw_config=_raw_config(config, cfg),
         client_optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
+        tensor_parallel=tensor_parallel,
     )
     return engine, zero_optimizer, dataloader, scheduler
 
 
 # -- pieces of initialize ----------------------------------------------------------------------
+def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> TensorParallel | None:
+    """Split ``model`` over the mesh's tensor-parallel axis (None: no tensor parallelism)."""
+    section = cfg.tensor_parallel
+    if section.autotp_size == 1:
+        if section.tp_plan is not None:
+            raise ConfigError(
+                "tensor_parallel.tp_plan: given, but autotp_size is 1 (nothing is split); set "
+                "autotp_size to the tensor-parallel degree or remove tp_plan"
+            )
+        return None
+    if cfg.lora_fa.enabled:
+        raise ConfigError(
+            "tensor_parallel.autotp_size: LoRA-FA adapters (lora_fa.enabled) with tensor "
+            "parallelism are not supported; use one of them"
+        )
+    return parallelize(model, mesh.axis("tp"), mesh.world, section.tp_plan)
+
+
 def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:
-    """Rank 0's frozen parameters and buffers to every rank (trainable ones and frozen ones
-    that stage 3 partitions, which the engine owns, are broadcast as their buckets are built),
-    so all replicas start identical even without a shared seed."""
+    """The frozen parameters and buffers of ``comm``'s first rank to its other ranks
+    (trainable ones and frozen ones that stage 3 partitions, which the engine owns, are
+    broadcast as their buckets are built), so all replicas start identical even without a
+    shared seed."""
     frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]
     for tensor in frozen + list(model.buffers()):
-        comm.broadcast(tensor.data, src=0)
+        comm.broadcast(tensor.data, src=comm.root)
 
 
 def _convert_to_lora_fa(

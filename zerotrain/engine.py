@@ -23,6 +23,7 @@ from zerotrain.observability.flops_profiler import FlopsProfiler, StepContext, m
 from zerotrain.observability.metrics import StepMetrics
 from zerotrain.observability.monitor import MonitorMaster
 from zerotrain.optim import NoOptimizer
+from zerotrain.tensor_parallel import TensorParallel
 from zerotrain.zero import ZeroOptimizer
 
 
@@ -50,6 +51,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         *,
         raw_config: dict[str, Any] | None = None,
         client_optimizer_name: str | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ):
         super().__init__()
         self.module = module
@@ -59,6 +61,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self.zerotrain_config = config
         self._client_optimizer_name = client_optimizer_name
         self.comm = comm
+        self.tensor_parallel = tensor_parallel  # None: no layer is split
         self.device = device
         self.training_dataloader = training_dataloader
         self.global_steps = 0
@@ -117,9 +120,21 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         return local_rank()
 
     @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks (DeepSpeed's attribute): the world over the tensor-parallel
+        degree."""
+        return self.optimizer.comm.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """The tensor-parallel degree (DeepSpeed's attribute; 1 without tensor parallelism)."""
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.size
+
+    @property
     def data_parallel_group(self):
         """The process group gradients are averaged over (DeepSpeed's attribute)."""
-        return self.comm.group if self.comm.group is not None else get_world_group()
+        group = self.optimizer.comm.group
+        return group if group is not None else get_world_group()
 
     # -- training ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -455,6 +470,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 out[key] = tensor.to(dtype, copy=live)
             else:
                 out[key] = tensor.clone() if live else tensor
+        if self.tensor_parallel is not None:
+            out = self.tensor_parallel.full_state(out, self.module)
         return out
 
     def module_state_dict(

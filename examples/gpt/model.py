@@ -77,16 +77,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        # (batch, seq, 3 * width) -> 3 x (batch, n_head, seq, head_dim)
+        batch, seq, _ = x.shape
+        # (batch, seq, 3 * width) -> 3 x (batch, n_head, seq, head_dim). Under tensor
+        # parallelism qkv and n_head are this rank's share of the heads, hence no `width` here.
         q, k, v = (
-            t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
-            for t in self.qkv(x).split(width, dim=2)
+            t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=2)
         )
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).reshape(batch, seq, width)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.proj(y))
 
 

@@ -19,7 +19,7 @@ import torch
 
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
 from zerotrain.checkpoint.rng import restore_rng_state
-from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS
+from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS, split_params
 from zerotrain.ranges import overlaps
 
 if TYPE_CHECKING:
@@ -103,7 +103,12 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     where = manifest.path
     group = engine.optimizer.group
     problems = []
-    model = {s.name: tuple(s.shape) for b in group.buckets for s in b.slots}
+    split = split_params(engine)
+    model = {
+        s.name: tuple(split[s.name].whole_shape(s.shape) if s.name in split else s.shape)
+        for b in group.buckets
+        for s in b.slots
+    }
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
     unexpected = [n for n in saved if n not in model]
@@ -152,7 +157,10 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         seg[0]
         for piece in group.master_pieces(own_shard_only=False)
         for seg in manifest.params[piece.name].segments
-        if overlaps(piece.param_start, piece.param_start + piece.numel, seg[1], seg[2])
+        # a split parameter, here or there, is read whole (see [Note: checkpoint layout])
+        if piece.name in split
+        or manifest.params[piece.name].split is not None
+        or overlaps(piece.param_start, piece.param_start + piece.numel, seg[1], seg[2])
     }
     files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
     if not options.module_only:
@@ -193,6 +201,8 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     if load_optimizer:  # the checkpoint's state replaces the engine's (it may have none yet)
         store.reset_element_state(state_keys)
     reader = ShardReader(manifest)
+    split = split_params(engine)
+    tp_rank = engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
     try:
         by_master: dict[int, list] = {}
         for piece in group.master_pieces(own_shard_only=False):
@@ -203,7 +213,10 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
                 flat = store.state_tensor(master, kind).view(-1)
                 for piece in pieces:
                     end = piece.param_start + piece.numel
-                    for offset, values in reader.read(piece.name, kind, piece.param_start, end):
+                    pieces_read = reader.read(
+                        piece.name, kind, piece.param_start, end, split.get(piece.name), tp_rank
+                    )
+                    for offset, values in pieces_read:
                         start = piece.master_start + offset - piece.param_start
                         flat[start : start + values.numel()].copy_(values)
                 store.write_state(master, kind, flat)

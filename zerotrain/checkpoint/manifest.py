@@ -15,6 +15,13 @@
   parameter by name with its logical shape and which rank's file holds which element range
   (``segments``), and every file with its size and SHA-256.
 
+A parameter that tensor parallelism split (see zerotrain/tensor_parallel/shard.py) is saved as
+its pieces: its record's ``split`` is ``[dim, chunks, size]``, and each segment is a range of the
+flattened piece of the tensor-parallel rank ``tp_ranks[rank]`` of the file's rank. Whole
+parameters are written by tensor-parallel rank 0 alone. A load joins the pieces into the
+logical tensor and cuts its own, so a checkpoint loads at any tensor-parallel degree, none
+included.
+
 A checkpoint exists once its manifest does; a directory without one is a save that did not
 finish. Saving the same tag again writes new files under a new save id and switches the
 manifest by rename, so the previous save stays loadable until the new one is committed.
@@ -34,6 +41,7 @@ import torch
 
 from zerotrain.checkpoint.files import record_of
 from zerotrain.ranges import intersect
+from zerotrain.tensor_parallel.shard import TPShard
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -56,10 +64,16 @@ class ParamRecord:
     shape: tuple[int, ...]
     group: int
     segments: tuple[tuple[int, int, int], ...]  # (rank, start, end) of the flattened parameter
+    split: TPShard | None = None  # saved as tensor-parallel pieces (segments: of a piece)
 
     @property
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements that the segments of one tensor-parallel rank tile (all of them if whole)."""
+        return self.numel // (self.split.size if self.split else 1)
 
 
 class Manifest:
@@ -74,9 +88,12 @@ class Manifest:
                 tuple(p["shape"]),
                 p["group"],
                 tuple(tuple(s) for s in p["segments"]),
+                TPShard(*p["split"]) if p.get("split") else None,
             )
             for p in data["params"]
         }
+        # the tensor-parallel rank of each saved rank (checkpoints without: all whole, rank 0)
+        self.tp_ranks: list[int] = data.get("tp_ranks") or [0] * len(data["roles"]["shard"])
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -135,15 +152,24 @@ class Manifest:
         problems = []
         ranks = len(self.data["roles"]["shard"])
         for name, record in self.params.items():
-            covered = 0
-            for rank, start, end in record.segments:
-                covered = end if start == covered and 0 <= rank < ranks else -1
-            if covered != record.numel:
-                problems.append(f"{self.path}: parameter {name}: its segments do not cover it")
+            for tp_rank in range(record.split.size if record.split else 1):
+                covered = 0
+                for rank, start, end in self.segments_of(record, tp_rank):
+                    covered = end if start == covered and 0 <= rank < ranks else -1
+                if covered != record.stored_numel:
+                    problems.append(f"{self.path}: parameter {name}: its segments do not cover it")
         orphans = [k for k, n in self.data["trained_keys"].items() if n not in self.params]
         if orphans:
             problems.append(f"{self.path}: trained keys without a parameter record: {orphans[:5]}")
         return problems
+
+    def segments_of(self, record: ParamRecord, tp_rank: int) -> list[tuple[int, int, int]]:
+        """The segments of ``record`` holding tensor-parallel rank ``tp_rank``'s piece (all of
+        them for a whole parameter), in order."""
+        if record.split is None:
+            return list(record.segments)
+        mine = [seg for seg in record.segments if self.tp_ranks[seg[0]] == tp_rank]
+        return sorted(mine, key=lambda seg: seg[1])
 
     def verify(self, names: list[str]) -> list[str]:
         """Check each named file's size and SHA-256 against the manifest; the problems found."""
@@ -173,6 +199,7 @@ class ShardReader:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self._open: dict[str, safe_open] = {}
+        self._whole: tuple[tuple[str, str], torch.Tensor] | None = None  # the last one joined
 
     def _handle(self, name: str) -> safe_open:
         if name not in self._open:
@@ -181,29 +208,63 @@ class ShardReader:
             self._open[name] = safe_open(str(self.manifest.directory / name), framework="pt")
         return self._open[name]
 
-    def read(self, param: str, kind: str, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+    def read(
+        self,
+        param: str,
+        kind: str,
+        start: int,
+        end: int,
+        split: TPShard | None = None,
+        tp_rank: int = 0,
+    ) -> list[tuple[int, torch.Tensor]]:
         """Pieces ``(offset, values)`` covering elements ``[start, end)`` of the flattened
-        ``param``'s ``kind`` (``master`` or an optimizer state key), in order."""
+        ``param``'s ``kind`` (``master`` or an optimizer state key), in order; with ``split``,
+        of tensor-parallel rank ``tp_rank``'s piece of it."""
+        record = self.manifest.params[param]
+        if split is None and record.split is None:
+            return self._stored(record, kind, start, end, tp_rank=0)
+        whole = self.full(param, kind)
+        local = whole if split is None else split.local(whole, tp_rank)
+        return [(start, local.reshape(-1)[start:end])]
+
+    def _stored(
+        self, record: ParamRecord, kind: str, start: int, end: int, tp_rank: int
+    ) -> list[tuple[int, torch.Tensor]]:
         pieces = []
-        for rank, seg_start, seg_end in self.manifest.params[param].segments:
+        for rank, seg_start, seg_end in self.manifest.segments_of(record, tp_rank):
             lo, hi = intersect(start, end, seg_start, seg_end)
             if lo < hi:
                 handle = self._handle(self.manifest.file("shard", rank))
-                values = handle.get_slice(f"{param}/{kind}")[lo - seg_start : hi - seg_start]
+                values = handle.get_slice(f"{record.name}/{kind}")[lo - seg_start : hi - seg_start]
                 pieces.append((lo, values))
         return pieces
 
     def full(self, param: str, kind: str = "master") -> torch.Tensor:
-        """The whole parameter (its logical shape) from its segments."""
+        """The whole parameter (its logical shape) from its segments; a split one's pieces
+        joined (the last one is kept, for the next reads of it)."""
+        if self._whole is not None and self._whole[0] == (param, kind):
+            return self._whole[1]
         record = self.manifest.params[param]
-        parts = [values for _, values in self.read(param, kind, 0, record.numel)]
-        return torch.cat(parts).view(record.shape)
+        split = record.split
+        pieces = []
+        for tp_rank in range(split.size if split else 1):
+            parts = self._stored(record, kind, 0, record.stored_numel, tp_rank)
+            pieces.append(torch.cat([values for _, values in parts]))
+        if split is None:
+            whole = pieces[0].view(record.shape)
+        else:
+            shape = list(record.shape)
+            shape[split.dim] //= split.size
+            whole = split.join([piece.view(shape) for piece in pieces])
+        self._whole = ((param, kind), whole)
+        return whole
 
     def module_tensor(self, key: str) -> torch.Tensor:
         return self._handle(self.manifest.file("module")).get_tensor(key)
 
     def close(self) -> None:
         self._open.clear()
+        self._whole = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from zerotrain.comm import Communicator
     from zerotrain.config import ZeroTrainConfig
+    from zerotrain.tensor_parallel import TensorParallel
     from zerotrain.zero import ZeroOptimizer
 
 
@@ -24,6 +25,7 @@ class TrainingState(Protocol):
     comm: Communicator
     module: nn.Module
     optimizer: ZeroOptimizer  # its shard group holds the sharded state
+    tensor_parallel: TensorParallel | None  # the split parameters are saved as their pieces
     lr_scheduler: Any  # anything with state_dict / load_state_dict, or None
     training_dataloader: Any  # resumable when it has state_dict / load_state_dict
     zerotrain_config: ZeroTrainConfig  # the checkpoint section: tag validation, retention

@@ -42,6 +42,7 @@ from zerotrain.checkpoint.manifest import (
     scan,
 )
 from zerotrain.checkpoint.rng import capture_rng_state
+from zerotrain.tensor_parallel.shard import TPShard, shard_of
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
@@ -141,7 +142,14 @@ def _write_rank_files(
     group = engine.optimizer.group
     store = group.store
     element_keys = store.element_state_keys()
-    pieces = group.master_pieces(own_shard_only=True)
+    tp_rank = engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
+    split = split_params(engine)
+    # whole parameters are the same on every tensor-parallel rank: the first one writes them
+    pieces = [
+        piece
+        for piece in group.master_pieces(own_shard_only=True)
+        if tp_rank == 0 or piece.name in split
+    ]
 
     tensors: dict[tuple[int, str], torch.Tensor] = {}  # each read once: a store may swap
 
@@ -166,6 +174,12 @@ def _write_rank_files(
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, capture_rng_state()))
     # collective where stage 3 partitions frozen parameters: their values gather to rank 0
     untrained = group.untrained_state(engine.module, exclude_frozen, on_rank=0)
+    split_frozen = sorted(set(untrained) & _split_keys(engine.module))
+    if split_frozen:
+        raise CheckpointError(
+            f"frozen parameters split by tensor parallelism ({split_frozen[:3]}) cannot be "
+            "saved yet; save with exclude_frozen_parameters=True, or let them train"
+        )
     if rank == 0:
         module_entries = [tensor_entry(key, t) for key, t in untrained.items()]
         put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
@@ -173,7 +187,28 @@ def _write_rank_files(
         if client_state is not None:
             put("client_state", "client_state.pt", lambda p: write_torch(p, client_state))
     segments = [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
-    return {"files": files, "roles": roles, "segments": segments, "exclude_frozen": exclude_frozen}
+    return {
+        "files": files,
+        "roles": roles,
+        "segments": segments,
+        "tp_rank": tp_rank,
+        "exclude_frozen": exclude_frozen,
+    }
+
+
+def split_params(engine: TrainingState) -> dict[str, TPShard]:
+    """Trainable parameters by name that tensor parallelism split, with their split."""
+    found = {}
+    for bucket in engine.optimizer.group.buckets:
+        for slot in bucket.slots:
+            shard = shard_of(slot.param)
+            if shard is not None:
+                found[slot.name] = shard
+    return found
+
+
+def _split_keys(module: torch.nn.Module) -> set[str]:
+    return {k for k, v in module.state_dict(keep_vars=True).items() if shard_of(v) is not None}
 
 
 def _engine_state(engine: TrainingState) -> dict:
@@ -191,6 +226,20 @@ def _engine_state(engine: TrainingState) -> dict:
 
 
 # -- the commit (rank 0) -------------------------------------------------------------------------
+def _param_record(slot, group_of, segments, split, tp_ranks) -> dict:
+    """A parameter's manifest entry: its logical (whole) shape, its segments in order."""
+    shard = split.get(slot.name)
+    record = {
+        "name": slot.name,
+        "shape": list(shard.whole_shape(slot.shape) if shard else slot.shape),
+        "group": group_of[id(slot.param)],
+        "segments": sorted(segments.get(slot.name, []), key=lambda seg: (tp_ranks[seg[0]], seg[1])),
+    }
+    if shard is not None:
+        record["split"] = shard.to_list()
+    return record
+
+
 def _commit(
     engine: TrainingState,
     directory: Path,
@@ -205,6 +254,8 @@ def _commit(
     for rank, report in enumerate(written):
         for name, start, end in report["segments"]:
             segments.setdefault(name, []).append([rank, start, end])
+    tp_ranks = [report["tp_rank"] for report in written]
+    split = split_params(engine)
     slots = sorted((s for b in group.buckets for s in b.slots), key=lambda s: s.index)
     group_of = {id(s.param): b.group_index for b in group.buckets for s in b.slots}
     trained = group.trained_names()
@@ -229,15 +280,8 @@ def _commit(
         "optimizer_groups": len(group.store.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "params": [
-            {
-                "name": s.name,
-                "shape": list(s.shape),
-                "group": group_of[id(s.param)],
-                "segments": sorted(segments.get(s.name, []), key=lambda seg: seg[1]),
-            }
-            for s in slots
-        ],
+        "params": [_param_record(s, group_of, segments, split, tp_ranks) for s in slots],
+        "tp_ranks": tp_ranks,
         "module_keys": [key for key, _ in module_keys],
         "frozen_keys": sorted(frozen),  # frozen parameters, saved in "module_keys" or not
         "trained_keys": {key: trained[id(v)] for key, v in module_keys if id(v) in trained},

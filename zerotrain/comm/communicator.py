@@ -213,7 +213,7 @@ class Communicator:
         if not self.distributed:
             return Communicator(device=self.device, stats=self.stats, log=self.log)
         if ranks is None and self.group is not None:
-            ranks = dist.get_process_group_ranks(self.group)
+            return self._duplicate()
         group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
         if not isinstance(group, dist.ProcessGroup):  # torch's marker for a rank not in ranks
             raise ValueError(
@@ -221,6 +221,15 @@ class Communicator:
                 "the group, only its members get a communicator (split() gives every rank one)"
             )
         return Communicator(group, device=self.device, stats=self.stats, log=self.log)
+
+    def _duplicate(self) -> Communicator:
+        """A second group over this group's ranks. Making a group is collective over the
+        default group, and the other ranks are in groups of their own (a mesh axis): each rank
+        learns every rank's group, and all of them are made again, in one order."""
+        everyone: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dist.get_process_group_ranks(self.group))
+        lists = sorted({tuple(ranks) for ranks in everyone if ranks is not None})
+        return self.split([list(ranks) for ranks in lists])
 
     def split(self, rank_lists: list[list[int]]) -> Communicator:
         """Make a process group for each list of default-group ranks (collective: every rank
@@ -246,6 +255,14 @@ class Communicator:
     def global_rank(self) -> int:
         """This process's rank in the default group."""
         return dist.get_rank() if self.distributed else 0
+
+    @property
+    def root(self) -> int:
+        """The default-group rank of this group's first rank: ``broadcast``'s ``src`` for "from
+        the group's rank 0"."""
+        if not self.distributed or self.group is None:
+            return 0
+        return dist.get_global_rank(self.group, 0)
 
     def reset_stats(self) -> None:
         """Start counting afresh (the comms log too)."""

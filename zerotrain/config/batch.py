@@ -31,9 +31,9 @@ def resolve_batch_sizes(
         raise ConfigError(f"world_size: must be a positive integer, got {world_size!r}")
     if data_parallel_size not in (None, world_size):
         raise ConfigError(
-            f"data_parallel_size: {data_parallel_size} asks for a device mesh with "
-            f"model parallelism over the {world_size} ranks, which zerotrain does not have "
-            f"yet; set it to {world_size} or remove it"
+            f"data_parallel_size: {data_parallel_size}, but the mesh has {world_size} "
+            "data-parallel ranks (the world size over tensor_parallel.autotp_size); set it to "
+            f"{world_size} or remove it"
         )
     tb, mb, ga, ws = BatchSizes._fields + ("world_size",)
     if total is None:

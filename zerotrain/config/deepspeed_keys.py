@@ -151,16 +151,6 @@ TOP_LEVEL: dict[str, Accepted] = {
     "sequence_parallel_size": Accepted(
         "Accepted while 1.", _equals(1), "sequence parallelism (Ulysses)", "1"
     ),
-    "tensor_parallel": Accepted(
-        "Accepted while `autotp_size` is 1 (or left out).",
-        lambda v: (
-            v is None
-            or (isinstance(v, dict) and _same(v.get("autotp_size", 1), 1) and "tp_size" not in v)
-            or (isinstance(v, dict) and _same(v.get("tp_size", 1), 1) and "autotp_size" not in v)
-        ),
-        "tensor parallelism (AutoTP)",
-        "`autotp_size: 1`",
-    ),
     "expert_parallel": _section_off("expert parallelism (AutoEP)"),
     "compile": Accepted(
         "Accepted while `deepcompile` is false or left out (the section's other keys tune "
@@ -316,6 +306,19 @@ BF16: dict[str, Accepted] = {
 
 OPTIMIZER: dict[str, Accepted] = {
     "legacy_fusion": Accepted("No effect: a DeepSpeed kernel choice (old fused optimizers)."),
+}
+
+TENSOR_PARALLEL: dict[str, Accepted] = {
+    "tp_overlap_comm": _off("overlapping the tensor-parallel all-reduce with computation"),
+    "dtype": Accepted(
+        "The training dtype comes from the `bf16` and `fp16` sections; DeepSpeed's AutoTP "
+        "reads this key for inference only.",
+        warn=True,
+    ),
+    "tp_grain_size": Accepted(
+        "zerotrain splits layers into equal pieces only (a size the degree does not divide is "
+        "an error naming the layer), so there is no grain to choose."
+    ),
 }
 
 CHECKPOINT: dict[str, Accepted] = {

@@ -421,6 +421,25 @@ class LoRAFAConfig(Section):
         return self
 
 
+class TensorParallelConfig(Section):
+    """`tensor_parallel`: split the attention and MLP layers of every block over groups of
+    `autotp_size` ranks (Megatron-LM's column-then-row split), composed with ZeRO over the
+    data-parallel group of world size / `autotp_size` ranks. See docs/parallelism.md."""
+
+    _ACCEPTED = deepspeed_keys.TENSOR_PARALLEL
+
+    autotp_size: PositiveInt = 1
+    """The tensor-parallel degree: ranks that split each layer; it must divide the world size
+    and the head counts and widths of the split layers. Tensor-parallel peers are neighbouring
+    ranks (on one node when they fit) and see the same micro-batches."""
+    tp_plan: dict[str, str] | None = None
+    """Which modules to split and how, by qualified-name pattern: `"colwise"`, `"colwise:N"` (a
+    fused projection of N blocks, e.g. q/k/v), `"rowwise"`, or `"divide:attr,..."` (integer
+    attributes, a head count, divided by the degree); `initialize` checks them against the
+    model. null: the automatic plan, which knows GPT-2, Llama-shaped and zerotrain's example GPT
+    blocks. (A zerotrain key.)"""
+
+
 class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`: the policy of `zerotrain.checkpointing.checkpoint` (and of the
     blocks `zerotrain.checkpointing.wrap` checkpoints), with DeepSpeed's keys; which blocks are
@@ -585,8 +604,8 @@ class ZeroTrainConfig(Section):
     gradient_accumulation_steps: PositiveInt | None = None
     """Forward/backward passes whose gradients are summed before each optimizer step."""
     data_parallel_size: PositiveInt | None = None
-    """DeepSpeed: the data-parallel size of a device mesh with model parallelism. zerotrain is
-    data-parallel over every rank, so when given it must equal the world size."""
+    """DeepSpeed: the data-parallel size of a device mesh with model parallelism. When given it
+    must equal the world size over `tensor_parallel.autotp_size`."""
     optimizer: OptimizerConfig | None = None
     """Optimizer to build; leave out when passing a torch optimizer to the engine."""
     scheduler: SchedulerConfig | None = None
@@ -617,6 +636,8 @@ class ZeroTrainConfig(Section):
     lora_fa: LoRAFAConfig = Field(default_factory=LoRAFAConfig)
     """Fine-tune with LoRA-FA adapters, the model converted by `initialize`; see the lora_fa
     section."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Tensor parallelism composed with ZeRO; see the tensor_parallel section."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
     present. See the activation_checkpointing section."""
@@ -666,14 +687,20 @@ class ZeroTrainConfig(Section):
         return self
 
     def resolve_batch(self, world_size: int) -> "ZeroTrainConfig":
-        """A copy with all three batch fields set for ``world_size`` data-parallel ranks
-        (DeepSpeed's rules, batch.py); ``ConfigError`` showing the arithmetic when they cannot
-        agree."""
+        """A copy with all three batch fields set for the data-parallel ranks among
+        ``world_size`` (world size over the tensor-parallel degree; DeepSpeed's rules,
+        batch.py); ``ConfigError`` showing the arithmetic when they cannot agree."""
+        tp = self.tensor_parallel.autotp_size
+        if tp > 1 and world_size % tp:
+            raise ConfigError(
+                f"tensor_parallel.autotp_size: {tp} does not divide the {world_size} ranks; "
+                "choose a degree that divides the world size"
+            )
         sizes = resolve_batch_sizes(
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,
             self.gradient_accumulation_steps,
-            world_size=world_size,
+            world_size=world_size // tp if tp > 1 else world_size,  # batch.py checks its type
             data_parallel_size=self.data_parallel_size,
         )
         return self.model_copy(update=sizes._asdict())

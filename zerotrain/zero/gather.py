@@ -118,7 +118,7 @@ class ParamResidency:
         """Take the built buckets: every rank starts from rank 0's weights, as in DeepSpeed."""
         self.buckets = buckets
         for bucket in buckets:
-            self.comm.broadcast(bucket.require_flat_param(), src=0)
+            self.comm.broadcast(bucket.require_flat_param(), src=self.comm.root)
 
     def init_bucket(self, bucket: FlatBucket) -> torch.Tensor:
         """Put the bucket in the training dtype; returns the fp32 values of the optimizer's
@@ -284,7 +284,7 @@ class GatheredForUse(ParamResidency):
 
     def full_value(self, param: nn.Parameter) -> torch.Tensor:
         if not is_init_partitioned(param):  # no flat buffer to broadcast: take rank 0's values
-            self.comm.broadcast(param.data, src=0)
+            self.comm.broadcast(param.data, src=self.comm.root)
         return super().full_value(param)
 
     def adopt(self, buckets: list[FlatBucket]) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero.gather import ParamResidency, Stage3Options
+from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
 from zerotrain.zero.init import ParamOwner, take_ownership
 from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, build_buckets
 from zerotrain.zero.offload import OffloadOptions
@@ -99,6 +99,7 @@ class ShardGroup:
         residency: ParamResidency,
         reduction: GradientReduction,
         store: ShardStore,
+        model_parallel: ModelParallel | None = None,
     ):
         self.buckets = buckets
         self.comm = comm
@@ -106,6 +107,7 @@ class ShardGroup:
         self.residency = residency
         self.reduction = reduction
         self.store = store
+        self.model_parallel = model_parallel
         self.num_params = sum(b.numel for b in buckets)
         self.state = GroupState.IDLE
         self._deferred: dict[int, Callable[[], None]] = {}  # bucket -> its deferred step
@@ -170,6 +172,21 @@ class ShardGroup:
         self.residency.publish()
 
     # -- views of the state --------------------------------------------------------------------
+    def grad_sum_of_squares(self) -> torch.Tensor:
+        """The squared global gradient norm (0-d fp32), over every rank's shard and, with model
+        parallelism, every peer's piece: a bucket of whole parameters counts 1/size on each of
+        the ``size`` peers (exact for powers of two), so summing over the peers counts it once."""
+        mp = self.model_parallel
+        weights = None
+        if mp is not None and mp.comm.world_size > 1:
+            whole = 1.0 / mp.comm.world_size
+            weights = [1.0 if mp.is_split(b.slots[0].param) else whole for b in self.buckets]
+        sum_sq = self.store.grad_sum_of_squares(weights)
+        self.partition.sum_over_ranks(sum_sq)
+        if mp is not None and weights is not None:
+            mp.comm.all_reduce(sum_sq)
+        return sum_sq
+
     def locate(self, param: nn.Parameter):
         """``(bucket index, slot)`` of a parameter this group trains, or None."""
         for index, bucket in enumerate(self.buckets):
@@ -256,6 +273,17 @@ class ShardGroup:
         return out
 
 
+@dataclass(frozen=True)
+class ModelParallel:
+    """The model-parallel group (tensor parallelism) the parameters are also split over:
+    ``is_split(param)`` says whether a parameter holds only this rank's piece; the others are
+    whole on every peer, with identical gradients. The global gradient norm sums the pieces
+    over ``comm`` and counts a whole parameter once (see :meth:`ShardGroup.norm_weights`)."""
+
+    comm: Communicator
+    is_split: Callable[[nn.Parameter], bool]
+
+
 @dataclass(frozen=True, kw_only=True)
 class GroupOptions:
     """What a shard group is built from, besides the model (the ``zero_optimization`` section,
@@ -269,6 +297,7 @@ class GroupOptions:
     overlap_param_gather: bool = False
     comm_dtype: torch.dtype | None = None  # communication_data_type (None: the training dtype)
     offload: OffloadOptions | None = None  # offload_optimizer (None: masters on the device)
+    model_parallel: ModelParallel | None = None  # None: every parameter whole on every rank
 
 
 def build_shard_group(
@@ -292,6 +321,8 @@ def build_shard_group(
         overlap_param_gather=options.overlap_param_gather,
     )
     runs, split = residency.layout_runs([named for _, named in groups])
+    if options.model_parallel is not None:  # buckets hold split or whole parameters, not both
+        runs = _split_runs(runs, options.model_parallel.is_split)
     index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
     buckets = build_buckets(
         runs,
@@ -342,4 +373,15 @@ def build_shard_group(
         on_settled=residency.finish_backward,
         on_bucket_reduced=store.take_reduced,
     )
-    return ShardGroup(buckets, comm, partition, residency, reduction, store)
+    return ShardGroup(buckets, comm, partition, residency, reduction, store, options.model_parallel)
+
+
+def _split_runs(runs: Runs, is_split: Callable[[nn.Parameter], bool]) -> Runs:
+    """Each run in two, its split parameters and its whole ones (in their order)."""
+    out = []
+    for group_index, unit, named in runs:
+        for want in (True, False):
+            part = [(n, p) for n, p in named if is_split(p) == want]
+            if part:
+                out.append((group_index, unit, part))
+    return out

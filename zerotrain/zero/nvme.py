@@ -29,6 +29,7 @@ import atexit
 import os
 import shutil
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,8 +266,8 @@ class NvmeShardStore(ShardStore):
             if master is not None:
                 master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
 
-    def grad_sum_of_squares(self) -> torch.Tensor:
-        return self._norms.sum_of_squares()
+    def grad_sum_of_squares(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        return self._norms.sum_of_squares(weights)
 
     def scale_grads(self, factor: float) -> None:
         self._factor = factor  # sub-groups: applied as each is staged

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +44,7 @@ from zerotrain.zero.store import (
     Placement,
     ShardStore,
     masters_alias_params,
+    sum_of_squares,
     write_device_params,
 )
 from zerotrain.zero.swap import AioOptions
@@ -181,11 +182,8 @@ class BucketNorms:
     def forget(self) -> None:
         self._norms = [None] * len(self._norms)
 
-    def sum_of_squares(self) -> torch.Tensor:
-        norms = [n for n in self._norms if n is not None]
-        if not norms:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.stack(norms).float().square().sum()
+    def sum_of_squares(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        return sum_of_squares(self._norms, weights)
 
 
 @dataclass(eq=False)
@@ -290,8 +288,8 @@ class OffloadedShardStore(InMemoryShardStore):
                 self._copied[index] = None
             master.grad = host_grad
 
-    def grad_sum_of_squares(self) -> torch.Tensor:
-        return self._norms.sum_of_squares()
+    def grad_sum_of_squares(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        return self._norms.sum_of_squares(weights)
 
     def scale_grads(self, factor: float) -> None:
         if factor == 1.0:

@@ -189,8 +189,7 @@ class ZeroOptimizer:
                 "backward after them, before step()"
             )
         self.group.begin_step()
-        sum_sq = self.store.grad_sum_of_squares()
-        self.group.partition.sum_over_ranks(sum_sq)
+        sum_sq = self.group.grad_sum_of_squares()
         inv_scale = 1.0 / self.loss_scaler.scale
         norm = math.sqrt(sum_sq.item()) * inv_scale
         overflow = self.overflow = not math.isfinite(norm)

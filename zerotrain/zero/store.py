@@ -96,8 +96,9 @@ class ShardStore(ABC):
         """Take the reduced gradient of each bucket's shard (any dtype) as the master's grad."""
 
     @abstractmethod
-    def grad_sum_of_squares(self) -> torch.Tensor:
-        """Sum of squared master gradients held here (0-d fp32 tensor)."""
+    def grad_sum_of_squares(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        """Sum of squared master gradients held here (0-d fp32 tensor); ``weights``: one factor
+        per bucket for its share (see ``ModelParallel`` in group.py)."""
 
     @abstractmethod
     def scale_grads(self, factor: float) -> None:
@@ -256,6 +257,20 @@ def zero_element_state(
         optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
 
 
+def sum_of_squares(
+    norms: list[torch.Tensor | None], weights: Sequence[float] | None = None
+) -> torch.Tensor:
+    """The sum of the squared per-bucket ``norms`` (None: a bucket without gradients now), each
+    times its ``weights`` entry when given."""
+    present = [(i, norm) for i, norm in enumerate(norms) if norm is not None]
+    if not present:
+        return torch.zeros((), dtype=torch.float32)
+    squares = torch.stack([norm for _, norm in present]).float().square()
+    if weights is not None:
+        squares = squares * torch.tensor([weights[i] for i, _ in present], device=squares.device)
+    return squares.sum()
+
+
 class DeviceShardStore(InMemoryShardStore):
     """Master shards on the training device, stepped by a torch optimizer.
 
@@ -280,12 +295,14 @@ class DeviceShardStore(InMemoryShardStore):
     def _grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self._masters if m.grad is not None]
 
-    def grad_sum_of_squares(self) -> torch.Tensor:
-        grads = self._grads()
-        if not grads:
-            return torch.zeros((), dtype=torch.float32)
-        norms = torch._foreach_norm(grads)
-        return torch.stack(norms).float().square().sum()
+    def grad_sum_of_squares(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        present = [(i, m.grad) for i, m in enumerate(self._masters) if m.grad is not None]
+        norms: list[torch.Tensor | None] = [None] * len(self._masters)
+        if present:
+            grads = [grad for _, grad in present]
+            for (i, _), norm in zip(present, torch._foreach_norm(grads), strict=True):
+                norms[i] = norm
+        return sum_of_squares(norms, weights)
 
     def scale_grads(self, factor: float) -> None:
         if factor != 1.0:

@@ -1,0 +1,355 @@
+"""Tensor parallelism composed with ZeRO, against data parallelism alone and torchtitan-style
+FSDP2 + TP, in one run.
+
+    python bench/parallel3d.py [--model 30m] [--stage 2] [--steps 3] [--warmup 1]
+                               [--layouts dp4 tp2xdp2 tp4 fsdp2-dp4 fsdp2-tp2xdp2]
+
+Each layout trains the GPT of examples/gpt/model.py on 4 ranks (one torchrun job per layout, one
+after the other; gloo, fp32, CPU) from the same weights on the same global batch (`--micro` x
+dp x accumulation, the accumulation chosen so that every layout sees 8 sequences per step) and
+reports: median seconds per step over `--steps` timed steps after `--warmup`; peak RSS of the
+busiest rank; model states per rank (zerotrain's `memory_breakdown()['total']`, and its ratio to
+the ZeRO formula over this rank's parameters); activation bytes per rank (the tensors autograd
+saves for backward in one micro-batch's forward, each storage counted once); and bytes per axis
+per rank per step: tensor-parallel all-reduces and data-parallel reduce-scatters / all-gathers
+as zerotrain's communicator counted them, against the formulas ([Note: bytes per axis]). The
+loss after the last step shows that the layouts train the same model. `fsdp2-*` rows are torch's
+`fully_shard` (and, with tp, `parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D
+DeviceMesh: torchtitan's composition); their bytes are not counted. Writes
+bench/results/parallel3d.json.
+
+[Note: bytes per axis]
+Tensor parallelism all-reduces, per block and micro-batch, the activations after the attention
+output and the MLP in forward and the input gradients of the two column-split layers (fused q/k/v
+and the MLP's first) in backward: 4 x micro x tokens x width x 4 bytes (payload; a ring sends
+2(tp-1)/tp of it). ZeRO stages 1-2 reduce-scatter the gradients and all-gather the parameters
+over the data-parallel group: 2 x Ψ_rank x 4 bytes, Ψ_rank the parameters this rank holds after
+the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+SEQUENCES_PER_STEP = 8
+LAYOUTS = {  # name: (system, tp)
+    "dp4": ("zerotrain", 1),
+    "tp2xdp2": ("zerotrain", 2),
+    "tp4": ("zerotrain", 4),
+    "fsdp2-dp4": ("fsdp2", 1),
+    "fsdp2-tp2xdp2": ("fsdp2", 2),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="30m", help="GPT preset (examples/gpt/model.py)")
+    parser.add_argument(
+        "--stage", type=int, choices=(1, 2), default=2, help="zerotrain's ZeRO stage"
+    )
+    parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+# -- one layout, on every rank of a torchrun job --------------------------------------------------
+def activation_bytes(model, x, y) -> int:
+    """Bytes of the tensors autograd saves in one forward (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    loss.backward()  # the gradients are dropped below: this forward is not a step
+    return sum(seen.values())
+
+
+def zerotrain_engine(model, args, tp: int):
+    import zerotrain
+
+    dp = 4 // tp
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        config={
+            "train_batch_size": SEQUENCES_PER_STEP,
+            "train_micro_batch_size_per_gpu": args.micro,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": args.stage},
+            "tensor_parallel": {"autotp_size": tp},
+            "steps_per_print": None,
+        },
+    )
+    assert engine.dp_world_size == dp
+    return engine
+
+
+def fsdp2_model(model, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (4 // tp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        for block in model.blocks:
+            parallelize_module(
+                block,
+                mesh["tp"],
+                {
+                    "attn.qkv": ColwiseParallel(),
+                    "attn.proj": RowwiseParallel(),
+                    "mlp.fc": ColwiseParallel(),
+                    "mlp.proj": RowwiseParallel(),
+                },
+            )
+            block.attn.n_head //= tp
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from gpt.model import GPT, gpt_config
+
+    system, tp = LAYOUTS[args.worker]
+    torch.manual_seed(0)
+    config = gpt_config(args.model)
+    model = GPT(config)
+    if system == "zerotrain":
+        import zerotrain
+
+        zerotrain.init_distributed(verbose=False)
+        engine = zerotrain_engine(model, args, tp)
+        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        accum = engine.gradient_accumulation_steps()
+        forward = engine
+    else:
+        dist.init_process_group("gloo")
+        model = fsdp2_model(model, tp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        dp, dp_rank = 4 // tp, dist.get_rank() // tp
+        accum = SEQUENCES_PER_STEP // (args.micro * dp)
+        forward = model
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1)
+    total = args.warmup + args.steps
+    data = torch.randint(
+        0, config.vocab_size, (total, SEQUENCES_PER_STEP, config.block_size + 1), generator=gen
+    )
+
+    def micro_batch(step: int, micro: int):
+        chunk = micro * dp + dp_rank
+        window = data[step][chunk * args.micro : (chunk + 1) * args.micro]
+        return window[:, :-1], window[:, 1:]
+
+    x, y = micro_batch(0, 0)
+    activations = activation_bytes(forward, x, y)
+    if system == "zerotrain":
+        engine.zero_grad()
+    else:
+        optimizer.zero_grad()
+    times, loss = [], 0.0
+    for step in range(total):
+        if step == args.warmup and system == "zerotrain":
+            engine.comm.reset_stats()
+        dist.barrier()
+        start = time.perf_counter()
+        for micro in range(accum):
+            x, y = micro_batch(step, micro)
+            if system == "zerotrain":
+                out = engine(x, y)
+                engine.backward(out)
+                engine.step()
+            else:
+                out = model(x, y) / accum
+                out.backward()
+            loss = out.item() * (1 if system == "zerotrain" else accum)
+        if system != "zerotrain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    result = {
+        "seconds": times[args.warmup :],
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "activation_bytes": activations,
+        "loss": loss,
+    }
+    if system == "zerotrain":
+        memory = engine.memory_breakdown()
+        stats = engine.comm.stats
+        result.update(
+            model_states=memory["total"],
+            formula=memory["formula_total"],
+            tp_bytes=_payload(stats, "all_reduce") / args.steps,
+            dp_bytes=(_payload(stats, "reduce_scatter") + _payload(stats, "all_gather"))
+            / args.steps,
+            rank_params=engine.optimizer.group.num_params,
+            accum=accum,
+        )
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def _payload(stats, op: str) -> int:
+    return stats[op].bytes if op in stats else 0
+
+
+# -- the driver -----------------------------------------------------------------------------------
+def run_layout(name: str, args) -> list[dict] | str:
+    """Every rank's result for one layout, or why it did not run."""
+    out = Path(f"/tmp/parallel3d-{os.getpid()}-{name}.json")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+        "--master-port", str(29600 + list(LAYOUTS).index(name)), __file__,
+        "--worker", name, "--out", str(out), "--model", args.model, "--stage", str(args.stage),
+        "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0 or not out.exists():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return f"failed (exit {done.returncode}): " + " | ".join(tail)
+    results = json.loads(out.read_text())
+    out.unlink()
+    return results
+
+
+def summarize(name: str, ranks: list[dict], args, config) -> dict:
+    system, tp = LAYOUTS[name]
+    row = {
+        "layout": name,
+        "system": system,
+        "tp": tp,
+        "dp": 4 // tp,
+        # the slowest rank's median: a step ends when every rank is done
+        "s_per_step": max(statistics.median(r["seconds"]) for r in ranks),
+        "peak_rss": max(r["peak_rss"] for r in ranks),
+        "activation_bytes": max(r["activation_bytes"] for r in ranks),
+        "loss": ranks[0]["loss"],
+    }
+    if system == "zerotrain":
+        r0 = ranks[0]
+        tokens = config.block_size
+        tp_formula = (
+            config.n_layer * 4 * args.micro * tokens * config.n_embd * 4 * r0["accum"]
+            if tp > 1
+            else 0
+        )
+        row.update(
+            model_states=max(r["model_states"] for r in ranks),
+            states_vs_formula=r0["model_states"] / r0["formula"],
+            tp_bytes=r0["tp_bytes"],
+            tp_formula=tp_formula,
+            dp_bytes=r0["dp_bytes"],
+            dp_formula=2 * r0["rank_params"] * 4 if 4 // tp > 1 else 0,
+        )
+    return row
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.3f}" if a and b else "-"
+
+
+def cells(r: dict, base: dict | None) -> list[str]:
+    """One table row: ratios against dp4 (zerotrain's data parallelism) and the formulas."""
+    mib = 2**20
+
+    def vs_base(key: str) -> str:
+        return ratio(r[key], base[key]) if base else "-"
+
+    out = [
+        r["layout"],
+        f"{r['s_per_step']:.3f}",
+        vs_base("s_per_step"),
+        f"{r['peak_rss'] / mib:.0f}",
+        f"{r['activation_bytes'] / mib:.1f} ({vs_base('activation_bytes')})",
+    ]
+    if r["system"] == "zerotrain":
+        out += [
+            f"{r['model_states'] / mib:.1f} ({vs_base('model_states')})",
+            f"{r['states_vs_formula']:.4f}",
+            f"{r['tp_bytes'] / mib:.2f} MiB ({ratio(r['tp_bytes'], r['tp_formula'])})",
+            f"{r['dp_bytes'] / mib:.2f} MiB ({ratio(r['dp_bytes'], r['dp_formula'])})",
+        ]
+    else:
+        out += ["-", "-", "not counted", "not counted"]
+    return [*out, f"{r['loss']:.4f}"]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from gpt.model import gpt_config
+
+    config = gpt_config(args.model)
+    rows, skipped = [], {}
+    for name in args.layouts:
+        print(f"running {name} ...", flush=True)
+        started = time.perf_counter()
+        got = run_layout(name, args)
+        if isinstance(got, str):
+            skipped[name] = got
+            print(f"  {got}", flush=True)
+            continue
+        rows.append(summarize(name, got, args, config))
+        print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+    base = next((r for r in rows if r["layout"] == "dp4"), None)
+    print(
+        f"\nGPT {args.model}, 4 ranks, fp32, gloo, ZeRO stage {args.stage}, "
+        f"{SEQUENCES_PER_STEP} x {config.block_size} tokens per step\n"
+    )
+    columns = [
+        "layout", "s/step", "vs dp4", "peak RSS MiB", "activations MiB (vs dp4)",
+        "model states MiB (vs dp4)", "states / formula", "TP bytes/step (vs formula)",
+        "DP bytes/step (vs formula)", "final loss",
+    ]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+    for r in rows:
+        print("| " + " | ".join(cells(r, base)) + " |")
+    for name, why in skipped.items():
+        print(f"- {name}: {why}")
+    results = ROOT / "bench" / "results" / "parallel3d.json"
+    results.write_text(
+        json.dumps(
+            {"model": args.model, "stage": args.stage, "rows": rows, "skipped": skipped}, indent=2
+        )
+        + "\n"
+    )
+    print(f"\nwrote {results.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

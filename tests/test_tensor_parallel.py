@@ -1,0 +1,304 @@
+"""Tensor parallelism composed with ZeRO trains the model a single process trains on the same
+global batch: tp x dp meshes at every stage, on zerotrain's example GPT and a transformers
+GPT-2, against a reference that accumulates the same micro-batches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import relative_error
+
+from zerotrain.config import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+STEPS, MICRO, ACCUM, SEQ, VOCAB = 3, 2, 2, 12, 61
+LR, CLIP = 1e-3, 0.05  # a small clip threshold: every step clips, so the norm must be global
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from gpt.model import GPT, GPTConfig
+
+        # odd vocabulary, 4 heads of width 6: padding in every ZeRO bucket
+        config = GPTConfig(
+            block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=24, bias=True
+        )
+        return GPT(config)
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    if kind == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=24,
+                intermediate_size=40,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+            )  # fmt: skip
+        )
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=24, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def loss_of(kind: str, model, x: torch.Tensor) -> torch.Tensor:
+    if kind == "gpt":
+        return model(x[:, :-1], x[:, 1:])
+    return model(input_ids=x, labels=x).loss
+
+
+def batches(dp: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(0, VOCAB, (STEPS, MICRO * ACCUM * dp, SEQ), generator=gen)
+
+
+def reference(kind: str, dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = build(kind)
+    # eps 1e-5: both GPTs have attention key biases with analytically zero gradients (STYLE.md,
+    # Tests), and the tiny clipped gradients of the example GPT's output biases meet eps too
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
+    data = batches(dp)
+    chunks = ACCUM * dp
+    norms = []
+    for step in range(STEPS):
+        for chunk in range(chunks):
+            x = data[step][chunk * MICRO : (chunk + 1) * MICRO]
+            (loss_of(kind, model, x) / chunks).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), norms
+
+
+def config(stage: int, tp: int, world: int | None = None) -> dict:
+    """With ``world``: the global batch of ``world // tp`` data-parallel ranks accumulating
+    ACCUM micro-batches, whatever the degree (the accumulation follows the degree)."""
+    batch = {"gradient_accumulation_steps": ACCUM}
+    if world is not None:
+        batch = {"train_batch_size": MICRO * ACCUM * world // 2}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        **batch,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": 1e-5, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"autotp_size": tp},
+        "steps_per_print": 10**6,
+    }
+
+
+def train(kind: str, tp: int, stages: list[int]):
+    import zerotrain
+
+    out = {}
+    for stage in stages:
+        engine, *_ = zerotrain.initialize(model=build(kind), config=config(stage, tp))
+        reduced_before = _all_reduce_bytes(engine)
+        norms = run_steps(engine, kind, batches(engine.dp_world_size))
+        all_reduced = _all_reduce_bytes(engine) - reduced_before
+        local = {n: p.shape for n, p in engine.module.named_parameters()}
+        state = engine.consolidated_state_dict()
+        layout = (engine.mp_world_size, engine.dp_world_size)
+        out[stage] = (state, norms, local, layout, all_reduced)
+    return out
+
+
+def run_steps(engine, kind: str, data: torch.Tensor) -> list[float]:
+    """One optimizer step per entry of ``data`` (global batches), this rank's micro-batches
+    (tensor-parallel peers take the same ones); the global gradient norm of each."""
+    dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+    norms = []
+    for batch in data:
+        for micro in range(engine.gradient_accumulation_steps()):
+            chunk = micro * dp + dp_rank
+            x = batch[chunk * MICRO : (chunk + 1) * MICRO]
+            engine.backward(loss_of(kind, engine, x))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    return norms
+
+
+def _all_reduce_bytes(engine) -> int:
+    stats = engine.comm.stats.get("all_reduce")  # every group's, counted on this rank
+    return 0 if stats is None else stats.bytes
+
+
+def tensor_parallel_bytes(kind: str, stage: int, dp: int) -> int:
+    """All-reduce bytes per rank of a run of ``train``: per block and micro-batch, the
+    activations (micro x tokens x width, fp32) after the attention output and the MLP in
+    forward, and in backward the input gradient of each column-split layer (GPT-2 and the
+    example GPT: the fused q/k/v and the MLP's first layer; Llama: q, k, v, gate, up); per step
+    the squared gradient norm (one fp32 scalar) over the tensor-parallel group, and over the
+    data-parallel group where gradients are sharded (stages 1-3; stage 0 all-reduces the
+    gradients themselves over it, so its count is left out)."""
+    blocks, width, tokens = 2, 24, SEQ - 1 if kind == "gpt" else SEQ
+    columns = 5 if kind == "llama" else 2
+    activations = blocks * (2 + columns) * MICRO * tokens * width * 4 * ACCUM * STEPS
+    return activations + STEPS * 4 * (2 if stage > 0 and dp > 1 else 1)
+
+
+def check_against_reference(results, reference, tp, kind):
+    want, want_norms = reference
+    for per_stage in results:
+        for stage, (state, norms, _, (mp, dp), all_reduced) in per_stage.items():
+            assert mp == tp
+            if stage > 0 or dp == 1:
+                assert all_reduced == tensor_parallel_bytes(kind, stage, dp), stage
+            # the global norm, over the tensor-parallel pieces and the data-parallel shards
+            assert norms == pytest.approx(want_norms, rel=1e-5), stage
+            assert state.keys() == want.keys()
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (stage, key)
+    first = results[0][next(iter(results[0]))][2]
+    split = [n for n, shape in first.items() if shape != want[n].shape]
+    assert split, "no parameter was split"
+    return split
+
+
+@pytest.mark.parametrize(
+    ("kind", "split_per_block"),
+    # the column-split layers' weights and biases (q/k/v, MLP in), the row-split layers'
+    # weights (their biases are added once, after the sum); Llama's layers have no biases
+    [("gpt", 6), ("gpt2", 6), ("llama", 7)],
+)
+def test_tp2_matches_single_process(kind, split_per_block):
+    want = reference(kind, dp=1)
+    split = check_against_reference(
+        run_distributed(train, 2, kind, 2, [0, 3]), want, tp=2, kind=kind
+    )
+    assert len(split) == 2 * split_per_block
+
+
+def reshard(directory: str, layouts: list[tuple[int, int]]):
+    """Train at tp 2 x dp 2, stage 2, save; then load into each (tp, stage) of ``layouts``:
+    the whole model and the next step must be the saved run's."""
+    import zerotrain
+
+    world = 4
+    engine, *_ = zerotrain.initialize(model=build("gpt"), config=config(2, 2, world))
+    run_steps(engine, "gpt", batches(2))
+    engine.save_checkpoint(directory, tag="tp2")
+    saved = engine.consolidated_state_dict()
+    more = batches(2)[:1]  # one more global batch (tp 2 x dp 2's), the same for every layout
+    out = {"saved": saved}
+    for tp, stage in [(2, 2), *layouts]:
+        if (tp, stage) != (2, 2):
+            engine, *_ = zerotrain.initialize(model=build("gpt"), config=config(stage, tp, world))
+            engine.load_checkpoint(directory, tag="tp2")
+            loaded = engine.consolidated_state_dict()
+            assert all(torch.equal(loaded[k], v) for k, v in saved.items()), (tp, stage)
+        run_steps(engine, "gpt", more)
+        out[tp, stage] = engine.consolidated_state_dict()
+    return out
+
+
+def test_checkpoint_of_tp2_dp2_loads_at_other_degrees_and_stages(tmp_path):
+    layouts = [(1, 3), (4, 1)]
+    results = run_distributed(reshard, 4, str(tmp_path), layouts)
+    continued = results[0][2, 2]
+    for tp, stage in layouts:
+        for key, value in results[0][tp, stage].items():
+            assert relative_error(value, continued[key]) < 1e-5, (tp, stage, key)
+    # the manifest records logical shapes: a single process reads the whole model from it
+    from zerotrain.checkpoint import Manifest, ShardReader
+
+    reader = ShardReader(Manifest.read(tmp_path / "tp2"))
+    for key, value in results[0]["saved"].items():
+        if key in reader.manifest.params:
+            assert torch.equal(reader.full(key), value), key
+
+
+def test_tp2_dp2_matches_single_process_at_every_stage():
+    want = reference("gpt", dp=2)
+    check_against_reference(
+        run_distributed(train, 4, "gpt", 2, [0, 1, 2, 3]), want, tp=2, kind="gpt"
+    )
+
+
+class _Peers:
+    """What apply_plan reads of a tensor-parallel communicator, for rank 0 of ``world_size``
+    (its errors come before any collective)."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.rank = world_size, 0
+
+
+def _apply(model, tp: int, plan=None):
+    from zerotrain.tensor_parallel.plan import apply_plan, resolve_plan
+
+    apply_plan(model, resolve_plan(model, plan), _Peers(tp))
+
+
+def test_head_count_the_degree_does_not_divide_names_the_module():
+    with pytest.raises(ConfigError, match=r"blocks.0.attn.n_head is 4, which tp degree 3"):
+        _apply(build("gpt"), 3)
+
+
+def test_width_the_degree_does_not_divide_names_the_layer():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 6))
+    with pytest.raises(ConfigError, match=r"'0' has 9 output features, which tp degree 2"):
+        _apply(model, 2, {"0": "colwise", "2": "rowwise"})
+    fused = torch.nn.Sequential(torch.nn.Linear(6, 12))  # 3 blocks of 4: 4 = 2 x 2 per rank
+    _apply(fused, 2, {"0": "colwise:3"})
+    assert fused[0].weight.shape == (6, 6)
+    with pytest.raises(ConfigError, match=r"15 output features, which tp degree 2 x 3 fused"):
+        _apply(torch.nn.Sequential(torch.nn.Linear(6, 15)), 2, {"0": "colwise:3"})
+
+
+def test_heads_of_a_plan_without_divide_are_checked():
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 3
+            self.q = torch.nn.Linear(6, 6)
+
+    with pytest.raises(ConfigError, match=r"'' has num_heads 3, which tp degree 2"):
+        _apply(Attention(), 2, {"q": "colwise"})
+
+
+def test_plans_that_match_nothing_are_errors():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match="no layer of Sequential matches the automatic plan"):
+        _apply(model, 2)
+    with pytest.raises(ConfigError, match=r"\['blocks.\*.mlp'\] match no module"):
+        _apply(model, 2, {"blocks.*.mlp": "colwise"})
+    with pytest.raises(ConfigError, match="not a tensor-parallel style"):
+        _apply(model, 2, {"0": "columnwise"})
+
+
+def test_torch_parallel_styles_are_accepted():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from zerotrain.tensor_parallel import Colwise, Rowwise, parse_style
+
+    assert parse_style(ColwiseParallel(), "x") == Colwise()
+    assert parse_style(RowwiseParallel(), "x") == Rowwise()
+
+
+def test_config_checks_the_degree():
+    from zerotrain.config import load_config
+
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}
+    cfg = load_config({**base, "tensor_parallel": {"autotp_size": 2}}, world_size=4)
+    assert cfg.train_batch_size == 2 * 3 * 2  # the batch counts data-parallel ranks only
+    with pytest.raises(ConfigError, match="autotp_size: 3 does not divide the 4 ranks"):
+        load_config({**base, "tensor_parallel": {"autotp_size": 3}}, world_size=4)
+    with pytest.raises(ConfigError, match="data_parallel_size: 4, but the mesh has 2"):
+        load_config(
+            {**base, "data_parallel_size": 4, "tensor_parallel": {"autotp_size": 2}}, world_size=4
+        )

@@ -1,0 +1,92 @@
+"""Tensor parallelism: a model's attention and MLP layers split over a group of ranks
+(Megatron-LM, arXiv:1909.08053), composed with ZeRO over the data-parallel group.
+
+``initialize`` applies it when the config's ``tensor_parallel.autotp_size`` is above 1 (see
+plan.py for which layers and how); the parameters it splits stay plain tensors, so every ZeRO
+stage shards the tensor-parallel pieces like any other parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from zerotrain.comm import Communicator
+from zerotrain.config.errors import ConfigError
+from zerotrain.tensor_parallel.plan import (
+    Colwise,
+    Divide,
+    Rowwise,
+    Style,
+    apply_plan,
+    is_split,
+    parse_style,
+    resolve_plan,
+)
+from zerotrain.tensor_parallel.shard import TPShard, shard_of
+from zerotrain.zero.init import is_init_partitioned
+
+__all__ = [
+    "Colwise",
+    "Divide",
+    "Rowwise",
+    "Style",
+    "TPShard",
+    "TensorParallel",
+    "is_split",
+    "parallelize",
+    "parse_style",
+    "shard_of",
+]
+
+
+class TensorParallel:
+    """A model split over the tensor-parallel group ``comm`` by ``plan``."""
+
+    def __init__(self, comm: Communicator, plan: dict[str, Style]):
+        self.comm = comm
+        self.plan = plan
+
+    @property
+    def size(self) -> int:
+        return self.comm.world_size
+
+    def full_state(
+        self, state: dict[str, torch.Tensor], module: nn.Module
+    ) -> dict[str, torch.Tensor]:
+        """``state`` (keys of ``module.state_dict()``) with every split tensor whole again
+        (collective over the group: the split keys are gathered in the module's order; one
+        missing from ``state`` on this rank, a frozen value kept on another, takes part with
+        the model's own piece and stays out)."""
+        out = dict(state)
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            shard = shard_of(tensor)
+            if shard is not None:
+                whole = shard.full(state.get(key, tensor.detach()), self.comm)
+                if key in state:
+                    out[key] = whole
+        return out
+
+
+def parallelize(
+    model: nn.Module,
+    comm: Communicator,
+    world: Communicator,
+    plan: Mapping[str, object] | None = None,
+) -> TensorParallel:
+    """Split ``model`` in place over the tensor-parallel group ``comm`` as ``plan`` says (None:
+    the automatic plan). Every value is first broadcast from rank 0 of ``world``, so that the
+    peers cut the same tensors."""
+    if any(is_init_partitioned(p) for p in model.parameters()):
+        raise ConfigError(
+            "tensor_parallel.autotp_size: the model was built under zerotrain.zero.Init, whose "
+            "partitioned parameters tensor parallelism cannot split; build it without "
+            "zero.Init (ZeRO stage 3 still partitions it at initialize)"
+        )
+    resolved = resolve_plan(model, plan)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        world.broadcast(tensor.data, src=0)
+    apply_plan(model, resolved, comm)
+    return TensorParallel(comm, resolved)
