@@ -10,8 +10,10 @@ dp x accumulation, the accumulation chosen so that every layout sees 8 sequences
 reports: median seconds per step over `--steps` timed steps after `--warmup`; peak RSS of the
 busiest rank; model states per rank (zerotrain's `memory_breakdown()['total']`, and its ratio to
 the ZeRO formula over this rank's parameters); activation bytes per rank (the tensors autograd
-saves for backward in one micro-batch's forward, each storage counted once); and bytes per axis
-per rank per step: tensor-parallel all-reduces and data-parallel reduce-scatters / all-gathers
+saves for backward in one micro-batch's forward, each storage counted once, parameters left
+out); and bytes per axis
+per rank per step: tensor-parallel all-reduces (and the two 4-byte norm all-reduces) and
+data-parallel reduce-scatters / all-gathers
 as zerotrain's communicator counted them, against the formulas ([Note: bytes per axis]). The
 loss after the last step shows that the layouts train the same model. `fsdp2-*` rows are torch's
 `fully_shard` (and, with tp, `parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D
@@ -23,8 +25,9 @@ Tensor parallelism all-reduces, per block and micro-batch, the activations after
 output and the MLP in forward and the input gradients of the two column-split layers (fused q/k/v
 and the MLP's first) in backward: 4 x micro x tokens x width x 4 bytes (payload; a ring sends
 2(tp-1)/tp of it). ZeRO stages 1-2 reduce-scatter the gradients and all-gather the parameters
-over the data-parallel group: 2 x Ψ_rank x 4 bytes, Ψ_rank the parameters this rank holds after
-the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
+over the data-parallel group: (1 + 1) x Ψ_rank x 4 bytes at stage 1, (accumulation + 1) x Ψ_rank
+x 4 at stage 2 (which reduce-scatters every micro-batch), Ψ_rank the parameters this rank holds
+after the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
 """
 
 from __future__ import annotations
@@ -71,11 +74,15 @@ def parse_args() -> argparse.Namespace:
 
 # -- one layout, on every rank of a torchrun job --------------------------------------------------
 def activation_bytes(model, x, y) -> int:
-    """Bytes of the tensors autograd saves in one forward (each storage once)."""
+    """Bytes of the tensors autograd saves in one forward (each storage once), parameters
+    left out."""
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
+        if tensor.is_leaf and tensor.requires_grad:  # a parameter: model state, not activation
+            return tensor
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's piece on this rank
+        storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
         return tensor
 
@@ -104,6 +111,16 @@ def zerotrain_engine(model, args, tp: int):
     return engine
 
 
+def interleave_fused_qkv(layer: torch.nn.Linear, tp: int) -> None:
+    """Reorder the fused q/k/v rows as [q_0, k_0, v_0, q_1, ...] (rank r's heads together), so
+    that ColwiseParallel's contiguous split gives each rank whole heads of q, k and v: the same
+    function, as torchtitan gets from separate wq/wk/wv layers."""
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            pieces = [block.chunk(tp) for block in param.data.chunk(3)]
+            param.data = torch.cat([pieces[j][r] for r in range(tp) for j in range(3)])
+
+
 def fsdp2_model(model, tp: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -116,6 +133,7 @@ def fsdp2_model(model, tp: int):
     mesh = init_device_mesh("cpu", (4 // tp, tp), mesh_dim_names=("dp", "tp"))
     if tp > 1:
         for block in model.blocks:
+            interleave_fused_qkv(block.attn.qkv, tp)
             parallelize_module(
                 block,
                 mesh["tp"],
@@ -131,6 +149,24 @@ def fsdp2_model(model, tp: int):
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model
+
+
+def clip_dtensor_grads(params: list[torch.Tensor], max_norm: float) -> None:
+    """clip_grad_norm_ for gradients on different device meshes (TP blocks on dp x tp, the rest
+    on dp), which torch's refuses to stack: a total per mesh, as torchtitan computes it."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    total_sq = 0.0
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        total_sq += norm.item() ** 2
+    coefficient = min(1.0, max_norm / (total_sq**0.5 + 1e-6))
+    for grads in by_mesh.values():
+        for grad in grads:
+            grad.mul_(coefficient)
 
 
 def worker(args) -> None:
@@ -174,8 +210,9 @@ def worker(args) -> None:
         engine.zero_grad()
     else:
         optimizer.zero_grad()
-    times, loss = [], 0.0
+    times = []
     for step in range(total):
+        losses = []  # this rank's micro-batch losses of the step
         if step == args.warmup and system == "zerotrain":
             engine.comm.reset_stats()
         dist.barrier()
@@ -189,9 +226,9 @@ def worker(args) -> None:
             else:
                 out = model(x, y) / accum
                 out.backward()
-            loss = out.item() * (1 if system == "zerotrain" else accum)
+            losses.append(out.item() * (1 if system == "zerotrain" else accum))
         if system != "zerotrain":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_dtensor_grads(list(model.parameters()), 1.0)
             optimizer.step()
             optimizer.zero_grad()
         times.append(time.perf_counter() - start)
@@ -199,7 +236,10 @@ def worker(args) -> None:
         "seconds": times[args.warmup :],
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "activation_bytes": activations,
-        "loss": loss,
+        "loss": sum(losses) / len(losses),  # of the last step
+        "ops": {op: [st.calls, st.bytes] for op, st in engine.comm.stats.items()}
+        if system == "zerotrain"
+        else {},
     }
     if system == "zerotrain":
         memory = engine.memory_breakdown()
@@ -217,7 +257,10 @@ def worker(args) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    dist.barrier()
+    if system == "zerotrain":
+        dist.destroy_process_group()
+    # else: left to exit; destroying groups torch's DeviceMesh made aborts on gloo (torch 2.13)
 
 
 def _payload(stats, op: str) -> int:
@@ -255,7 +298,9 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
         "s_per_step": max(statistics.median(r["seconds"]) for r in ranks),
         "peak_rss": max(r["peak_rss"] for r in ranks),
         "activation_bytes": max(r["activation_bytes"] for r in ranks),
-        "loss": ranks[0]["loss"],
+        # the last step's loss over the global batch (tensor-parallel peers hold equal ones)
+        "loss": statistics.fmean(r["loss"] for r in ranks),
+        "ops": ranks[0]["ops"],
     }
     if system == "zerotrain":
         r0 = ranks[0]
@@ -271,7 +316,11 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
             tp_bytes=r0["tp_bytes"],
             tp_formula=tp_formula,
             dp_bytes=r0["dp_bytes"],
-            dp_formula=2 * r0["rank_params"] * 4 if 4 // tp > 1 else 0,
+            # stage 2 reduce-scatters every micro-batch, stage 1 once per step
+            dp_formula=(r0["accum"] if args.stage == 2 else 1) * r0["rank_params"] * 4
+            + r0["rank_params"] * 4
+            if 4 // tp > 1
+            else 0,
         )
     return row
 

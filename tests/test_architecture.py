@@ -30,13 +30,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensor_parallel",
         ),
     ),
-    ("engine", ("backward", "engine_queries", "engine")),
+    ("engine", ("backward", "engine_queries", "engine", "pipe")),
     ("api", ("api",)),
     # DeepSpeed's module names over the layers below (`import zerotrain as deepspeed`), and
     # the package root, which re-exports everything
     (
         "deepspeed surface",
-        ("checkpointing", "runtime", "ops", "utils", "moe", "pipe", "profiling", "__init__"),
+        ("checkpointing", "runtime", "ops", "utils", "moe", "profiling", "__init__"),
     ),
     # frameworks: the opt-in DeepSpeed alias and native integrations, over the whole package
     ("frameworks", ("compat", "integrations")),

@@ -96,8 +96,8 @@ def test_features_zerotrain_lacks_import_and_fail_when_used() -> None:
     from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from zerotrain.pipe import PipelineModule
 
-    with pytest.raises(NotImplementedError, match="pipeline parallelism is not implemented"):
-        PipelineModule(layers=[nn.Linear(2, 2)], num_stages=2)
+    with pytest.raises(zerotrain.ConfigError, match="num_stages 2 does not divide the 1 ranks"):
+        PipelineModule(layers=[nn.Linear(2, 2)], num_stages=1 + 1)
     with pytest.raises(NotImplementedError, match="Mixture-of-Experts layers"):
         MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2)
     with pytest.raises(NotImplementedError, match="range test"):

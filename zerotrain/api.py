@@ -33,6 +33,8 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.lora import apply_lora_fa
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
+from zerotrain.pipe.engine import PipelineEngine
+from zerotrain.pipe.module import PipelineModule
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
 from zerotrain.tensor_parallel import TensorParallel, is_split, parallelize
 from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
@@ -102,7 +104,11 @@ def initialize(
         init_distributed(distributed_port=distributed_port, verbose=False)
     device = _training_device()
     comm = Communicator(device=device)
-    cfg = load_config(config, world_size=comm.world_size)
+    stages = model.num_stages if isinstance(model, PipelineModule) else 1
+    # the batch keys count data-parallel ranks: the world over the stages (and over the
+    # tensor-parallel degree, which the config itself knows)
+    cfg = load_config(config, world_size=comm.world_size // stages)
+    _check_pipeline(cfg, stages)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
     _check_offload(cfg, comm.rank)
     _check_node_local_storage(cfg, comm)
@@ -130,8 +136,15 @@ def initialize(
     if cfg.lora_fa.enabled:
         model_parameters = _convert_to_lora_fa(model, cfg, optimizer, model_parameters, comm.rank)
     model.to(device)
-    mesh = Mesh(comm, tp=cfg.tensor_parallel.autotp_size)
+    mesh = Mesh(comm, tp=cfg.tensor_parallel.autotp_size, pp=stages)
     tensor_parallel = _tensor_parallel(model, cfg, mesh)
+    tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}
+    if tied and cfg.zero_optimization.offload_optimizer.device != "none":
+        raise ConfigError(
+            "zero_optimization.offload_optimizer: a PipelineModule with tied layers on several "
+            "stages cannot offload its optimizer yet; remove offload_optimizer or keep each "
+            "tied key's layers on one stage"
+        )
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
@@ -151,9 +164,8 @@ def initialize(
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         offload=_offload_options(cfg, device),
-        model_parallel=(
-            None if tensor_parallel is None else ModelParallel(tensor_parallel.comm, is_split)
-        ),
+        model_parallel=_model_parallel(mesh, tied),
+        summed=tied,
     )
     zero_optimizer = ZeroOptimizer(
         model,
@@ -174,7 +186,10 @@ def initialize(
     model.to(precision.param_dtype)
     scheduler = _scheduler(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
     dataloader = _dataloader(training_data, cfg, data_parallel, collate_fn)
-    engine = ZeroTrainEngine(
+    pipeline: dict[str, Any] = {}
+    if isinstance(model, PipelineModule):
+        pipeline = {"pipe_comm": mesh.axis("pp"), "schedule": cfg.pipeline.schedule}
+    engine = (PipelineEngine if pipeline else ZeroTrainEngine)(
         model,
         zero_optimizer,
         scheduler,
@@ -185,11 +200,44 @@ def initialize(
         raw_config=_raw_config(config, cfg),
         client_optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         tensor_parallel=tensor_parallel,
+        **pipeline,
     )
     return engine, zero_optimizer, dataloader, scheduler
 
 
 # -- pieces of initialize ----------------------------------------------------------------------
+def _check_pipeline(cfg: ZeroTrainConfig, stages: int) -> None:
+    if stages == 1:
+        return
+    if cfg.zero_optimization.stage == 3:
+        raise ConfigError(
+            "zero_optimization.stage: 3 with pipeline parallelism is not supported (its gather "
+            "order assumes one forward then one backward per micro-batch, which 1F1B breaks); "
+            "use stage 0, 1 or 2"
+        )
+    if cfg.fp16.enabled:
+        raise ConfigError(
+            "fp16.enabled: fp16 loss scaling with pipeline parallelism is not supported yet; "
+            "use bf16 or fp32"
+        )
+
+
+def _model_parallel(mesh: Mesh, tied: dict[int, Communicator]) -> ModelParallel | None:
+    """The group the gradient norm sums over beyond the data-parallel one: the pipeline stages
+    and tensor-parallel peers. A parameter counts once: one whole on every tensor-parallel peer
+    (or a tied layer's copy on several stages) counts 1/peers on each."""
+    axes = [axis for axis in ("pp", "tp") if mesh.sizes[axis] > 1]
+    if not axes:
+        return None
+    tp = mesh.sizes["tp"]
+
+    def replicas(param: nn.Parameter) -> int:
+        copies = tied[id(param)].world_size if id(param) in tied else 1
+        return copies * (1 if is_split(param) else tp)
+
+    return ModelParallel(mesh.axis(*axes), replicas)
+
+
 def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> TensorParallel | None:
     """Split ``model`` over the mesh's tensor-parallel axis (None: no tensor parallelism)."""
     section = cfg.tensor_parallel
@@ -205,7 +253,7 @@ def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> Tens
             "tensor_parallel.autotp_size: LoRA-FA adapters (lora_fa.enabled) with tensor "
             "parallelism are not supported; use one of them"
         )
-    return parallelize(model, mesh.axis("tp"), mesh.world, section.tp_plan)
+    return parallelize(model, mesh.axis("tp"), section.tp_plan)
 
 
 def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:

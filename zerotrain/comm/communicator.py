@@ -235,18 +235,27 @@ class Communicator:
         """Make a process group for each list of default-group ranks (collective: every rank
         makes every group, in order) and return the communicator of the one holding this rank.
         """
+        chosen = self.subgroups(rank_lists)
+        if chosen is None:
+            raise ValueError(f"split: rank {self.global_rank} is in none of {rank_lists}")
+        return chosen
+
+    def subgroups(self, rank_lists: list[list[int]]) -> Communicator | None:
+        """:meth:`split` where a rank may be in none of the lists (None for it)."""
         mine = [ranks for ranks in rank_lists if self.global_rank in ranks]
-        if len(mine) != 1:
+        if len(mine) > 1:
             raise ValueError(
-                f"split: rank {self.global_rank} must be in exactly one of {rank_lists}"
+                f"split: rank {self.global_rank} must be in at most one of {rank_lists}"
             )
         if not self.distributed:
-            return self.new_group()
+            return self.new_group() if mine else None
         chosen = None
         for ranks in rank_lists:
             group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
-            if ranks is mine[0]:
+            if mine and ranks is mine[0]:
                 chosen = group
+        if not mine:
+            return None
         if not isinstance(chosen, dist.ProcessGroup):  # torch made the group of mine[0] here
             raise RuntimeError(f"split: torch made no process group for ranks {mine[0]}")
         return Communicator(chosen, device=self.device, stats=self.stats, log=self.log)
@@ -260,9 +269,13 @@ class Communicator:
     def root(self) -> int:
         """The default-group rank of this group's first rank: ``broadcast``'s ``src`` for "from
         the group's rank 0"."""
+        return self.global_rank_of(0)
+
+    def global_rank_of(self, group_rank: int) -> int:
+        """The default-group rank of this group's rank ``group_rank``."""
         if not self.distributed or self.group is None:
-            return 0
-        return dist.get_global_rank(self.group, 0)
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     def reset_stats(self) -> None:
         """Start counting afresh (the comms log too)."""

@@ -56,24 +56,35 @@ class Mesh:
             rank = rank * self.sizes[axis] + coords[axis]
         return rank
 
-    def axis_ranks(self, axis: str) -> list[list[int]]:
-        """Every group of ranks along ``axis`` (the other coordinates fixed), in a fixed order."""
-        if axis not in AXES:
-            raise ValueError(f"mesh: no axis {axis!r}; the axes are {', '.join(AXES)}")
-        others = [a for a in AXES if a != axis]
+    def axis_ranks(self, *axes: str) -> list[list[int]]:
+        """Every group of ranks along ``axes`` (the other coordinates fixed), in a fixed order;
+        within a group, rank order follows the mesh (the last axis innermost)."""
+        unknown = [a for a in axes if a not in AXES]
+        if unknown or not axes:
+            named = ", ".join(map(repr, unknown)) or "given"
+            raise ValueError(f"mesh: no axis {named}; the axes are {', '.join(AXES)}")
+        along = [a for a in AXES if a in axes]
+        others = [a for a in AXES if a not in axes]
         groups = []
         for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
             coords = dict(zip(others, fixed, strict=True))
-            groups.append([self.rank_at({**coords, axis: i}) for i in range(self.sizes[axis])])
+            groups.append(
+                [
+                    self.rank_at({**coords, **dict(zip(along, moving, strict=True))})
+                    for moving in itertools.product(*(range(self.sizes[a]) for a in along))
+                ]
+            )
         return groups
 
-    def axis(self, axis: str) -> Communicator:
-        """The communicator of this rank's group along ``axis`` (collective the first time)."""
-        if axis not in self._groups:
-            groups = self.axis_ranks(axis)
-            # an axis that spans every rank is the world itself: no new process group
-            self._groups[axis] = self.world if len(groups) == 1 else self.world.split(groups)
-        return self._groups[axis]
+    def axis(self, *axes: str) -> Communicator:
+        """The communicator of this rank's group along ``axes`` (one, or several together: the
+        model-parallel group of "pp" and "tp"); collective the first time."""
+        key = ",".join(a for a in AXES if a in axes)
+        if key not in self._groups:
+            groups = self.axis_ranks(*axes)
+            # a group that spans every rank is the world itself: no new process group
+            self._groups[key] = self.world if len(groups) == 1 else self.world.split(groups)
+        return self._groups[key]
 
     @property
     def dp(self) -> Communicator:

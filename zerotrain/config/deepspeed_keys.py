@@ -143,11 +143,6 @@ TOP_LEVEL: dict[str, Accepted] = {
         "`comms_logger` section.",
         warn=True,
     ),
-    "pipeline": Accepted(
-        "Read only by DeepSpeed's pipeline engine (a `deepspeed.pipe.PipelineModule` model); "
-        "the section alone asks for nothing. zerotrain has no pipeline engine yet: "
-        "`zerotrain.pipe.PipelineModule` raises when used."
-    ),
     "sequence_parallel_size": Accepted(
         "Accepted while 1.", _equals(1), "sequence parallelism (Ulysses)", "1"
     ),
@@ -319,6 +314,22 @@ TENSOR_PARALLEL: dict[str, Accepted] = {
         "zerotrain splits layers into equal pieces only (a size the degree does not divide is "
         "an error naming the layer), so there is no grain to choose."
     ),
+}
+
+PIPELINE: dict[str, Accepted] = {
+    key: Accepted(
+        "The `PipelineModule`'s own arguments decide this in zerotrain (DeepSpeed's engine reads "
+        "the section only for its partitioned send/receive)."
+    )
+    for key in (
+        "stages",
+        "partition",
+        "seed_layers",
+        "activation_checkpoint_interval",
+        "pipe_partitioned",
+        "grad_partitioned",
+        "use_reentrant",
+    )
 }
 
 CHECKPOINT: dict[str, Accepted] = {

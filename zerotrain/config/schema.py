@@ -440,6 +440,19 @@ class TensorParallelConfig(Section):
     blocks. (A zerotrain key.)"""
 
 
+class PipelineConfig(Section):
+    """`pipeline`: how a `zerotrain.pipe.PipelineModule` is trained (its stages and partition are
+    the module's arguments). See docs/parallelism.md."""
+
+    _ACCEPTED = deepspeed_keys.PIPELINE
+
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """The order of the micro-batches' forwards and backwards on each stage: `1f1b` (one
+    forward, one backward, once the pipeline is full: at most `stages` micro-batches' activations
+    held per stage) or `gpipe` (all forwards, then all backwards: every micro-batch's activations
+    held). Both train the same model. (A zerotrain key.)"""
+
+
 class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`: the policy of `zerotrain.checkpointing.checkpoint` (and of the
     blocks `zerotrain.checkpointing.wrap` checkpoints), with DeepSpeed's keys; which blocks are
@@ -638,6 +651,8 @@ class ZeroTrainConfig(Section):
     section."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism composed with ZeRO; see the tensor_parallel section."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism of a `PipelineModule`; see the pipeline section."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
     present. See the activation_checkpointing section."""

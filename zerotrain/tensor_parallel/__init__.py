@@ -71,14 +71,11 @@ class TensorParallel:
 
 
 def parallelize(
-    model: nn.Module,
-    comm: Communicator,
-    world: Communicator,
-    plan: Mapping[str, object] | None = None,
+    model: nn.Module, comm: Communicator, plan: Mapping[str, object] | None = None
 ) -> TensorParallel:
     """Split ``model`` in place over the tensor-parallel group ``comm`` as ``plan`` says (None:
-    the automatic plan). Every value is first broadcast from rank 0 of ``world``, so that the
-    peers cut the same tensors."""
+    the automatic plan). Every value is first broadcast from the group's first rank, so that
+    the peers cut the same tensors."""
     if any(is_init_partitioned(p) for p in model.parameters()):
         raise ConfigError(
             "tensor_parallel.autotp_size: the model was built under zerotrain.zero.Init, whose "
@@ -87,6 +84,6 @@ def parallelize(
         )
     resolved = resolve_plan(model, plan)
     for tensor in [*model.parameters(), *model.buffers()]:
-        world.broadcast(tensor.data, src=0)
+        comm.broadcast(tensor.data, src=comm.root)
     apply_plan(model, resolved, comm)
     return TensorParallel(comm, resolved)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +100,7 @@ class ShardGroup:
         reduction: GradientReduction,
         store: ShardStore,
         model_parallel: ModelParallel | None = None,
+        summed: list[tuple[int, Communicator]] | None = None,
     ):
         self.buckets = buckets
         self.comm = comm
@@ -108,6 +109,7 @@ class ShardGroup:
         self.reduction = reduction
         self.store = store
         self.model_parallel = model_parallel
+        self.summed = summed or []  # (bucket index, group), in the parameters' name order
         self.num_params = sum(b.numel for b in buckets)
         self.state = GroupState.IDLE
         self._deferred: dict[int, Callable[[], None]] = {}  # bucket -> its deferred step
@@ -144,7 +146,10 @@ class ShardGroup:
     def begin_step(self) -> None:
         self.residency.wait()  # a step without a forward since the last one
         self._enter(GroupState.STEP)
-        self.store.attach_grads(self.reduction.reduced_grads())
+        reduced = self.reduction.reduced_grads()
+        for index, group in self.summed:  # a tied layer's copies take the sum of their gradients
+            group.all_reduce(reduced[index])
+        self.store.attach_grads(reduced)
 
     def step_store(self) -> None:
         """The store's step over the reduced gradients (attached by :meth:`begin_step`):
@@ -174,13 +179,12 @@ class ShardGroup:
     # -- views of the state --------------------------------------------------------------------
     def grad_sum_of_squares(self) -> torch.Tensor:
         """The squared global gradient norm (0-d fp32), over every rank's shard and, with model
-        parallelism, every peer's piece: a bucket of whole parameters counts 1/size on each of
-        the ``size`` peers (exact for powers of two), so summing over the peers counts it once."""
+        parallelism, every model-parallel rank's parameters: a bucket of parameters held whole
+        by r ranks counts 1/r on each (exact for powers of two), so the sum counts it once."""
         mp = self.model_parallel
         weights = None
         if mp is not None and mp.comm.world_size > 1:
-            whole = 1.0 / mp.comm.world_size
-            weights = [1.0 if mp.is_split(b.slots[0].param) else whole for b in self.buckets]
+            weights = [1.0 / mp.replicas(b.slots[0].param) for b in self.buckets]
         sum_sq = self.store.grad_sum_of_squares(weights)
         self.partition.sum_over_ranks(sum_sq)
         if mp is not None and weights is not None:
@@ -275,13 +279,14 @@ class ShardGroup:
 
 @dataclass(frozen=True)
 class ModelParallel:
-    """The model-parallel group (tensor parallelism) the parameters are also split over:
-    ``is_split(param)`` says whether a parameter holds only this rank's piece; the others are
-    whole on every peer, with identical gradients. The global gradient norm sums the pieces
-    over ``comm`` and counts a whole parameter once (see :meth:`ShardGroup.norm_weights`)."""
+    """The model-parallel group (tensor and pipeline parallelism) whose ranks hold different
+    parameters, or different pieces of one: ``replicas(param)`` is how many of its ranks hold
+    ``param`` whole, with identical gradients (1 for a tensor-parallel piece or a pipeline
+    stage's own layer). The global gradient norm sums over ``comm`` and counts every parameter
+    once (see :meth:`ShardGroup.grad_sum_of_squares`)."""
 
     comm: Communicator
-    is_split: Callable[[nn.Parameter], bool]
+    replicas: Callable[[nn.Parameter], int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +303,9 @@ class GroupOptions:
     comm_dtype: torch.dtype | None = None  # communication_data_type (None: the training dtype)
     offload: OffloadOptions | None = None  # offload_optimizer (None: masters on the device)
     model_parallel: ModelParallel | None = None  # None: every parameter whole on every rank
+    # id(param) -> a group over which its reduced gradient is also summed: the copies of a
+    # tied layer on other pipeline stages (zerotrain/pipe/module.py)
+    summed: dict[int, Communicator] = field(default_factory=dict)
 
 
 def build_shard_group(
@@ -321,8 +329,11 @@ def build_shard_group(
         overlap_param_gather=options.overlap_param_gather,
     )
     runs, split = residency.layout_runs([named for _, named in groups])
-    if options.model_parallel is not None:  # buckets hold split or whole parameters, not both
-        runs = _split_runs(runs, options.model_parallel.is_split)
+    if options.model_parallel is not None or options.summed:
+        # a bucket's parameters have one replica count; a summed one has a bucket of its own,
+        # laid out alike on every rank it is summed over
+        mp = options.model_parallel
+        runs = _split_runs(runs, mp.replicas if mp is not None else lambda p: 1, options.summed)
     index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
     buckets = build_buckets(
         runs,
@@ -373,15 +384,34 @@ def build_shard_group(
         on_settled=residency.finish_backward,
         on_bucket_reduced=store.take_reduced,
     )
-    return ShardGroup(buckets, comm, partition, residency, reduction, store, options.model_parallel)
+    summed = sorted(
+        (b.slots[0].name, i, options.summed[id(b.slots[0].param)])
+        for i, b in enumerate(buckets)
+        if id(b.slots[0].param) in options.summed
+    )
+    return ShardGroup(
+        buckets,
+        comm,
+        partition,
+        residency,
+        reduction,
+        store,
+        options.model_parallel,
+        [(index, group) for _, index, group in summed],
+    )
 
 
-def _split_runs(runs: Runs, is_split: Callable[[nn.Parameter], bool]) -> Runs:
-    """Each run in two, its split parameters and its whole ones (in their order)."""
+def _split_runs(
+    runs: Runs, replicas: Callable[[nn.Parameter], int], alone: Collection[int]
+) -> Runs:
+    """Each run split by the replica count of its parameters, and the parameters whose ids are
+    in ``alone`` each in a run of its own (all in their order: the same on every rank)."""
     out = []
     for group_index, unit, named in runs:
-        for want in (True, False):
-            part = [(n, p) for n, p in named if is_split(p) == want]
-            if part:
-                out.append((group_index, unit, part))
+        for count in sorted({replicas(p) for _, p in named}):
+            part = [(n, p) for n, p in named if replicas(p) == count]
+            rest = [(n, p) for n, p in part if id(p) not in alone]
+            if rest:
+                out.append((group_index, unit, rest))
+            out += [(group_index, unit, [(n, p)]) for n, p in part if id(p) in alone]
     return out

@@ -1,0 +1,204 @@
+"""Pipeline parallelism composed with ZeRO trains the model a single process trains: a
+PipelineModule over 2 stages x 2 data-parallel ranks, stages 0-2, 1F1B and GPipe, against the
+same layers as one nn.Sequential accumulating the same micro-batches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import relative_error
+from torch import nn
+
+from zerotrain.config import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+STEPS, MICRO, ACCUM, SEQ, VOCAB, WIDTH = 3, 2, 4, 9, 37, 20
+LR, CLIP, SEED = 1e-3, 0.05, 1234
+
+
+def layer_specs(heads: int = 5) -> list:
+    """Embedding, three attention blocks (odd widths: 5 heads of 4), a norm and the head."""
+    from gpt.model import Block, GPTConfig
+
+    from zerotrain.pipe import LayerSpec
+
+    config = GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=3, n_head=heads, n_embd=WIDTH)
+    return [
+        LayerSpec(nn.Embedding, VOCAB, WIDTH),
+        *(LayerSpec(Block, config) for _ in range(3)),
+        LayerSpec(nn.LayerNorm, WIDTH),
+        LayerSpec(nn.Linear, WIDTH, VOCAB),
+    ]
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def reference_model(heads: int = 5) -> nn.Sequential:
+    layers = []
+    for index, spec in enumerate(layer_specs(heads)):
+        torch.manual_seed(SEED + index)  # as PipelineModule(seed_layers=True) builds them
+        layers.append(spec.build())
+    return nn.Sequential(*layers)
+
+
+def batches(dp: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(0, VOCAB, (STEPS, MICRO * ACCUM * dp, SEQ + 1), generator=gen)
+
+
+def reference(dp: int, heads: int = 5) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = reference_model(heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
+    losses = []
+    for batch in batches(dp):
+        chunks = ACCUM * dp
+        total = 0.0
+        for chunk in range(chunks):
+            window = batch[chunk * MICRO : (chunk + 1) * MICRO]
+            loss = loss_fn(model(window[:, :-1]), window[:, 1:])
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return model.state_dict(), losses
+
+
+def config(stage: int, schedule: str, tp: int = 1) -> dict:
+    return {
+        "tensor_parallel": {"autotp_size": tp},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": 1e-5, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+        "pipeline": {"schedule": schedule},
+        "steps_per_print": 10**6,
+    }
+
+
+def micro_batches(batch: torch.Tensor, dp: int, dp_rank: int):
+    """This data-parallel rank's micro-batches of a global batch, as (inputs, labels)."""
+    for micro in range(ACCUM):
+        chunk = micro * dp + dp_rank
+        window = batch[chunk * MICRO : (chunk + 1) * MICRO]
+        yield window[:, :-1], window[:, 1:]
+
+
+def train(runs: list[tuple[int, str]], stages: int, tp: int = 1, heads: int = 5):
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    out = {}
+    for stage, schedule in runs:
+        model = PipelineModule(
+            layer_specs(heads), num_stages=stages, loss_fn=loss_fn, seed_layers=True, base_seed=SEED
+        )
+        engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule, tp))
+        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        losses = [
+            engine.train_batch(micro_batches(batch, dp, dp_rank)).item() for batch in batches(dp)
+        ]
+        layers = list(model.stage_layers())
+        out[stage, schedule] = (engine.consolidated_state_dict(), losses, layers)
+    return out
+
+
+def test_pp2_dp2_matches_single_process_at_stages_0_to_2_with_1f1b_and_gpipe():
+    want, want_losses = reference(dp=2)
+    runs = [(0, "1f1b"), (1, "gpipe"), (2, "1f1b"), (2, "gpipe")]
+    results = run_distributed(train, 4, runs, 2)
+    for rank, per_run in enumerate(results):
+        for (stage, schedule), (state, losses, layers) in per_run.items():
+            # every rank has the whole model, and the step's mean loss over the global batch
+            assert state.keys() == want.keys()
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (stage, schedule, key)
+            assert losses == pytest.approx(want_losses, rel=1e-5), (stage, schedule)
+            # "parameters" balances the counts: the embedding and two blocks, then the rest
+            assert layers == ([0, 1, 2] if rank < 2 else [3, 4, 5]), rank
+
+
+def test_pp2_tp2_matches_single_process():
+    want, want_losses = reference(dp=1, heads=4)
+    for per_run in run_distributed(train, 4, [(1, "1f1b")], 2, 2, 4):
+        state, losses, _ = per_run[1, "1f1b"]
+        for key, value in want.items():
+            assert relative_error(state[key], value) < 1e-5, key
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_partitions():
+    from zerotrain.pipe.module import partition
+
+    specs = [nn.Linear(4, 4)] * 5 + [nn.ReLU()]
+    assert partition(specs, 2, "uniform") == [0, 3, 6]
+    assert partition(specs, 3, "parameters") == [0, 2, 4, 6]
+    assert partition(specs, 2, "type:relu") == [0, 5, 6]
+    with pytest.raises(ConfigError, match="matches no layer class"):
+        partition(specs, 2, "type:conv")
+    with pytest.raises(ConfigError, match="7 layers cannot fill|6 layers cannot fill 7"):
+        partition(specs, 7, "uniform")
+
+
+def tied_specs() -> list:
+    """A GPT whose output projection is its input embedding (one weight on stages 0 and 1)."""
+    from zerotrain.pipe import TiedLayerSpec
+
+    specs = layer_specs()
+    embed = TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH)
+    head = TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_project)
+    return [embed, *specs[1:-1], head]
+
+
+def _project(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return x @ embedding.weight.t()
+
+
+def tied_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the same PipelineModule as one stage: the tie is one parameter here."""
+    from zerotrain.pipe import PipelineModule
+
+    model = PipelineModule(tied_specs(), num_stages=1, loss_fn=loss_fn, seed_layers=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
+    for batch in batches(2):
+        for chunk in range(ACCUM * 2):
+            window = batch[chunk * MICRO : (chunk + 1) * MICRO]
+            (loss_fn(model(window[:, :-1]), window[:, 1:]) / (ACCUM * 2)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def train_tied(stages: list[int]):
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    out = {}
+    for stage in stages:
+        model = PipelineModule(tied_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True)
+        engine, *_ = zerotrain.initialize(model=model, config=config(stage, "1f1b"))
+        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        for batch in batches(dp):
+            engine.train_batch(micro_batches(batch, dp, dp_rank))
+        out[stage] = engine.consolidated_state_dict()
+    return out
+
+
+def test_tied_embedding_across_first_and_last_stage():
+    want = tied_reference()
+    assert "tied_modules.embed.weight" in want
+    for per_stage in run_distributed(train_tied, 4, [0, 2]):
+        for stage, state in per_stage.items():
+            assert state.keys() == want.keys()
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (stage, key)

@@ -1,0 +1,183 @@
+"""The engine of a ``PipelineModule``: ``train_batch`` / ``eval_batch`` run one step's
+micro-batches through the stages with a ``torch.distributed.pipelining`` schedule.
+
+[Note: a pipeline step on ZeRO]
+Each stage's engine is an ordinary ZeroTrainEngine over its stage's layers, ZeRO-partitioned over
+the data-parallel group of the stage. The schedule (1F1B or GPipe) calls the engine's forward
+for each micro-batch and runs each backward through its outputs, which opens the engine's
+reducer as ``loss.backward()`` does (see backward.py): every parameter gradient is divided by
+the accumulation steps (the micro-batches of a step) as it is taken, so the schedule's own
+scaling is off. The stage marks the schedule's last backward as the accumulation boundary:
+stages 0-1 then reduce once per step, after the last micro-batch, stage 2 reduce-scatters each
+micro-batch's gradients into the partitions. Then the optimizer steps once. Stage 3 is refused:
+its gather order assumes one forward then one backward per micro-batch, which 1F1B breaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerotrain.comm import Communicator
+from zerotrain.comm.pipeline import pipeline_schedule
+from zerotrain.engine import ZeroTrainEngine
+from zerotrain.pipe.module import PipelineModule
+
+_NO_CHECKPOINTS = (
+    "{caller}: checkpoints of a pipeline engine are not implemented yet; save the whole model "
+    "with engine.consolidated_state_dict() (every stage's layers, on every rank)"
+)
+
+
+class PipelineEngine(ZeroTrainEngine):
+    """The engine ``initialize`` returns for a ``PipelineModule``: train with
+    :meth:`train_batch`, evaluate with :meth:`eval_batch` (DeepSpeed's pipeline engine API)."""
+
+    def __init__(self, *args: Any, pipe_comm: Communicator, schedule: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pipe_comm = pipe_comm  # the stages: rank i of it runs stage i
+        self.num_stages = pipe_comm.world_size
+        self.stage_id = pipe_comm.rank
+        self._schedule_name = schedule
+        self._schedule = None  # built at the first batch (shapes are inferred then)
+        self._running = False  # inside train_batch / eval_batch
+        self._data: Iterator | None = None
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    # -- only the schedule drives forward, backward and step ----------------------------------
+    def forward(self, *args: Any, **kwargs: Any):
+        if not self._running:
+            raise RuntimeError(
+                "pipeline engine: forward, backward and step are run by the pipeline schedule; "
+                "call engine.train_batch(data_iter) or engine.eval_batch(data_iter)"
+            )
+        return super().forward(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        raise RuntimeError("pipeline engine: backward is run by engine.train_batch(data_iter)")
+
+    def step(self) -> None:
+        raise RuntimeError("pipeline engine: the step is taken by engine.train_batch(data_iter)")
+
+    # -- state across the stages --------------------------------------------------------------
+    def _full_state(
+        self, dtype: torch.dtype, exclude_frozen: bool, on_rank: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Every stage's layers (so ``consolidated_state_dict`` and ``save_16bit_model`` give
+        the whole model), with DeepSpeed's ``PipelineModule`` keys: ``<layer index>.<name>``,
+        ``tied_modules.<key>.<name>`` (collective over all ranks)."""
+        own = super()._full_state(dtype, exclude_frozen, on_rank)
+        merged: dict[str, torch.Tensor] = {}
+        for stage_state in self.pipe_comm.all_gather_object({k: v.cpu() for k, v in own.items()}):
+            merged.update(stage_state)
+        return merged
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(_NO_CHECKPOINTS.format(caller="save_checkpoint"))
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(_NO_CHECKPOINTS.format(caller="load_checkpoint"))
+
+    # -- the pipeline -------------------------------------------------------------------------
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches of
+        ``(inputs, labels)`` from ``data_iter`` (default: the engine's dataloader), read on the
+        first (inputs) and last (labels) stages. Returns the step's mean loss on every rank."""
+        inputs, labels = self._next_batch(data_iter)
+        losses: list[torch.Tensor] = []
+        self._running = True
+        try:
+            self._run(self._pipeline().step, inputs, labels, losses)
+            steps = self.gradient_accumulation_steps()
+            for micro in range(steps):  # count the micro-steps; the last one updates
+                self.set_gradient_accumulation_boundary(micro == steps - 1)
+                super().step()
+        finally:
+            self._running = False
+            self.set_gradient_accumulation_boundary(None)
+        return self._mean_loss(losses)
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, **_: Any):
+        """The mean loss over ``gradient_accumulation_steps`` micro-batches of ``data_iter``,
+        forward only, on every rank."""
+        if return_logits:
+            raise NotImplementedError("eval_batch(return_logits=True) is not supported yet")
+        inputs, labels = self._next_batch(data_iter)
+        losses: list[torch.Tensor] = []
+        self._running = True
+        try:
+            with torch.no_grad():
+                self._run(self._pipeline().eval, inputs, labels, losses)
+        finally:
+            self._running = False
+        return self._mean_loss(losses)
+
+    def _pipeline(self):
+        if self._schedule is None:
+            module = self.module
+            assert isinstance(module, PipelineModule)  # initialize makes this engine for one
+            loss_fn = module.loss_fn
+            if loss_fn is None:
+                raise ValueError("PipelineModule(loss_fn=...) is required to train it")
+            self._schedule = pipeline_schedule(
+                self,
+                self.pipe_comm,
+                self.device,
+                self._schedule_name,
+                self.gradient_accumulation_steps(),
+                loss_fn,
+                on_backward=self.set_gradient_accumulation_boundary,
+            )
+        return self._schedule
+
+    def _run(self, run, inputs, labels, losses: list) -> None:
+        first, last = self.is_first_stage(), self.is_last_stage()
+        args = (inputs,) if first else ()
+        if last:
+            run(*args, target=labels, losses=losses)
+        else:
+            run(*args)
+
+    def _next_batch(self, data_iter: Iterator | None) -> tuple[Any, Any]:
+        """This step's micro-batches, concatenated (the schedule splits them again)."""
+        if not (self.is_first_stage() or self.is_last_stage()):
+            return None, None
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ValueError(
+                    "train_batch(): pass a data iterator, or training_data to initialize"
+                )
+            if self._data is None:
+                self._data = _repeating(self.training_dataloader)
+            data_iter = self._data
+        pairs = [next(data_iter) for _ in range(self.gradient_accumulation_steps())]
+        inputs = torch.cat([torch.as_tensor(x) for x, _ in pairs]).to(self.device)
+        labels = torch.cat([torch.as_tensor(y) for _, y in pairs]).to(self.device)
+        return inputs, labels
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean micro-batch loss, averaged over the data-parallel ranks and
+        sent to every stage."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            loss = torch.stack([t.detach().float() for t in losses]).mean()
+            for value in losses:
+                self.metrics.observe_loss(value.detach())
+            data_parallel = self.optimizer.comm
+            data_parallel.all_reduce(loss)
+            loss /= data_parallel.world_size
+        last = self.pipe_comm.global_rank_of(self.num_stages - 1)
+        self.pipe_comm.broadcast(loss, src=last)
+        return loss
+
+
+def _repeating(loader) -> Iterator:
+    while True:
+        yield from loader

@@ -1,0 +1,268 @@
+"""DeepSpeed's ``PipelineModule``: a model given as a sequence of layers, cut into stages.
+
+[Note: pipeline stages]
+Every rank builds the same list of layer specifications and cuts it, by ``partition_method``,
+into ``num_stages`` contiguous parts; it builds only the layers of its own stage (a ``LayerSpec``
+is built there and nowhere else, so a model larger than one rank's memory never exists whole).
+Ranks are numbered with the pipeline axis outermost (see [Note: mesh layout] in comm/mesh.py):
+rank r is in stage ``r // (world_size // num_stages)``. A built layer is registered under its
+index in the whole list (``"3"``), a tied one once under ``tied_modules.<key>``, so state dict keys
+are DeepSpeed's and do not depend on the number of stages.
+
+[Note: tied layers across stages]
+A tied key whose layers fall on several stages (the input embedding on the first, the output
+projection that reuses its weight on the last) is built on each of them, and kept one
+parameter: at start every copy takes the first stage's values, and at each step the reduced
+gradients of the copies are summed over the group of those stages' ranks (the same position
+on the other axes) before the optimizer, so every copy takes the same update (DeepSpeed's
+PipelineModule does the same). ZeRO keeps each tied parameter in a bucket of its own, which
+is then laid out alike on every stage.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zerotrain.comm import Communicator, Mesh
+from zerotrain.config import ConfigError
+
+
+class LayerSpec:
+    """A layer built only on the stage that runs it: ``typename(*args, **kwargs)``."""
+
+    def __init__(self, typename: type[nn.Module], *args: Any, **kwargs: Any):
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise ValueError(f"LayerSpec: typename must be an nn.Module class, got {typename!r}")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.typename.__name__})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer that several positions of the sequence share (an input embedding reused as the
+    output projection): built once per stage, under ``tied_modules.<key>``; ``forward_fn(module,
+    x)`` runs it at a position (default: ``module(x)``)."""
+
+    def __init__(
+        self,
+        key: str,
+        typename: type[nn.Module],
+        *args: Any,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        tied_weight_attr: str | Sequence[str] = "weight",
+        **kwargs: Any,
+    ):
+        super().__init__(typename, *args, **kwargs)
+        self.key, self.forward_fn = key, forward_fn
+        attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else tied_weight_attr
+        self.tied_weight_attr = list(attrs)
+
+
+class PipelineModule(nn.Module):
+    """``layers`` (modules, ``LayerSpec``s or plain callables such as ``lambda x: x.view(...)``)
+    run in order, cut into ``num_stages`` pipeline stages (see [Note: pipeline stages]);
+    ``loss_fn(output, label)`` gives the loss on the last stage. ``partition_method``:
+    ``"parameters"`` balances the parameter counts, ``"uniform"`` the number of layers,
+    ``"type:<regex>"`` the layers whose class name matches. ``activation_checkpoint_interval``
+    k > 0 recomputes every run of k layers in backward. Train it with ``engine.train_batch()``."""
+
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        num_stages: int | None = None,
+        topology: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable | None = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable = checkpoint,
+        checkpointable_layers: list[str] | None = None,
+        dynamic_shape: bool = False,
+    ):
+        super().__init__()
+        if topology is not None:
+            raise ConfigError(
+                "PipelineModule(topology=...): zerotrain builds the mesh itself; pass num_stages"
+            )
+        if num_stages is None or num_stages < 1:
+            raise ConfigError(f"PipelineModule: num_stages must be at least 1, got {num_stages}")
+        if seed_fn is not None or checkpointable_layers is not None:
+            raise ConfigError(
+                "PipelineModule: seed_fn and checkpointable_layers are not supported; leave "
+                "them out (seed_layers seeds each layer with base_seed + its index)"
+            )
+        world = Communicator()
+        if world.world_size % num_stages:
+            raise ConfigError(
+                f"PipelineModule: num_stages {num_stages} does not divide the "
+                f"{world.world_size} ranks; choose a number of stages that divides it"
+            )
+        self.num_stages = num_stages
+        self.stage_id = world.rank // (world.world_size // num_stages)
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.dynamic_shape = dynamic_shape
+        self._specs = list(layers)
+        self.parts = partition(self._specs, num_stages, partition_method)
+        start, stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.tied_modules = nn.ModuleDict()
+        self._runs: list[Callable[[Any], Any]] = []
+        stages_of: dict[str, set[int]] = {}
+        for index, spec in enumerate(self._specs):
+            if isinstance(spec, TiedLayerSpec):
+                stages_of.setdefault(spec.key, set()).add(stage_of(self.parts, index))
+        # tied keys whose layers run on several stages: [Note: tied layers across stages]
+        self.tied_stages = {key: sorted(s) for key, s in sorted(stages_of.items()) if len(s) > 1}
+        for index in range(start, stop):
+            spec = self._specs[index]
+            if seed_layers:
+                torch.manual_seed(base_seed + index)
+            self._runs.append(self._build(index, spec))
+
+    def _build(self, index: int, spec: Any) -> Callable[[Any], Any]:
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied_modules:
+                self.tied_modules[spec.key] = spec.build()
+            module = self.tied_modules[spec.key]
+            if spec.forward_fn is None:
+                return module
+            forward_fn = spec.forward_fn
+            return lambda x: forward_fn(module, x)
+        if isinstance(spec, LayerSpec):
+            spec = spec.build()
+        if isinstance(spec, nn.Module):
+            self.add_module(str(index), spec)
+            return spec
+        if callable(spec):
+            return spec
+        raise ConfigError(
+            f"PipelineModule: layer {index} is a {type(spec).__name__}; give modules, "
+            "LayerSpecs or callables"
+        )
+
+    def forward(self, x: Any) -> Any:
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or not torch.is_grad_enabled():
+            for run in self._runs:
+                x = run(x)
+            return x
+        for first in range(0, len(self._runs), interval):
+            runs = self._runs[first : first + interval]
+            x = self.activation_checkpoint_func(_sequence(runs), x, use_reentrant=False)
+        return x
+
+    def tie_across_stages(self, mesh: Mesh) -> dict[int, Communicator]:
+        """Make a group per tied key over the stages that hold it (one for each position on the
+        other axes of ``mesh``; collective), give every copy the first stage's values, and
+        return ``id(parameter) -> group`` for this rank's copies: their gradients are summed
+        over it (see [Note: tied layers across stages])."""
+        groups: dict[int, Communicator] = {}
+        for key, stages in self.tied_stages.items():
+            # each pipeline (the stages at one position of the other axes): its tied stages
+            rank_lists = [[ranks[s] for s in stages] for ranks in mesh.axis_ranks("pp")]
+            comm = mesh.world.subgroups(rank_lists)
+            if comm is None:
+                continue
+            for param in self.tied_modules[key].parameters():
+                comm.broadcast(param.data, src=comm.root)
+                groups[id(param)] = comm
+        return groups
+
+    def stage_layers(self, stage: int | None = None) -> range:
+        """Indices of the layers of ``stage`` (default: this rank's)."""
+        stage = self.stage_id if stage is None else stage
+        return range(self.parts[stage], self.parts[stage + 1])
+
+
+def _sequence(runs: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    def run_all(x: Any) -> Any:
+        for run in runs:
+            x = run(x)
+        return x
+
+    return run_all
+
+
+def stage_of(parts: list[int], index: int) -> int:
+    """The stage holding layer ``index`` for stage bounds ``parts``."""
+    return next(s for s in range(len(parts) - 1) if parts[s] <= index < parts[s + 1])
+
+
+def partition(specs: list[Any], num_stages: int, method: str) -> list[int]:
+    """Stage bounds ``[0, ..., len(specs)]``: stage s runs layers ``parts[s]:parts[s + 1]``."""
+    if len(specs) < num_stages:
+        raise ConfigError(
+            f"PipelineModule: {len(specs)} layers cannot fill {num_stages} stages; use fewer stages"
+        )
+    lowered = method.lower()
+    if lowered == "uniform":  # the first (len % stages) stages take one layer more
+        size, extra = divmod(len(specs), num_stages)
+        return [s * size + min(s, extra) for s in range(num_stages + 1)]
+    if lowered == "parameters":
+        weights = [_parameter_count(spec) for spec in specs]
+    elif lowered.startswith("type:"):
+        pattern = re.compile(method[len("type:") :], re.IGNORECASE)
+        weights = [int(bool(pattern.search(_class_name(spec)))) for spec in specs]
+        if not any(weights):
+            raise ConfigError(
+                f"PipelineModule: partition_method {method!r} matches no layer class; the "
+                f"layers are {sorted({_class_name(s) for s in specs})}"
+            )
+    else:
+        raise ConfigError(
+            f"PipelineModule: partition_method {method!r} is not one of 'parameters', "
+            "'uniform', 'type:<regex>'"
+        )
+    return _balanced(weights, num_stages)
+
+
+def _class_name(spec: Any) -> str:
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__
+    return type(spec).__name__
+
+
+def _parameter_count(spec: Any) -> int:
+    if isinstance(spec, LayerSpec):
+        with torch.device("meta"):  # counted without allocating
+            spec = spec.build()
+    if isinstance(spec, nn.Module):
+        return sum(p.numel() for p in spec.parameters() if p.requires_grad)
+    return 0
+
+
+def _balanced(weights: list[int], parts: int) -> list[int]:
+    """Contiguous bounds splitting ``weights`` into ``parts`` non-empty runs with the smallest
+    largest sum (ties: later cuts, as the uniform split), by dynamic programming over prefix sums."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the smallest largest sum splitting the first i layers into k runs
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost <= best[k][i]:  # ties: the latest cut, so earlier stages take more
+                    best[k][i], cut[k][i] = cost, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
