@@ -1,8 +1,9 @@
-"""Tensor parallelism composed with ZeRO, against data parallelism alone and torchtitan-style
-FSDP2 + TP, in one run.
+"""Tensor and pipeline parallelism composed with ZeRO, against data parallelism alone and
+torchtitan-style FSDP2 + TP, in one run.
 
     python bench/parallel3d.py [--model 30m] [--stage 2] [--steps 3] [--warmup 1]
-                               [--layouts dp4 tp2xdp2 tp4 fsdp2-dp4 fsdp2-tp2xdp2]
+                               [--schedule 1f1b|gpipe]
+                               [--layouts dp4 tp2xdp2 tp4 pp2xdp2 pp2xtp2 fsdp2-dp4 ...]
 
 Each layout trains the GPT of examples/gpt/model.py on 4 ranks (one torchrun job per layout, one
 after the other; gloo, fp32, CPU) from the same weights on the same global batch (`--micro` x
@@ -12,10 +13,14 @@ busiest rank; model states per rank (zerotrain's `memory_breakdown()['total']`, 
 the ZeRO formula over this rank's parameters); activation bytes per rank (the tensors autograd
 saves for backward in one micro-batch's forward, each storage counted once, parameters left
 out); and bytes per axis
-per rank per step: tensor-parallel all-reduces (and the two 4-byte norm all-reduces) and
+per rank per step: all-reduces (tensor-parallel activations, with pipelines the tied embeddings'
+gradient sum across the first and last stage, and a few 4-byte norms and losses) and
 data-parallel reduce-scatters / all-gathers
 as zerotrain's communicator counted them, against the formulas ([Note: bytes per axis]). The
-loss after the last step shows that the layouts train the same model. `fsdp2-*` rows are torch's
+loss after the last step shows that the layouts train the same model. `pp*` rows train the
+GPT as a PipelineModule (embeddings, blocks, final norm, and the head tied to the embeddings
+across the first and last stage; the blocks spread evenly) with `--schedule`; a stage's
+activations are not measured alone (its forward runs inside the schedule). `fsdp2-*` rows are torch's
 `fully_shard` (and, with tp, `parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D
 DeviceMesh: torchtitan's composition); their bytes are not counted. Writes
 bench/results/parallel3d.json.
@@ -48,12 +53,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 SEQUENCES_PER_STEP = 8
-LAYOUTS = {  # name: (system, tp)
-    "dp4": ("zerotrain", 1),
-    "tp2xdp2": ("zerotrain", 2),
-    "tp4": ("zerotrain", 4),
-    "fsdp2-dp4": ("fsdp2", 1),
-    "fsdp2-tp2xdp2": ("fsdp2", 2),
+LAYOUTS = {  # name: (system, tp, pp)
+    "dp4": ("zerotrain", 1, 1),
+    "tp2xdp2": ("zerotrain", 2, 1),
+    "tp4": ("zerotrain", 4, 1),
+    "pp2xdp2": ("zerotrain", 1, 2),
+    "pp2xtp2": ("zerotrain", 2, 2),
+    "fsdp2-dp4": ("fsdp2", 1, 1),
+    "fsdp2-tp2xdp2": ("fsdp2", 2, 1),
 }
 
 
@@ -66,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument(
+        "--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule"
+    )
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -92,10 +102,10 @@ def activation_bytes(model, x, y) -> int:
     return sum(seen.values())
 
 
-def zerotrain_engine(model, args, tp: int):
+def zerotrain_engine(model, args, tp: int, pp: int):
     import zerotrain
 
-    dp = 4 // tp
+    dp = 4 // (tp * pp)
     engine, *_ = zerotrain.initialize(
         model=model,
         config={
@@ -104,11 +114,49 @@ def zerotrain_engine(model, args, tp: int):
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
             "zero_optimization": {"stage": args.stage},
             "tensor_parallel": {"autotp_size": tp},
+            "pipeline": {"schedule": args.schedule},
             "steps_per_print": None,
         },
     )
     assert engine.dp_world_size == dp
     return engine
+
+
+class Embeddings(torch.nn.Module):
+    """The example GPT's token and position embeddings as one pipeline layer."""
+
+    def __init__(self, gpt) -> None:
+        super().__init__()
+        self.token = gpt.token_embedding
+        self.position = gpt.position_embedding
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.token(idx) + self.position(torch.arange(idx.shape[1], device=idx.device))
+
+
+def _project(embeddings: Embeddings, x: torch.Tensor) -> torch.Tensor:
+    return x @ embeddings.token.weight.t()  # the LM head is the token embedding (tied)
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def pipeline_gpt(gpt, stages: int):
+    """The example GPT ``gpt`` as a PipelineModule with the same weights: embeddings, blocks,
+    final norm, and the head tied to the embeddings across the first and last stage."""
+    from zerotrain.pipe import PipelineModule, TiedLayerSpec
+
+    # built modules, not LayerSpecs: the weights are the GPT's (every rank built it whole)
+    layers = [
+        TiedLayerSpec("embed", Embeddings, gpt),
+        *gpt.blocks,
+        gpt.ln_final,
+        TiedLayerSpec("embed", Embeddings, gpt, forward_fn=_project),
+    ]
+    return PipelineModule(
+        layers, num_stages=stages, loss_fn=_lm_loss, partition_method="type:Block"
+    )
 
 
 def interleave_fused_qkv(layer: torch.nn.Linear, tp: int) -> None:
@@ -173,7 +221,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from gpt.model import GPT, gpt_config
 
-    system, tp = LAYOUTS[args.worker]
+    system, tp, pp = LAYOUTS[args.worker]
     torch.manual_seed(0)
     config = gpt_config(args.model)
     model = GPT(config)
@@ -181,7 +229,9 @@ def worker(args) -> None:
         import zerotrain
 
         zerotrain.init_distributed(verbose=False)
-        engine = zerotrain_engine(model, args, tp)
+        if pp > 1:
+            model = pipeline_gpt(model, pp)
+        engine = zerotrain_engine(model, args, tp, pp)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         accum = engine.gradient_accumulation_steps()
         forward = engine
@@ -205,7 +255,8 @@ def worker(args) -> None:
         return window[:, :-1], window[:, 1:]
 
     x, y = micro_batch(0, 0)
-    activations = activation_bytes(forward, x, y)
+    # a pipeline stage's forward is run by its schedule: not measured alone
+    activations = activation_bytes(forward, x, y) if pp == 1 else None
     if system == "zerotrain":
         engine.zero_grad()
     else:
@@ -217,7 +268,10 @@ def worker(args) -> None:
             engine.comm.reset_stats()
         dist.barrier()
         start = time.perf_counter()
-        for micro in range(accum):
+        if pp > 1:  # the schedule runs every micro-batch and steps
+            loss = engine.train_batch(iter([micro_batch(step, m) for m in range(accum)]))
+            losses.append(loss.item())
+        for micro in range(accum if pp == 1 else 0):
             x, y = micro_batch(step, micro)
             if system == "zerotrain":
                 out = engine(x, y)
@@ -276,6 +330,7 @@ def run_layout(name: str, args) -> list[dict] | str:
         "--master-port", str(29600 + list(LAYOUTS).index(name)), __file__,
         "--worker", name, "--out", str(out), "--model", args.model, "--stage", str(args.stage),
         "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--schedule", args.schedule,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
@@ -288,16 +343,19 @@ def run_layout(name: str, args) -> list[dict] | str:
 
 
 def summarize(name: str, ranks: list[dict], args, config) -> dict:
-    system, tp = LAYOUTS[name]
+    system, tp, pp = LAYOUTS[name]
     row = {
         "layout": name,
         "system": system,
         "tp": tp,
-        "dp": 4 // tp,
+        "pp": pp,
+        "dp": 4 // (tp * pp),
         # the slowest rank's median: a step ends when every rank is done
         "s_per_step": max(statistics.median(r["seconds"]) for r in ranks),
         "peak_rss": max(r["peak_rss"] for r in ranks),
-        "activation_bytes": max(r["activation_bytes"] for r in ranks),
+        "activation_bytes": None
+        if ranks[0]["activation_bytes"] is None
+        else max(r["activation_bytes"] for r in ranks),
         # the last step's loss over the global batch (tensor-parallel peers hold equal ones)
         "loss": statistics.fmean(r["loss"] for r in ranks),
         "ops": ranks[0]["ops"],
@@ -305,11 +363,13 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
     if system == "zerotrain":
         r0 = ranks[0]
         tokens = config.block_size
+        blocks = config.n_layer // pp  # rank 0's stage ("type:Block" spreads them evenly)
         tp_formula = (
-            config.n_layer * 4 * args.micro * tokens * config.n_embd * 4 * r0["accum"]
-            if tp > 1
-            else 0
+            blocks * 4 * args.micro * tokens * config.n_embd * 4 * r0["accum"] if tp > 1 else 0
         )
+        if pp > 1:  # the tied embeddings' reduced gradient shard, summed over the two stages
+            tied = (config.vocab_size + config.block_size) * config.n_embd
+            tp_formula += tied * 4 // row["dp"]
         row.update(
             model_states=max(r["model_states"] for r in ranks),
             states_vs_formula=r0["model_states"] / r0["formula"],
@@ -319,7 +379,7 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
             # stage 2 reduce-scatters every micro-batch, stage 1 once per step
             dp_formula=(r0["accum"] if args.stage == 2 else 1) * r0["rank_params"] * 4
             + r0["rank_params"] * 4
-            if 4 // tp > 1
+            if row["dp"] > 1
             else 0,
         )
     return row
@@ -336,12 +396,13 @@ def cells(r: dict, base: dict | None) -> list[str]:
     def vs_base(key: str) -> str:
         return ratio(r[key], base[key]) if base else "-"
 
+    activations = r["activation_bytes"]
     out = [
         r["layout"],
         f"{r['s_per_step']:.3f}",
         vs_base("s_per_step"),
         f"{r['peak_rss'] / mib:.0f}",
-        f"{r['activation_bytes'] / mib:.1f} ({vs_base('activation_bytes')})",
+        "-" if activations is None else f"{activations / mib:.1f} ({vs_base('activation_bytes')})",
     ]
     if r["system"] == "zerotrain":
         out += [
@@ -381,7 +442,7 @@ def main() -> None:
     )
     columns = [
         "layout", "s/step", "vs dp4", "peak RSS MiB", "activations MiB (vs dp4)",
-        "model states MiB (vs dp4)", "states / formula", "TP bytes/step (vs formula)",
+        "model states MiB (vs dp4)", "states / formula", "all-reduce bytes/step (vs formula)",
         "DP bytes/step (vs formula)", "final loss",
     ]  # fmt: skip
     print("| " + " | ".join(columns) + " |")

@@ -202,3 +202,71 @@ def test_tied_embedding_across_first_and_last_stage():
             assert state.keys() == want.keys()
             for key, value in want.items():
                 assert relative_error(state[key], value) < 1e-5, (stage, key)
+
+
+class Scale(nn.Module):
+    """A layer with a buffer: a later stage's untrained state in a checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("factor", torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def reshard_specs() -> list:
+    from zerotrain.pipe import LayerSpec
+
+    specs = tied_specs()
+    return [*specs[:-1], LayerSpec(Scale), specs[-1]]
+
+
+def reshard(directory: str, layouts: list[tuple[int, int, int]]):
+    """Train at pp 2 x dp 2 (stage 1), save; load into each (pp, tp, stage) of ``layouts``:
+    the weights must be the saved ones bit for bit, and the next step the same."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    def engine_for(stages: int, tp: int, stage: int):
+        model = PipelineModule(
+            reshard_specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True
+        )
+        settings = config(stage, "1f1b", tp)
+        del settings["gradient_accumulation_steps"]  # the global batch stays 2 x ACCUM x MICRO
+        settings["train_batch_size"] = 2 * ACCUM * MICRO
+        return zerotrain.initialize(model=model, config=settings)[0]
+
+    def step(engine, batch):
+        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        chunks = [batch[i * MICRO : (i + 1) * MICRO] for i in range(len(batch) // MICRO)]
+        mine = [chunks[m * dp + dp_rank] for m in range(engine.gradient_accumulation_steps())]
+        return engine.train_batch(iter((w[:, :-1], w[:, 1:]) for w in mine)).item()
+
+    engine = engine_for(2, 1, 1)
+    for batch in batches(2)[:2]:
+        step(engine, batch)
+    engine.save_checkpoint(directory, tag="pp2")
+    saved = engine.consolidated_state_dict()
+    next_batch = batches(2)[2]
+    out = {"saved": saved, (2, 1, 1): (step(engine, next_batch), engine.consolidated_state_dict())}
+    for stages, tp, stage in layouts:
+        engine = engine_for(stages, tp, stage)
+        engine.load_checkpoint(directory, tag="pp2")
+        loaded = engine.consolidated_state_dict()
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items()), (stages, tp, stage)
+        out[stages, tp, stage] = (step(engine, next_batch), engine.consolidated_state_dict())
+    return out
+
+
+def test_checkpoint_of_pp2_dp2_loads_at_other_stage_counts(tmp_path):
+    layouts = [(1, 1, 2), (4, 1, 0)]
+    results = run_distributed(reshard, 4, str(tmp_path), layouts)
+    want_loss, want = results[0][2, 1, 1]
+    assert "5.factor" in results[0]["saved"]  # the last stage's buffer came back
+    for layout in layouts:
+        loss, state = results[0][layout]
+        assert loss == pytest.approx(want_loss, rel=1e-5), layout
+        for key, value in want.items():
+            assert relative_error(state[key], value) < 1e-5, (layout, key)

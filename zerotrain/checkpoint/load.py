@@ -111,7 +111,9 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     }
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
-    unexpected = [n for n in saved if n not in model]
+    # a pipeline stage trains only its own layers: the others are the other stages'
+    staged = getattr(engine, "num_stages", 1) > 1
+    unexpected = [] if staged else [n for n in saved if n not in model]
     if missing or unexpected:
         problems.append(
             f"{where}: saved from another model: trainable parameters missing from the "
@@ -132,11 +134,12 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     # frozen parameters left out by exclude_frozen_parameters keep the model's own values
     excluded = set(manifest.data.get("frozen_keys", ())) - set(manifest["module_keys"])
     ours = group.untrained_keys(engine.module) - excluded
-    if options.module_strict and saved_untrained != ours:
+    unexpected = set() if staged else saved_untrained - ours
+    if options.module_strict and (ours - saved_untrained or unexpected):
         problems.append(
             f"{where}: frozen parameters and buffers differ: missing from the checkpoint "
             f"{sorted(ours - saved_untrained)[:5]}, not in the model "
-            f"{sorted(saved_untrained - ours)[:5]} (load_module_strict=False loads the common ones)"
+            f"{sorted(unexpected)[:5]} (load_module_strict=False loads the common ones)"
         )
     if options.optimizer_states and not options.module_only:
         ours_type = type(group.store.optimizer).__name__
@@ -162,6 +165,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         or manifest.params[piece.name].split is not None
         or overlaps(piece.param_start, piece.param_start + piece.numel, seg[1], seg[2])
     }
+    ranks |= {manifest.module_ranks[k] for k in ours if k in manifest.module_ranks}
     files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
     if not options.module_only:
         files.append(manifest.file("engine"))

@@ -8,7 +8,9 @@
   ``{param name}/exp_avg``, ...), each a 1-D run of the flattened parameter;
 - ``rank00000.pt`` (one per rank): that rank's RNG states;
 - ``module.safetensors``: frozen parameters (unless saved with ``exclude_frozen_parameters``;
-  the manifest's ``frozen_keys`` lists them either way) and buffers (state-dict keys);
+  the manifest's ``frozen_keys`` lists them either way) and buffers (state-dict keys); those
+  of a pipeline stage after the first are in the shard file of the stage's first rank, as
+  ``module/{key}`` (the manifest's ``module_ranks``);
 - ``engine.pt``: counters, loss scaler, LR scheduler, data position, optimizer hyperparameters;
 - ``client_state.pt``: the user's ``client_state`` (the only pickled file);
 - ``manifest.json``: what the save wrote, written last and committed by rename. It lists every
@@ -18,7 +20,9 @@
 A parameter that tensor parallelism split (see zerotrain/tensor_parallel/shard.py) is saved as
 its pieces: its record's ``split`` is ``[dim, chunks, size]``, and each segment is a range of the
 flattened piece of the tensor-parallel rank ``tp_ranks[rank]`` of the file's rank. Whole
-parameters are written by tensor-parallel rank 0 alone. A load joins the pieces into the
+parameters are written by tensor-parallel rank 0 alone (and a layer tied across pipeline
+stages by its first stage). Each stage's ranks write their own layers, whose names (the layer
+index in the whole model) do not depend on the stages. A load joins the pieces into the
 logical tensor and cuts its own, so a checkpoint loads at any tensor-parallel degree, none
 included.
 
@@ -92,6 +96,8 @@ class Manifest:
             )
             for p in data["params"]
         }
+        # untrained keys a later pipeline stage saved in its shard file: key -> rank
+        self.module_ranks: dict[str, int] = data.get("module_ranks", {})
         # the tensor-parallel rank of each saved rank (checkpoints without: all whole, rank 0)
         self.tp_ranks: list[int] = data.get("tp_ranks") or [0] * len(data["roles"]["shard"])
 
@@ -260,7 +266,12 @@ class ShardReader:
         return whole
 
     def module_tensor(self, key: str) -> torch.Tensor:
-        return self._handle(self.manifest.file("module")).get_tensor(key)
+        """A buffer or frozen parameter: from module.safetensors, or (a later pipeline stage's)
+        from its stage's shard file."""
+        rank = self.manifest.module_ranks.get(key)
+        if rank is None:
+            return self._handle(self.manifest.file("module")).get_tensor(key)
+        return self._handle(self.manifest.file("shard", rank)).get_tensor(f"module/{key}")
 
     def close(self) -> None:
         self._open.clear()

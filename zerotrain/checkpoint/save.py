@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,8 @@ from zerotrain.tensor_parallel.shard import TPShard, shard_of
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
+
+MODULE_PREFIX = "module/"  # untrained entries of a later pipeline stage, in its shard file
 
 # Optimizer param-group entries that describe the layout of this rank's shards, not training.
 LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ranges", "num_segments"})
@@ -143,13 +145,8 @@ def _write_rank_files(
     store = group.store
     element_keys = store.element_state_keys()
     tp_rank = engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
-    split = split_params(engine)
-    # whole parameters are the same on every tensor-parallel rank: the first one writes them
-    pieces = [
-        piece
-        for piece in group.master_pieces(own_shard_only=True)
-        if tp_rank == 0 or piece.name in split
-    ]
+    written = _written_params(engine, tp_rank)
+    pieces = [p for p in group.master_pieces(own_shard_only=True) if p.name in written]
 
     tensors: dict[tuple[int, str], torch.Tensor] = {}  # each read once: a store may swap
 
@@ -161,6 +158,20 @@ def _write_rank_files(
         return tensor_entry(f"{piece.name}/{key}", part)
 
     entries = [entry(piece, key) for piece in pieces for key in ["master", *element_keys]]
+    # collective where stage 3 partitions frozen parameters: their values gather to rank 0
+    untrained = group.untrained_state(engine.module, exclude_frozen, on_rank=0)
+    split_frozen = sorted(set(untrained) & _split_keys(engine.module))
+    if split_frozen:
+        raise CheckpointError(
+            f"frozen parameters split by tensor parallelism ({split_frozen[:3]}) cannot be "
+            "saved yet; save with exclude_frozen_parameters=True, or let them train"
+        )
+    # the buffers and frozen parameters of the other pipeline stages: in their first rank's
+    # shard file (rank 0's, the first stage's, are module.safetensors)
+    writes_module = group.comm.rank == 0 and tp_rank == 0
+    stage_module = writes_module and rank != 0
+    if stage_module:
+        entries += [tensor_entry(f"{MODULE_PREFIX}{key}", t) for key, t in untrained.items()]
 
     files: dict[str, FileRecord] = {}
     roles: dict[str, str] = {}
@@ -172,14 +183,6 @@ def _write_rank_files(
 
     put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, capture_rng_state()))
-    # collective where stage 3 partitions frozen parameters: their values gather to rank 0
-    untrained = group.untrained_state(engine.module, exclude_frozen, on_rank=0)
-    split_frozen = sorted(set(untrained) & _split_keys(engine.module))
-    if split_frozen:
-        raise CheckpointError(
-            f"frozen parameters split by tensor parallelism ({split_frozen[:3]}) cannot be "
-            "saved yet; save with exclude_frozen_parameters=True, or let them train"
-        )
     if rank == 0:
         module_entries = [tensor_entry(key, t) for key, t in untrained.items()]
         put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
@@ -192,7 +195,56 @@ def _write_rank_files(
         "roles": roles,
         "segments": segments,
         "tp_rank": tp_rank,
-        "exclude_frozen": exclude_frozen,
+        # what the manifest lists of this rank's part of the model (every stage's, merged)
+        "params": [record for name, record in written.items()],
+        "module": _module_report(engine, untrained, excluded=exclude_frozen)
+        if writes_module
+        else None,
+        "module_in_shard": stage_module,
+    }
+
+
+def _written_params(engine: TrainingState, tp_rank: int) -> dict[str, dict]:
+    """The manifest records of the parameters this rank writes: each parameter is written by
+    one copy (a whole one by tensor-parallel rank 0; a tied layer's by its first stage), split
+    ones by every tensor-parallel rank (their pieces)."""
+    group = engine.optimizer.group
+    split = split_params(engine)
+    tied = {b.slots[0].name: comm for index, comm in group.summed for b in [group.buckets[index]]}
+    records = {}
+    for bucket in group.buckets:
+        for slot in bucket.slots:
+            if slot.name in tied and tied[slot.name].rank != 0:
+                continue
+            if tp_rank != 0 and slot.name not in split:
+                continue
+            shard = split.get(slot.name)
+            record = {
+                "name": slot.name,
+                "shape": list(shard.whole_shape(slot.shape) if shard else slot.shape),
+                "group": bucket.group_index,
+            }
+            if shard is not None:
+                record["split"] = shard.to_list()
+            records[slot.name] = record
+    return records
+
+
+def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> dict:
+    """This stage's module keys for the manifest (see [Note: checkpoint layout])."""
+    group = engine.optimizer.group
+    frozen = group.frozen_keys(engine.module)
+    trained = group.trained_names()
+    keys = [
+        (key, value)
+        for key, value in engine.module.state_dict(keep_vars=True).items()
+        if not (excluded and key in frozen)
+    ]
+    return {
+        "module_keys": [key for key, _ in keys],
+        "frozen_keys": sorted(frozen),
+        "trained_keys": {key: trained[id(v)] for key, v in keys if id(v) in trained},
+        "saved": sorted(untrained),
     }
 
 
@@ -226,20 +278,6 @@ def _engine_state(engine: TrainingState) -> dict:
 
 
 # -- the commit (rank 0) -------------------------------------------------------------------------
-def _param_record(slot, group_of, segments, split, tp_ranks) -> dict:
-    """A parameter's manifest entry: its logical (whole) shape, its segments in order."""
-    shard = split.get(slot.name)
-    record = {
-        "name": slot.name,
-        "shape": list(shard.whole_shape(slot.shape) if shard else slot.shape),
-        "group": group_of[id(slot.param)],
-        "segments": sorted(segments.get(slot.name, []), key=lambda seg: (tp_ranks[seg[0]], seg[1])),
-    }
-    if shard is not None:
-        record["split"] = shard.to_list()
-    return record
-
-
 def _commit(
     engine: TrainingState,
     directory: Path,
@@ -255,18 +293,28 @@ def _commit(
         for name, start, end in report["segments"]:
             segments.setdefault(name, []).append([rank, start, end])
     tp_ranks = [report["tp_rank"] for report in written]
-    split = split_params(engine)
-    slots = sorted((s for b in group.buckets for s in b.slots), key=lambda s: s.index)
-    group_of = {id(s.param): b.group_index for b in group.buckets for s in b.slots}
-    trained = group.trained_names()
-    frozen = group.frozen_keys(engine.module)
-    excluded = frozen if written[0]["exclude_frozen"] else set()  # left out on request
-    module_keys = [
-        (key, value)
-        for key, value in engine.module.state_dict(keep_vars=True).items()
-        if key not in excluded
-    ]
-    manifest = {
+    records: dict[str, dict] = {}  # every stage's parameters, the first stage's first
+    for report in written:
+        for record in report["params"]:
+            records.setdefault(record["name"], record)
+    for name, record in records.items():
+        record["segments"] = sorted(
+            segments.get(name, []), key=lambda seg: (tp_ranks[seg[0]], seg[1])
+        )
+    # module keys of every stage; a later stage's untrained entries are in its shard file
+    modules = [(rank, w["module"]) for rank, w in enumerate(written) if w["module"] is not None]
+    module_keys = list(dict.fromkeys(k for _, m in modules for k in m["module_keys"]))
+    frozen = sorted({k for _, m in modules for k in m["frozen_keys"]})
+    trained_keys = {k: n for _, m in modules for k, n in m["trained_keys"].items()}
+    module_ranks = {
+        key: rank
+        for rank, m in reversed(modules)  # the first stage holding a key is where it is read
+        if written[rank]["module_in_shard"]
+        for key in m["saved"]
+    }
+    for key in modules[0][1]["saved"]:
+        module_ranks.pop(key, None)  # in module.safetensors
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "tag": tag,
@@ -280,11 +328,12 @@ def _commit(
         "optimizer_groups": len(group.store.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "params": [_param_record(s, group_of, segments, split, tp_ranks) for s in slots],
+        "params": list(records.values()),
         "tp_ranks": tp_ranks,
-        "module_keys": [key for key, _ in module_keys],
-        "frozen_keys": sorted(frozen),  # frozen parameters, saved in "module_keys" or not
-        "trained_keys": {key: trained[id(v)] for key, v in module_keys if id(v) in trained},
+        "module_keys": module_keys,
+        "frozen_keys": frozen,  # frozen parameters, saved in "module_keys" or not
+        "trained_keys": trained_keys,
+        "module_ranks": module_ranks,  # untrained keys in a rank's shard file, not the module's
         "roles": {
             "shard": [w["roles"]["shard"] for w in written],
             "rank_state": [w["roles"]["rank_state"] for w in written],

@@ -25,11 +25,6 @@ from zerotrain.comm.pipeline import pipeline_schedule
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.pipe.module import PipelineModule
 
-_NO_CHECKPOINTS = (
-    "{caller}: checkpoints of a pipeline engine are not implemented yet; save the whole model "
-    "with engine.consolidated_state_dict() (every stage's layers, on every rank)"
-)
-
 
 class PipelineEngine(ZeroTrainEngine):
     """The engine ``initialize`` returns for a ``PipelineModule``: train with
@@ -78,12 +73,6 @@ class PipelineEngine(ZeroTrainEngine):
         for stage_state in self.pipe_comm.all_gather_object({k: v.cpu() for k, v in own.items()}):
             merged.update(stage_state)
         return merged
-
-    def save_checkpoint(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(_NO_CHECKPOINTS.format(caller="save_checkpoint"))
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(_NO_CHECKPOINTS.format(caller="load_checkpoint"))
 
     # -- the pipeline -------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
