@@ -100,3 +100,14 @@ def run_distributed(
         if errors:
             raise AssertionError("distributed run failed:\n" + "\n".join(errors))
         return results
+
+
+def run_cases(fn, world_size: int, cases: list[tuple], **kwargs):
+    """``fn(*case)`` for every case in one spawn of ``world_size`` ranks (a spawn costs a torch
+    import per rank: a grid of cases should not pay it per case); per rank, the list of
+    results in case order. ``kwargs`` go to :func:`run_distributed`."""
+    return run_distributed(_each_case, world_size, fn, cases, **kwargs)
+
+
+def _each_case(fn, cases: list[tuple]) -> list:
+    return [fn(*case) for case in cases]

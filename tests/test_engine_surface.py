@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_cases, run_distributed
 from models import AwkwardModel, BlockModel, make_batches, relative_error, run_steps
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -567,8 +567,9 @@ def test_two_engines_where_one_loss_runs_through_both() -> None:
 
     for real, noise in _gan_batches(2):
         _gan_step(net_g, net_d, backward, opt_d.step, backward, opt_g.step, real, noise)
-    for stage in (0, 1, 2, 3):
-        for trained in run_distributed(gan_engines, 2, stage):
+    stages = (0, 1, 2, 3)
+    for per_stage in run_cases(gan_engines, 2, [(stage,) for stage in stages]):
+        for stage, trained in zip(stages, per_stage, strict=True):
             for through_engines, (state_g, state_d) in trained.items():
                 for got, want in ((state_g, net_g.state_dict()), (state_d, net_d.state_dict())):
                     for key, value in want.items():
@@ -603,8 +604,8 @@ def test_a_critic_engine_without_optimizer_on_the_students_loss_path() -> None:
         critic(student(noise)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    for stage in (0, 3):
-        for state in run_distributed(frozen_critic, 2, stage):
+    for per_stage in run_cases(frozen_critic, 2, [(0,), (3,)]):
+        for stage, state in zip((0, 3), per_stage, strict=True):
             for key, value in student.state_dict().items():
                 assert relative_error(state[key], value) < 1e-5, (stage, key)
 

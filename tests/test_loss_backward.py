@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_cases, run_distributed
 from models import (
     AwkwardModel,
     make_batches,
@@ -206,8 +206,8 @@ def no_sync_accumulation(stage: int):
 
 def test_no_sync_defers_reduction_at_stages_0_and_1():
     want = reference(2, 2)
-    for stage in (0, 1):
-        for state, error in run_distributed(no_sync_accumulation, 2, stage):
+    for per_stage in run_cases(no_sync_accumulation, 2, [(0,), (1,)]):
+        for stage, (state, error) in enumerate(per_stage):
             for key, value in want.items():
                 assert relative_error(state[key], value) < 1e-5, (stage, key)
             assert "outside engine.no_sync()" in error

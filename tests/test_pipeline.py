@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_cases, run_distributed
 from models import relative_error
 from torch import nn
 
@@ -112,11 +112,18 @@ def train(runs: list[tuple[int, str]], stages: int, tp: int = 1, heads: int = 5)
     return out
 
 
-def test_pp2_dp2_matches_single_process_at_stages_0_to_2_with_1f1b_and_gpipe():
-    want, want_losses = reference(dp=2)
+def test_pp2_dp2_and_pp2_tp2_match_single_process():
+    """pp 2 x dp 2 at stages 0-2 with 1F1B and GPipe; pp 2 x tp 2 (heads 4: tp divides them)."""
     runs = [(0, "1f1b"), (1, "gpipe"), (2, "1f1b"), (2, "gpipe")]
-    results = run_distributed(train, 4, runs, 2)
-    for rank, per_run in enumerate(results):
+    results = run_cases(train, 4, [(runs, 2), ([(1, "1f1b")], 2, 2, 4)])
+    want, want_losses = reference(dp=1, heads=4)
+    for per_run in (per_case[1] for per_case in results):
+        state, losses, _ = per_run[1, "1f1b"]
+        for key, value in want.items():
+            assert relative_error(state[key], value) < 1e-5, key
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+    want, want_losses = reference(dp=2)
+    for rank, per_run in enumerate(per_case[0] for per_case in results):
         for (stage, schedule), (state, losses, layers) in per_run.items():
             # every rank has the whole model, and the step's mean loss over the global batch
             assert state.keys() == want.keys()
@@ -125,15 +132,6 @@ def test_pp2_dp2_matches_single_process_at_stages_0_to_2_with_1f1b_and_gpipe():
             assert losses == pytest.approx(want_losses, rel=1e-5), (stage, schedule)
             # "parameters" balances the counts: the embedding and two blocks, then the rest
             assert layers == ([0, 1, 2] if rank < 2 else [3, 4, 5]), rank
-
-
-def test_pp2_tp2_matches_single_process():
-    want, want_losses = reference(dp=1, heads=4)
-    for per_run in run_distributed(train, 4, [(1, "1f1b")], 2, 2, 4):
-        state, losses, _ = per_run[1, "1f1b"]
-        for key, value in want.items():
-            assert relative_error(state[key], value) < 1e-5, key
-        assert losses == pytest.approx(want_losses, rel=1e-5)
 
 
 def test_partitions():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_cases, run_distributed
 from models import relative_error
 
 from zerotrain.config import ConfigError
@@ -170,18 +170,17 @@ def check_against_reference(results, reference, tp, kind):
     return split
 
 
-@pytest.mark.parametrize(
-    ("kind", "split_per_block"),
-    # the column-split layers' weights and biases (q/k/v, MLP in), the row-split layers'
-    # weights (their biases are added once, after the sum); Llama's layers have no biases
-    [("gpt", 6), ("gpt2", 6), ("llama", 7)],
-)
-def test_tp2_matches_single_process(kind, split_per_block):
-    want = reference(kind, dp=1)
-    split = check_against_reference(
-        run_distributed(train, 2, kind, 2, [0, 3]), want, tp=2, kind=kind
-    )
-    assert len(split) == 2 * split_per_block
+def test_tp2_matches_single_process_on_three_models():
+    # per block: the column-split layers' weights and biases (q/k/v, MLP in), the row-split
+    # layers' weights (their biases are added once, after the sum); Llama's have no biases
+    split_per_block = {"gpt": 6, "gpt2": 6, "llama": 7}
+    kinds = list(split_per_block)
+    results = run_cases(train, 2, [(kind, 2, [0, 3]) for kind in kinds])
+    for index, kind in enumerate(kinds):
+        want = reference(kind, dp=1)
+        per_rank = [per_kind[index] for per_kind in results]
+        split = check_against_reference(per_rank, want, tp=2, kind=kind)
+        assert len(split) == 2 * split_per_block[kind], kind
 
 
 def reshard(directory: str, layouts: list[tuple[int, int]]):
