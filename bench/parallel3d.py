@@ -89,7 +89,8 @@ def activation_bytes(model, x, y) -> int:
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor):
-        if tensor.is_leaf and tensor.requires_grad:  # a parameter: model state, not activation
+        base = tensor if tensor._base is None else tensor._base
+        if base.is_leaf and base.requires_grad:  # a parameter or a view of one (weight.t())
             return tensor
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's piece on this rank
         storage = local.untyped_storage()
@@ -120,43 +121,6 @@ def zerotrain_engine(model, args, tp: int, pp: int):
     )
     assert engine.dp_world_size == dp
     return engine
-
-
-class Embeddings(torch.nn.Module):
-    """The example GPT's token and position embeddings as one pipeline layer."""
-
-    def __init__(self, gpt) -> None:
-        super().__init__()
-        self.token = gpt.token_embedding
-        self.position = gpt.position_embedding
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.token(idx) + self.position(torch.arange(idx.shape[1], device=idx.device))
-
-
-def _project(embeddings: Embeddings, x: torch.Tensor) -> torch.Tensor:
-    return x @ embeddings.token.weight.t()  # the LM head is the token embedding (tied)
-
-
-def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def pipeline_gpt(gpt, stages: int):
-    """The example GPT ``gpt`` as a PipelineModule with the same weights: embeddings, blocks,
-    final norm, and the head tied to the embeddings across the first and last stage."""
-    from zerotrain.pipe import PipelineModule, TiedLayerSpec
-
-    # built modules, not LayerSpecs: the weights are the GPT's (every rank built it whole)
-    layers = [
-        TiedLayerSpec("embed", Embeddings, gpt),
-        *gpt.blocks,
-        gpt.ln_final,
-        TiedLayerSpec("embed", Embeddings, gpt, forward_fn=_project),
-    ]
-    return PipelineModule(
-        layers, num_stages=stages, loss_fn=_lm_loss, partition_method="type:Block"
-    )
 
 
 def interleave_fused_qkv(layer: torch.nn.Linear, tp: int) -> None:
@@ -230,6 +194,8 @@ def worker(args) -> None:
 
         zerotrain.init_distributed(verbose=False)
         if pp > 1:
+            from gpt.pipeline import pipeline_gpt
+
             model = pipeline_gpt(model, pp)
         engine = zerotrain_engine(model, args, tp, pp)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank

@@ -35,7 +35,14 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=1,
         help="tensor-parallel degree: ranks that split each block's attention and MLP (ZeRO "
-        "shards over the world size / tp data-parallel ranks)",
+        "shards over the world size / (tp x pp) data-parallel ranks)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: the blocks are spread over them (train_batch with 1F1B; ZeRO "
+        "stages 0-2)",
     )
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -88,9 +95,15 @@ def parse_args() -> argparse.Namespace:
         "checkpoint_every",
         "ac_every",
         "tp",
+        "pp",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.pp > 1 and args.grad_accum < args.pp:
+        parser.error(
+            f"--grad-accum ({args.grad_accum}) must be at least --pp ({args.pp}): a pipeline "
+            "step's micro-batches fill the stages"
+        )
     if args.ac_every != 1 and not args.activation_checkpointing:
         parser.error("--ac-every applies only with --activation-checkpointing")
     if args.profile and not 0 <= args.profile_step < args.steps:
@@ -142,6 +155,11 @@ def engine_config(args: argparse.Namespace) -> dict:
     }
 
 
+def layout(args: argparse.Namespace, engine) -> str:
+    """The mesh, as the summary shows it: pipeline x tensor x data parallel."""
+    return f"pp {args.pp} x tp {args.tp} x dp {engine.dp_world_size}"
+
+
 def forever(loader) -> Iterator:
     """Batches of `loader`, epoch after epoch. The loader initialize() returns shuffles each
     epoch anew and continues where a loaded checkpoint left off."""
@@ -167,11 +185,20 @@ def validation_loss(
     count = min(batches * batch_size, len(val_set))
     indices = torch.linspace(0, len(val_set) - 1, count).long().tolist()
     engine.eval()
-    losses = []
+    pairs = []
     for start in range(0, count, batch_size):
         xs, ys = zip(*(val_set[i] for i in indices[start : start + batch_size]), strict=True)
-        x, y = torch.stack(xs).to(engine.device), torch.stack(ys).to(engine.device)
-        losses.append(engine(x, y).item())
+        pairs.append((torch.stack(xs).to(engine.device), torch.stack(ys).to(engine.device)))
+    if hasattr(engine, "eval_batch"):  # a pipeline: micro-batches in groups of a step's
+        group = engine.gradient_accumulation_steps()
+        pairs = pairs[: max(group, len(pairs) // group * group)]
+        losses = [
+            engine.eval_batch(iter(pairs[i : i + group])).item()
+            for i in range(0, len(pairs), group)
+        ]
+        engine.train()
+        return sum(losses) / len(losses), len(losses) * group
+    losses = [engine(x, y).item() for x, y in pairs]
     engine.train()
     return sum(losses) / len(losses), len(losses)
 
@@ -187,6 +214,10 @@ def main() -> None:
         zerotrain.checkpointing.wrap(model, block_type=Block, every=args.ac_every)
     train_set, val_set = train_val_datasets(config.block_size, args.data)
     num_parameters = model.num_parameters()  # whole: initialize may split and shard them
+    if args.pp > 1:
+        from gpt.pipeline import pipeline_gpt
+
+        model = pipeline_gpt(model, args.pp)
     engine, _, train_loader, _ = zerotrain.initialize(
         model=model,
         model_parameters=model.parameters(),
@@ -199,7 +230,7 @@ def main() -> None:
         print(
             f"GPT '{args.model}': {num_parameters:,} parameters | ZeRO stage "
             f"{engine.zero_optimization_stage()} | {args.precision} | world {engine.world_size} "
-            + (f"(tp {args.tp} x dp {engine.dp_world_size}) " if args.tp > 1 else "")
+            + (f"({layout(args, engine)}) " if args.tp * args.pp > 1 else "")
             + f"| {engine.train_batch_size()} windows x {config.block_size} tokens per step | "
             f"{len(train_set):,} training windows",
             flush=True,
@@ -217,14 +248,18 @@ def main() -> None:
     for step in range(first_step, args.steps + 1):
         # The summary's losses are rank 0's: the mean over its micro-batches of each step
         # (the engine's line prints the mean over all ranks).
+        if args.pp > 1:  # the schedule runs the step's micro-batches through the stages
+            pairs = ((x.to(engine.device), y.to(engine.device)) for x, y in batches)
+            step_losses.append(engine.train_batch(pairs).item())
         micro_losses = []
-        for _ in range(engine.gradient_accumulation_steps()):
+        for _ in range(engine.gradient_accumulation_steps() if args.pp == 1 else 0):
             x, y = (t.to(engine.device) for t in next(batches))
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             micro_losses.append(loss.item())
-        step_losses.append(sum(micro_losses) / len(micro_losses))
+        if micro_losses:
+            step_losses.append(sum(micro_losses) / len(micro_losses))
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
             saved = time.perf_counter()
             path = engine.save_checkpoint(args.checkpoint_dir)
@@ -245,11 +280,7 @@ def main() -> None:
         rows = [
             ("ZeRO stage", engine.zero_optimization_stage()),
             ("world size", engine.world_size),
-            *(
-                [("tensor x data parallel", f"{args.tp} x {engine.dp_world_size}")]
-                if args.tp > 1
-                else []
-            ),
+            *([("parallelism", layout(args, engine))] if args.tp * args.pp > 1 else []),
             ("parameters", f"{num_parameters:,}"),
             ("precision", args.precision),
             ("first loss", f"{step_losses[0]:.4f}"),

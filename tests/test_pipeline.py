@@ -263,6 +263,12 @@ def test_checkpoint_of_pp2_dp2_loads_at_other_stage_counts(tmp_path):
     results = run_distributed(reshard, 4, str(tmp_path), layouts)
     want_loss, want = results[0][2, 1, 1]
     assert "5.factor" in results[0]["saved"]  # the last stage's buffer came back
+    from zerotrain.checkpoint.export import read_state_dict
+
+    exported = read_state_dict(tmp_path, tag="pp2")  # one process, the whole model
+    assert exported.keys() == results[0]["saved"].keys()
+    for key, value in results[0]["saved"].items():
+        assert torch.equal(exported[key], value), key
     for layout in layouts:
         loss, state = results[0][layout]
         assert loss == pytest.approx(want_loss, rel=1e-5), layout

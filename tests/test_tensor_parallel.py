@@ -213,13 +213,13 @@ def test_checkpoint_of_tp2_dp2_loads_at_other_degrees_and_stages(tmp_path):
     for tp, stage in layouts:
         for key, value in results[0][tp, stage].items():
             assert relative_error(value, continued[key]) < 1e-5, (tp, stage, key)
-    # the manifest records logical shapes: a single process reads the whole model from it
-    from zerotrain.checkpoint import Manifest, ShardReader
+    # the manifest records logical shapes: one process reads (and exports) the whole model
+    from zerotrain.checkpoint.export import read_state_dict
 
-    reader = ShardReader(Manifest.read(tmp_path / "tp2"))
+    exported = read_state_dict(tmp_path, tag="tp2")
+    assert exported.keys() == results[0]["saved"].keys()
     for key, value in results[0]["saved"].items():
-        if key in reader.manifest.params:
-            assert torch.equal(reader.full(key), value), key
+        assert torch.equal(exported[key], value), key
 
 
 def test_tp2_dp2_matches_single_process_at_every_stage():
@@ -238,9 +238,11 @@ class _Peers:
 
 
 def _apply(model, tp: int, plan=None):
-    from zerotrain.tensor_parallel.plan import apply_plan, resolve_plan
+    from zerotrain.tensor_parallel.plan import apply_plan, check_matched, resolve_plan
 
-    apply_plan(model, resolve_plan(model, plan), _Peers(tp))
+    resolved, unmatched = resolve_plan(model, plan)
+    check_matched(model, bool(resolved), unmatched, automatic=plan is None)
+    apply_plan(model, resolved, _Peers(tp))
 
 
 def test_head_count_the_degree_does_not_divide_names_the_module():
@@ -278,6 +280,16 @@ def test_plans_that_match_nothing_are_errors():
         _apply(model, 2, {"blocks.*.mlp": "colwise"})
     with pytest.raises(ConfigError, match="not a tensor-parallel style"):
         _apply(model, 2, {"0": "columnwise"})
+    with pytest.raises(ConfigError, match="not a tensor-parallel style"):
+        _apply(model, 2, {"0": "divide:a,,b"})
+    with pytest.raises(ConfigError, match="tp_plan: empty"):
+        _apply(model, 2, {})
+
+
+def test_llama_key_value_heads_the_degree_does_not_divide_name_the_layer():
+    model = build("llama")  # 2 key/value heads of 6
+    with pytest.raises(ConfigError, match=r"k_proj' would give each rank 3 of its outputs"):
+        _apply(model, 4)
 
 
 def test_torch_parallel_styles_are_accepted():

@@ -220,6 +220,14 @@ def _check_pipeline(cfg: ZeroTrainConfig, stages: int) -> None:
             "fp16.enabled: fp16 loss scaling with pipeline parallelism is not supported yet; "
             "use bf16 or fp32"
         )
+    micro_batches = cfg.batch_sizes().gradient_accumulation_steps
+    if cfg.pipeline.schedule == "1f1b" and micro_batches < stages:
+        raise ConfigError(
+            f"gradient_accumulation_steps: {micro_batches}, the micro-batches of a pipeline "
+            f"step, must be at least the {stages} stages for the 1f1b schedule (more fill the "
+            "pipeline better: its idle share is (stages - 1) / (micro-batches + stages - 1)); "
+            "raise it, or use pipeline.schedule gpipe"
+        )
 
 
 def _model_parallel(mesh: Mesh, tied: dict[int, Communicator]) -> ModelParallel | None:
@@ -253,7 +261,8 @@ def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> Tens
             "tensor_parallel.autotp_size: LoRA-FA adapters (lora_fa.enabled) with tensor "
             "parallelism are not supported; use one of them"
         )
-    return parallelize(model, mesh.axis("tp"), section.tp_plan)
+    stages = mesh.axis("pp") if isinstance(model, PipelineModule) else None
+    return parallelize(model, mesh.axis("tp"), section.tp_plan, stages)
 
 
 def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:

@@ -122,7 +122,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     @property
     def dp_world_size(self) -> int:
         """The data-parallel ranks (DeepSpeed's attribute): the world over the tensor-parallel
-        degree."""
+        degree and the pipeline stages."""
         return self.optimizer.comm.world_size
 
     @property

@@ -85,7 +85,10 @@ class _CheckpointSource(_Source):
         self.where = manifest.directory
         self.trained = manifest["trained_keys"]
         problems = manifest.layout_problems()
-        ranks = sorted({seg[0] for record in manifest.params.values() for seg in record.segments})
+        ranks = sorted(
+            {seg[0] for record in manifest.params.values() for seg in record.segments}
+            | set(manifest.module_ranks.values())
+        )
         files = [manifest.file("shard", rank) for rank in ranks]
         module = manifest.optional_file("module")
         if module:
@@ -102,6 +105,9 @@ class _CheckpointSource(_Source):
         for key in manifest["module_keys"]:
             if key in self.trained:
                 self.specs[key] = (manifest.params[self.trained[key]].shape, torch.float32)
+            elif key in manifest.module_ranks:  # a later pipeline stage's, in its shard file
+                tensor = self.reader.module_tensor(key)
+                self.specs[key] = (tuple(tensor.shape), tensor.dtype)
             elif self.module is not None and key in stored:
                 piece = self.module.get_slice(key)
                 self.specs[key] = (tuple(piece.get_shape()), _DTYPES[piece.get_dtype()])
@@ -117,12 +123,19 @@ class _CheckpointSource(_Source):
 
     def pieces(self, key: str) -> Iterator[torch.Tensor]:
         name = self.trained.get(key)
+        if name is None and key in self.manifest.module_ranks:
+            yield self.reader.module_tensor(key)
+            return
         if name is None:
             if self.module is None:  # closed, or a save that wrote no module file
                 raise CheckpointError(f"{self.where}: no module file open to read {key} from")
             yield self.module.get_tensor(key)
             return
-        for _, start, end in self.manifest.params[name].segments:
+        record = self.manifest.params[name]
+        if record.split is not None:  # tensor-parallel pieces: joined into the whole
+            yield self.reader.full(name)
+            return
+        for _, start, end in record.segments:
             for _, values in self.reader.read(name, "master", start, end):
                 yield values
 

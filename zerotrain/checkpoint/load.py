@@ -19,7 +19,7 @@ import torch
 
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
 from zerotrain.checkpoint.rng import restore_rng_state
-from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS, split_params
+from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS, split_keys, split_params
 from zerotrain.ranges import overlaps
 
 if TYPE_CHECKING:
@@ -156,6 +156,13 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
                 f"{groups}; pass load_optimizer_states=False to load only the weights"
             )
 
+    split_frozen = sorted(ours & split_keys(engine.module))
+    if split_frozen:
+        problems.append(
+            f"{where}: frozen parameters split by tensor parallelism ({split_frozen[:3]}) "
+            "cannot be loaded yet; let them train (requires_grad), or load into the model "
+            "without tensor parallelism"
+        )
     ranks = {
         seg[0]
         for piece in group.master_pieces(own_shard_only=False)

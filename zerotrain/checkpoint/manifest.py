@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from safetensors import safe_open
 
 FORMAT = "zerotrain-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: tensor-parallel pieces and pipeline stages (split, tp_ranks, module_ranks)
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -120,10 +121,10 @@ class Manifest:
             raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a zerotrain checkpoint manifest")
-        if data.get("version") != VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise CheckpointError(
                 f"{path}: checkpoint format version {data.get('version')}, this zerotrain reads "
-                f"version {VERSION}"
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         try:
             return cls(data, path)

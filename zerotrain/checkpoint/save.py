@@ -160,7 +160,7 @@ def _write_rank_files(
     entries = [entry(piece, key) for piece in pieces for key in ["master", *element_keys]]
     # collective where stage 3 partitions frozen parameters: their values gather to rank 0
     untrained = group.untrained_state(engine.module, exclude_frozen, on_rank=0)
-    split_frozen = sorted(set(untrained) & _split_keys(engine.module))
+    split_frozen = sorted(set(untrained) & split_keys(engine.module))
     if split_frozen:
         raise CheckpointError(
             f"frozen parameters split by tensor parallelism ({split_frozen[:3]}) cannot be "
@@ -259,7 +259,8 @@ def split_params(engine: TrainingState) -> dict[str, TPShard]:
     return found
 
 
-def _split_keys(module: torch.nn.Module) -> set[str]:
+def split_keys(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of ``module`` that tensor parallelism split."""
     return {k for k, v in module.state_dict(keep_vars=True).items() if shard_of(v) is not None}
 
 

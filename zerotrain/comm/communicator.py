@@ -226,9 +226,9 @@ class Communicator:
         """A second group over this group's ranks. Making a group is collective over the
         default group, and the other ranks are in groups of their own (a mesh axis): each rank
         learns every rank's group, and all of them are made again, in one order."""
-        everyone: list[list[int] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, dist.get_process_group_ranks(self.group))
-        lists = sorted({tuple(ranks) for ranks in everyone if ranks is not None})
+        world = Communicator(device=self.device, stats=self.stats, log=self.log)
+        everyone = world.all_gather_object(dist.get_process_group_ranks(self.group))
+        lists = sorted({tuple(ranks) for ranks in everyone})
         return self.split([list(ranks) for ranks in lists])
 
     def split(self, rank_lists: list[list[int]]) -> Communicator:

@@ -4,10 +4,11 @@
 A mesh of shape (pp, dp, ep, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
 parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
 torchtitan place them. The ranks along one axis, the others fixed, form that axis's group:
-the data-parallel group is what ZeRO shards over. Today zerotrain trains data-parallel only, so
-every other axis has size 1; the 3D-parallelism and MoE work gives them sizes. A group is
-made the first time an axis is asked for (every rank must ask, in the same order: making
-process groups is collective); an axis that spans every rank is the world communicator itself.
+the data-parallel group is what ZeRO shards over. The tensor-parallel and pipeline axes are
+sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe); the expert axis
+waits for the MoE work. A group is made the first time an axis is asked for (every rank must
+ask, in the same order: making process groups is collective); an axis that spans every rank is
+the world communicator itself.
 """
 
 from __future__ import annotations

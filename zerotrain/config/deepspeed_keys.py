@@ -310,6 +310,12 @@ TENSOR_PARALLEL: dict[str, Accepted] = {
         "reads this key for inference only.",
         warn=True,
     ),
+    "tp_size": Accepted(
+        "Accepted while 1 (DeepSpeed's older name); the tensor-parallel degree is `autotp_size`.",
+        _equals(1),
+        "tensor parallelism by its older key",
+        "1 (set `autotp_size` instead)",
+    ),
     "tp_grain_size": Accepted(
         "zerotrain splits layers into equal pieces only (a size the degree does not divide is "
         "an error naming the layer), so there is no grain to choose."

@@ -618,7 +618,7 @@ class ZeroTrainConfig(Section):
     """Forward/backward passes whose gradients are summed before each optimizer step."""
     data_parallel_size: PositiveInt | None = None
     """DeepSpeed: the data-parallel size of a device mesh with model parallelism. When given it
-    must equal the world size over `tensor_parallel.autotp_size`."""
+    must equal the world size over `tensor_parallel.autotp_size` and the pipeline stages."""
     optimizer: OptimizerConfig | None = None
     """Optimizer to build; leave out when passing a torch optimizer to the engine."""
     scheduler: SchedulerConfig | None = None
@@ -708,8 +708,8 @@ class ZeroTrainConfig(Section):
         tp = self.tensor_parallel.autotp_size
         if tp > 1 and world_size % tp:
             raise ConfigError(
-                f"tensor_parallel.autotp_size: {tp} does not divide the {world_size} ranks; "
-                "choose a degree that divides the world size"
+                f"tensor_parallel.autotp_size: {tp} does not divide the {world_size} ranks "
+                "(of one pipeline stage); choose a degree that divides them"
             )
         sizes = resolve_batch_sizes(
             self.train_batch_size,

@@ -84,6 +84,8 @@ class PipelineEngine(ZeroTrainEngine):
         self._running = True
         try:
             self._run(self._pipeline().step, inputs, labels, losses)
+            for loss in losses:  # this step's, for its throughput line (the last stage's)
+                self.metrics.observe_loss(loss.detach())
             steps = self.gradient_accumulation_steps()
             for micro in range(steps):  # count the micro-steps; the last one updates
                 self.set_gradient_accumulation_boundary(micro == steps - 1)
@@ -147,6 +149,11 @@ class PipelineEngine(ZeroTrainEngine):
                 self._data = _repeating(self.training_dataloader)
             data_iter = self._data
         pairs = [next(data_iter) for _ in range(self.gradient_accumulation_steps())]
+        if not all(isinstance(p, tuple | list) and len(p) == 2 for p in pairs):
+            raise TypeError(
+                "train_batch / eval_batch: each micro-batch must be an (inputs, labels) pair of "
+                f"tensors, got {type(pairs[0]).__name__}"
+            )
         inputs = torch.cat([torch.as_tensor(x) for x, _ in pairs]).to(self.device)
         labels = torch.cat([torch.as_tensor(y) for _, y in pairs]).to(self.device)
         return inputs, labels
@@ -157,8 +164,6 @@ class PipelineEngine(ZeroTrainEngine):
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
             loss = torch.stack([t.detach().float() for t in losses]).mean()
-            for value in losses:
-                self.metrics.observe_loss(value.detach())
             data_parallel = self.optimizer.comm
             data_parallel.all_reduce(loss)
             loss /= data_parallel.world_size

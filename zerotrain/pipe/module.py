@@ -62,6 +62,8 @@ class TiedLayerSpec(LayerSpec):
         tied_weight_attr: str | Sequence[str] = "weight",
         **kwargs: Any,
     ):
+        # every parameter of the tied module is shared (tied_weight_attr is accepted for
+        # DeepSpeed's signature; naming a subset is not supported)
         super().__init__(typename, *args, **kwargs)
         self.key, self.forward_fn = key, forward_fn
         attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else tied_weight_attr
@@ -105,16 +107,21 @@ class PipelineModule(nn.Module):
             )
         world = Communicator()
         if world.world_size % num_stages:
+            hint = (
+                "call zerotrain.init_distributed() before building it (it reads the ranks)"
+                if not world.distributed
+                else "choose a number of stages that divides it"
+            )
             raise ConfigError(
                 f"PipelineModule: num_stages {num_stages} does not divide the "
-                f"{world.world_size} ranks; choose a number of stages that divides it"
+                f"{world.world_size} ranks; {hint}"
             )
         self.num_stages = num_stages
         self.stage_id = world.rank // (world.world_size // num_stages)
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
-        self.dynamic_shape = dynamic_shape
+        self.dynamic_shape = dynamic_shape  # accepted: shapes are inferred at the first batch
         self._specs = list(layers)
         self.parts = partition(self._specs, num_stages, partition_method)
         start, stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]

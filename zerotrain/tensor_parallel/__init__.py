@@ -21,6 +21,7 @@ from zerotrain.tensor_parallel.plan import (
     Rowwise,
     Style,
     apply_plan,
+    check_matched,
     is_split,
     parse_style,
     resolve_plan,
@@ -71,18 +72,29 @@ class TensorParallel:
 
 
 def parallelize(
-    model: nn.Module, comm: Communicator, plan: Mapping[str, object] | None = None
+    model: nn.Module,
+    comm: Communicator,
+    plan: Mapping[str, object] | None = None,
+    stages: Communicator | None = None,
 ) -> TensorParallel:
     """Split ``model`` in place over the tensor-parallel group ``comm`` as ``plan`` says (None:
     the automatic plan). Every value is first broadcast from the group's first rank, so that
-    the peers cut the same tensors."""
+    the peers cut the same tensors. ``stages``: the pipeline stages of a PipelineModule, each
+    holding some of the layers; the plan must match somewhere, not on every stage (decided
+    together, so that every rank raises alike)."""
     if any(is_init_partitioned(p) for p in model.parameters()):
         raise ConfigError(
             "tensor_parallel.autotp_size: the model was built under zerotrain.zero.Init, whose "
             "partitioned parameters tensor parallelism cannot split; build it without "
             "zero.Init (ZeRO stage 3 still partitions it at initialize)"
         )
-    resolved = resolve_plan(model, plan)
+    resolved, unmatched = resolve_plan(model, plan)
+    matched_any = bool(resolved)
+    if stages is not None:
+        reports = stages.all_gather_object((matched_any, unmatched))
+        matched_any = any(matched for matched, _ in reports)
+        unmatched = sorted(set.intersection(*(set(names) for _, names in reports)))
+    check_matched(model, matched_any, unmatched, automatic=plan is None)
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, src=comm.root)
     apply_plan(model, resolved, comm)

@@ -86,8 +86,9 @@ def parse_style(value: object, where: str) -> Style:
         return Colwise(int(arg) if arg else 1)
     if name == "rowwise" and not arg:
         return Rowwise()
-    if name == "divide" and arg:
-        return Divide(tuple(arg.split(",")))
+    names = tuple(arg.split(","))
+    if name == "divide" and all(n.isidentifier() for n in names):
+        return Divide(names)
     raise ConfigError(
         f'{where}: {value!r} is not a tensor-parallel style; use "colwise", "colwise:N" (a '
         'fused projection of N blocks), "rowwise" or "divide:attr,..." (or torch\'s '
@@ -95,11 +96,19 @@ def parse_style(value: object, where: str) -> Style:
     )
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, object] | None) -> dict[str, Style]:
+def resolve_plan(
+    model: nn.Module, plan: Mapping[str, object] | None
+) -> tuple[dict[str, Style], list[str]]:
     """Module name -> style: ``plan``'s patterns matched against ``model``'s modules, or the
-    automatic plan (see [Note: tensor-parallel plans]). ConfigError when nothing matches."""
+    automatic plan (see [Note: tensor-parallel plans]); and the patterns that matched nothing.
+    A pipeline stage sees only its layers: :func:`check_matched` decides over every stage."""
     resolved: dict[str, Style] = {}
     if plan is not None:
+        if not plan:
+            raise ConfigError(
+                "tensor_parallel.tp_plan: empty, so nothing would be split; name the layers to "
+                "split, or leave tp_plan out for the automatic plan"
+            )
         styles = {k: parse_style(v, f"tensor_parallel.tp_plan.{k}") for k, v in plan.items()}
         for name, _ in model.named_modules():
             hits = [
@@ -113,13 +122,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object] | None) -> dict[st
             if hits:
                 resolved[name] = hits[0]
         unmatched = [k for k in styles if not any(fnmatch.fnmatchcase(n, k) for n in resolved)]
-        if unmatched:
-            raise ConfigError(
-                f"tensor_parallel.tp_plan: {unmatched} match no module of "
-                f"{type(model).__name__}; patterns are qualified module names such as "
-                f"{_example_names(model)}"
-            )
-        return resolved
+        return resolved, unmatched
     for name, module in model.named_modules():
         children = dict(module.named_children())
         for layers, attributes in _AUTO_RULES:
@@ -130,14 +133,25 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object] | None) -> dict[st
                 if present:
                     resolved[name] = Divide(present)
                 break
-    if not resolved:
+    return resolved, []
+
+
+def check_matched(model: nn.Module, matched_any: bool, unmatched: list[str], automatic: bool):
+    """ConfigError when the plan split nothing, or names patterns that matched nothing (over
+    every pipeline stage: the caller gathers ``matched_any`` and ``unmatched``)."""
+    if unmatched:
+        raise ConfigError(
+            f"tensor_parallel.tp_plan: {unmatched} match no module of "
+            f"{type(model).__name__}; patterns are qualified module names such as "
+            f"{_example_names(model)}"
+        )
+    if not matched_any and automatic:
         raise ConfigError(
             f"tensor_parallel.autotp_size: no layer of {type(model).__name__} matches the "
             "automatic plan (GPT-2, Llama-shaped and zerotrain's example GPT blocks); give "
             'tensor_parallel.tp_plan, e.g. {"blocks.*.attn.qkv": "colwise:3", '
             '"blocks.*.attn.proj": "rowwise"}'
         )
-    return resolved
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Style], comm: Communicator) -> None:
@@ -263,6 +277,23 @@ def _check_head_counts(model: nn.Module, plan: dict[str, Style], tp: int) -> Non
                     f"{tp} does not divide, so its heads cannot be split; choose "
                     "tensor_parallel.autotp_size dividing it"
                 )
+        # a module that keeps the head count in its config (transformers' Llama) has head_dim:
+        # each rank's piece of a split projection must hold whole heads
+        head_dim = getattr(module, "head_dim", None)
+        for child_name, child in module.named_children():
+            style = plan.get(prefix + child_name)
+            if isinstance(head_dim, int) and isinstance(style, Colwise):
+                out_dim, _ = _feature_dims(child, prefix + child_name)
+                weight = _param(child, "weight")
+                assert weight is not None  # a linear layer (_feature_dims)
+                width = weight.shape[out_dim] // style.chunks  # split already: a piece
+                if width % head_dim:
+                    raise ConfigError(
+                        f"tensor parallelism: {prefix + child_name!r} would give each rank "
+                        f"{width} of its outputs, not whole heads of {head_dim}: its head count "
+                        f"is not divisible by tp degree {tp}; choose "
+                        "tensor_parallel.autotp_size dividing the number of (key/value) heads"
+                    )
 
 
 def _example_names(model: nn.Module) -> list[str]:

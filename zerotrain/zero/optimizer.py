@@ -235,11 +235,13 @@ class ZeroOptimizer:
 
     def end_access(self, access, modifier_rank: int | None) -> None:
         """Finish :meth:`begin_access`; with ``modifier_rank``, that rank's (possibly changed)
-        values become every rank's parameters, master weights included."""
+        values become every rank's parameters, master weights included. ``modifier_rank`` is a
+        rank of the data-parallel group (the world's, without model parallelism)."""
         buckets, gathered_here = access
         if modifier_rank is not None:
+            source = self.comm.global_rank_of(modifier_rank)
             for bucket in buckets:
-                self.comm.broadcast(bucket.flat_param, src=modifier_rank)
+                self.comm.broadcast(bucket.flat_param, src=source)
                 self.group.residency.take_values(bucket)
             # the masters too (a no-op where they are the model's own fp32 shards)
             for index, bucket in enumerate(self.buckets):
