@@ -16,7 +16,15 @@ out); and bytes per axis
 per rank per step: all-reduces (tensor-parallel activations, with pipelines the tied embeddings'
 gradient sum across the first and last stage, and a few 4-byte norms and losses) and
 data-parallel reduce-scatters / all-gathers
-as zerotrain's communicator counted them, against the formulas ([Note: bytes per axis]). The
+as zerotrain's communicator counted them, against the formulas ([Note: the bubble measured]
+A pipeline stage waits while the pipeline fills and drains: with m micro-batches over p stages of
+equal cost it computes m / (m + p - 1) of the step (both schedules; 1F1B holds fewer
+activations). The measured share is a rank's forward and backward seconds (the engine's own
+timings) over the step time. On this machine 4 processes share 2 cores, so a waiting stage
+gives its core to the others: the measured share mixes the bubble with that sharing, and the
+stage-to-stage traffic counts as waiting.
+
+[Note: bytes per axis]). The
 loss after the last step shows that the layouts train the same model. `pp*` rows train the
 GPT as a PipelineModule (embeddings, blocks, final norm, and the head tied to the embeddings
 across the first and last stage; the blocks spread evenly) with `--schedule`; a stage's
@@ -181,6 +189,26 @@ def clip_dtensor_grads(params: list[torch.Tensor], max_norm: float) -> None:
             grad.mul_(coefficient)
 
 
+def count_compute(engine) -> list[float]:
+    """The seconds of every forward and backward the engine runs from now on, appended to the
+    returned list: the engine's own timings (what its throughput line reports), tapped."""
+    seconds: list[float] = []
+    metrics = engine.metrics
+    observe_forward, add_time = metrics.observe_forward, metrics.add_time
+
+    def forward_timed(args, kwargs, spent):
+        seconds.append(spent)
+        observe_forward(args, kwargs, spent)
+
+    def backward_timed(phase, spent):
+        if phase == "backward":
+            seconds.append(spent)
+        add_time(phase, spent)
+
+    metrics.observe_forward, metrics.add_time = forward_timed, backward_timed
+    return seconds
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     from gpt.model import GPT, gpt_config
@@ -228,10 +256,13 @@ def worker(args) -> None:
     else:
         optimizer.zero_grad()
     times = []
+    busy = count_compute(engine) if pp > 1 else None
     for step in range(total):
         losses = []  # this rank's micro-batch losses of the step
         if step == args.warmup and system == "zerotrain":
             engine.comm.reset_stats()
+            if busy is not None:
+                busy.clear()
         dist.barrier()
         start = time.perf_counter()
         if pp > 1:  # the schedule runs every micro-batch and steps
@@ -254,6 +285,8 @@ def worker(args) -> None:
         times.append(time.perf_counter() - start)
     result = {
         "seconds": times[args.warmup :],
+        # a stage's forward and backward seconds per timed step ([Note: the bubble measured])
+        "busy": None if busy is None else sum(busy) / args.steps,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "activation_bytes": activations,
         "loss": sum(losses) / len(losses),  # of the last step
@@ -324,6 +357,11 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
         else max(r["activation_bytes"] for r in ranks),
         # the last step's loss over the global batch (tensor-parallel peers hold equal ones)
         "loss": statistics.fmean(r["loss"] for r in ranks),
+        # pipelines: the share of the step each stage computed, the slowest stage's median step
+        # as the step (the rest is the bubble, and the stage-to-stage traffic)
+        "busy_share": None
+        if ranks[0]["busy"] is None
+        else [r["busy"] / max(statistics.median(q["seconds"]) for q in ranks) for r in ranks],
         "ops": ranks[0]["ops"],
     }
     if system == "zerotrain":
@@ -337,6 +375,7 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
             tied = (config.vocab_size + config.block_size) * config.n_embd
             tp_formula += tied * 4 // row["dp"]
         row.update(
+            micro_batches=r0["accum"],
             model_states=max(r["model_states"] for r in ranks),
             states_vs_formula=r0["model_states"] / r0["formula"],
             tp_bytes=r0["tp_bytes"],
@@ -415,6 +454,15 @@ def main() -> None:
     print("|---" * len(columns) + "|")
     for r in rows:
         print("| " + " | ".join(cells(r, base)) + " |")
+    pipelines = [r for r in rows if r["pp"] > 1]
+    if pipelines:
+        print(f"\nPipeline busy share per rank ({args.schedule}), against the bubble formula:")
+        print("| layout | micro-batches m | stages p | measured, per rank | m / (m + p - 1) |")
+        print("|---|---|---|---|---|")
+        for r in pipelines:
+            measured = ", ".join(f"{share:.2f}" for share in r["busy_share"])
+            m, p = r["micro_batches"], r["pp"]
+            print(f"| {r['layout']} | {m} | {p} | {measured} | {m / (m + p - 1):.2f} |")
     for name, why in skipped.items():
         print(f"- {name}: {why}")
     results = ROOT / "bench" / "results" / "parallel3d.json"

@@ -93,14 +93,25 @@ def micro_batches(batch: torch.Tensor, dp: int, dp_rank: int):
         yield window[:, :-1], window[:, 1:]
 
 
-def train(runs: list[tuple[int, str]], stages: int, tp: int = 1, heads: int = 5):
+def train(
+    runs: list[tuple[int, str]],
+    stages: int,
+    tp: int = 1,
+    heads: int = 5,
+    partition: str = "parameters",
+):
     import zerotrain
     from zerotrain.pipe import PipelineModule
 
     out = {}
     for stage, schedule in runs:
         model = PipelineModule(
-            layer_specs(heads), num_stages=stages, loss_fn=loss_fn, seed_layers=True, base_seed=SEED
+            layer_specs(heads),
+            num_stages=stages,
+            loss_fn=loss_fn,
+            seed_layers=True,
+            base_seed=SEED,
+            partition_method=partition,
         )
         engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule, tp))
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
@@ -113,15 +124,20 @@ def train(runs: list[tuple[int, str]], stages: int, tp: int = 1, heads: int = 5)
 
 
 def test_pp2_dp2_and_pp2_tp2_match_single_process():
-    """pp 2 x dp 2 at stages 0-2 with 1F1B and GPipe; pp 2 x tp 2 (heads 4: tp divides them)."""
+    """pp 2 x dp 2 at stages 0-2 with 1F1B and GPipe; pp 2 x tp 2 (heads 4: tp divides them),
+    also with the head alone on stage 1, where the tensor-parallel plan matches nothing."""
     runs = [(0, "1f1b"), (1, "gpipe"), (2, "1f1b"), (2, "gpipe")]
-    results = run_cases(train, 4, [(runs, 2), ([(1, "1f1b")], 2, 2, 4)])
+    tp_runs = [([(1, "1f1b")], 2, 2, 4), ([(1, "1f1b")], 2, 2, 4, "type:Embedding")]
+    results = run_cases(train, 4, [(runs, 2), *tp_runs])
     want, want_losses = reference(dp=1, heads=4)
-    for per_run in (per_case[1] for per_case in results):
-        state, losses, _ = per_run[1, "1f1b"]
-        for key, value in want.items():
-            assert relative_error(state[key], value) < 1e-5, key
-        assert losses == pytest.approx(want_losses, rel=1e-5)
+    for rank, per_case in enumerate(results):
+        for case in (1, 2):
+            state, losses, layers = per_case[case][1, "1f1b"]
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (case, key)
+            assert losses == pytest.approx(want_losses, rel=1e-5), case
+            if case == 2:
+                assert layers == ([0, 1, 2, 3, 4] if rank < 2 else [5]), rank
     want, want_losses = reference(dp=2)
     for rank, per_run in enumerate(per_case[0] for per_case in results):
         for (stage, schedule), (state, losses, layers) in per_run.items():
