@@ -290,3 +290,41 @@ def test_checkpoint_of_pp2_dp2_loads_at_other_stage_counts(tmp_path):
         assert loss == pytest.approx(want_loss, rel=1e-5), layout
         for key, value in want.items():
             assert relative_error(state[key], value) < 1e-5, (layout, key)
+
+
+def train_fp16():
+    """pp 2 x dp 2 in fp16 with dynamic loss scaling: the scale goes on each micro-batch's
+    loss and comes off in the step (gradient norms are unscaled)."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    model = PipelineModule(layer_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True)
+    settings = config(1, "1f1b")
+    settings["fp16"] = {"enabled": True, "initial_scale_power": 10}
+    engine, *_ = zerotrain.initialize(model=model, config=settings)
+    dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+    norms = []
+    for batch in batches(dp):
+        engine.train_batch(micro_batches(batch, dp, dp_rank))
+        norms.append(engine.get_global_grad_norm())
+    return norms, engine.skipped_steps, engine.consolidated_state_dict()
+
+
+def test_fp16_loss_scaling_through_the_pipeline():
+    model = reference_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
+    want_norms = []
+    for batch in batches(2):
+        for chunk in range(ACCUM * 2):
+            window = batch[chunk * MICRO : (chunk + 1) * MICRO]
+            (loss_fn(model(window[:, :-1]), window[:, 1:]) / (ACCUM * 2)).backward()
+        want_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    for norms, skipped, state in run_distributed(train_fp16, 4):
+        assert skipped == 0
+        # fp16 activations: close to fp32, not equal (measured: norms 2.5e-4, weights 7e-4);
+        # a scale applied twice or not removed is off by 1024x (or 4x, the micro-batches)
+        assert norms == pytest.approx(want_norms, rel=2e-3)
+        for key, value in model.state_dict().items():
+            assert relative_error(state[key], value) < 5e-3, key

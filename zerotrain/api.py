@@ -215,11 +215,6 @@ def _check_pipeline(cfg: ZeroTrainConfig, stages: int) -> None:
             "order assumes one forward then one backward per micro-batch, which 1F1B breaks); "
             "use stage 0, 1 or 2"
         )
-    if cfg.fp16.enabled:
-        raise ConfigError(
-            "fp16.enabled: fp16 loss scaling with pipeline parallelism is not supported yet; "
-            "use bf16 or fp32"
-        )
     micro_batches = cfg.batch_sizes().gradient_accumulation_steps
     if cfg.pipeline.schedule == "1f1b" and micro_batches < stages:
         raise ConfigError(

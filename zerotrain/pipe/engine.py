@@ -39,6 +39,7 @@ class PipelineEngine(ZeroTrainEngine):
         self._schedule = None  # built at the first batch (shapes are inferred then)
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
+        self._losses: list[torch.Tensor] = []  # the current batch's, on the last stage
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -80,12 +81,12 @@ class PipelineEngine(ZeroTrainEngine):
         ``(inputs, labels)`` from ``data_iter`` (default: the engine's dataloader), read on the
         first (inputs) and last (labels) stages. Returns the step's mean loss on every rank."""
         inputs, labels = self._next_batch(data_iter)
-        losses: list[torch.Tensor] = []
+        losses = self._losses = []  # the loss function fills it (the last stage)
         self._running = True
         try:
-            self._run(self._pipeline().step, inputs, labels, losses)
-            for loss in losses:  # this step's, for its throughput line (the last stage's)
-                self.metrics.observe_loss(loss.detach())
+            self._run(self._pipeline().step, inputs, labels)
+            for loss in losses:  # this step's, for its throughput line
+                self.metrics.observe_loss(loss)
             steps = self.gradient_accumulation_steps()
             for micro in range(steps):  # count the micro-steps; the last one updates
                 self.set_gradient_accumulation_boundary(micro == steps - 1)
@@ -101,11 +102,11 @@ class PipelineEngine(ZeroTrainEngine):
         if return_logits:
             raise NotImplementedError("eval_batch(return_logits=True) is not supported yet")
         inputs, labels = self._next_batch(data_iter)
-        losses: list[torch.Tensor] = []
+        losses = self._losses = []
         self._running = True
         try:
             with torch.no_grad():
-                self._run(self._pipeline().eval, inputs, labels, losses)
+                self._run(self._pipeline().eval, inputs, labels)
         finally:
             self._running = False
         return self._mean_loss(losses)
@@ -114,8 +115,7 @@ class PipelineEngine(ZeroTrainEngine):
         if self._schedule is None:
             module = self.module
             assert isinstance(module, PipelineModule)  # initialize makes this engine for one
-            loss_fn = module.loss_fn
-            if loss_fn is None:
+            if module.loss_fn is None:
                 raise ValueError("PipelineModule(loss_fn=...) is required to train it")
             self._schedule = pipeline_schedule(
                 self,
@@ -123,16 +123,40 @@ class PipelineEngine(ZeroTrainEngine):
                 self.device,
                 self._schedule_name,
                 self.gradient_accumulation_steps(),
-                loss_fn,
-                on_backward=self.set_gradient_accumulation_boundary,
+                self._loss,
+                on_backward=self._before_backward,
             )
         return self._schedule
 
-    def _run(self, run, inputs, labels, losses: list) -> None:
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The model's loss of a micro-batch, kept for the step's mean; under fp16 loss scaling
+        what autograd starts from carries the scale and the 1/accumulation (see
+        :meth:`_before_backward`)."""
+        module = self.module
+        assert isinstance(module, PipelineModule) and module.loss_fn is not None
+        loss = module.loss_fn(output, target)
+        self._losses.append(loss.detach().float())
+        if self._fp16_scaled() and torch.is_grad_enabled():
+            return loss.float() * (self.optimizer.loss_scale / self.gradient_accumulation_steps())
+        return loss
+
+    def _fp16_scaled(self) -> bool:
+        return self.optimizer.loss_scaler.dynamic or self.optimizer.loss_scale != 1.0
+
+    def _before_backward(self, last: bool) -> None:
+        """Each backward of the schedule: the last one ends the accumulation. Under fp16 the
+        loss already carries both factors (:meth:`_loss`), as ``engine.scale(loss)`` puts them
+        (see [Note: loss.backward() without engine.backward] in backward.py); on every stage
+        the gradients arriving from the next one carry them too."""
+        self.set_gradient_accumulation_boundary(last)
+        if self._fp16_scaled():
+            self._backward.user_scaled = True
+
+    def _run(self, run, inputs, labels) -> None:
         first, last = self.is_first_stage(), self.is_last_stage()
         args = (inputs,) if first else ()
         if last:
-            run(*args, target=labels, losses=losses)
+            run(*args, target=labels)
         else:
             run(*args)
 
@@ -163,7 +187,7 @@ class PipelineEngine(ZeroTrainEngine):
         sent to every stage."""
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            loss = torch.stack([t.detach().float() for t in losses]).mean()
+            loss = torch.stack(losses).mean()
             data_parallel = self.optimizer.comm
             data_parallel.all_reduce(loss)
             loss /= data_parallel.world_size
