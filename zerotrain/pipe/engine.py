@@ -39,7 +39,6 @@ class PipelineEngine(ZeroTrainEngine):
         self._schedule = None  # built at the first batch (shapes are inferred then)
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
-        self._losses: list[torch.Tensor] = []  # the current batch's, on the last stage
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -81,12 +80,15 @@ class PipelineEngine(ZeroTrainEngine):
         ``(inputs, labels)`` from ``data_iter`` (default: the engine's dataloader), read on the
         first (inputs) and last (labels) stages. Returns the step's mean loss on every rank."""
         inputs, labels = self._next_batch(data_iter)
-        losses = self._losses = []  # the loss function fills it (the last stage)
+        losses: list[torch.Tensor] = []  # the schedule fills it (the last stage)
         self._running = True
         try:
-            self._run(self._pipeline().step, inputs, labels)
+            self._run(self._pipeline().step, inputs, labels, losses)
+            if self._fp16_scaled():  # as the loss function returned them: scaled
+                unscale = self.gradient_accumulation_steps() / self.optimizer.loss_scale
+                losses = [loss.detach().float() * unscale for loss in losses]
             for loss in losses:  # this step's, for its throughput line
-                self.metrics.observe_loss(loss)
+                self.metrics.observe_loss(loss.detach())
             steps = self.gradient_accumulation_steps()
             for micro in range(steps):  # count the micro-steps; the last one updates
                 self.set_gradient_accumulation_boundary(micro == steps - 1)
@@ -102,11 +104,11 @@ class PipelineEngine(ZeroTrainEngine):
         if return_logits:
             raise NotImplementedError("eval_batch(return_logits=True) is not supported yet")
         inputs, labels = self._next_batch(data_iter)
-        losses = self._losses = []
+        losses: list[torch.Tensor] = []
         self._running = True
         try:
             with torch.no_grad():
-                self._run(self._pipeline().eval, inputs, labels)
+                self._run(self._pipeline().eval, inputs, labels, losses)
         finally:
             self._running = False
         return self._mean_loss(losses)
@@ -129,13 +131,11 @@ class PipelineEngine(ZeroTrainEngine):
         return self._schedule
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The model's loss of a micro-batch, kept for the step's mean; under fp16 loss scaling
-        what autograd starts from carries the scale and the 1/accumulation (see
-        :meth:`_before_backward`)."""
+        """The model's loss of a micro-batch; under fp16 loss scaling, in training, times the
+        scale and 1/accumulation: what autograd starts from (see :meth:`_before_backward`)."""
         module = self.module
         assert isinstance(module, PipelineModule) and module.loss_fn is not None
         loss = module.loss_fn(output, target)
-        self._losses.append(loss.detach().float())
         if self._fp16_scaled() and torch.is_grad_enabled():
             return loss.float() * (self.optimizer.loss_scale / self.gradient_accumulation_steps())
         return loss
@@ -152,11 +152,11 @@ class PipelineEngine(ZeroTrainEngine):
         if self._fp16_scaled():
             self._backward.user_scaled = True
 
-    def _run(self, run, inputs, labels) -> None:
+    def _run(self, run, inputs, labels, losses: list) -> None:
         first, last = self.is_first_stage(), self.is_last_stage()
         args = (inputs,) if first else ()
         if last:
-            run(*args, target=labels)
+            run(*args, target=labels, losses=losses)
         else:
             run(*args)
 
@@ -187,7 +187,7 @@ class PipelineEngine(ZeroTrainEngine):
         sent to every stage."""
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            loss = torch.stack(losses).mean()
+            loss = torch.stack([t.detach().float() for t in losses]).mean()
             data_parallel = self.optimizer.comm
             data_parallel.all_reduce(loss)
             loss /= data_parallel.world_size
