@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_cases, run_distributed
 from models import AwkwardModel, make_batches, param_groups, relative_error, run_steps
 from test_parity import ACCUM, BETAS, CLIP, EPS, LR, MICRO, STEPS, WD, reference
 from test_precision import train_fp16_with_overflow
@@ -124,32 +124,37 @@ def test_offload_equals_in_memory_bit_for_bit(world):
                 assert relative_error(base["state"][key], value) < 1e-5, (stage, key)
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_stage3_parameter_offload_equals_in_memory_bit_for_bit(device):
-    base = run_distributed(train_variants, 2, [3], ["none"])
-    section = {"device": device}
-    if device == "nvme":  # two buffers, reused for every bucket
-        section.update(nvme_path=tempfile.mkdtemp(prefix="zerotrain-nvme-"), buffer_count=2)
-    zero = {"offload_param": section}
-    offloaded = run_distributed(train_variants, 2, [3], ["none", "cpu", "nvme"], None, zero)
-    for want, got in zip(base, offloaded, strict=True):
-        in_memory = want[(3, "none")]
-        for name in ("none", "cpu", "nvme"):
-            result = got[(3, name)]
-            for key, value in in_memory["state"].items():
-                assert torch.equal(result["state"][key], value), (name, key)
-            assert result["norms"] == in_memory["norms"], name
-            # every unit is sharded (persistence threshold 0): no shard is on the device
-            params = in_memory["memory"]["parameters"]
-            assert result["memory"]["parameters"] == 0 and params > 0, name
-            if device == "cpu":
-                assert result["memory"]["offloaded"] >= params, name
-                continue
-            # on NVMe: in the file, read at each gather; the host holds two buffers
-            home = result["param_home"]
-            assert result["memory"]["disk"] >= params, name
-            assert home["bytes_read"] > 0 and home["buffers"] == 2, (name, home)
-            assert home["buffer_bytes"] < params, (name, home)  # one bucket's shard
+def test_stage3_parameter_offload_equals_in_memory_bit_for_bit():
+    devices = ["cpu", "nvme"]
+    cases = [([3], ["none"])]
+    for device in devices:
+        section = {"device": device}
+        if device == "nvme":  # two buffers, reused for every bucket
+            section.update(nvme_path=tempfile.mkdtemp(prefix="zerotrain-nvme-"), buffer_count=2)
+        cases.append(([3], ["none", "cpu", "nvme"], None, {"offload_param": section}))
+    for base, *per_device in run_cases(train_variants, 2, cases):  # per rank
+        for device, got in zip(devices, per_device, strict=True):
+            _check_parameter_offload(base[(3, "none")], got, device)
+
+
+def _check_parameter_offload(in_memory: dict, got: dict, device: str) -> None:
+    """One rank's results with the parameter shards on ``device``, against in-memory ones."""
+    for name in ("none", "cpu", "nvme"):
+        result = got[(3, name)]
+        for key, value in in_memory["state"].items():
+            assert torch.equal(result["state"][key], value), (name, key)
+        assert result["norms"] == in_memory["norms"], name
+        # every unit is sharded (persistence threshold 0): no shard is on the device
+        params = in_memory["memory"]["parameters"]
+        assert result["memory"]["parameters"] == 0 and params > 0, name
+        if device == "cpu":
+            assert result["memory"]["offloaded"] >= params, name
+            continue
+        # on NVMe: in the file, read at each gather; the host holds two buffers
+        home = result["param_home"]
+        assert result["memory"]["disk"] >= params, name
+        assert home["bytes_read"] > 0 and home["buffers"] == 2, (name, home)
+        assert home["buffer_bytes"] < params, (name, home)  # one bucket's shard
 
 
 def test_offload_bf16_equals_in_memory_bit_for_bit():
@@ -161,15 +166,15 @@ def test_offload_bf16_equals_in_memory_bit_for_bit():
             assert torch.equal(got["state"][key], value), key
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_fp16_overflow_skips_the_offloaded_step_on_every_rank(tmp_path, device):
-    offload = {"device": device, "nvme_path": str(tmp_path)}
-    for stage in (1, 3):
-        logs = run_distributed(
-            train_fp16_with_overflow, 2, stage, 1, 1, {"offload_optimizer": offload}
-        )
-        for rank_log in logs:
-            assert [e["changed"] for e in rank_log] == [True, False, True, True], stage
+def test_fp16_overflow_skips_the_offloaded_step_on_every_rank(tmp_path):
+    cases = [
+        (stage, 1, 1, {"offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}})
+        for device in ("cpu", "nvme")
+        for stage in (1, 3)
+    ]
+    for per_case in run_cases(train_fp16_with_overflow, 2, cases):
+        for case, rank_log in zip(cases, per_case, strict=True):
+            assert [e["changed"] for e in rank_log] == [True, False, True, True], case
             assert rank_log[-1]["skipped"] == 1
             assert all(e["finite"] for e in rank_log)
 
