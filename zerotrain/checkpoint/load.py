@@ -19,7 +19,12 @@ import torch
 
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
 from zerotrain.checkpoint.rng import restore_rng_state
-from zerotrain.checkpoint.save import LAYOUT_GROUP_KEYS, split_keys, split_params
+from zerotrain.checkpoint.save import (
+    LAYOUT_GROUP_KEYS,
+    split_keys,
+    split_params,
+    tensor_parallel_rank,
+)
 from zerotrain.ranges import overlaps
 
 if TYPE_CHECKING:
@@ -213,7 +218,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         store.reset_element_state(state_keys)
     reader = ShardReader(manifest)
     split = split_params(engine)
-    tp_rank = engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
+    tp_rank = tensor_parallel_rank(engine)
     try:
         by_master: dict[int, list] = {}
         for piece in group.master_pieces(own_shard_only=False):

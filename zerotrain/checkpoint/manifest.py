@@ -206,7 +206,6 @@ class ShardReader:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self._open: dict[str, safe_open] = {}
-        self._whole: tuple[tuple[str, str], torch.Tensor] | None = None  # the last one joined
 
     def _handle(self, name: str) -> safe_open:
         if name not in self._open:
@@ -248,9 +247,7 @@ class ShardReader:
 
     def full(self, param: str, kind: str = "master") -> torch.Tensor:
         """The whole parameter (its logical shape) from its segments; a split one's pieces
-        joined (the last one is kept, for the next reads of it)."""
-        if self._whole is not None and self._whole[0] == (param, kind):
-            return self._whole[1]
+        joined."""
         record = self.manifest.params[param]
         split = record.split
         pieces = []
@@ -258,13 +255,10 @@ class ShardReader:
             parts = self._stored(record, kind, 0, record.stored_numel, tp_rank)
             pieces.append(torch.cat([values for _, values in parts]))
         if split is None:
-            whole = pieces[0].view(record.shape)
-        else:
-            shape = list(record.shape)
-            shape[split.dim] //= split.size
-            whole = split.join([piece.view(shape) for piece in pieces])
-        self._whole = ((param, kind), whole)
-        return whole
+            return pieces[0].view(record.shape)
+        shape = list(record.shape)
+        shape[split.dim] //= split.size
+        return split.join([piece.view(shape) for piece in pieces])
 
     def module_tensor(self, key: str) -> torch.Tensor:
         """A buffer or frozen parameter: from module.safetensors, or (a later pipeline stage's)
@@ -276,7 +270,6 @@ class ShardReader:
 
     def close(self) -> None:
         self._open.clear()
-        self._whole = None
 
 
 @dataclass(frozen=True)

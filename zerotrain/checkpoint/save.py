@@ -144,7 +144,7 @@ def _write_rank_files(
     group = engine.optimizer.group
     store = group.store
     element_keys = store.element_state_keys()
-    tp_rank = engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
+    tp_rank = tensor_parallel_rank(engine)
     written = _written_params(engine, tp_rank)
     pieces = [p for p in group.master_pieces(own_shard_only=True) if p.name in written]
 
@@ -210,7 +210,7 @@ def _written_params(engine: TrainingState, tp_rank: int) -> dict[str, dict]:
     ones by every tensor-parallel rank (their pieces)."""
     group = engine.optimizer.group
     split = split_params(engine)
-    tied = {b.slots[0].name: comm for index, comm in group.summed for b in [group.buckets[index]]}
+    tied = {group.buckets[index].slots[0].name: comm for index, comm in group.summed}
     records = {}
     for bucket in group.buckets:
         for slot in bucket.slots:
@@ -246,6 +246,11 @@ def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> di
         "trained_keys": {key: trained[id(v)] for key, v in keys if id(v) in trained},
         "saved": sorted(untrained),
     }
+
+
+def tensor_parallel_rank(engine: TrainingState) -> int:
+    """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
+    return engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
 
 
 def split_params(engine: TrainingState) -> dict[str, TPShard]:
