@@ -4,6 +4,7 @@ same layers as one nn.Sequential accumulating the same micro-batches."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -21,16 +22,16 @@ STEPS, MICRO, ACCUM, SEQ, VOCAB, WIDTH = 3, 2, 4, 9, 37, 20
 LR, CLIP, SEED = 1e-3, 0.05, 1234
 
 
-def layer_specs(heads: int = 5) -> list:
-    """Embedding, three attention blocks (odd widths: 5 heads of 4), a norm and the head."""
+def layer_specs(heads: int = 5, blocks: int = 3) -> list:
+    """Embedding, attention blocks (odd widths: 5 heads of 4), a norm and the head."""
     from gpt.model import Block, GPTConfig
 
     from zerotrain.pipe import LayerSpec
 
-    config = GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=3, n_head=heads, n_embd=WIDTH)
+    config = GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=blocks, n_head=heads, n_embd=WIDTH)
     return [
         LayerSpec(nn.Embedding, VOCAB, WIDTH),
-        *(LayerSpec(Block, config) for _ in range(3)),
+        *(LayerSpec(Block, config) for _ in range(blocks)),
         LayerSpec(nn.LayerNorm, WIDTH),
         LayerSpec(nn.Linear, WIDTH, VOCAB),
     ]
@@ -40,9 +41,9 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def reference_model(heads: int = 5) -> nn.Sequential:
+def reference_model(heads: int = 5, blocks: int = 3) -> nn.Sequential:
     layers = []
-    for index, spec in enumerate(layer_specs(heads)):
+    for index, spec in enumerate(layer_specs(heads, blocks)):
         torch.manual_seed(SEED + index)  # as PipelineModule(seed_layers=True) builds them
         layers.append(spec.build())
     return nn.Sequential(*layers)
@@ -53,8 +54,10 @@ def batches(dp: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, MICRO * ACCUM * dp, SEQ + 1), generator=gen)
 
 
-def reference(dp: int, heads: int = 5) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = reference_model(heads)
+def reference(
+    dp: int, heads: int = 5, blocks: int = 3
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = reference_model(heads, blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
     losses = []
     for batch in batches(dp):
@@ -85,9 +88,9 @@ def config(stage: int, schedule: str, tp: int = 1) -> dict:
     }
 
 
-def micro_batches(batch: torch.Tensor, dp: int, dp_rank: int):
+def micro_batches(batch: torch.Tensor, dp: int, dp_rank: int, accum: int = ACCUM):
     """This data-parallel rank's micro-batches of a global batch, as (inputs, labels)."""
-    for micro in range(ACCUM):
+    for micro in range(accum):
         chunk = micro * dp + dp_rank
         window = batch[chunk * MICRO : (chunk + 1) * MICRO]
         yield window[:, :-1], window[:, 1:]
@@ -99,6 +102,8 @@ def train(
     tp: int = 1,
     heads: int = 5,
     partition: str = "parameters",
+    stages_per_rank: int = 1,
+    blocks: int = 3,
 ):
     import zerotrain
     from zerotrain.pipe import PipelineModule
@@ -106,12 +111,13 @@ def train(
     out = {}
     for stage, schedule in runs:
         model = PipelineModule(
-            layer_specs(heads),
+            layer_specs(heads, blocks),
             num_stages=stages,
             loss_fn=loss_fn,
             seed_layers=True,
             base_seed=SEED,
             partition_method=partition,
+            stages_per_rank=stages_per_rank,
         )
         engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule, tp))
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
@@ -148,6 +154,149 @@ def test_pp2_dp2_and_pp2_tp2_match_single_process():
             assert losses == pytest.approx(want_losses, rel=1e-5), (stage, schedule)
             # "parameters" balances the counts: the embedding and two blocks, then the rest
             assert layers == ([0, 1, 2] if rank < 2 else [3, 4, 5]), rank
+
+
+@pytest.fixture(scope="module")
+def interleaved():
+    """One spawn for the interleaved runs and the refused layouts (see train_and_refuse)."""
+    runs = [(0, "interleaved_1f1b"), (1, "interleaved_1f1b"), (2, "interleaved_1f1b")]
+    cases = [(runs, 2, 1, 5, "uniform", 2), ([(2, "interleaved_1f1b")], 4, 1, 5, "uniform", 2, 6)]
+    return run_distributed(train_and_refuse, 4, cases)
+
+
+def test_interleaved_1f1b_matches_single_process(interleaved):
+    """Two stages per rank: pp 2 x dp 2 at stages 0-2 (4 stages; each rank's second stage is
+    the pipeline's third or fourth), and pp 4 (8 stages over 8 blocks' worth of layers)."""
+    results = [trained for trained, _ in interleaved]
+    wants = [reference(dp=2), reference(dp=1, blocks=6)]
+    layers_of = [
+        [[0, 1, 4], [0, 1, 4], [2, 3, 5], [2, 3, 5]],  # stages 0, 2 on ranks 0-1; 1, 3 on 2-3
+        [[0, 1, 5], [2, 6], [3, 7], [4, 8]],  # 9 layers, 8 stages: stage 0 takes two
+    ]
+    for rank, per_case in enumerate(results):
+        for (want, want_losses), per_run, layers_want in zip(
+            wants, per_case, layers_of, strict=True
+        ):
+            for run, (state, losses, layers) in per_run.items():
+                assert state.keys() == want.keys()
+                for key, value in want.items():
+                    assert relative_error(state[key], value) < 1e-5, (run, key)
+                assert losses == pytest.approx(want_losses, rel=1e-5), run
+                assert sorted(layers) == layers_want[rank], (run, rank)
+
+
+BAD_CONFIGS = {
+    # (ZeRO stage, schedule, micro-batches, stages per rank): the error
+    (3, "1f1b", 4, 1): "stage: 3 with pipeline parallelism is not supported",
+    (1, "zbv", 4, 1): "zbv is not supported yet",
+    (1, "interleaved_1f1b", 4, 1): "build it with stages_per_rank=2",
+    (1, "1f1b", 4, 2): "use pipeline.schedule interleaved_1f1b",
+    (1, "1f1b", 1, 1): "gradient_accumulation_steps: 1, .* at least the 2 stages",
+    (1, "interleaved_1f1b", 5, 2): "5 micro-batches run in 2 rounds",
+}
+
+
+def train_and_refuse(cases: list[tuple]) -> tuple[list, dict]:
+    """``train(*case)`` for each case, then each of BAD_CONFIGS's errors (at pp 2 x dp 2)."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    errors = {}
+    for stage, schedule, micro, per_rank in BAD_CONFIGS:
+        model = PipelineModule(layer_specs(), 2, loss_fn=loss_fn, stages_per_rank=per_rank)
+        settings = {**config(stage, schedule), "gradient_accumulation_steps": micro}
+        try:
+            zerotrain.initialize(model=model, config=settings)
+        except ConfigError as error:
+            errors[stage, schedule, micro, per_rank] = str(error)
+    return [train(*case) for case in cases], errors
+
+
+def test_pipeline_layouts_that_cannot_run_are_config_errors(interleaved):
+    (_, errors), *_ = interleaved
+    assert errors.keys() == BAD_CONFIGS.keys()
+    for key, message in errors.items():
+        assert re.search(BAD_CONFIGS[key], message), (key, message)
+
+
+SCHEDULE_RUNS = [  # (schedule, micro-batches, stages per rank) at pp 4
+    ("1f1b", 4, 1),
+    ("1f1b", 8, 1),
+    ("gpipe", 4, 1),
+    ("gpipe", 8, 1),
+    ("interleaved_1f1b", 4, 2),
+    ("interleaved_1f1b", 8, 2),
+]
+
+
+def run_schedules() -> dict:
+    """Per SCHEDULE_RUNS entry at pp 4: the actions this rank ran in a step and the bytes it
+    sent to other stages (after a first step, which also infers the shapes)."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    out = {}
+    for schedule, micro, per_rank in SCHEDULE_RUNS:
+        specs = layer_specs(blocks=6)
+        model = PipelineModule(
+            specs, 4, loss_fn=loss_fn, partition_method="uniform", stages_per_rank=per_rank
+        )
+        settings = {**config(1, schedule), "gradient_accumulation_steps": micro}
+        engine, *_ = zerotrain.initialize(model=model, config=settings)
+        batch = batches(1)[0].repeat(micro, 1)
+        engine.train_batch(micro_batches(batch, 1, 0, micro))
+        engine.comm.reset_stats()
+        engine.train_batch(micro_batches(batch, 1, 0, micro))
+        sent = engine.comm.stats["send"]
+        actions = [a[:3] for a in engine.pipeline_actions]  # (kind, stage, micro-batch)
+        out[schedule, micro] = (actions, sent.bytes, sent.sent)
+    return out
+
+
+@pytest.fixture(scope="module")
+def schedules():
+    return run_distributed(run_schedules, 4)
+
+
+def test_bubble_of_each_schedule_against_its_formula(schedules):
+    """The idle share of the order each rank ran, replayed with equal forward and backward
+    costs (see [Note: the bubble replayed] in zerotrain/pipe/timeline.py): (p - 1) / (m + p - 1)
+    for 1F1B and GPipe, (p - 1) / (v m + p - 1) for interleaved 1F1B, v = 2 stages per rank
+    each half as costly; and the activations each rank holds: 1F1B at most p - rank micro-
+    batches, GPipe all m."""
+    from zerotrain.comm.pipeline import PipelineAction
+    from zerotrain.pipe.timeline import idle_shares, in_flight
+
+    p = 4
+    for schedule, micro, per_rank in SCHEDULE_RUNS:
+        ranks = [
+            [PipelineAction(*a, 0.0, 0.0) for a in per_run[schedule, micro][0]]
+            for per_run in schedules
+        ]
+        for rank, actions in enumerate(ranks):
+            assert len(actions) == 2 * micro * per_rank, (schedule, micro, rank)
+        cost = 1.0 / per_rank
+        shares = idle_shares(ranks, forward=cost, backward=cost)
+        want = (p - 1) / (per_rank * micro + p - 1)
+        assert shares == pytest.approx([want] * p, abs=1e-12), (schedule, micro)
+        held = [in_flight(actions) for actions in ranks]
+        if schedule == "gpipe":
+            assert held == [micro] * p
+        elif schedule == "1f1b":
+            assert held == [p - rank for rank in range(p)], (micro, held)
+
+
+def test_bytes_between_stages_against_the_formula(schedules):
+    """A stage sends its output forward and its input's gradient backward, once per micro-batch
+    each: micro x tokens x width x 4 bytes (fp32), counted by the stage group's communicator."""
+    p = 4
+    for schedule, micro, per_rank in SCHEDULE_RUNS:
+        for rank, per_run in enumerate(schedules):
+            _, payload, sent = per_run[schedule, micro]
+            stages = [rank + c * p for c in range(per_rank)]
+            boundaries = sum(s < p * per_rank - 1 for s in stages) + sum(s > 0 for s in stages)
+            want = boundaries * micro * MICRO * SEQ * WIDTH * 4
+            assert payload == sent == want, (schedule, micro, rank)
 
 
 def test_partitions():
@@ -193,25 +342,30 @@ def tied_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return model.state_dict()
 
 
-def train_tied(stages: list[int]):
+def train_tied(runs: list[tuple[int, int]]):
+    """(ZeRO stage, stages per rank) each."""
     import zerotrain
     from zerotrain.pipe import PipelineModule
 
     out = {}
-    for stage in stages:
-        model = PipelineModule(tied_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True)
-        engine, *_ = zerotrain.initialize(model=model, config=config(stage, "1f1b"))
+    for stage, per_rank in runs:
+        model = PipelineModule(
+            tied_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True, stages_per_rank=per_rank
+        )
+        schedule = "interleaved_1f1b" if per_rank > 1 else "1f1b"
+        engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         for batch in batches(dp):
             engine.train_batch(micro_batches(batch, dp, dp_rank))
-        out[stage] = engine.consolidated_state_dict()
+        out[stage, per_rank] = engine.consolidated_state_dict()
     return out
 
 
 def test_tied_embedding_across_first_and_last_stage():
+    """Also interleaved: the embedding on rank 0's first stage, the head on rank 1's second."""
     want = tied_reference()
     assert "tied_modules.embed.weight" in want
-    for per_stage in run_distributed(train_tied, 4, [0, 2]):
+    for per_stage in run_distributed(train_tied, 4, [(0, 1), (2, 1), (1, 2)]):
         for stage, state in per_stage.items():
             assert state.keys() == want.keys()
             for key, value in want.items():

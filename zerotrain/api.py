@@ -108,7 +108,7 @@ def initialize(
     # the batch keys count data-parallel ranks: the world over the stages (and over the
     # tensor-parallel degree, which the config itself knows)
     cfg = load_config(config, world_size=comm.world_size // stages)
-    _check_pipeline(cfg, stages)
+    _check_pipeline(cfg, model)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
     _check_offload(cfg, comm.rank)
     _check_node_local_storage(cfg, comm)
@@ -166,6 +166,7 @@ def initialize(
         offload=_offload_options(cfg, device),
         model_parallel=_model_parallel(mesh, tied),
         summed=tied,
+        chunks=model.chunks_of() if isinstance(model, PipelineModule) else {},
     )
     zero_optimizer = ZeroOptimizer(
         model,
@@ -206,22 +207,48 @@ def initialize(
 
 
 # -- pieces of initialize ----------------------------------------------------------------------
-def _check_pipeline(cfg: ZeroTrainConfig, stages: int) -> None:
-    if stages == 1:
+def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
+    if not isinstance(model, PipelineModule) or model.num_stages * model.stages_per_rank == 1:
         return
+    stages, schedule = model.num_stages, cfg.pipeline.schedule
     if cfg.zero_optimization.stage == 3:
         raise ConfigError(
             "zero_optimization.stage: 3 with pipeline parallelism is not supported (its gather "
             "order assumes one forward then one backward per micro-batch, which 1F1B breaks); "
             "use stage 0, 1 or 2"
         )
+    if schedule == "zbv":
+        raise ConfigError(
+            "pipeline.schedule: zbv is not supported yet (its split backward writes weight "
+            "gradients outside autograd's accumulation, where ZeRO takes them); use "
+            "interleaved_1f1b, 1f1b or gpipe"
+        )
+    looped = schedule == "interleaved_1f1b"
+    if looped != (model.stages_per_rank > 1):
+        raise ConfigError(
+            f"pipeline.schedule: {schedule} runs "
+            + ("several stages per rank" if looped else "one stage per rank")
+            + f", and the PipelineModule has stages_per_rank={model.stages_per_rank}; "
+            + (
+                "build it with stages_per_rank=2 (or more)"
+                if looped
+                else "use pipeline.schedule interleaved_1f1b"
+            )
+        )
     micro_batches = cfg.batch_sizes().gradient_accumulation_steps
-    if cfg.pipeline.schedule == "1f1b" and micro_batches < stages:
+    if schedule == "1f1b" and micro_batches < stages:
         raise ConfigError(
             f"gradient_accumulation_steps: {micro_batches}, the micro-batches of a pipeline "
             f"step, must be at least the {stages} stages for the 1f1b schedule (more fill the "
             "pipeline better: its idle share is (stages - 1) / (micro-batches + stages - 1)); "
             "raise it, or use pipeline.schedule gpipe"
+        )
+    rounds = max(1, micro_batches // stages)
+    if looped and micro_batches % rounds:
+        raise ConfigError(
+            f"gradient_accumulation_steps: {micro_batches} micro-batches run in {rounds} rounds "
+            f"of the {stages} pipeline ranks under interleaved_1f1b, and must divide into them; "
+            f"use a multiple of {stages} or fewer than {2 * stages}"
         )
 
 

@@ -131,6 +131,11 @@ class Communicator:
             assert self.log is not None  # a message is only made when logging (_message)
             self.log.record(*message, calls, sent, seconds, done)
 
+    def count(self, name: str, nbytes: int, sent: int, calls: int = 1) -> None:
+        """Count traffic on this group that another library issues itself (the pipeline
+        schedule's sends between stages): ``nbytes`` payload, ``sent`` on the wire."""
+        self._record(name, nbytes, 0.0, calls=calls, sent=sent, message=self._message(name, nbytes))
+
     def _message(self, name: str, nbytes: int) -> tuple[str, int] | None:
         """The comms-log line of a collective about to be launched (None: not logged)."""
         if self.log is None or not self.log.wants(name):

@@ -446,11 +446,13 @@ class PipelineConfig(Section):
 
     _ACCEPTED = deepspeed_keys.PIPELINE
 
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv"] = "1f1b"
     """The order of the micro-batches' forwards and backwards on each stage: `1f1b` (one
     forward, one backward, once the pipeline is full: at most `stages` micro-batches' activations
-    held per stage) or `gpipe` (all forwards, then all backwards: every micro-batch's activations
-    held). Both train the same model. (A zerotrain key.)"""
+    held per stage), `gpipe` (all forwards, then all backwards: every micro-batch's activations
+    held) or `interleaved_1f1b` (1F1B over several stages per rank, a smaller bubble: build the
+    PipelineModule with `stages_per_rank` 2 or more). All train the same model. `zbv` (zero
+    bubble, V-shaped) is not supported yet: an error says so. (A zerotrain key.)"""
 
 
 class ActivationCheckpointingConfig(Section):

@@ -3,25 +3,29 @@ micro-batches through the stages with a ``torch.distributed.pipelining`` schedul
 
 [Note: a pipeline step on ZeRO]
 Each stage's engine is an ordinary ZeroTrainEngine over its stage's layers, ZeRO-partitioned over
-the data-parallel group of the stage. The schedule (1F1B or GPipe) calls the engine's forward
-for each micro-batch and runs each backward through its outputs, which opens the engine's
-reducer as ``loss.backward()`` does (see backward.py): every parameter gradient is divided by
-the accumulation steps (the micro-batches of a step) as it is taken, so the schedule's own
-scaling is off. The stage marks the schedule's last backward as the accumulation boundary:
-stages 0-1 then reduce once per step, after the last micro-batch, stage 2 reduce-scatters each
-micro-batch's gradients into the partitions. Then the optimizer steps once. Stage 3 is refused:
-its gather order assumes one forward then one backward per micro-batch, which 1F1B breaks.
+the data-parallel group of the stage. The schedule (1F1B, GPipe, interleaved 1F1B) calls the
+engine's forward for each micro-batch and runs each backward through its outputs, which opens
+the engine's reducer as ``loss.backward()`` does (see backward.py): every parameter gradient is
+divided by the accumulation steps (the micro-batches of a step) as it is taken, so the
+schedule's own scaling is off. The stage marks the schedule's last backward as the accumulation
+boundary: stages 0-1 then reduce once per step, after the last micro-batch, stage 2
+reduce-scatters each micro-batch's gradients into the partitions. Then the optimizer steps
+once. With several stages per rank (interleaved), the boundary is the last backward of the
+stage that finishes last, and each backward reduces (at stage 2) only the buckets of its own
+stage: buckets never mix the stages' parameters. Stage 3 is refused: its gather order assumes
+one forward then one backward per micro-batch, which 1F1B breaks.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from zerotrain.comm import Communicator
-from zerotrain.comm.pipeline import pipeline_schedule
+from zerotrain.comm.pipeline import PipelineAction, pipeline_schedule
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.pipe.module import PipelineModule
 
@@ -39,6 +43,11 @@ class PipelineEngine(ZeroTrainEngine):
         self._schedule = None  # built at the first batch (shapes are inferred then)
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
+        self._chunk_buckets: list[list[int]] = []  # per chunk: the buckets its backward fills
+        self._chunks_done = 0  # chunks whose last backward of this step has begun
+        # the forwards and backwards this rank ran in the last train_batch / eval_batch, in
+        # order, with their times (zerotrain.pipe.timeline replays them)
+        self.pipeline_actions: list[PipelineAction] = []
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -82,6 +91,8 @@ class PipelineEngine(ZeroTrainEngine):
         inputs, labels = self._next_batch(data_iter)
         losses: list[torch.Tensor] = []  # the schedule fills it (the last stage)
         self._running = True
+        self._chunks_done = 0
+        self.pipeline_actions.clear()
         try:
             self._run(self._pipeline().step, inputs, labels, losses)
             if self._fp16_scaled():  # as the loss function returned them: scaled
@@ -106,6 +117,7 @@ class PipelineEngine(ZeroTrainEngine):
         inputs, labels = self._next_batch(data_iter)
         losses: list[torch.Tensor] = []
         self._running = True
+        self.pipeline_actions.clear()
         try:
             with torch.no_grad():
                 self._run(self._pipeline().eval, inputs, labels, losses)
@@ -119,14 +131,22 @@ class PipelineEngine(ZeroTrainEngine):
             assert isinstance(module, PipelineModule)  # initialize makes this engine for one
             if module.loss_fn is None:
                 raise ValueError("PipelineModule(loss_fn=...) is required to train it")
+            chunks = module.stages_per_rank
+            buckets = self.optimizer.buckets
+            chunks_of = module.chunks_of()
+            self._chunk_buckets = [
+                [i for i, b in enumerate(buckets) if c in chunks_of[id(b.slots[0].param)]]
+                for c in range(chunks)
+            ]
             self._schedule = pipeline_schedule(
-                self,
+                [functools.partial(self, chunk=c) for c in range(chunks)],
                 self.pipe_comm,
                 self.device,
                 self._schedule_name,
                 self.gradient_accumulation_steps(),
                 self._loss,
                 on_backward=self._before_backward,
+                actions=self.pipeline_actions,
             )
         return self._schedule
 
@@ -143,12 +163,17 @@ class PipelineEngine(ZeroTrainEngine):
     def _fp16_scaled(self) -> bool:
         return self.optimizer.loss_scaler.dynamic or self.optimizer.loss_scale != 1.0
 
-    def _before_backward(self, last: bool) -> None:
-        """Each backward of the schedule: the last one ends the accumulation. Under fp16 the
-        loss already carries both factors (:meth:`_loss`), as ``engine.scale(loss)`` puts them
-        (see [Note: loss.backward() without engine.backward] in backward.py); on every stage
-        the gradients arriving from the next one carry them too."""
-        self.set_gradient_accumulation_boundary(last)
+    def _before_backward(self, chunk: int, last: bool) -> None:
+        """Each backward of the schedule, of this rank's stage ``chunk``: the last one of the
+        step ends the accumulation (with several stages per rank, the last of the last one to
+        finish), and only the chunk's buckets are reduced in it. Under fp16 the loss already
+        carries both factors (:meth:`_loss`), as ``engine.scale(loss)`` puts them (see
+        [Note: loss.backward() without engine.backward] in backward.py); on every stage the
+        gradients arriving from the next one carry them too."""
+        self._chunks_done += last
+        self.set_gradient_accumulation_boundary(self._chunks_done == len(self._chunk_buckets))
+        if len(self._chunk_buckets) > 1:
+            self.optimizer.reduction.restrict(self._chunk_buckets[chunk])
         if self._fp16_scaled():
             self._backward.user_scaled = True
 

@@ -2,12 +2,14 @@
 
 [Note: pipeline stages]
 Every rank builds the same list of layer specifications and cuts it, by ``partition_method``,
-into ``num_stages`` contiguous parts; it builds only the layers of its own stage (a ``LayerSpec``
-is built there and nowhere else, so a model larger than one rank's memory never exists whole).
-Ranks are numbered with the pipeline axis outermost (see [Note: mesh layout] in comm/mesh.py):
-rank r is in stage ``r // (world_size // num_stages)``. A built layer is registered under its
-index in the whole list (``"3"``), a tied one once under ``tied_modules.<key>``, so state dict keys
-are DeepSpeed's and do not depend on the number of stages.
+into ``num_stages x stages_per_rank`` contiguous stages; it builds only the layers of its own
+stages (a ``LayerSpec`` is built there and nowhere else, so a model larger than one rank's memory
+never exists whole). Ranks are numbered with the pipeline axis outermost (see [Note: mesh
+layout] in comm/mesh.py): rank r is at pipeline position ``p = r // (world_size // num_stages)``
+and runs stages ``p, p + num_stages, p + 2 num_stages, ...`` (its *chunks*: more than one for
+the interleaved schedule, which loops each micro-batch through the ranks several times). A
+built layer is registered under its index in the whole list (``"3"``), a tied one once under
+``tied_modules.<key>``, so state dict keys are DeepSpeed's and do not depend on the layout.
 
 [Note: tied layers across stages]
 A tied key whose layers fall on several stages (the input embedding on the first, the output
@@ -76,7 +78,9 @@ class PipelineModule(nn.Module):
     ``loss_fn(output, label)`` gives the loss on the last stage. ``partition_method``:
     ``"parameters"`` balances the parameter counts, ``"uniform"`` the number of layers,
     ``"type:<regex>"`` the layers whose class name matches. ``activation_checkpoint_interval``
-    k > 0 recomputes every run of k layers in backward. Train it with ``engine.train_batch()``."""
+    k > 0 recomputes every run of k layers in backward. ``stages_per_rank`` > 1 cuts the layers
+    into that many stages per pipeline rank, for ``pipeline.schedule: interleaved_1f1b`` (see
+    [Note: pipeline stages]). Train it with ``engine.train_batch()``."""
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func: Callable = checkpoint,
         checkpointable_layers: list[str] | None = None,
         dynamic_shape: bool = False,
+        stages_per_rank: int = 1,
     ):
         super().__init__()
         if topology is not None:
@@ -116,28 +121,38 @@ class PipelineModule(nn.Module):
                 f"PipelineModule: num_stages {num_stages} does not divide the "
                 f"{world.world_size} ranks; {hint}"
             )
+        if stages_per_rank < 1:
+            raise ConfigError(
+                f"PipelineModule: stages_per_rank must be at least 1, got {stages_per_rank}"
+            )
         self.num_stages = num_stages
-        self.stage_id = world.rank // (world.world_size // num_stages)
+        self.stages_per_rank = stages_per_rank
+        self.stage_id = world.rank // (world.world_size // num_stages)  # the pipeline position
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self.dynamic_shape = dynamic_shape  # accepted: shapes are inferred at the first batch
         self._specs = list(layers)
-        self.parts = partition(self._specs, num_stages, partition_method)
-        start, stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.parts = partition(self._specs, num_stages * stages_per_rank, partition_method)
         self.tied_modules = nn.ModuleDict()
-        self._runs: list[Callable[[Any], Any]] = []
-        stages_of: dict[str, set[int]] = {}
+        ranks_of: dict[str, set[int]] = {}
+        self._chunks_of_key: dict[str, set[int]] = {}  # tied key -> this rank's chunks using it
         for index, spec in enumerate(self._specs):
             if isinstance(spec, TiedLayerSpec):
-                stages_of.setdefault(spec.key, set()).add(stage_of(self.parts, index))
-        # tied keys whose layers run on several stages: [Note: tied layers across stages]
-        self.tied_stages = {key: sorted(s) for key, s in sorted(stages_of.items()) if len(s) > 1}
-        for index in range(start, stop):
-            spec = self._specs[index]
-            if seed_layers:
-                torch.manual_seed(base_seed + index)
-            self._runs.append(self._build(index, spec))
+                stage = stage_of(self.parts, index)
+                ranks_of.setdefault(spec.key, set()).add(stage % num_stages)
+                if stage % num_stages == self.stage_id:
+                    self._chunks_of_key.setdefault(spec.key, set()).add(stage // num_stages)
+        # tied keys whose layers run on several pipeline ranks: [Note: tied layers across stages]
+        self.tied_stages = {key: sorted(s) for key, s in sorted(ranks_of.items()) if len(s) > 1}
+        self._runs: list[list[Callable[[Any], Any]]] = []  # per chunk
+        for chunk in range(stages_per_rank):
+            runs = []
+            for index in self.stage_layers(self.stage_id + chunk * num_stages):
+                if seed_layers:
+                    torch.manual_seed(base_seed + index)
+                runs.append(self._build(index, self._specs[index]))
+            self._runs.append(runs)
 
     def _build(self, index: int, spec: Any) -> Callable[[Any], Any]:
         if isinstance(spec, TiedLayerSpec):
@@ -160,16 +175,31 @@ class PipelineModule(nn.Module):
             "LayerSpecs or callables"
         )
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, chunk: int = 0) -> Any:
+        """Run this rank's stage number ``chunk`` (0: its first; see [Note: pipeline stages])."""
         interval = self.activation_checkpoint_interval
+        runs = self._runs[chunk]
         if interval <= 0 or not torch.is_grad_enabled():
-            for run in self._runs:
-                x = run(x)
-            return x
-        for first in range(0, len(self._runs), interval):
-            runs = self._runs[first : first + interval]
-            x = self.activation_checkpoint_func(_sequence(runs), x, use_reentrant=False)
+            return _sequence(runs)(x)
+        for first in range(0, len(runs), interval):
+            part = runs[first : first + interval]
+            x = self.activation_checkpoint_func(_sequence(part), x, use_reentrant=False)
         return x
+
+    def chunks_of(self) -> dict[int, tuple[int, ...]]:
+        """``id(parameter) -> the chunks of this rank whose forward uses it`` (one, but a tied
+        layer's several uses on this rank)."""
+        out: dict[int, tuple[int, ...]] = {}
+        for name, module in self.named_children():
+            if name == "tied_modules":
+                continue
+            chunk = stage_of(self.parts, int(name)) // self.num_stages
+            out.update({id(p): (chunk,) for p in module.parameters()})
+        for key, module in self.tied_modules.items():
+            out.update(
+                {id(p): tuple(sorted(self._chunks_of_key[key])) for p in module.parameters()}
+            )
+        return out
 
     def tie_across_stages(self, mesh: Mesh) -> dict[int, Communicator]:
         """Make a group per tied key over the stages that hold it (one for each position on the
@@ -188,10 +218,12 @@ class PipelineModule(nn.Module):
                 groups[id(param)] = comm
         return groups
 
-    def stage_layers(self, stage: int | None = None) -> range:
-        """Indices of the layers of ``stage`` (default: this rank's)."""
-        stage = self.stage_id if stage is None else stage
-        return range(self.parts[stage], self.parts[stage + 1])
+    def stage_layers(self, stage: int | None = None) -> list[int]:
+        """Indices of the layers of ``stage`` (default: this rank's stages)."""
+        if stage is None:
+            stages = range(self.stage_id, len(self.parts) - 1, self.num_stages)
+            return [i for s in stages for i in self.stage_layers(s)]
+        return list(range(self.parts[stage], self.parts[stage + 1]))
 
 
 def _sequence(runs: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:

@@ -306,6 +306,10 @@ class GroupOptions:
     # id(param) -> a group over which its reduced gradient is also summed: the copies of a
     # tied layer on other pipeline stages (zerotrain/pipe/module.py)
     summed: dict[int, Communicator] = field(default_factory=dict)
+    # id(param) -> the stages of a pipeline rank whose backward gives it gradients, when it
+    # runs several (interleaved schedules): buckets do not mix stages, so each backward
+    # reduces its own stage's buckets only (see GradientReduction.restrict)
+    chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def build_shard_group(
@@ -329,11 +333,16 @@ def build_shard_group(
         overlap_param_gather=options.overlap_param_gather,
     )
     runs, split = residency.layout_runs([named for _, named in groups])
-    if options.model_parallel is not None or options.summed:
-        # a bucket's parameters have one replica count; a summed one has a bucket of its own,
-        # laid out alike on every rank it is summed over
+    if options.model_parallel is not None or options.summed or options.chunks:
+        # a bucket's parameters have one replica count and one set of stages; a summed one has
+        # a bucket of its own, laid out alike on every rank it is summed over
         mp = options.model_parallel
-        runs = _split_runs(runs, mp.replicas if mp is not None else lambda p: 1, options.summed)
+
+        def kind(param: nn.Parameter) -> tuple[int, tuple[int, ...]]:
+            replicas = mp.replicas(param) if mp is not None else 1
+            return replicas, options.chunks.get(id(param), ())
+
+        runs = _split_runs(runs, kind, options.summed)
     index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
     buckets = build_buckets(
         runs,
@@ -402,14 +411,14 @@ def build_shard_group(
 
 
 def _split_runs(
-    runs: Runs, replicas: Callable[[nn.Parameter], int], alone: Collection[int]
+    runs: Runs, kind: Callable[[nn.Parameter], tuple[int, tuple[int, ...]]], alone: Collection[int]
 ) -> Runs:
-    """Each run split by the replica count of its parameters, and the parameters whose ids are
-    in ``alone`` each in a run of its own (all in their order: the same on every rank)."""
+    """Each run split by the kind of its parameters, and the parameters whose ids are in
+    ``alone`` each in a run of its own (all in their order: the same on every rank)."""
     out = []
     for group_index, unit, named in runs:
-        for count in sorted({replicas(p) for _, p in named}):
-            part = [(n, p) for n, p in named if replicas(p) == count]
+        for key in sorted({kind(p) for _, p in named}):
+            part = [(n, p) for n, p in named if kind(p) == key]
             rest = [(n, p) for n, p in part if id(p) not in alone]
             if rest:
                 out.append((group_index, unit, rest))

@@ -21,6 +21,12 @@ with zeros for that parameter, so no rank waits for a gradient that will never c
   ``grad_shard``.
 Reductions are asynchronous: backward goes on computing earlier layers' gradients while a
 bucket is on the wire (wait-free backpropagation); ``finish_backward`` waits for them.
+
+A pipeline rank running several stages (the interleaved schedule) gives each backward the
+gradients of one stage's parameters only: :meth:`GradientReduction.restrict` limits what the
+reductions in backward (stages 2-3) launch to that stage's buckets, so the others do not travel
+as zeros. A boundary reduction (stages 0-1) still reduces every bucket: it sends what the whole
+accumulation gathered.
 """
 
 from __future__ import annotations
@@ -69,9 +75,13 @@ class GradientReduction(ABC):
         self._arrived: list[set[int]] = [set() for _ in buckets]
         self._pending: list[PendingOp] = []
         self._pending_buckets: list[int] = []  # the bucket of each pending op
-        self._next_launch = 0
-        # A backward was reduced in this accumulation. Stages 2-3: grad_shard holds gradients
-        # (False: stale, overwrite it); stage 1: flat_grad's shard holds an average.
+        self._all = list(range(len(buckets)))
+        self._scope = self._all  # the buckets a reduction in backward launches (see restrict)
+        self._order = self._all  # this backward's launch order
+        self._place = {b: i for i, b in enumerate(self._order)}  # bucket -> its place in it
+        self._next_launch = 0  # the place of the next bucket to launch
+        # A backward was reduced in this accumulation (stage 1: flat_grad's shard holds an
+        # average).
         self._shard_holds_grads = False
         # Parameters whose .grad holds gradients another engine's backward wrote, not reduced
         # yet: this engine's next backward reduces them with its own; step() refuses them.
@@ -139,8 +149,19 @@ class GradientReduction(ABC):
 
         return hook
 
+    def restrict(self, buckets: list[int] | None) -> None:
+        """Let the following backwards' reductions launch only ``buckets`` (ascending; None: all):
+        their gradients are the only ones those backwards produce (see the module's docstring)."""
+        self._scope = self._all if buckets is None else buckets
+
     def _on_grad_ready(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
-        if bucket_index < self._next_launch:
+        place = self._place.get(bucket_index)
+        if place is None:
+            raise RuntimeError(
+                f"gradient of '{slot.name}' arrived in a backward restricted to other buckets "
+                "(a pipeline stage's backward reached a parameter of another of its stages)"
+            )
+        if place < self._next_launch:
             raise RuntimeError(
                 f"gradient of '{slot.name}' arrived after its bucket was reduced: a parameter got "
                 "gradients from two backward passes in one micro-step. Call engine.backward "
@@ -155,8 +176,8 @@ class GradientReduction(ABC):
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        while self._next_launch < len(self.buckets):
-            index = self._next_launch
+        while self._next_launch < len(self._order):
+            index = self._order[self._next_launch]
             complete = len(self._arrived[index]) == len(self.buckets[index].slots)
             if not (complete or force):
                 return
@@ -172,6 +193,9 @@ class GradientReduction(ABC):
         self._in_backward = True
         self._at_boundary = at_boundary
         self._reducing = self.every_backward or at_boundary
+        order = self._scope if self.every_backward else self._all
+        if order is not self._order:
+            self._order, self._place = order, {b: i for i, b in enumerate(order)}
         self._grad_factor = grad_factor
         self._prepare_backward(at_boundary)
 
@@ -380,6 +404,9 @@ class ReduceScatterInBackward(GradientReduction):
 
     def __init__(self, *args, **kwargs):
         self._comm_buffers: list[torch.Tensor | None] = []
+        # buckets whose grad_shard holds this accumulation's gradients (the others are stale:
+        # overwritten by their first reduction)
+        self._written: set[int] = set()
         super().__init__(*args, **kwargs)
         self._comm_buffers = [None] * len(self.buckets)
 
@@ -418,7 +445,8 @@ class ReduceScatterInBackward(GradientReduction):
             if slot.index not in self._arrived[index]:
                 buffer[slot.offset : slot.offset + slot.numel].zero_()
         buffer[bucket.numel :].zero_()
-        if not self._shard_holds_grads:  # first micro-step of this accumulation: write directly
+        if index not in self._written:  # its first reduction of this accumulation: write
+            self._written.add(index)
             op = self.comm.reduce_scatter(bucket.require_grad_shard(), buffer, async_op=True)
             self._pending.append(op.then(lambda: self._free_buffer(index)))
         else:
@@ -442,6 +470,7 @@ class ReduceScatterInBackward(GradientReduction):
         return [b.require_grad_shard() for b in self.buckets]
 
     def _reset_grads(self) -> None:
+        self._written.clear()
         for bucket in self.buckets:
             for slot in bucket.slots:
                 slot.param.grad = None
