@@ -104,6 +104,7 @@ def train(
     partition: str = "parameters",
     stages_per_rank: int = 1,
     blocks: int = 3,
+    placement: str = "loop",
 ):
     import zerotrain
     from zerotrain.pipe import PipelineModule
@@ -118,6 +119,7 @@ def train(
             base_seed=SEED,
             partition_method=partition,
             stages_per_rank=stages_per_rank,
+            stage_placement=placement,
         )
         engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule, tp))
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
@@ -156,39 +158,64 @@ def test_pp2_dp2_and_pp2_tp2_match_single_process():
             assert layers == ([0, 1, 2] if rank < 2 else [3, 4, 5]), rank
 
 
+MULTI_STAGE = [  # (case of train(), reference blocks, each rank's layers)
+    (
+        (
+            [(0, "interleaved_1f1b"), (1, "interleaved_1f1b"), (2, "interleaved_1f1b")],
+            2,
+            1,
+            5,
+            "uniform",
+            2,
+        ),
+        3,  # 6 layers, 4 stages; stages 0, 2 on ranks 0-1, stages 1, 3 on ranks 2-3
+        [[0, 1, 4], [0, 1, 4], [2, 3, 5], [2, 3, 5]],
+    ),
+    (
+        ([(2, "interleaved_1f1b")], 4, 1, 5, "uniform", 2, 6),
+        6,  # 9 layers, 8 stages (stage 0 takes two); rank r runs stages r and r + 4
+        [[0, 1, 5], [2, 6], [3, 7], [4, 8]],
+    ),
+    (
+        ([(0, "zbv"), (1, "zbv"), (2, "zbv")], 2, 1, 5, "uniform", 2, 3, "v"),
+        3,  # a V: stages 0, 3 on ranks 0-1 (the first and the last), 1, 2 on ranks 2-3
+        [[0, 1, 5], [0, 1, 5], [2, 3, 4], [2, 3, 4]],
+    ),
+    (
+        ([(2, "zbv")], 4, 1, 5, "uniform", 2, 6, "v"),
+        6,  # rank r runs stages r and 7 - r
+        [[0, 1, 8], [2, 7], [3, 6], [4, 5]],
+    ),
+]
+
+
 @pytest.fixture(scope="module")
-def interleaved():
-    """One spawn for the interleaved runs and the refused layouts (see train_and_refuse)."""
-    runs = [(0, "interleaved_1f1b"), (1, "interleaved_1f1b"), (2, "interleaved_1f1b")]
-    cases = [(runs, 2, 1, 5, "uniform", 2), ([(2, "interleaved_1f1b")], 4, 1, 5, "uniform", 2, 6)]
-    return run_distributed(train_and_refuse, 4, cases)
+def multi_stage():
+    """One spawn for the runs with several stages per rank and the refused layouts (see
+    train_and_refuse)."""
+    (cases, _, _) = zip(*MULTI_STAGE, strict=True)
+    return run_distributed(train_and_refuse, 4, list(cases))
 
 
-def test_interleaved_1f1b_matches_single_process(interleaved):
-    """Two stages per rank: pp 2 x dp 2 at stages 0-2 (4 stages; each rank's second stage is
-    the pipeline's third or fourth), and pp 4 (8 stages over 8 blocks' worth of layers)."""
-    results = [trained for trained, _ in interleaved]
-    wants = [reference(dp=2), reference(dp=1, blocks=6)]
-    layers_of = [
-        [[0, 1, 4], [0, 1, 4], [2, 3, 5], [2, 3, 5]],  # stages 0, 2 on ranks 0-1; 1, 3 on 2-3
-        [[0, 1, 5], [2, 6], [3, 7], [4, 8]],  # 9 layers, 8 stages: stage 0 takes two
-    ]
-    for rank, per_case in enumerate(results):
-        for (want, want_losses), per_run, layers_want in zip(
-            wants, per_case, layers_of, strict=True
-        ):
+def test_interleaved_1f1b_and_zbv_match_single_process(multi_stage):
+    """Two stages per rank, placed in a loop (interleaved 1F1B) or a V (ZBV, whose weight
+    gradients are assigned outside autograd's accumulation): pp 2 x dp 2 at stages 0-2, and pp 4
+    (8 stages)."""
+    for rank, (per_case, _) in enumerate(multi_stage):
+        for (case, blocks, layers_of), per_run in zip(MULTI_STAGE, per_case, strict=True):
+            want, want_losses = reference(dp=4 // case[1], blocks=blocks)
             for run, (state, losses, layers) in per_run.items():
                 assert state.keys() == want.keys()
                 for key, value in want.items():
                     assert relative_error(state[key], value) < 1e-5, (run, key)
                 assert losses == pytest.approx(want_losses, rel=1e-5), run
-                assert sorted(layers) == layers_want[rank], (run, rank)
+                assert sorted(layers) == layers_of[rank], (run, rank)
 
 
 BAD_CONFIGS = {
     # (ZeRO stage, schedule, micro-batches, stages per rank): the error
     (3, "1f1b", 4, 1): "stage: 3 with pipeline parallelism is not supported",
-    (1, "zbv", 4, 1): "zbv is not supported yet",
+    (1, "zbv", 4, 1): "build it with stages_per_rank=2, stage_placement='v'",
     (1, "interleaved_1f1b", 4, 1): "build it with stages_per_rank=2",
     (1, "1f1b", 4, 2): "use pipeline.schedule interleaved_1f1b",
     (1, "1f1b", 1, 1): "gradient_accumulation_steps: 1, .* at least the 2 stages",
@@ -212,8 +239,8 @@ def train_and_refuse(cases: list[tuple]) -> tuple[list, dict]:
     return [train(*case) for case in cases], errors
 
 
-def test_pipeline_layouts_that_cannot_run_are_config_errors(interleaved):
-    (_, errors), *_ = interleaved
+def test_pipeline_layouts_that_cannot_run_are_config_errors(multi_stage):
+    (_, errors), *_ = multi_stage
     assert errors.keys() == BAD_CONFIGS.keys()
     for key, message in errors.items():
         assert re.search(BAD_CONFIGS[key], message), (key, message)
@@ -226,6 +253,8 @@ SCHEDULE_RUNS = [  # (schedule, micro-batches, stages per rank) at pp 4
     ("gpipe", 8, 1),
     ("interleaved_1f1b", 4, 2),
     ("interleaved_1f1b", 8, 2),
+    ("zbv", 4, 2),
+    ("zbv", 8, 2),
 ]
 
 
@@ -239,7 +268,12 @@ def run_schedules() -> dict:
     for schedule, micro, per_rank in SCHEDULE_RUNS:
         specs = layer_specs(blocks=6)
         model = PipelineModule(
-            specs, 4, loss_fn=loss_fn, partition_method="uniform", stages_per_rank=per_rank
+            specs,
+            4,
+            loss_fn=loss_fn,
+            partition_method="uniform",
+            stages_per_rank=per_rank,
+            stage_placement="v" if schedule == "zbv" else "loop",
         )
         settings = {**config(1, schedule), "gradient_accumulation_steps": micro}
         engine, *_ = zerotrain.initialize(model=model, config=settings)
@@ -259,11 +293,14 @@ def schedules():
 
 
 def test_bubble_of_each_schedule_against_its_formula(schedules):
-    """The idle share of the order each rank ran, replayed with equal forward and backward
-    costs (see [Note: the bubble replayed] in zerotrain/pipe/timeline.py): (p - 1) / (m + p - 1)
-    for 1F1B and GPipe, (p - 1) / (v m + p - 1) for interleaved 1F1B, v = 2 stages per rank
-    each half as costly; and the activations each rank holds: 1F1B at most p - rank micro-
-    batches, GPipe all m."""
+    """The idle share of the order each rank ran, replayed (see [Note: the bubble replayed] in
+    zerotrain/pipe/timeline.py) with a stage's forward, input gradient and weight gradients
+    costing 1 / v each (v stages per rank): (p - 1) / (m + p - 1) for 1F1B and GPipe,
+    (p - 1) / (v m + p - 1) for interleaved 1F1B. ZBV fills every bubble but the first pass's:
+    the last rank waits (p - 1) forwards for its first micro-batch, so the share is at least
+    (p - 1) / (6 m + p - 1), and equal to it once m >= 2p. And the activations each rank holds:
+    1F1B at most p - rank micro-batches, GPipe all m, ZBV at most 1F1B's first rank's (2p chunk
+    micro-batches of half a stage)."""
     from zerotrain.comm.pipeline import PipelineAction
     from zerotrain.pipe.timeline import idle_shares, in_flight
 
@@ -273,13 +310,23 @@ def test_bubble_of_each_schedule_against_its_formula(schedules):
             [PipelineAction(*a, 0.0, 0.0) for a in per_run[schedule, micro][0]]
             for per_run in schedules
         ]
+        actions_per_micro_batch = 3 if schedule == "zbv" else 2  # F, B (and W)
         for rank, actions in enumerate(ranks):
-            assert len(actions) == 2 * micro * per_rank, (schedule, micro, rank)
+            assert len(actions) == actions_per_micro_batch * micro * per_rank, (schedule, rank)
         cost = 1.0 / per_rank
-        shares = idle_shares(ranks, forward=cost, backward=cost)
+        split = schedule == "zbv"  # B is the input gradient alone, W the rest
+        shares = idle_shares(ranks, cost, cost if split else 2 * cost, cost)
+        held = [in_flight(actions) for actions in ranks]
+        if schedule == "zbv":
+            bound = (p - 1) / (6 * micro + p - 1)
+            interleaved = (p - 1) / (per_rank * micro + p - 1)
+            assert all(bound - 1e-12 <= share < interleaved for share in shares), shares
+            if micro >= 2 * p:
+                assert shares == pytest.approx([bound] * p, abs=1e-12), (micro, shares)
+            assert max(held) <= 2 * p, held
+            continue
         want = (p - 1) / (per_rank * micro + p - 1)
         assert shares == pytest.approx([want] * p, abs=1e-12), (schedule, micro)
-        held = [in_flight(actions) for actions in ranks]
         if schedule == "gpipe":
             assert held == [micro] * p
         elif schedule == "1f1b":
@@ -288,14 +335,21 @@ def test_bubble_of_each_schedule_against_its_formula(schedules):
 
 def test_bytes_between_stages_against_the_formula(schedules):
     """A stage sends its output forward and its input's gradient backward, once per micro-batch
-    each: micro x tokens x width x 4 bytes (fp32), counted by the stage group's communicator."""
+    each, to a neighbour on another rank (ZBV's two middle stages share a rank: nothing is sent
+    between them): micro x tokens x width x 4 bytes (fp32), counted by the stage group's
+    communicator."""
     p = 4
     for schedule, micro, per_rank in SCHEDULE_RUNS:
+        total = p * per_rank
+        rank_of = list(range(p)) * per_rank
+        if schedule == "zbv":
+            rank_of = [*range(p), *reversed(range(p))]
         for rank, per_run in enumerate(schedules):
             _, payload, sent = per_run[schedule, micro]
-            stages = [rank + c * p for c in range(per_rank)]
-            boundaries = sum(s < p * per_rank - 1 for s in stages) + sum(s > 0 for s in stages)
-            want = boundaries * micro * MICRO * SEQ * WIDTH * 4
+            stages = [s for s in range(total) if rank_of[s] == rank]
+            forward = sum(s + 1 < total and rank_of[s + 1] != rank for s in stages)
+            backward = sum(s > 0 and rank_of[s - 1] != rank for s in stages)
+            want = (forward + backward) * micro * MICRO * SEQ * WIDTH * 4
             assert payload == sent == want, (schedule, micro, rank)
 
 
@@ -342,30 +396,36 @@ def tied_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return model.state_dict()
 
 
-def train_tied(runs: list[tuple[int, int]]):
-    """(ZeRO stage, stages per rank) each."""
+def train_tied(runs: list[tuple[int, str]]):
+    """(ZeRO stage, schedule) each."""
     import zerotrain
     from zerotrain.pipe import PipelineModule
 
     out = {}
-    for stage, per_rank in runs:
+    for stage, schedule in runs:
         model = PipelineModule(
-            tied_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True, stages_per_rank=per_rank
+            tied_specs(),
+            num_stages=2,
+            loss_fn=loss_fn,
+            seed_layers=True,
+            stages_per_rank=1 if schedule == "1f1b" else 2,
+            stage_placement="v" if schedule == "zbv" else "loop",
         )
-        schedule = "interleaved_1f1b" if per_rank > 1 else "1f1b"
         engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         for batch in batches(dp):
             engine.train_batch(micro_batches(batch, dp, dp_rank))
-        out[stage, per_rank] = engine.consolidated_state_dict()
+        out[stage, schedule] = engine.consolidated_state_dict()
     return out
 
 
 def test_tied_embedding_across_first_and_last_stage():
-    """Also interleaved: the embedding on rank 0's first stage, the head on rank 1's second."""
+    """Also interleaved (the embedding on rank 0's first stage, the head on rank 1's second)
+    and ZBV (both on rank 0: one parameter that two of its stages use, no group)."""
     want = tied_reference()
     assert "tied_modules.embed.weight" in want
-    for per_stage in run_distributed(train_tied, 4, [(0, 1), (2, 1), (1, 2)]):
+    runs = [(0, "1f1b"), (2, "1f1b"), (1, "interleaved_1f1b"), (1, "zbv"), (2, "zbv")]
+    for per_stage in run_distributed(train_tied, 4, runs):
         for stage, state in per_stage.items():
             assert state.keys() == want.keys()
             for key, value in want.items():
@@ -390,17 +450,23 @@ def reshard_specs() -> list:
     return [*specs[:-1], LayerSpec(Scale), specs[-1]]
 
 
-def reshard(directory: str, layouts: list[tuple[int, int, int]]):
-    """Train at pp 2 x dp 2 (stage 1), save; load into each (pp, tp, stage) of ``layouts``:
-    the weights must be the saved ones bit for bit, and the next step the same."""
+def reshard(directory: str, layouts: list[tuple[int, int, int, str]]):
+    """Train at pp 2 x dp 2 (stage 1), save; load into each (pp, tp, stage, schedule) of
+    ``layouts``: the weights must be the saved ones bit for bit, and the next step the same."""
     import zerotrain
     from zerotrain.pipe import PipelineModule
 
-    def engine_for(stages: int, tp: int, stage: int):
+    def engine_for(stages: int, tp: int, stage: int, schedule: str = "1f1b"):
+        zbv = schedule == "zbv"
         model = PipelineModule(
-            reshard_specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True
+            reshard_specs(),
+            num_stages=stages,
+            loss_fn=loss_fn,
+            seed_layers=True,
+            stages_per_rank=2 if zbv else 1,
+            stage_placement="v" if zbv else "loop",
         )
-        settings = config(stage, "1f1b", tp)
+        settings = config(stage, schedule, tp)
         del settings["gradient_accumulation_steps"]  # the global batch stays 2 x ACCUM x MICRO
         settings["train_batch_size"] = 2 * ACCUM * MICRO
         return zerotrain.initialize(model=model, config=settings)[0]
@@ -417,21 +483,22 @@ def reshard(directory: str, layouts: list[tuple[int, int, int]]):
     engine.save_checkpoint(directory, tag="pp2")
     saved = engine.consolidated_state_dict()
     next_batch = batches(2)[2]
-    out = {"saved": saved, (2, 1, 1): (step(engine, next_batch), engine.consolidated_state_dict())}
-    for stages, tp, stage in layouts:
-        engine = engine_for(stages, tp, stage)
+    out = {"saved": saved, "pp2": (step(engine, next_batch), engine.consolidated_state_dict())}
+    for layout in layouts:
+        engine = engine_for(*layout)
         engine.load_checkpoint(directory, tag="pp2")
         loaded = engine.consolidated_state_dict()
         assert loaded.keys() == saved.keys()
-        assert all(torch.equal(loaded[k], v) for k, v in saved.items()), (stages, tp, stage)
-        out[stages, tp, stage] = (step(engine, next_batch), engine.consolidated_state_dict())
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items()), layout
+        out[layout] = (step(engine, next_batch), engine.consolidated_state_dict())
     return out
 
 
 def test_checkpoint_of_pp2_dp2_loads_at_other_stage_counts(tmp_path):
-    layouts = [(1, 1, 2), (4, 1, 0)]
+    """pp 2 x dp 2 at stage 1 loads at pp 1 x dp 4, pp 4, and pp 2 in a V (4 stages, ZBV)."""
+    layouts = [(1, 1, 2, "1f1b"), (4, 1, 0, "1f1b"), (2, 1, 2, "zbv")]
     results = run_distributed(reshard, 4, str(tmp_path), layouts)
-    want_loss, want = results[0][2, 1, 1]
+    want_loss, want = results[0]["pp2"]
     assert "5.factor" in results[0]["saved"]  # the last stage's buffer came back
     from zerotrain.checkpoint.export import read_state_dict
 

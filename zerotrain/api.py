@@ -217,24 +217,22 @@ def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
             "order assumes one forward then one backward per micro-batch, which 1F1B breaks); "
             "use stage 0, 1 or 2"
         )
-    if schedule == "zbv":
+    placement = {"interleaved_1f1b": "loop", "zbv": "v"}.get(schedule)
+    if placement is None and model.stages_per_rank > 1:
         raise ConfigError(
-            "pipeline.schedule: zbv is not supported yet (its split backward writes weight "
-            "gradients outside autograd's accumulation, where ZeRO takes them); use "
-            "interleaved_1f1b, 1f1b or gpipe"
+            f"pipeline.schedule: {schedule} runs one stage per rank, and the PipelineModule has "
+            f"stages_per_rank={model.stages_per_rank}; use pipeline.schedule interleaved_1f1b "
+            "(or zbv, with stage_placement='v')"
         )
-    looped = schedule == "interleaved_1f1b"
-    if looped != (model.stages_per_rank > 1):
+    if placement is not None and (model.stages_per_rank == 1 or placement != model.stage_placement):
+        per_rank = "stages_per_rank=2 (or more)" if placement == "loop" else "stages_per_rank=2"
         raise ConfigError(
-            f"pipeline.schedule: {schedule} runs "
-            + ("several stages per rank" if looped else "one stage per rank")
-            + f", and the PipelineModule has stages_per_rank={model.stages_per_rank}; "
-            + (
-                "build it with stages_per_rank=2 (or more)"
-                if looped
-                else "use pipeline.schedule interleaved_1f1b"
-            )
+            f"pipeline.schedule: {schedule} runs several stages per rank, placed "
+            f"{placement!r}, and the PipelineModule has stages_per_rank="
+            f"{model.stages_per_rank}, stage_placement={model.stage_placement!r}; build it "
+            f"with {per_rank}, stage_placement={placement!r}"
         )
+    looped = placement == "loop"
     micro_batches = cfg.batch_sizes().gradient_accumulation_steps
     if schedule == "1f1b" and micro_batches < stages:
         raise ConfigError(

@@ -124,6 +124,24 @@ class MicroStepBackward:
             _managed_running.remove(self)
         self._close()
 
+    def outside_autograd(self, run: Callable[[], None], params: list[nn.Parameter]) -> None:
+        """A backward that assigns ``params``' ``.grad`` rather than accumulating it (a
+        pipeline's weight-gradient step: [Note: the weight-gradient step] in comm/pipeline.py),
+        opened as ``loss.backward()`` opens one: the gradients are taken after ``run``."""
+        factor = 1.0 if self.user_scaled else 1.0 / self._accumulation_steps()
+        self.user_scaled = False
+        self._open(BackwardState.MANAGED, grad_factor=factor)
+        _managed_running.append(self)
+        try:
+            run()
+            self.optimizer.reduction.take_assigned_grads(params)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            _managed_running.remove(self)
+        self._close()
+
     def abort(self) -> None:
         """Forget a backward that raised part-way: its accumulation's gradients are dropped, and
         the next backward starts clean (catching an out-of-memory error and moving on to the

@@ -2,7 +2,18 @@
 axis of the mesh). Each of this rank's stages runs a callable (a chunk of the zerotrain
 engine's model); the stage tells the engine, before each backward, which chunk it is and
 whether it is that chunk's last of the step, so the engine knows where to reduce its gradients
-(see [Note: a pipeline step on ZeRO] in zerotrain/pipe/engine.py)."""
+(see [Note: a pipeline step on ZeRO] in zerotrain/pipe/engine.py).
+
+[Note: the weight-gradient step]
+The zero-bubble schedules (ZBV) split a stage's backward in two: first the gradient of its
+input, which the previous stage is waiting for, then, later, where the pipeline would idle, the
+gradients of its weights. torch computes the second with ``autograd.grad`` and assigns
+``param.grad`` itself, so no hook of autograd's accumulation runs, and the engine's reducer,
+which takes gradients there, would never see them. The stage therefore hands that step to the
+engine (``weight_backward(chunk, run)``), which opens a backward around ``run`` and takes the
+assigned gradients after it. The first stage has no input gradient to send: torch runs its
+whole backward in the weight step, through autograd, as any other backward.
+"""
 
 from __future__ import annotations
 
@@ -18,29 +29,45 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' type
 
 from zerotrain.comm.communicator import Communicator
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-LOOPED_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B}  # several stages per rank
+# several stages per rank
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
+
+
+class StageRun(NamedTuple):
+    """One of this rank's stages: its index in the pipeline, its forward, and the parameters it
+    trains (what a weight-gradient step differentiates)."""
+
+    stage: int
+    run: Callable[..., Any]
+    params: list[nn.Parameter]
 
 
 class _Chunk(nn.Module):
-    """What the schedule runs for one stage: a callable, wrapped as the module it expects (its
-    parameters are the engine's, reduced by the engine, so the stage sees none)."""
+    """What the schedule runs for one stage: a callable, wrapped as the module it expects, with
+    the stage's parameters (the engine's, which the engine reduces)."""
 
-    def __init__(self, run: Callable[..., Any]):
+    def __init__(self, run: Callable[..., Any], params: list[nn.Parameter]):
         super().__init__()
         self._run = run
+        self._params = params
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._params)
 
     def forward(self, *args: Any) -> Any:
         return self._run(*args)
 
 
 class PipelineAction(NamedTuple):
-    """A forward ("F") or backward ("B") of one micro-batch on one stage, as a rank ran it."""
+    """What a rank ran for one micro-batch on one stage: its forward ("F"), its backward ("B";
+    under ZBV the input gradient alone) or its weight gradients ("W", ZBV)."""
 
     kind: str
     stage: int
@@ -50,21 +77,24 @@ class PipelineAction(NamedTuple):
 
 
 class _Stage(PipelineStage):
-    """A stage that tells the engine about each backward, records what it runs, and counts
-    what it sends to the neighbouring stages on ``comm`` (op ``send``: the schedule issues the
-    point-to-point operations itself)."""
+    """A stage that tells the engine about each backward, hands it the weight-gradient steps
+    ([Note: the weight-gradient step]), records what it runs, and counts what it sends to the
+    neighbouring stages on ``comm`` (op ``send``: the schedule issues the point-to-point
+    operations itself)."""
 
     def __init__(
         self,
         *args: Any,
         comm: Communicator,
         on_backward: Callable[[bool], None],
+        weight_backward: Callable[[Callable[[], None]], None],
         actions: list[PipelineAction],
         **kwargs: Any,
     ):
         super().__init__(*args, group=comm.group, **kwargs)
         self._comm = comm
         self._on_backward = on_backward
+        self._weight_backward = weight_backward
         self._actions = actions
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
@@ -79,13 +109,25 @@ class _Stage(PipelineStage):
         self._record("B", bwd_chunk_id, start)
         return out
 
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
+        start = time.perf_counter()
+        if self.is_first:  # a whole backward through autograd, announced as any other
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        else:
+            self._on_backward(last_backward)
+            self._weight_backward(
+                lambda: super(_Stage, self).backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            )
+        self._record("W", bwd_chunk_id, start)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
+        if backward_type != "weight":  # the weight step announced itself
+            self._on_backward(last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
     def _record(self, kind: str, micro_batch: int, start: float) -> None:
         end = time.perf_counter()
         self._actions.append(PipelineAction(kind, self.stage_index, micro_batch, start, end))
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
-        self._on_backward(last_backward)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
@@ -101,35 +143,38 @@ class _Stage(PipelineStage):
 
 
 def pipeline_schedule(
-    chunks: Sequence[Callable[..., Any]],
+    stage_runs: Sequence[StageRun],
     stages: Communicator,
     device: torch.device,
     schedule: str,
     micro_batches: int,
     loss_fn: Callable[..., torch.Tensor],
     on_backward: Callable[[int, bool], None],
+    weight_backward: Callable[[int, Callable[[], None]], None],
     actions: list[PipelineAction],
 ):
-    """A ``schedule`` of ``micro_batches`` over the stage group ``stages``: this rank, at
-    position p of it, runs stages ``p + i * stages.world_size`` with ``chunks[i]`` (one chunk
-    but for a looped schedule such as "interleaved_1f1b"). ``on_backward(i, last)`` is called
-    before each backward of chunk i; ``actions`` gets what this rank runs, in order. Gradients
-    are not scaled by the schedule (the caller divides)."""
-    total = stages.world_size * len(chunks)
+    """A ``schedule`` of ``micro_batches`` over the stage group ``stages``, this rank running
+    ``stage_runs`` (one but for the multi-stage schedules, "interleaved_1f1b" and "zbv") out of
+    ``len(stage_runs) x stages.world_size``. ``on_backward(i, last)`` is called before each
+    backward of ``stage_runs[i]``, ``weight_backward(i, run)`` runs its weight-gradient steps
+    ([Note: the weight-gradient step]); ``actions`` gets what this rank runs, in order.
+    Gradients are not scaled by the schedule (the caller divides)."""
+    total = stages.world_size * len(stage_runs)
     built: list[_PipelineStageBase] = [
         _Stage(
-            _Chunk(run),
-            stages.rank + i * stages.world_size,
+            _Chunk(stage_run.run, stage_run.params),
+            stage_run.stage,
             total,
             device,
             comm=stages,
             on_backward=lambda last, i=i: on_backward(i, last),
+            weight_backward=lambda run, i=i: weight_backward(i, run),
             actions=actions,
         )
-        for i, run in enumerate(chunks)
+        for i, stage_run in enumerate(stage_runs)
     ]
-    if schedule in LOOPED_SCHEDULES:
-        kind = LOOPED_SCHEDULES[schedule]
+    if schedule in MULTI_STAGE_SCHEDULES:
+        kind = MULTI_STAGE_SCHEDULES[schedule]
         return kind(built, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
     (stage,) = built
     return SCHEDULES[schedule](

@@ -450,9 +450,11 @@ class PipelineConfig(Section):
     """The order of the micro-batches' forwards and backwards on each stage: `1f1b` (one
     forward, one backward, once the pipeline is full: at most `stages` micro-batches' activations
     held per stage), `gpipe` (all forwards, then all backwards: every micro-batch's activations
-    held) or `interleaved_1f1b` (1F1B over several stages per rank, a smaller bubble: build the
-    PipelineModule with `stages_per_rank` 2 or more). All train the same model. `zbv` (zero
-    bubble, V-shaped) is not supported yet: an error says so. (A zerotrain key.)"""
+    held), `interleaved_1f1b` (1F1B over several stages per rank, a smaller bubble: build the
+    PipelineModule with `stages_per_rank` 2 or more) or `zbv` (zero bubble: two stages per rank
+    placed in a V, `stages_per_rank=2, stage_placement="v"`, each backward split into the input
+    gradient and, later, the weight gradients, which fill the bubble). All train the same
+    model. (A zerotrain key.)"""
 
 
 class ActivationCheckpointingConfig(Section):

@@ -19,13 +19,14 @@ one forward then one backward per micro-batch, which 1F1B breaks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from zerotrain.comm import Communicator
-from zerotrain.comm.pipeline import PipelineAction, pipeline_schedule
+from zerotrain.comm.pipeline import PipelineAction, StageRun, pipeline_schedule
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.pipe.module import PipelineModule
 
@@ -44,6 +45,7 @@ class PipelineEngine(ZeroTrainEngine):
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
         self._chunk_buckets: list[list[int]] = []  # per chunk: the buckets its backward fills
+        self._chunk_params: list[list[nn.Parameter]] = []  # per chunk: its trained parameters
         self._chunks_done = 0  # chunks whose last backward of this step has begun
         # the forwards and backwards this rank ran in the last train_batch / eval_batch, in
         # order, with their times (zerotrain.pipe.timeline replays them)
@@ -53,7 +55,13 @@ class PipelineEngine(ZeroTrainEngine):
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank runs the pipeline's last stage (ZBV places it on the first rank)."""
+        return self.stage_id == self._last_rank()
+
+    def _last_rank(self) -> int:
+        module = self.module
+        assert isinstance(module, PipelineModule)  # initialize makes this engine for one
+        return module.rank_of(module.num_stages * module.stages_per_rank - 1)
 
     # -- only the schedule drives forward, backward and step ----------------------------------
     def forward(self, *args: Any, **kwargs: Any):
@@ -131,21 +139,28 @@ class PipelineEngine(ZeroTrainEngine):
             assert isinstance(module, PipelineModule)  # initialize makes this engine for one
             if module.loss_fn is None:
                 raise ValueError("PipelineModule(loss_fn=...) is required to train it")
-            chunks = module.stages_per_rank
+            chunks = range(module.stages_per_rank)
             buckets = self.optimizer.buckets
             chunks_of = module.chunks_of()
             self._chunk_buckets = [
                 [i for i, b in enumerate(buckets) if c in chunks_of[id(b.slots[0].param)]]
-                for c in range(chunks)
+                for c in chunks
+            ]
+            trained = [p for p in module.parameters() if p.requires_grad]
+            self._chunk_params = [[p for p in trained if c in chunks_of[id(p)]] for c in chunks]
+            runs = [
+                StageRun(module.stages[c], functools.partial(self, chunk=c), self._chunk_params[c])
+                for c in chunks
             ]
             self._schedule = pipeline_schedule(
-                [functools.partial(self, chunk=c) for c in range(chunks)],
+                runs,
                 self.pipe_comm,
                 self.device,
                 self._schedule_name,
                 self.gradient_accumulation_steps(),
                 self._loss,
                 on_backward=self._before_backward,
+                weight_backward=self._weight_backward,
                 actions=self.pipeline_actions,
             )
         return self._schedule
@@ -176,6 +191,12 @@ class PipelineEngine(ZeroTrainEngine):
             self.optimizer.reduction.restrict(self._chunk_buckets[chunk])
         if self._fp16_scaled():
             self._backward.user_scaled = True
+
+    def _weight_backward(self, chunk: int, run: Callable[[], None]) -> None:
+        """A weight-gradient step of the zero-bubble schedules (see [Note: the weight-gradient
+        step] in comm/pipeline.py): a backward of this engine around ``run``, which assigns
+        the gradients of the chunk's parameters rather than accumulating them."""
+        self._backward.outside_autograd(run, self._chunk_params[chunk])
 
     def _run(self, run, inputs, labels, losses: list) -> None:
         first, last = self.is_first_stage(), self.is_last_stage()
@@ -216,7 +237,7 @@ class PipelineEngine(ZeroTrainEngine):
             data_parallel = self.optimizer.comm
             data_parallel.all_reduce(loss)
             loss /= data_parallel.world_size
-        last = self.pipe_comm.global_rank_of(self.num_stages - 1)
+        last = self.pipe_comm.global_rank_of(self._last_rank())
         self.pipe_comm.broadcast(loss, src=last)
         return loss
 

@@ -6,8 +6,11 @@ into ``num_stages x stages_per_rank`` contiguous stages; it builds only the laye
 stages (a ``LayerSpec`` is built there and nowhere else, so a model larger than one rank's memory
 never exists whole). Ranks are numbered with the pipeline axis outermost (see [Note: mesh
 layout] in comm/mesh.py): rank r is at pipeline position ``p = r // (world_size // num_stages)``
-and runs stages ``p, p + num_stages, p + 2 num_stages, ...`` (its *chunks*: more than one for
-the interleaved schedule, which loops each micro-batch through the ranks several times). A
+and runs one stage per *chunk*: more than one for the schedules that loop each micro-batch
+through the ranks several times. With ``stage_placement="loop"`` (interleaved 1F1B) chunk c is
+stage ``p + c num_stages``; with ``"v"`` (ZBV, two chunks) the second pass runs backwards
+through the ranks, so rank p runs stages p and ``2 num_stages - 1 - p``: the first rank holds
+the first and the last stage. A
 built layer is registered under its index in the whole list (``"3"``), a tied one once under
 ``tied_modules.<key>``, so state dict keys are DeepSpeed's and do not depend on the layout.
 
@@ -80,7 +83,8 @@ class PipelineModule(nn.Module):
     ``"type:<regex>"`` the layers whose class name matches. ``activation_checkpoint_interval``
     k > 0 recomputes every run of k layers in backward. ``stages_per_rank`` > 1 cuts the layers
     into that many stages per pipeline rank, for ``pipeline.schedule: interleaved_1f1b`` (see
-    [Note: pipeline stages]). Train it with ``engine.train_batch()``."""
+    [Note: pipeline stages]), placed by ``stage_placement`` ("loop", or "v" for ZBV). Train it
+    with ``engine.train_batch()``."""
 
     def __init__(
         self,
@@ -97,6 +101,7 @@ class PipelineModule(nn.Module):
         checkpointable_layers: list[str] | None = None,
         dynamic_shape: bool = False,
         stages_per_rank: int = 1,
+        stage_placement: str = "loop",
     ):
         super().__init__()
         if topology is not None:
@@ -125,9 +130,21 @@ class PipelineModule(nn.Module):
             raise ConfigError(
                 f"PipelineModule: stages_per_rank must be at least 1, got {stages_per_rank}"
             )
+        if stage_placement not in ("loop", "v"):
+            raise ConfigError(
+                f"PipelineModule: stage_placement {stage_placement!r} is not 'loop' or 'v'"
+            )
+        if stage_placement == "v" and stages_per_rank != 2:
+            raise ConfigError(
+                f"PipelineModule: stage_placement 'v' places two stages per rank; got "
+                f"stages_per_rank={stages_per_rank}"
+            )
         self.num_stages = num_stages
         self.stages_per_rank = stages_per_rank
+        self.stage_placement = stage_placement
         self.stage_id = world.rank // (world.world_size // num_stages)  # the pipeline position
+        # this rank's stages, one per chunk
+        self.stages = [self.stage_of_chunk(self.stage_id, c) for c in range(stages_per_rank)]
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
@@ -140,15 +157,15 @@ class PipelineModule(nn.Module):
         for index, spec in enumerate(self._specs):
             if isinstance(spec, TiedLayerSpec):
                 stage = stage_of(self.parts, index)
-                ranks_of.setdefault(spec.key, set()).add(stage % num_stages)
-                if stage % num_stages == self.stage_id:
-                    self._chunks_of_key.setdefault(spec.key, set()).add(stage // num_stages)
+                ranks_of.setdefault(spec.key, set()).add(self.rank_of(stage))
+                if stage in self.stages:
+                    self._chunks_of_key.setdefault(spec.key, set()).add(self.stages.index(stage))
         # tied keys whose layers run on several pipeline ranks: [Note: tied layers across stages]
         self.tied_stages = {key: sorted(s) for key, s in sorted(ranks_of.items()) if len(s) > 1}
         self._runs: list[list[Callable[[Any], Any]]] = []  # per chunk
-        for chunk in range(stages_per_rank):
+        for stage in self.stages:
             runs = []
-            for index in self.stage_layers(self.stage_id + chunk * num_stages):
+            for index in self.stage_layers(stage):
                 if seed_layers:
                     torch.manual_seed(base_seed + index)
                 runs.append(self._build(index, self._specs[index]))
@@ -193,7 +210,7 @@ class PipelineModule(nn.Module):
         for name, module in self.named_children():
             if name == "tied_modules":
                 continue
-            chunk = stage_of(self.parts, int(name)) // self.num_stages
+            chunk = self.stages.index(stage_of(self.parts, int(name)))
             out.update({id(p): (chunk,) for p in module.parameters()})
         for key, module in self.tied_modules.items():
             out.update(
@@ -221,9 +238,19 @@ class PipelineModule(nn.Module):
     def stage_layers(self, stage: int | None = None) -> list[int]:
         """Indices of the layers of ``stage`` (default: this rank's stages)."""
         if stage is None:
-            stages = range(self.stage_id, len(self.parts) - 1, self.num_stages)
-            return [i for s in stages for i in self.stage_layers(s)]
+            return [i for s in self.stages for i in self.stage_layers(s)]
         return list(range(self.parts[stage], self.parts[stage + 1]))
+
+    def stage_of_chunk(self, position: int, chunk: int) -> int:
+        """The stage the rank at pipeline ``position`` runs as its ``chunk``."""
+        if self.stage_placement == "v" and chunk % 2:
+            return (chunk + 1) * self.num_stages - 1 - position
+        return chunk * self.num_stages + position
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline position running ``stage``."""
+        chunk, offset = divmod(stage, self.num_stages)
+        return self.num_stages - 1 - offset if self.stage_placement == "v" and chunk % 2 else offset
 
 
 def _sequence(runs: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:

@@ -21,12 +21,16 @@ from zerotrain.comm.pipeline import PipelineAction
 
 
 def idle_shares(
-    ranks: Sequence[Sequence[PipelineAction]], forward: float = 1.0, backward: float = 1.0
+    ranks: Sequence[Sequence[PipelineAction]],
+    forward: float = 1.0,
+    backward: float = 1.0,
+    weight: float = 1.0,
 ) -> list[float]:
     """Each rank's idle share of the step ``ranks`` ran (one list of actions per pipeline rank),
-    replayed with those costs (see [Note: the bubble replayed])."""
+    replayed with those costs (``backward``: of a whole backward, or under ZBV of the input
+    gradient, ``weight`` then of the weight gradients; see [Note: the bubble replayed])."""
     stages = 1 + max(a.stage for actions in ranks for a in actions)
-    cost = {"F": forward, "B": backward}
+    cost = {"F": forward, "B": backward, "W": weight}
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> its end
     free = [0.0] * len(ranks)
     busy = [0.0] * len(ranks)
@@ -57,7 +61,9 @@ def idle_shares(
 
 
 def _input_of(action: PipelineAction, stages: int) -> tuple[str, int, int] | None:
-    """The action of another stage this one waits for (None: none)."""
+    """The action this one waits for (None: none but its rank's previous one)."""
+    if action.kind == "W":  # after its own stage's input gradient, on the same rank
+        return None
     if action.kind == "F":
         return None if action.stage == 0 else ("F", action.stage - 1, action.micro_batch)
     if action.stage == stages - 1:
@@ -70,6 +76,6 @@ def in_flight(actions: Sequence[PipelineAction]) -> int:
     it holds activations for)."""
     held, most = 0, 0
     for action in actions:
-        held += 1 if action.kind == "F" else -1
+        held += {"F": 1, "B": -1, "W": 0}[action.kind]
         most = max(most, held)
     return most

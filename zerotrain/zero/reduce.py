@@ -32,7 +32,7 @@ accumulation gathered.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -95,9 +95,12 @@ class GradientReduction(ABC):
         self._grad_factor = 1.0  # on this backward's gradients (see begin_backward)
         for bucket in buckets:
             self._allocate(bucket)
+        self._hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # id(param) -> its hook
         for bucket_index, bucket in enumerate(buckets):
             for slot in bucket.slots:
-                slot.param.register_post_accumulate_grad_hook(self._make_hook(bucket_index, slot))
+                hook = self._make_hook(bucket_index, slot)
+                self._hooks[id(slot.param)] = hook
+                slot.param.register_post_accumulate_grad_hook(hook)
 
     # -- what a strategy decides -----------------------------------------------------------------
     @abstractmethod
@@ -148,6 +151,13 @@ class GradientReduction(ABC):
             self._on_hook(bucket_index, slot, param)
 
         return hook
+
+    def take_assigned_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Take the gradients a backward assigned to ``params``' ``.grad`` (no hook of
+        autograd's accumulation saw them) as their hooks would have."""
+        for param in params:
+            if param.grad is not None:
+                self._hooks[id(param)](param)
 
     def restrict(self, buckets: list[int] | None) -> None:
         """Let the following backwards' reductions launch only ``buckets`` (ascending; None: all):
