@@ -38,6 +38,12 @@ def parse_args() -> argparse.Namespace:
         "shards over the world size / (tp x pp) data-parallel ranks)",
     )
     parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: norms and residuals between the split layers run on 1/tp of the "
+        "sequence each (the windows' length must divide by tp)",
+    )
+    parser.add_argument(
         "--pp",
         type=int,
         default=1,
@@ -131,7 +137,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         },
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
-        "tensor_parallel": {"autotp_size": args.tp},
+        "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": args.sequence_parallel},
         "checkpoint": {"keep_last": 2},
         # profile: the summary reports the time spent recomputing
         **(

@@ -229,7 +229,7 @@ def test_defaults_match_deepspeed() -> None:
             "use_node_local_storage": False,
         },
         "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
-        "tensor_parallel": {"autotp_size": 1, "tp_plan": None},
+        "tensor_parallel": {"autotp_size": 1, "tp_plan": None, "sequence_parallel": False},
         "pipeline": {"schedule": "1f1b"},
         "activation_checkpointing": None,
         "comms_logger": {

@@ -18,7 +18,7 @@ from zerotrain.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-STEPS, MICRO, ACCUM, SEQ, VOCAB, WIDTH = 3, 2, 4, 9, 37, 20
+STEPS, MICRO, ACCUM, SEQ, VOCAB, WIDTH = 3, 2, 4, 8, 37, 20
 LR, CLIP, SEED = 1e-3, 0.05, 1234
 
 
@@ -105,6 +105,7 @@ def train(
     stages_per_rank: int = 1,
     blocks: int = 3,
     placement: str = "loop",
+    sequence: bool = False,
 ):
     import zerotrain
     from zerotrain.pipe import PipelineModule
@@ -121,7 +122,9 @@ def train(
             stages_per_rank=stages_per_rank,
             stage_placement=placement,
         )
-        engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule, tp))
+        settings = config(stage, schedule, tp)
+        settings["tensor_parallel"]["sequence_parallel"] = sequence
+        engine, *_ = zerotrain.initialize(model=model, config=settings)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         losses = [
             engine.train_batch(micro_batches(batch, dp, dp_rank)).item() for batch in batches(dp)
@@ -133,13 +136,18 @@ def train(
 
 def test_pp2_dp2_and_pp2_tp2_match_single_process():
     """pp 2 x dp 2 at stages 0-2 with 1F1B and GPipe; pp 2 x tp 2 (heads 4: tp divides them),
-    also with the head alone on stage 1, where the tensor-parallel plan matches nothing."""
+    also with the head alone on stage 1, where the tensor-parallel plan matches nothing, and
+    with sequence parallelism."""
     runs = [(0, "1f1b"), (1, "gpipe"), (2, "1f1b"), (2, "gpipe")]
-    tp_runs = [([(1, "1f1b")], 2, 2, 4), ([(1, "1f1b")], 2, 2, 4, "type:Embedding")]
+    tp_runs = [
+        ([(1, "1f1b")], 2, 2, 4),
+        ([(1, "1f1b")], 2, 2, 4, "type:Embedding"),
+        ([(1, "1f1b")], 2, 2, 4, "parameters", 1, 3, "loop", True),
+    ]
     results = run_cases(train, 4, [(runs, 2), *tp_runs])
     want, want_losses = reference(dp=1, heads=4)
     for rank, per_case in enumerate(results):
-        for case in (1, 2):
+        for case in (1, 2, 3):
             state, losses, layers = per_case[case][1, "1f1b"]
             for key, value in want.items():
                 assert relative_error(state[key], value) < 1e-5, (case, key)

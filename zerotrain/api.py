@@ -165,7 +165,7 @@ def initialize(
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         offload=_offload_options(cfg, device),
         model_parallel=_model_parallel(mesh, tied),
-        summed=tied,
+        summed={**tied, **_sequence_summed(tensor_parallel)},
         chunks=model.chunks_of() if isinstance(model, PipelineModule) else {},
     )
     zero_optimizer = ZeroOptimizer(
@@ -266,15 +266,24 @@ def _model_parallel(mesh: Mesh, tied: dict[int, Communicator]) -> ModelParallel 
     return ModelParallel(mesh.axis(*axes), replicas)
 
 
+def _sequence_summed(tensor_parallel: TensorParallel | None) -> dict[int, Communicator]:
+    """Sequence parallelism's parameters, whose gradients are summed over the
+    tensor-parallel group."""
+    if tensor_parallel is None:
+        return {}
+    return {id(p): tensor_parallel.comm for p in tensor_parallel.summed}
+
+
 def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> TensorParallel | None:
     """Split ``model`` over the mesh's tensor-parallel axis (None: no tensor parallelism)."""
     section = cfg.tensor_parallel
     if section.autotp_size == 1:
-        if section.tp_plan is not None:
-            raise ConfigError(
-                "tensor_parallel.tp_plan: given, but autotp_size is 1 (nothing is split); set "
-                "autotp_size to the tensor-parallel degree or remove tp_plan"
-            )
+        for key in ("tp_plan", "sequence_parallel"):
+            if getattr(section, key) not in (None, False):
+                raise ConfigError(
+                    f"tensor_parallel.{key}: given, but autotp_size is 1 (nothing is split); "
+                    f"set autotp_size to the tensor-parallel degree or remove {key}"
+                )
         return None
     if cfg.lora_fa.enabled:
         raise ConfigError(
@@ -282,7 +291,7 @@ def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> Tens
             "parallelism are not supported; use one of them"
         )
     stages = mesh.axis("pp") if isinstance(model, PipelineModule) else None
-    return parallelize(model, mesh.axis("tp"), section.tp_plan, stages)
+    return parallelize(model, mesh.axis("tp"), section.tp_plan, stages, section.sequence_parallel)
 
 
 def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:

@@ -438,6 +438,11 @@ class TensorParallelConfig(Section):
     attributes, a head count, divided by the degree); `initialize` checks them against the
     model. null: the automatic plan, which knows GPT-2, Llama-shaped and zerotrain's example GPT
     blocks. (A zerotrain key.)"""
+    sequence_parallel: bool = False
+    """Run the norms, dropouts and residual adds between the split attention and MLP on 1/tp of
+    the sequence each (Megatron-LM's sequence parallelism): their activations shrink by tp for
+    the same bytes. The sequence (dimension 1 of the blocks' hidden states) must divide by
+    `autotp_size`; dropout there masks each rank's own tokens. (A zerotrain key.)"""
 
 
 class PipelineConfig(Section):

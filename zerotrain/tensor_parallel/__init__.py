@@ -44,11 +44,15 @@ __all__ = [
 
 
 class TensorParallel:
-    """A model split over the tensor-parallel group ``comm`` by ``plan``."""
+    """A model split over the tensor-parallel group ``comm`` by ``plan``; ``summed``: the
+    parameters whose gradients are summed over ``comm`` (sequence parallelism's)."""
 
-    def __init__(self, comm: Communicator, plan: dict[str, Style]):
+    def __init__(
+        self, comm: Communicator, plan: dict[str, Style], summed: list[nn.Parameter] | None = None
+    ):
         self.comm = comm
         self.plan = plan
+        self.summed = summed or []
 
     @property
     def size(self) -> int:
@@ -76,12 +80,13 @@ def parallelize(
     comm: Communicator,
     plan: Mapping[str, object] | None = None,
     stages: Communicator | None = None,
+    sequence_parallel: bool = False,
 ) -> TensorParallel:
     """Split ``model`` in place over the tensor-parallel group ``comm`` as ``plan`` says (None:
     the automatic plan). Every value is first broadcast from the group's first rank, so that
     the peers cut the same tensors. ``stages``: the pipeline stages of a PipelineModule, each
     holding some of the layers; the plan must match somewhere, not on every stage (decided
-    together, so that every rank raises alike)."""
+    together, so that every rank raises alike). ``sequence_parallel``: see sequence.py."""
     if any(is_init_partitioned(p) for p in model.parameters()):
         raise ConfigError(
             "tensor_parallel.autotp_size: the model was built under zerotrain.zero.Init, whose "
@@ -97,5 +102,5 @@ def parallelize(
     check_matched(model, matched_any, unmatched, automatic=plan is None)
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, src=comm.root)
-    apply_plan(model, resolved, comm)
-    return TensorParallel(comm, resolved)
+    summed = apply_plan(model, resolved, comm, sequence_parallel)
+    return TensorParallel(comm, resolved, summed)

@@ -31,7 +31,12 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.config.errors import ConfigError
-from zerotrain.tensor_parallel.regions import copy_to_region, reduce_from_region
+from zerotrain.tensor_parallel.regions import (
+    copy_to_region,
+    reduce_from_region,
+    reduce_scatter_from_region,
+)
+from zerotrain.tensor_parallel.sequence import parallelize_sequence
 from zerotrain.tensor_parallel.shard import TPShard, shard_of, split_parameter
 
 _HEAD_COUNTS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads")
@@ -154,19 +159,28 @@ def check_matched(model: nn.Module, matched_any: bool, unmatched: list[str], aut
         )
 
 
-def apply_plan(model: nn.Module, plan: dict[str, Style], comm: Communicator) -> None:
+def apply_plan(
+    model: nn.Module, plan: dict[str, Style], comm: Communicator, sequence_parallel: bool = False
+) -> list[nn.Parameter]:
     """Split ``model``'s layers in place as ``plan`` says, over the tensor-parallel ``comm``
-    (every rank must hold the same whole values: the caller broadcasts them first)."""
+    (every rank must hold the same whole values: the caller broadcasts them first). With
+    ``sequence_parallel`` the regions between the split modules run on a share of the sequence
+    ([Note: sequence parallelism] in sequence.py); returns the parameters whose gradients are
+    then summed over ``comm`` (none without it)."""
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules[name]
         if isinstance(style, Divide):
             _divide(module, name, style.names, comm.world_size)
         elif isinstance(style, Colwise):
-            _split_columns(module, name, style.chunks, comm)
+            _split_columns(module, name, style.chunks, comm, sequence_parallel)
         else:
-            _split_rows(module, name, comm)
+            _split_rows(module, name, comm, sequence_parallel)
     _check_head_counts(model, plan, comm.world_size)
+    if not sequence_parallel:
+        return []
+    split = [name for name, style in plan.items() if not isinstance(style, Divide)]
+    return parallelize_sequence(model, split, comm)
 
 
 # -- one style each ------------------------------------------------------------------------------
@@ -205,7 +219,9 @@ def _param(module: nn.Module, name: str) -> nn.Parameter | None:
     return module._parameters.get(name)
 
 
-def _split_columns(module: nn.Module, name: str, chunks: int, comm: Communicator) -> None:
+def _split_columns(
+    module: nn.Module, name: str, chunks: int, comm: Communicator, sequence_parallel: bool
+) -> None:
     out_dim, _ = _feature_dims(module, name)
     tp = comm.world_size
     weight, bias = _param(module, "weight"), _param(module, "bias")
@@ -216,10 +232,11 @@ def _split_columns(module: nn.Module, name: str, chunks: int, comm: Communicator
     if bias is not None:
         split_parameter(bias, TPShard(0, chunks, tp), comm.rank)
     _set_features(module, out=size // tp)
-    module.register_forward_pre_hook(lambda _, args: (copy_to_region(args[0], comm), *args[1:]))
+    if not sequence_parallel:  # else the module around gathers the input (sequence.py)
+        module.register_forward_pre_hook(lambda _, args: (copy_to_region(args[0], comm), *args[1:]))
 
 
-def _split_rows(module: nn.Module, name: str, comm: Communicator) -> None:
+def _split_rows(module: nn.Module, name: str, comm: Communicator, sequence_parallel: bool) -> None:
     _, in_dim = _feature_dims(module, name)
     tp = comm.world_size
     weight = _param(module, "weight")
@@ -229,11 +246,12 @@ def _split_rows(module: nn.Module, name: str, comm: Communicator) -> None:
     split_parameter(weight, TPShard(in_dim, 1, tp), comm.rank)
     _set_features(module, in_=size // tp)
     conv1d = _is_conv1d(module)
+    reduce = reduce_scatter_from_region if sequence_parallel else reduce_from_region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the partial products are summed
         partial = torch.matmul(x, self.weight) if conv1d else F.linear(x, self.weight)
-        out = reduce_from_region(partial, comm)
+        out = reduce(partial, comm)
         return out if self.bias is None else out + self.bias
 
     module.forward = types.MethodType(forward, module)

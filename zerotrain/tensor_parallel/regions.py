@@ -5,8 +5,10 @@ A column-parallel layer reads a replicated input and writes a sharded output: it
 through :func:`copy_to_region` (identity forward; backward sums the input gradients, each rank
 holding only its shard's contribution). A row-parallel layer reads a sharded input and writes
 partial sums: its output passes through :func:`reduce_from_region` (forward sums the partials;
-backward passes the replicated gradient through). Both run over the tensor-parallel
-:class:`~zerotrain.comm.Communicator`, so the traffic is counted and bounded by its timeout.
+backward passes the replicated gradient through). With sequence parallelism (sequence.py) four
+more move activations between a share of the sequence and the whole of it. All run over the
+tensor-parallel :class:`~zerotrain.comm.Communicator`, so the traffic is counted and bounded by
+its timeout.
 """
 
 from __future__ import annotations
@@ -50,3 +52,109 @@ def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """``x`` summed over ``comm``; its gradient unchanged (the output of a row-parallel layer)."""
     return _ReduceFromRegion.apply(x, comm)
+
+
+# -- sequence parallelism ([Note: sequence parallelism] in sequence.py) ---------------------------
+# Activations are [batch, sequence, ...]; a rank's share of the sequence is its contiguous
+# 1/tp of dimension 1, ranks in order.
+def _gather(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[b, s/tp, ...] pieces of every rank -> [b, s, ...]."""
+    x = x.contiguous()
+    pieces = torch.empty((comm.world_size, *x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather(pieces.view(-1), x.view(-1))
+    return pieces.movedim(0, 1).flatten(1, 2)
+
+
+def _local(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[b, s, ...] -> this rank's [b, s/tp, ...]."""
+    return x.chunk(comm.world_size, dim=1)[comm.rank].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[b, s, ...] partial sums on every rank -> the sum of this rank's [b, s/tp, ...]."""
+    pieces = torch.stack(x.chunk(comm.world_size, dim=1)).contiguous()
+    out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out.view(-1), pieces.view(-1))
+    return out
+
+
+def check_sequence(x: torch.Tensor, comm: Communicator, where: str) -> None:
+    if x.dim() < 2 or x.shape[1] % comm.world_size:
+        raise ValueError(
+            f"sequence parallelism: {where} got activations of shape {tuple(x.shape)}; their "
+            f"sequence (dimension 1) must divide into the {comm.world_size} tensor-parallel "
+            "ranks: pad the sequences to a multiple, or turn tensor_parallel.sequence_parallel "
+            "off"
+        )
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Into a tensor-parallel region: the whole sequence for every rank; backward sums the
+    ranks' gradients and keeps this rank's share (the column-parallel layers' input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _gather(x, comm)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return _reduce_scatter(grads[0], ctx.comm), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Out of a tensor-parallel region: the row-parallel layer's partial sums summed, each rank
+    keeping its share of the sequence; backward gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _reduce_scatter(x, comm)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return _gather(grads[0], ctx.comm), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Into the sequence-parallel part of the model: each rank keeps its share of a replicated
+    activation; backward gathers the shares' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _local(x, comm)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return _gather(grads[0], ctx.comm), None
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """Out of the sequence-parallel part of the model: the whole sequence, replicated; the
+    gradient is the same on every rank, so backward keeps this rank's share."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _gather(x, comm)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return _local(grads[0], ctx.comm), None
+
+
+def gather_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    return _GatherSequence.apply(x, comm)
+
+
+def reduce_scatter_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    return _ReduceScatterSequence.apply(x, comm)
+
+
+def scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    return _ScatterSequence.apply(x, comm)
+
+
+def gather_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    return _AllGatherSequence.apply(x, comm)
