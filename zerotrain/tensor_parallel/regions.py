@@ -88,73 +88,38 @@ def check_sequence(x: torch.Tensor, comm: Communicator, where: str) -> None:
         )
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Into a tensor-parallel region: the whole sequence for every rank; backward sums the
-    ranks' gradients and keeps this rank's share (the column-parallel layers' input)."""
+class _SequenceRegion(torch.autograd.Function):
+    """``forward(x, comm)`` in forward, ``backward(grad, comm)`` in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _gather(x, comm)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return _reduce_scatter(grads[0], ctx.comm), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Out of a tensor-parallel region: the row-parallel layer's partial sums summed, each rank
-    keeping its share of the sequence; backward gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _reduce_scatter(x, comm)
+    def forward(ctx, x: torch.Tensor, comm: Communicator, forward, backward) -> torch.Tensor:
+        ctx.comm, ctx.backward_op = comm, backward
+        return forward(x, comm)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return _gather(grads[0], ctx.comm), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Into the sequence-parallel part of the model: each rank keeps its share of a replicated
-    activation; backward gathers the shares' gradients."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _local(x, comm)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return _gather(grads[0], ctx.comm), None
-
-
-class _AllGatherSequence(torch.autograd.Function):
-    """Out of the sequence-parallel part of the model: the whole sequence, replicated; the
-    gradient is the same on every rank, so backward keeps this rank's share."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _gather(x, comm)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return _local(grads[0], ctx.comm), None
+        return ctx.backward_op(grads[0], ctx.comm), None, None, None
 
 
 def gather_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _GatherSequence.apply(x, comm)
+    """Into a tensor-parallel region: the whole sequence for every rank; backward sums the
+    ranks' gradients and keeps this rank's share (the column-parallel layers' input)."""
+    return _SequenceRegion.apply(x, comm, _gather, _reduce_scatter)
 
 
 def reduce_scatter_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _ReduceScatterSequence.apply(x, comm)
+    """Out of a tensor-parallel region: the row-parallel layer's partial sums summed, each rank
+    keeping its share of the sequence; backward gathers the gradient."""
+    return _SequenceRegion.apply(x, comm, _reduce_scatter, _gather)
 
 
 def scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _ScatterSequence.apply(x, comm)
+    """Into the sequence-parallel part of the model: each rank keeps its share of a replicated
+    activation; backward gathers the shares' gradients."""
+    return _SequenceRegion.apply(x, comm, _local, _gather)
 
 
 def gather_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _AllGatherSequence.apply(x, comm)
+    """Out of the sequence-parallel part of the model: the whole sequence, replicated; the
+    gradient is the same on every rank, so backward keeps this rank's share."""
+    return _SequenceRegion.apply(x, comm, _gather, _local)
