@@ -1,51 +1,60 @@
-"""Tensor and pipeline parallelism composed with ZeRO, against data parallelism alone and
-torchtitan-style FSDP2 + TP, in one run.
+"""Tensor and pipeline parallelism composed with ZeRO, against data parallelism alone, torch
+DDP, torchtitan-style FSDP2 + TP and DeepSpeed (its engine and its PipelineModule), in one run.
 
     python bench/parallel3d.py [--model 30m] [--stage 2] [--steps 3] [--warmup 1]
-                               [--schedule 1f1b|gpipe]
-                               [--layouts dp4 tp2xdp2 tp4 pp2xdp2 pp2xtp2 fsdp2-dp4 ...]
+                               [--schedule 1f1b|gpipe|interleaved_1f1b|zbv]
+                               [--layouts dp4 tp2xdp2 tp2xdp2-sp tp4 pp2xdp2 pp2xtp2 ...]
 
 Each layout trains the GPT of examples/gpt/model.py on 4 ranks (one torchrun job per layout, one
-after the other; gloo, fp32, CPU) from the same weights on the same global batch (`--micro` x
-dp x accumulation, the accumulation chosen so that every layout sees 8 sequences per step) and
-reports: median seconds per step over `--steps` timed steps after `--warmup`; peak RSS of the
-busiest rank; model states per rank (zerotrain's `memory_breakdown()['total']`, and its ratio to
-the ZeRO formula over this rank's parameters); activation bytes per rank (the tensors autograd
-saves for backward in one micro-batch's forward, each storage counted once, parameters left
-out); and bytes per axis
-per rank per step: all-reduces (tensor-parallel activations, with pipelines the tied embeddings'
-gradient sum across the first and last stage, and a few 4-byte norms and losses) and
-data-parallel reduce-scatters / all-gathers
-as zerotrain's communicator counted them, against the formulas ([Note: the bubble measured]
-A pipeline stage waits while the pipeline fills and drains: with m micro-batches over p stages of
-equal cost it computes m / (m + p - 1) of the step (both schedules; 1F1B holds fewer
-activations). The measured share is a rank's forward and backward seconds (the engine's own
+after the other; gloo, fp32, CPU, clipping at 1.0) from the same weights on the same global
+batch (`--micro` x dp x accumulation, the accumulation chosen so that every layout sees 8
+sequences per step) and reports: median seconds per step over `--steps` timed steps after
+`--warmup`; peak RSS of the busiest rank; model states per rank (zerotrain's
+`memory_breakdown()['total']`, and its ratio to the ZeRO formula over this rank's parameters);
+activation bytes per rank (the tensors autograd saves for backward in one micro-batch's forward,
+each storage counted once, parameters left out); and bytes per axis per rank per step as
+zerotrain's communicators counted them, against the formulas ([Note: bytes per axis]). The loss
+after the last step shows that the layouts train the same model.
+
+`pp*` rows train the GPT as a PipelineModule (embeddings, blocks, final norm, and the head tied
+to the embeddings across the first and last stage; the blocks spread evenly) with `--schedule`
+(interleaved and ZBV with two stages per rank); a stage's activations are not measured alone
+(its forward runs inside the schedule). `tp2xdp2-sp` adds sequence parallelism. `ddp-dp4` is
+torch's DistributedDataParallel; `fsdp2-*` rows are torch's `fully_shard` (and, with tp,
+`parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D DeviceMesh: torchtitan's
+composition); `deepspeed-*` rows are DeepSpeed's engine at `--stage` and its PipelineModule
+(ZeRO stage 1: its pipelines refuse 2) on the same layers, when deepspeed is installed. Their
+bytes are not counted. Writes bench/results/parallel3d.json.
+
+[Note: the bubble measured]
+A pipeline stage waits while the pipeline fills and drains: with m micro-batches over p ranks of
+equal cost it computes m / (m + p - 1) of the step under 1F1B and GPipe (see busy_formula for
+the others). The measured share is a rank's forward and backward seconds (the engine's own
 timings) over the step time. On this machine 4 processes share 2 cores, so a waiting stage
 gives its core to the others: the measured share mixes the bubble with that sharing, and the
-stage-to-stage traffic counts as waiting.
-
-[Note: bytes per axis]). The
-loss after the last step shows that the layouts train the same model. `pp*` rows train the
-GPT as a PipelineModule (embeddings, blocks, final norm, and the head tied to the embeddings
-across the first and last stage; the blocks spread evenly) with `--schedule`; a stage's
-activations are not measured alone (its forward runs inside the schedule). `fsdp2-*` rows are torch's
-`fully_shard` (and, with tp, `parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D
-DeviceMesh: torchtitan's composition); their bytes are not counted. Writes
-bench/results/parallel3d.json.
+stage-to-stage traffic counts as waiting. The order alone is tested exactly in
+tests/test_pipeline.py (zerotrain/pipe/timeline.py replays it).
 
 [Note: bytes per axis]
-Tensor parallelism all-reduces, per block and micro-batch, the activations after the attention
-output and the MLP in forward and the input gradients of the two column-split layers (fused q/k/v
-and the MLP's first) in backward: 4 x micro x tokens x width x 4 bytes (payload; a ring sends
-2(tp-1)/tp of it). ZeRO stages 1-2 reduce-scatter the gradients and all-gather the parameters
-over the data-parallel group: (1 + 1) x Ψ_rank x 4 bytes at stage 1, (accumulation + 1) x Ψ_rank
-x 4 at stage 2 (which reduce-scatters every micro-batch), Ψ_rank the parameters this rank holds
-after the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
+TP: the tensor-parallel group's own count (payload, and what this rank sent). Per block and micro-batch it all-reduces the
+activations after the attention output and the MLP in forward and the input gradients of the
+two column-split layers (fused q/k/v and the MLP's first) in backward: 4 x micro x tokens x
+width x 4 bytes (payload; a ring sends 2(tp-1)/tp of it). With sequence parallelism those are
+an all-gather and a reduce-scatter each, 8 payloads per block, plus 2 per micro-batch at the
+edges of the blocks, and the blocks' unsplit gradients summed once per step: twice the payload
+of the all-reduces, the same bytes sent ((tp-1)/tp of each, against 2(tp-1)/tp); without pipelines
+the gradient norm's 4 bytes go over the same group. PP: the activations a stage sends to the
+next and the gradients it sends back, micro x tokens x width x 4 bytes per micro-batch each.
+DP: ZeRO stages 1-2 reduce-scatter the gradients and all-gather the parameters over the
+data-parallel group: (1 + 1) x Ψ_rank x 4 bytes at stage 1, (accumulation + 1) x Ψ_rank x 4 at
+stage 2 (which reduce-scatters every micro-batch), Ψ_rank the parameters this rank holds after
+the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -53,7 +62,9 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -61,14 +72,34 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 SEQUENCES_PER_STEP = 8
-LAYOUTS = {  # name: (system, tp, pp)
-    "dp4": ("zerotrain", 1, 1),
-    "tp2xdp2": ("zerotrain", 2, 1),
-    "tp4": ("zerotrain", 4, 1),
-    "pp2xdp2": ("zerotrain", 1, 2),
-    "pp2xtp2": ("zerotrain", 2, 2),
-    "fsdp2-dp4": ("fsdp2", 1, 1),
-    "fsdp2-tp2xdp2": ("fsdp2", 2, 1),
+
+
+class Layout(NamedTuple):
+    system: str  # zerotrain, fsdp2, ddp, deepspeed
+    tp: int
+    pp: int
+    sequence_parallel: bool = False
+
+
+LAYOUTS = {
+    "dp4": Layout("zerotrain", 1, 1),
+    "tp2xdp2": Layout("zerotrain", 2, 1),
+    "tp2xdp2-sp": Layout("zerotrain", 2, 1, sequence_parallel=True),
+    "tp4": Layout("zerotrain", 4, 1),
+    "pp2xdp2": Layout("zerotrain", 1, 2),
+    "pp2xtp2": Layout("zerotrain", 2, 2),
+    "ddp-dp4": Layout("ddp", 1, 1),
+    "fsdp2-dp4": Layout("fsdp2", 1, 1),
+    "fsdp2-tp2xdp2": Layout("fsdp2", 2, 1),
+    "deepspeed-dp4": Layout("deepspeed", 1, 1),
+    "deepspeed-pp2xdp2": Layout("deepspeed", 1, 2),
+}
+# what each schedule needs of the PipelineModule
+STAGE_OPTIONS = {
+    "1f1b": {},
+    "gpipe": {},
+    "interleaved_1f1b": {"stages_per_rank": 2},
+    "zbv": {"stages_per_rank": 2, "stage_placement": "v"},
 }
 
 
@@ -76,13 +107,17 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="30m", help="GPT preset (examples/gpt/model.py)")
     parser.add_argument(
-        "--stage", type=int, choices=(1, 2), default=2, help="zerotrain's ZeRO stage"
+        "--stage",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="ZeRO stage of zerotrain and DeepSpeed (whose pipelines take stage 1 at most)",
     )
     parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument(
-        "--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule"
+        "--schedule", choices=sorted(STAGE_OPTIONS), default="1f1b", help="pipeline schedule"
     )
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -111,7 +146,7 @@ def activation_bytes(model, x, y) -> int:
     return sum(seen.values())
 
 
-def zerotrain_engine(model, args, tp: int, pp: int):
+def zerotrain_engine(model, args, tp: int, pp: int, sequence_parallel: bool):
     import zerotrain
 
     dp = 4 // (tp * pp)
@@ -121,13 +156,38 @@ def zerotrain_engine(model, args, tp: int, pp: int):
             "train_batch_size": SEQUENCES_PER_STEP,
             "train_micro_batch_size_per_gpu": args.micro,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "gradient_clipping": 1.0,
             "zero_optimization": {"stage": args.stage},
-            "tensor_parallel": {"autotp_size": tp},
+            "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sequence_parallel},
             "pipeline": {"schedule": args.schedule},
             "steps_per_print": None,
         },
     )
     assert engine.dp_world_size == dp
+    if engine.tensor_parallel is not None and engine.tensor_parallel.comm is not engine.comm:
+        engine.tensor_parallel.comm.stats = {}  # the tensor-parallel group's traffic alone
+    return engine
+
+
+def deepspeed_engine(model, args, pp: int):
+    import deepspeed
+
+    if pp > 1:
+        from gpt.pipeline import pipeline_gpt
+
+        model = pipeline_gpt(model, pp, pipe=deepspeed.pipe)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config={
+            "train_batch_size": SEQUENCES_PER_STEP,
+            "train_micro_batch_size_per_gpu": args.micro,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": args.stage if pp == 1 else 1},
+            "steps_per_print": 10**9,
+        },
+    )
     return engine
 
 
@@ -213,10 +273,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     from gpt.model import GPT, gpt_config
 
-    system, tp, pp = LAYOUTS[args.worker]
+    system, tp, pp, sequence_parallel = LAYOUTS[args.worker]
     torch.manual_seed(0)
     config = gpt_config(args.model)
     model = GPT(config)
+    engine = optimizer = None
     if system == "zerotrain":
         import zerotrain
 
@@ -224,18 +285,28 @@ def worker(args) -> None:
         if pp > 1:
             from gpt.pipeline import pipeline_gpt
 
-            model = pipeline_gpt(model, pp)
-        engine = zerotrain_engine(model, args, tp, pp)
+            model = pipeline_gpt(model, pp, **STAGE_OPTIONS[args.schedule])
+        engine = zerotrain_engine(model, args, tp, pp, sequence_parallel)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         accum = engine.gradient_accumulation_steps()
-        forward = engine
+    elif system == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine = deepspeed_engine(model, args, pp)
+        dp = 4 // pp
+        dp_rank = dist.get_rank() % dp
+        accum = engine.gradient_accumulation_steps()
     else:
         dist.init_process_group("gloo")
-        model = fsdp2_model(model, tp)
+        if system == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            model = fsdp2_model(model, tp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         dp, dp_rank = 4 // tp, dist.get_rank() // tp
         accum = SEQUENCES_PER_STEP // (args.micro * dp)
-        forward = model
+    forward = engine if engine is not None else model
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1)
     total = args.warmup + args.steps
@@ -251,16 +322,17 @@ def worker(args) -> None:
     x, y = micro_batch(0, 0)
     # a pipeline stage's forward is run by its schedule: not measured alone
     activations = activation_bytes(forward, x, y) if pp == 1 else None
-    if system == "zerotrain":
+    if engine is not None:
         engine.zero_grad()
     else:
         optimizer.zero_grad()
     times = []
-    busy = count_compute(engine) if pp > 1 else None
+    busy = count_compute(engine) if pp > 1 and system == "zerotrain" else None
     for step in range(total):
         losses = []  # this rank's micro-batch losses of the step
         if step == args.warmup and system == "zerotrain":
-            engine.comm.reset_stats()
+            for comm in _counting_comms(engine):
+                comm.reset_stats()
             if busy is not None:
                 busy.clear()
         dist.barrier()
@@ -270,16 +342,22 @@ def worker(args) -> None:
             losses.append(loss.item())
         for micro in range(accum if pp == 1 else 0):
             x, y = micro_batch(step, micro)
-            if system == "zerotrain":
+            if engine is not None:
                 out = engine(x, y)
                 engine.backward(out)
                 engine.step()
+                losses.append(out.item())
             else:
-                out = model(x, y) / accum
-                out.backward()
-            losses.append(out.item() * (1 if system == "zerotrain" else accum))
-        if system != "zerotrain":
-            clip_dtensor_grads(list(model.parameters()), 1.0)
+                last = micro == accum - 1
+                with model.no_sync() if system == "ddp" and not last else nullcontext():
+                    out = model(x, y) / accum
+                    out.backward()
+                losses.append(out.item() * accum)
+        if engine is None:
+            if system == "ddp":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                clip_dtensor_grads(list(model.parameters()), 1.0)
             optimizer.step()
             optimizer.zero_grad()
         times.append(time.perf_counter() - start)
@@ -290,20 +368,27 @@ def worker(args) -> None:
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "activation_bytes": activations,
         "loss": sum(losses) / len(losses),  # of the last step
-        "ops": {op: [st.calls, st.bytes] for op, st in engine.comm.stats.items()}
-        if system == "zerotrain"
-        else {},
     }
     if system == "zerotrain":
         memory = engine.memory_breakdown()
         stats = engine.comm.stats
+        tp_stats = {} if engine.tensor_parallel is None else engine.tensor_parallel.comm.stats
+        blocks = [m for m in engine.module.modules() if type(m).__name__ == "Block"]
         result.update(
+            ops={op: [st.calls, st.bytes] for op, st in stats.items()},
             model_states=memory["total"],
             formula=memory["formula_total"],
-            tp_bytes=_payload(stats, "all_reduce") / args.steps,
+            tp_bytes=sum(st.bytes for st in tp_stats.values()) / args.steps,
+            tp_sent=sum(st.sent for st in tp_stats.values()) / args.steps,
+            pp_bytes=_payload(stats, "send") / args.steps,
             dp_bytes=(_payload(stats, "reduce_scatter") + _payload(stats, "all_gather"))
             / args.steps,
             rank_params=engine.optimizer.group.num_params,
+            # sequence parallelism sums these gradients over the tensor-parallel group
+            summed_numel=sum(p.numel() for p in engine.tensor_parallel.summed)
+            if engine.tensor_parallel is not None
+            else 0,
+            blocks=len(blocks),
             accum=accum,
         )
     gathered = [None] * dist.get_world_size()
@@ -311,9 +396,16 @@ def worker(args) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
     dist.barrier()
-    if system == "zerotrain":
+    if system in ("zerotrain", "ddp"):
         dist.destroy_process_group()
-    # else: left to exit; destroying groups torch's DeviceMesh made aborts on gloo (torch 2.13)
+    # else: left to exit; destroying groups torch's DeviceMesh or DeepSpeed made aborts on gloo
+
+
+def _counting_comms(engine) -> list:
+    """The communicators whose counts the bench reads: the engine's, and the tensor-parallel
+    group's when it counts alone (see zerotrain_engine)."""
+    tp = engine.tensor_parallel
+    return [engine.comm] + ([tp.comm] if tp is not None and tp.comm is not engine.comm else [])
 
 
 def _payload(stats, op: str) -> int:
@@ -331,7 +423,9 @@ def run_layout(name: str, args) -> list[dict] | str:
         "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--schedule", args.schedule,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # DeepSpeed picks its accelerator by what it finds; on a CPU-only machine it must be told
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0 or not out.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -341,8 +435,32 @@ def run_layout(name: str, args) -> list[dict] | str:
     return results
 
 
+def stage_boundaries(rank: int, pp: int, schedule: str) -> int:
+    """How many activations a pipeline rank sends per micro-batch: forward to the next stage
+    and backward to the previous one, when that stage is on another rank."""
+    per_rank = STAGE_OPTIONS[schedule].get("stages_per_rank", 1)
+    rank_of = [s % pp for s in range(pp * per_rank)]
+    if schedule == "zbv":
+        rank_of = [*range(pp), *reversed(range(pp))]
+    total = len(rank_of)
+    mine = [s for s in range(total) if rank_of[s] == rank]
+    forward = sum(s + 1 < total and rank_of[s + 1] != rank for s in mine)
+    return forward + sum(s > 0 and rank_of[s - 1] != rank for s in mine)
+
+
+def busy_formula(m: int, p: int, schedule: str) -> float:
+    """The share of a step a rank computes with m micro-batches over p ranks, forward, input
+    gradient and weight gradients costing alike (zerotrain/pipe/timeline.py): 1F1B and GPipe
+    m / (m + p - 1), interleaved with v stages per rank vm / (vm + p - 1), ZBV (v = 2, the
+    backward split in two) 6m / (6m + p - 1) once m >= 2p."""
+    if schedule == "zbv":
+        return 6 * m / (6 * m + p - 1)
+    v = STAGE_OPTIONS[schedule].get("stages_per_rank", 1)
+    return v * m / (v * m + p - 1)
+
+
 def summarize(name: str, ranks: list[dict], args, config) -> dict:
-    system, tp, pp = LAYOUTS[name]
+    system, tp, pp, sequence_parallel = LAYOUTS[name]
     row = {
         "layout": name,
         "system": system,
@@ -362,24 +480,28 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
         "busy_share": None
         if ranks[0]["busy"] is None
         else [r["busy"] / max(statistics.median(q["seconds"]) for q in ranks) for r in ranks],
-        "ops": ranks[0]["ops"],
     }
     if system == "zerotrain":
         r0 = ranks[0]
-        tokens = config.block_size
-        blocks = config.n_layer // pp  # rank 0's stage ("type:Block" spreads them evenly)
-        tp_formula = (
-            blocks * 4 * args.micro * tokens * config.n_embd * 4 * r0["accum"] if tp > 1 else 0
-        )
-        if pp > 1:  # the tied embeddings' reduced gradient shard, summed over the two stages
-            tied = (config.vocab_size + config.block_size) * config.n_embd
-            tp_formula += tied * 4 // row["dp"]
+        activation = args.micro * config.block_size * config.n_embd * 4  # one, whole, fp32
+        per_micro = (8 * r0["blocks"] + 2) if sequence_parallel else 4 * r0["blocks"]
+        tp_formula = per_micro * activation * r0["accum"] if tp > 1 else 0
+        if tp > 1 and pp == 1:  # the gradient norm's square sums over the same group
+            tp_formula += 4
+        if sequence_parallel:  # the blocks' unsplit gradients (shards past stage 0)
+            tp_formula += r0["summed_numel"] * 4 // (row["dp"] if args.stage > 0 else 1)
         row.update(
+            ops=r0["ops"],
             micro_batches=r0["accum"],
             model_states=max(r["model_states"] for r in ranks),
             states_vs_formula=r0["model_states"] / r0["formula"],
             tp_bytes=r0["tp_bytes"],
+            tp_sent=r0["tp_sent"],
             tp_formula=tp_formula,
+            pp_bytes=r0["pp_bytes"],
+            pp_formula=stage_boundaries(0, pp, args.schedule) * r0["accum"] * activation
+            if pp > 1
+            else 0,
             dp_bytes=r0["dp_bytes"],
             # stage 2 reduce-scatters every micro-batch, stage 1 once per step
             dp_formula=(r0["accum"] if args.stage == 2 else 1) * r0["rank_params"] * 4
@@ -401,6 +523,12 @@ def cells(r: dict, base: dict | None) -> list[str]:
     def vs_base(key: str) -> str:
         return ratio(r[key], base[key]) if base else "-"
 
+    def traffic(axis: str) -> str:
+        measured, formula = r[f"{axis}_bytes"], r[f"{axis}_formula"]
+        if not measured and not formula:
+            return "0"
+        return f"{measured / mib:.2f} ({ratio(measured, formula)})"
+
     activations = r["activation_bytes"]
     out = [
         r["layout"],
@@ -413,11 +541,12 @@ def cells(r: dict, base: dict | None) -> list[str]:
         out += [
             f"{r['model_states'] / mib:.1f} ({vs_base('model_states')})",
             f"{r['states_vs_formula']:.4f}",
-            f"{r['tp_bytes'] / mib:.2f} MiB ({ratio(r['tp_bytes'], r['tp_formula'])})",
-            f"{r['dp_bytes'] / mib:.2f} MiB ({ratio(r['dp_bytes'], r['dp_formula'])})",
+            traffic("tp") + (f", sent {r['tp_sent'] / mib:.2f}" if r["tp_sent"] else ""),
+            traffic("pp"),
+            traffic("dp"),
         ]
     else:
-        out += ["-", "-", "not counted", "not counted"]
+        out += ["-", "-", "not counted", "not counted", "not counted"]
     return [*out, f"{r['loss']:.4f}"]
 
 
@@ -431,6 +560,9 @@ def main() -> None:
     config = gpt_config(args.model)
     rows, skipped = [], {}
     for name in args.layouts:
+        if LAYOUTS[name].system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            skipped[name] = "deepspeed is not installed (pip install deepspeed==0.19.8)"
+            continue
         print(f"running {name} ...", flush=True)
         started = time.perf_counter()
         got = run_layout(name, args)
@@ -447,8 +579,8 @@ def main() -> None:
     )
     columns = [
         "layout", "s/step", "vs dp4", "peak RSS MiB", "activations MiB (vs dp4)",
-        "model states MiB (vs dp4)", "states / formula", "all-reduce bytes/step (vs formula)",
-        "DP bytes/step (vs formula)", "final loss",
+        "model states MiB (vs dp4)", "states / formula", "TP MiB/step (vs formula)",
+        "PP MiB/step (vs formula)", "DP MiB/step (vs formula)", "final loss",
     ]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|---" * len(columns) + "|")
@@ -457,12 +589,15 @@ def main() -> None:
     pipelines = [r for r in rows if r["pp"] > 1]
     if pipelines:
         print(f"\nPipeline busy share per rank ({args.schedule}), against the bubble formula:")
-        print("| layout | micro-batches m | stages p | measured, per rank | m / (m + p - 1) |")
+        print("| layout | micro-batches m | ranks p | measured, per rank | formula |")
         print("|---|---|---|---|---|")
         for r in pipelines:
+            if r["busy_share"] is None:
+                continue
             measured = ", ".join(f"{share:.2f}" for share in r["busy_share"])
             m, p = r["micro_batches"], r["pp"]
-            print(f"| {r['layout']} | {m} | {p} | {measured} | {m / (m + p - 1):.2f} |")
+            formula = busy_formula(m, p, args.schedule)
+            print(f"| {r['layout']} | {m} | {p} | {measured} | {formula:.2f} |")
     for name, why in skipped.items():
         print(f"- {name}: {why}")
     results = ROOT / "bench" / "results" / "parallel3d.json"

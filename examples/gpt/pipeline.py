@@ -6,6 +6,8 @@ last stage: a TiedLayerSpec keeps the two copies one parameter across the first 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from gpt.model import GPT
@@ -37,13 +39,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def pipeline_gpt(gpt: GPT, stages: int) -> PipelineModule:
+def pipeline_gpt(gpt: GPT, stages: int, pipe: Any = None, **options: Any) -> PipelineModule:
     """``gpt`` cut into ``stages`` (its blocks spread evenly) with its weights. Every rank built
-    ``gpt`` whole; each keeps only its stage's layers registered."""
+    ``gpt`` whole; each keeps only its stage's layers registered. ``pipe``: the module with the
+    PipelineModule and TiedLayerSpec classes (default zerotrain.pipe; ``deepspeed.pipe`` builds
+    DeepSpeed's, for a comparison); ``options`` go to PipelineModule."""
+    module = PipelineModule if pipe is None else pipe.PipelineModule
+    tied = TiedLayerSpec if pipe is None else pipe.TiedLayerSpec
+    shared = "token.weight"  # what DeepSpeed keeps one parameter (zerotrain: all of it)
     layers = [
-        TiedLayerSpec("embed", Embeddings, gpt),
+        tied("embed", Embeddings, gpt, tied_weight_attr=shared),
         *gpt.blocks,
         gpt.ln_final,
-        TiedLayerSpec("embed", Embeddings, gpt, forward_fn=_lm_head),
+        tied("embed", Embeddings, gpt, forward_fn=_lm_head, tied_weight_attr=shared),
     ]
-    return PipelineModule(layers, num_stages=stages, loss_fn=lm_loss, partition_method="type:Block")
+    return module(
+        layers, num_stages=stages, loss_fn=lm_loss, partition_method="type:Block", **options
+    )

@@ -3,17 +3,18 @@ micro-batches through the stages with a ``torch.distributed.pipelining`` schedul
 
 [Note: a pipeline step on ZeRO]
 Each stage's engine is an ordinary ZeroTrainEngine over its stage's layers, ZeRO-partitioned over
-the data-parallel group of the stage. The schedule (1F1B, GPipe, interleaved 1F1B) calls the
-engine's forward for each micro-batch and runs each backward through its outputs, which opens
+the data-parallel group of the stage. The schedule (1F1B, GPipe, interleaved 1F1B, ZBV) calls
+the engine's forward for each micro-batch and runs each backward through its outputs, which opens
 the engine's reducer as ``loss.backward()`` does (see backward.py): every parameter gradient is
 divided by the accumulation steps (the micro-batches of a step) as it is taken, so the
 schedule's own scaling is off. The stage marks the schedule's last backward as the accumulation
 boundary: stages 0-1 then reduce once per step, after the last micro-batch, stage 2
 reduce-scatters each micro-batch's gradients into the partitions. Then the optimizer steps
-once. With several stages per rank (interleaved), the boundary is the last backward of the
+once. With several stages per rank (interleaved, ZBV), the boundary is the last backward of the
 stage that finishes last, and each backward reduces (at stage 2) only the buckets of its own
-stage: buckets never mix the stages' parameters. Stage 3 is refused: its gather order assumes
-one forward then one backward per micro-batch, which 1F1B breaks.
+stage: buckets never mix the stages' parameters. ZBV's weight-gradient steps are backwards the
+engine opens itself ([Note: the weight-gradient step] in comm/pipeline.py). Stage 3 is refused:
+its gather order assumes one forward then one backward per micro-batch, which 1F1B breaks.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ and runs one stage per *chunk*: more than one for the schedules that loop each m
 through the ranks several times. With ``stage_placement="loop"`` (interleaved 1F1B) chunk c is
 stage ``p + c num_stages``; with ``"v"`` (ZBV, two chunks) the second pass runs backwards
 through the ranks, so rank p runs stages p and ``2 num_stages - 1 - p``: the first rank holds
-the first and the last stage. A
-built layer is registered under its index in the whole list (``"3"``), a tied one once under
-``tied_modules.<key>``, so state dict keys are DeepSpeed's and do not depend on the layout.
+the first and the last stage. A built layer is registered under its index in the whole list
+(``"3"``), a tied one once under ``tied_modules.<key>``, so state dict keys are DeepSpeed's and
+do not depend on the layout.
 
 [Note: tied layers across stages]
 A tied key whose layers fall on several stages (the input embedding on the first, the output
@@ -82,9 +82,9 @@ class PipelineModule(nn.Module):
     ``"parameters"`` balances the parameter counts, ``"uniform"`` the number of layers,
     ``"type:<regex>"`` the layers whose class name matches. ``activation_checkpoint_interval``
     k > 0 recomputes every run of k layers in backward. ``stages_per_rank`` > 1 cuts the layers
-    into that many stages per pipeline rank, for ``pipeline.schedule: interleaved_1f1b`` (see
-    [Note: pipeline stages]), placed by ``stage_placement`` ("loop", or "v" for ZBV). Train it
-    with ``engine.train_batch()``."""
+    into that many stages per pipeline rank, for ``pipeline.schedule`` ``interleaved_1f1b``
+    (``stage_placement="loop"``) or ``zbv`` (two, ``"v"``; see [Note: pipeline stages]). Train
+    it with ``engine.train_batch()``."""
 
     def __init__(
         self,

@@ -307,7 +307,7 @@ class GroupOptions:
     # tied layer on other pipeline stages (zerotrain/pipe/module.py)
     summed: dict[int, Communicator] = field(default_factory=dict)
     # id(param) -> the stages of a pipeline rank whose backward gives it gradients, when it
-    # runs several (interleaved schedules): buckets do not mix stages, so each backward
+    # runs several (interleaved 1F1B, ZBV): buckets do not mix stages, so each backward
     # reduces its own stage's buckets only (see GradientReduction.restrict)
     chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)
 

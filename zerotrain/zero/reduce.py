@@ -22,7 +22,7 @@ with zeros for that parameter, so no rank waits for a gradient that will never c
 Reductions are asynchronous: backward goes on computing earlier layers' gradients while a
 bucket is on the wire (wait-free backpropagation); ``finish_backward`` waits for them.
 
-A pipeline rank running several stages (the interleaved schedule) gives each backward the
+A pipeline rank running several stages (interleaved 1F1B, ZBV) gives each backward the
 gradients of one stage's parameters only: :meth:`GradientReduction.restrict` limits what the
 reductions in backward (stages 2-3) launch to that stage's buckets, so the others do not travel
 as zeros. A boundary reduction (stages 0-1) still reduces every bucket: it sends what the whole
