@@ -126,9 +126,12 @@ def train(
         settings["tensor_parallel"]["sequence_parallel"] = sequence
         engine, *_ = zerotrain.initialize(model=model, config=settings)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        # evaluation runs the schedule forward only: the first batch's loss before training
+        evaluated = engine.eval_batch(micro_batches(batches(dp)[0], dp, dp_rank)).item()
         losses = [
             engine.train_batch(micro_batches(batch, dp, dp_rank)).item() for batch in batches(dp)
         ]
+        assert evaluated == pytest.approx(losses[0], rel=1e-6), (schedule, evaluated, losses)
         layers = list(model.stage_layers())
         out[stage, schedule] = (engine.consolidated_state_dict(), losses, layers)
     return out

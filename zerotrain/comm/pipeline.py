@@ -104,12 +104,16 @@ class _Stage(PipelineStage):
         return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any):
+        if not self.has_backward:  # evaluation: the schedule's backwards do nothing
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         start = time.perf_counter()
         out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         self._record("B", bwd_chunk_id, start)
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
+        if not self.has_backward:  # evaluation: nothing to take, no backward to open
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         start = time.perf_counter()
         if self.is_first:  # a whole backward through autograd, announced as any other
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
@@ -124,6 +128,15 @@ class _Stage(PipelineStage):
         if backward_type != "weight":  # the weight step announced itself
             self._on_backward(last_backward)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    # torch's V schedules hand the gradients between a rank's two middle stages directly, in
+    # evaluation too, where there are none (torch 2.13 raises there): nothing to hand
+    def get_local_bwd_output(self, mb_index: int):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def _record(self, kind: str, micro_batch: int, start: float) -> None:
         end = time.perf_counter()
