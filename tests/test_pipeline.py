@@ -571,3 +571,94 @@ def test_fp16_loss_scaling_through_the_pipeline():
         assert norms == pytest.approx(want_norms, rel=2e-3)
         for key, value in model.state_dict().items():
             assert relative_error(state[key], value) < 5e-3, key
+
+
+class Untied(nn.Module):
+    """An ordinary model (not a list of layers): a scaled embedding, residual blocks, a norm and
+    a head of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(4)
+        )
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) * self.scale
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def split_untied(runs: list[tuple[int, str, list[str]]]):
+    """(ZeRO stage, schedule, split points) each: ``Untied`` split by module names."""
+    import zerotrain
+    from zerotrain.pipe import split_model
+
+    out = {}
+    for stage, schedule, points in runs:
+        torch.manual_seed(SEED)
+        example = batches(1)[0][:MICRO, :-1]
+        per_rank = 2 if schedule == "interleaved_1f1b" else 1
+        model = split_model(Untied(), (example,), points, loss_fn, stages_per_rank=per_rank)
+        engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
+        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        for batch in batches(dp):
+            engine.train_batch(micro_batches(batch, dp, dp_rank))
+        out[stage, schedule] = engine.consolidated_state_dict()
+    return out
+
+
+def test_an_ordinary_model_split_by_module_names_matches_single_process():
+    """pp 2 x dp 2 cut before blocks.2 (stages 1 and 2), and interleaved, four stages cut
+    before blocks.1, blocks.2 and norm; the keys are ``<stage>.<name in the model>``."""
+    torch.manual_seed(SEED)
+    model = Untied()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
+    for batch in batches(2):
+        for chunk in range(ACCUM * 2):
+            window = batch[chunk * MICRO : (chunk + 1) * MICRO]
+            (loss_fn(model(window[:, :-1]), window[:, 1:]) / (ACCUM * 2)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    want = model.state_dict()
+    two = ["blocks.2"]
+    four = ["blocks.1", "blocks.2", "norm"]
+    runs = [(1, "1f1b", two), (2, "gpipe", two), (1, "interleaved_1f1b", four)]
+    for per_run in run_distributed(split_untied, 4, runs):
+        for run, state in per_run.items():
+            renamed = {key.partition(".")[2]: value for key, value in state.items()}
+            assert renamed.keys() == want.keys(), run
+            for key, value in want.items():
+                assert relative_error(renamed[key], value) < 1e-5, (run, key)
+
+
+def test_split_model_refuses_what_it_cannot_cut():
+    from gpt.model import GPT, GPTConfig
+
+    from zerotrain.pipe import split_model
+
+    example = (torch.zeros(2, SEQ, dtype=torch.long),)
+    with pytest.raises(ConfigError, match=r"\['blocks.9'\] are not modules of Untied"):
+        split_model(Untied(), example, ["blocks.9"], loss_fn)
+    gpt = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=5, n_embd=WIDTH))
+    # its head is the token embedding: one parameter on the first and the last stage
+    with pytest.raises(ConfigError, match="tied weights across stages"):
+        split_model(gpt, example, ["blocks.1"], loss_fn)
+    with pytest.raises(ConfigError, match="could not be traced as one graph"):
+        split_model(DataDependent(), example, ["blocks.1"], loss_fn)
+
+
+class DataDependent(Untied):
+    """Control flow on values: no single graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h) if h.sum() > 0 else h
+        return self.head(self.norm(h))

@@ -18,6 +18,7 @@ whole backward in the weight step, through autograd, as any other backward.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +31,8 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
+    SplitPoint,
+    pipeline,
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' type
 
@@ -153,6 +156,29 @@ class _Stage(PipelineStage):
         if ops:
             self._comm.count("send", nbytes, sent=nbytes, calls=len(ops))
         return ops
+
+
+def trace_stages(
+    model: nn.Module, example_inputs: tuple, split_points: Sequence[str]
+) -> list[nn.Module]:
+    """``model`` traced with ``example_inputs`` and cut before each module of ``split_points``:
+    one graph module per stage (torch's pipeline front end; it raises what ``torch.export``
+    raises on a model it cannot capture)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's tracer, about its own pytree use
+        traced = pipeline(
+            model,
+            mb_args=example_inputs,
+            split_spec={point: SplitPoint.BEGINNING for point in split_points},
+        )
+    return [traced.get_stage_module(i) for i in range(traced.num_stages)]
+
+
+def stage_inputs(stage: nn.Module) -> list[str]:
+    """The names of a traced stage's inputs."""
+    graph = stage.graph
+    assert isinstance(graph, torch.fx.Graph)  # a graph module of trace_stages
+    return [node.name for node in graph.nodes if node.op == "placeholder"]
 
 
 def pipeline_schedule(
