@@ -391,11 +391,8 @@ def _project(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
     return x @ embedding.weight.t()
 
 
-def tied_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, the same PipelineModule as one stage: the tie is one parameter here."""
-    from zerotrain.pipe import PipelineModule
-
-    model = PipelineModule(tied_specs(), num_stages=1, loss_fn=loss_fn, seed_layers=True)
+def single_process(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model`` trained by one process on the global batches of dp 2."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
     for batch in batches(2):
         for chunk in range(ACCUM * 2):
@@ -407,9 +404,28 @@ def tied_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return model.state_dict()
 
 
+def pipeline_trained(model: nn.Module, stage: int, schedule: str) -> dict[str, torch.Tensor]:
+    """A PipelineModule trained at ``stage`` with ``schedule`` on the same global batches."""
+    import zerotrain
+
+    engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
+    dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+    for batch in batches(dp):
+        engine.train_batch(micro_batches(batch, dp, dp_rank))
+    return engine.consolidated_state_dict()
+
+
+def tied_reference() -> dict[str, torch.Tensor]:
+    """One process, the same PipelineModule as one stage: the tie is one parameter here."""
+    from zerotrain.pipe import PipelineModule
+
+    return single_process(
+        PipelineModule(tied_specs(), num_stages=1, loss_fn=loss_fn, seed_layers=True)
+    )
+
+
 def train_tied(runs: list[tuple[int, str]]):
     """(ZeRO stage, schedule) each."""
-    import zerotrain
     from zerotrain.pipe import PipelineModule
 
     out = {}
@@ -422,11 +438,7 @@ def train_tied(runs: list[tuple[int, str]]):
             stages_per_rank=1 if schedule == "1f1b" else 2,
             stage_placement="v" if schedule == "zbv" else "loop",
         )
-        engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
-        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
-        for batch in batches(dp):
-            engine.train_batch(micro_batches(batch, dp, dp_rank))
-        out[stage, schedule] = engine.consolidated_state_dict()
+        out[stage, schedule] = pipeline_trained(model, stage, schedule)
     return out
 
 
@@ -596,7 +608,6 @@ class Untied(nn.Module):
 
 def split_untied(runs: list[tuple[int, str, list[str]]]):
     """(ZeRO stage, schedule, split points) each: ``Untied`` split by module names."""
-    import zerotrain
     from zerotrain.pipe import split_model
 
     out = {}
@@ -605,11 +616,7 @@ def split_untied(runs: list[tuple[int, str, list[str]]]):
         example = batches(1)[0][:MICRO, :-1]
         per_rank = 2 if schedule == "interleaved_1f1b" else 1
         model = split_model(Untied(), (example,), points, loss_fn, stages_per_rank=per_rank)
-        engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
-        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
-        for batch in batches(dp):
-            engine.train_batch(micro_batches(batch, dp, dp_rank))
-        out[stage, schedule] = engine.consolidated_state_dict()
+        out[stage, schedule] = pipeline_trained(model, stage, schedule)
     return out
 
 
@@ -617,16 +624,7 @@ def test_an_ordinary_model_split_by_module_names_matches_single_process():
     """pp 2 x dp 2 cut before blocks.2 (stages 1 and 2), and interleaved, four stages cut
     before blocks.1, blocks.2 and norm; the keys are ``<stage>.<name in the model>``."""
     torch.manual_seed(SEED)
-    model = Untied()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
-    for batch in batches(2):
-        for chunk in range(ACCUM * 2):
-            window = batch[chunk * MICRO : (chunk + 1) * MICRO]
-            (loss_fn(model(window[:, :-1]), window[:, 1:]) / (ACCUM * 2)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-    want = model.state_dict()
+    want = single_process(Untied())
     two = ["blocks.2"]
     four = ["blocks.1", "blocks.2", "norm"]
     runs = [(1, "1f1b", two), (2, "gpipe", two), (1, "interleaved_1f1b", four)]
