@@ -21,10 +21,11 @@ to the embeddings across the first and last stage; the blocks spread evenly) wit
 (interleaved and ZBV with two stages per rank); a stage's activations are not measured alone
 (its forward runs inside the schedule). `tp2xdp2-sp` adds sequence parallelism. `ddp-dp4` is
 torch's DistributedDataParallel; `fsdp2-*` rows are torch's `fully_shard` (and, with tp,
-`parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D DeviceMesh: torchtitan's
-composition); `deepspeed-*` rows are DeepSpeed's engine at `--stage` and its PipelineModule
-(ZeRO stage 1: its pipelines refuse 2) on the same layers, when deepspeed is installed. Their
-bytes are not counted. Writes bench/results/parallel3d.json.
+`parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D DeviceMesh; with pp, stages of
+fully-sharded layers under torch's 1F1B, the head untied: torchtitan's compositions);
+`deepspeed-*` rows are DeepSpeed's engine at `--stage` and its PipelineModule (ZeRO stage 1:
+its pipelines refuse 2) on the same layers, when deepspeed is installed. Their bytes are not
+counted. Writes bench/results/parallel3d.json.
 
 [Note: the bubble measured]
 A pipeline stage waits while the pipeline fills and drains: with m micro-batches over p ranks of
@@ -91,6 +92,7 @@ LAYOUTS = {
     "ddp-dp4": Layout("ddp", 1, 1),
     "fsdp2-dp4": Layout("fsdp2", 1, 1),
     "fsdp2-tp2xdp2": Layout("fsdp2", 2, 1),
+    "fsdp2-pp2xdp2": Layout("fsdp2", 1, 2),
     "deepspeed-dp4": Layout("deepspeed", 1, 1),
     "deepspeed-pp2xdp2": Layout("deepspeed", 1, 2),
 }
@@ -231,6 +233,63 @@ def fsdp2_model(model, tp: int):
     return model
 
 
+class FSDP2Pipeline:
+    """torchtitan's composition for pp x dp: each stage's layers fully_shard over the dp axis
+    of a (pp, dp) DeviceMesh, run by torch.distributed.pipelining's 1F1B, with the interface
+    the step loop uses (``train_batch``, ``zero_grad``). The head is a copy of the token
+    embedding, trained apart (torchtitan's models do not tie weights across stages)."""
+
+    def __init__(self, gpt, pp: int, micro_batches: int):
+        from gpt.pipeline import Embeddings, lm_loss
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        mesh = init_device_mesh("cpu", (pp, 4 // pp), mesh_dim_names=("pp", "dp"))
+        stage = mesh.get_local_rank("pp")
+        blocks = list(gpt.blocks)
+        per_stage = len(blocks) // pp
+        mine = blocks[stage * per_stage : (stage + 1) * per_stage]
+        layers: list[torch.nn.Module] = [*mine]
+        if stage == 0:
+            layers.insert(0, Embeddings(gpt))
+        if stage == pp - 1:
+            head = torch.nn.Linear(gpt.config.n_embd, gpt.config.vocab_size, bias=False)
+            head.weight.data.copy_(gpt.token_embedding.weight.data)
+            layers += [gpt.ln_final, head]
+        module = torch.nn.Sequential(*layers)
+        for block in mine:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+        self.module = module
+        self.first, self.last = stage == 0, stage == pp - 1
+        self.pp_group = mesh["pp"].get_group()
+        self.last_rank = torch.distributed.get_global_rank(self.pp_group, pp - 1)
+        self.schedule = Schedule1F1B(
+            PipelineStage(module, stage, pp, torch.device("cpu"), group=self.pp_group),
+            n_microbatches=micro_batches,
+            loss_fn=lm_loss,
+        )
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def train_batch(self, data_iter) -> torch.Tensor:
+        pairs = list(data_iter)
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(torch.cat([x for x, _ in pairs]))
+        else:
+            self.schedule.step(target=torch.cat([y for _, y in pairs]), losses=losses)
+        clip_dtensor_grads(list(self.module.parameters()), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        torch.distributed.broadcast(loss, src=self.last_rank, group=self.pp_group)
+        return loss
+
+
 def clip_dtensor_grads(params: list[torch.Tensor], max_norm: float) -> None:
     """clip_grad_norm_ for gradients on different device meshes (TP blocks on dp x tp, the rest
     on dp), which torch's refuses to stack: a total per mesh, as torchtitan computes it."""
@@ -299,13 +358,18 @@ def worker(args) -> None:
         accum = engine.gradient_accumulation_steps()
     else:
         dist.init_process_group("gloo")
-        if system == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            model = fsdp2_model(model, tp)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        dp, dp_rank = 4 // tp, dist.get_rank() // tp
+        dp = 4 // (tp * pp)
         accum = SEQUENCES_PER_STEP // (args.micro * dp)
+        if pp > 1:  # pp outermost, as zerotrain's mesh
+            engine = FSDP2Pipeline(model, pp, accum)
+            dp_rank = dist.get_rank() % dp
+        else:
+            if system == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            else:
+                model = fsdp2_model(model, tp)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            dp_rank = dist.get_rank() // tp
     forward = engine if engine is not None else model
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1)
