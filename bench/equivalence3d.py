@@ -1,0 +1,81 @@
+"""The equivalence table of tests/test_tensor_parallel.py and tests/test_pipeline.py with the
+errors measured, not just bounded: each configuration trained on 4 (or 2) CPU processes
+against one process on the same global batch, fp32, three steps with accumulation and
+clipping; the largest relative error over the parameters (Frobenius norm of the difference
+over that of the reference, per tensor).
+
+    python bench/equivalence3d.py        # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
+
+import test_pipeline as pipe  # noqa: E402 (after the path)
+import test_tensor_parallel as tp  # noqa: E402
+from distributed import run_cases  # noqa: E402
+from models import relative_error  # noqa: E402
+
+
+def worst(state: dict, want: dict, rename=lambda key: key) -> float:
+    return max(relative_error(state[rename(key)], value) for key, value in want.items())
+
+
+def tensor_parallel_rows() -> list[tuple[str, float]]:
+    rows = []
+    cases = [("gpt2", 2, [0, 3]), ("llama", 2, [0, 3]), ("gpt2", 2, [0, 3], True)]
+    for (kind, _, stages, *sp), per_rank in zip(
+        cases, zip(*run_cases(tp.train, 2, cases), strict=True), strict=True
+    ):
+        want, _ = tp.reference(kind, dp=1)
+        for stage in stages:
+            error = max(worst(r[stage][0], want) for r in per_rank)
+            rows.append((f"tp2, {kind}, stage {stage}{', sequence parallel' if sp else ''}", error))
+    results = run_cases(tp.train, 4, [("gpt", 2, [0, 1, 2, 3]), ("gpt2", 2, [1, 2], True)])
+    for index, (kind, stages, label) in enumerate(
+        [("gpt", [0, 1, 2, 3], ""), ("gpt2", [1, 2], ", sequence parallel")]
+    ):
+        want, _ = tp.reference(kind, dp=2)
+        for stage in stages:
+            error = max(worst(r[index][stage][0], want) for r in results)
+            rows.append((f"tp2 x dp2, {kind}, stage {stage}{label}", error))
+    return rows
+
+
+def pipeline_rows() -> list[tuple[str, float]]:
+    rows = []
+    schedules = [(0, "1f1b"), (1, "gpipe"), (2, "1f1b"), (2, "gpipe")]
+    cases = [
+        (schedules, 2),
+        ([(1, "1f1b")], 2, 2, 4),
+        ([(1, "1f1b")], 2, 2, 4, "parameters", 1, 3, "loop", True),
+        *(case for case, _, _ in pipe.MULTI_STAGE),
+    ]
+    labels = ["pp2 x dp2", "pp2 x tp2", "pp2 x tp2 sequence parallel"]
+    labels += ["pp2 x dp2", "pp4", "pp2 x dp2", "pp4"]
+    results = run_cases(pipe.train, 4, cases)
+    for index, (case, label) in enumerate(zip(cases, labels, strict=True)):
+        stages, tp_degree = case[1], case[2] if len(case) > 2 else 1
+        blocks = case[6] if len(case) > 6 else 3
+        heads = case[3] if len(case) > 3 else 5
+        want, _ = pipe.reference(dp=4 // (stages * tp_degree), heads=heads, blocks=blocks)
+        for run in results[0][index]:
+            error = max(worst(r[index][run][0], want) for r in results)
+            rows.append((f"{label}, ZeRO stage {run[0]}, {run[1]}", error))
+    return rows
+
+
+def main() -> None:
+    rows = tensor_parallel_rows() + pipeline_rows()
+    print("| configuration | max relative error |")
+    print("|---|---|")
+    for label, error in rows:
+        print(f"| {label} | {error:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
