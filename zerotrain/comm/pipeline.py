@@ -2,7 +2,8 @@
 axis of the mesh). Each of this rank's stages runs a callable (a chunk of the zerotrain
 engine's model); the stage tells the engine, before each backward, which chunk it is and
 whether it is that chunk's last of the step, so the engine knows where to reduce its gradients
-(see [Note: a pipeline step on ZeRO] in zerotrain/pipe/engine.py).
+(see [Note: a pipeline step on ZeRO] in zerotrain/pipe/engine.py). ``trace_stages`` cuts an
+ordinary model into stages with torch's tracer (for zerotrain.pipe.split_model).
 
 [Note: the weight-gradient step]
 The zero-bubble schedules (ZBV) split a stage's backward in two: first the gradient of its
