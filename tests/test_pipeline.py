@@ -377,11 +377,11 @@ def test_partitions():
         partition(specs, 7, "uniform")
 
 
-def tied_specs() -> list:
+def tied_specs(heads: int = 5) -> list:
     """A GPT whose output projection is its input embedding (one weight on stages 0 and 1)."""
     from zerotrain.pipe import TiedLayerSpec
 
-    specs = layer_specs()
+    specs = layer_specs(heads)
     embed = TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH)
     head = TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_project)
     return [embed, *specs[1:-1], head]
@@ -469,12 +469,12 @@ class Scale(nn.Module):
 def reshard_specs() -> list:
     from zerotrain.pipe import LayerSpec
 
-    specs = tied_specs()
+    specs = tied_specs(heads=4)  # tp 2 divides them
     return [*specs[:-1], LayerSpec(Scale), specs[-1]]
 
 
-def reshard(directory: str, layouts: list[tuple[int, int, int, str]]):
-    """Train at pp 2 x dp 2 (stage 1), save; load into each (pp, tp, stage, schedule) of
+def reshard(directory: str, saved_at: tuple, layouts: list[tuple[int, int, int, str]]):
+    """Train at ``saved_at`` (pp, tp, ZeRO stage, schedule), save; load into each of
     ``layouts``: the weights must be the saved ones bit for bit, and the next step the same."""
     import zerotrain
     from zerotrain.pipe import PipelineModule
@@ -500,16 +500,16 @@ def reshard(directory: str, layouts: list[tuple[int, int, int, str]]):
         mine = [chunks[m * dp + dp_rank] for m in range(engine.gradient_accumulation_steps())]
         return engine.train_batch(iter((w[:, :-1], w[:, 1:]) for w in mine)).item()
 
-    engine = engine_for(2, 1, 1)
+    engine = engine_for(*saved_at)
     for batch in batches(2)[:2]:
         step(engine, batch)
-    engine.save_checkpoint(directory, tag="pp2")
+    engine.save_checkpoint(directory, tag="saved")
     saved = engine.consolidated_state_dict()
     next_batch = batches(2)[2]
-    out = {"saved": saved, "pp2": (step(engine, next_batch), engine.consolidated_state_dict())}
+    out = {"saved": saved, saved_at: (step(engine, next_batch), engine.consolidated_state_dict())}
     for layout in layouts:
         engine = engine_for(*layout)
-        engine.load_checkpoint(directory, tag="pp2")
+        engine.load_checkpoint(directory, tag="saved")
         loaded = engine.consolidated_state_dict()
         assert loaded.keys() == saved.keys()
         assert all(torch.equal(loaded[k], v) for k, v in saved.items()), layout
@@ -517,23 +517,35 @@ def reshard(directory: str, layouts: list[tuple[int, int, int, str]]):
     return out
 
 
-def test_checkpoint_of_pp2_dp2_loads_at_other_stage_counts(tmp_path):
-    """pp 2 x dp 2 at stage 1 loads at pp 1 x dp 4, pp 4, and pp 2 in a V (4 stages, ZBV)."""
-    layouts = [(1, 1, 2, "1f1b"), (4, 1, 0, "1f1b"), (2, 1, 2, "zbv")]
-    results = run_distributed(reshard, 4, str(tmp_path), layouts)
-    want_loss, want = results[0]["pp2"]
-    assert "5.factor" in results[0]["saved"]  # the last stage's buffer came back
+RESHARD = {  # saved at (pp, tp, ZeRO stage, schedule): loaded at
+    (2, 1, 1, "1f1b"): [(1, 1, 2, "1f1b"), (4, 1, 0, "1f1b"), (2, 1, 2, "zbv"), (1, 2, 1, "1f1b")],
+    (1, 2, 2, "1f1b"): [(2, 1, 1, "1f1b"), (2, 2, 0, "1f1b"), (1, 1, 2, "1f1b")],
+}
+
+
+def test_checkpoints_load_at_other_pipeline_and_tensor_parallel_layouts(tmp_path):
+    """Saved at pp 2 x dp 2 (stage 1): loaded at pp 1 x dp 4, pp 4, pp 2 in a V (4 stages, ZBV)
+    and tp 2 x dp 2. Saved at tp 2 x dp 2 (stage 2): loaded at pp 2 x dp 2, pp 2 x tp 2 and
+    dp 4. Each exported whole by one process (``read_state_dict``)."""
     from zerotrain.checkpoint.export import read_state_dict
 
-    exported = read_state_dict(tmp_path, tag="pp2")  # one process, the whole model
-    assert exported.keys() == results[0]["saved"].keys()
-    for key, value in results[0]["saved"].items():
-        assert torch.equal(exported[key], value), key
-    for layout in layouts:
-        loss, state = results[0][layout]
-        assert loss == pytest.approx(want_loss, rel=1e-5), layout
-        for key, value in want.items():
-            assert relative_error(state[key], value) < 1e-5, (layout, key)
+    cases = [
+        (str(tmp_path / str(i)), saved, loads) for i, (saved, loads) in enumerate(RESHARD.items())
+    ]
+    results = run_cases(reshard, 4, cases)
+    assert "5.factor" in results[0][0]["saved"]  # the last stage's buffer came back
+    for index, (saved_at, layouts) in enumerate(RESHARD.items()):
+        out = results[0][index]
+        want_loss, want = out[saved_at]
+        exported = read_state_dict(tmp_path / str(index), tag="saved")  # one process
+        assert exported.keys() == out["saved"].keys()
+        for key, value in out["saved"].items():
+            assert torch.equal(exported[key], value), (saved_at, key)
+        for layout in layouts:
+            loss, state = out[layout]
+            assert loss == pytest.approx(want_loss, rel=1e-5), (saved_at, layout)
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (saved_at, layout, key)
 
 
 def train_fp16(schedule: str):
