@@ -554,14 +554,13 @@ def train_fp16(schedule: str):
     import zerotrain
     from zerotrain.pipe import PipelineModule
 
-    zbv = schedule == "zbv"
     model = PipelineModule(
         layer_specs(),
         num_stages=2,
         loss_fn=loss_fn,
         seed_layers=True,
-        stages_per_rank=2 if zbv else 1,
-        stage_placement="v" if zbv else "loop",
+        stages_per_rank=1 if schedule == "1f1b" else 2,
+        stage_placement="v" if schedule == "zbv" else "loop",
     )
     settings = config(1, schedule)
     settings["fp16"] = {"enabled": True, "initial_scale_power": 10}
@@ -575,7 +574,8 @@ def train_fp16(schedule: str):
 
 
 def test_fp16_loss_scaling_through_the_pipeline():
-    """1F1B, and ZBV, whose weight-gradient steps take the scale from the loss too."""
+    """1F1B, interleaved 1F1B, and ZBV, whose weight-gradient steps take the scale from the
+    loss too."""
     model = reference_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.01)
     want_norms = []
@@ -587,7 +587,9 @@ def test_fp16_loss_scaling_through_the_pipeline():
         opt.step()
         opt.zero_grad()
     for norms, skipped, state in (
-        run for per_rank in run_cases(train_fp16, 4, [("1f1b",), ("zbv",)]) for run in per_rank
+        run
+        for per_rank in run_cases(train_fp16, 4, [("1f1b",), ("interleaved_1f1b",), ("zbv",)])
+        for run in per_rank
     ):
         assert skipped == 0
         # fp16 activations: close to fp32, not equal (measured: norms 2.5e-4, weights 7e-4);
