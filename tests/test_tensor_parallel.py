@@ -270,12 +270,28 @@ class _Peers:
         self.world_size, self.rank = world_size, 0
 
 
-def _apply(model, tp: int, plan=None):
+def _apply(model, tp: int, plan=None, sequence_parallel: bool = False):
     from zerotrain.tensor_parallel.plan import apply_plan, check_matched, resolve_plan
 
     resolved, unmatched = resolve_plan(model, plan)
     check_matched(model, bool(resolved), unmatched, automatic=plan is None)
-    apply_plan(model, resolved, _Peers(tp))
+    apply_plan(model, resolved, _Peers(tp), sequence_parallel)
+
+
+def test_sequence_parallelism_needs_blocks_holding_the_split_modules():
+    """Layers split directly inside a ModuleList (no attention or MLP module around them), or
+    at the top of the model, leave no block whose input could be cut: an error naming them."""
+    flat = torch.nn.Module()
+    flat.blocks = torch.nn.ModuleList(
+        torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 8), "proj": torch.nn.Linear(8, 8)})
+        for _ in range(2)
+    )
+    plan = {"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"}
+    with pytest.raises(ConfigError, match="split layers of 'blocks.0' are not inside"):
+        _apply(flat, 2, plan, sequence_parallel=True)
+    flat.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+    with pytest.raises(ConfigError, match="split layers of 'blocks' are not inside"):
+        _apply(flat, 2, {"blocks.0": "colwise", "blocks.1": "rowwise"}, sequence_parallel=True)
 
 
 def test_head_count_the_degree_does_not_divide_names_the_module():
