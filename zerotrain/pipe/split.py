@@ -41,9 +41,9 @@ def split_model(
 ) -> PipelineModule:
     """``model`` cut before each module named in ``split_points`` (in forward order) into
     ``len(split_points) + 1`` stages, ``stages_per_rank`` of them per pipeline rank, as a
-    ``PipelineModule`` (``options`` go to it: ``stage_placement``, ``activation_checkpoint_
-    interval``, ...). ``example_inputs``: one micro-batch's inputs, as ``model`` takes them
-    (see [Note: splitting a model by module names])."""
+    ``PipelineModule`` (``options`` go to it: the stage placement, the activation
+    checkpoint interval, ...). ``example_inputs``: one micro-batch's inputs, as ``model`` takes
+    them (see [Note: splitting a model by module names])."""
     names = dict(model.named_modules())
     unknown = [p for p in split_points if p not in names or not p]
     if unknown or not split_points:
@@ -108,7 +108,8 @@ def _use_model_tensors(stages: list[nn.Module], model: nn.Module) -> None:
             else:
                 original = model.get_buffer(name)
                 if original is not tensor:
-                    owner.register_buffer(attribute, original)
+                    kept = attribute not in owner._non_persistent_buffers_set
+                    owner.register_buffer(attribute, original, persistent=kept)
 
 
 def _refuse_shared(stages: list[nn.Module]) -> None:
