@@ -52,7 +52,7 @@ def pipeline_rows() -> list[tuple[str, float]]:
     cases = [
         (schedules, 2),
         ([(1, "1f1b")], 2, 2, 4),
-        ([(1, "1f1b")], 2, 2, 4, "parameters", 1, 3, "loop", True),
+        ([(1, "1f1b")], 2, 2, 4, "parameters", 3, True),
         *(case for case, _, _ in pipe.MULTI_STAGE),
     ]
     labels = ["pp2 x dp2", "pp2 x tp2", "pp2 x tp2 sequence parallel"]
@@ -60,7 +60,7 @@ def pipeline_rows() -> list[tuple[str, float]]:
     results = run_cases(pipe.train, 4, cases)
     for index, (case, label) in enumerate(zip(cases, labels, strict=True)):
         stages, tp_degree = case[1], case[2] if len(case) > 2 else 1
-        blocks = case[6] if len(case) > 6 else 3
+        blocks = case[5] if len(case) > 5 else 3
         heads = case[3] if len(case) > 3 else 5
         want, _ = pipe.reference(dp=4 // (stages * tp_degree), heads=heads, blocks=blocks)
         for run in results[0][index]:

@@ -69,6 +69,8 @@ from typing import NamedTuple
 
 import torch
 
+from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, rank_of_stage, stage_options
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -96,13 +98,6 @@ LAYOUTS = {
     "deepspeed-dp4": Layout("deepspeed", 1, 1),
     "deepspeed-pp2xdp2": Layout("deepspeed", 1, 2),
 }
-# what each schedule needs of the PipelineModule
-STAGE_OPTIONS = {
-    "1f1b": {},
-    "gpipe": {},
-    "interleaved_1f1b": {"stages_per_rank": 2},
-    "zbv": {"stages_per_rank": 2, "stage_placement": "v"},
-}
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,7 +114,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument(
-        "--schedule", choices=sorted(STAGE_OPTIONS), default="1f1b", help="pipeline schedule"
+        "--schedule",
+        choices=sorted(["1f1b", "gpipe", *MULTI_STAGE_PLACEMENT]),
+        default="1f1b",
+        help="pipeline schedule",
     )
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -344,7 +342,7 @@ def worker(args) -> None:
         if pp > 1:
             from gpt.pipeline import pipeline_gpt
 
-            model = pipeline_gpt(model, pp, **STAGE_OPTIONS[args.schedule])
+            model = pipeline_gpt(model, pp, **stage_options(args.schedule))
         engine = zerotrain_engine(model, args, tp, pp, sequence_parallel)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         accum = engine.gradient_accumulation_steps()
@@ -502,11 +500,10 @@ def run_layout(name: str, args) -> list[dict] | str:
 def stage_boundaries(rank: int, pp: int, schedule: str) -> int:
     """How many activations a pipeline rank sends per micro-batch: forward to the next stage
     and backward to the previous one, when that stage is on another rank."""
-    per_rank = STAGE_OPTIONS[schedule].get("stages_per_rank", 1)
-    rank_of = [s % pp for s in range(pp * per_rank)]
-    if schedule == "zbv":
-        rank_of = [*range(pp), *reversed(range(pp))]
-    total = len(rank_of)
+    options = stage_options(schedule)
+    total = pp * options.get("stages_per_rank", 1)
+    placement = options.get("stage_placement", "loop")
+    rank_of = [rank_of_stage(s, pp, placement) for s in range(total)]
     mine = [s for s in range(total) if rank_of[s] == rank]
     forward = sum(s + 1 < total and rank_of[s + 1] != rank for s in mine)
     return forward + sum(s > 0 and rank_of[s - 1] != rank for s in mine)
@@ -519,7 +516,7 @@ def busy_formula(m: int, p: int, schedule: str) -> float:
     backward split in two) 6m / (6m + p - 1) once m >= 2p."""
     if schedule == "zbv":
         return 6 * m / (6 * m + p - 1)
-    v = STAGE_OPTIONS[schedule].get("stages_per_rank", 1)
+    v = stage_options(schedule).get("stages_per_rank", 1)
     return v * m / (v * m + p - 1)
 
 

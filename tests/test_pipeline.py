@@ -102,13 +102,13 @@ def train(
     tp: int = 1,
     heads: int = 5,
     partition: str = "parameters",
-    stages_per_rank: int = 1,
     blocks: int = 3,
-    placement: str = "loop",
     sequence: bool = False,
 ):
+    """Each (ZeRO stage, schedule) of ``runs``; the module has the stages each schedule needs
+    (``stage_options``)."""
     import zerotrain
-    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe import PipelineModule, stage_options
 
     out = {}
     for stage, schedule in runs:
@@ -119,8 +119,7 @@ def train(
             seed_layers=True,
             base_seed=SEED,
             partition_method=partition,
-            stages_per_rank=stages_per_rank,
-            stage_placement=placement,
+            **stage_options(schedule),
         )
         settings = config(stage, schedule, tp)
         settings["tensor_parallel"]["sequence_parallel"] = sequence
@@ -145,7 +144,7 @@ def test_pp2_dp2_and_pp2_tp2_match_single_process():
     tp_runs = [
         ([(1, "1f1b")], 2, 2, 4),
         ([(1, "1f1b")], 2, 2, 4, "type:Embedding"),
-        ([(1, "1f1b")], 2, 2, 4, "parameters", 1, 3, "loop", True),
+        ([(1, "1f1b")], 2, 2, 4, "parameters", 3, True),
     ]
     results = run_cases(train, 4, [(runs, 2), *tp_runs])
     want, want_losses = reference(dp=1, heads=4)
@@ -177,23 +176,22 @@ MULTI_STAGE = [  # (case of train(), reference blocks, each rank's layers)
             1,
             5,
             "uniform",
-            2,
         ),
         3,  # 6 layers, 4 stages; stages 0, 2 on ranks 0-1, stages 1, 3 on ranks 2-3
         [[0, 1, 4], [0, 1, 4], [2, 3, 5], [2, 3, 5]],
     ),
     (
-        ([(2, "interleaved_1f1b")], 4, 1, 5, "uniform", 2, 6),
+        ([(2, "interleaved_1f1b")], 4, 1, 5, "uniform", 6),
         6,  # 9 layers, 8 stages (stage 0 takes two); rank r runs stages r and r + 4
         [[0, 1, 5], [2, 6], [3, 7], [4, 8]],
     ),
     (
-        ([(0, "zbv"), (1, "zbv"), (2, "zbv")], 2, 1, 5, "uniform", 2, 3, "v"),
+        ([(0, "zbv"), (1, "zbv"), (2, "zbv")], 2, 1, 5, "uniform"),
         3,  # a V: stages 0, 3 on ranks 0-1 (the first and the last), 1, 2 on ranks 2-3
         [[0, 1, 5], [0, 1, 5], [2, 3, 4], [2, 3, 4]],
     ),
     (
-        ([(2, "zbv")], 4, 1, 5, "uniform", 2, 6, "v"),
+        ([(2, "zbv")], 4, 1, 5, "uniform", 6),
         6,  # rank r runs stages r and 7 - r
         [[0, 1, 8], [2, 7], [3, 6], [4, 5]],
     ),
@@ -273,18 +271,13 @@ def run_schedules() -> dict:
     """Per SCHEDULE_RUNS entry at pp 4: the actions this rank ran in a step and the bytes it
     sent to other stages (after a first step, which also infers the shapes)."""
     import zerotrain
-    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe import PipelineModule, stage_options
 
     out = {}
-    for schedule, micro, per_rank in SCHEDULE_RUNS:
+    for schedule, micro, _ in SCHEDULE_RUNS:
         specs = layer_specs(blocks=6)
         model = PipelineModule(
-            specs,
-            4,
-            loss_fn=loss_fn,
-            partition_method="uniform",
-            stages_per_rank=per_rank,
-            stage_placement="v" if schedule == "zbv" else "loop",
+            specs, 4, loss_fn=loss_fn, partition_method="uniform", **stage_options(schedule)
         )
         settings = {**config(1, schedule), "gradient_accumulation_steps": micro}
         engine, *_ = zerotrain.initialize(model=model, config=settings)
@@ -426,17 +419,12 @@ def tied_reference() -> dict[str, torch.Tensor]:
 
 def train_tied(runs: list[tuple[int, str]]):
     """(ZeRO stage, schedule) each."""
-    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe import PipelineModule, stage_options
 
     out = {}
     for stage, schedule in runs:
         model = PipelineModule(
-            tied_specs(),
-            num_stages=2,
-            loss_fn=loss_fn,
-            seed_layers=True,
-            stages_per_rank=1 if schedule == "1f1b" else 2,
-            stage_placement="v" if schedule == "zbv" else "loop",
+            tied_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True, **stage_options(schedule)
         )
         out[stage, schedule] = pipeline_trained(model, stage, schedule)
     return out
@@ -477,17 +465,15 @@ def reshard(directory: str, saved_at: tuple, layouts: list[tuple[int, int, int, 
     """Train at ``saved_at`` (pp, tp, ZeRO stage, schedule), save; load into each of
     ``layouts``: the weights must be the saved ones bit for bit, and the next step the same."""
     import zerotrain
-    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe import PipelineModule, stage_options
 
     def engine_for(stages: int, tp: int, stage: int, schedule: str = "1f1b"):
-        zbv = schedule == "zbv"
         model = PipelineModule(
             reshard_specs(),
             num_stages=stages,
             loss_fn=loss_fn,
             seed_layers=True,
-            stages_per_rank=2 if zbv else 1,
-            stage_placement="v" if zbv else "loop",
+            **stage_options(schedule),
         )
         settings = config(stage, schedule, tp)
         del settings["gradient_accumulation_steps"]  # the global batch stays 2 x ACCUM x MICRO
@@ -552,15 +538,10 @@ def train_fp16(schedule: str):
     """pp 2 x dp 2 in fp16 with dynamic loss scaling: the scale goes on each micro-batch's
     loss and comes off in the step (gradient norms are unscaled)."""
     import zerotrain
-    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe import PipelineModule, stage_options
 
     model = PipelineModule(
-        layer_specs(),
-        num_stages=2,
-        loss_fn=loss_fn,
-        seed_layers=True,
-        stages_per_rank=1 if schedule == "1f1b" else 2,
-        stage_placement="v" if schedule == "zbv" else "loop",
+        layer_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True, **stage_options(schedule)
     )
     settings = config(1, schedule)
     settings["fp16"] = {"enabled": True, "initial_scale_power": 10}
@@ -622,14 +603,13 @@ class Untied(nn.Module):
 
 def split_untied(runs: list[tuple[int, str, list[str]]]):
     """(ZeRO stage, schedule, split points) each: ``Untied`` split by module names."""
-    from zerotrain.pipe import split_model
+    from zerotrain.pipe import split_model, stage_options
 
     out = {}
     for stage, schedule, points in runs:
         torch.manual_seed(SEED)
         example = batches(1)[0][:MICRO, :-1]
-        per_rank = 2 if schedule == "interleaved_1f1b" else 1
-        model = split_model(Untied(), (example,), points, loss_fn, stages_per_rank=per_rank)
+        model = split_model(Untied(), (example,), points, loss_fn, **stage_options(schedule))
         out[stage, schedule] = pipeline_trained(model, stage, schedule)
     return out
 

@@ -34,7 +34,7 @@ from zerotrain.lora import apply_lora_fa
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.pipe.engine import PipelineEngine
-from zerotrain.pipe.module import PipelineModule
+from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, PipelineModule
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
 from zerotrain.tensor_parallel import TensorParallel, is_split, parallelize
 from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
@@ -217,7 +217,7 @@ def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
             "order assumes one forward then one backward per micro-batch, which 1F1B breaks); "
             "use stage 0, 1 or 2"
         )
-    placement = {"interleaved_1f1b": "loop", "zbv": "v"}.get(schedule)
+    placement = MULTI_STAGE_PLACEMENT.get(schedule)
     if placement is None and model.stages_per_rank > 1:
         raise ConfigError(
             f"pipeline.schedule: {schedule} runs one stage per rank, and the PipelineModule has "

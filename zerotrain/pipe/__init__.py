@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from zerotrain.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from zerotrain.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec, stage_options
 from zerotrain.pipe.split import split_model
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "split_model"]
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "split_model", "stage_options"]

@@ -37,6 +37,23 @@ from torch.utils.checkpoint import checkpoint
 from zerotrain.comm import Communicator, Mesh
 from zerotrain.config import ConfigError
 
+# the stage placement each schedule that runs several stages per rank needs (pipeline.schedule)
+MULTI_STAGE_PLACEMENT = {"interleaved_1f1b": "loop", "zbv": "v"}
+
+
+def stage_options(schedule: str) -> dict[str, Any]:
+    """The ``PipelineModule`` arguments that ``schedule`` runs with (the fewest stages per rank
+    it takes): none for 1F1B and GPipe, two stages per rank placed as it needs otherwise."""
+    placement = MULTI_STAGE_PLACEMENT.get(schedule)
+    return {} if placement is None else {"stages_per_rank": 2, "stage_placement": placement}
+
+
+def rank_of_stage(stage: int, num_stages: int, placement: str = "loop") -> int:
+    """The pipeline position (of ``num_stages``) that runs ``stage`` under ``placement`` (see
+    [Note: pipeline stages])."""
+    chunk, offset = divmod(stage, num_stages)
+    return num_stages - 1 - offset if placement == "v" and chunk % 2 else offset
+
 
 class LayerSpec:
     """A layer built only on the stage that runs it: ``typename(*args, **kwargs)``."""
@@ -249,8 +266,7 @@ class PipelineModule(nn.Module):
 
     def rank_of(self, stage: int) -> int:
         """The pipeline position running ``stage``."""
-        chunk, offset = divmod(stage, self.num_stages)
-        return self.num_stages - 1 - offset if self.stage_placement == "v" and chunk % 2 else offset
+        return rank_of_stage(stage, self.num_stages, self.stage_placement)
 
 
 def _sequence(runs: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
