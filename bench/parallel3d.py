@@ -48,7 +48,8 @@ the gradient norm's 4 bytes go over the same group. PP: the activations a stage 
 next and the gradients it sends back, micro x tokens x width x 4 bytes per micro-batch each.
 DP: ZeRO stages 1-2 reduce-scatter the gradients and all-gather the parameters over the
 data-parallel group: (1 + 1) x Ψ_rank x 4 bytes at stage 1, (accumulation + 1) x Ψ_rank x 4 at
-stage 2 (which reduce-scatters every micro-batch), Ψ_rank the parameters this rank holds after
+stage 2 (which reduce-scatters every micro-batch; a parameter that two of the rank's stages use,
+ZBV's tied embedding, once in each stage's backward), Ψ_rank the parameters this rank holds after
 the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
 """
 
@@ -446,6 +447,15 @@ def worker(args) -> None:
             dp_bytes=(_payload(stats, "reduce_scatter") + _payload(stats, "all_gather"))
             / args.steps,
             rank_params=engine.optimizer.group.num_params,
+            # parameters two of a rank's stages use (ZBV's tied embedding on the first rank):
+            # stage 2 reduces them in each stage's backward
+            reused_numel=sum(
+                p.numel() * (len(chunks) - 1)
+                for p in engine.module.parameters()
+                if len(chunks := engine.module.chunks_of().get(id(p), ())) > 1
+            )
+            if pp > 1
+            else 0,
             # sequence parallelism sums these gradients over the tensor-parallel group
             summed_numel=sum(p.numel() for p in engine.tensor_parallel.summed)
             if engine.tensor_parallel is not None
@@ -564,8 +574,14 @@ def summarize(name: str, ranks: list[dict], args, config) -> dict:
             if pp > 1
             else 0,
             dp_bytes=r0["dp_bytes"],
-            # stage 2 reduce-scatters every micro-batch, stage 1 once per step
-            dp_formula=(r0["accum"] if args.stage == 2 else 1) * r0["rank_params"] * 4
+            # stage 2 reduce-scatters every micro-batch (a parameter two stages of the rank use,
+            # in each one's backward), stage 1 once per step
+            dp_formula=(
+                r0["accum"] * (r0["rank_params"] + r0["reused_numel"])
+                if args.stage == 2
+                else r0["rank_params"]
+            )
+            * 4
             + r0["rank_params"] * 4
             if row["dp"] > 1
             else 0,
