@@ -449,13 +449,7 @@ def worker(args) -> None:
             rank_params=engine.optimizer.group.num_params,
             # parameters two of a rank's stages use (ZBV's tied embedding on the first rank):
             # stage 2 reduces them in each stage's backward
-            reused_numel=sum(
-                p.numel() * (len(chunks) - 1)
-                for p in engine.module.parameters()
-                if len(chunks := engine.module.chunks_of().get(id(p), ())) > 1
-            )
-            if pp > 1
-            else 0,
+            reused_numel=_reused_numel(engine.module) if pp > 1 else 0,
             # sequence parallelism sums these gradients over the tensor-parallel group
             summed_numel=sum(p.numel() for p in engine.tensor_parallel.summed)
             if engine.tensor_parallel is not None
@@ -471,6 +465,14 @@ def worker(args) -> None:
     if system in ("zerotrain", "ddp"):
         dist.destroy_process_group()
     # else: left to exit; destroying groups torch's DeviceMesh or DeepSpeed made aborts on gloo
+
+
+def _reused_numel(module) -> int:
+    """Elements of the parameters several of a pipeline rank's stages use, counted once per
+    extra stage."""
+    chunks_of = module.chunks_of()
+    trained = [p for p in module.parameters() if p.requires_grad]
+    return sum(p.numel() * (len(chunks_of[id(p)]) - 1) for p in trained)
 
 
 def _counting_comms(engine) -> list:
