@@ -397,11 +397,14 @@ def single_process(model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def pipeline_trained(model: nn.Module, stage: int, schedule: str) -> dict[str, torch.Tensor]:
-    """A PipelineModule trained at ``stage`` with ``schedule`` on the same global batches."""
+def pipeline_engine(model: nn.Module, stage: int, schedule: str):
     import zerotrain
 
-    engine, *_ = zerotrain.initialize(model=model, config=config(stage, schedule))
+    return zerotrain.initialize(model=model, config=config(stage, schedule))[0]
+
+
+def pipeline_trained(engine) -> dict[str, torch.Tensor]:
+    """A pipeline engine's weights, trained on the same global batches as single_process."""
     dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
     for batch in batches(dp):
         engine.train_batch(micro_batches(batch, dp, dp_rank))
@@ -426,7 +429,7 @@ def train_tied(runs: list[tuple[int, str]]):
         model = PipelineModule(
             tied_specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True, **stage_options(schedule)
         )
-        out[stage, schedule] = pipeline_trained(model, stage, schedule)
+        out[stage, schedule] = pipeline_trained(pipeline_engine(model, stage, schedule))
     return out
 
 
@@ -610,7 +613,7 @@ def split_untied(runs: list[tuple[int, str, list[str]]]):
         torch.manual_seed(SEED)
         example = batches(1)[0][:MICRO, :-1]
         model = split_model(Untied(), (example,), points, loss_fn, **stage_options(schedule))
-        out[stage, schedule] = pipeline_trained(model, stage, schedule)
+        out[stage, schedule] = pipeline_trained(pipeline_engine(model, stage, schedule))
     return out
 
 
@@ -631,19 +634,60 @@ def test_an_ordinary_model_split_by_module_names_matches_single_process():
 
 
 def test_split_model_refuses_what_it_cannot_cut():
-    from gpt.model import GPT, GPTConfig
-
     from zerotrain.pipe import split_model
 
     example = (torch.zeros(2, SEQ, dtype=torch.long),)
     with pytest.raises(ConfigError, match=r"\['blocks.9'\] are not modules of Untied"):
         split_model(Untied(), example, ["blocks.9"], loss_fn)
-    gpt = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=5, n_embd=WIDTH))
-    # its head is the token embedding: one parameter on the first and the last stage
-    with pytest.raises(ConfigError, match="tied weights across stages"):
-        split_model(gpt, example, ["blocks.1"], loss_fn)
     with pytest.raises(ConfigError, match="could not be traced as one graph"):
         split_model(DataDependent(), example, ["blocks.1"], loss_fn)
+
+
+def tied_gpt() -> nn.Module:
+    """The example GPT, whose head is its token embedding."""
+    from gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(SEED)
+    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=5, n_embd=WIDTH))
+
+
+def split_tied_gpt(directory: str, runs: list[tuple[int, str, list[str]]]):
+    """(ZeRO stage, schedule, split points) each: ``tied_gpt()`` split by module names, trained
+    and saved; loaded again as four stages on four ranks."""
+    from zerotrain.pipe import split_model, stage_options
+
+    def split(points: list[str], schedule: str):
+        example = batches(1)[0][:MICRO, :-1]
+        return split_model(tied_gpt(), (example,), points, loss_fn, **stage_options(schedule))
+
+    out = {}
+    for stage, schedule, points in runs:
+        engine = pipeline_engine(split(points, schedule), stage, schedule)
+        out[stage, schedule] = trained = pipeline_trained(engine)
+        engine.save_checkpoint(directory, tag=schedule)
+        if len(points) == 3:
+            engine = pipeline_engine(split(points, "1f1b"), 1, "1f1b")
+            engine.load_checkpoint(directory, tag=schedule)
+            loaded = engine.consolidated_state_dict()
+            assert loaded.keys() == trained.keys()
+            assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    return out
+
+
+def test_split_model_keeps_a_weight_two_stages_use_one_parameter(tmp_path):
+    """The GPT's embedding, its head too, on the first and the last stage: on two ranks under
+    1F1B (stage 1), on one rank's two stages under ZBV (stage 2); ZBV's checkpoint loads at
+    pp 4, where the two stages are two ranks."""
+    want = single_process(tied_gpt())
+    runs = [(1, "1f1b", ["blocks.1"]), (2, "zbv", ["blocks.0", "blocks.1", "ln_final"])]
+    for per_run in run_distributed(split_tied_gpt, 4, str(tmp_path), runs):
+        for run, state in per_run.items():
+            tied = state.pop("tied_modules.token_embedding.weight")
+            assert relative_error(tied, want["token_embedding.weight"]) < 1e-5, run
+            renamed = {key.partition(".")[2]: value for key, value in state.items()}
+            assert renamed.keys() <= want.keys(), run
+            for key, value in renamed.items():
+                assert relative_error(value, want[key]) < 1e-5, (run, key)
 
 
 class DataDependent(Untied):

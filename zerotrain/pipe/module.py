@@ -169,16 +169,13 @@ class PipelineModule(nn.Module):
         self._specs = list(layers)
         self.parts = partition(self._specs, num_stages * stages_per_rank, partition_method)
         self.tied_modules = nn.ModuleDict()
-        ranks_of: dict[str, set[int]] = {}
+        # tied keys whose layers run on several pipeline ranks: [Note: tied layers across stages]
+        self.tied_stages: dict[str, list[int]] = {}
         self._chunks_of_key: dict[str, set[int]] = {}  # tied key -> this rank's chunks using it
+        self._stages_of_key: dict[str, set[int]] = {}  # tied key -> the stages using it
         for index, spec in enumerate(self._specs):
             if isinstance(spec, TiedLayerSpec):
-                stage = stage_of(self.parts, index)
-                ranks_of.setdefault(spec.key, set()).add(self.rank_of(stage))
-                if stage in self.stages:
-                    self._chunks_of_key.setdefault(spec.key, set()).add(self.stages.index(stage))
-        # tied keys whose layers run on several pipeline ranks: [Note: tied layers across stages]
-        self.tied_stages = {key: sorted(s) for key, s in sorted(ranks_of.items()) if len(s) > 1}
+                self._note_tie(spec.key, {stage_of(self.parts, index)})
         self._runs: list[list[Callable[[Any], Any]]] = []  # per chunk
         for stage in self.stages:
             runs = []
@@ -235,13 +232,38 @@ class PipelineModule(nn.Module):
             )
         return out
 
+    def _note_tie(self, key: str, stages: set[int]) -> None:
+        """Record that the layers of ``stages`` (and of those noted before) share the tied
+        module ``key``."""
+        every = self._stages_of_key.setdefault(key, set())
+        every.update(stages)
+        ranks = {self.rank_of(s) for s in every}
+        if len(ranks) > 1:
+            self.tied_stages[key] = sorted(ranks)
+        mine = {self.stages.index(s) for s in every if s in self.stages}
+        if mine:
+            self._chunks_of_key[key] = mine
+
+    def tie_parameter(self, name: str, param: nn.Parameter, stages: set[int]) -> None:
+        """Make ``param``, which the layers of several ``stages`` hold (``name``: its name in
+        the model they were cut from), one tied parameter: named ``tied_modules.<owner>.<attr>``
+        (the owner's dots as ``_``) and kept equal over its stages' ranks as a TiedLayerSpec's
+        (see [Note: tied layers across stages])."""
+        owner, _, attr = name.rpartition(".")
+        key = owner.replace(".", "_") or "model"
+        if any(s in self.stages for s in stages):
+            if key not in self.tied_modules:
+                self.tied_modules[key] = nn.Module()
+            self.tied_modules[key].register_parameter(attr, param)
+        self._note_tie(key, stages)
+
     def tie_across_stages(self, mesh: Mesh) -> dict[int, Communicator]:
         """Make a group per tied key over the stages that hold it (one for each position on the
         other axes of ``mesh``; collective), give every copy the first stage's values, and
         return ``id(parameter) -> group`` for this rank's copies: their gradients are summed
         over it (see [Note: tied layers across stages])."""
         groups: dict[int, Communicator] = {}
-        for key, stages in self.tied_stages.items():
+        for key, stages in sorted(self.tied_stages.items()):  # the same order on every rank
             # each pipeline (the stages at one position of the other axes): its tied stages
             rank_lists = [[ranks[s] for s in stages] for ranks in mesh.axis_ranks("pp")]
             comm = mesh.world.subgroups(rank_lists)

@@ -13,8 +13,11 @@ objects (the tracer's copies are replaced by them), so initial values are the mo
 Limits, each an error or stated here: the model must trace as one graph (no data-dependent
 control flow; transformers' GPT-2 does not, a model written for torch.export does); the graph is
 specialised to the example's shapes (every micro-batch must have them) and device; one tensor
-flows from a stage to the next; a parameter used on two stages (an output projection tied to the input embedding) is refused: write the
-model as layers with a TiedLayerSpec. Every rank traces the whole model and keeps its own
+flows from a stage to the next. A parameter several stages use (an output projection tied to
+the input embedding) is one tied parameter, as a TiedLayerSpec's: named
+``tied_modules.<owner>.<attr>`` after its first use, its copies' gradients summed over the
+stages' ranks (see [Note: tied layers across stages] in pipe/module.py); the stages keep their
+own names for it too, as the model does. Every rank traces the whole model and keeps its own
 stages; the caller's reference to ``model`` keeps the others alive until dropped.
 """
 
@@ -80,8 +83,7 @@ def split_model(
                 "one: move the split point where one tensor flows"
             )
     _use_model_tensors(stages, model)
-    _refuse_shared(stages)
-    return PipelineModule(
+    pipe = PipelineModule(
         stages,
         num_stages=total // stages_per_rank,
         loss_fn=loss_fn,
@@ -89,6 +91,9 @@ def split_model(
         stages_per_rank=stages_per_rank,
         **options,
     )
+    for name, (param, used_by) in _shared(stages).items():
+        pipe.tie_parameter(name, param, used_by)
+    return pipe
 
 
 def _use_model_tensors(stages: list[nn.Module], model: nn.Module) -> None:
@@ -112,16 +117,13 @@ def _use_model_tensors(stages: list[nn.Module], model: nn.Module) -> None:
                     owner.register_buffer(attribute, original, persistent=kept)
 
 
-def _refuse_shared(stages: list[nn.Module]) -> None:
-    """A parameter two stages use would be two copies trained apart: refused."""
-    seen: dict[int, tuple[int, str]] = {}
+def _shared(stages: list[nn.Module]) -> dict[str, tuple[nn.Parameter, set[int]]]:
+    """Parameters several stages use (an output projection tied to the input embedding), by
+    their name in the first stage that uses them, with the stages using them."""
+    first: dict[int, str] = {}
+    found: dict[str, tuple[nn.Parameter, set[int]]] = {}
     for index, stage in enumerate(stages):
         for name, param in stage.named_parameters():
-            first = seen.setdefault(id(param), (index, name))
-            if first[0] != index:
-                raise ConfigError(
-                    f"split_model: parameter {first[1]!r} of stage {first[0]} is also "
-                    f"{name!r} of stage {index} (tied weights across stages); move the split "
-                    "points so one stage holds both uses, or write the model as a "
-                    "PipelineModule with a TiedLayerSpec"
-                )
+            name = first.setdefault(id(param), name)
+            found.setdefault(name, (param, set()))[1].add(index)
+    return {name: used for name, used in found.items() if len(used[1]) > 1}
