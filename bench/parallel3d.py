@@ -23,6 +23,8 @@ to the embeddings across the first and last stage; the blocks spread evenly) wit
 torch's DistributedDataParallel; `fsdp2-*` rows are torch's `fully_shard` (and, with tp,
 `parallelize_module` ColwiseParallel/RowwiseParallel over a 2-D DeviceMesh; with pp, stages of
 fully-sharded layers under torch's 1F1B, the head untied: torchtitan's compositions);
+`dtensor-tp4` is torch's tensor parallelism alone (`parallelize_module` on DTensor, the same
+plan, no data parallelism), against zerotrain's `tp4`;
 `deepspeed-*` rows are DeepSpeed's engine at `--stage` and its PipelineModule (ZeRO stage 1:
 its pipelines refuse 2) on the same layers, when deepspeed is installed. Their bytes are not
 counted. Writes bench/results/parallel3d.json.
@@ -79,7 +81,7 @@ SEQUENCES_PER_STEP = 8
 
 
 class Layout(NamedTuple):
-    system: str  # zerotrain, fsdp2, ddp, deepspeed
+    system: str  # zerotrain, fsdp2, dtensor, ddp, deepspeed
     tp: int
     pp: int
     sequence_parallel: bool = False
@@ -96,6 +98,7 @@ LAYOUTS = {
     "fsdp2-dp4": Layout("fsdp2", 1, 1),
     "fsdp2-tp2xdp2": Layout("fsdp2", 2, 1),
     "fsdp2-pp2xdp2": Layout("fsdp2", 1, 2),
+    "dtensor-tp4": Layout("dtensor", 4, 1),
     "deepspeed-dp4": Layout("deepspeed", 1, 1),
     "deepspeed-pp2xdp2": Layout("deepspeed", 1, 2),
 }
@@ -202,30 +205,38 @@ def interleave_fused_qkv(layer: torch.nn.Linear, tp: int) -> None:
             param.data = torch.cat([pieces[j][r] for r in range(tp) for j in range(3)])
 
 
-def fsdp2_model(model, tp: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def dtensor_tensor_parallel(model, tp_mesh) -> None:
+    """torch's tensor parallelism on DTensor: ``parallelize_module`` with ColwiseParallel /
+    RowwiseParallel on each block's attention and MLP, as torchtitan plans them."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    tp = tp_mesh.size()
+    for block in model.blocks:
+        interleave_fused_qkv(block.attn.qkv, tp)
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attn.qkv": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(),
+                "mlp.proj": RowwiseParallel(),
+            },
+        )
+        block.attn.n_head //= tp
+
+
+def fsdp2_model(model, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (4 // tp, tp), mesh_dim_names=("dp", "tp"))
     if tp > 1:
-        for block in model.blocks:
-            interleave_fused_qkv(block.attn.qkv, tp)
-            parallelize_module(
-                block,
-                mesh["tp"],
-                {
-                    "attn.qkv": ColwiseParallel(),
-                    "attn.proj": RowwiseParallel(),
-                    "mlp.fc": ColwiseParallel(),
-                    "mlp.proj": RowwiseParallel(),
-                },
-            )
-            block.attn.n_head //= tp
+        dtensor_tensor_parallel(model, mesh["tp"])
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -365,6 +376,10 @@ def worker(args) -> None:
         else:
             if system == "ddp":
                 model = torch.nn.parallel.DistributedDataParallel(model)
+            elif system == "dtensor":  # tensor parallelism alone: every rank one batch
+                from torch.distributed.device_mesh import init_device_mesh
+
+                dtensor_tensor_parallel(model, init_device_mesh("cpu", (tp,)))
             else:
                 model = fsdp2_model(model, tp)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

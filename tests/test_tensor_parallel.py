@@ -102,12 +102,46 @@ def config(stage: int, tp: int, world: int | None = None, sequence: bool = False
     }
 
 
-def train(kind: str, tp: int, stages: list[int], sequence: bool = False):
+def torch_plan() -> dict:
+    """transformers' Llama planned for torch's ``parallelize_module`` as torchtitan plans its
+    Llama: q/k/v and gate/up column-wise, the outputs row-wise into a sequence-sharded result,
+    the norms ``SequenceParallel``, the attention and MLP gathering their input."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    block = "model.layers.*."
+    return {
+        block + "input_layernorm": SequenceParallel(),
+        block + "self_attn": PrepareModuleInput(  # called with hidden_states=...
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        ),
+        **{block + f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"},
+        block + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        block + "post_attention_layernorm": SequenceParallel(),
+        block + "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        block + "mlp.gate_proj": ColwiseParallel(),
+        block + "mlp.up_proj": ColwiseParallel(),
+        block + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def train(kind: str, tp: int, stages: list[int], sequence: bool = False, plan: str = "auto"):
+    """``plan``: "auto" or "torch" (``torch_plan()``)."""
     import zerotrain
 
     out = {}
     for stage in stages:
         settings = config(stage, tp, sequence=sequence)
+        if plan == "torch":
+            settings["tensor_parallel"]["tp_plan"] = torch_plan()
         engine, *_ = zerotrain.initialize(model=build(kind), config=settings)
         engine.comm.reset_stats()
         try:
@@ -243,15 +277,21 @@ def test_checkpoint_of_tp2_dp2_loads_at_other_degrees_and_stages(tmp_path):
 
 
 def test_sequence_parallel_tp2_matches_single_process():
-    """GPT-2 and Llama (12 tokens) at stages 0 and 3; the example GPT's 11 tokens do not divide
-    into 2 ranks: an error with the shape."""
-    cases = [("gpt2", 2, [0, 3], True), ("llama", 2, [0, 3], True), ("gpt", 2, [0], True)]
+    """GPT-2 and Llama (12 tokens) at stages 0 and 3, Llama also with torchtitan's plan written
+    for torch's parallelize_module; the example GPT's 11 tokens do not divide into 2 ranks: an
+    error with the shape."""
+    cases = [
+        ("gpt2", 2, [0, 3], True),
+        ("llama", 2, [0, 3], True),
+        ("llama", 2, [3], True, "torch"),
+        ("gpt", 2, [0], True),
+    ]
     results = run_cases(train, 2, cases)
-    for index, kind in enumerate(["gpt2", "llama"]):
+    for index, kind in enumerate(["gpt2", "llama", "llama"]):
         per_rank = [per_kind[index] for per_kind in results]
         check_against_reference(per_rank, reference(kind, dp=1), tp=2, kind=kind, sequence=True)
     for per_kind in results:
-        assert "shape (2, 11, 24)" in per_kind[2][0] and "2 tensor-parallel" in per_kind[2][0]
+        assert "shape (2, 11, 24)" in per_kind[3][0] and "2 tensor-parallel" in per_kind[3][0]
 
 
 def test_tp2_dp2_matches_single_process_at_every_stage():
@@ -341,13 +381,44 @@ def test_llama_key_value_heads_the_degree_does_not_divide_name_the_layer():
         _apply(model, 4)
 
 
-def test_torch_parallel_styles_are_accepted():
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def test_torch_parallel_styles_are_read_by_their_layouts():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    from zerotrain.tensor_parallel import Colwise, Rowwise, parse_style
+    from zerotrain.tensor_parallel import Colwise, Rowwise, parallelize, parse_style
+    from zerotrain.tensor_parallel.plan import SequenceSharded
 
     assert parse_style(ColwiseParallel(), "x") == Colwise()
-    assert parse_style(RowwiseParallel(), "x") == Rowwise()
+    assert parse_style(ColwiseParallel(input_layouts=Shard(1)), "x") == Colwise()
+    assert parse_style(RowwiseParallel(output_layouts=Shard(1)), "x") == Rowwise()
+    assert parse_style(SequenceParallel(), "x") == SequenceSharded()
+    gather = PrepareModuleInput(
+        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+    )
+    assert parse_style(gather, "x") == SequenceSharded()
+    unsupported = {  # what each would run that zerotrain does not
+        "use_local_output=False": ColwiseParallel(use_local_output=False),
+        r"output_layouts=\('replicate',\)": ColwiseParallel(output_layouts=Replicate()),
+        r"input_layouts=\('replicate',\)": RowwiseParallel(input_layouts=Replicate()),
+        "PrepareModuleOutput is not supported": PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1)
+        ),
+        "only gathers a sequence-sharded input": PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Shard(1)
+        ),
+    }
+    for message, style in unsupported.items():
+        with pytest.raises(ConfigError, match=rf"tp_plan.l: .*{message}"):
+            parse_style(style, "tensor_parallel.tp_plan.l")
+    # torchtitan's plan shards the sequence: it needs sequence parallelism on
+    with pytest.raises(ConfigError, match="set tensor_parallel.sequence_parallel: true"):
+        parallelize(build("llama"), _Peers(2), torch_plan())
 
 
 def test_config_checks_the_degree():

@@ -432,10 +432,12 @@ class TensorParallelConfig(Section):
     """The tensor-parallel degree: ranks that split each layer; it must divide the world size
     and the head counts and widths of the split layers. Tensor-parallel peers are neighbouring
     ranks (on one node when they fit) and see the same micro-batches."""
-    tp_plan: dict[str, str] | None = None
+    tp_plan: dict[str, Any] | None = None
     """Which modules to split and how, by qualified-name pattern: `"colwise"`, `"colwise:N"` (a
     fused projection of N blocks, e.g. q/k/v), `"rowwise"`, or `"divide:attr,..."` (integer
-    attributes, a head count, divided by the degree); `initialize` checks them against the
+    attributes, a head count, divided by the degree); in a config given as a Python dict, also
+    torch's `ColwiseParallel()`, `RowwiseParallel()`, `SequenceParallel()` and
+    `PrepareModuleInput()` (a torchtitan plan as it is); `initialize` checks them against the
     model. null: the automatic plan, which knows GPT-2, Llama-shaped and zerotrain's example GPT
     blocks. (A zerotrain key.)"""
     sequence_parallel: bool = False

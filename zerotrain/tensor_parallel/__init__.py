@@ -25,6 +25,7 @@ from zerotrain.tensor_parallel.plan import (
     is_split,
     parse_style,
     resolve_plan,
+    shards_sequence,
 )
 from zerotrain.tensor_parallel.shard import TPShard, shard_of
 from zerotrain.zero.init import is_init_partitioned
@@ -92,6 +93,13 @@ def parallelize(
             "tensor_parallel.autotp_size: the model was built under zerotrain.zero.Init, whose "
             "partitioned parameters tensor parallelism cannot split; build it without "
             "zero.Init (ZeRO stage 3 still partitions it at initialize)"
+        )
+    sharding = shards_sequence(plan)
+    if sharding and not sequence_parallel:
+        raise ConfigError(
+            f"tensor_parallel.tp_plan: {sharding[:3]} run on a share of the sequence (torch's "
+            "sequence-parallel styles); set tensor_parallel.sequence_parallel: true, or give "
+            "ColwiseParallel() / RowwiseParallel() with their default layouts"
         )
     resolved, unmatched = resolve_plan(model, plan)
     matched_any = bool(resolved)

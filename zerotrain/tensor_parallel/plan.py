@@ -6,7 +6,7 @@ A plan maps module names (``fnmatch`` patterns over qualified names, as
 ``"colwise"`` splits a linear layer's output features (``"colwise:3"``: a fused q/k/v, each third
 split alone, see [Note: fused blocks] in shard.py), ``"rowwise"`` its input features, and
 ``"divide:a,b"`` divides integer attributes of a module (its head count) by the degree. Torch's
-``ColwiseParallel()`` and ``RowwiseParallel()`` are accepted as "colwise" and "rowwise". Without
+styles are accepted too (see [Note: torch's parallel styles]). Without
 a plan, the automatic one splits the attention and MLP of every block it recognises by its
 layers' names, column then row (Megatron-LM, arXiv:1909.08053): GPT-2's ``c_attn``/``c_fc``
 then ``c_proj``, Llama-shaped ``q_proj``/``k_proj``/``v_proj`` then ``o_proj`` and
@@ -61,7 +61,14 @@ class Divide:
     names: tuple[str, ...]
 
 
-Style = Colwise | Rowwise | Divide
+@dataclass(frozen=True)
+class SequenceSharded:
+    """A module torch's plan runs on a share of the sequence (``SequenceParallel()`` on a norm,
+    ``PrepareModuleInput`` gathering it for a split module): nothing of it is split, and
+    sequence parallelism runs it so (see [Note: torch's parallel styles])."""
+
+
+Style = Colwise | Rowwise | Divide | SequenceSharded
 
 # The automatic plan: a module whose children include these names gets these styles (and
 # its own attributes divided where it has them).
@@ -80,10 +87,9 @@ _AUTO_RULES: list[tuple[dict[str, Style], tuple[str, ...]]] = [
 
 def parse_style(value: object, where: str) -> Style:
     """A plan entry's style from its config string or torch ParallelStyle."""
-    kind = type(value).__name__
-    if kind in ("ColwiseParallel", "RowwiseParallel"):
-        return Colwise() if kind == "ColwiseParallel" else Rowwise()
-    if isinstance(value, Colwise | Rowwise | Divide):
+    if type(value).__module__.startswith("torch.distributed"):
+        return _torch_style(value, where)
+    if isinstance(value, Colwise | Rowwise | Divide | SequenceSharded):
         return value
     text = value if isinstance(value, str) else ""
     name, _, arg = text.partition(":")
@@ -97,8 +103,104 @@ def parse_style(value: object, where: str) -> Style:
     raise ConfigError(
         f'{where}: {value!r} is not a tensor-parallel style; use "colwise", "colwise:N" (a '
         'fused projection of N blocks), "rowwise" or "divide:attr,..." (or torch\'s '
-        "ColwiseParallel() / RowwiseParallel())"
+        "ColwiseParallel() / RowwiseParallel() / SequenceParallel() / PrepareModuleInput())"
     )
+
+
+# [Note: torch's parallel styles]
+# A plan written for torch's ``parallelize_module`` (torchtitan's) is taken as it is: each style
+# is read by its layouts, and must describe what zerotrain runs. Column-parallel takes a whole
+# or a sequence-sharded input and leaves its output split by features; row-parallel takes a
+# feature-split input and gives a whole output (an all-reduce) or a sequence-sharded one (a
+# reduce-scatter: sequence parallelism). ``SequenceParallel()`` on a norm and
+# ``PrepareModuleInput`` gathering a sequence-sharded input mark what sequence parallelism runs
+# anyway. Anything else (local DTensor outputs, vocabulary-parallel embeddings and heads, other
+# dimensions) is an error naming the option; a plan that shards the sequence needs
+# ``tensor_parallel.sequence_parallel`` (see shards_sequence).
+_SEQUENCE = "shard1"  # the sequence dimension of (batch, sequence, hidden) activations
+
+
+def _layouts(placements: object) -> tuple[str, ...]:
+    """torch placements as text: ``Shard(dim=1)`` "shard1", ``Replicate()`` "replicate"."""
+    items = placements if isinstance(placements, tuple | list) else (placements,)
+    return tuple(
+        "none"
+        if p is None
+        else f"shard{p.dim}"
+        if type(p).__name__ == "Shard"
+        else type(p).__name__.lower()
+        for p in items
+    )
+
+
+def _torch_style(value: object, where: str) -> Style:
+    kind = type(value).__name__
+    get = vars(value).get
+    if kind == "ColwiseParallel":
+        accepted = {
+            "input_layouts": [("replicate",), (_SEQUENCE,)],
+            "desired_input_layouts": [("replicate",)],
+            "output_layouts": [("shard-1",)],
+        }
+        style: Style = Colwise()
+    elif kind == "RowwiseParallel":
+        accepted = {
+            "input_layouts": [("shard-1",)],
+            "output_layouts": [("replicate",), (_SEQUENCE,)],
+        }
+        style = Rowwise()
+    elif kind == "SequenceParallel":
+        accepted = {"sequence_sharding": [(_SEQUENCE,)]}
+        style = SequenceSharded()
+    elif kind == "PrepareModuleInput":
+        pairs = [
+            *zip(
+                _layouts(get("input_layouts") or ()), _layouts(get("desired_input_layouts") or ())
+            ),
+            *(
+                (_layouts(layout)[0], _layouts(get("desired_input_kwarg_layouts", {}).get(k))[0])
+                for k, layout in (get("input_kwarg_layouts") or {}).items()
+            ),
+        ]
+        if pairs and all(pair in ((_SEQUENCE, "replicate"), ("none", "none")) for pair in pairs):
+            return SequenceSharded()
+        raise ConfigError(
+            f"{where}: PrepareModuleInput{pairs} (layout -> desired); zerotrain's tensor "
+            "parallelism only gathers a sequence-sharded input (Shard(1) -> Replicate())"
+        )
+    else:
+        raise ConfigError(
+            f"{where}: torch's {kind} is not supported; use ColwiseParallel, RowwiseParallel, "
+            "SequenceParallel or PrepareModuleInput (or zerotrain's string styles)"
+        )
+    if get("use_local_output") is False and kind != "SequenceParallel":
+        raise ConfigError(
+            f"{where}: {kind}(use_local_output=False) keeps DTensor outputs; zerotrain's tensor "
+            "parallelism runs on plain tensors: leave use_local_output at True"
+        )
+    for option, allowed in accepted.items():
+        got = _layouts(get(option))
+        if got not in allowed:
+            raise ConfigError(
+                f"{where}: {kind}({option}={got}) is not supported (allowed: {allowed}); "
+                "vocabulary-parallel embeddings and heads, and splits other than by features "
+                "or by sequence (dimension 1), are not implemented: leave those layers whole"
+            )
+    return style
+
+
+def shards_sequence(plan: Mapping[str, object] | None) -> list[str]:
+    """The entries of a torch plan that run their module on a share of the sequence."""
+    found = []
+    for key, value in (plan or {}).items():
+        get = vars(value).get if type(value).__module__.startswith("torch.distributed") else None
+        if get is None:
+            continue
+        if type(value).__name__ in ("SequenceParallel", "PrepareModuleInput") or any(
+            _layouts(get(option)) == (_SEQUENCE,) for option in ("input_layouts", "output_layouts")
+        ):
+            found.append(key)
+    return found
 
 
 def resolve_plan(
@@ -170,6 +272,8 @@ def apply_plan(
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules[name]
+        if isinstance(style, SequenceSharded):
+            continue  # sequence parallelism runs it on its share (parallelize_sequence)
         if isinstance(style, Divide):
             _divide(module, name, style.names, comm.world_size)
         elif isinstance(style, Colwise):
@@ -179,7 +283,7 @@ def apply_plan(
     _check_head_counts(model, plan, comm.world_size)
     if not sequence_parallel:
         return []
-    split = [name for name, style in plan.items() if not isinstance(style, Divide)]
+    split = [name for name, style in plan.items() if isinstance(style, Colwise | Rowwise)]
     return parallelize_sequence(model, split, comm)
 
 
