@@ -123,14 +123,14 @@ _SEQUENCE = "shard1"  # the sequence dimension of (batch, sequence, hidden) acti
 def _layouts(placements: object) -> tuple[str, ...]:
     """torch placements as text: ``Shard(dim=1)`` "shard1", ``Replicate()`` "replicate"."""
     items = placements if isinstance(placements, tuple | list) else (placements,)
-    return tuple(
-        "none"
-        if p is None
-        else f"shard{p.dim}"
-        if type(p).__name__ == "Shard"
-        else type(p).__name__.lower()
-        for p in items
-    )
+    return tuple(_layout(p) for p in items)
+
+
+def _layout(placement: object) -> str:
+    if placement is None:
+        return "none"
+    kind = type(placement).__name__
+    return f"shard{getattr(placement, 'dim', '?')}" if kind == "Shard" else kind.lower()
 
 
 def _torch_style(value: object, where: str) -> Style:
@@ -153,15 +153,12 @@ def _torch_style(value: object, where: str) -> Style:
         accepted = {"sequence_sharding": [(_SEQUENCE,)]}
         style = SequenceSharded()
     elif kind == "PrepareModuleInput":
-        pairs = [
-            *zip(
-                _layouts(get("input_layouts") or ()), _layouts(get("desired_input_layouts") or ())
-            ),
-            *(
-                (_layouts(layout)[0], _layouts(get("desired_input_kwarg_layouts", {}).get(k))[0])
-                for k, layout in (get("input_kwarg_layouts") or {}).items()
-            ),
-        ]
+        given = _layouts(get("input_layouts") or ())
+        desired = _layouts(get("desired_input_layouts") or ())
+        pairs = list(zip(given, desired, strict=True))  # torch checks they pair up
+        desired_kwargs = get("desired_input_kwarg_layouts") or {}
+        for key, layout in (get("input_kwarg_layouts") or {}).items():
+            pairs.append((_layouts(layout)[0], _layouts(desired_kwargs.get(key))[0]))
         if pairs and all(pair in ((_SEQUENCE, "replicate"), ("none", "none")) for pair in pairs):
             return SequenceSharded()
         raise ConfigError(
