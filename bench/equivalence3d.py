@@ -10,14 +10,17 @@ over that of the reference, per tensor).
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
 
 import test_pipeline as pipe  # noqa: E402 (after the path)
 import test_tensor_parallel as tp  # noqa: E402
-from distributed import run_cases  # noqa: E402
+from distributed import run_cases, run_distributed  # noqa: E402
 from models import relative_error  # noqa: E402
 
 
@@ -27,14 +30,21 @@ def worst(state: dict, want: dict, rename=lambda key: key) -> float:
 
 def tensor_parallel_rows() -> list[tuple[str, float]]:
     rows = []
-    cases = [("gpt2", 2, [0, 3]), ("llama", 2, [0, 3]), ("gpt2", 2, [0, 3], True)]
-    for (kind, _, stages, *sp), per_rank in zip(
+    cases = [
+        ("gpt2", 2, [0, 3]),
+        ("llama", 2, [0, 3]),
+        ("gpt2", 2, [0, 3], True),
+        ("llama", 2, [3], True, "torch"),
+    ]
+    for (kind, _, stages, *options), per_rank in zip(
         cases, zip(*run_cases(tp.train, 2, cases), strict=True), strict=True
     ):
         want, _ = tp.reference(kind, dp=1)
+        label = ", sequence parallel" if options else ""
+        label += ", torchtitan's plan in torch's styles" if options[1:] else ""
         for stage in stages:
             error = max(worst(r[stage][0], want) for r in per_rank)
-            rows.append((f"tp2, {kind}, stage {stage}{', sequence parallel' if sp else ''}", error))
+            rows.append((f"tp2, {kind}, stage {stage}{label}", error))
     results = run_cases(tp.train, 4, [("gpt", 2, [0, 1, 2, 3]), ("gpt2", 2, [1, 2], True)])
     for index, (kind, stages, label) in enumerate(
         [("gpt", [0, 1, 2, 3], ""), ("gpt2", [1, 2], ", sequence parallel")]
@@ -69,8 +79,36 @@ def pipeline_rows() -> list[tuple[str, float]]:
     return rows
 
 
+def split_model_rows(directory: str) -> list[tuple[str, float]]:
+    """Ordinary models cut by module names (zerotrain.pipe.split_model): one without ties, and
+    the example GPT, whose head is its embedding."""
+    torch.manual_seed(pipe.SEED)
+    untied = pipe.single_process(pipe.Untied())
+    tied = pipe.single_process(pipe.tied_gpt())
+    four = ["blocks.1", "blocks.2", "norm"]
+    untied_runs = [(1, "1f1b", ["blocks.2"]), (1, "interleaved_1f1b", four)]
+    tied_runs = [(1, "1f1b", ["blocks.1"]), (2, "zbv", ["blocks.0", "blocks.1", "ln_final"])]
+    rows = []
+    for runs, want, results, model in [
+        (untied_runs, untied, run_distributed(pipe.split_untied, 4, untied_runs), "untied"),
+        (tied_runs, tied, run_distributed(pipe.split_tied_gpt, 4, directory, tied_runs), "tied"),
+    ]:
+        for stage, schedule, points in runs:
+            # keys <stage>.<name>, and tied_modules.<owner>.<attr>: the model's names after the
+            # first dot
+            error = max(
+                relative_error(value, want[key.partition(".")[2]])
+                for per_rank in results
+                for key, value in per_rank[stage, schedule].items()
+            )
+            label = f"split_model, {len(points) + 1} stages, {model} head"
+            rows.append((f"{label}, ZeRO stage {stage}, {schedule}", error))
+    return rows
+
+
 def main() -> None:
-    rows = tensor_parallel_rows() + pipeline_rows()
+    with tempfile.TemporaryDirectory() as directory:
+        rows = tensor_parallel_rows() + pipeline_rows() + split_model_rows(directory)
     print("| configuration | max relative error |")
     print("|---|---|")
     for label, error in rows:

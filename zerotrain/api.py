@@ -213,9 +213,11 @@ def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
     stages, schedule = model.num_stages, cfg.pipeline.schedule
     if cfg.zero_optimization.stage == 3:
         raise ConfigError(
-            "zero_optimization.stage: 3 with pipeline parallelism is not supported (its gather "
-            "order assumes one forward then one backward per micro-batch, which 1F1B breaks); "
-            "use stage 0, 1 or 2"
+            "zero_optimization.stage: 3 with pipeline parallelism is not supported: a stage "
+            "runs many micro-batches per step, so its parameters are either kept gathered "
+            "through the step (the peak of stage 2, which shards gradients and optimizer "
+            "states too) or gathered twice per micro-batch (several times stage 2's traffic); "
+            "use stage 2 (or 0, 1)"
         )
     placement = MULTI_STAGE_PLACEMENT.get(schedule)
     if placement is None and model.stages_per_rank > 1:
