@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "activation_checkpointing",
             "lora",
             "tensor_parallel",
+            "moe",
         ),
     ),
     ("engine", ("backward", "engine_queries", "engine", "pipe")),
@@ -36,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the package root, which re-exports everything
     (
         "deepspeed surface",
-        ("checkpointing", "runtime", "ops", "utils", "moe", "profiling", "__init__"),
+        ("checkpointing", "runtime", "ops", "utils", "profiling", "__init__"),
     ),
     # frameworks: the opt-in DeepSpeed alias and native integrations, over the whole package
     ("frameworks", ("compat", "integrations")),

@@ -92,26 +92,15 @@ def test_deepspeed_config_validates_and_resolves_batch_sizes(tmp_path) -> None:
 
 
 def test_features_zerotrain_lacks_import_and_fail_when_used() -> None:
-    from zerotrain.moe.layer import MoE
-    from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from zerotrain.pipe import PipelineModule
 
     with pytest.raises(zerotrain.ConfigError, match="num_stages 2 does not divide the 1 ranks"):
         PipelineModule(layers=[nn.Linear(2, 2)], num_stages=1 + 1)
-    with pytest.raises(NotImplementedError, match="Mixture-of-Experts layers"):
-        MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2)
     with pytest.raises(NotImplementedError, match="range test"):
         zerotrain.runtime.lr_schedules.LRRangeTest(None)
     sampling = zerotrain.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr
     with pytest.raises(NotImplementedError, match="variable batch sizes"):
         sampling.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset=None)
-    dense = nn.Linear(3, 3)
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": dense.parameters()})
-    assert len(groups) == 1
-    expert = nn.Parameter(torch.zeros(2))
-    expert.allreduce = False
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        split_params_into_different_moe_groups_for_optimizer([{"params": [expert]}])
 
 
 def test_cpu_accelerator() -> None:

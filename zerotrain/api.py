@@ -31,6 +31,7 @@ from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_con
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.lora import apply_lora_fa
+from zerotrain.moe import MoE
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.pipe.engine import PipelineEngine
@@ -109,6 +110,7 @@ def initialize(
     # tensor-parallel degree, which the config itself knows)
     cfg = load_config(config, world_size=comm.world_size // stages)
     _check_pipeline(cfg, model)
+    _check_experts(model)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
     _check_offload(cfg, comm.rank)
     _check_node_local_storage(cfg, comm)
@@ -207,6 +209,16 @@ def initialize(
 
 
 # -- pieces of initialize ----------------------------------------------------------------------
+def _check_experts(model: nn.Module) -> None:
+    spread = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1})
+    if spread:
+        raise ConfigError(
+            f"MoE(ep_size={spread[0]}): the engine does not place experts over ranks yet "
+            "(the layer alone does: MoE.place); use ep_size=1, where every rank holds every "
+            "expert"
+        )
+
+
 def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
     if not isinstance(model, PipelineModule) or model.num_stages * model.stages_per_rank == 1:
         return

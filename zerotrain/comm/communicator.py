@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -362,6 +363,58 @@ class Communicator:
             lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
             async_op,
         )
+
+    @overload
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = ...,
+        input_splits: list[int] | None = ...,
+        *,
+        async_op: Literal[True],
+        name: str = ...,
+    ) -> PendingOp: ...
+    @overload
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = ...,
+        input_splits: list[int] | None = ...,
+        *,
+        async_op: bool = ...,
+        name: str = ...,
+    ) -> PendingOp | None: ...
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+        *,
+        async_op: bool = False,
+        name: str = "all_to_all",
+    ) -> PendingOp | None:
+        """Send rows ``input_splits[r]`` of ``input`` (dimension 0; None: equal pieces) to rank
+        r and receive rank r's into rows ``output_splits[r]`` of ``output``. Counted as
+        ``name``: the payload is ``input``, what this rank sends the rows for other ranks."""
+        row = math.prod(input.shape[1:]) * input.element_size()
+        nbytes = len(input) * row
+        if self.world_size == 1:
+            output.copy_(input)
+            return PendingOp(self, name, 0, None) if async_op else None
+        own = (input_splits[self.rank] if input_splits else len(input) // self.world_size) * row
+
+        def launch(a: bool):
+            return dist.all_to_all_single(
+                output, input, output_splits, input_splits, group=self.group, async_op=a
+            )
+
+        if async_op:
+            return self.issue(name, nbytes, launch, True, sent=nbytes - own)
+        self.issue(name, nbytes, launch, False, sent=nbytes - own)
+        return None
 
     def _issue_pairwise(
         self, operation, output: torch.Tensor, input: torch.Tensor, async_op: bool

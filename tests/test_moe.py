@@ -1,0 +1,332 @@
+"""Mixture-of-Experts: DeepSpeed's gating against its dense formulation, the layer against one
+process running every expert, and expert parallelism's all-to-all (outputs, gradients, bytes)
+on 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_distributed
+from models import relative_error
+from torch import nn
+
+from zerotrain.config import ConfigError
+from zerotrain.moe import MoE
+from zerotrain.moe.gating import top1, top2
+from zerotrain.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+EXPERTS, WIDTH, TOKENS = 8, 12, 40
+
+
+# -- gating against DeepSpeed's dense formulation -------------------------------------------------
+def dense_gating(logits: torch.Tensor, k: int, capacity: int | None):
+    """DeepSpeed's top-k gating written densely (combine weights (S, E, C), positional
+    capacity, no noise): the combine weights per (token, expert), the assignments dropped."""
+    gates = F.softmax(logits, dim=1)
+    tokens, experts = gates.shape
+    first = F.one_hot(gates.argmax(1), experts)
+    masks = [first]
+    if k == 2:
+        masks.append(F.one_hot(logits.masked_fill(first.bool(), float("-inf")).argmax(1), experts))
+    locations = [masks[0].cumsum(0) - 1]
+    if k == 2:
+        locations.append(masks[1].cumsum(0) - 1 + masks[0].sum(0, keepdim=True))
+    before = sum(int(m.sum()) for m in masks)
+    if capacity is not None:
+        masks = [m * (loc < capacity) for m, loc in zip(masks, locations, strict=True)]
+    chosen = [(gates * m).sum(1) for m in masks]
+    if k == 2:
+        denominator = (chosen[0] + chosen[1]).clamp(min=torch.finfo(gates.dtype).eps)
+        chosen = [c / denominator for c in chosen]
+    size = capacity or tokens * k
+    combine = torch.zeros(tokens, experts, size)
+    for mask, loc, weight in zip(masks, locations, chosen, strict=True):
+        place = F.one_hot((loc * mask).sum(1), size).float()
+        combine += (weight[:, None] * mask)[:, :, None] * place[:, None, :]
+    return combine.sum(2), before - sum(int(m.sum()) for m in masks)
+
+
+def routed_weights(routing, experts: int) -> torch.Tensor:
+    """Our routing as (token, expert) weights."""
+    out = torch.zeros(len(routing.experts), experts)
+    return out.scatter_add(1, routing.experts, routing.weights * routing.kept)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, None])
+def test_gating_matches_deepspeeds_dense_formulation(k, capacity_factor):
+    """Expert choices, weights, capacity and dropped assignments (positional selection, no
+    noise) against the dense formulation; l_aux against its formula."""
+    torch.manual_seed(k)
+    logits = torch.randn(TOKENS, EXPERTS) * 2
+    drop = capacity_factor is not None
+    if k == 1:
+        routing = top1(logits, capacity_factor or 1.0, 2, drop_tokens=drop, use_rts=False)
+    else:
+        routing = top2(logits, capacity_factor or 1.0, 2, drop_tokens=drop, second_sampling=False)
+    want_capacity = max(-(-TOKENS * k * (capacity_factor or 0) // EXPERTS), 2) if drop else None
+    assert routing.capacity == want_capacity
+    want, dropped = dense_gating(logits, k, routing.capacity)
+    assert torch.allclose(routed_weights(routing, EXPERTS), want, atol=1e-6)
+    assert routing.dropped == dropped
+    assert (dropped == 0) if not drop else (dropped > 0 or capacity_factor != 0.5)
+    gates = F.softmax(logits, dim=1)
+    first = F.one_hot(gates.argmax(1), EXPERTS).float()
+    assert routing.l_aux.item() == pytest.approx(
+        EXPERTS * (gates.mean(0) * first.mean(0)).sum().item(), rel=1e-6
+    )
+    assert routing.exp_counts.sum() == TOKENS * k  # before capacity
+
+
+def test_random_token_selection_keeps_capacity_tokens_per_expert():
+    torch.manual_seed(3)
+    logits = torch.randn(TOKENS, 4) * 3
+    routing = top1(logits, 0.5, 0, use_rts=True)
+    kept_per_expert = torch.bincount(routing.experts[routing.kept], minlength=4)
+    assert routing.capacity == 5
+    want = routing.exp_counts.clamp(max=routing.capacity)
+    assert torch.equal(kept_per_expert, want)
+
+
+def test_bad_layer_arguments_are_errors():
+    with pytest.raises(ConfigError, match="num_experts 6 must be a positive multiple of ep_size 4"):
+        MoE(4, nn.Linear(4, 4), num_experts=6, ep_size=4)
+    with pytest.raises(ConfigError, match="k=3"):
+        MoE(4, nn.Linear(4, 4), num_experts=4, k=3)
+    with pytest.raises(ConfigError, match="use_tutel"):
+        MoE(4, nn.Linear(4, 4), num_experts=4, use_tutel=True)
+    with pytest.raises(ConfigError, match="'RSample' samples the first choice of top-1"):
+        MoE(4, nn.Linear(4, 4), num_experts=4, k=2, noisy_gate_policy="RSample")
+    with pytest.raises(RuntimeError, match="ep_size 2 spreads the experts"):
+        MoE(4, nn.Linear(4, 4), num_experts=4, ep_size=2)(torch.zeros(3, 4))
+
+
+# -- the layer against one process running every expert ------------------------------------------
+def expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, 16), nn.GELU(), nn.Linear(16, WIDTH))
+
+
+def moe(ep: int, k: int, drop: bool, **options) -> MoE:
+    """Every expert different (DeepSpeed's copies start equal, which would hide a token sent to
+    the wrong one), the same on every rank; noise off."""
+    torch.manual_seed(0)
+    layer = MoE(
+        WIDTH,
+        expert(),
+        EXPERTS,
+        ep_size=ep,
+        k=k,
+        capacity_factor=0.75,
+        min_capacity=0,
+        drop_tokens=drop,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        **options,
+    )
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    return layer
+
+
+def dense_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token's output as the sum over its kept choices of weight x expert(token)."""
+    routing = layer.deepspeed_moe.gate(x)
+    experts = layer.deepspeed_moe.experts.deepspeed_experts
+    rows = []
+    for s in range(len(x)):
+        terms = [
+            routing.weights[s, j] * experts[str(int(routing.experts[s, j]))](x[s])
+            for j in range(routing.experts.shape[1])
+            if routing.kept[s, j]
+        ]
+        rows.append(sum(terms) if terms else torch.zeros(WIDTH))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_layer_output_is_the_weighted_sum_of_its_experts(k):
+    layer = moe(1, k, drop=True)
+    x = torch.randn(2, TOKENS // 2, WIDTH)
+    out, l_aux, counts = layer(x)
+    routing = layer.deepspeed_moe.routing
+    assert routing is not None and routing.dropped > 0  # capacity 0.75: some tokens dropped
+    want = dense_reference(layer, x.reshape(-1, WIDTH)).reshape(x.shape)
+    assert relative_error(out, want) < 1e-6
+    assert l_aux is routing.l_aux and counts is routing.exp_counts
+    names = [n for n, p in layer.named_parameters() if is_moe_param(p)]
+    assert names[0] == "deepspeed_moe.experts.deepspeed_experts.0.0.weight"
+    assert len(names) == EXPERTS * 4
+
+
+def test_residual_moe_mixes_in_a_dense_expert():
+    layer = moe(1, 1, drop=False, use_residual=True)
+    x = torch.randn(TOKENS, WIDTH)
+    out, _, _ = layer(x)
+    mixed = F.softmax(layer.coefficient(x), dim=-1)
+    want = dense_reference(layer, x) * mixed[:, :1] + layer.mlp(x) * mixed[:, 1:]
+    assert relative_error(out, want) < 1e-6
+
+
+def test_optimizer_groups_split_experts_by_group_name():
+    layer = moe(1, 2, drop=True)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(layer.parameters()), "lr": 0.1}, max_group_size=2 * 16 * WIDTH
+    )
+    assert [g.get("name") for g in groups] == [None, *["ep_size_1"] * (EXPERTS * 4 // 2)]
+    assert all(g["lr"] == 0.1 for g in groups) and groups[1]["moe"]
+    assert sum(len(g["params"]) for g in groups) == len(list(layer.parameters()))
+
+
+# -- expert parallelism on 4 ranks ----------------------------------------------------------------
+EP_CASES = [  # (ep, k, drop tokens, deduplicate)
+    (2, 1, False, False),
+    (4, 2, False, False),
+    (4, 2, False, True),
+    (2, 2, True, True),
+]
+
+
+def expert_parallel(cases: list[tuple[int, int, bool, bool]]) -> list[dict]:
+    """Each case: the layer at ``ep`` (groups of neighbouring ranks) and one process's copy of
+    every expert on this rank's tokens; what differs, and the all-to-all bytes."""
+    from zerotrain.comm import Communicator
+
+    world = Communicator()
+    out = []
+    for ep, k, drop, dedup in cases:
+        comm = world.split([list(range(r, r + ep)) for r in range(0, world.world_size, ep)])
+        reference, layer = moe(1, k, drop), moe(ep, k, drop)
+        layer.place(comm)
+        layer.deepspeed_moe.dedup = dedup
+        missing, _ = layer.load_state_dict(reference.state_dict(), strict=False)
+        assert not missing, missing
+        x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(world.rank))
+        probe = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(99))
+        grads = {}
+        for name, model in (("reference", reference), ("ep", layer)):
+            inputs = x.clone().requires_grad_()
+            comm.reset_stats()
+            output, l_aux, _ = model(inputs)
+            ((output * probe).sum() + l_aux).backward()
+            grads[name] = (output, inputs.grad, dict(model.named_parameters()))
+        stats = {op: (st.bytes, st.sent) for op, st in comm.stats.items()}  # the ep layer's
+        out_ref, x_grad_ref, ref_params = grads["reference"]
+        out_ep, x_grad_ep, ep_params = grads["ep"]
+        errors = {
+            "output": relative_error(out_ep, out_ref),
+            "input grad": relative_error(x_grad_ep, x_grad_ref),
+        }
+        for name, param in ref_params.items():  # the same order on every rank
+            want = param.grad.clone()
+            if is_moe_param(param):  # an expert's gradient sums the tokens of its ep group
+                comm.all_reduce(want)
+            if name in ep_params:
+                errors[name] = relative_error(ep_params[name].grad, want)
+        assert len(errors) == 2 + len(ep_params)
+        out.append(
+            {
+                "errors": errors,
+                "stats": stats,
+                "want": expected_bytes(layer, comm, dedup),
+                "duplicates": remote_duplicates(layer, comm) if k == 2 else None,
+            }
+        )
+    return out
+
+
+def expected_bytes(layer: MoE, comm, dedup: bool) -> dict[str, tuple[int, int]]:
+    """Payload and bytes sent by this rank in one forward and backward per all-to-all kind, from
+    the routing (see [Note: dispatch by units]): U units sent, R received. Hidden states (fp32)
+    go there and back in forward, and again in backward: 2 (U + R) x width x 4 bytes. The
+    metadata: the units per rank (ep int64), and each unit's slots (weight and expert, fp32; k
+    of them with deduplication, 1 without), there in forward and back in backward."""
+    routing = layer.deepspeed_moe.routing
+    assert routing is not None
+    per_rank = layer.num_experts // layer.ep_size
+    dest = (routing.experts // per_rank)[routing.kept]
+    token = torch.arange(len(routing.experts))[:, None].expand_as(routing.experts)[routing.kept]
+    units = [d for _, d in set(zip(token.tolist(), dest.tolist(), strict=True))]
+    units = units if dedup else dest.tolist()
+    sends = [units.count(r) for r in range(comm.world_size)]
+    received = [every[comm.rank] for every in comm.all_gather_object(sends)]
+    both, remote = sum(sends) + sum(received), sum(sends) + sum(received) - 2 * sends[comm.rank]
+    hidden, slots = 2 * WIDTH * 4, (routing.experts.shape[1] if dedup else 1) * 2 * 4
+    counts = comm.world_size * 8
+    return {
+        "all_to_all": (both * hidden, remote * hidden),
+        "all_to_all_metadata": (both * slots + counts, remote * slots + counts - 8),
+    }
+
+
+def remote_duplicates(layer: MoE, comm) -> int:
+    """Tokens whose two choices are experts of one other rank, sent by this rank or to it."""
+    routing = layer.deepspeed_moe.routing
+    assert routing is not None and routing.experts.shape[1] == 2
+    dest = routing.experts // (layer.num_experts // layer.ep_size)
+    same = (dest[:, 0] == dest[:, 1]) & routing.kept.all(1)
+    per_rank = torch.bincount(dest[same, 0], minlength=comm.world_size).tolist()
+    received = sum(every[comm.rank] for every in comm.all_gather_object(per_rank))
+    return sum(per_rank) + received - 2 * per_rank[comm.rank]
+
+
+def test_expert_parallel_matches_every_expert_in_one_process():
+    """ep 2 (top-1) and ep 4 (top-2), dropless; top-2 with deduplication, dropless at ep 4 and
+    with dropped tokens at ep 2: outputs, input and gate gradients as one process computes
+    them on this rank's tokens, each expert's gradient the sum over its ep group's tokens, and
+    the all-to-all bytes as the routing predicts."""
+    for rank_results in run_distributed(expert_parallel, 4, EP_CASES):
+        for case, result in zip(EP_CASES, rank_results, strict=True):
+            assert max(result["errors"].values()) < 1e-5, (case, result["errors"])
+            assert result["stats"] == result["want"], case
+
+
+def test_deduplication_sends_each_token_once_per_rank():
+    """Top-2 at ep 4: the hidden-state bytes saved are exactly the duplicate (token, rank)
+    pairs', sent by a rank or to it, each counted twice (the token's way in forward and its
+    gradient's in backward, or the expert output's and its gradient's)."""
+    cases = [(4, 2, False, False), (4, 2, False, True)]
+    results = run_distributed(expert_parallel, 4, cases)
+    for plain, dedup in results:
+        saved = plain["stats"]["all_to_all"][1] - dedup["stats"]["all_to_all"][1]
+        assert saved == 2 * plain["duplicates"] * WIDTH * 4 and saved > 0
+
+
+class MoEModel(nn.Module):
+    """A block with an MoE layer: the output and the load-balancing loss."""
+
+    def __init__(self, ep: int = 1):
+        super().__init__()
+        self.moe = moe(ep, 2, drop=False)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        out, l_aux, _ = self.moe(x)
+        return self.head(out).pow(2).mean() + 0.01 * l_aux
+
+
+def test_the_engine_trains_an_moe_whose_experts_are_on_every_rank():
+    """ep_size 1 in one process: the engine's steps match torch's AdamW on the same model."""
+    import zerotrain
+
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-5, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2},
+    }
+    model, reference = MoEModel(), MoEModel()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    # eps 1e-5: some experts get few tokens, and Adam turns their tiny gradients into +-lr
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.01)
+    for step in range(3):
+        x = torch.randn(4, 5, WIDTH, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x))
+        engine.step()
+        reference(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for (name, param), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert relative_error(param, want) < 1e-5, name
+    with pytest.raises(ConfigError, match=r"MoE\(ep_size=2\): the engine does not place"):
+        zerotrain.initialize(model=MoEModel(ep=2), config=config)
