@@ -254,7 +254,7 @@ class RoundCounters:
         out = {"proc_read_bytes": read, "proc_write_bytes": written}
         if self.timer:
             out |= self.timer.snapshot()
-        store = self.engine.optimizer.store if self.engine is not None else None
+        store = self.engine.optimizer.group.store if self.engine is not None else None
         if hasattr(store, "bytes_read"):  # NvmeShardStore counts what it reads and writes
             # and so does the parameter home with offload_param nvme
             home = self.engine.optimizer.group.residency.home
@@ -273,7 +273,7 @@ class RoundCounters:
             breakdown = self.engine.memory_breakdown()
             out["offloaded"] = breakdown.get("offloaded", 0.0)
             out["staging"] = breakdown.get("staging", 0.0)
-            out["store"] = type(self.engine.optimizer.store).__name__
+            out["store"] = type(self.engine.optimizer.group.store).__name__
         return out
 
 
@@ -287,7 +287,7 @@ def build_zerotrain(model: torch.nn.Module, spec: OffloadSpec, args: argparse.Na
     timer = SwapTimer()
     timed = spec.uses_nvme and timer.install()
     engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, args))
-    store = type(engine.optimizer.store).__name__
+    store = type(engine.optimizer.group.store).__name__
     if spec.uses_nvme and store != NVME_STORE:
         raise NotNvmeOffload(
             f"device nvme built {store}, not {NVME_STORE}: this tree keeps the optimizer "

@@ -58,12 +58,9 @@ the tensor-parallel split (payload; a ring sends (dp-1)/dp of it each way).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -71,6 +68,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from launch import run_all, run_ranks
 
 from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, rank_of_stage, stage_options
 
@@ -504,24 +502,11 @@ def _payload(stats, op: str) -> int:
 # -- the driver -----------------------------------------------------------------------------------
 def run_layout(name: str, args) -> list[dict] | str:
     """Every rank's result for one layout, or why it did not run."""
-    out = Path(f"/tmp/parallel3d-{os.getpid()}-{name}.json")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-        "--master-port", str(29600 + list(LAYOUTS).index(name)), __file__,
-        "--worker", name, "--out", str(out), "--model", args.model, "--stage", str(args.stage),
-        "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--schedule", args.schedule,
+    options = [
+        "--model", args.model, "--stage", str(args.stage), "--micro", str(args.micro),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--schedule", args.schedule,
     ]  # fmt: skip
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    # DeepSpeed picks its accelerator by what it finds; on a CPU-only machine it must be told
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0 or not out.exists():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return f"failed (exit {done.returncode}): " + " | ".join(tail)
-    results = json.loads(out.read_text())
-    out.unlink()
-    return results
+    return run_ranks(__file__, name, 4, 29600 + list(LAYOUTS).index(name), options)
 
 
 def stage_boundaries(rank: int, pp: int, schedule: str) -> int:
@@ -652,20 +637,12 @@ def main() -> None:
     from gpt.model import gpt_config
 
     config = gpt_config(args.model)
-    rows, skipped = [], {}
-    for name in args.layouts:
-        if LAYOUTS[name].system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-            skipped[name] = "deepspeed is not installed (pip install deepspeed==0.19.8)"
-            continue
-        print(f"running {name} ...", flush=True)
-        started = time.perf_counter()
-        got = run_layout(name, args)
-        if isinstance(got, str):
-            skipped[name] = got
-            print(f"  {got}", flush=True)
-            continue
-        rows.append(summarize(name, got, args, config))
-        print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+    results, skipped = run_all(
+        args.layouts,
+        lambda name: LAYOUTS[name].system == "deepspeed",
+        lambda name: run_layout(name, args),
+    )
+    rows = [summarize(name, got, args, config) for name, got in results.items()]
     base = next((r for r in rows if r["layout"] == "dp4"), None)
     print(
         f"\nGPT {args.model}, 4 ranks, fp32, gloo, ZeRO stage {args.stage}, "

@@ -50,6 +50,20 @@ def parse_args() -> argparse.Namespace:
         help="pipeline stages: the blocks are spread over them (train_batch with 1F1B; ZeRO "
         "stages 0-2)",
     )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="Mixture-of-Experts: every other block's MLP becomes this many experts",
+    )
+    parser.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="with --experts: ranks the experts are spread over (expert parallelism; ZeRO "
+        "shards each expert over the world size / ep ranks holding it)",
+    )
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--model", choices=sorted(PRESETS), default="demo", help="GPT preset")
@@ -102,6 +116,7 @@ def parse_args() -> argparse.Namespace:
         "ac_every",
         "tp",
         "pp",
+        "ep",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -214,12 +229,20 @@ def main() -> None:
     zerotrain.init_distributed()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
 
-    config = gpt_config(args.model)
+    config = gpt_config(
+        args.model,
+        num_experts=args.experts,
+        moe_k=args.top_k,
+        ep_size=args.ep if args.experts else 1,
+    )
     model = GPT(config)
     if args.activation_checkpointing:
         zerotrain.checkpointing.wrap(model, block_type=Block, every=args.ac_every)
     train_set, val_set = train_val_datasets(config.block_size, args.data)
     num_parameters = model.num_parameters()  # whole: initialize may split and shard them
+    # a rank builds 1/ep of the experts: the others are the other ranks'
+    experts = sum(p.numel() for p in model.parameters() if zerotrain.moe.utils.is_moe_param(p))
+    num_parameters += experts * (config.ep_size - 1)
     if args.pp > 1:
         from gpt.pipeline import pipeline_gpt
 

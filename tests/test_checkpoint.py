@@ -178,9 +178,9 @@ def _reshard_link(stage: int, load_from: str | None, save_to: str):
             engine.load_checkpoint(load_from)
         # streamed: pieces of at most one parameter, and only this rank's share (x 3: master,
         # exp_avg, exp_avg_sq); stages 0 hold everything on every rank
-        held = sum(p.numel for p in engine.optimizer.master_pieces(own_shard_only=False))
+        held = sum(p.numel for p in engine.optimizer.group.master_pieces(own_shard_only=False))
         assert sum(reads) == 3 * held, (sum(reads), held)
-        assert max(reads) <= max(s.numel for b in engine.optimizer.buckets for s in b.slots)
+        assert max(reads) <= max(s.numel for b in engine.optimizer.group.buckets for s in b.slots)
     engine.save_checkpoint(save_to, tag="link")
     run_steps(engine, idx[2:], tgt[2:], micro, accum, world, rank)
     return engine.consolidated_state_dict()

@@ -244,7 +244,7 @@ def _optimizer_snapshot(engine) -> list[dict]:
     optimizer = engine.optimizer.optimizer
     return [
         {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state.get(m, {}).items()}
-        for m in engine.optimizer.store.master_shards()
+        for m in engine.optimizer.group.store.master_shards()
     ]
 
 

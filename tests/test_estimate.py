@@ -195,10 +195,10 @@ def measure_runs() -> dict:
         }
         engine, *_ = zerotrain.initialize(model=model, config=config)
         optimizer = engine.optimizer
-        store = optimizer.store
+        store = optimizer.group.store
         grad_buffers = {
             t.untyped_storage().data_ptr()
-            for b in optimizer.buckets
+            for b in optimizer.group.buckets
             for t in (b.flat_grad, b.grad_shard)
             if t is not None
         }
@@ -230,9 +230,9 @@ def measure_runs() -> dict:
         out[(dtype, stage, max_live, threshold)] = {
             "breakdown": engine.memory_breakdown(),
             "step_grads": max(step_grads),
-            "numel": sum(b.numel for b in optimizer.buckets),
-            "numel_padded": sum(b.numel_padded for b in optimizer.buckets),
-            "buckets": len(optimizer.buckets),
+            "numel": sum(b.numel for b in optimizer.group.buckets),
+            "numel_padded": sum(b.numel_padded for b in optimizer.group.buckets),
+            "buckets": len(optimizer.group.buckets),
             "max_live_numel": gatherer.max_live_numel_seen if gatherer else None,
             "persistent_padded": sum(u.numel for u in gatherer.units if u.persistent)
             if gatherer
@@ -357,7 +357,7 @@ def test_offload_estimate_is_what_the_preflight_counts(
         "steps_per_print": 10**6,
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
-    buckets = engine.optimizer.buckets
+    buckets = engine.optimizer.group.buckets
     assert engine.optimizer.comm.world_size == 1
     assert len(buckets) == (1 if stage < 3 else ODD_GPT["n_layer"] + 1)  # the case meant
 

@@ -99,6 +99,18 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     assert abs(float(held) - float(whole) / 2) <= 0.01, tuned.stdout  # partitioned over 2
 
 
+def test_train_gpt_with_experts_spread_over_two_processes():
+    """The example GPT with MoE layers of 4 experts in every other block, 2 on each rank."""
+    moe = ["examples/train_gpt.py", "--model", "tiny", "--experts", "4", "--ep", "2"]
+    result = zerotrain_run("--nproc-per-node", "2", *moe, "--steps", "20", "--print-every", "10")
+    assert result.returncode == 0, result.stdout
+    # the whole model: the dense parameters and all 4 experts of the 2 MoE layers
+    assert "GPT 'tiny': 414,784 parameters" in result.stdout, result.stdout
+    first = float(re.search(r"first loss\s+(\d+\.\d+)", result.stdout).group(1))
+    final = float(re.search(r"final loss\s+(\d+\.\d+)", result.stdout).group(1))
+    assert final < first - 0.5, result.stdout
+
+
 def test_deepspeed_style_classifier_on_two_processes():
     result = zerotrain_run(
         "--nproc-per-node",

@@ -11,6 +11,7 @@ from distributed import run_distributed
 from models import relative_error
 from torch import nn
 
+from zerotrain.comm import Communicator
 from zerotrain.config import ConfigError
 from zerotrain.moe import MoE
 from zerotrain.moe.gating import top1, top2
@@ -191,8 +192,6 @@ EP_CASES = [  # (ep, k, drop tokens, deduplicate)
 def expert_parallel(cases: list[tuple[int, int, bool, bool]]) -> list[dict]:
     """Each case: the layer at ``ep`` (groups of neighbouring ranks) and one process's copy of
     every expert on this rank's tokens; what differs, and the all-to-all bytes."""
-    from zerotrain.comm import Communicator
-
     world = Communicator()
     out = []
     for ep, k, drop, dedup in cases:
@@ -306,29 +305,144 @@ class MoEModel(nn.Module):
         return self.head(out).pow(2).mean() + 0.01 * l_aux
 
 
-def test_the_engine_trains_an_moe_whose_experts_are_on_every_rank():
-    """ep_size 1 in one process: the engine's steps match torch's AdamW on the same model."""
-    import zerotrain
-
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-5, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2},
-        "gradient_clipping": 1.0,
-    }
-    model, reference = MoEModel(), MoEModel()
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+MICRO, ACCUM, STEPS, SEQ = 2, 2, 3, 5
+MOE_CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": ACCUM,
+    "gradient_clipping": 0.05,  # every step clips: the norm must be global
     # eps 1e-5: an expert that gets few tokens has tiny gradients, which Adam turns into +-lr
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.01)
-    for step in range(3):
-        x = torch.randn(4, 5, WIDTH, generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(x))
-        engine.step()
-        reference(x).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-5, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 0, "stage3_param_persistence_threshold": 0},
+}
+
+
+def moe_batches(ranks: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(STEPS, MICRO * ACCUM * ranks, SEQ, WIDTH, generator=gen)
+
+
+def moe_reference(ranks: int) -> dict[str, torch.Tensor]:
+    """One process, every expert: each data-parallel rank's micro-batch gated alone (capacity
+    and l_aux are per rank), their losses averaged, clipped as the engine clips."""
+    model = MoEModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.01)
+    for batch in moe_batches(ranks):
+        for chunk in range(ACCUM * ranks):
+            (model(batch[chunk * MICRO : (chunk + 1) * MICRO]) / (ACCUM * ranks)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
         optimizer.zero_grad()
-    for (name, param), want in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert relative_error(param, want) < 1e-5, name
-    with pytest.raises(ConfigError, match=r"MoE\(ep_size=2\): the engine does not place"):
-        zerotrain.initialize(model=MoEModel(ep=2), config=config)
+    return model.state_dict()
+
+
+def moe_model(ep: int) -> MoEModel:
+    """MoEModel at ``ep`` with this rank's experts' values from one holding every expert."""
+    model = MoEModel(ep)
+    if ep > 1:  # place it as initialize will, to know which experts are this rank's
+        world = Communicator()
+        model.moe.place(world.split([list(range(r, r + ep)) for r in range(0, 4, ep)]))
+    missing, _ = model.load_state_dict(MoEModel().state_dict(), strict=False)
+    assert not missing
+    return model
+
+
+def moe_engine(ep: int, stage: int, ranks: int = 4, dedup: bool = False):
+    """An engine for MoEModel at ``ep`` and ZeRO ``stage``, its global batch that of ``ranks``
+    data-parallel ranks accumulating ACCUM micro-batches."""
+    import zerotrain
+
+    zero = {**MOE_CONFIG["zero_optimization"], "stage": stage}
+    config = {**MOE_CONFIG, "zero_optimization": zero, "moe": {"token_dedup": dedup}}
+    del config["gradient_accumulation_steps"]
+    config["train_batch_size"] = MICRO * ACCUM * ranks
+    return zerotrain.initialize(model=moe_model(ep), config=config)[0]
+
+
+def run_moe(engine, batches: torch.Tensor) -> None:
+    """One step per global batch, this rank's micro-batches."""
+    dp, rank = engine.dp_world_size, engine.optimizer.comm.rank
+    for batch in batches:
+        for micro in range(engine.gradient_accumulation_steps()):
+            chunk = micro * dp + rank
+            engine.backward(engine(batch[chunk * MICRO : (chunk + 1) * MICRO]))
+            engine.step()
+
+
+def train_moe(cases: list[tuple]) -> dict:
+    """(ep, ZeRO stage[, token deduplication]) each: MoEModel trained on this rank's
+    micro-batches."""
+    out = {}
+    for case in cases:
+        ep, stage, *dedup = case
+        engine = moe_engine(ep, stage, ranks=Communicator().world_size, dedup=bool(dedup))
+        run_moe(engine, moe_batches(engine.dp_world_size))
+        memory = engine.memory_breakdown()
+        out[ep, stage] = (
+            engine.consolidated_state_dict(),
+            memory["total"] / memory["formula_total"],
+        )
+    return out
+
+
+def test_the_engine_trains_an_moe_whose_experts_are_on_every_rank():
+    """ep_size 1 in one process: the engine's steps match torch's AdamW on the same model."""
+    want = moe_reference(1)
+    state, _ = train_moe([(1, 2)])[1, 2]
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert relative_error(state[key], value) < 1e-5, key
+
+
+def test_expert_parallel_training_matches_one_process():
+    """ep 2 and 4 over 4 data-parallel ranks, ZeRO stages 0-3 (and the config's token
+    deduplication at ep 4, stage 1): the experts' parameters are a
+    second shard group over the ranks holding the same experts, their gradients averaged over
+    all four; the same weights as one process running every expert, and model states as the
+    ZeRO formula over each group's ranks."""
+    want = moe_reference(4)
+    cases = [(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 2), (4, 3), (4, 1, "token_dedup")]
+    for per_rank in run_distributed(train_moe, 4, cases):
+        for case, (state, states_vs_formula) in per_rank.items():
+            assert state.keys() == want.keys(), case
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (case, key)
+            assert states_vs_formula == pytest.approx(1.0, abs=0.005), case  # padding only
+
+
+def save_and_load_moe(directory: str, layouts: list[tuple[int, int]]) -> dict:
+    """Train at ep 2 x dp 2 (stage 2) for two steps and save; the third step from there, and
+    from the checkpoint loaded at each (ep, stage) of ``layouts``."""
+    engine = moe_engine(2, 2)
+    batches = moe_batches(4)
+    run_moe(engine, batches[:2])
+    engine.save_checkpoint(directory, tag="ep2")
+    out = {"saved": engine.consolidated_state_dict()}
+    run_moe(engine, batches[2:])
+    out[2, 2] = engine.consolidated_state_dict()
+    for ep, stage in layouts:
+        engine = moe_engine(ep, stage)
+        engine.load_checkpoint(directory, tag="ep2")
+        loaded = engine.consolidated_state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in out["saved"].items()), (ep, stage)
+        run_moe(engine, batches[2:])
+        out[ep, stage] = engine.consolidated_state_dict()
+    return out
+
+
+def test_checkpoints_of_experts_load_at_other_expert_parallel_sizes(tmp_path):
+    """Experts are saved by their index: saved at ep 2 x dp 2, loaded at ep 4 (stage 3), ep 1
+    (stage 1) and in one process; the weights bit for bit, the next step within 1e-6."""
+    results = run_distributed(save_and_load_moe, 4, str(tmp_path), [(4, 3), (1, 1)])
+    continued = results[0][2, 2]
+    engine = moe_engine(1, 0)  # one process, the global batch of four ranks accumulated
+    engine.load_checkpoint(str(tmp_path), tag="ep2")
+    assert all(
+        torch.equal(engine.consolidated_state_dict()[k], v) for k, v in results[0]["saved"].items()
+    )
+    run_moe(engine, moe_batches(4)[2:])
+    for layout, state in [
+        *((k, v) for k, v in results[0].items() if k != "saved"),
+        ("one process", engine.consolidated_state_dict()),
+    ]:
+        for key, value in continued.items():
+            assert relative_error(state[key], value) < 1e-6, (layout, key)

@@ -86,7 +86,7 @@ def train_variants(stages, variants, precision=None, zero=None):
             out[(stage, name)] = {
                 "state": engine.consolidated_state_dict(),
                 "norms": norms,
-                "on_host": list(getattr(optimizer.store, "on_host", [])),
+                "on_host": list(getattr(optimizer.group.store, "on_host", [])),
                 "memory": engine.memory_breakdown(),
                 "param_home": _home_figures(engine.optimizer.group.residency.home),
             }
@@ -275,11 +275,11 @@ def test_memory_breakdown_counts_the_host_bytes_of_the_formula():
     # fp32 masters + exp_avg + exp_avg_sq + fp32 gradients, per element, and Adam's 4-byte step
     # counter per master; the formula leaves out the counters, and the padding of each bucket to
     # the world size (none here: one rank)
-    masters = len(engine.optimizer.store.master_shards())
+    masters = len(engine.optimizer.group.store.master_shards())
     assert memory["formula_offloaded"] == 16 * engine.optimizer.num_params
     assert memory["offloaded"] == memory["formula_offloaded"] + 4 * masters
     assert memory["optimizer_states"] == 0  # none left on the device
-    largest = max(m.numel() for m in engine.optimizer.store.master_shards())
+    largest = max(m.numel() for m in engine.optimizer.group.store.master_shards())
     assert memory["staging"] == 1 * largest * 4  # buffer_count 1, fp32 training
 
 
@@ -310,9 +310,9 @@ def test_ratio_auto_keeps_on_the_device_what_fits(monkeypatch):
 
     monkeypatch.setattr(zerotrain.api, "device_budget", budget)
     engine = _engine(2, {"device": "cpu", "ratio": "auto"})
-    assert per_bucket and all(engine.optimizer.store.on_host)
+    assert per_bucket and all(engine.optimizer.group.store.on_host)
     monkeypatch.setattr(zerotrain.api, "device_budget", lambda device: 10**12)
-    assert not any(_engine(2, {"device": "cpu", "ratio": "auto"}).optimizer.store.on_host)
+    assert not any(_engine(2, {"device": "cpu", "ratio": "auto"}).optimizer.group.store.on_host)
 
 
 def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):

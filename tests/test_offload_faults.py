@@ -279,8 +279,8 @@ def _resume(nvme_path: str, save_dir: str) -> dict:
     return {
         "stale": stale,
         "after_init": after_init,
-        "own": engine.optimizer.store.swap.path.name,
-        "sub_groups": len(engine.optimizer.store.sub_groups),
+        "own": engine.optimizer.group.store.swap.path.name,
+        "sub_groups": len(engine.optimizer.group.store.sub_groups),
         "resumed": engine.consolidated_state_dict(),
         "resumed_losses": resumed_losses,
         "straight": straight.consolidated_state_dict(),
@@ -360,7 +360,7 @@ def test_a_disk_that_fills_mid_step_raises_in_the_main_thread(small_disk, monkey
     thread_errors = []
     monkeypatch.setattr(threading, "excepthook", thread_errors.append)
     engine = _disk_engine(small_disk)  # the masters fit; their state does not
-    store = engine.optimizer.store
+    store = engine.optimizer.group.store
     try:
         with pytest.raises(swap.SwapIOError) as error:
             for _ in range(2):  # one step: its two micro-batches

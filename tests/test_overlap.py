@@ -49,7 +49,7 @@ def _train(stage: int, overlap: bool):
     model.embed(idx[0, :MICRO])
     own = {
         i
-        for i, b in enumerate(engine.optimizer.buckets)
+        for i, b in enumerate(engine.optimizer.group.buckets)
         if any(s.param is model.embed.weight for s in b.slots)
     }
     waited = pending - _in_flight(engine)

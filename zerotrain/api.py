@@ -10,6 +10,7 @@ import random
 import socket
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.lora import apply_lora_fa
 from zerotrain.moe import MoE
+from zerotrain.moe.layer import Experts
+from zerotrain.moe.utils import is_moe_param
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.pipe.engine import PipelineEngine
@@ -44,6 +47,7 @@ from zerotrain.zero.group import ModelParallel, OptimizerFactory
 from zerotrain.zero.init import full_shape, owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import OffloadOptions, device_budget
+from zerotrain.zero.optimizer import ShardGroupSpec
 from zerotrain.zero.param_home import ParamOffload
 from zerotrain.zero.swap import AioOptions
 
@@ -110,7 +114,6 @@ def initialize(
     # tensor-parallel degree, which the config itself knows)
     cfg = load_config(config, world_size=comm.world_size // stages)
     _check_pipeline(cfg, model)
-    _check_experts(model)
     check_monitor_packages(cfg)  # before any work: every rank fails alike
     _check_offload(cfg, comm.rank)
     _check_node_local_storage(cfg, comm)
@@ -138,7 +141,12 @@ def initialize(
     if cfg.lora_fa.enabled:
         model_parameters = _convert_to_lora_fa(model, cfg, optimizer, model_parameters, comm.rank)
     model.to(device)
-    mesh = Mesh(comm, tp=cfg.tensor_parallel.autotp_size, pp=stages)
+    mesh = Mesh(
+        comm, tp=cfg.tensor_parallel.autotp_size, pp=stages, ep=_expert_parallel(model, cfg)
+    )
+    for layer in model.modules():
+        if isinstance(layer, MoE):
+            layer.place(mesh.axis("ep"), token_dedup=cfg.moe.token_dedup)
     tensor_parallel = _tensor_parallel(model, cfg, mesh)
     tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}
     if tied and cfg.zero_optimization.offload_optimizer.device != "none":
@@ -172,9 +180,8 @@ def initialize(
     )
     zero_optimizer = ZeroOptimizer(
         model,
-        groups,
+        _shard_groups(model, groups, options, mesh),
         make_optimizer,
-        options,
         loss_scaler=_loss_scaler(cfg),
         gradient_clipping=cfg.gradient_clipping,
     )
@@ -183,7 +190,7 @@ def initialize(
             "optimizer: LAMB's trust ratio needs each parameter's whole norm, and tensor "
             "parallelism (tensor_parallel.autotp_size > 1) splits parameters; use Adam or AdamW"
         )
-    _broadcast_untrained_state(model, data_parallel)
+    _broadcast_untrained_state(model, mesh)
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,
     # and were copied into fp32 masters before the cast).
     model.to(precision.param_dtype)
@@ -203,20 +210,65 @@ def initialize(
         raw_config=_raw_config(config, cfg),
         client_optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         tensor_parallel=tensor_parallel,
+        expert_comm=mesh.axis("ep") if mesh.sizes["ep"] > 1 else None,
         **pipeline,
     )
     return engine, zero_optimizer, dataloader, scheduler
 
 
 # -- pieces of initialize ----------------------------------------------------------------------
-def _check_experts(model: nn.Module) -> None:
-    spread = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1})
-    if spread:
+def _expert_parallel(model: nn.Module, cfg: ZeroTrainConfig) -> int:
+    """The expert-parallel degree of ``model``'s MoE layers (1 without any): one for all."""
+    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE)})
+    if sizes and cfg.tensor_parallel.autotp_size > 1:
         raise ConfigError(
-            f"MoE(ep_size={spread[0]}): the engine does not place experts over ranks yet "
-            "(the layer alone does: MoE.place); use ep_size=1, where every rank holds every "
-            "expert"
+            "tensor_parallel.autotp_size: MoE layers with tensor parallelism are not supported "
+            "yet; set autotp_size to 1 (expert parallelism spreads the experts instead)"
         )
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"MoE: layers with ep_size {sizes}; zerotrain places every MoE layer's experts over "
+            "one expert-parallel group: give them one ep_size"
+        )
+    if sizes and isinstance(model, PipelineModule) and sizes[-1] > 1:
+        raise ConfigError(
+            f"MoE(ep_size={sizes[-1]}) in a PipelineModule: expert parallelism with pipelines "
+            "is not supported yet; use ep_size=1 there"
+        )
+    return sizes[0] if sizes else 1
+
+
+def _shard_groups(
+    model: nn.Module, groups: list[tuple[dict, NamedParams]], options: GroupOptions, mesh: Mesh
+) -> list[ShardGroupSpec]:
+    """The dense parameters, partitioned over the data-parallel group, and the experts', over
+    the ranks holding the same experts (see [Note: several shard groups] in
+    zero/optimizer.py): their gradients are averaged over every data-parallel rank, and the
+    norm sums over the ranks holding other experts."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+
+    def part(expert: bool) -> tuple[list[tuple[dict, NamedParams]], NamedParams]:
+        mine = [
+            (hyper, [(n, p) for n, p in named if is_moe_param(p) == expert])
+            for hyper, named in groups
+        ]
+        return mine, [(n, p) for n, p in frozen if is_moe_param(p) == expert]
+
+    dense, dense_frozen = part(expert=False)
+    specs: list[ShardGroupSpec] = [(options, dense, dense_frozen)]
+    experts, experts_frozen = part(expert=True)
+    experts = [(hyper, named) for hyper, named in experts if named]
+    if experts or experts_frozen:
+        axes = [axis for axis in ("pp", "ep") if mesh.sizes[axis] > 1]
+        model_parallel = ModelParallel(mesh.axis(*axes), lambda _: 1) if axes else None
+        expert_options = replace(
+            options,
+            comm=mesh.expert_dp,
+            average_over=mesh.dp.world_size,
+            model_parallel=model_parallel,
+        )
+        specs.append((expert_options, experts, experts_frozen))
+    return specs
 
 
 def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
@@ -308,13 +360,16 @@ def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> Tens
     return parallelize(model, mesh.axis("tp"), section.tp_plan, stages, section.sequence_parallel)
 
 
-def _broadcast_untrained_state(model: nn.Module, comm: Communicator) -> None:
-    """The frozen parameters and buffers of ``comm``'s first rank to its other ranks
-    (trainable ones and frozen ones that stage 3 partitions, which the engine owns, are
-    broadcast as their buckets are built), so all replicas start identical even without a
-    shared seed."""
+def _broadcast_untrained_state(model: nn.Module, mesh: Mesh) -> None:
+    """The frozen parameters and buffers of the data-parallel group's first rank to its other
+    ranks, an expert's over the ranks holding that expert (trainable ones and frozen ones that
+    stage 3 partitions, which the engine owns, are broadcast as their buckets are built), so
+    all replicas start identical even without a shared seed."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    of_experts = {id(t) for e in experts for t in [*e.parameters(), *e.buffers()]}
     frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]
     for tensor in frozen + list(model.buffers()):
+        comm = mesh.expert_dp if id(tensor) in of_experts else mesh.dp
         comm.broadcast(tensor.data, src=comm.root)
 
 

@@ -99,7 +99,7 @@ class MicroStepBackward:
         self._direct_task = -1  # autograd graph task of the open direct backward
         self._started = 0.0
         self._at_boundary_now = False
-        optimizer.reduction.on_stray_grad = self._on_stray_grad
+        optimizer.on_stray_grad(self._on_stray_grad)
 
     # -- engine.backward -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -134,7 +134,7 @@ class MicroStepBackward:
         _managed_running.append(self)
         try:
             run()
-            self.optimizer.reduction.take_assigned_grads(params)
+            self.optimizer.take_assigned_grads(params)
         except BaseException:
             self.abort()
             raise
@@ -208,7 +208,7 @@ class MicroStepBackward:
         user's ``zero_grad`` drops it, or this engine's next backward adds to it and reduces
         the sum. With no zerotrain backward running, the loss bypassed every engine: refuse."""
         if self._lazy_task != -1:  # a nested backward of one through our outputs
-            if not self.optimizer.reduction.every_backward and self._accumulation_steps() > 1:
+            if not self.optimizer.every_backward and self._accumulation_steps() > 1:
                 # this gradient is in the accumulating buffer already: too late to divide it
                 raise RuntimeError(
                     "loss.backward() with reentrant activation checkpointing around every "
@@ -245,7 +245,7 @@ class MicroStepBackward:
 
     def _close(self) -> None:
         self.optimizer.backward_epilogue(self._at_boundary_now)
-        if self._at_boundary_now or self.optimizer.reduction.every_backward:
+        if self._at_boundary_now or self.optimizer.every_backward:
             self.reduced = True
         self._to_idle()
         self._on_finish(time.perf_counter() - self._started)

@@ -19,6 +19,7 @@ from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
+from zerotrain.moe.utils import is_moe_param
 from zerotrain.observability.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
 from zerotrain.observability.metrics import StepMetrics
 from zerotrain.observability.monitor import MonitorMaster
@@ -52,6 +53,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         raw_config: dict[str, Any] | None = None,
         client_optimizer_name: str | None = None,
         tensor_parallel: TensorParallel | None = None,
+        expert_comm: Communicator | None = None,
     ):
         super().__init__()
         self.module = module
@@ -62,6 +64,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self._client_optimizer_name = client_optimizer_name
         self.comm = comm
         self.tensor_parallel = tensor_parallel  # None: no layer is split
+        # the expert-parallel group, whose ranks hold different experts (None: every rank all)
+        self.expert_comm = expert_comm
         self.device = device
         self.training_dataloader = training_dataloader
         self.global_steps = 0
@@ -88,7 +92,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._backward = MicroStepBackward(
             optimizer,
-            [slot.param for bucket in optimizer.buckets for slot in bucket.slots],
+            optimizer.trained_params(),
             accumulation_steps=self.gradient_accumulation_steps,
             loss_scaled=lambda: optimizer.loss_scaler.dynamic or optimizer.loss_scale != 1.0,
             at_boundary=self.is_gradient_accumulation_boundary,
@@ -144,13 +148,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             return self.module(*args, **kwargs)
         start = time.perf_counter()
         self.metrics.start_micro_step(start)
-        group = self.optimizer.group
-        group.begin_forward()
+        self.optimizer.begin_forward()
         try:
             with self._instrumented_forward():
                 out = self.module(*args, **kwargs)
         finally:
-            group.end_forward()
+            self.optimizer.end_forward()
         self._backward.watch(out)  # for loss.backward(): see backward.py
         self.metrics.observe_forward(args, kwargs, time.perf_counter() - start)
         return out
@@ -207,7 +210,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         the next boundary backward outside reduces everything accumulated (stages 0-1, whose
         gradients accumulate unreduced until then). At stages 2-3 each backward must
         reduce-scatter its gradients into the partitions, so this raises, as in DeepSpeed."""
-        if self.optimizer.reduction.every_backward:
+        if self.optimizer.every_backward:
             raise RuntimeError(
                 f"engine.no_sync(): ZeRO stage {self.zero_optimization_stage()} partitions "
                 "gradients, so every "
@@ -452,9 +455,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         """See :meth:`consolidated_state_dict`; frozen values are kept on ``on_rank`` only (None:
         on every rank), see ``ShardGroup.untrained_state``."""
         masters = self.optimizer.full_master_params()
-        untrained = self.optimizer.group.untrained_state(
-            self.module, exclude_frozen, on_rank=on_rank
-        )
+        if self.expert_comm is not None:  # rank 0 gathers the other ranks' frozen experts
+            on_rank = None
+        untrained = self.optimizer.untrained_state(self.module, exclude_frozen, on_rank=on_rank)
+        experts = {
+            n for n, p in self.module.named_parameters(remove_duplicate=False) if is_moe_param(p)
+        }
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
             if id(value) in masters:
@@ -472,6 +478,10 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 out[key] = tensor.clone() if live else tensor
         if self.tensor_parallel is not None:
             out = self.tensor_parallel.full_state(out, self.module)
+        if self.expert_comm is not None:  # the other ranks' experts
+            mine = {k: v.cpu() for k, v in out.items() if k in experts}
+            for theirs in self.expert_comm.all_gather_object(mine):
+                out.update(theirs)
         return out
 
     def module_state_dict(
@@ -490,7 +500,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 destination=destination, prefix=prefix, keep_vars=keep_vars
             )
         if exclude_frozen_parameters:
-            for key in self.optimizer.group.frozen_keys(self.module):
+            for key in self.optimizer.frozen_keys(self.module):
                 state.pop(prefix + key, None)
         return state
 
@@ -639,7 +649,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         DeepSpeed. For resumable training state use :meth:`save_checkpoint`.
         """
         gather = self.zero_gather_16bit_weights_on_model_save()
-        if self.optimizer.group.residency.shards_params and not gather:
+        if self.optimizer.shards_params and not gather:
             if self.global_rank == 0:
                 warnings.warn(
                     "save_16bit_model: nothing saved; at ZeRO stage 3 set "

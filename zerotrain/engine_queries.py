@@ -56,10 +56,10 @@ class DeepSpeedQueries:
         return self.optimizer.policy.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.optimizer.reduction.every_backward  # reduced into shards every backward
+        return self.optimizer.every_backward  # reduced into shards every backward
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.optimizer.group.residency.shards_params
+        return self.optimizer.shards_params
 
     def zero_offload_optimizer(self) -> OffloadOptimizerConfig | None:
         """The `offload_optimizer` section when it asks for offload, else None."""

@@ -37,6 +37,15 @@ class GPTConfig:
     bias: bool = False
     """Biases in the Linear layers. Off by default: the attention key bias has an analytically
     zero gradient (softmax is shift-invariant), so Adam would only move it by rounding noise."""
+    num_experts: int = 0
+    """Mixture-of-Experts: with more than 0, every other block's MLP (the 2nd, 4th, ...) is
+    `zerotrain.moe.MoE` over this many copies of it."""
+    moe_k: int = 1
+    """Experts per token (top-1 or top-2 gating)."""
+    ep_size: int = 1
+    """Ranks the experts are spread over (expert parallelism)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the MoE layers' load-balancing loss in the training loss."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -104,18 +113,36 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). With ``moe`` the
+    MLP is a Mixture-of-Experts layer of `config.num_experts` MLPs; its last load-balancing loss
+    is `l_aux`."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_mlp = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config)
+        self.l_aux: torch.Tensor | None = None
+        if moe:
+            from zerotrain.moe import MoE
+
+            self.mlp = MoE(
+                config.n_embd,
+                self.mlp,
+                num_experts=config.num_experts,
+                ep_size=config.ep_size,
+                k=config.moe_k,
+                capacity_factor=1.25,
+                min_capacity=4,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))
-        return x + self.mlp(self.ln_mlp(x))
+        out = self.mlp(self.ln_mlp(x))
+        if isinstance(out, tuple):  # an MoE layer: (output, l_aux, exp_counts)
+            out, self.l_aux, _ = out
+        return x + out
 
 
 class GPT(nn.Module):
@@ -132,7 +159,9 @@ class GPT(nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
         self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(config, moe=config.num_experts > 0 and i % 2 == 1) for i in range(config.n_layer)
+        )
         self.ln_final = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # tied: one tensor, two uses
@@ -170,4 +199,6 @@ class GPT(nn.Module):
             return logits
         # In fp32 whatever the model's dtype: log-softmax over the vocabulary in bf16/fp16
         # loses the small probabilities that carry most of the loss.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        aux = [block.l_aux for block in self.blocks if block.l_aux is not None]
+        return loss + self.config.aux_loss_coef * sum(aux) if aux else loss

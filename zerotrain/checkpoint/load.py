@@ -106,18 +106,20 @@ def _choose(load_dir: Path, tag: str | None) -> tuple[str, str]:
 # -- checks (nothing changes yet) ----------------------------------------------------------------
 def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> list[str]:
     where = manifest.path
-    group = engine.optimizer.group
+    zero = engine.optimizer
     problems = []
     split = split_params(engine)
     model = {
         s.name: tuple(split[s.name].whole_shape(s.shape) if s.name in split else s.shape)
-        for b in group.buckets
+        for g in zero.groups
+        for b in g.buckets
         for s in b.slots
     }
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
-    # a pipeline stage trains only its own layers: the others are the other stages'
-    staged = getattr(engine, "num_stages", 1) > 1
+    # a pipeline stage trains only its own layers, an expert-parallel rank its own experts: the
+    # others are the other ranks'
+    staged = getattr(engine, "num_stages", 1) > 1 or engine.expert_comm is not None
     unexpected = [] if staged else [n for n in saved if n not in model]
     if missing or unexpected:
         problems.append(
@@ -138,7 +140,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     saved_untrained = set(manifest["module_keys"]) - set(manifest["trained_keys"])
     # frozen parameters left out by exclude_frozen_parameters keep the model's own values
     excluded = set(manifest.data.get("frozen_keys", ())) - set(manifest["module_keys"])
-    ours = group.untrained_keys(engine.module) - excluded
+    ours = zero.untrained_keys(engine.module) - excluded
     unexpected = set() if staged else saved_untrained - ours
     if options.module_strict and (ours - saved_untrained or unexpected):
         problems.append(
@@ -147,13 +149,13 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
             f"{sorted(unexpected)[:5]} (load_module_strict=False loads the common ones)"
         )
     if options.optimizer_states and not options.module_only:
-        ours_type = type(group.store.optimizer).__name__
+        ours_type = type(zero.group.store.optimizer).__name__
         if manifest["optimizer"] != ours_type:
             problems.append(
                 f"{where}: optimizer states are of {manifest['optimizer']}, the engine steps "
                 f"{ours_type}; pass load_optimizer_states=False to load only the weights"
             )
-        groups = len(group.store.param_groups)
+        groups = len(zero.param_groups)
         saved_groups = manifest["optimizer_groups"]  # empty groups count too
         if groups != saved_groups:
             problems.append(
@@ -170,6 +172,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         )
     ranks = {
         seg[0]
+        for group in zero.groups
         for piece in group.master_pieces(own_shard_only=False)
         for seg in manifest.params[piece.name].segments
         # a split parameter, here or there, is read whole (see [Note: checkpoint layout])
@@ -210,34 +213,34 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Load
 # -- applying ------------------------------------------------------------------------------------
 def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: LoadOptions):
     zero = engine.optimizer
-    group = zero.group
-    store = group.store
     load_optimizer = options.optimizer_states and not options.module_only
     state_keys = manifest["optimizer_state_keys"] if load_optimizer else []
-    if load_optimizer:  # the checkpoint's state replaces the engine's (it may have none yet)
-        store.reset_element_state(state_keys)
     reader = ShardReader(manifest)
     split = split_params(engine)
     tp_rank = tensor_parallel_rank(engine)
     try:
-        by_master: dict[int, list] = {}
-        for piece in group.master_pieces(own_shard_only=False):
-            by_master.setdefault(piece.master, []).append(piece)
-        for master, pieces in by_master.items():
-            for kind in ["master", *state_keys]:
-                # read and written once per master: a store that swaps to disk copies it
-                flat = store.state_tensor(master, kind).view(-1)
-                for piece in pieces:
-                    end = piece.param_start + piece.numel
-                    pieces_read = reader.read(
-                        piece.name, kind, piece.param_start, end, split.get(piece.name), tp_rank
-                    )
-                    for offset, values in pieces_read:
-                        start = piece.master_start + offset - piece.param_start
-                        flat[start : start + values.numel()].copy_(values)
-                store.write_state(master, kind, flat)
+        for group in zero.groups:
+            store = group.store
+            if load_optimizer:  # the checkpoint's state replaces the engine's (it may have none)
+                store.reset_element_state(state_keys)
+            by_master: dict[int, list] = {}
+            for piece in group.master_pieces(own_shard_only=False):
+                by_master.setdefault(piece.master, []).append(piece)
+            for master, pieces in by_master.items():
+                for kind in ["master", *state_keys]:
+                    # read and written once per master: a store that swaps to disk copies it
+                    flat = store.state_tensor(master, kind).view(-1)
+                    for piece in pieces:
+                        end = piece.param_start + piece.numel
+                        pieces_read = reader.read(
+                            piece.name, kind, piece.param_start, end, split.get(piece.name), tp_rank
+                        )
+                        for offset, values in pieces_read:
+                            start = piece.master_start + offset - piece.param_start
+                            flat[start : start + values.numel()].copy_(values)
+                    store.write_state(master, kind, flat)
         saved = set(manifest["module_keys"])
-        group.load_untrained(
+        zero.load_untrained(
             engine.module, lambda key: reader.module_tensor(key) if key in saved else None
         )
     finally:
@@ -249,7 +252,11 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
             {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
             for g in state["optimizer_groups"]
         ]
-        store.load_scalar_state(hyper, state["optimizer_scalar_state"])
+        scalars = state["optimizer_scalar_state"]
+        for group in zero.groups:  # each shard group's optimizer groups, in order
+            count = len(group.store.param_groups)
+            group.store.load_scalar_state(hyper[:count], scalars[:count])
+            hyper, scalars = hyper[count:], scalars[count:]
     zero.publish_params()
     if options.module_only:
         return
@@ -265,7 +272,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         if not load_optimizer and hasattr(engine.lr_scheduler, "get_last_lr"):
             # the groups' lr was not loaded with the optimizer: continue at the scheduler's
             last_lrs = engine.lr_scheduler.get_last_lr()
-            for param_group, lr in zip(store.param_groups, last_lrs, strict=True):
+            for param_group, lr in zip(zero.param_groups, last_lrs, strict=True):
                 param_group["lr"] = lr
     loader = engine.training_dataloader
     if state["dataloader"] is not None and hasattr(loader, "load_state_dict"):

@@ -26,6 +26,7 @@ class TrainingState(Protocol):
     module: nn.Module
     optimizer: ZeroOptimizer  # its shard group holds the sharded state
     tensor_parallel: TensorParallel | None  # the split parameters are saved as their pieces
+    expert_comm: Communicator | None  # ranks holding other experts (None: each holds all)
     lr_scheduler: Any  # anything with state_dict / load_state_dict, or None
     training_dataloader: Any  # resumable when it has state_dict / load_state_dict
     zerotrain_config: ZeroTrainConfig  # the checkpoint section: tag validation, retention

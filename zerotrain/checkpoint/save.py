@@ -141,25 +141,28 @@ def _write_rank_files(
     """Write this rank's files; returns ``{"files": {name: record}, "roles": ..., "segments":
     [(param name, start, end)]}`` for the manifest."""
     rank = engine.comm.rank
-    group = engine.optimizer.group
-    store = group.store
-    element_keys = store.element_state_keys()
+    zero = engine.optimizer
     tp_rank = tensor_parallel_rank(engine)
     written = _written_params(engine, tp_rank)
-    pieces = [p for p in group.master_pieces(own_shard_only=True) if p.name in written]
+    entries: list[TensorEntry] = []
+    segments = []
+    for group in zero.groups:
+        store = group.store
+        pieces = [p for p in group.master_pieces(own_shard_only=True) if p.name in written]
+        tensors: dict[tuple[int, str], torch.Tensor] = {}  # each read once: a store may swap
 
-    tensors: dict[tuple[int, str], torch.Tensor] = {}  # each read once: a store may swap
+        def entry(piece, key: str, store=store, tensors=tensors) -> TensorEntry:
+            tensor = tensors.get((piece.master, key))
+            if tensor is None:
+                tensor = tensors[piece.master, key] = store.state_tensor(piece.master, key)
+            part = tensor.view(-1)[piece.master_start : piece.master_start + piece.numel]
+            return tensor_entry(f"{piece.name}/{key}", part)
 
-    def entry(piece, key: str) -> TensorEntry:
-        tensor = tensors.get((piece.master, key))
-        if tensor is None:
-            tensor = tensors[piece.master, key] = store.state_tensor(piece.master, key)
-        part = tensor.view(-1)[piece.master_start : piece.master_start + piece.numel]
-        return tensor_entry(f"{piece.name}/{key}", part)
-
-    entries = [entry(piece, key) for piece in pieces for key in ["master", *element_keys]]
+        keys = ["master", *store.element_state_keys()]
+        entries += [entry(piece, key) for piece in pieces for key in keys]
+        segments += [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
     # collective where stage 3 partitions frozen parameters: their values gather to rank 0
-    untrained = group.untrained_state(engine.module, exclude_frozen, on_rank=0)
+    untrained = zero.untrained_state(engine.module, exclude_frozen, on_rank=0)
     split_frozen = sorted(set(untrained) & split_keys(engine.module))
     if split_frozen:
         raise CheckpointError(
@@ -168,7 +171,7 @@ def _write_rank_files(
         )
     # the buffers and frozen parameters of the other pipeline stages: in their first rank's
     # shard file (rank 0's, the first stage's, are module.safetensors)
-    writes_module = group.comm.rank == 0 and tp_rank == 0
+    writes_module = zero.comm.rank == 0 and tp_rank == 0
     stage_module = writes_module and rank != 0
     if stage_module:
         entries += [tensor_entry(f"{MODULE_PREFIX}{key}", t) for key, t in untrained.items()]
@@ -189,7 +192,6 @@ def _write_rank_files(
         put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine)))
         if client_state is not None:
             put("client_state", "client_state.pt", lambda p: write_torch(p, client_state))
-    segments = [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
     return {
         "files": files,
         "roles": roles,
@@ -208,33 +210,35 @@ def _written_params(engine: TrainingState, tp_rank: int) -> dict[str, dict]:
     """The manifest records of the parameters this rank writes: each parameter is written by
     one copy (a whole one by tensor-parallel rank 0; a tied layer's by its first stage), split
     ones by every tensor-parallel rank (their pieces)."""
-    group = engine.optimizer.group
     split = split_params(engine)
-    tied = {group.buckets[index].slots[0].name: comm for index, comm in group.summed}
     records = {}
-    for bucket in group.buckets:
-        for slot in bucket.slots:
-            if slot.name in tied and tied[slot.name].rank != 0:
-                continue
-            if tp_rank != 0 and slot.name not in split:
-                continue
-            shard = split.get(slot.name)
-            record = {
-                "name": slot.name,
-                "shape": list(shard.whole_shape(slot.shape) if shard else slot.shape),
-                "group": bucket.group_index,
-            }
-            if shard is not None:
-                record["split"] = shard.to_list()
-            records[slot.name] = record
+    first_group = 0  # the index of the shard group's first optimizer group among all
+    for group in engine.optimizer.groups:
+        tied = {group.buckets[index].slots[0].name: comm for index, comm in group.summed}
+        for bucket in group.buckets:
+            for slot in bucket.slots:
+                if slot.name in tied and tied[slot.name].rank != 0:
+                    continue
+                if tp_rank != 0 and slot.name not in split:
+                    continue
+                shard = split.get(slot.name)
+                record = {
+                    "name": slot.name,
+                    "shape": list(shard.whole_shape(slot.shape) if shard else slot.shape),
+                    "group": first_group + bucket.group_index,
+                }
+                if shard is not None:
+                    record["split"] = shard.to_list()
+                records[slot.name] = record
+        first_group += len(group.store.param_groups)
     return records
 
 
 def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> dict:
     """This stage's module keys for the manifest (see [Note: checkpoint layout])."""
-    group = engine.optimizer.group
-    frozen = group.frozen_keys(engine.module)
-    trained = group.trained_names()
+    zero = engine.optimizer
+    frozen = zero.frozen_keys(engine.module)
+    trained = zero.trained_names()
     keys = [
         (key, value)
         for key, value in engine.module.state_dict(keep_vars=True).items()
@@ -256,11 +260,12 @@ def tensor_parallel_rank(engine: TrainingState) -> int:
 def split_params(engine: TrainingState) -> dict[str, TPShard]:
     """Trainable parameters by name that tensor parallelism split, with their split."""
     found = {}
-    for bucket in engine.optimizer.group.buckets:
-        for slot in bucket.slots:
-            shard = shard_of(slot.param)
-            if shard is not None:
-                found[slot.name] = shard
+    for group in engine.optimizer.groups:
+        for bucket in group.buckets:
+            for slot in bucket.slots:
+                shard = shard_of(slot.param)
+                if shard is not None:
+                    found[slot.name] = shard
     return found
 
 
@@ -270,16 +275,19 @@ def split_keys(module: torch.nn.Module) -> set[str]:
 
 
 def _engine_state(engine: TrainingState) -> dict:
-    store = engine.optimizer.group.store
+    stores = [group.store for group in engine.optimizer.groups]
     loader = engine.training_dataloader
     return {
         **engine.training_counters(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "dataloader": loader.state_dict() if hasattr(loader, "state_dict") else None,
+        # every shard group's optimizer groups, in order (see ZeroOptimizer.param_groups)
         "optimizer_groups": [
-            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS} for g in store.param_groups
+            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
+            for store in stores
+            for g in store.param_groups
         ],
-        "optimizer_scalar_state": store.scalar_state(),
+        "optimizer_scalar_state": [state for store in stores for state in store.scalar_state()],
     }
 
 
@@ -293,7 +301,7 @@ def _commit(
     latest: bool,
 ):
     zero = engine.optimizer
-    group = zero.group
+    store = zero.group.store  # the groups step one kind of optimizer
     segments: dict[str, list[list[int]]] = {}
     for rank, report in enumerate(written):
         for name, start, end in report["segments"]:
@@ -329,9 +337,9 @@ def _commit(
         "world_size": engine.world_size,
         "stage": zero.policy.stage,
         "precision": zero.precision.name,
-        "optimizer": type(group.store.optimizer).__name__,
-        "optimizer_state_keys": group.store.element_state_keys(),
-        "optimizer_groups": len(group.store.param_groups),  # empty ones too
+        "optimizer": type(store.optimizer).__name__,
+        "optimizer_state_keys": store.element_state_keys(),
+        "optimizer_groups": len(zero.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "params": list(records.values()),

@@ -5,8 +5,10 @@ A mesh of shape (pp, dp, ep, tp) numbers ranks row-major with ``tp`` innermost, 
 parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
 torchtitan place them. The ranks along one axis, the others fixed, form that axis's group:
 the data-parallel group is what ZeRO shards over. The tensor-parallel and pipeline axes are
-sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe); the expert axis
-waits for the MoE work. A group is made the first time an axis is asked for (every rank must
+sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe), the expert axis
+by the model's MoE layers (zerotrain/moe): it sits inside the data-parallel ranks, as
+DeepSpeed's expert groups do (ranks 0-1 and 2-3 hold the experts at ep 2 of 4 ranks; 0 and 2
+hold the same ones). A group is made the first time an axis is asked for (every rank must
 ask, in the same order: making process groups is collective); an axis that spans every rank is
 the world communicator itself.
 """
@@ -89,5 +91,13 @@ class Mesh:
 
     @property
     def dp(self) -> Communicator:
-        """The data-parallel group: what ZeRO shards over."""
+        """The data-parallel group: the ranks that see different data and hold the same dense
+        parameters (the expert axis too: expert parallelism is carved out of data
+        parallelism); what ZeRO shards dense parameters over and the data is split by."""
+        return self.axis("dp", "ep")
+
+    @property
+    def expert_dp(self) -> Communicator:
+        """The expert-data-parallel group: the data-parallel ranks that hold the same experts
+        (one per expert-parallel group); what ZeRO shards expert parameters over."""
         return self.axis("dp")

@@ -447,6 +447,17 @@ class TensorParallelConfig(Section):
     `autotp_size`; dropout there masks each rank's own tokens. (A zerotrain key.)"""
 
 
+class MoEConfig(Section):
+    """`moe`: how the model's `zerotrain.moe.MoE` layers exchange tokens over the
+    expert-parallel group (the experts, `ep_size` and gating are the layers' arguments). See
+    docs/moe.md. (A zerotrain section.)"""
+
+    token_dedup: bool = False
+    """Send a token to a rank once, whichever of its top-k experts there take it, and bring
+    it back once, summed (HierMoE's token deduplication): fewer all-to-all bytes with top-2
+    routing, the same numerics."""
+
+
 class PipelineConfig(Section):
     """`pipeline`: how a `zerotrain.pipe.PipelineModule` is trained (its stages and partition are
     the module's arguments). See docs/parallelism.md."""
@@ -664,6 +675,8 @@ class ZeroTrainConfig(Section):
     """Tensor parallelism composed with ZeRO; see the tensor_parallel section."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism of a `PipelineModule`; see the pipeline section."""
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    """Mixture-of-Experts token exchange; see the moe section."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
     present. See the activation_checkpointing section."""

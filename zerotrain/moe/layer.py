@@ -65,7 +65,7 @@ class MOELayer(nn.Module):
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
         self.comm: Communicator | None = None  # the expert-parallel group, once placed
-        self.dedup = False  # HierMoE's token deduplication (see dispatch.py)
+        self.dedup = False  # HierMoE's token deduplication (moe.token_dedup; see dispatch.py)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.routing: Routing | None = None
@@ -141,9 +141,10 @@ class MoE(nn.Module):
             self.mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
 
-    def place(self, comm: Communicator) -> None:
+    def place(self, comm: Communicator, token_dedup: bool = False) -> None:
         """Run the experts over ``comm``, the expert-parallel group of this rank (``ep_size``
-        ranks): this rank's are numbered from ``comm.rank x num_experts / ep_size``."""
+        ranks): this rank's are numbered from ``comm.rank x num_experts / ep_size``.
+        ``token_dedup``: the config's ``moe.token_dedup`` (see dispatch.py)."""
         if comm.world_size != self.ep_size:
             raise ConfigError(
                 f"MoE: ep_size {self.ep_size}, but the expert-parallel group has "
@@ -152,6 +153,7 @@ class MoE(nn.Module):
         layer = self.deepspeed_moe
         layer.experts.renumber(comm.rank * layer.num_local_experts)
         layer.comm = comm
+        layer.dedup = token_dedup
 
     def forward(
         self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None

@@ -45,7 +45,7 @@ class PipelineEngine(ZeroTrainEngine):
         self._schedule = None  # built at the first batch (shapes are inferred then)
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
-        self._chunk_buckets: list[list[int]] = []  # per chunk: the buckets its backward fills
+        self._chunks_of: dict[int, tuple[int, ...]] = {}  # id(param) -> the chunks using it
         self._chunk_params: list[list[nn.Parameter]] = []  # per chunk: its trained parameters
         self._chunks_done = 0  # chunks whose last backward of this step has begun
         # the forwards and backwards this rank ran in the last train_batch / eval_batch, in
@@ -141,12 +141,8 @@ class PipelineEngine(ZeroTrainEngine):
             if module.loss_fn is None:
                 raise ValueError("PipelineModule(loss_fn=...) is required to train it")
             chunks = range(module.stages_per_rank)
-            buckets = self.optimizer.buckets
             chunks_of = module.chunks_of()
-            self._chunk_buckets = [
-                [i for i, b in enumerate(buckets) if c in chunks_of[id(b.slots[0].param)]]
-                for c in chunks
-            ]
+            self._chunks_of = chunks_of
             trained = [p for p in module.parameters() if p.requires_grad]
             self._chunk_params = [[p for p in trained if c in chunks_of[id(p)]] for c in chunks]
             runs = [
@@ -187,9 +183,11 @@ class PipelineEngine(ZeroTrainEngine):
         [Note: loss.backward() without engine.backward] in backward.py); on every stage the
         gradients arriving from the next one carry them too."""
         self._chunks_done += last
-        self.set_gradient_accumulation_boundary(self._chunks_done == len(self._chunk_buckets))
-        if len(self._chunk_buckets) > 1:
-            self.optimizer.reduction.restrict(self._chunk_buckets[chunk])
+        chunks = len(self._chunk_params)
+        self.set_gradient_accumulation_boundary(self._chunks_done == chunks)
+        if chunks > 1:
+            chunks_of = self._chunks_of
+            self.optimizer.restrict(lambda param: chunk in chunks_of[id(param)])
         if self._fp16_scaled():
             self._backward.user_scaled = True
 

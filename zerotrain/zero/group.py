@@ -204,50 +204,6 @@ class ShardGroup:
         name)."""
         return {id(s.param): s.name for b in self.buckets for s in b.slots}
 
-    def _untrained_entries(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """``module``'s state-dict entries (the tensors themselves) the group does not train."""
-        trained = self.trained_names()
-        return {
-            key: value
-            for key, value in module.state_dict(keep_vars=True).items()
-            if id(value) not in trained
-        }
-
-    def frozen_keys(self, module: nn.Module) -> set[str]:
-        """State-dict keys of ``module``'s parameters this group does not train."""
-        entries = self._untrained_entries(module)
-        return {key for key, value in entries.items() if isinstance(value, nn.Parameter)}
-
-    def untrained_state(
-        self, module: nn.Module, exclude_frozen: bool = False, *, on_rank: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``module``'s state-dict entries that the group does not train: frozen parameters
-        (unless ``exclude_frozen``) and buffers. Frozen parameters that stage 3 partitions are
-        gathered (collective: every rank calls it) and kept, as host copies, on rank ``on_rank``
-        (None: every rank); elsewhere they are placeholders."""
-        entries = self._untrained_entries(module)
-        if exclude_frozen:
-            return {k: v.detach() for k, v in entries.items() if not isinstance(v, nn.Parameter)}
-        frozen = self.residency.frozen_values(keep=on_rank in (None, self.comm.rank))
-        return {key: frozen.get(id(value), value.detach()) for key, value in entries.items()}
-
-    def untrained_keys(self, module: nn.Module) -> set[str]:
-        """The keys of :meth:`untrained_state` (nothing is gathered)."""
-        return set(self._untrained_entries(module))
-
-    def load_untrained(self, module: nn.Module, read: Callable[[str], torch.Tensor | None]) -> None:
-        """Set the untrained entries of ``module``'s state dict to ``read(key)`` (None: keep
-        the value); collective where stage 3 partitions frozen parameters."""
-        partitioned = {id(s.param) for b in self.residency.frozen_buckets for s in b.slots}
-        key_of: dict[int, str] = {}
-        for key, value in self._untrained_entries(module).items():
-            key_of.setdefault(id(value), key)
-            if id(value) not in partitioned:
-                loaded = read(key)
-                if loaded is not None:
-                    value.detach().copy_(loaded)
-        self.residency.load_frozen(lambda param: read(key_of[id(param)]))
-
     def master_pieces(self, *, own_shard_only: bool) -> list[MasterPiece]:
         """Where each parameter's elements sit in this rank's master tensors.
 
@@ -310,6 +266,9 @@ class GroupOptions:
     # runs several (interleaved 1F1B, ZBV): buckets do not mix stages, so each backward
     # reduces its own stage's buckets only (see GradientReduction.restrict)
     chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # the ranks a gradient is averaged over (None: comm's); more for expert parameters, whose
+    # gradients on one rank already sum the tokens of its whole expert-parallel group
+    average_over: int | None = None
 
 
 def build_shard_group(
@@ -319,10 +278,12 @@ def build_shard_group(
     options: GroupOptions,
     *,
     owner: ParamOwner,
+    frozen: NamedParams,
 ) -> ShardGroup:
     """Lay out ``groups``' parameters in buckets, choose the strategies for the policy and
     build the group's state; ``make_optimizer`` builds the torch optimizer over the masters.
-    ``owner`` is recorded on each parameter (zerotrain.zero.init.take_ownership)."""
+    ``frozen``: the frozen parameters the group holds (stage 3 partitions them too). ``owner``
+    is recorded on each parameter (zerotrain.zero.init.take_ownership)."""
     comm, precision = options.comm, options.precision
     strategies = choose_strategies(options.policy, comm, options.offload)
     residency = strategies.residency(
@@ -353,7 +314,6 @@ def build_shard_group(
         full_value=residency.full_value,
         shard_only=residency.shards_params,
     )
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     residency.take_frozen(frozen, precision.param_dtype)
     for bucket in buckets + residency.frozen_buckets:
         for slot in bucket.slots:
@@ -392,6 +352,7 @@ def build_shard_group(
         on_bucket_grads_taken=residency.bucket_grads_taken,
         on_settled=residency.finish_backward,
         on_bucket_reduced=store.take_reduced,
+        average_over=options.average_over,
     )
     summed = sorted(
         (b.slots[0].name, i, options.summed[id(b.slots[0].param)])

@@ -1,14 +1,25 @@
-"""The ZeRO optimizer: the torch-optimizer face of a shard group (zerotrain/zero/group.py).
+"""The ZeRO optimizer: the torch-optimizer face of one or more shard groups
+(zerotrain/zero/group.py).
 
 It owns what is global to a step, whatever the partitioning: fp16 unscaling, the global
 gradient norm and clipping, skipping a step on overflow, and the optimizer's state dict; the
-shard group does the rest.
+shard groups do the rest.
+
+[Note: several shard groups]
+Parameters partitioned over different ranks are different shard groups: a Mixture-of-Experts
+model's expert parameters are partitioned over the ranks that hold the same experts (the
+expert-data-parallel group), its dense parameters over every data-parallel rank. Every
+operation here runs on each group in turn, in the same order on every rank; the global norm
+sums the groups' squares, and one clip factor, one overflow decision and one loss scale hold for
+all. The user sees one torch optimizer: the groups' optimizers as one (:class:`GroupedOptimizer`,
+their param groups in order), which an LR scheduler schedules.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,7 +29,6 @@ from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import LossScaler
 from zerotrain.zero.group import (
     GroupOptions,
-    MasterPiece,
     OptimizerFactory,
     ShardGroup,
     build_shard_group,
@@ -29,70 +39,115 @@ from zerotrain.zero.memory import (
     measured_model_states,
     model_state_bytes,
 )
-from zerotrain.zero.reduce import GradientReduction
-from zerotrain.zero.store import ShardStore
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["GroupedOptimizer", "ShardGroupSpec", "ZeroOptimizer"]
+
+# what one shard group is built from: its options, its optimizer groups (settings, parameters)
+# and the frozen parameters it holds
+ShardGroupSpec = tuple[GroupOptions, list[tuple[dict, NamedParams]], NamedParams]
 
 
 class ZeroOptimizer:
-    """Partitions model states per the policy (through a :class:`ShardGroup`) and steps them.
+    """Partitions model states per the policy (through :class:`ShardGroup` s) and steps them.
 
-    The model's parameters become views into the group's flat buckets; gradients are reduced
-    by the group's reduction during backward; :meth:`step` unscales fp16 gradients, clips by
-    the global norm across all shards, steps the masters through the group's store and
-    publishes the updated parameters to every rank.
+    The model's parameters become views into the groups' flat buckets; gradients are reduced
+    by the groups' reductions during backward; :meth:`step` unscales fp16 gradients, clips by
+    the global norm across all shards, steps the masters through the groups' stores and
+    publishes the updated parameters to every rank (see [Note: several shard groups]).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        groups: list[tuple[dict, NamedParams]],
+        specs: list[ShardGroupSpec],
         make_optimizer: OptimizerFactory,
-        options: GroupOptions,
         *,
         loss_scaler: LossScaler,
         gradient_clipping: float = 0.0,
     ):
+        options = specs[0][0]
         # the policy is reported (checkpoints, DeepSpeed's queries), never branched on
         self.policy = options.policy
         self.precision = options.precision
-        self.comm = options.comm
+        self.comm = options.comm  # the data-parallel group of the dense parameters
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
         self.overflow = False  # the last step was skipped for a non-finite gradient
-        self.group: ShardGroup = build_shard_group(
-            model, groups, make_optimizer, options, owner=self
+        self.groups: list[ShardGroup] = [
+            build_shard_group(model, groups, make_optimizer, opts, owner=self, frozen=frozen)
+            for opts, groups, frozen in specs
+        ]
+        self._grouped = (
+            GroupedOptimizer([g.store.optimizer for g in self.groups], self._step_stores)
+            if len(self.groups) > 1
+            else None
         )
 
     @property
-    def store(self) -> ShardStore:
-        return self.group.store
-
-    @property
-    def reduction(self) -> GradientReduction:
-        return self.group.reduction
-
-    @property
-    def buckets(self) -> list[FlatBucket]:
-        return self.group.buckets
+    def group(self) -> ShardGroup:
+        """The first shard group: the dense parameters' (for inspection; what acts on the
+        optimizer's state goes through every group)."""
+        return self.groups[0]
 
     @property
     def num_params(self) -> int:
-        return self.group.num_params
+        return sum(g.num_params for g in self.groups)
+
+    @property
+    def every_backward(self) -> bool:
+        """Whether every backward reduces gradients (stages 2-3), not only the boundary's."""
+        return self.groups[0].reduction.every_backward
+
+    @property
+    def shards_params(self) -> bool:
+        """Whether parameters are partitioned (stage 3)."""
+        return self.groups[0].residency.shards_params
+
+    def trained_params(self) -> list[nn.Parameter]:
+        """The parameters the groups train, each once."""
+        return [s.param for g in self.groups for b in g.buckets for s in b.slots]
+
+    def trained_names(self) -> dict[int, str]:
+        """``id(param) -> name`` of every trained parameter (tied ones under one name)."""
+        return {k: v for g in self.groups for k, v in g.trained_names().items()}
 
     def holds_whole_during_step(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is whole throughout forward and backward (at stage 3 only the
         root unit's and persistent units'; always below)."""
-        return self.group.residency.holds_whole(param)
+        return all(g.residency.holds_whole(param) for g in self.groups)
+
+    def on_stray_grad(self, handler: Callable[[str], None]) -> None:
+        """Call ``handler(name)`` when a gradient arrives while no backward is open."""
+        for group in self.groups:
+            group.reduction.on_stray_grad = handler
+
+    def take_assigned_grads(self, params: list[nn.Parameter]) -> None:
+        """Take gradients assigned to ``.grad`` (not accumulated through autograd's hooks)."""
+        for group in self.groups:
+            group.reduction.take_assigned_grads(params)
+
+    def restrict(self, keep: Callable[[nn.Parameter], bool] | None) -> None:
+        """Reduce, in the backwards from now on, only the buckets whose parameters ``keep``
+        (a pipeline stage's own; None: all)."""
+        for group in self.groups:
+            buckets = group.buckets
+            group.reduction.restrict(
+                None
+                if keep is None
+                else [i for i, b in enumerate(buckets) if keep(b.slots[0].param)]
+            )
+
+    def unreduced_grads(self) -> list[str]:
+        return [name for g in self.groups for name in g.reduction.unreduced_grads]
 
     # -- the user-visible optimizer surface -------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer that steps this rank's fp32 master shards."""
-        return self.store.optimizer
+        """The torch optimizer that steps this rank's fp32 master shards (several groups': one
+        :class:`GroupedOptimizer`)."""
+        return self._grouped or self.groups[0].store.optimizer
 
     @property
     def param_groups(self) -> list[dict]:
@@ -111,24 +166,31 @@ class ZeroOptimizer:
         return {
             "world_size": self.comm.world_size,
             "stage": self.policy.stage,  # recorded, to name the layout in errors
-            "master_numels": self.store.master_numels(),
+            "master_numels": [g.store.master_numels() for g in self.groups],
         }
 
     def state_dict(self) -> dict:
         """This rank's part of the optimizer (as DeepSpeed's ZeRO optimizers return theirs): the
-        torch optimizer's state, the fp32 masters, the loss scaler. It loads back into an
+        torch optimizers' state, the fp32 masters, the loss scaler. It loads back into an
         optimizer of the same layout; ``engine.save_checkpoint`` saves state that loads at any
         world size and stage."""
         return {
             "layout": self._layout(),
-            "optimizer": self.store.optimizer_state_dict(),
-            "masters": [
-                self.store.state_tensor(i, "master").detach().clone()
-                for i in range(len(self.buckets))
+            "optimizer": self._optimizer_state_dict(),
+            "masters": [  # every group's, in order
+                g.store.state_tensor(i, "master").detach().clone()
+                for g in self.groups
+                for i in range(len(g.buckets))
             ],
             "loss_scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
+
+    def _optimizer_state_dict(self) -> dict:
+        """The torch optimizer's state dict (several groups': ``{"optimizers": [...]}``), each
+        store settled first."""
+        states = [g.store.optimizer_state_dict() for g in self.groups]
+        return {"optimizers": states} if self._grouped is not None else states[0]
 
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
         """Restore :meth:`state_dict`'s output (collective: the parameters are refreshed)."""
@@ -136,15 +198,19 @@ class ZeroOptimizer:
         if saved != ours:
             raise ValueError(
                 f"optimizer.load_state_dict: saved with world size {saved['world_size']} and "
-                f"stage {saved['stage']} ({len(saved['master_numels'])} master tensors), this "
+                f"stage {saved['stage']} (master tensors {saved['master_numels']}), this "
                 f"optimizer has world size {ours['world_size']} and stage {ours['stage']} "
-                f"({len(ours['master_numels'])}); move state between layouts with "
+                f"({ours['master_numels']}); move state between layouts with "
                 "engine.save_checkpoint / load_checkpoint"
             )
-        for index, value in enumerate(state_dict["masters"]):
-            self.store.write_state(index, "master", value)
-        if load_optimizer_states:
-            self.store.load_optimizer_state_dict(state_dict["optimizer"])
+        masters = iter(state_dict["masters"])
+        states = state_dict["optimizer"]
+        states = states["optimizers"] if self._grouped is not None else [states]
+        for group, state in zip(self.groups, states, strict=True):
+            for index in range(len(group.buckets)):
+                group.store.write_state(index, "master", next(masters))
+            if load_optimizer_states:
+                group.store.load_optimizer_state_dict(state)
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = state_dict["skipped_steps"]
         self.publish_params()
@@ -156,31 +222,43 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new gradient accumulation (``set_to_none`` is accepted; buffers are reused)."""
         del set_to_none
-        self.reduction.zero_grads()
+        for group in self.groups:
+            group.reduction.zero_grads()
+
+    def begin_forward(self) -> None:
+        for group in self.groups:
+            group.begin_forward()
+
+    def end_forward(self) -> None:
+        for group in self.groups:
+            group.end_forward()
 
     def backward_prologue(self, at_boundary: bool, grad_factor: float = 1.0) -> None:
         """Prepare the reduction of a micro-step's backward (stages 0-1: only at a boundary);
         ``grad_factor`` multiplies the gradients it produces."""
         if not self.trains:
             raise RuntimeError(NoOptimizer.MESSAGE)  # before any gradient is reduced
-        self.group.begin_backward(at_boundary, grad_factor)
+        for group in self.groups:
+            group.begin_backward(at_boundary, grad_factor)
 
     def backward_epilogue(self, at_boundary: bool) -> None:
-        """Reduce what the group reduces after a micro-step's backward."""
-        self.group.finish_backward(at_boundary)
+        """Reduce what the groups reduce after a micro-step's backward."""
+        for group in self.groups:
+            group.finish_backward(at_boundary)
 
     def abort_backward(self) -> None:
         """Drop what a backward that raised part-way left behind (see the reduction's)."""
-        self.group.abort_backward()
+        for group in self.groups:
+            group.abort_backward()
 
     @property
     def trains(self) -> bool:
         """False for an engine built without an optimizer (forward passes only)."""
-        return not isinstance(self.optimizer, NoOptimizer)
+        return not isinstance(self.groups[0].store.optimizer, NoOptimizer)
 
     def step(self) -> bool:
         """Unscale, clip and apply the averaged gradients; False if skipped for overflow."""
-        unreduced = self.reduction.unreduced_grads
+        unreduced = self.unreduced_grads()
         if unreduced:
             raise RuntimeError(
                 f"step(): gradients of {unreduced[:3]} came from another engine's backward (a "
@@ -188,10 +266,11 @@ class ZeroOptimizer:
                 "averaged over the ranks; drop them with zero_grad(), or run this engine's "
                 "backward after them, before step()"
             )
-        self.group.begin_step()
-        sum_sq = self.group.grad_sum_of_squares()
+        for group in self.groups:
+            group.begin_step()
+        sum_sq = sum(g.grad_sum_of_squares() for g in self.groups)
         inv_scale = 1.0 / self.loss_scaler.scale
-        norm = math.sqrt(sum_sq.item()) * inv_scale
+        norm = math.sqrt(float(sum_sq)) * inv_scale
         overflow = self.overflow = not math.isfinite(norm)
         self.loss_scaler.update(overflow)
         if overflow:
@@ -205,59 +284,70 @@ class ZeroOptimizer:
             clip = 1.0
             if self.gradient_clipping > 0:
                 clip = min(1.0, self.gradient_clipping / (norm + 1e-6))
-            self.store.scale_grads(inv_scale * clip)
-            self.group.step_store()
-        self.group.end_step(applied=not overflow)
+            for group in self.groups:
+                group.store.scale_grads(inv_scale * clip)
+            # through the grouped optimizer where there is one: an LR scheduler counts its steps
+            (self._grouped.step if self._grouped is not None else self._step_stores)()
+        for group in self.groups:
+            group.end_step(applied=not overflow)
         return not overflow
+
+    def _step_stores(self) -> None:
+        for group in self.groups:
+            group.step_store()
 
     def publish_params(self) -> None:
         """After the masters changed (a step, a checkpoint load): update the model's parameters
         on every rank (collective)."""
-        self.group.publish()
+        for group in self.groups:
+            group.publish()
 
     def wait_param_gathers(self) -> None:
         """Complete the parameter all-gathers still in flight (``overlap_param_gather``, stage
         3's prefetch and refresh). Parameters read outside a module's forward after a step are
         current once this returned."""
-        self.group.residency.wait()
+        for group in self.groups:
+            group.residency.wait()
 
     # -- full access to parameters outside forward (GatheredParameters) -------------------------
-    def begin_access(self, params: list[nn.Parameter]) -> tuple[list[FlatBucket], list]:
+    def begin_access(self, params: list[nn.Parameter]) -> list[tuple[list[FlatBucket], list]]:
         """Make ``params`` whole (collective); returns what :meth:`end_access` needs."""
         wanted = {id(p) for p in params}
-        residency = self.group.residency
-        buckets = [
-            b
-            for b in self.buckets + residency.frozen_buckets
-            if any(id(s.param) in wanted for s in b.slots)
-        ]
-        return buckets, residency.begin_access(buckets)
+        out = []
+        for group in self.groups:
+            residency = group.residency
+            buckets = [
+                b
+                for b in group.buckets + residency.frozen_buckets
+                if any(id(s.param) in wanted for s in b.slots)
+            ]
+            out.append((buckets, residency.begin_access(buckets)))
+        return out
 
     def end_access(self, access, modifier_rank: int | None) -> None:
         """Finish :meth:`begin_access`; with ``modifier_rank``, that rank's (possibly changed)
         values become every rank's parameters, master weights included. ``modifier_rank`` is a
-        rank of the data-parallel group (the world's, without model parallelism)."""
-        buckets, gathered_here = access
-        if modifier_rank is not None:
-            source = self.comm.global_rank_of(modifier_rank)
-            for bucket in buckets:
-                self.comm.broadcast(bucket.flat_param, src=source)
-                self.group.residency.take_values(bucket)
-            # the masters too (a no-op where they are the model's own fp32 shards)
-            for index, bucket in enumerate(self.buckets):
-                if bucket in buckets:
-                    part = self.group.partition.part(bucket, bucket.require_flat_param())
-                    self.store.write_state(index, "master", part)
-        self.group.residency.end_access(gathered_here)
+        rank of the data-parallel group (the world's, without model parallelism); a group over
+        fewer ranks (experts') takes them from its rank at the same data-parallel position."""
+        for group, (buckets, gathered_here) in zip(self.groups, access, strict=True):
+            if modifier_rank is not None:
+                source = group.comm.global_rank_of(
+                    modifier_rank * group.comm.world_size // self.comm.world_size
+                )
+                for bucket in buckets:
+                    group.comm.broadcast(bucket.flat_param, src=source)
+                    group.residency.take_values(bucket)
+                # the masters too (a no-op where they are the model's own fp32 shards)
+                for index, bucket in enumerate(group.buckets):
+                    if bucket in buckets:
+                        part = group.partition.part(bucket, bucket.require_flat_param())
+                        group.store.write_state(index, "master", part)
+            group.residency.end_access(gathered_here)
 
     # -- state views ---------------------------------------------------------------------------
-    def master_pieces(self, *, own_shard_only: bool) -> list[MasterPiece]:
-        """See :meth:`ShardGroup.master_pieces`."""
-        return self.group.master_pieces(own_shard_only=own_shard_only)
-
     def full_master_params(self) -> dict[int, torch.Tensor]:
         """``id(param) -> full fp32 master value``, gathered from every rank's part."""
-        return self.group.full_master_params()
+        return {k: v for g in self.groups for k, v in g.full_master_params().items()}
 
     def full_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None:
         """One parameter's full fp32 value of ``kind`` (collective where it is partitioned:
@@ -265,51 +355,154 @@ class ZeroOptimizer:
         ``"grad"`` (the gradient reduced so far, unscaled: the average after the boundary's
         backward), or an optimizer state key such as ``"exp_avg"`` (None before the optimizer
         created it). None for a parameter this optimizer does not train."""
-        found = self.group.locate(param)
-        if found is None:
-            return None
-        index, slot = found
-        bucket = self.buckets[index]
-        if kind == "grad":
-            local = self.reduction.reduced_grads()[index].float() / self.loss_scaler.scale
-        elif kind == "master" or kind in self.store.element_state_keys():
-            local = self.store.state_tensor(index, kind)
-        else:
-            return None
-        return bucket.view(self.group.partition.full(bucket, local), slot).float().clone()
+        for group in self.groups:
+            found = group.locate(param)
+            if found is None:
+                continue
+            index, slot = found
+            bucket, store = group.buckets[index], group.store
+            if kind == "grad":
+                local = group.reduction.reduced_grads()[index].float() / self.loss_scaler.scale
+            elif kind == "master" or kind in store.element_state_keys():
+                local = store.state_tensor(index, kind)
+            else:
+                return None
+            return bucket.view(group.partition.full(bucket, local), slot).float().clone()
+        return None
 
+    # -- the model's state dict entries no group trains (frozen parameters, buffers) -----------
+    def _untrained_entries(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        trained = self.trained_names()
+        return {
+            key: value
+            for key, value in module.state_dict(keep_vars=True).items()
+            if id(value) not in trained
+        }
+
+    def frozen_keys(self, module: nn.Module) -> set[str]:
+        """State-dict keys of ``module``'s parameters no group trains."""
+        entries = self._untrained_entries(module)
+        return {key for key, value in entries.items() if isinstance(value, nn.Parameter)}
+
+    def untrained_state(
+        self, module: nn.Module, exclude_frozen: bool = False, *, on_rank: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``module``'s state-dict entries that no group trains: frozen parameters (unless
+        ``exclude_frozen``) and buffers. Frozen parameters that stage 3 partitions are gathered
+        (collective: every rank calls it) and kept, as host copies, on rank ``on_rank`` (None:
+        every rank); elsewhere they are placeholders."""
+        entries = self._untrained_entries(module)
+        if exclude_frozen:
+            return {k: v.detach() for k, v in entries.items() if not isinstance(v, nn.Parameter)}
+        keep = on_rank in (None, self.comm.rank)
+        frozen = {k: v for g in self.groups for k, v in g.residency.frozen_values(keep).items()}
+        return {key: frozen.get(id(value), value.detach()) for key, value in entries.items()}
+
+    def untrained_keys(self, module: nn.Module) -> set[str]:
+        """The keys of :meth:`untrained_state` (nothing is gathered)."""
+        return set(self._untrained_entries(module))
+
+    def load_untrained(self, module: nn.Module, read: Callable[[str], torch.Tensor | None]) -> None:
+        """Set the untrained entries of ``module``'s state dict to ``read(key)`` (None: keep
+        the value); collective where stage 3 partitions frozen parameters."""
+        partitioned = {
+            id(s.param) for g in self.groups for b in g.residency.frozen_buckets for s in b.slots
+        }
+        key_of: dict[int, str] = {}
+        for key, value in self._untrained_entries(module).items():
+            key_of.setdefault(id(value), key)
+            if id(value) not in partitioned:
+                loaded = read(key)
+                if loaded is not None:
+                    value.detach().copy_(loaded)
+        for group in self.groups:
+            group.residency.load_frozen(lambda param: read(key_of[id(param)]))
+
+    # -- memory --------------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, float]:
         """Bytes of model states this rank holds, measured from the allocated tensors.
 
         ``parameters``/``gradients``/``optimizer_states`` (fp32 masters that are separate copies
         plus the optimizer's state) and their ``total``; ``formula_total`` is the ZeRO paper's
         figure for the same job (arXiv:1910.02054 §5: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N in mixed
-        precision with Adam).
+        precision with Adam), each group over its own ranks.
         """
-        formula = self._formula()
+        measured: dict[str, float] = {}
+        for group in self.groups:
+            for key, value in measured_model_states(group).items():
+                measured[key] = measured.get(key, 0) + value
+        formulas = self._formulas()
         return {
-            **measured_model_states(self.group),
-            "formula_total": formula.total,
-            "formula_offloaded": formula.offloaded,
+            **measured,
+            "formula_total": sum(f.total for f in formulas),
+            "formula_offloaded": sum(f.offloaded for f in formulas),
         }
 
     def formula_bytes(self) -> float:
         """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o
-        (:func:`zerotrain.zero.memory.model_state_bytes`, which ``zerotrain estimate`` prints).
+        (:func:`zerotrain.zero.memory.model_state_bytes`, which ``zerotrain estimate`` prints),
+        summed over the groups, each over its own ranks.
 
         Stage 3 keeps units below the persistence threshold whole: those count p·Ψ_persistent.
         """
-        return self._formula().total
+        return sum(f.total for f in self._formulas())
 
-    def _formula(self) -> ModelStateBytes:
-        numels = self.store.master_numels()
-        return model_state_bytes(
-            self.num_params,
-            world_size=self.comm.world_size,
-            policy=self.policy,
-            precision=self.precision,
-            optimizer_state_bytes=optimizer_state_bytes_per_element(self.optimizer),
-            persistent_numel=self.group.residency.persistent_numel,
-            offload=self.store.offloaded_numel() / max(1, sum(numels)),
-            offload_params=self.group.residency.home.on_host,
-        )
+    def _formulas(self) -> list[ModelStateBytes]:
+        out = []
+        for group in self.groups:
+            store = group.store
+            numels = store.master_numels()
+            out.append(
+                model_state_bytes(
+                    group.num_params,
+                    world_size=group.comm.world_size,
+                    policy=self.policy,
+                    precision=self.precision,
+                    optimizer_state_bytes=optimizer_state_bytes_per_element(store.optimizer),
+                    persistent_numel=group.residency.persistent_numel,
+                    offload=store.offloaded_numel() / max(1, sum(numels)),
+                    offload_params=group.residency.home.on_host,
+                )
+            )
+        return out
+
+
+class GroupedOptimizer(torch.optim.Optimizer):
+    """Several torch optimizers as one, for LR schedulers and users: their param groups in
+    order (the same dicts: a learning rate set here is theirs), their states together; ``step``
+    steps the shard groups (see [Note: several shard groups])."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], step: Callable[[], None]):
+        # not torch's __init__: the parameters and their state are the member optimizers'
+        self.optimizers = optimizers
+        self.defaults = optimizers[0].defaults
+        self._step = step
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return [group for o in self.optimizers for group in o.param_groups]
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def step(self, closure=None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("the ZeRO optimizer's step takes no closure")
+        self._step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        for optimizer, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"GroupedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"

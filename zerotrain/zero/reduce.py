@@ -61,6 +61,7 @@ class GradientReduction(ABC):
         on_bucket_grads_taken: Callable[[FlatBucket], None] = _nothing,
         on_settled: Callable[[], None] = _nothing,
         on_bucket_reduced: Callable[[int, torch.Tensor], None] = _nothing,
+        average_over: int | None = None,
     ):
         self.buckets = buckets
         self.comm = comm
@@ -71,7 +72,9 @@ class GradientReduction(ABC):
         # A bucket's gradient is final for the step: its reduction at the boundary completed.
         self._on_bucket_reduced = on_bucket_reduced
         self._at_boundary = False
-        self._inv_world = 1.0 / comm.world_size
+        # the ranks whose gradients are averaged: ``comm``'s, or more where each rank's
+        # gradients already sum those of others (an expert's, over its expert-parallel group)
+        self._inv_world = 1.0 / (average_over or comm.world_size)
         self._arrived: list[set[int]] = [set() for _ in buckets]
         self._pending: list[PendingOp] = []
         self._pending_buckets: list[int] = []  # the bucket of each pending op
