@@ -223,20 +223,25 @@ def main() -> None:
         f"{WORLD} ranks, fp32, gloo, ZeRO stage 1, {tokens} tokens per step\n"
     )
     columns = [
-        "row", "s/step", "tokens/s", "hidden MiB/step (sent)", "metadata sent MiB",
-        "capacity-padded MiB", "exposed all-to-all s (share)", "final loss",
+        "row", "s/step", "vs DeepSpeed-MoE (same ep)", "tokens/s", "hidden MiB/step (sent)",
+        "vs capacity-padded", "metadata sent MiB", "exposed all-to-all s (share)", "final loss",
     ]  # fmt: skip
+    deepspeed = {r["ep"]: r["s_per_step"] for r in rows if r["system"] == "deepspeed"}
     print("| " + " | ".join(columns) + " |")
     print("|---" * len(columns) + "|")
     for r in rows:
         counted = r["system"] == "zerotrain"
+        anchor = deepspeed.get(r["ep"]) if counted else None
         cells = [
             r["row"],
             f"{r['s_per_step']:.3f}",
+            f"{r['s_per_step'] / anchor:.2f}" if anchor else "-",
             f"{r['tokens_per_s']:.0f}",
             f"{r['hidden_bytes'] / mib:.2f} ({r['hidden_sent'] / mib:.2f})" if counted else "-",
+            f"{r['hidden_bytes'] / padded:.2f} of {padded / mib:.2f}"
+            if counted and r["ep"] > 1
+            else "-",
             f"{r['metadata_sent'] / mib:.3f}" if counted else "-",
-            f"{padded / mib:.2f}" if r["ep"] > 1 else "-",
             f"{r['exposed_s']:.3f} ({r['exposed_s'] / r['s_per_step']:.2f})" if counted else "-",
             f"{r['loss']:.4f}",
         ]

@@ -446,3 +446,25 @@ def test_checkpoints_of_experts_load_at_other_expert_parallel_sizes(tmp_path):
     ]:
         for key, value in continued.items():
             assert relative_error(state[key], value) < 1e-6, (layout, key)
+
+
+def test_moe_layouts_the_engine_refuses_and_frozen_experts():
+    """MoE layers in a PipelineModule are an error; experts all frozen at ep 1 stay with the
+    dense parameters, which train as without them."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    config = {**MOE_CONFIG, "gradient_accumulation_steps": 1}
+    pipe = PipelineModule([MoEModel().moe], num_stages=1, loss_fn=lambda out, y: out[0].sum())
+    with pytest.raises(ConfigError, match="MoE layers in a PipelineModule are not supported"):
+        zerotrain.initialize(model=pipe, config=config)
+    model = MoEModel()
+    experts = model.moe.deepspeed_moe.experts
+    for param in experts.parameters():
+        param.requires_grad_(False)
+    before = {k: v.clone() for k, v in experts.state_dict().items()}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    assert len(engine.optimizer.groups) == 1
+    engine.backward(engine(torch.randn(MICRO, SEQ, WIDTH)))
+    engine.step()
+    assert all(torch.equal(v, before[k]) for k, v in experts.state_dict().items())

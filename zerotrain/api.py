@@ -33,8 +33,7 @@ from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.lora import apply_lora_fa
 from zerotrain.moe import MoE
-from zerotrain.moe.layer import Experts
-from zerotrain.moe.utils import is_moe_param
+from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
 from zerotrain.pipe.engine import PipelineEngine
@@ -146,7 +145,9 @@ def initialize(
     )
     for layer in model.modules():
         if isinstance(layer, MoE):
-            layer.place(mesh.axis("ep"), token_dedup=cfg.moe.token_dedup)
+            layer.deepspeed_moe.dedup = cfg.moe.token_dedup
+            if mesh.sizes["ep"] > 1:  # else every expert is local: nothing to exchange
+                layer.place(mesh.axis("ep"))
     tensor_parallel = _tensor_parallel(model, cfg, mesh)
     tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}
     if tied and cfg.zero_optimization.offload_optimizer.device != "none":
@@ -220,20 +221,25 @@ def initialize(
 def _expert_parallel(model: nn.Module, cfg: ZeroTrainConfig) -> int:
     """The expert-parallel degree of ``model``'s MoE layers (1 without any): one for all."""
     sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE)})
+    if isinstance(model, PipelineModule) and any(Communicator().all_gather_object(bool(sizes))):
+        # decided together: a stage builds only its own layers, and every rank must raise
+        raise ConfigError(
+            "MoE layers in a PipelineModule are not supported yet; train the MoE model without "
+            "pipeline parallelism (expert and data parallelism, any ZeRO stage)"
+        )
     if sizes and cfg.tensor_parallel.autotp_size > 1:
         raise ConfigError(
             "tensor_parallel.autotp_size: MoE layers with tensor parallelism are not supported "
             "yet; set autotp_size to 1 (expert parallelism spreads the experts instead)"
         )
+    if sizes and cfg.lora_fa.enabled:
+        raise ConfigError(
+            "lora_fa: LoRA-FA adapters with MoE layers are not supported yet; disable lora_fa"
+        )
     if len(sizes) > 1:
         raise ConfigError(
             f"MoE: layers with ep_size {sizes}; zerotrain places every MoE layer's experts over "
             "one expert-parallel group: give them one ep_size"
-        )
-    if sizes and isinstance(model, PipelineModule) and sizes[-1] > 1:
-        raise ConfigError(
-            f"MoE(ep_size={sizes[-1]}) in a PipelineModule: expert parallelism with pipelines "
-            "is not supported yet; use ep_size=1 there"
         )
     return sizes[0] if sizes else 1
 
@@ -246,29 +252,32 @@ def _shard_groups(
     zero/optimizer.py): their gradients are averaged over every data-parallel rank, and the
     norm sums over the ranks holding other experts."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    of_experts = expert_tensors(model)
 
     def part(expert: bool) -> tuple[list[tuple[dict, NamedParams]], NamedParams]:
         mine = [
-            (hyper, [(n, p) for n, p in named if is_moe_param(p) == expert])
+            (hyper, [(n, p) for n, p in named if (id(p) in of_experts) == expert])
             for hyper, named in groups
         ]
-        return mine, [(n, p) for n, p in frozen if is_moe_param(p) == expert]
+        return mine, [(n, p) for n, p in frozen if (id(p) in of_experts) == expert]
 
     dense, dense_frozen = part(expert=False)
-    specs: list[ShardGroupSpec] = [(options, dense, dense_frozen)]
     experts, experts_frozen = part(expert=True)
-    experts = [(hyper, named) for hyper, named in experts if named]
-    if experts or experts_frozen:
-        axes = [axis for axis in ("pp", "ep") if mesh.sizes[axis] > 1]
-        model_parallel = ModelParallel(mesh.axis(*axes), lambda _: 1) if axes else None
-        expert_options = replace(
-            options,
-            comm=mesh.expert_dp,
-            average_over=mesh.dp.world_size,
-            model_parallel=model_parallel,
-        )
-        specs.append((expert_options, experts, experts_frozen))
-    return specs
+    if not any(named for _, named in experts):  # no trained expert: the dense group holds all
+        if experts_frozen and mesh.sizes["ep"] > 1:
+            raise ConfigError(
+                "MoE: every expert parameter is frozen, with experts spread over ranks "
+                f"(ep_size {mesh.sizes['ep']}); train some expert parameters, or use ep_size=1"
+            )
+        return [(options, dense, dense_frozen + experts_frozen)]
+    axes = [axis for axis in ("pp", "ep") if mesh.sizes[axis] > 1]
+    expert_options = replace(
+        options,
+        comm=mesh.expert_dp,
+        average_over=mesh.dp.world_size,
+        model_parallel=ModelParallel(mesh.axis(*axes), lambda _: 1) if axes else None,
+    )
+    return [(options, dense, dense_frozen), (expert_options, experts, experts_frozen)]
 
 
 def _check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
@@ -365,8 +374,7 @@ def _broadcast_untrained_state(model: nn.Module, mesh: Mesh) -> None:
     ranks, an expert's over the ranks holding that expert (trainable ones and frozen ones that
     stage 3 partitions, which the engine owns, are broadcast as their buckets are built), so
     all replicas start identical even without a shared seed."""
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    of_experts = {id(t) for e in experts for t in [*e.parameters(), *e.buffers()]}
+    of_experts = expert_tensors(model)
     frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]
     for tensor in frozen + list(model.buffers()):
         comm = mesh.expert_dp if id(tensor) in of_experts else mesh.dp

@@ -19,7 +19,7 @@ from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
-from zerotrain.moe.utils import is_moe_param
+from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
 from zerotrain.observability.metrics import StepMetrics
 from zerotrain.observability.monitor import MonitorMaster
@@ -455,11 +455,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         """See :meth:`consolidated_state_dict`; frozen values are kept on ``on_rank`` only (None:
         on every rank), see ``ShardGroup.untrained_state``."""
         masters = self.optimizer.full_master_params()
-        if self.expert_comm is not None:  # rank 0 gathers the other ranks' frozen experts
+        if self.expert_comm is not None:  # frozen experts are exchanged below: kept on all
             on_rank = None
         untrained = self.optimizer.untrained_state(self.module, exclude_frozen, on_rank=on_rank)
+        of_experts = expert_tensors(self.module)
         experts = {
-            n for n, p in self.module.named_parameters(remove_duplicate=False) if is_moe_param(p)
+            k for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in of_experts
         }
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
@@ -478,7 +479,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 out[key] = tensor.clone() if live else tensor
         if self.tensor_parallel is not None:
             out = self.tensor_parallel.full_state(out, self.module)
-        if self.expert_comm is not None:  # the other ranks' experts
+        if self.expert_comm is not None:  # the other expert-parallel ranks' experts
             mine = {k: v.cpu() for k, v in out.items() if k in experts}
             for theirs in self.expert_comm.all_gather_object(mine):
                 out.update(theirs)

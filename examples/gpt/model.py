@@ -201,4 +201,6 @@ class GPT(nn.Module):
         # loses the small probabilities that carry most of the loss.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         aux = [block.l_aux for block in self.blocks if block.l_aux is not None]
+        for block in self.blocks:
+            block.l_aux = None  # taken: do not keep its graph alive
         return loss + self.config.aux_loss_coef * sum(aux) if aux else loss

@@ -118,7 +118,8 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
     # a pipeline stage trains only its own layers, an expert-parallel rank its own experts: the
-    # others are the other ranks'
+    # others are the other ranks' (so a name in the checkpoint that no rank trains is not
+    # caught here)
     staged = getattr(engine, "num_stages", 1) > 1 or engine.expert_comm is not None
     unexpected = [] if staged else [n for n in saved if n not in model]
     if missing or unexpected:

@@ -171,7 +171,8 @@ def _write_rank_files(
         )
     # the buffers and frozen parameters of the other pipeline stages: in their first rank's
     # shard file (rank 0's, the first stage's, are module.safetensors)
-    writes_module = zero.comm.rank == 0 and tp_rank == 0
+    # one rank per set of module entries: a stage's, an expert-parallel rank's experts'
+    writes_module = zero.untrained_comm.rank == 0 and tp_rank == 0
     stage_module = writes_module and rank != 0
     if stage_module:
         entries += [tensor_entry(f"{MODULE_PREFIX}{key}", t) for key, t in untrained.items()]
@@ -338,7 +339,7 @@ def _commit(
         "stage": zero.policy.stage,
         "precision": zero.precision.name,
         "optimizer": type(store.optimizer).__name__,
-        "optimizer_state_keys": store.element_state_keys(),
+        "optimizer_state_keys": zero.element_state_keys(),
         "optimizer_groups": len(zero.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,

@@ -82,9 +82,12 @@ class Mesh:
     def axis(self, *axes: str) -> Communicator:
         """The communicator of this rank's group along ``axes`` (one, or several together: the
         model-parallel group of "pp" and "tp"); collective the first time."""
-        key = ",".join(a for a in AXES if a in axes)
+        self.axis_ranks(*axes)  # checks the names
+        # axes of size 1 change no group: ("dp", "ep") at ep 1 is the "dp" group, made once
+        wanted = [a for a in AXES if a in axes and self.sizes[a] > 1] or list(axes)
+        key = ",".join(a for a in AXES if a in wanted)
         if key not in self._groups:
-            groups = self.axis_ranks(*axes)
+            groups = self.axis_ranks(*wanted)
             # a group that spans every rank is the world itself: no new process group
             self._groups[key] = self.world if len(groups) == 1 else self.world.split(groups)
         return self._groups[key]

@@ -109,6 +109,7 @@ def dispatch_combine(
     for local in range(num_local):
         row, column = (slot_experts == local).nonzero(as_tuple=True)
         y = experts(local, rows[row])
-        out_rows = out_rows.index_add(0, row, y * slot_weights[row, column, None].to(y.dtype))
+        weighted = y * slot_weights[row, column, None].to(y.dtype)
+        out_rows = out_rows.index_add(0, row, weighted.to(out_rows.dtype))
     back = exchange(out_rows, comm, send_splits, recv_splits)
     return x.new_zeros(x.shape).index_add(0, unit_token, back.to(x.dtype))

@@ -25,7 +25,18 @@ from zerotrain.config import ConfigError
 from zerotrain.moe.dispatch import dispatch_combine
 from zerotrain.moe.gating import Routing, TopKGate
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "expert_tensors"]
+
+
+def expert_tensors(model: nn.Module) -> set[int]:
+    """``id`` of every parameter and buffer of ``model``'s experts (adapters added inside them
+    included): what lives on the ranks holding those experts only."""
+    return {
+        id(t)
+        for module in model.modules()
+        if isinstance(module, Experts)
+        for t in [*module.parameters(), *module.buffers()]
+    }
 
 
 class Experts(nn.Module):
@@ -141,10 +152,9 @@ class MoE(nn.Module):
             self.mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
 
-    def place(self, comm: Communicator, token_dedup: bool = False) -> None:
+    def place(self, comm: Communicator) -> None:
         """Run the experts over ``comm``, the expert-parallel group of this rank (``ep_size``
-        ranks): this rank's are numbered from ``comm.rank x num_experts / ep_size``.
-        ``token_dedup``: the config's ``moe.token_dedup`` (see dispatch.py)."""
+        ranks): this rank's are numbered from ``comm.rank x num_experts / ep_size``."""
         if comm.world_size != self.ep_size:
             raise ConfigError(
                 f"MoE: ep_size {self.ep_size}, but the expert-parallel group has "
@@ -153,7 +163,6 @@ class MoE(nn.Module):
         layer = self.deepspeed_moe
         layer.experts.renumber(comm.rank * layer.num_local_experts)
         layer.comm = comm
-        layer.dedup = token_dedup
 
     def forward(
         self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None

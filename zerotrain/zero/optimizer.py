@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import LossScaler
@@ -33,12 +34,13 @@ from zerotrain.zero.group import (
     ShardGroup,
     build_shard_group,
 )
-from zerotrain.zero.layout import FlatBucket, NamedParams
+from zerotrain.zero.layout import FlatBucket, NamedParams, ParamSlot
 from zerotrain.zero.memory import (
     ModelStateBytes,
     measured_model_states,
     model_state_bytes,
 )
+from zerotrain.zero.store import ShardStore
 
 __all__ = ["GroupedOptimizer", "ShardGroupSpec", "ZeroOptimizer"]
 
@@ -80,16 +82,28 @@ class ZeroOptimizer:
             for opts, groups, frozen in specs
         ]
         self._grouped = (
-            GroupedOptimizer([g.store.optimizer for g in self.groups], self._step_stores)
+            GroupedOptimizer([g.store for g in self.groups], self._step_stores)
             if len(self.groups) > 1
             else None
         )
 
     @property
     def group(self) -> ShardGroup:
-        """The first shard group: the dense parameters' (for inspection; what acts on the
-        optimizer's state goes through every group)."""
+        """The first shard group, the dense parameters'. Every group steps the same kind of
+        optimizer (the checkpoint manifest names it from this one); what acts on the state
+        goes through every group."""
         return self.groups[0]
+
+    @property
+    def untrained_comm(self) -> Communicator:
+        """The ranks holding the same frozen parameters and buffers as this one: the narrowest
+        group's (the experts', whose ranks hold other experts' buffers)."""
+        return min((g.comm for g in self.groups), key=lambda comm: comm.world_size)
+
+    def element_state_keys(self) -> list[str]:
+        """The optimizer's per-element state keys (Adam's moments) over every group, once
+        any group has stepped."""
+        return list(dict.fromkeys(k for g in self.groups for k in g.store.element_state_keys()))
 
     @property
     def num_params(self) -> int:
@@ -105,13 +119,17 @@ class ZeroOptimizer:
         """Whether parameters are partitioned (stage 3)."""
         return self.groups[0].residency.shards_params
 
+    def slots(self) -> list[ParamSlot]:
+        """Every trained parameter's slot, group by group, bucket by bucket."""
+        return [s for g in self.groups for b in g.buckets for s in b.slots]
+
     def trained_params(self) -> list[nn.Parameter]:
         """The parameters the groups train, each once."""
-        return [s.param for g in self.groups for b in g.buckets for s in b.slots]
+        return [s.param for s in self.slots()]
 
     def trained_names(self) -> dict[int, str]:
         """``id(param) -> name`` of every trained parameter (tied ones under one name)."""
-        return {k: v for g in self.groups for k, v in g.trained_names().items()}
+        return {id(s.param): s.name for s in self.slots()}
 
     def holds_whole_during_step(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is whole throughout forward and backward (at stage 3 only the
@@ -126,7 +144,8 @@ class ZeroOptimizer:
     def take_assigned_grads(self, params: list[nn.Parameter]) -> None:
         """Take gradients assigned to ``.grad`` (not accumulated through autograd's hooks)."""
         for group in self.groups:
-            group.reduction.take_assigned_grads(params)
+            mine = set(group.trained_names())
+            group.reduction.take_assigned_grads([p for p in params if id(p) in mine])
 
     def restrict(self, keep: Callable[[nn.Parameter], bool] | None) -> None:
         """Reduce, in the backwards from now on, only the buckets whose parameters ``keep``
@@ -166,7 +185,7 @@ class ZeroOptimizer:
         return {
             "world_size": self.comm.world_size,
             "stage": self.policy.stage,  # recorded, to name the layout in errors
-            "master_numels": [g.store.master_numels() for g in self.groups],
+            "master_numels": [n for g in self.groups for n in g.store.master_numels()],
         }
 
     def state_dict(self) -> dict:
@@ -189,8 +208,9 @@ class ZeroOptimizer:
     def _optimizer_state_dict(self) -> dict:
         """The torch optimizer's state dict (several groups': ``{"optimizers": [...]}``), each
         store settled first."""
-        states = [g.store.optimizer_state_dict() for g in self.groups]
-        return {"optimizers": states} if self._grouped is not None else states[0]
+        if self._grouped is not None:
+            return self._grouped.state_dict()
+        return self.groups[0].store.optimizer_state_dict()
 
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
         """Restore :meth:`state_dict`'s output (collective: the parameters are refreshed)."""
@@ -204,13 +224,14 @@ class ZeroOptimizer:
                 "engine.save_checkpoint / load_checkpoint"
             )
         masters = iter(state_dict["masters"])
-        states = state_dict["optimizer"]
-        states = states["optimizers"] if self._grouped is not None else [states]
-        for group, state in zip(self.groups, states, strict=True):
+        for group in self.groups:
             for index in range(len(group.buckets)):
                 group.store.write_state(index, "master", next(masters))
-            if load_optimizer_states:
-                group.store.load_optimizer_state_dict(state)
+        if load_optimizer_states:
+            if self._grouped is not None:
+                self._grouped.load_state_dict(state_dict["optimizer"])
+            else:
+                self.groups[0].store.load_optimizer_state_dict(state_dict["optimizer"])
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = state_dict["skipped_steps"]
         self.publish_params()
@@ -468,25 +489,24 @@ class ZeroOptimizer:
 
 
 class GroupedOptimizer(torch.optim.Optimizer):
-    """Several torch optimizers as one, for LR schedulers and users: their param groups in
-    order (the same dicts: a learning rate set here is theirs), their states together; ``step``
-    steps the shard groups (see [Note: several shard groups])."""
+    """The torch optimizers of several stores as one, for LR schedulers and users: their
+    param groups in order (the same dicts: a learning rate set here is theirs), a merged view
+    of their states; ``step`` steps the shard groups (see [Note: several shard groups])."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], step: Callable[[], None]):
+    def __init__(self, stores: list[ShardStore], step: Callable[[], None]):
         # not torch's __init__: the parameters and their state are the member optimizers'
-        self.optimizers = optimizers
-        self.defaults = optimizers[0].defaults
+        self.stores = stores
+        self.defaults = stores[0].optimizer.defaults
         self._step = step
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
-        return [group for o in self.optimizers for group in o.param_groups]
+        return [group for store in self.stores for group in store.optimizer.param_groups]
 
     @property
     def state(self) -> dict:  # type: ignore[override]
-        return {k: v for o in self.optimizers for k, v in o.state.items()}
+        """A merged copy, for reading: the states live in the member optimizers."""
+        return {k: v for store in self.stores for k, v in store.optimizer.state.items()}
 
     def step(self, closure=None) -> None:  # type: ignore[override]
         if closure is not None:
@@ -494,15 +514,21 @@ class GroupedOptimizer(torch.optim.Optimizer):
         self._step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none)
+        for store in self.stores:
+            store.optimizer.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:  # type: ignore[override]
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+        return {"optimizers": [store.optimizer_state_dict() for store in self.stores]}
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        for optimizer, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
+        for store, state in zip(self.stores, state_dict["optimizers"], strict=True):
+            store.load_optimizer_state_dict(state)
+
+    def register_step_pre_hook(self, hook):  # type: ignore[override]
+        raise NotImplementedError("step hooks on several shard groups' optimizer: not supported")
+
+    register_step_post_hook = register_step_pre_hook  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"GroupedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
+        names = ", ".join(type(store.optimizer).__name__ for store in self.stores)
+        return f"GroupedOptimizer({names})"
