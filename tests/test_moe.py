@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_distributed
 from models import relative_error
+from safetensors.torch import load_file
 from torch import nn
 
 from zerotrain.comm import Communicator
@@ -427,6 +428,7 @@ def save_and_load_moe(directory: str, layouts: list[tuple[int, int]]) -> dict:
     batches = moe_batches(4)
     run_moe(engine, batches[:2])
     engine.save_checkpoint(directory, tag="ep2")
+    engine.save_16bit_model(directory, "model.safetensors")  # every expert, by index
     out = {"saved": engine.consolidated_state_dict()}
     run_moe(engine, batches[2:])
     out[2, 2] = engine.consolidated_state_dict()
@@ -445,9 +447,13 @@ def save_and_load_moe(directory: str, layouts: list[tuple[int, int]]) -> dict:
 
 def test_checkpoints_of_experts_load_at_other_expert_parallel_sizes(tmp_path):
     """Experts are saved by their index: saved at ep 2 x dp 2, loaded at ep 4 (stage 3), ep 1
-    (stage 1) and in one process; the weights bit for bit, the next step within 1e-6."""
+    (stage 1) and in one process; the weights bit for bit, the next step within 1e-6; and
+    save_16bit_model's file is the whole model, every expert in it."""
     results = run_distributed(save_and_load_moe, 4, str(tmp_path), [(4, 3), (1, 1)])
     continued = results[0][2, 2]
+    exported = MoEModel()  # save_16bit_model's file loads into the model with every expert
+    exported.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    assert all(torch.equal(v, results[0]["saved"][k]) for k, v in exported.state_dict().items())
     engine = moe_engine(1, 0)  # one process, the global batch of four ranks accumulated
     for module in engine.module.modules():
         if isinstance(module, Scale):
