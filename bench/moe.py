@@ -1,5 +1,6 @@
 """A Mixture-of-Experts GPT on 4 processes: zerotrain's expert parallelism (ep 1, 2 and 4, with
-and without token deduplication) against DeepSpeed-MoE on the same job, in one run.
+and without token deduplication and chunked overlap) against DeepSpeed-MoE on the same job, in
+one run.
 
     python bench/moe.py [--model tiny] [--experts 8] [--k 2] [--steps 3] [--warmup 1]
                         [--rows ep1 ep2 ep2-dedup ep4 ep4-dedup deepspeed-ep1 deepspeed-ep2 ...]
@@ -13,7 +14,8 @@ row; gloo, fp32, CPU, ZeRO stage 1, clipping at 1.0), from the same data, and re
 - what a capacity-padded dispatch (DeepSpeed's) moves for the same layers: every layer sends
   experts x capacity x width values each way, in forward and in backward;
 - the exposed all-to-all time: the seconds a step waits on its all-to-alls (zerotrain's
-  count), a share of the step;
+  count), a share of the step; `-overlap` rows exchange each layer's tokens in 4 chunks in
+  flight (moe.overlap_chunks), so one chunk's all-to-all runs while another's experts compute;
 - the loss after the last step (the rows with equal ep and gating train the same model).
 `deepspeed-*` rows build the same GPT with `deepspeed.moe.layer.MoE` (DeepSpeed's engine,
 ZeRO stage 1, its param groups split with split_params_into_different_moe_groups_for_optimizer)
@@ -51,14 +53,18 @@ class Row(NamedTuple):
     system: str  # zerotrain, deepspeed
     ep: int
     dedup: bool = False
+    chunks: int = 1  # moe.overlap_chunks
 
 
 ROWS = {
     "ep1": Row("zerotrain", 1),
     "ep2": Row("zerotrain", 2),
     "ep2-dedup": Row("zerotrain", 2, dedup=True),
+    "ep2-overlap": Row("zerotrain", 2, chunks=4),
     "ep4": Row("zerotrain", 4),
     "ep4-dedup": Row("zerotrain", 4, dedup=True),
+    "ep4-overlap": Row("zerotrain", 4, chunks=4),
+    "ep4-dedup-overlap": Row("zerotrain", 4, dedup=True, chunks=4),
     "deepspeed-ep1": Row("deepspeed", 1),
     "deepspeed-ep2": Row("deepspeed", 2),
     "deepspeed-ep4": Row("deepspeed", 4),
@@ -101,7 +107,11 @@ def engine_config(args, row: Row) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 1},
         "steps_per_print": 10**6,
-        **({"moe": {"token_dedup": row.dedup}} if row.system == "zerotrain" else {}),
+        **(
+            {"moe": {"token_dedup": row.dedup, "overlap_chunks": row.chunks}}
+            if row.system == "zerotrain"
+            else {}
+        ),
     }
 
 

@@ -231,7 +231,7 @@ def test_defaults_match_deepspeed() -> None:
         "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
         "tensor_parallel": {"autotp_size": 1, "tp_plan": None, "sequence_parallel": False},
         "pipeline": {"schedule": "1f1b"},
-        "moe": {"token_dedup": False},  # zerotrain's
+        "moe": {"token_dedup": False, "overlap_chunks": 1},  # zerotrain's
         "activation_checkpointing": None,
         "comms_logger": {
             "enabled": False,

@@ -193,24 +193,26 @@ def test_optimizer_groups_split_experts_by_group_name():
 
 
 # -- expert parallelism on 4 ranks ----------------------------------------------------------------
-EP_CASES = [  # (ep, k, drop tokens, deduplicate)
-    (2, 1, False, False),
-    (4, 2, False, False),
-    (4, 2, False, True),
-    (2, 2, True, True),
+EP_CASES = [  # (ep, k, drop tokens, deduplicate, chunks)
+    (2, 1, False, False, 1),
+    (4, 2, False, False, 1),
+    (4, 2, False, True, 1),
+    (2, 2, True, True, 1),
+    (2, 1, False, False, 3),
+    (4, 2, False, True, 2),
 ]
 
 
-def expert_parallel(cases: list[tuple[int, int, bool, bool]]) -> list[dict]:
+def expert_parallel(cases: list[tuple[int, int, bool, bool, int]]) -> list[dict]:
     """Each case: the layer at ``ep`` (groups of neighbouring ranks) and one process's copy of
     every expert on this rank's tokens; what differs, and the all-to-all bytes."""
     world = Communicator()
     out = []
-    for ep, k, drop, dedup in cases:
+    for ep, k, drop, dedup, chunks in cases:
         comm = world.split([list(range(r, r + ep)) for r in range(0, world.world_size, ep)])
         reference, layer = moe(1, k, drop), moe(ep, k, drop)
         layer.place(comm)
-        layer.deepspeed_moe.dedup = dedup
+        layer.deepspeed_moe.dedup, layer.deepspeed_moe.chunks = dedup, chunks
         missing, _ = layer.load_state_dict(reference.state_dict(), strict=False)
         assert not missing, missing
         x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(world.rank))
@@ -240,14 +242,14 @@ def expert_parallel(cases: list[tuple[int, int, bool, bool]]) -> list[dict]:
             {
                 "errors": errors,
                 "stats": stats,
-                "want": expected_bytes(layer, comm, dedup),
+                "want": expected_bytes(layer, comm, dedup, chunks),
                 "duplicates": remote_duplicates(layer, comm) if k == 2 else None,
             }
         )
     return out
 
 
-def expected_bytes(layer: MoE, comm, dedup: bool) -> dict[str, tuple[int, int]]:
+def expected_bytes(layer: MoE, comm, dedup: bool, chunks: int) -> dict[str, tuple[int, int]]:
     """Payload and bytes sent by this rank in one forward and backward per all-to-all kind, from
     the routing (see [Note: dispatch by units]): U units sent, R received. Hidden states (fp32)
     go there and back in forward, and again in backward: 2 (U + R) x width x 4 bytes. The
@@ -264,10 +266,10 @@ def expected_bytes(layer: MoE, comm, dedup: bool) -> dict[str, tuple[int, int]]:
     received = [every[comm.rank] for every in comm.all_gather_object(sends)]
     both, remote = sum(sends) + sum(received), sum(sends) + sum(received) - 2 * sends[comm.rank]
     hidden, slots = 2 * WIDTH * 4, (routing.experts.shape[1] if dedup else 1) * 2 * 4
-    counts = comm.world_size * 8
+    counts = comm.world_size * chunks * 8  # per rank and chunk
     return {
         "all_to_all": (both * hidden, remote * hidden),
-        "all_to_all_metadata": (both * slots + counts, remote * slots + counts - 8),
+        "all_to_all_metadata": (both * slots + counts, remote * slots + counts - chunks * 8),
     }
 
 
@@ -284,9 +286,10 @@ def remote_duplicates(layer: MoE, comm) -> int:
 
 def test_expert_parallel_matches_every_expert_in_one_process():
     """ep 2 (top-1) and ep 4 (top-2), dropless; top-2 with deduplication, dropless at ep 4 and
-    with dropped tokens at ep 2: outputs, input and gate gradients as one process computes
-    them on this rank's tokens, each expert's gradient the sum over its ep group's tokens, and
-    the all-to-all bytes as the routing predicts."""
+    with dropped tokens at ep 2; the tokens in 3 and 2 chunks in flight (overlap): outputs,
+    input and gate gradients as one process computes them on this rank's tokens, each
+    expert's gradient the sum over its ep group's tokens, and the all-to-all bytes as the
+    routing predicts (the same units whatever the chunks)."""
     for rank_results in run_distributed(expert_parallel, 4, EP_CASES):
         for case, result in zip(EP_CASES, rank_results, strict=True):
             assert max(result["errors"].values()) < 1e-5, (case, result["errors"])
@@ -297,7 +300,7 @@ def test_deduplication_sends_each_token_once_per_rank():
     """Top-2 at ep 4: the hidden-state bytes saved are exactly the duplicate (token, rank)
     pairs', sent by a rank or to it, each counted twice (the token's way in forward and its
     gradient's in backward, or the expert output's and its gradient's)."""
-    cases = [(4, 2, False, False), (4, 2, False, True)]
+    cases = [(4, 2, False, False, 1), (4, 2, False, True, 1)]
     results = run_distributed(expert_parallel, 4, cases)
     for plain, dedup in results:
         saved = plain["stats"]["all_to_all"][1] - dedup["stats"]["all_to_all"][1]
@@ -358,13 +361,14 @@ def moe_model(ep: int) -> MoEModel:
     return model
 
 
-def moe_engine(ep: int, stage: int, ranks: int = 4, dedup: bool = False):
+def moe_engine(ep: int, stage: int, ranks: int = 4, dedup: bool = False, chunks: int = 1):
     """An engine for MoEModel at ``ep`` and ZeRO ``stage``, its global batch that of ``ranks``
     data-parallel ranks accumulating ACCUM micro-batches."""
     import zerotrain
 
     zero = {**MOE_CONFIG["zero_optimization"], "stage": stage}
-    config = {**MOE_CONFIG, "zero_optimization": zero, "moe": {"token_dedup": dedup}}
+    moe_section = {"token_dedup": dedup, "overlap_chunks": chunks}
+    config = {**MOE_CONFIG, "zero_optimization": zero, "moe": moe_section}
     del config["gradient_accumulation_steps"]
     config["train_batch_size"] = MICRO * ACCUM * ranks
     return zerotrain.initialize(model=moe_model(ep), config=config)[0]
@@ -385,8 +389,14 @@ def train_moe(cases: list[tuple]) -> dict:
     micro-batches."""
     out = {}
     for case in cases:
-        ep, stage, *dedup = case
-        engine = moe_engine(ep, stage, ranks=Communicator().world_size, dedup=bool(dedup))
+        ep, stage, *options = case
+        engine = moe_engine(
+            ep,
+            stage,
+            ranks=Communicator().world_size,
+            dedup="token_dedup" in options,
+            chunks=2 if "overlap_chunks" in options else 1,
+        )
         run_moe(engine, moe_batches(engine.dp_world_size))
         memory = engine.memory_breakdown()
         out[ep, stage] = (
@@ -407,12 +417,20 @@ def test_the_engine_trains_an_moe_whose_experts_are_on_every_rank():
 
 def test_expert_parallel_training_matches_one_process():
     """ep 2 and 4 over 4 data-parallel ranks, ZeRO stages 0-3 (and the config's token
-    deduplication at ep 4, stage 1): the experts' parameters are a
+    deduplication at ep 4, stage 1, and overlap in 2 chunks at ep 2, stage 3): the experts'
+    parameters are a
     second shard group over the ranks holding the same experts, their gradients averaged over
     all four; the same weights as one process running every expert, and model states as the
     ZeRO formula over each group's ranks."""
     want = moe_reference(4)
-    cases = [(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 2), (4, 3), (4, 1, "token_dedup")]
+    cases = [
+        *[(2, stage) for stage in range(4)],
+        (4, 0),
+        (4, 2),
+        (4, 3),
+        (4, 1, "token_dedup"),
+        (2, 3, "overlap_chunks"),
+    ]
     for per_rank in run_distributed(train_moe, 4, cases):
         for case, (state, states_vs_formula) in per_rank.items():
             assert state.keys() == want.keys(), case

@@ -146,6 +146,7 @@ def initialize(
     for layer in model.modules():
         if isinstance(layer, MoE):
             layer.deepspeed_moe.dedup = cfg.moe.token_dedup
+            layer.deepspeed_moe.chunks = cfg.moe.overlap_chunks
             if mesh.sizes["ep"] > 1:  # else every expert is local: nothing to exchange
                 layer.place(mesh.axis("ep"))
     tensor_parallel = _tensor_parallel(model, cfg, mesh)

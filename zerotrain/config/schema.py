@@ -456,6 +456,10 @@ class MoEConfig(Section):
     """Send a token to a rank once, whichever of its top-k experts there take it, and bring
     it back once, summed (HierMoE's token deduplication): fewer all-to-all bytes with top-2
     routing, the same numerics."""
+    overlap_chunks: PositiveInt = 1
+    """Split each layer's tokens into this many parts and exchange them asynchronously, so
+    that one part's all-to-all overlaps another's expert compute, in forward and in backward
+    (FSMoE's pipelining); 1: one exchange each way. The same numerics."""
 
 
 class PipelineConfig(Section):

@@ -77,6 +77,7 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_experts // ep_size
         self.comm: Communicator | None = None  # the expert-parallel group, once placed
         self.dedup = False  # HierMoE's token deduplication (moe.token_dedup; see dispatch.py)
+        self.chunks = 1  # parts whose exchanges overlap expert compute (moe.overlap_chunks)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.routing: Routing | None = None
@@ -91,7 +92,13 @@ class MOELayer(nn.Module):
         routing = self.gate(tokens)
         self.routing, self.l_aux, self.exp_counts = routing, routing.l_aux, routing.exp_counts
         out = dispatch_combine(
-            tokens, routing, self.experts.run, self.num_local_experts, self.comm, self.dedup
+            tokens,
+            routing,
+            self.experts.run,
+            self.num_local_experts,
+            self.comm,
+            self.dedup,
+            self.chunks,
         )
         return out.reshape(hidden.shape)
 
