@@ -284,25 +284,35 @@ def remote_duplicates(layer: MoE, comm) -> int:
     return sum(per_rank) + received - 2 * per_rank[comm.rank]
 
 
-def test_expert_parallel_matches_every_expert_in_one_process():
+@pytest.fixture(scope="module")
+def expert_parallel_runs() -> list[list[dict]]:
+    """Every rank's results of EP_CASES, in one spawn."""
+    return run_distributed(expert_parallel, 4, EP_CASES)
+
+
+def test_expert_parallel_matches_every_expert_in_one_process(expert_parallel_runs):
     """ep 2 (top-1) and ep 4 (top-2), dropless; top-2 with deduplication, dropless at ep 4 and
     with dropped tokens at ep 2; the tokens in 3 and 2 chunks in flight (overlap): outputs,
     input and gate gradients as one process computes them on this rank's tokens, each
     expert's gradient the sum over its ep group's tokens, and the all-to-all bytes as the
     routing predicts (the same units whatever the chunks)."""
-    for rank_results in run_distributed(expert_parallel, 4, EP_CASES):
+    for rank_results in expert_parallel_runs:
         for case, result in zip(EP_CASES, rank_results, strict=True):
             assert max(result["errors"].values()) < 1e-5, (case, result["errors"])
             assert result["stats"] == result["want"], case
 
 
-def test_deduplication_sends_each_token_once_per_rank():
-    """Top-2 at ep 4: the hidden-state bytes saved are exactly the duplicate (token, rank)
-    pairs', sent by a rank or to it, each counted twice (the token's way in forward and its
-    gradient's in backward, or the expert output's and its gradient's)."""
-    cases = [(4, 2, False, False, 1), (4, 2, False, True, 1)]
-    results = run_distributed(expert_parallel, 4, cases)
-    for plain, dedup in results:
+def test_deduplication_sends_each_token_once_per_rank(expert_parallel_runs):
+    """Top-2 at ep 4 (the same tokens with and without): the hidden-state bytes saved are
+    exactly the duplicate (token, rank) pairs', sent by a rank or to it, each counted twice
+    (the token's way in forward and its gradient's in backward, or the expert output's and its
+    gradient's)."""
+    plain_case, dedup_case = (
+        EP_CASES.index((4, 2, False, False, 1)),
+        EP_CASES.index((4, 2, False, True, 1)),
+    )
+    for rank_results in expert_parallel_runs:
+        plain, dedup = rank_results[plain_case], rank_results[dedup_case]
         saved = plain["stats"]["all_to_all"][1] - dedup["stats"]["all_to_all"][1]
         assert saved == 2 * plain["duplicates"] * WIDTH * 4 and saved > 0
 
