@@ -46,9 +46,9 @@ ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]  # (local expert, rows) -
 
 class _Transfer:
     """One all-to-all in flight and its reverse in backward: what the start and the wait of
-    :func:`start_exchange` share."""
+    an :class:`Exchange` share."""
 
-    def __init__(self, comm: Communicator, out_splits: list[int], in_splits: list[int], name):
+    def __init__(self, comm: Communicator, out_splits: list[int], in_splits: list[int], name: str):
         self.comm, self.out_splits, self.in_splits, self.name = comm, out_splits, in_splits, name
         self.op: PendingOp | None = None
         self.back: torch.Tensor | None = None  # the reverse exchange's buffer, in backward
