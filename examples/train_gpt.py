@@ -64,6 +64,18 @@ def parse_args() -> argparse.Namespace:
         help="with --experts: ranks the experts are spread over (expert parallelism; ZeRO "
         "shards each expert over the world size / ep ranks holding it)",
     )
+    parser.add_argument(
+        "--moe-dedup",
+        action="store_true",
+        help="with --experts: send a token to a rank once for all its experts there",
+    )
+    parser.add_argument(
+        "--moe-overlap",
+        type=int,
+        default=1,
+        help="with --experts: exchange each MoE layer's tokens in this many parts, overlapping "
+        "the all-to-all with expert compute",
+    )
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--model", choices=sorted(PRESETS), default="demo", help="GPT preset")
@@ -117,6 +129,7 @@ def parse_args() -> argparse.Namespace:
         "tp",
         "pp",
         "ep",
+        "moe_overlap",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -153,6 +166,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
         "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": args.sequence_parallel},
+        "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
         "checkpoint": {"keep_last": 2},
         # profile: the summary reports the time spent recomputing
         **(

@@ -1,18 +1,12 @@
-"""Two nodes on one machine, for real: two network namespaces joined by a veth pair, one
-`zerotrain run` (torchrun's agent) in each, rendezvous and collectives over the veth link.
-
-Each namespace has only its loopback and its end of the veth, so ranks of different nodes can
-reach each other only across that link (rate-limited with `tc` here, as a slow network would
-be). The namespaces and the link exist only while a test runs: the fixture deletes them, which
-removes the veth pair too. Needs root and iproute2; skipped otherwise.
+"""Two nodes on one machine, for real: two network namespaces joined by a rate-limited veth
+pair (tests/netns.py), one `zerotrain run` (torchrun's agent) in each, rendezvous and
+collectives over the veth link. The namespaces exist only while a test runs. Needs root and
+iproute2; skipped otherwise.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,91 +14,17 @@ from pathlib import Path
 
 import pytest
 from launched import output_or_kill
-
-ROOT = Path(__file__).resolve().parents[1]
-SUBNET = "10.213.{}.{}"  # inside the test's namespaces only
+from netns import ROOT, available, two_namespaces
 
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="needs root and iproute2 (ip, tc) to make network namespaces",
+    not available(), reason="needs root and iproute2 (ip, tc) to make network namespaces"
 )
-
-
-class Node:
-    """One namespace: its name, the address of its end of the veth, and that interface."""
-
-    def __init__(self, name: str, address: str, interface: str):
-        self.name, self.address, self.interface = name, address, interface
-
-    def advertised(self, host: bool) -> list[str]:
-        """torchrun options for an elastic (c10d) rendezvous from this namespace."""
-        return ["--local-addr", self.address, "--rdzv-conf", f"is_host={int(host)}"]
-
-    def kill_everything(self) -> None:
-        """SIGKILL every process in the namespace (torchrun's workers have sessions of their
-        own, so a process group is not enough)."""
-        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True)
-        for pid in pids.stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def run(self, *args: str, **popen) -> subprocess.Popen:
-        """``zerotrain run ARGS`` inside the namespace, in its own process group."""
-        env = {
-            **os.environ,
-            "GLOO_SOCKET_IFNAME": self.interface,  # the link to the other node
-            "PYTHONUNBUFFERED": "1",
-        }
-        command = ["ip", "netns", "exec", self.name, sys.executable, "-m", "zerotrain.cli"]
-        return subprocess.Popen(
-            [*command, "run", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            **popen,
-        )
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
 @pytest.fixture
 def two_nodes():
-    tag = os.getpid() % 10_000  # concurrent runs of the suite get their own names
-    names = [f"zt{tag}n{i}" for i in range(2)]
-    interfaces = [f"zt{tag}v{i}" for i in range(2)]
-    subnet = tag % 250
-    nodes = [
-        Node(n, SUBNET.format(subnet, i + 1), v)
-        for i, (n, v) in enumerate(zip(names, interfaces, strict=True))
-    ]
-    try:
-        for node in nodes:
-            _ip("netns", "add", node.name)
-            _ip("-n", node.name, "link", "set", "lo", "up")
-        _ip("link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1])
-        for node in nodes:
-            _ip("link", "set", node.interface, "netns", node.name)
-            _ip("-n", node.name, "addr", "add", f"{node.address}/24", "dev", node.interface)
-            _ip("-n", node.name, "link", "set", node.interface, "up")
-            # a slow link: 200 Mbit/s each way
-            subprocess.run(
-                ["ip", "netns", "exec", node.name, "tc", "qdisc", "add", "dev", node.interface]
-                + ["root", "tbf", "rate", "200mbit", "burst", "256kb", "latency", "100ms"],
-                check=True,
-                capture_output=True,
-            )
+    with two_namespaces("200mbit") as nodes:  # a slow link: 200 Mbit/s each way
         yield nodes
-    finally:
-        for node in nodes:
-            node.kill_everything()  # nothing outlives the test inside its namespaces
-            subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
 
 
 def _finish(process: subprocess.Popen, timeout: float = 240) -> str:
