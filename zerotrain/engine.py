@@ -453,17 +453,14 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self, dtype: torch.dtype, exclude_frozen: bool, on_rank: int | None = None
     ) -> dict[str, torch.Tensor]:
         """See :meth:`consolidated_state_dict`; frozen values are kept on ``on_rank`` only (None:
-        on every rank), see ``ShardGroup.untrained_state``."""
+        on every rank), see ``ZeroOptimizer.untrained_state``."""
         masters = self.optimizer.full_master_params()
         if self.expert_comm is not None:  # frozen experts are exchanged below: kept on all
             on_rank = None
         untrained = self.optimizer.untrained_state(self.module, exclude_frozen, on_rank=on_rank)
-        of_experts = expert_tensors(self.module)
-        experts = {
-            k for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in of_experts
-        }
+        entries = self.module.state_dict(keep_vars=True)
         out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
+        for key, value in entries.items():
             if id(value) in masters:
                 tensor, live = masters[id(value)], True  # it may be the optimizer's own master
             elif key in untrained:
@@ -480,7 +477,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         if self.tensor_parallel is not None:
             out = self.tensor_parallel.full_state(out, self.module)
         if self.expert_comm is not None:  # the other expert-parallel ranks' experts
-            mine = {k: v.cpu() for k, v in out.items() if k in experts}
+            of_experts = expert_tensors(self.module)
+            mine = {k: v.cpu() for k, v in out.items() if id(entries.get(k)) in of_experts}
             for theirs in self.expert_comm.all_gather_object(mine):
                 out.update(theirs)
         return out

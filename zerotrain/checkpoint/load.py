@@ -111,9 +111,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     split = split_params(engine)
     model = {
         s.name: tuple(split[s.name].whole_shape(s.shape) if s.name in split else s.shape)
-        for g in zero.groups
-        for b in g.buckets
-        for s in b.slots
+        for s in zero.slots()
     }
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]

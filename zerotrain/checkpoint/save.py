@@ -261,12 +261,10 @@ def tensor_parallel_rank(engine: TrainingState) -> int:
 def split_params(engine: TrainingState) -> dict[str, TPShard]:
     """Trainable parameters by name that tensor parallelism split, with their split."""
     found = {}
-    for group in engine.optimizer.groups:
-        for bucket in group.buckets:
-            for slot in bucket.slots:
-                shard = shard_of(slot.param)
-                if shard is not None:
-                    found[slot.name] = shard
+    for slot in engine.optimizer.slots():
+        shard = shard_of(slot.param)
+        if shard is not None:
+            found[slot.name] = shard
     return found
 
 

@@ -14,7 +14,7 @@ once. With several stages per rank (interleaved, ZBV), the boundary is the last 
 stage that finishes last, and each backward reduces (at stage 2) only the buckets of its own
 stage: buckets never mix the stages' parameters. ZBV's weight-gradient steps are backwards the
 engine opens itself ([Note: the weight-gradient step] in comm/pipeline.py). Stage 3 is refused:
-its gather order assumes one forward then one backward per micro-batch, which 1F1B breaks.
+with many micro-batches per step it does not pay (see docs/parallelism.md, "Not yet").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class PipelineEngine(ZeroTrainEngine):
         self._schedule = None  # built at the first batch (shapes are inferred then)
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
-        self._chunks_of: dict[int, tuple[int, ...]] = {}  # id(param) -> the chunks using it
+        self._chunk_scopes: list[list[list[int]]] = []  # per chunk: the buckets it reduces
         self._chunk_params: list[list[nn.Parameter]] = []  # per chunk: its trained parameters
         self._chunks_done = 0  # chunks whose last backward of this step has begun
         # the forwards and backwards this rank ran in the last train_batch / eval_batch, in
@@ -142,7 +142,9 @@ class PipelineEngine(ZeroTrainEngine):
                 raise ValueError("PipelineModule(loss_fn=...) is required to train it")
             chunks = range(module.stages_per_rank)
             chunks_of = module.chunks_of()
-            self._chunks_of = chunks_of
+            self._chunk_scopes = [
+                self.optimizer.scope(lambda p, c=c: c in chunks_of[id(p)]) for c in chunks
+            ]
             trained = [p for p in module.parameters() if p.requires_grad]
             self._chunk_params = [[p for p in trained if c in chunks_of[id(p)]] for c in chunks]
             runs = [
@@ -186,8 +188,7 @@ class PipelineEngine(ZeroTrainEngine):
         chunks = len(self._chunk_params)
         self.set_gradient_accumulation_boundary(self._chunks_done == chunks)
         if chunks > 1:
-            chunks_of = self._chunks_of
-            self.optimizer.restrict(lambda param: chunk in chunks_of[id(param)])
+            self.optimizer.restrict(self._chunk_scopes[chunk])
         if self._fp16_scaled():
             self._backward.user_scaled = True
 

@@ -169,13 +169,10 @@ class PipelineModule(nn.Module):
         self._specs = list(layers)
         self.parts = partition(self._specs, num_stages * stages_per_rank, partition_method)
         self.tied_modules = nn.ModuleDict()
-        # tied keys whose layers run on several pipeline ranks: [Note: tied layers across stages]
-        self.tied_stages: dict[str, list[int]] = {}
-        self._chunks_of_key: dict[str, set[int]] = {}  # tied key -> this rank's chunks using it
         self._stages_of_key: dict[str, set[int]] = {}  # tied key -> the stages using it
         for index, spec in enumerate(self._specs):
             if isinstance(spec, TiedLayerSpec):
-                self._note_tie(spec.key, {stage_of(self.parts, index)})
+                self._stages_of_key.setdefault(spec.key, set()).add(stage_of(self.parts, index))
         self._runs: list[list[Callable[[Any], Any]]] = []  # per chunk
         for stage in self.stages:
             runs = []
@@ -227,22 +224,19 @@ class PipelineModule(nn.Module):
             chunk = self.stages.index(stage_of(self.parts, int(name)))
             out.update({id(p): (chunk,) for p in module.parameters()})
         for key, module in self.tied_modules.items():
-            out.update(
-                {id(p): tuple(sorted(self._chunks_of_key[key])) for p in module.parameters()}
-            )
+            mine = [s for s in self._stages_of_key[key] if s in self.stages]
+            chunks = tuple(sorted(self.stages.index(s) for s in mine))
+            out.update({id(p): chunks for p in module.parameters()})
         return out
 
-    def _note_tie(self, key: str, stages: set[int]) -> None:
-        """Record that the layers of ``stages`` (and of those noted before) share the tied
-        module ``key``."""
-        every = self._stages_of_key.setdefault(key, set())
-        every.update(stages)
-        ranks = {self.rank_of(s) for s in every}
-        if len(ranks) > 1:
-            self.tied_stages[key] = sorted(ranks)
-        mine = {self.stages.index(s) for s in every if s in self.stages}
-        if mine:
-            self._chunks_of_key[key] = mine
+    @property
+    def tied_stages(self) -> dict[str, list[int]]:
+        """The tied keys whose layers run on several pipeline ranks, with those ranks (see
+        [Note: tied layers across stages])."""
+        ranks = {
+            key: {self.rank_of(s) for s in stages} for key, stages in self._stages_of_key.items()
+        }
+        return {key: sorted(r) for key, r in sorted(ranks.items()) if len(r) > 1}
 
     def tie_parameter(self, name: str, param: nn.Parameter, stages: set[int]) -> None:
         """Make ``param``, which the layers of several ``stages`` hold (``name``: its name in
@@ -255,7 +249,7 @@ class PipelineModule(nn.Module):
             if key not in self.tied_modules:
                 self.tied_modules[key] = nn.Module()
             self.tied_modules[key].register_parameter(attr, param)
-        self._note_tie(key, stages)
+        self._stages_of_key.setdefault(key, set()).update(stages)
 
     def tie_across_stages(self, mesh: Mesh) -> dict[int, Communicator]:
         """Make a group per tied key over the stages that hold it (one for each position on the
@@ -263,7 +257,7 @@ class PipelineModule(nn.Module):
         return ``id(parameter) -> group`` for this rank's copies: their gradients are summed
         over it (see [Note: tied layers across stages])."""
         groups: dict[int, Communicator] = {}
-        for key, stages in sorted(self.tied_stages.items()):  # the same order on every rank
+        for key, stages in self.tied_stages.items():  # sorted: the same order on every rank
             # each pipeline (the stages at one position of the other axes): its tied stages
             rank_lists = [[ranks[s] for s in stages] for ranks in mesh.axis_ranks("pp")]
             comm = mesh.world.subgroups(rank_lists)

@@ -81,6 +81,7 @@ class ZeroOptimizer:
             build_shard_group(model, groups, make_optimizer, opts, owner=self, frozen=frozen)
             for opts, groups, frozen in specs
         ]
+        self._trained_ids = [set(g.trained_names()) for g in self.groups]
         self._grouped = (
             GroupedOptimizer([g.store for g in self.groups], self._step_stores)
             if len(self.groups) > 1
@@ -143,20 +144,21 @@ class ZeroOptimizer:
 
     def take_assigned_grads(self, params: list[nn.Parameter]) -> None:
         """Take gradients assigned to ``.grad`` (not accumulated through autograd's hooks)."""
-        for group in self.groups:
-            mine = set(group.trained_names())
+        for group, mine in zip(self.groups, self._trained_ids, strict=True):
             group.reduction.take_assigned_grads([p for p in params if id(p) in mine])
 
-    def restrict(self, keep: Callable[[nn.Parameter], bool] | None) -> None:
-        """Reduce, in the backwards from now on, only the buckets whose parameters ``keep``
-        (a pipeline stage's own; None: all)."""
-        for group in self.groups:
-            buckets = group.buckets
-            group.reduction.restrict(
-                None
-                if keep is None
-                else [i for i, b in enumerate(buckets) if keep(b.slots[0].param)]
-            )
+    def scope(self, keep: Callable[[nn.Parameter], bool]) -> list[list[int]]:
+        """Per group, the buckets whose parameters ``keep``: an argument of :meth:`restrict`."""
+        return [
+            [i for i, b in enumerate(group.buckets) if keep(b.slots[0].param)]
+            for group in self.groups
+        ]
+
+    def restrict(self, scope: list[list[int]] | None) -> None:
+        """Reduce, in the backwards from now on, only the buckets of ``scope`` (a pipeline
+        stage's own, from :meth:`scope`; None: all)."""
+        for index, group in enumerate(self.groups):
+            group.reduction.restrict(None if scope is None else scope[index])
 
     def unreduced_grads(self) -> list[str]:
         return [name for g in self.groups for name in g.reduction.unreduced_grads]
