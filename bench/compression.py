@@ -40,13 +40,20 @@ ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_d
 ONEBIT = {"type": "OneBitAdam", "params": {"lr": 1e-3, "weight_decay": 0.01, "freeze_step": 20}}
 
 
-def zt(stage: int, gradients: dict | None = None, parameters: str = "none", optimizer=ADAMW):
+def zt(
+    stage: int,
+    gradients: dict | None = None,
+    parameters: str = "none",
+    optimizer=ADAMW,
+    auto: bool = False,
+):
     return {
         "kind": "zerotrain",
         "stage": stage,
         "gradients": {"warmup_steps": 10, **(gradients or {})},
         "parameters": parameters,
         "optimizer": optimizer,
+        "auto": auto,
     }
 
 
@@ -55,16 +62,19 @@ ROWS = {
     "DDP + PowerSGD hook (rank 4)": {"kind": "ddp", "powersgd": 4},
     "zerotrain s0": zt(0),
     "zerotrain s0 powersgd r4": zt(0, {"method": "powersgd", "rank": 4}),
+    "zerotrain s0 auto": zt(0, auto=True),
     "zerotrain s1": zt(1),
     "zerotrain s1 powersgd r4 + int4 params": zt(1, {"method": "powersgd", "rank": 4}, "int4"),
     "zerotrain s1 acp_sgd r4 + int4 params": zt(1, {"method": "acp_sgd", "rank": 4}, "int4"),
     "zerotrain s1 int8 + int8 params": zt(1, {"method": "int8"}, "int8"),
+    "zerotrain s1 auto": zt(1, auto=True),
     "zerotrain s1 OneBitAdam + int4 params": zt(1, None, "int4", ONEBIT),
     "zerotrain s2": zt(2),
     "zerotrain s2 topk 1% + int4 params": zt(2, {"method": "topk", "ratio": 0.01}, "int4"),
     "zerotrain s2 gtopk 1% + int4 params": zt(2, {"method": "gtopk", "ratio": 0.01}, "int4"),
     "zerotrain s3": zt(3),
     "zerotrain s3 int4 + int4 params": zt(3, {"method": "int4"}, "int4"),
+    "zerotrain s3 auto": zt(3, auto=True),
 }
 UNCOMPRESSED = {0: "zerotrain s0", 1: "zerotrain s1", 2: "zerotrain s2", 3: "zerotrain s3"}
 
@@ -81,7 +91,7 @@ def worker(spec: dict, out: str) -> None:
     train_set, _ = train_val_datasets(config.block_size)
     micro, steps = spec["micro_batch"], spec["steps"]
     interface = os.environ["GLOO_SOCKET_IFNAME"]
-    step_fn, rank, world, mean, counted = _trainer(spec, model)
+    step_fn, rank, world, mean, counted, decisions = _trainer(spec, model)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
     losses, times, wire, counted_steps = [], [], [], []
     for step in range(steps):
@@ -107,6 +117,7 @@ def worker(spec: dict, out: str) -> None:
             "wire": wire,
             "counted_steps": counted_steps,
             "counted": counted(),
+            "decisions": decisions(),
         }
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -117,7 +128,8 @@ def _tx_bytes(interface: str) -> int:
 
 
 def _trainer(spec: dict, model):
-    """(step(x, y, index) -> loss, rank, world, mean over ranks of a float, counted bytes)."""
+    """(step(x, y, index) -> loss, rank, world, mean over ranks of a float, counted bytes,
+    comm_compression.auto's decisions)."""
     import torch
 
     # DeepSpeed's WarmupLR, which zerotrain's reproduces: min_lr for the first two steps, then
@@ -159,7 +171,7 @@ def _trainer(spec: dict, model):
             dist.all_reduce(tensor)
             return tensor.item() / dist.get_world_size()
 
-        return ddp_step, dist.get_rank(), dist.get_world_size(), ddp_mean, lambda: None
+        return ddp_step, dist.get_rank(), dist.get_world_size(), ddp_mean, lambda: None, list
 
     import zerotrain
 
@@ -182,6 +194,7 @@ def _trainer(spec: dict, model):
         "comm_compression": {
             "gradients": spec["gradients"],
             "parameters": {"method": spec["parameters"]},
+            "auto": spec["auto"],
         },
     }
     engine = zerotrain.initialize(model=model, config=config)[0]
@@ -202,7 +215,11 @@ def _trainer(spec: dict, model):
     def counted() -> dict:
         return {op: s.sent for op, s in comm.stats.items()}
 
-    return zt_step, engine.global_rank, engine.world_size, zt_mean, counted
+    def decisions() -> list[str]:
+        tuner = engine.optimizer.tuners[0]
+        return [d.line(engine.world_size) for d in tuner.decisions] if tuner else []
+
+    return zt_step, engine.global_rank, engine.world_size, zt_mean, counted, decisions
 
 
 # -- the driver (root) ---------------------------------------------------------------------------
@@ -281,6 +298,10 @@ def summarize(results: dict, args) -> tuple[list[str], dict]:
             f"{step_time:.3f} | {'not reached' if to_target is None else f'{to_target:.1f}'} | "
             f"{curve[-1]:.3f} |"
         )
+    decided = [(name, r["decisions"]) for name, r in results.items() if isinstance(r, dict)]
+    for name, decisions in decided:
+        if decisions:
+            lines += ["", f"{name}:", *(f"    {line}" for line in decisions)]
     return lines, {"target_loss": target, "rows": figures}
 
 

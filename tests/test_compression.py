@@ -366,6 +366,12 @@ ADAM_UNCORRECTED = {  # 1-bit Adam's update before it freezes the variance
 }
 ONEBIT = {"type": "OneBitAdam", "params": {**ADAM_UNCORRECTED["params"], "freeze_step": 2}}
 del ONEBIT["params"]["bias_correction"]
+# 0/1 Adam updating the variance (exactly) at steps 1, 2, 4, 8: the third in 1 bit
+ZERO_ONE = {
+    "type": "ZeroOneAdam",
+    "params": {**ONEBIT["params"], "var_freeze_step": 10, "var_update_scaler": 1},
+}
+del ZERO_ONE["params"]["freeze_step"]
 TRAIN_CASES = [  # (stage, gradients section); each against the same stage uncompressed
     (0, {"method": "topk", "ratio": 1.0}),
     (0, {"method": "powersgd", "rank": 40}),
@@ -379,6 +385,7 @@ TRAIN_CASES = [  # (stage, gradients section); each against the same stage uncom
     (2, {"parameters": "int4"}),
     (3, {"method": "int4", "parameters": "int8"}),
     *[(stage, {"optimizer": ONEBIT}) for stage in (0, 1, 2)],
+    *[(stage, {"optimizer": ZERO_ONE}) for stage in (0, 1, 2)],
     *[(stage, {"optimizer": ADAM_UNCORRECTED}) for stage in (0, 1, 2)],
 ]
 
@@ -491,7 +498,7 @@ def test_training_at_the_exact_limits_matches_uncompressed_training(training_run
                 for s, p in zip(states, plain, strict=True)
             ]
             if "optimizer" in grads:
-                if grads["optimizer"] is ONEBIT:  # 2 exact steps against Adam, then 1 bit
+                if grads["optimizer"] in (ONEBIT, ZERO_ONE):  # 2 exact steps, then 1 bit
                     reference, _, _, _ = per_rank[stage, str({"optimizer": ADAM_UNCORRECTED})]
                     off_adam = [
                         max(relative_error(s[key], p[key]) for key in p)

@@ -245,6 +245,7 @@ def test_defaults_match_deepspeed() -> None:
             "parameters": {"method": "none", "block_size": 256},
             "hierarchical_partition": False,
             "auto": False,
+            "auto_recheck_steps": 1000,
         },
         "activation_checkpointing": None,
         "comms_logger": {
@@ -523,7 +524,7 @@ def test_world_size_must_be_a_positive_integer(world_size: Any) -> None:
                 "optimizer": {"type": "SGD", "params": {"bias_correction": False}},
             },
             "optimizer.params.bias_correction: not a parameter of SGD; only of Adam, AdamW, Lamb, "
-            "OneBitAdam",
+            "OneBitAdam, ZeroOneAdam",
         ),
         (
             {"train_batch_size": 8, "monitor": {"enabled": True}},
@@ -769,16 +770,17 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
         (
             nested("optimizer.type", "adamx"),
             "optimizer.type: unknown optimizer 'adamx'; did you mean "
-            "'Adam'? zerotrain supports Adam, AdamW, SGD, Lamb, OneBitAdam",
+            "'Adam'? zerotrain supports Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam",
         ),
         (
-            nested("optimizer.type", "ZeroOneAdam"),
-            "optimizer.type: 'ZeroOneAdam' is a DeepSpeed optimizer that zerotrain does not "
-            "implement yet; use one of Adam, AdamW, SGD, Lamb, OneBitAdam",
+            nested("optimizer.type", "OneBitLamb"),
+            "optimizer.type: 'OneBitLamb' is a DeepSpeed optimizer that zerotrain does not "
+            "implement yet; use one of Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam",
         ),
         (
             nested("optimizer.type", 5),
-            "optimizer.type: must be one of 'Adam', 'AdamW', 'SGD', 'Lamb' or 'OneBitAdam', got 5",
+            "optimizer.type: must be one of 'Adam', 'AdamW', 'SGD', 'Lamb', 'OneBitAdam' or "
+            "'ZeroOneAdam', got 5",
         ),
         (nested("optimizer.params.lr", "x"), 'optimizer.params.lr: must be a number, got "x"'),
         (
@@ -1078,9 +1080,14 @@ def test_config_modules_import_one_way() -> None:
             else:
                 outside.add(module)
     list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
-    # the config reads the optimizer and scheduler names and the dtype names, never the runtime
-    # (engine, zero, comm)
-    allowed = {"zerotrain.optim.registry", "zerotrain.optim.schedulers", "zerotrain.precision"}
+    # the config reads the optimizer and scheduler names, the 1-bit optimizers' names and limits,
+    # and the dtype names, never the runtime (engine, zero, comm)
+    allowed = {
+        "zerotrain.optim.registry",
+        "zerotrain.optim.schedulers",
+        "zerotrain.optim.onebit",
+        "zerotrain.precision",
+    }
     assert outside <= allowed, outside
     for path in (REPO_ROOT / "zerotrain" / "optim").glob("*.py"):
         assert not any(m.startswith("zerotrain.config") for m in _zerotrain_imports(path)), path

@@ -229,6 +229,10 @@ PARAM_VALUES: dict[str, Any] = {
     "min_coeff": 0.01,
     "eps_inside_sqrt": False,
     "freeze_step": 2,
+    "var_freeze_step": 4,
+    "var_update_scaler": 2,
+    "local_step_scaler": 100,
+    "local_step_clipper": 1,
     "cuda_aware": False,
     "comm_backend_name": "nccl",
 }
@@ -286,6 +290,38 @@ def test_one_bit_adam_is_uncorrected_adam_until_its_variance_freezes() -> None:
                 for w, v in zip(weights, frozen, strict=True)
             )
             assert not all(torch.equal(w, r) for w, r in zip(weights, reference, strict=True))
+
+
+def test_zero_one_adam_updates_the_variance_on_deepspeeds_schedule() -> None:
+    """0/1 Adam: the variance is updated at steps 1-4, then every 2nd step 4 times, every 4th
+    4 times, ... (var_update_scaler 4), until var_freeze_step + 1; the momentum every step."""
+    from zerotrain.optim.onebit import ZeroOneAdam, variance_update_steps
+
+    assert sorted(variance_update_steps(100, 4)) == [
+        *(1, 2, 3, 4),
+        *(6, 8, 10, 12),
+        *(16, 20, 24, 28),
+        *(32, 40, 48, 56),
+        *(64, 80, 96),
+    ]
+    assert sorted(variance_update_steps(5, 1)) == [1, 2, 4]
+    weights, reference = _params(), _params()
+    zero_one = ZeroOneAdam(
+        [{"params": weights}], lr=0.01, weight_decay=0.01, var_freeze_step=10, var_update_scaler=1
+    )
+    state = {id(w): (torch.zeros_like(w), torch.zeros_like(w)) for w in reference}
+    for step, grads in enumerate(_grads(6), start=1):
+        _run(zero_one, weights, [grads])
+        for r, g in zip(reference, grads, strict=True):  # DeepSpeed's update, written out
+            m, v = state[id(r)]
+            m.mul_(0.9).add_(g, alpha=0.1)
+            if step in (1, 2, 4):
+                v.mul_(0.999).addcmul_(g, g, value=0.001)
+            r.data.add_(m / (v.sqrt() + 1e-8) + 0.01 * r, alpha=-0.01)
+        for w, r in zip(weights, reference, strict=True):
+            torch.testing.assert_close(w, r, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="local_step_clipper: 16 asks 0/1 Adam for local steps"):
+        ZeroOneAdam([{"params": _params()}], local_step_clipper=16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from zerotrain.comm import (
     local_rank,
 )
 from zerotrain.compression import GradientCompression, ParameterCompression
+from zerotrain.compression.auto import AutoOptions, candidate_policies
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
@@ -37,6 +38,7 @@ from zerotrain.moe import MoE
 from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
+from zerotrain.optim.onebit import exact_steps
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, PipelineModule
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
@@ -162,6 +164,7 @@ def initialize(
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
     data_parallel = mesh.dp  # what ZeRO shards over and the data is split by
+    auto = _auto_compression(cfg)
     options = GroupOptions(
         policy=ZeroPolicy.for_stage(zero.stage),
         comm=data_parallel,
@@ -180,8 +183,9 @@ def initialize(
         model_parallel=_model_parallel(mesh, tied),
         summed={**tied, **_sequence_summed(tensor_parallel)},
         chunks=model.chunks_of() if isinstance(model, PipelineModule) else {},
-        compression=_gradient_compression(cfg),
-        param_compression=_parameter_compression(cfg),
+        compression=_gradient_compression(cfg) if auto is None else None,
+        param_compression=_parameter_compression(cfg) if auto is None else auto.parameters,
+        auto=auto,
     )
     zero_optimizer = ZeroOptimizer(
         model,
@@ -559,10 +563,14 @@ ONEBIT_BLOCK = 2048
 def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
     """The `comm_compression.gradients` section as the reductions take it (None: off); a
     1-bit optimizer's own compression (see [Note: 1-bit optimizers under ZeRO])."""
-    if cfg.optimizer is not None and cfg.optimizer.type.lower() == "onebitadam":
-        freeze_step = int(cfg.optimizer.params.get("freeze_step", 100000))
+    schedule = exact_steps(cfg.optimizer.type, cfg.optimizer.params) if cfg.optimizer else None
+    if schedule is not None:
         return GradientCompression(
-            method="onebit", warmup_steps=freeze_step, min_numel=0, block_size=ONEBIT_BLOCK
+            method="onebit",
+            warmup_steps=schedule.warmup,
+            exact_steps=schedule.steps,
+            min_numel=0,
+            block_size=ONEBIT_BLOCK,
         )
     section = cfg.comm_compression.gradients
     if section.method == "none":
@@ -576,6 +584,30 @@ def _parameter_compression(cfg: ZeroTrainConfig) -> ParameterCompression | None:
     if section.method == "none":
         return None
     return ParameterCompression(**section.model_dump())
+
+
+def _auto_compression(cfg: ZeroTrainConfig) -> AutoOptions | None:
+    """`comm_compression.auto`: the policies to choose among (None: auto is off). The
+    configured methods, each on or off; with none configured, the stage's defaults (see the
+    `auto` key's docs)."""
+    section = cfg.comm_compression
+    if not section.auto:
+        return None
+    gradients, parameters = _gradient_compression(cfg), _parameter_compression(cfg)
+    if gradients is None and parameters is None:
+        stage = cfg.zero_optimization.stage
+        gradients = replace(
+            GradientCompression(**section.gradients.model_dump()),
+            method="int8" if stage == 3 else "powersgd",
+        )
+        if stage > 0:
+            parameters = replace(
+                ParameterCompression(**section.parameters.model_dump()), method="int8"
+            )
+    return AutoOptions(
+        policies=candidate_policies(gradients, parameters),
+        recheck_steps=section.auto_recheck_steps,
+    )
 
 
 def seed_everything(seed: int) -> None:

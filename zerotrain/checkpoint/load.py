@@ -281,17 +281,31 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         rank_state = {"rng": rank_state}
     if "rng" in rank_state:
         restore_rng_state(rank_state["rng"])
-    _restore_codecs(engine, manifest, rank_state.get("compression"))
+    _restore_codecs(
+        engine, manifest, rank_state.get("compression"), rank_state.get("compression_policy")
+    )
 
 
-def _restore_codecs(engine: TrainingState, manifest: Manifest, saved: list | None) -> None:
+def _restore_codecs(
+    engine: TrainingState, manifest: Manifest, saved: list | None, policies: list | None
+) -> None:
     """Each shard group's gradient codec from this rank's state when the checkpoint has the
     same world size (its buckets are laid out alike), else started afresh, with a warning
-    when that drops error feedback or factors."""
+    when that drops error feedback or factors. With comm_compression.auto, each group's tuner
+    first takes the policy it had chosen (``policies``)."""
     groups = engine.optimizer.groups
     resharded = manifest["world_size"] != engine.world_size
     if resharded or saved is None or len(saved) != len(groups):
         saved = [None] * len(groups)
+    if policies is None or len(policies) != len(groups):
+        policies = [None] * len(groups)
+    for tuner, name in zip(engine.optimizer.tuners, policies, strict=True):
+        if tuner is not None and name is not None and not tuner.resume(name):
+            warnings.warn(
+                f"load_checkpoint: comm_compression.auto had chosen {name!r}, which is not "
+                f"among this run's policies {tuner.policy_names}; it decides afresh",
+                stacklevel=4,
+            )
     for group, state in zip(groups, saved, strict=True):
         problem = group.reduction.codec.load_state_dict(state, steps=engine.global_steps)
         if problem is not None:

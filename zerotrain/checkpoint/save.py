@@ -190,6 +190,8 @@ def _write_rank_files(
         "rng": capture_rng_state(),
         # each shard group's gradient codec: error feedback, factors (exact resume)
         "compression": [group.reduction.codec.state_dict() for group in zero.groups],
+        # comm_compression.auto: the policy each group's tuner chose
+        "compression_policy": [t.policy.name if t else None for t in zero.tuners],
     }
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, rank_state))
     if rank == 0:

@@ -46,7 +46,7 @@ class OpStats:
 # all-reduce follow: all-reduce 2(N-1)/N B, reduce-scatter and all-gather (N-1)/N B (B: the full
 # buffer), broadcast (N-1)/N B (scatter + all-gather). These are the volumes ZeRO
 # (arXiv:1910.02054 §7) reasons with: 2Ψ per step for stages 0-2, 3Ψ for stage 3.
-def _ring_sent(op: str, nbytes: int, world: int) -> int:
+def ring_sent(op: str, nbytes: int, world: int) -> int:
     factor = 2 if op == "all_reduce" else 1
     return factor * nbytes * (world - 1) // world
 
@@ -122,7 +122,7 @@ class Communicator:
     ) -> None:
         """Count a collective's launch, or (``calls=0``, ``sent=0``) the time waited for it to
         complete. ``message``: its comms-log line, (label, message bytes), when logging."""
-        sent = _ring_sent(name, nbytes, self.world_size) if sent is None else sent
+        sent = ring_sent(name, nbytes, self.world_size) if sent is None else sent
         stats = self.stats.setdefault(name, OpStats())
         stats.calls += calls
         stats.bytes += nbytes
@@ -332,7 +332,7 @@ class Communicator:
             nbytes,
             lambda a: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=a),
             async_op,
-            sent=_ring_sent("all_reduce", nbytes, self.world_size),
+            sent=ring_sent("all_reduce", nbytes, self.world_size),
         )
 
     @overload
@@ -388,7 +388,7 @@ class Communicator:
             nbytes,
             lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
             async_op,
-            sent=_ring_sent("all_gather", nbytes, self.world_size),
+            sent=ring_sent("all_gather", nbytes, self.world_size),
         )
 
     @overload

@@ -54,6 +54,9 @@ class GradientCompression:
     error_feedback: bool = True
     min_numel: int = 1024
     block_size: int = 256
+    # optimizer steps (1-based) after the warm-up that also travel uncompressed (0/1 Adam's
+    # variance updates)
+    exact_steps: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ class _Compressing(GradientCodec):
 
     @property
     def compressing(self) -> bool:
-        return self.steps >= self.options.warmup_steps
+        step = self.steps + 1  # the step whose gradients these are
+        return step > self.options.warmup_steps and step not in self.options.exact_steps
 
     def all_reduce(self, index: int, flat: torch.Tensor) -> Pending:
         if not self.compressing:

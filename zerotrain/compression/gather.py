@@ -12,6 +12,7 @@ the step at stages 1-2, around each use at stage 3.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -36,16 +37,25 @@ class ParameterGather:
     def __init__(self, comm: Communicator, options: ParameterCompression | None = None):
         self.comm = comm
         on = options is not None and options.method != "none" and comm.world_size > 1
-        self.options = options if on else None
+        self.compression = options if on else None  # what it can quantize with
+        self.options = self.compression  # what it quantizes with now (None: exact)
+        self.gathered: Counter[int] = Counter()  # shard numel -> gathers (auto counts them)
 
     @property
     def lossy(self) -> bool:
-        """Whether the gathered values differ from the shards (each rank's own piece too)."""
-        return self.options is not None
+        """Whether the gathered values may differ from the shards (each rank's own piece too):
+        the masters must then be a copy of their own."""
+        return self.compression is not None
+
+    def quantize(self, on: bool) -> None:
+        """Gather quantized from now on, or exactly (``comm_compression.auto``); every rank
+        switches at the same point."""
+        self.options = self.compression if on else None
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Pending:
         """Every rank's ``shard`` into ``output`` (asynchronous); ``shard`` may be ``output``'s
         own piece."""
+        self.gathered[shard.numel()] += 1
         options = self.options
         if options is None:
             return self.comm.all_gather(output, shard, async_op=True)

@@ -101,6 +101,10 @@ _OPTIMIZER_PARAM_TYPES = {
     "min_coeff": NonNegativeFloat,
     "eps_inside_sqrt": bool,
     "freeze_step": NonNegativeInt,
+    "var_freeze_step": NonNegativeInt,
+    "var_update_scaler": PositiveInt,
+    "local_step_scaler": PositiveInt,
+    "local_step_clipper": PositiveInt,
     "cuda_aware": bool,
     "comm_backend_name": Literal["nccl", "mpi", "hccl", "compressed"],
 }

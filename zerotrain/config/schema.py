@@ -10,7 +10,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from zerotrain.config import deepspeed_keys
 from zerotrain.config.batch import BatchSizes, resolve_batch_sizes
-from zerotrain.config.compression import CommCompressionConfig
+from zerotrain.config.compression import CommCompressionConfig, check_compression
 from zerotrain.config.errors import ConfigError, fail, show
 from zerotrain.config.params import OptimizerConfig, SchedulerConfig
 from zerotrain.config.section import (
@@ -735,34 +735,7 @@ class ZeroTrainConfig(Section):
 
     @model_validator(mode="after")
     def _compression_fits_the_stage(self) -> "ZeroTrainConfig":
-        method = self.comm_compression.gradients.method
-        stage = self.zero_optimization.stage
-        if method in ("powersgd", "acp_sgd", "topk", "gtopk") and stage == 3:
-            raise fail(
-                f"comm_compression.gradients.method: {method} compresses a sum every rank holds "
-                "whole, which stage 3 never forms; it works at zero_optimization.stage 0-2. At "
-                "stage 3 use int8 or int4 (quantized reduce-scatter)"
-            )
-        onebit = self.optimizer is not None and self.optimizer.type.lower() == "onebitadam"
-        if onebit and stage == 3:
-            raise fail(
-                "optimizer.type: OneBitAdam compresses what each rank sends of the gradients of "
-                "zero_optimization.stage 0-2 (its compressed exchange needs whole gradients on "
-                "every rank); at stage 3 use comm_compression.gradients.method int8 or int4"
-            )
-        if onebit and method != "none":
-            raise fail(
-                f"comm_compression.gradients.method: {method} and optimizer.type OneBitAdam both "
-                "compress the gradients; OneBitAdam compresses them itself, so set the method "
-                "to none"
-            )
-        parameters = self.comm_compression.parameters.method
-        if parameters != "none" and stage == 0:
-            raise fail(
-                f"comm_compression.parameters.method: {parameters} quantizes the parameter "
-                "all-gather of zero_optimization.stage 1-3; stage 0 gathers no parameters. Set "
-                "the stage to 1 or more, or parameters.method to none"
-            )
+        check_compression(self.comm_compression, self.zero_optimization.stage, self.optimizer)
         return self
 
     def resolve_batch(self, world_size: int) -> "ZeroTrainConfig":

@@ -1,4 +1,5 @@
-"""1-bit Adam's update (Tang et al., arXiv:2102.02888), under ZeRO stages 0-2.
+"""1-bit Adam's (Tang et al., arXiv:2102.02888) and 0/1 Adam's (Lu et al., arXiv:2202.06009)
+updates, under ZeRO stages 0-2.
 
 [Note: 1-bit optimizers under ZeRO]
 1-bit Adam runs exact Adam for ``freeze_step`` steps (the warm-up), then freezes the variance
@@ -21,9 +22,55 @@ the update (decoupled), ``eps`` outside the square root unless ``eps_inside_sqrt
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+ONE_BIT_OPTIMIZERS = ("onebitadam", "zerooneadam")
+"""The optimizer types (lower case) that compress their own gradient exchange."""
+
+
+@dataclass(frozen=True)
+class ExactSteps:
+    """The optimizer steps (1-based) whose gradients are reduced exactly, the others in 1 bit:
+    the first ``warmup`` steps, and those in ``steps``."""
+
+    warmup: int = 0
+    steps: frozenset[int] = frozenset()
+
+    def __contains__(self, step: int) -> bool:
+        return step <= self.warmup or step in self.steps
+
+
+def exact_steps(optimizer_type: str, params: dict[str, Any]) -> ExactSteps | None:
+    """The exact steps of a 1-bit optimizer, from its config ``params`` (None: ``optimizer_type``
+    is not one)."""
+    kind = optimizer_type.lower()
+    if kind == "onebitadam":
+        return ExactSteps(warmup=int(params.get("freeze_step", 100000)))
+    if kind == "zerooneadam":
+        return ExactSteps(
+            steps=variance_update_steps(
+                int(params.get("var_freeze_step", 100000)),
+                int(params.get("var_update_scaler", 16)),
+            )
+        )
+    return None
+
+
+def variance_update_steps(var_freeze_step: int, var_update_scaler: int) -> frozenset[int]:
+    """0/1 Adam's steps that update the variance, with the exactly averaged gradient (DeepSpeed's
+    schedule): every ``interval``-th step, the interval starting at 1 and doubling after each
+    ``var_update_scaler`` updates, up to step ``var_freeze_step + 1``; none after."""
+    steps, interval, counter = set(), 1, 0
+    for step in range(1, var_freeze_step + 2):
+        if step % interval == 0:
+            steps.add(step)
+            counter += 1
+            if counter == var_update_scaler:
+                counter, interval = 0, interval * 2
+    return frozenset(steps)
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -52,7 +99,7 @@ class OneBitAdam(torch.optim.Optimizer):
         del bias_correction, cuda_aware, comm_backend_name  # see the class docstring
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self.freeze_step = freeze_step
+        self.exact = ExactSteps(warmup=freeze_step)
         self.eps_inside_sqrt = eps_inside_sqrt
 
     @torch.no_grad()
@@ -72,7 +119,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 state["step"] += 1
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                if state["step"] <= self.freeze_step:  # the warm-up: the variance learns
+                if int(state["step"]) in self.exact:  # exactly averaged: the variance learns
                     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 if self.eps_inside_sqrt:
                     update = exp_avg / (exp_avg_sq + group["eps"]).sqrt()
@@ -82,3 +129,58 @@ class OneBitAdam(torch.optim.Optimizer):
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=-group["lr"])
         return loss
+
+
+class ZeroOneAdam(OneBitAdam):
+    """DeepSpeed's ``ZeroOneAdam`` update (0/1 Adam, arXiv:2202.06009): the variance is updated
+    on a schedule that thins out (:func:`variance_update_steps`) and frozen after
+    ``var_freeze_step``; the engine reduces the gradients of those steps exactly and of all
+    others in 1 bit, with error feedback (see [Note: 1-bit optimizers under ZeRO]).
+
+    0/1 Adam's local steps, where each rank updates its own parameters for up to
+    ``local_step_clipper`` steps between synchronizations, are not available: ZeRO keeps the
+    replicas equal after every step (and at stages 1-2 no rank holds the whole momentum), so
+    every step synchronizes. That is DeepSpeed's schedule for the first ``local_step_scaler``
+    steps after the freeze; ``local_step_clipper`` other than 1 is refused."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 1,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ):
+        if local_step_clipper != 1:
+            raise ValueError(LOCAL_STEPS_REFUSED.format(local_step_clipper))
+        del local_step_scaler  # with local_step_clipper 1 the interval never grows
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            eps_inside_sqrt=eps_inside_sqrt,
+            bias_correction=bias_correction,
+            amsgrad=amsgrad,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+        )
+        self.exact = ExactSteps(steps=variance_update_steps(var_freeze_step, var_update_scaler))
+
+
+LOCAL_STEPS_REFUSED = (
+    "optimizer.params.local_step_clipper: {} asks 0/1 Adam for local steps (each rank updating "
+    "its own parameters between synchronizations), which ZeRO's always-equal replicas do not "
+    "allow; set it to 1 (every step synchronizes in 1 bit, DeepSpeed's schedule for its first "
+    "local_step_scaler steps after var_freeze_step)"
+)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from zerotrain.optim.adam import FusedAdam
 from zerotrain.optim.lamb import Lamb
-from zerotrain.optim.onebit import OneBitAdam
+from zerotrain.optim.onebit import OneBitAdam, ZeroOneAdam
 
 __all__ = [
     "DEEPSPEED_ONLY_OPTIMIZERS",
@@ -98,6 +98,14 @@ def _build_onebit_adam(
     norm_allreduce: NormAllreduce | None,
 ) -> torch.optim.Optimizer:
     return OneBitAdam(param_groups, **options)
+
+
+def _build_zero_one_adam(
+    options: dict[str, Any],
+    param_groups: list[dict[str, Any]],
+    norm_allreduce: NormAllreduce | None,
+) -> torch.optim.Optimizer:
+    return ZeroOneAdam(param_groups, **options)
 
 
 def _build_lamb(
@@ -182,13 +190,36 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "then the variance frozen and the gradients sent as signs with error feedback, at "
             "ZeRO stages 0-2 (docs/compression.md).",
         ),
+        OptimizerSpec(
+            "ZeroOneAdam",
+            (
+                "lr",
+                "bias_correction",
+                "betas",
+                "eps",
+                "eps_inside_sqrt",
+                "weight_decay",
+                "var_freeze_step",
+                "var_update_scaler",
+                "local_step_scaler",
+                "local_step_clipper",
+                "amsgrad",
+                "cuda_aware",
+                "comm_backend_name",
+            ),
+            _build_zero_one_adam,
+            "0/1 Adam (arXiv:2202.06009), DeepSpeed's update: the variance updated with exactly "
+            "averaged gradients every 1, 2, 4, ... steps (the interval doubling after "
+            "`var_update_scaler` updates) until `var_freeze_step`, every other step's gradients "
+            "sent as signs with error feedback, at ZeRO stages 0-2. Local steps are not "
+            "available: `local_step_clipper` must be 1, its default here (DeepSpeed's is 16) "
+            "(docs/compression.md).",
+        ),
     )
 }
 """The optimizers zerotrain builds, by DeepSpeed's name."""
 
-DEEPSPEED_ONLY_OPTIMIZERS = frozenset(
-    "adagrad zerooneadam onebitlamb lion muadam muadamw musgd muon".split()
-)
+DEEPSPEED_ONLY_OPTIMIZERS = frozenset("adagrad onebitlamb lion muadam muadamw musgd muon".split())
 """DeepSpeed's other optimizer names (lower case, as DeepSpeed compares them), which zerotrain
 does not implement yet."""
 

@@ -138,11 +138,16 @@ class ParamResidency:
         """The communicator gradient reductions use."""
         return self.comm
 
+    @property
+    def param_gather(self) -> ParameterGather:
+        """The all-gather of updated parameters: the backend's, or quantized."""
+        return self.in_flight.gather
+
     # -- during training ---------------------------------------------------------------------------
     def param_targets(self) -> ParamShards:
         """The model's copies (training dtype) of the parts this rank's optimizer steps."""
         parts = [self.partition.part(b, b.require_flat_param()) for b in self.buckets]
-        return ParamShards(parts, exact=not self.in_flight.gather.lossy)
+        return ParamShards(parts, exact=not self.param_gather.lossy)
 
     def take_values(self, bucket: FlatBucket) -> None:
         """``bucket.flat_param`` was changed in place: the shard kept between uses takes its
@@ -349,7 +354,7 @@ class GatheredForUse(ParamResidency):
     def param_targets(self) -> ParamShards:
         targets = self.home.targets(self.buckets)
         # a persistent unit's shard views its gathered buffer, which a quantized gather writes
-        targets.exact = not self.in_flight.gather.lossy
+        targets.exact = not self.param_gather.lossy
         return targets
 
     def take_values(self, bucket: FlatBucket) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.compression import GradientCompression, ParameterCompression
+from zerotrain.compression.auto import AutoOptions
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
 from zerotrain.zero.init import ParamOwner, take_ownership
@@ -276,6 +277,9 @@ class GroupOptions:
     compression: GradientCompression | None = None
     # how gathered parameters travel (comm_compression.parameters; None: uncompressed)
     param_compression: ParameterCompression | None = None
+    # comm_compression.auto: the policies a tuner chooses among as the group trains (None:
+    # ``compression`` and ``param_compression`` throughout)
+    auto: AutoOptions | None = None
 
 
 def build_shard_group(

@@ -28,6 +28,7 @@ from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import LossScaler
+from zerotrain.zero.auto_compression import CompressionTuner
 from zerotrain.zero.group import (
     GroupOptions,
     OptimizerFactory,
@@ -80,6 +81,13 @@ class ZeroOptimizer:
         self.groups: list[ShardGroup] = [
             build_shard_group(model, groups, make_optimizer, opts, owner=self, frozen=frozen)
             for opts, groups, frozen in specs
+        ]
+        # comm_compression.auto: a tuner per group of several ranks (see auto_compression.py)
+        self.tuners = [
+            CompressionTuner(group, opts.auto)
+            if opts.auto is not None and group.reduction.comm.world_size > 1
+            else None
+            for group, (opts, _, _) in zip(self.groups, specs, strict=True)
         ]
         self._trained_ids = [set(g.trained_names()) for g in self.groups]
         self._grouped = (
@@ -311,8 +319,10 @@ class ZeroOptimizer:
                 group.store.scale_grads(inv_scale * clip)
             # through the grouped optimizer where there is one: an LR scheduler counts its steps
             (self._grouped.step if self._grouped is not None else self._step_stores)()
-        for group in self.groups:
+        for group, tuner in zip(self.groups, self.tuners, strict=True):
             group.end_step(applied=not overflow)
+            if tuner is not None:
+                tuner.end_step()
         return not overflow
 
     def _step_stores(self) -> None:

@@ -56,6 +56,8 @@ class GradientReduction(ABC):
 
     every_backward: ClassVar[bool]
     """Whether every backward reduces (gradients are sharded), or only the boundary's."""
+    collective: ClassVar[str] = "reduce_scatter"
+    """The codec's collective it calls: ``all_reduce`` or ``reduce_scatter``."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class GradientReduction(ABC):
             BucketShape(b.numel_padded, [(s.offset, tuple(s.shape)) for s in b.slots])
             for b in buckets
         ]
+        self.shapes = shapes
         self.codec = make_codec(compression, comm, shapes)
         # communication_data_type: the dtype gradients are summed in (None: the training dtype)
         self.comm_dtype = comm_dtype
@@ -87,6 +90,7 @@ class GradientReduction(ABC):
         # gradients already sum those of others (an expert's, over its expert-parallel group)
         self._inv_world = 1.0 / (average_over or comm.world_size)
         self._arrived: list[set[int]] = [set() for _ in buckets]
+        self.launches = [0] * len(buckets)  # reductions launched per bucket (auto counts them)
         self._pending: list[Pending] = []
         self._pending_buckets: list[int] = []  # the bucket of each pending op
         self._all = list(range(len(buckets)))
@@ -206,6 +210,7 @@ class GradientReduction(ABC):
             if not (complete or force):
                 return
             self._launch(index)
+            self.launches[index] += 1
             self._pending_buckets.append(index)
             self._next_launch += 1
 
@@ -371,6 +376,8 @@ class _InPlaceReduction(GradientReduction):
 
 class AllReduceAtBoundary(_InPlaceReduction):
     """Stage 0: every rank ends with the whole averaged gradient."""
+
+    collective = "all_reduce"
 
     def _owned(self, bucket: FlatBucket, flat: torch.Tensor) -> torch.Tensor:
         return flat

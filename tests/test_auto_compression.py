@@ -1,0 +1,350 @@
+"""comm_compression.auto: the link model and its probe, the dry run's bytes against the real
+collectives', the prediction, and the tuner's decisions in training (switch, keep, revert,
+resume), on 2 ranks over gloo."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch import nn
+
+from zerotrain.comm import Communicator
+from zerotrain.comm.link import Link, hops, probe_link
+from zerotrain.compression import (
+    BucketShape,
+    GradientCompression,
+    ParameterCompression,
+    ParameterGather,
+    make_codec,
+)
+from zerotrain.compression.auto import Cost, Policy, Traffic, policy_costs, predict
+from zerotrain.config import ConfigError, load_config
+
+
+def test_the_alpha_beta_model():
+    link = Link(alpha=1e-5, beta=1e8)
+    assert hops("all_reduce", 4) == 6 and hops("all_gather", 4) == 3
+    assert link.seconds("all_reduce", 10**6, 4) == pytest.approx(6e-5 + 1e-2)
+    cost = Cost(0.5, [("all_reduce", 10**6, 2.0), ("all_to_all", 10**4, 1.0)])
+    assert cost.sent == 2 * 10**6 + 10**4
+    assert cost.seconds(link, 4) == pytest.approx(0.5 + 2 * (6e-5 + 1e-2) + 3e-5 + 1e-4)
+    # a policy's prediction: the measured step, less the current policy's cost, plus its own
+    cheaper = Cost(0.1, [("all_reduce", 10**5, 1.0)])
+    assert predict(2.0, cost, cost, link, 4) == pytest.approx(2.0)
+    assert predict(2.0, cost, cheaper, link, 4) == pytest.approx(
+        2.0 - cost.seconds(link, 4) + 0.1 + 6e-5 + 1e-3
+    )
+
+
+def test_config_of_auto():
+    base = {"train_batch_size": 8, "zero_optimization": {"stage": 1}}
+    cfg = load_config({**base, "comm_compression": {"auto": True}}, world_size=1)
+    assert cfg.comm_compression.auto and cfg.comm_compression.auto_recheck_steps == 1000
+    onebit = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}
+    with pytest.raises(ConfigError, match="comm_compression.auto: optimizer.type OneBitAdam"):
+        load_config({**base, "optimizer": onebit, "comm_compression": {"auto": True}}, world_size=1)
+    zero_one = {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "local_step_clipper": 16}}
+    with pytest.raises(ConfigError, match="local_step_clipper: 16 asks 0/1 Adam for local"):
+        load_config({**base, "optimizer": zero_one}, world_size=1)
+    zero_one["params"]["local_step_clipper"] = 1
+    with pytest.raises(ConfigError, match="optimizer.type: ZeroOneAdam compresses what each"):
+        load_config(
+            {**base, "optimizer": zero_one, "zero_optimization": {"stage": 3}}, world_size=1
+        )
+    with pytest.raises(ConfigError, match="hierarchical_partition: not available"):
+        load_config({**base, "comm_compression": {"hierarchical_partition": True}}, world_size=1)
+
+
+# -- the dry run sends what the collectives send; the probe -----------------------------------------
+SHAPES = [
+    BucketShape(1200 + 16 + 8, [(0, (40, 30)), (1200, (16,))]),
+    BucketShape(2048, [(0, (64, 32))]),
+]
+GRADIENTS = [
+    None,
+    GradientCompression(method="powersgd", rank=4),
+    GradientCompression(method="acp_sgd", rank=4),
+    GradientCompression(method="topk", ratio=0.05),
+    GradientCompression(method="gtopk", ratio=0.05),
+    GradientCompression(method="int8", block_size=64),
+    GradientCompression(method="int4", block_size=64),
+]
+PARAMETERS = [None, ParameterCompression(method="int8", block_size=64)]
+
+
+def dry_run_checks() -> dict:
+    """For each policy and collective: the bytes the real codec and gather sent, and those the
+    dry run counted; the probed link."""
+    comm = Communicator()
+    out: dict = {"link": probe_link(comm)}
+    gen = torch.Generator().manual_seed(comm.rank)
+    for collective, dtype in (
+        ("all_reduce", torch.float32),
+        ("reduce_scatter", torch.float32),
+        ("reduce_scatter", torch.bfloat16),
+    ):
+        for gradients in GRADIENTS:
+            for parameters in PARAMETERS:
+                policy = Policy(gradients, parameters)
+                # even counts: ACP-SGD sends P and Q in turn
+                traffic = Traffic(collective, {0: 2.0, 1: 4.0}, {300: 1.0, 1024: 3.0}, dtype, dtype)
+                codec = make_codec(gradients, comm, SHAPES)
+                gather = ParameterGather(comm, parameters)
+                comm.reset_stats()
+                for index, times in traffic.reductions.items():
+                    for _ in range(int(times)):
+                        flat = torch.randn(SHAPES[index].numel_padded, generator=gen).to(dtype)
+                        if collective == "all_reduce":
+                            codec.all_reduce(index, flat).wait()
+                        else:
+                            shard = flat.new_empty(flat.numel() // 2)
+                            codec.reduce_scatter(index, shard, flat).wait()
+                for numel, times in traffic.gathers.items():
+                    for _ in range(int(times)):
+                        piece = torch.randn(numel, generator=gen).to(dtype)
+                        gather.all_gather(piece.new_empty(2 * numel), piece).wait()
+                real = sum(s.sent for s in comm.stats.values())
+                (cost,) = policy_costs((policy,), traffic, comm, SHAPES)
+                out[collective, dtype, policy.name] = (real, cost.sent, cost.compute)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dry_runs() -> list[dict]:
+    return run_distributed(dry_run_checks, 2)
+
+
+def test_the_dry_run_counts_the_bytes_the_collectives_send(dry_runs):
+    for rank_out in dry_runs:
+        policies = [k for k in rank_out if k != "link"]
+        assert len(policies) == 3 * len(GRADIENTS) * len(PARAMETERS)
+        for key in policies:
+            real, counted, compute = rank_out[key]
+            assert counted == real > 0, key
+            assert compute >= 0
+    # compression sends fewer bytes than the backend's collectives
+    out = dry_runs[0]
+    fp32, bf16 = torch.float32, torch.bfloat16
+    for collective in ("all_reduce", "reduce_scatter"):
+        plain = out[collective, fp32, "uncompressed"][1]
+        for name in ("powersgd", "int8", "int4 + int8 params"):
+            assert out[collective, fp32, name][1] < plain, (collective, name)
+    # a 16-bit wire: half the uncompressed bytes; the quantized codes the same
+    half = out["reduce_scatter", bf16, "uncompressed"][1]
+    assert half == out["reduce_scatter", fp32, "uncompressed"][1] / 2
+    int8 = "int8 + int8 params"
+    assert out["reduce_scatter", bf16, int8][1] == out["reduce_scatter", fp32, int8][1]
+
+
+def test_the_probe_measures_one_link_for_every_rank(dry_runs):
+    links = [out["link"] for out in dry_runs]
+    assert links[0] == links[1]  # the slowest rank's times, on both
+    assert 0 < links[0].beta < float("inf") and links[0].alpha >= 0
+
+
+# -- the tuner in training -------------------------------------------------------------------------
+SLOW = Link(alpha=1e-4, beta=1e5)  # 0.8 Mb/s: every policy that sends less pays
+FAST = Link(alpha=0.0, beta=1e15)  # the wire is free: the codecs' own compute decides
+
+
+def auto_engine(stage: int, comm_compression: dict, recheck: int = 0):
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 48), nn.GELU(), nn.Linear(48, 40))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": None,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "comm_compression": {"auto": True, "auto_recheck_steps": recheck, **comm_compression},
+    }
+    return zerotrain.initialize(model=model, config=config)[0]
+
+
+class SimulatedClock:
+    """The tuner's clock: each step lasts what ``seconds`` gives the policy in use."""
+
+    def __init__(self, tuner, seconds: dict[str, float]):
+        self.tuner, self.seconds, self.now = tuner, seconds, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self) -> None:
+        self.now += self.seconds[self.tuner.policy.name]
+
+
+def train(engine, steps: int, gen: torch.Generator, clock: SimulatedClock | None = None):
+    losses = []
+    for _ in range(steps):
+        if clock is not None:
+            clock.advance()
+        loss = engine(torch.randn(2, 40, generator=gen)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def tuner_runs(tmp: str) -> dict:
+    rank = Communicator().rank
+    out: dict = {}
+    scenarios = [  # (stage, section, the links probed in turn, a compressed step's seconds)
+        ("slow s1 confirmed", 1, {}, [SLOW], 0.5),
+        ("slow s1 reverted", 1, {}, [SLOW], 1.5),
+        ("fast s1", 1, {}, [FAST], 0.5),
+        ("slow s0", 0, {}, [SLOW], 0.5),
+        ("slow s3", 3, {}, [SLOW], 0.5),
+        ("slow s2 int4", 2, {"gradients": {"method": "int4"}}, [SLOW], 0.5),
+        ("fast, then slow", 1, {}, [FAST, SLOW], 0.5),  # rechecked every 6 steps
+    ]
+    for name, stage, section, links, compressed in scenarios:
+        recheck = 6 if len(links) > 1 else 0
+        engine = auto_engine(stage, section, recheck)
+        tuner = engine.optimizer.tuners[0]
+        seconds = {p: 1.0 if p == "uncompressed" else compressed for p in tuner.policy_names}
+        clock = SimulatedClock(tuner, seconds)
+        probed = iter(links)
+        tuner.clock, tuner.probe = clock, lambda comm, probed=probed: next(probed)
+        engine.optimizer.comm.reset_stats()
+        losses = train(
+            engine, 16 if recheck == 0 else 20, torch.Generator().manual_seed(rank), clock
+        )
+        out[name] = {
+            "decisions": [(d.step, d.outcome, d.policy) for d in tuner.decisions],
+            "predicted": tuner.decisions[0].predicted,
+            "policies": tuner.policy_names,
+            "codec": engine.optimizer.group.reduction.codec.method,
+            "ops": sorted(engine.optimizer.comm.stats),
+            "losses": losses,
+            "line": tuner.decisions[0].line(2),
+        }
+    # resume: the chosen policy and its codec's state come back, and training continues
+    # bit for bit as without the checkpoint
+    gen = torch.Generator().manual_seed(rank)
+    engine = auto_engine(1, {"gradients": {"method": "powersgd", "rank": 2}})
+    tuner = engine.optimizer.tuners[0]
+    clock = SimulatedClock(tuner, {"uncompressed": 1.0, "powersgd": 0.5})
+    tuner.clock, tuner.probe = clock, lambda comm: SLOW
+    train(engine, 9, gen, clock)
+    engine.save_checkpoint(tmp, tag="auto")
+    state = gen.get_state()
+    straight = train(engine, 3, gen, clock)
+    engine = auto_engine(1, {"gradients": {"method": "powersgd", "rank": 2}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no codec state dropped
+        engine.load_checkpoint(tmp, tag="auto")
+    gen.set_state(state)
+    out["resumed"] = (
+        straight,
+        train(engine, 3, gen),
+        engine.optimizer.tuners[0].policy.name,
+        engine.optimizer.group.reduction.codec.method,
+    )
+    # the real clock and probe on this machine's loopback: a decision with its numbers
+    engine = auto_engine(1, {})
+    train(engine, 8, torch.Generator().manual_seed(rank))
+    decision = engine.optimizer.tuners[0].decisions[0]
+    out["real"] = (decision.step, decision.link, decision.predicted, decision.sent)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> list[dict]:
+    return run_distributed(tuner_runs, 2, str(tmp_path_factory.mktemp("auto")))
+
+
+def test_every_rank_decides_alike(tuned):
+    for name in tuned[0]:
+        if name not in ("resumed", "real"):
+            assert tuned[0][name]["decisions"] == tuned[1][name]["decisions"], name
+
+
+def test_a_slow_link_switches_to_compression_and_the_measurement_confirms_it(tuned):
+    """Uncompressed for 6 steps (5 measured), then the prediction; the switch is measured for
+    5 steps after the first and confirmed."""
+    run = tuned[0]["slow s1 confirmed"]
+    assert run["policies"] == [
+        "uncompressed",
+        "powersgd",
+        "int8 params",
+        "powersgd + int8 params",
+    ]
+    assert run["decisions"] == [
+        (6, "chose", "powersgd + int8 params"),
+        (12, "confirmed", "powersgd + int8 params"),
+    ]
+    predicted = run["predicted"]
+    assert predicted["uncompressed"] == pytest.approx(1.0)
+    assert min(predicted, key=predicted.get) == "powersgd + int8 params"
+    assert run["codec"] == "powersgd"
+    assert {"powersgd", "int8_param_all_gather"} <= set(run["ops"])
+    assert all(torch.isfinite(torch.tensor(run["losses"])))
+    assert "link 100 us per hop, 0.8 Mb/s" in run["line"]
+    assert run["line"].endswith("chose powersgd + int8 params")
+
+
+def test_a_switch_measured_slower_is_reverted(tuned):
+    run = tuned[0]["slow s1 reverted"]
+    assert run["decisions"] == [
+        (6, "chose", "powersgd + int8 params"),
+        (12, "reverted to", "uncompressed"),
+    ]
+    assert run["codec"] == "none"
+
+
+def test_a_free_wire_keeps_uncompressed(tuned):
+    run = tuned[0]["fast s1"]
+    assert run["decisions"] == [(6, "kept", "uncompressed")]
+    assert run["codec"] == "none"
+    assert "int8_param_all_gather" not in run["ops"] and "powersgd" not in run["ops"]
+    # every compressed policy costs its own compute and saves nothing
+    assert all(s >= run["predicted"]["uncompressed"] for s in run["predicted"].values())
+
+
+def test_it_decides_again_every_recheck_steps(tuned):
+    """Kept at step 6 on a free wire; 6 steps later the link is slow: switched, confirmed."""
+    assert tuned[0]["fast, then slow"]["decisions"] == [
+        (6, "kept", "uncompressed"),
+        (12, "chose", "powersgd + int8 params"),
+        (18, "confirmed", "powersgd + int8 params"),
+    ]
+
+
+def test_each_stage_chooses_among_its_policies(tuned):
+    assert tuned[0]["slow s0"]["policies"] == ["uncompressed", "powersgd"]
+    assert tuned[0]["slow s0"]["decisions"][0] == (6, "chose", "powersgd")
+    s3 = tuned[0]["slow s3"]
+    assert s3["policies"] == ["uncompressed", "int8", "int8 params", "int8 + int8 params"]
+    assert s3["decisions"][0] == (6, "chose", "int8 + int8 params")
+    assert s3["codec"] == "int8"
+    configured = tuned[0]["slow s2 int4"]  # only what is configured: int4 gradients, or not
+    assert configured["policies"] == ["uncompressed", "int4"]
+    assert configured["decisions"][0] == (6, "chose", "int4")
+
+
+def test_resume_continues_the_chosen_policy_bit_for_bit(tuned):
+    for out in tuned:
+        straight, resumed, policy, codec = out["resumed"]
+        assert policy == "powersgd" and codec == "powersgd"
+        assert resumed == straight
+
+
+def test_the_real_probe_and_clock_decide(tuned):
+    step, link, predicted, sent = tuned[0]["real"]
+    assert step == 6 and link.beta > 0
+    assert (
+        set(predicted)
+        == set(sent)
+        == {
+            "uncompressed",
+            "powersgd",
+            "int8 params",
+            "powersgd + int8 params",
+        }
+    )
+    assert sent["powersgd + int8 params"] < sent["uncompressed"]

@@ -1,0 +1,75 @@
+"""How long a collective takes on a group's links: the alpha-beta model, measured by probes.
+
+[Note: the alpha-beta model]
+A collective of N ranks runs in hops, each one message from every rank to a neighbour: a
+ring all-reduce takes 2(N-1), a reduce-scatter, all-gather or all-to-all N-1. Each hop
+costs a latency alpha, and the bytes a rank sends cost 1/beta each, so
+
+    seconds = hops * alpha + sent / beta
+
+with ``sent`` the bytes this rank transmits (``OpStats.sent``, [Note: bytes sent] in
+communicator.py). :func:`probe_link` fits alpha and beta from all-reduces of a small and a
+large message on the group itself, so beta includes what the backend does locally per byte
+(gloo's sums and copies), and alpha the per-message cost of its transport.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.comm.communicator import Communicator, ring_sent
+
+# the probes: small enough to time the latency, large enough that bandwidth dominates
+SMALL_PROBE_BYTES = 1 << 10
+LARGE_PROBE_BYTES = 4 << 20
+
+
+def hops(op: str, world: int) -> int:
+    """Messages in a row on each rank for the collective ``op`` over ``world`` ranks."""
+    return 2 * (world - 1) if op == "all_reduce" else world - 1
+
+
+@dataclass(frozen=True)
+class Link:
+    """A group's links as the alpha-beta model sees them (see [Note: the alpha-beta model])."""
+
+    alpha: float  # seconds per hop
+    beta: float  # bytes per second a rank sends
+
+    def seconds(self, op: str, sent: int, world: int) -> float:
+        """The model's time for one collective ``op`` in which this rank sends ``sent`` bytes."""
+        return hops(op, world) * self.alpha + sent / self.beta
+
+    def describe(self) -> str:
+        bits = self.beta * 8
+        rate = f"{bits / 1e9:.3g} Gb/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mb/s"
+        return f"{self.alpha * 1e6:.0f} us per hop, {rate}"
+
+
+def probe_link(comm: Communicator, repeats: int = 3) -> Link:
+    """Alpha and beta of ``comm``'s links, from timed all-reduces of a small and a large message
+    (the median of ``repeats`` each, the slowest rank's). Collective over ``comm``; every rank
+    returns the same link."""
+    world = comm.world_size
+    times = []
+    for nbytes in (SMALL_PROBE_BYTES, LARGE_PROBE_BYTES):
+        message = torch.zeros(nbytes // 4, device=comm.device)
+        comm.all_reduce(message, name="link_probe")  # connections made, buffers allocated
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            comm.all_reduce(message, name="link_probe")
+            runs.append(time.perf_counter() - start)
+        times.append(statistics.median(runs))
+    slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
+    comm.all_reduce(slowest, op="max", name="link_probe")
+    small, large = slowest.tolist()
+    sent_small = ring_sent("all_reduce", SMALL_PROBE_BYTES, world)
+    sent_large = ring_sent("all_reduce", LARGE_PROBE_BYTES, world)
+    beta = (sent_large - sent_small) / max(large - small, 1e-9)
+    alpha = max(0.0, small - sent_small / beta) / max(hops("all_reduce", world), 1)
+    return Link(alpha, beta)
