@@ -3,10 +3,11 @@ time and time to a fixed loss, for each method and ZeRO stage, against uncompres
 and torch DDP (with and without its PowerSGD hook) on the same link, in one run.
 
     sudo python bench/compression.py [--rate 1gbit] [--delay 0.5ms] [--steps 150]
-                                     [--micro-batch 2] [--rows ...]
+                                     [--micro-batch 2] [--ranks-per-node 1] [--rows ...]
 
 Two network namespaces joined by a veth pair limited with `tc` (tests/netns.py), one rank in
-each (`zerotrain run`, torchrun's rendezvous over the link), train the demo GPT of
+each (`--ranks-per-node 2`: two, as the hpZ rows need; `zerotrain run`, torchrun's rendezvous
+over the link), train the demo GPT of
 examples/gpt on the embedded corpus, fp32, AdamW (lr 1e-3 after 10 warm-up steps, clipping
 at 1.0), the same batches in every row. Per row:
 - bytes per rank per step, the median step once compression runs (after its 10 warm-up
@@ -46,6 +47,8 @@ def zt(
     parameters: str = "none",
     optimizer=ADAMW,
     auto: bool = False,
+    hpz: bool = False,
+    zero: dict | None = None,
 ):
     return {
         "kind": "zerotrain",
@@ -54,7 +57,14 @@ def zt(
         "parameters": parameters,
         "optimizer": optimizer,
         "auto": auto,
+        "hpz": hpz,
+        "zero": zero or {},  # more zero_optimization keys
     }
+
+
+# stage 3 as for a model too large to keep gathered: every block gathered again for backward
+# (the gathers hierarchical_partition keeps inside the node)
+REGATHER = {"stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
 
 
 ROWS = {
@@ -75,6 +85,12 @@ ROWS = {
     "zerotrain s3": zt(3),
     "zerotrain s3 int4 + int4 params": zt(3, {"method": "int4"}, "int4"),
     "zerotrain s3 auto": zt(3, auto=True),
+    # with --ranks-per-node 2 (hpZ needs a node of several ranks)
+    "zerotrain s3 re-gathered": zt(3, zero=REGATHER),
+    "zerotrain s3 re-gathered + hpZ": zt(3, hpz=True, zero=REGATHER),
+    "zerotrain s3 re-gathered + hpZ + int8": zt(
+        3, {"method": "int8"}, "int8", hpz=True, zero=REGATHER
+    ),
 }
 UNCOMPRESSED = {0: "zerotrain s0", 1: "zerotrain s1", 2: "zerotrain s2", 3: "zerotrain s3"}
 
@@ -190,11 +206,12 @@ def _trainer(spec: dict, model):
         },
         "gradient_clipping": 1.0,
         "steps_per_print": None,
-        "zero_optimization": {"stage": spec["stage"]},
+        "zero_optimization": {"stage": spec["stage"], **spec["zero"]},
         "comm_compression": {
             "gradients": spec["gradients"],
             "parameters": {"method": spec["parameters"]},
             "auto": spec["auto"],
+            "hierarchical_partition": spec["hpz"],
         },
     }
     engine = zerotrain.initialize(model=model, config=config)[0]
@@ -229,7 +246,8 @@ def run_row(nodes, name: str, spec: dict, args, port: int) -> dict | str:
     out = Path(f"/tmp/bench-compression-{os.getpid()}.json")
     out.unlink(missing_ok=True)
     spec = {**spec, "steps": args.steps, "micro_batch": args.micro_batch}
-    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", nodes[0].address]
+    per_node = str(args.ranks_per_node)
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", per_node, "--master-addr", nodes[0].address]
     script = ["bench/compression.py", "--worker", json.dumps(spec), "--out", str(out)]
     processes = [
         node.run(*rendezvous, "--master-port", str(port), "--node-rank", str(i), *script)
@@ -258,7 +276,7 @@ def summarize(results: dict, args) -> tuple[list[str], dict]:
     target = smoothed(reference["losses"])[int(0.8 * args.steps) - 1]
     skip = max(1, args.steps // 10)  # the first steps: warm-up, allocation
     lines = [
-        f"demo GPT, fp32, 2 nodes x 1 rank, link {args.rate}"
+        f"demo GPT, fp32, 2 nodes x {args.ranks_per_node} rank(s), link {args.rate}"
         + (f", delay {args.delay}" if args.delay else "")
         + f", micro-batch {args.micro_batch}, {args.steps} steps; target loss {target:.3f}",
         "",
@@ -315,6 +333,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=1, help="ranks in each namespace (hpZ rows: 2)"
+    )
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     args = parser.parse_args()
     if args.worker:

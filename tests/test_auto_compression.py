@@ -4,6 +4,7 @@ resume), on 2 ranks over gloo."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -54,8 +55,6 @@ def test_config_of_auto():
         load_config(
             {**base, "optimizer": zero_one, "zero_optimization": {"stage": 3}}, world_size=1
         )
-    with pytest.raises(ConfigError, match="hierarchical_partition: not available"):
-        load_config({**base, "comm_compression": {"hierarchical_partition": True}}, world_size=1)
 
 
 # -- the dry run sends what the collectives send; the probe -----------------------------------------
@@ -285,7 +284,7 @@ def test_a_slow_link_switches_to_compression_and_the_measurement_confirms_it(tun
     assert {"powersgd", "int8_param_all_gather"} <= set(run["ops"])
     assert all(torch.isfinite(torch.tensor(run["losses"])))
     assert "link 100 us per hop, 0.8 Mb/s" in run["line"]
-    assert run["line"].endswith("chose powersgd + int8 params")
+    assert re.search(r"chose powersgd \+ int8 params \(decided in \d+\.\d\d s\)$", run["line"])
 
 
 def test_a_switch_measured_slower_is_reverted(tuned):

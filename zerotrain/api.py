@@ -48,7 +48,7 @@ from zerotrain.zero.gather import Stage3Options
 from zerotrain.zero.group import ModelParallel, OptimizerFactory
 from zerotrain.zero.init import full_shape, owner_of
 from zerotrain.zero.layout import NamedParams
-from zerotrain.zero.offload import OffloadOptions, device_budget
+from zerotrain.zero.offload import OffloadOptions, device_budget, local_ranks
 from zerotrain.zero.optimizer import ShardGroupSpec
 from zerotrain.zero.param_home import ParamOffload
 from zerotrain.zero.swap import AioOptions
@@ -176,6 +176,7 @@ def initialize(
             max_reuse_numel=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
             offload_param=_param_offload(cfg) if zero.stage == 3 else None,
+            ranks_per_node=local_ranks() if cfg.comm_compression.hierarchical_partition else 0,
         ),
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,

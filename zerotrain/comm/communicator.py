@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -270,6 +271,24 @@ class Communicator:
         if not isinstance(chosen, dist.ProcessGroup):  # torch made the group of mine[0] here
             raise RuntimeError(f"split: torch made no process group for ranks {mine[0]}")
         return Communicator(chosen, device=self.device, stats=self.stats, log=self.log)
+
+    def within_nodes(self, ranks_per_node: int) -> Communicator:
+        """A communicator over this group's ranks on this rank's node (torchrun numbers the
+        ranks of a node consecutively: node = default-group rank // ``ranks_per_node``).
+        Collective over the default group; every node must hold as many of this group's ranks.
+        """
+        world = Communicator(device=self.device, stats=self.stats, log=self.log)
+        node = self.global_rank // ranks_per_node
+        members = [self.global_rank_of(r) for r in range(self.world_size)]
+        mine = [g for g in members if g // ranks_per_node == node]
+        sizes = set(Counter(g // ranks_per_node for g in members).values())
+        if len(sizes) > 1:
+            raise ValueError(
+                f"ranks {members} hold {sorted(sizes)} ranks on different nodes of "
+                f"{ranks_per_node} ranks each; a partition inside each node needs as many on each"
+            )
+        lists = sorted({tuple(ranks) for ranks in world.all_gather_object(mine)})
+        return self.split([list(ranks) for ranks in lists])
 
     @property
     def global_rank(self) -> int:

@@ -3,7 +3,7 @@ docs/compression.md)."""
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from zerotrain.config.errors import fail
 from zerotrain.config.params import OptimizerConfig
@@ -67,8 +67,10 @@ class CommCompressionConfig(Section):
     parameters: ParameterCompressionConfig = Field(default_factory=ParameterCompressionConfig)
     """Parameter compression; see the comm_compression.parameters section."""
     hierarchical_partition: bool = False
-    """Stage 3: a second copy of the parameters partitioned within each node, so that the
-    gathers in forward and backward stay inside the node (ZeRO++'s hpZ)."""
+    """Stage 3: after the first gather of a unit in a step, keep its parameters partitioned
+    again among the ranks of each node, so that the step's later gathers (backward's) stay
+    inside the node (ZeRO++'s hpZ). Costs 1/(ranks per node) of the unit's parameters per rank,
+    in `memory_breakdown()["compression"]`. Ranks per node: torchrun's LOCAL_WORLD_SIZE."""
     auto: bool = False
     """Start uncompressed, then measure the links (latency and bandwidth), the steps and each
     compression's own compute, and use a compression only where it is predicted to make the
@@ -78,15 +80,6 @@ class CommCompressionConfig(Section):
     parameters. Each decision is printed with its prediction. See docs/compression.md."""
     auto_recheck_steps: NonNegativeInt = 1000
     """auto: measure and decide again this often, in optimizer steps (0: decide once)."""
-
-    @model_validator(mode="after")
-    def _implemented(self) -> "CommCompressionConfig":
-        if self.hierarchical_partition:
-            raise fail(
-                "hierarchical_partition: not available in this version yet (gradients.method, "
-                "parameters.method and auto are); leave it at false"
-            )
-        return self
 
 
 def check_compression(
@@ -121,6 +114,12 @@ def check_compression(
     clipper = optimizer.params.get("local_step_clipper", 1) if optimizer else 1
     if clipper != 1:
         raise fail(LOCAL_STEPS_REFUSED.format(clipper))
+    if section.hierarchical_partition and stage != 3:
+        raise fail(
+            "comm_compression.hierarchical_partition: partitions stage 3's parameters a second "
+            f"time inside each node; zero_optimization.stage is {stage}, which keeps them whole "
+            "on every rank. Set the stage to 3, or hierarchical_partition to false"
+        )
     parameters = section.parameters.method
     if parameters != "none" and stage == 0:
         raise fail(

@@ -47,6 +47,7 @@ class Decision:
     predicted: dict[str, float]  # policy -> seconds per step predicted (empty: a check)
     sent: dict[str, float]  # policy -> bytes this rank sends per step (costed policies)
     link: Link | None = None
+    seconds: float = 0.0  # the decision's own time (probe and costing)
 
     def line(self, world: int) -> str:
         head = f"zerotrain: comm_compression.auto, step {self.step}, {world} ranks"
@@ -60,7 +61,7 @@ class Decision:
         )
         return (
             f"{head}: link {self.link.describe()}; measured per step {measured}; predicted "
-            f"{predicted}: {self.outcome} {self.policy}"
+            f"{predicted}: {self.outcome} {self.policy} (decided in {self.seconds:.2f} s)"
         )
 
 
@@ -87,6 +88,9 @@ class CompressionTuner:
         self._last: float | None = None
         self._skip = 0  # steps not measured after a switch (their first costs more)
         self._before: tuple[Policy, float] | None = None  # a switch's old policy, its step
+        # the reductions and gathers counted when the policy in use started, and the step
+        self._counted: tuple[list[int], dict[int, int]] = ([], {})
+        self._counted_at = 0
         warmup = max((p.gradients.warmup_steps for p in options.policies if p.gradients), default=0)
         self._due: float = max(options.window + 1, warmup)
         self.policy = options.policies[0]
@@ -173,6 +177,7 @@ class CompressionTuner:
 
     def _decide(self) -> None:
         policies = self.options.policies
+        started = time.perf_counter()
         link = self.probe(self.comm)
         traffic = self._traffic()
         costs = policy_costs(policies, traffic, self.comm, self.group.reduction.shapes)
@@ -205,6 +210,7 @@ class CompressionTuner:
                 predicted,
                 {p.name: c.sent for p, c in zip(policies, costs, strict=True)},
                 link,
+                time.perf_counter() - started,
             )
         )
 

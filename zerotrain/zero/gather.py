@@ -18,6 +18,7 @@ zerotrain/zero/in_flight.py.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,6 +29,7 @@ from torch import nn
 from zerotrain.comm import Communicator
 from zerotrain.compression.gather import ParameterCompression, ParameterGather
 from zerotrain.config import ZERO_DEFAULTS
+from zerotrain.zero.hpz import SecondaryShards
 from zerotrain.zero.in_flight import BucketGathers
 from zerotrain.zero.init import gather_param, is_init_partitioned, unpartition_param
 from zerotrain.zero.layout import (
@@ -52,6 +54,9 @@ class Stage3Options:
     max_reuse_numel: int = ZERO_DEFAULTS.stage3_max_reuse_distance
     persistence_threshold: int = ZERO_DEFAULTS.stage3_param_persistence_threshold  # per unit here
     offload_param: ParamOffload | None = None  # where the shards live between uses
+    # comm_compression.hierarchical_partition: the ranks per node whose secondary partition
+    # serves a step's later gathers (0: off; see [Note: the secondary partition] in hpz.py)
+    ranks_per_node: int = 0
 
 
 Runs = list[tuple[int, int, NamedParams]]  # (optimizer group, unit, parameters), see layout.py
@@ -197,6 +202,11 @@ class ParamResidency:
         formula's; frozen ones are counted apart)."""
         return 0
 
+    def secondary_tensors(self) -> list[torch.Tensor]:
+        """hpZ's partition inside the node (empty without it)."""
+        secondary = self.in_flight.secondary
+        return secondary.tensors() if secondary is not None else []
+
     def host_param_tensors(self) -> list[torch.Tensor]:
         """The host memory holding parameter shards (``offload_param``)."""
         return self.home.host_tensors()
@@ -252,6 +262,8 @@ class GatheredForUse(ParamResidency):
 
     def __init__(self, model: nn.Module, comm: Communicator, partition, **options):
         super().__init__(model, comm, partition, **options)
+        if self.stage3.ranks_per_node:
+            self.in_flight.secondary = _secondary_shards(comm, self.stage3.ranks_per_node)
         self.unit_modules = find_unit_modules(model)
         self._gatherer: ParameterGatherer | None = None  # made by start()
         self._persistent: set[int] = set()
@@ -359,6 +371,7 @@ class GatheredForUse(ParamResidency):
 
     def take_values(self, bucket: FlatBucket) -> None:
         self.home.targets([bucket]).fill(0, bucket.shard(bucket.require_flat_param()))
+        self.in_flight.forget_secondary(bucket)
 
     @property
     def defers_use(self) -> bool:
@@ -366,6 +379,7 @@ class GatheredForUse(ParamResidency):
 
     def publish(self, deferred: dict[int, Callable[[], None]] | None = None) -> None:
         super().publish(deferred)  # deferred steps run before their bucket's next gather
+        self.in_flight.forget_secondary()  # the shards changed: the next gathers are primary
         self.gatherer.refresh_persistent()  # the others gather at their next use
 
     def wait(self, buckets=None) -> None:
@@ -461,3 +475,20 @@ def _waiter(in_flight: BucketGathers, buckets: list[FlatBucket]) -> Callable:
         in_flight.wait(buckets)
 
     return wait_for_own_buckets
+
+
+def _secondary_shards(comm: Communicator, ranks_per_node: int) -> SecondaryShards | None:
+    """hpZ's partition inside each node for the gathers over ``comm`` (collective over the
+    default group); None, with a warning, where the node holds one rank of ``comm`` or all of
+    them: no gather would then stay off the network."""
+    node = comm.within_nodes(ranks_per_node)
+    if 1 < node.world_size < comm.world_size:
+        return SecondaryShards(node)
+    where = "one node" if node.world_size == comm.world_size else "one rank per node"
+    warnings.warn(
+        f"comm_compression.hierarchical_partition: the {comm.world_size} data-parallel ranks "
+        f"sit on {where} ({ranks_per_node} ranks per node): a partition inside the node would "
+        "keep no gather off the network, so stage 3 runs without it",
+        stacklevel=2,
+    )
+    return None

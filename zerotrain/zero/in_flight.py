@@ -20,6 +20,7 @@ import torch
 from zerotrain.comm import Communicator
 from zerotrain.compression.codec import Pending
 from zerotrain.compression.gather import ParameterGather
+from zerotrain.zero.hpz import SecondaryShards
 from zerotrain.zero.layout import FlatBucket
 from zerotrain.zero.param_home import ShardHome
 
@@ -39,6 +40,10 @@ class BucketGathers:
         # the all-gather itself: the backend's, or quantized (comm_compression.parameters)
         self.gather = gather or ParameterGather(comm)
         self._ops: dict[int, Pending] = {}  # id(bucket) -> its all-gather
+        # stage 3 with hierarchical_partition: each bucket's piece inside the node, which
+        # serves its gathers after the first in a step (see [Note: the secondary partition])
+        self.secondary: SecondaryShards | None = None
+        self._primary: dict[int, FlatBucket] = {}  # gathers in flight whose piece to keep
         # id(bucket) -> what must run before its shard is read: a deferred optimizer step (and,
         # stages 1-2, the gather itself); see [Note: a step deferred to the next use]
         self._before: dict[int, Callable[[], None]] = {}
@@ -65,9 +70,10 @@ class BucketGathers:
         """Start gathering ``bucket.flat_param`` from every rank's ``shard`` (stage 3: the one
         the shard home lends, see [Note: lending a shard] in param_home.py)."""
         self._run_before(bucket)  # a deferred step writes the shard
-        earlier = self._ops.pop(id(bucket), None)
-        if earlier is not None:  # never two gathers into one buffer at once
-            earlier.wait()
+        self._complete(bucket)  # never two gathers into one buffer at once
+        if self.secondary is not None and self.secondary.holds(bucket):
+            self._ops[id(bucket)] = self.secondary.all_gather(bucket)
+            return
         flat_param = bucket.require_flat_param()
         if shard is None:
             shard = self.home.lend(bucket)
@@ -75,6 +81,23 @@ class BucketGathers:
                 shard = _to_device(shard, flat_param)
             self.home.give_back(bucket)
         self._ops[id(bucket)] = self.gather.all_gather(flat_param, shard)
+        if self.secondary is not None:
+            self._primary[id(bucket)] = bucket
+
+    def _complete(self, bucket: FlatBucket) -> None:
+        """Wait for ``bucket``'s gather if one is in flight; after a primary one (hpZ), keep
+        the node's piece."""
+        op = self._ops.pop(id(bucket), None)
+        if op is not None:
+            op.wait()
+        kept = self._primary.pop(id(bucket), None)
+        if kept is not None and self.secondary is not None:
+            self.secondary.keep(kept)
+
+    def forget_secondary(self, bucket: FlatBucket | None = None) -> None:
+        """The primary shards of ``bucket`` (None: of all) changed: gather them anew."""
+        if self.secondary is not None:
+            self.secondary.forget(bucket)
 
     def read_ahead(self, buckets: list[FlatBucket]) -> None:
         """Stage 3: ``buckets`` are gathered soon (beyond the prefetch): start their reads."""
@@ -85,9 +108,7 @@ class BucketGathers:
         """Complete the gathers of ``buckets`` that are in flight (or deferred)."""
         for bucket in buckets:
             self._run_before(bucket)
-            op = self._ops.pop(id(bucket), None)
-            if op is not None:
-                op.wait()
+            self._complete(bucket)
 
     def waiting(self, bucket: FlatBucket) -> bool:
         return id(bucket) in self._ops

@@ -135,8 +135,9 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     buffers that carry data to and from the device or disk) and ``disk`` (NVMe working files).
     Frozen parameters are not model states of the formula: ``frozen`` counts theirs apart,
     wherever they are (whole, or stage 3's shards and gathered buffers, on the device or the
-    host). ``compression`` counts what a gradient codec keeps between steps (error feedback,
-    low-rank factors), also apart."""
+    host). ``compression`` counts what communication compression keeps between steps (a
+    gradient codec's error feedback and low-rank factors, hpZ's secondary partition), also
+    apart."""
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
@@ -162,7 +163,8 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "total": params + grads + optim,
         "offloaded": offloaded,
         "frozen": frozen,
-        "compression": nbytes(group.reduction.codec.state_tensors()),
+        "compression": nbytes(group.reduction.codec.state_tensors())
+        + nbytes(group.residency.secondary_tensors()),
         "staging": store.staging_bytes(),
         "disk": store.disk_bytes() + group.residency.home.disk_bytes(),
     }
