@@ -144,6 +144,28 @@ def test_the_probe_measures_one_link_for_every_rank(dry_runs):
     assert 0 < links[0].beta < float("inf") and links[0].alpha >= 0
 
 
+def test_large_buckets_are_costed_in_pieces_with_the_same_bytes(monkeypatch):
+    """Costing holds one piece of a bucket at a time; the bytes come out as for the whole
+    bucket (quantization: up to its blocks' rounding)."""
+    from zerotrain.compression import auto
+
+    comm = Communicator()
+    comm.world_size = 2  # a stand-in: the dry run only reads the rank and the world size
+    shapes = [BucketShape(3264, [(0, (40, 30)), (1200, (16,)), (1216, (64, 32))])]
+    traffic = Traffic("reduce_scatter", {0: 1.0}, {1632: 1.0})
+    policies = (
+        Policy(),
+        Policy(GradientCompression(method="powersgd", rank=4, min_numel=0)),
+        Policy(GradientCompression(method="int8"), ParameterCompression(method="int8")),
+    )
+    whole = policy_costs(policies, traffic, comm, shapes)
+    monkeypatch.setattr(auto, "DRY_RUN_NUMEL", 1000)
+    assert len(auto._pieces(shapes[0], 2)) == 3
+    pieces = policy_costs(policies, traffic, comm, shapes)
+    assert pieces[0].sent == whole[0].sent and pieces[1].sent == whole[1].sent
+    assert pieces[2].sent == pytest.approx(whole[2].sent, rel=0.02)
+
+
 # -- the tuner in training -------------------------------------------------------------------------
 SLOW = Link(alpha=1e-4, beta=1e5)  # 0.8 Mb/s: every policy that sends less pays
 FAST = Link(alpha=0.0, beta=1e15)  # the wire is free: the codecs' own compute decides

@@ -638,10 +638,13 @@ def train_gpt_losses(names: list[str]) -> dict:
 # Measured gaps (python: the loop below on this machine, 2026-11-24): the methods that end
 # further than the bound from their baseline, by world size. Equality is asserted, so a new
 # gap fails the test and so does a closed one (then remove it here).
+# ZeroOneAdam (DeepSpeed's var_update_scaler 16): 1-bit steps from step 17 on, while the
+# variance still moves; +3.8% at 2 ranks, +8.5% at 4 (scaler 64: +4.8%, +4.2%; scaler 100 is
+# OneBitAdam's schedule and its loss exactly).
 KNOWN_GAPS = {
-    2: {"gtopk 10% s2"},  # +5.1%
-    4: {"acp_sgd r8 s1", "topk 10% s2", "gtopk 10% s2", "OneBitAdam s1"},  # +3.3, 5.0, 5.7, 3.3%
-}
+    2: {"gtopk 10% s2", "ZeroOneAdam s1"},  # +5.1, 3.8%
+    4: {"acp_sgd r8 s1", "topk 10% s2", "gtopk 10% s2", "OneBitAdam s1", "ZeroOneAdam s1"},
+}  # 4 ranks: +3.3, 5.0, 5.7, 3.3, 8.5%
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ class DryRunCommunicator(Communicator):
         output.copy_(input.view(self.world_size, -1)[self.rank])
         nbytes = input.numel() * input.element_size()
         done = self._done(
-            "reduce_scatter", "reduce_scatter", ring_sent("", nbytes, self.world_size)
+            "reduce_scatter", "reduce_scatter", ring_sent("reduce_scatter", nbytes, self.world_size)
         )
         return done if async_op else None
 

@@ -28,6 +28,13 @@ SMALL_PROBE_BYTES = 1 << 10
 LARGE_PROBE_BYTES = 4 << 20
 
 
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: CUDA collectives and kernels return before
+    they ran, and a timing must include them (CUDA only; CPU work is done on return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hops(op: str, world: int) -> int:
     """Messages in a row on each rank for the collective ``op`` over ``world`` ranks."""
     return 2 * (world - 1) if op == "all_reduce" else world - 1
@@ -61,8 +68,10 @@ def probe_link(comm: Communicator, repeats: int = 3) -> Link:
         comm.all_reduce(message, name="link_probe")  # connections made, buffers allocated
         runs = []
         for _ in range(repeats):
+            settle(comm.device)
             start = time.perf_counter()
             comm.all_reduce(message, name="link_probe")
+            settle(comm.device)
             runs.append(time.perf_counter() - start)
         times.append(statistics.median(runs))
     slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)

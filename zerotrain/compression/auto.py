@@ -20,6 +20,7 @@ ones by more than ``tolerance``: the prediction proposes, the measurement decide
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ import torch
 
 from zerotrain.comm import Communicator
 from zerotrain.comm.dry_run import DryRunCommunicator
-from zerotrain.comm.link import Link
+from zerotrain.comm.link import Link, settle
 from zerotrain.compression.codec import BucketShape, GradientCompression, Pending, make_codec
 from zerotrain.compression.gather import ParameterCompression, ParameterGather
 
@@ -112,49 +113,71 @@ class Cost:
         return sum(sent * n for _, sent, n in self.messages)
 
 
+# the most elements a dry run puts in one bucket: larger buckets run in pieces of whole
+# parameters, so that costing never holds more than a few copies of this many (128 MB in fp32)
+DRY_RUN_NUMEL = 1 << 25
+
+
 def policy_costs(
     policies: tuple[Policy, ...], traffic: Traffic, comm: Communicator, buckets: list[BucketShape]
 ) -> list[Cost]:
     """Each policy's cost per step: its gradient codec and its parameter gather run on random
-    buckets of the real sizes, as often as ``traffic`` says, over a dry-run stand-in for
-    ``comm``. Each direction's choices are run once (a policy's cost is the sum of its two
-    directions'), on the same inputs."""
+    buckets and shards of the real sizes (in pieces of at most ``DRY_RUN_NUMEL`` elements, the
+    gathered whole too), as often as
+    ``traffic`` says, over a dry-run stand-in for ``comm``. Each direction's choices run once
+    on the same input (a policy's cost is the sum of its two directions'), one bucket at a
+    time, so that only one bucket's input and codec state exist at once."""
     world = comm.world_size
-    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-    def random(numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if (numel, dtype) not in inputs:
-            inputs[numel, dtype] = torch.randn(numel, device=comm.device).to(dtype)
-        return inputs[numel, dtype]
-
-    def gradients_cost(gradients: GradientCompression | None) -> Cost:
-        dry = DryRunCommunicator(comm)
-        if gradients is not None:
-            gradients = replace(gradients, warmup_steps=0)
-        codec = make_codec(gradients, dry, buckets)
-        cost = Cost(0.0, [])
-        for index, per_step in traffic.reductions.items():
-            flat = random(buckets[index].numel_padded, traffic.grad_dtype)
-            if traffic.collective == "all_reduce":
-                cost += _timed(dry, per_step, partial(codec.all_reduce, index), flat)
-            else:
-                shard = flat.new_empty(flat.numel() // world)
-                cost += _timed(dry, per_step, partial(codec.reduce_scatter, index, shard), flat)
-        return cost
-
-    def parameters_cost(parameters: ParameterCompression | None) -> Cost:
-        dry = DryRunCommunicator(comm)
-        gather = ParameterGather(dry, parameters)
-        cost = Cost(0.0, [])
-        for numel, per_step in traffic.gathers.items():
-            piece = random(numel, traffic.param_dtype)
-            output = piece.new_empty(numel * world)
-            cost += _timed(dry, per_step, partial(gather.all_gather, output), piece)
-        return cost
-
-    by_gradients = {p.gradients: gradients_cost(p.gradients) for p in policies}
-    by_parameters = {p.parameters: parameters_cost(p.parameters) for p in policies}
+    dry = DryRunCommunicator(comm)
+    by_gradients = {p.gradients: Cost(0.0, []) for p in policies}
+    by_parameters = {p.parameters: Cost(0.0, []) for p in policies}
+    for index, per_step in traffic.reductions.items():
+        for piece in _pieces(buckets[index], world):
+            flat = torch.randn(piece.numel_padded, device=comm.device).to(traffic.grad_dtype)
+            shard = flat.new_empty(flat.numel() // world)
+            for gradients in by_gradients:
+                options = replace(gradients, warmup_steps=0) if gradients else None
+                codec = make_codec(options, dry, [piece])
+                if traffic.collective == "all_reduce":
+                    run = partial(codec.all_reduce, 0)
+                else:
+                    run = partial(codec.reduce_scatter, 0, shard)
+                by_gradients[gradients] += _timed(dry, per_step, run, flat)
+    for numel, per_step in traffic.gathers.items():
+        chunk = min(numel, DRY_RUN_NUMEL // world)  # the gathered whole: at most DRY_RUN_NUMEL
+        for size, times in ((chunk, numel // chunk), (numel % chunk, 1)):
+            if size == 0 or times == 0:
+                continue
+            values = torch.randn(size, device=comm.device).to(traffic.param_dtype)
+            output = values.new_empty(size * world)
+            for parameters in by_parameters:
+                gather = ParameterGather(dry, parameters)
+                run = partial(gather.all_gather, output)
+                by_parameters[parameters] += _timed(dry, per_step * times, run, values)
     return [by_gradients[p.gradients] + by_parameters[p.parameters] for p in policies]
+
+
+def _pieces(bucket: BucketShape, world: int) -> list[BucketShape]:
+    """``bucket`` as buckets of whole parameters of at most ``DRY_RUN_NUMEL`` elements each (a
+    larger parameter alone), each padded to a multiple of ``world``."""
+    groups: list[list[tuple[int, tuple[int, ...]]]] = []
+    size = 0
+    for offset, shape in bucket.params:
+        numel = math.prod(shape)
+        if not groups or size + numel > DRY_RUN_NUMEL:
+            groups.append([])
+            size = 0
+        groups[-1].append((offset, shape))
+        size += numel
+    if len(groups) <= 1:
+        return [bucket]
+    pieces = []
+    for params in groups:
+        start = params[0][0]
+        end = params[-1][0] + math.prod(params[-1][1])
+        padded = -(-(end - start) // world) * world
+        pieces.append(BucketShape(padded, [(offset - start, shape) for offset, shape in params]))
+    return pieces
 
 
 def _timed(
@@ -166,8 +189,10 @@ def _timed(
     seconds = []
     for _ in range(2):
         fresh = values.clone()
+        settle(values.device)
         start = time.perf_counter()
         run(fresh).wait()
+        settle(values.device)
         seconds.append(time.perf_counter() - start)
     return Cost(per_step * min(seconds), [(op, n, per_step / 2) for op, n in dry.messages])
 

@@ -36,9 +36,8 @@ class SecondaryShards:
     def holds(self, bucket: FlatBucket) -> bool:
         return id(bucket) in self._current
 
-    def keep(self, bucket: FlatBucket) -> None:
-        """After a primary gather of ``bucket``: copy this rank's node piece of it."""
-        full = bucket.require_flat_param()
+    def keep(self, bucket: FlatBucket, full: torch.Tensor) -> None:
+        """After a primary gather of ``bucket`` into ``full``: copy this rank's node piece."""
         piece = full.view(self.node.world_size, -1)[self.node.rank]
         buffer = self._buffers.get(id(bucket))
         if buffer is None or buffer.shape != piece.shape or buffer.dtype != piece.dtype:

@@ -43,7 +43,8 @@ class BucketGathers:
         # stage 3 with hierarchical_partition: each bucket's piece inside the node, which
         # serves its gathers after the first in a step (see [Note: the secondary partition])
         self.secondary: SecondaryShards | None = None
-        self._primary: dict[int, FlatBucket] = {}  # gathers in flight whose piece to keep
+        # gathers in flight whose piece to keep: id(bucket) -> (bucket, the buffer gathered into)
+        self._primary: dict[int, tuple[FlatBucket, torch.Tensor]] = {}
         # id(bucket) -> what must run before its shard is read: a deferred optimizer step (and,
         # stages 1-2, the gather itself); see [Note: a step deferred to the next use]
         self._before: dict[int, Callable[[], None]] = {}
@@ -82,7 +83,7 @@ class BucketGathers:
             self.home.give_back(bucket)
         self._ops[id(bucket)] = self.gather.all_gather(flat_param, shard)
         if self.secondary is not None:
-            self._primary[id(bucket)] = bucket
+            self._primary[id(bucket)] = (bucket, flat_param)
 
     def _complete(self, bucket: FlatBucket) -> None:
         """Wait for ``bucket``'s gather if one is in flight; after a primary one (hpZ), keep
@@ -90,9 +91,9 @@ class BucketGathers:
         op = self._ops.pop(id(bucket), None)
         if op is not None:
             op.wait()
-        kept = self._primary.pop(id(bucket), None)
-        if kept is not None and self.secondary is not None:
-            self.secondary.keep(kept)
+        gathered = self._primary.pop(id(bucket), None)
+        if gathered is not None and self.secondary is not None:
+            self.secondary.keep(*gathered)
 
     def forget_secondary(self, bucket: FlatBucket | None = None) -> None:
         """The primary shards of ``bucket`` (None: of all) changed: gather them anew."""
