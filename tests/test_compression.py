@@ -579,9 +579,10 @@ CONVERGENCE = {  # name: (stage, comm_compression gradients/parameters, optimize
 CONVERGENCE_STEPS = 300
 
 
-def train_gpt_losses(names: list[str]) -> dict:
-    """Each named run: the tiny GPT, 300 steps, lr 3e-3 after 20 warm-up steps (compression
-    after 20), the mean over ranks of each step's loss, and the bytes sent per step."""
+def train_gpt_losses(runs: dict[str, tuple], steps: int = CONVERGENCE_STEPS) -> dict:
+    """Each run (name: as in CONVERGENCE): the tiny GPT, ``steps`` steps, lr 3e-3 after 20
+    warm-up steps (SGD: lr 0.1, momentum 0.9), compression after 20, the mean over ranks of
+    each step's loss, and the bytes sent per step (bench/convergence.py runs it longer)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -594,11 +595,12 @@ def train_gpt_losses(names: list[str]) -> dict:
     train_set, _ = train_val_datasets(config.block_size)
     world = Communicator()
     out = {}
-    for name in names:
-        stage, section, optimizer = CONVERGENCE[name]
+    for name, (stage, section, optimizer) in runs.items():
         section = dict(section)
         parameters = section.pop("parameters", "none")
         params = {"lr": 3e-3, "weight_decay": 0.01}
+        if optimizer == "SGD":
+            params = {"lr": 0.1, "momentum": 0.9}
         if optimizer.startswith("OneBitAdam"):  # its variance must settle before it freezes
             params["betas"] = [0.9, 0.99]
             params["freeze_step"] = 10**6 if optimizer.endswith("uncompressed") else 100
@@ -614,7 +616,7 @@ def train_gpt_losses(names: list[str]) -> dict:
                 "optimizer": {"type": optimizer, "params": params},
                 "scheduler": {
                     "type": "WarmupLR",
-                    "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 20},
+                    "params": {"warmup_max_lr": params["lr"], "warmup_num_steps": 20},
                 },
                 "steps_per_print": None,
                 "zero_optimization": {"stage": stage},
@@ -627,7 +629,7 @@ def train_gpt_losses(names: list[str]) -> dict:
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
         losses, sent = [], []
         comm = engine.optimizer.comm
-        for step in range(CONVERGENCE_STEPS):
+        for step in range(steps):
             first = (step * world.world_size + world.rank) * 4
             batch = [train_set[int(i)] for i in order[first : first + 4]]
             before = sum(s.sent for s in comm.stats.values())
@@ -661,7 +663,7 @@ def test_compressed_training_converges_like_uncompressed(world):
     OneBitAdam's update uncompressed, with fewer bytes per step once compression runs (the median
     step). The steps' losses vary by several percent around the trend, and so do these
     means between runs that differ only by rounding (stage 1 against stage 3: 0.3%)."""
-    runs = run_distributed(train_gpt_losses, world, list(CONVERGENCE))[0]
+    runs = run_distributed(train_gpt_losses, world, CONVERGENCE)[0]
     final = {name: sum(losses[-50:]) / 50 for name, (losses, _) in runs.items()}
     median = {name: sorted(sent[100:])[len(sent[100:]) // 2] for name, (_, sent) in runs.items()}
     gaps = set()
