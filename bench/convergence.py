@@ -1,10 +1,13 @@
 """Compressed training against uncompressed over a longer run than the slow test's 300 steps:
-the tiny GPT on the embedded corpus, each method of tests/test_compression.py's CONVERGENCE
-(AdamW) and, with ``--sgd``, the low-rank and sparse methods under SGD with momentum, on 2 and
-4 ranks (gloo, this machine): the mean loss of the last 10% of the steps, against the same
-optimizer uncompressed (the 1-bit optimizers: OneBitAdam's update uncompressed).
+the tiny GPT on the embedded corpus, on 2 and 4 ranks (gloo, this machine), the mean loss of
+the last 10% of the steps against the same optimizer uncompressed. ``--rows``:
+- ``convergence``: each method of tests/test_compression.py's CONVERGENCE (AdamW; the 1-bit
+  optimizers against OneBitAdam's update uncompressed);
+- ``sgd``: the low-rank and sparse methods under SGD with momentum;
+- ``onebit``: OneBitAdam with its variance frozen at step 100 but every gradient exact, which
+  tells the freeze's part of the 1-bit gap from the compression's.
 
-    python bench/convergence.py [--steps 1000] [--worlds 4 2] [--sgd]
+    python bench/convergence.py [--steps 1000] [--worlds 4 2] [--rows convergence|sgd|onebit]
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ SGD = {
 }
 
 
+ONE_BIT = {
+    "OneBitAdam uncompressed s1": (1, {}, "OneBitAdam uncompressed"),
+    "OneBitAdam frozen, uncompressed s1": (1, {}, "OneBitAdam frozen, uncompressed"),
+    "OneBitAdam s1": (1, {}, "OneBitAdam"),
+}
+ROWS = {"convergence": CONVERGENCE, "sgd": SGD, "onebit": ONE_BIT}
+
+
 def baseline(name: str) -> str:
     if name.startswith(("OneBitAdam", "ZeroOneAdam")):
         return "OneBitAdam uncompressed s1"
@@ -39,9 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--worlds", type=int, nargs="*", default=[4, 2])
-    parser.add_argument("--sgd", action="store_true", help="the SGD rows instead of CONVERGENCE")
+    parser.add_argument("--rows", choices=list(ROWS), default="convergence")
     args = parser.parse_args()
-    rows = SGD if args.sgd else CONVERGENCE
+    rows = ROWS[args.rows]
     tail = max(1, args.steps // 10)
     print(f"tiny GPT, {args.steps} steps, mean loss of the last {tail}\n")
     print("| method | ranks | final loss | vs its baseline |\n|---|---|---|---|")

@@ -601,9 +601,11 @@ def train_gpt_losses(runs: dict[str, tuple], steps: int = CONVERGENCE_STEPS) -> 
         params = {"lr": 3e-3, "weight_decay": 0.01}
         if optimizer == "SGD":
             params = {"lr": 0.1, "momentum": 0.9}
+        # the variance frozen at step 100 and every gradient exact (bench/convergence.py)
+        frozen_exact = optimizer == "OneBitAdam frozen, uncompressed"
         if optimizer.startswith("OneBitAdam"):  # its variance must settle before it freezes
             params["betas"] = [0.9, 0.99]
-            params["freeze_step"] = 10**6 if optimizer.endswith("uncompressed") else 100
+            params["freeze_step"] = 10**6 if optimizer == "OneBitAdam uncompressed" else 100
             optimizer = "OneBitAdam"
         if optimizer == "ZeroOneAdam":  # variance updates thinning out until step 100
             params["betas"] = [0.9, 0.99]
@@ -626,6 +628,10 @@ def train_gpt_losses(runs: dict[str, tuple], steps: int = CONVERGENCE_STEPS) -> 
                 },
             },
         )[0]
+        if frozen_exact:
+            for group in engine.optimizer.groups:
+                reduction = group.reduction
+                reduction.codec = make_codec(None, reduction.comm, reduction.shapes)
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
         losses, sent = [], []
         comm = engine.optimizer.comm
