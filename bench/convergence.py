@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from distributed import run_distributed  # noqa: E402
-from test_compression import CONVERGENCE, train_gpt_losses  # noqa: E402
+from test_compression import CONVERGENCE, convergence_baseline, train_gpt_losses  # noqa: E402
 
 # the gradient methods under SGD with momentum (lr 0.1): without Adam's per-coordinate scaling
 SGD = {
@@ -40,12 +40,6 @@ ONE_BIT = {
 ROWS = {"convergence": CONVERGENCE, "sgd": SGD, "onebit": ONE_BIT}
 
 
-def baseline(name: str) -> str:
-    if name.startswith(("OneBitAdam", "ZeroOneAdam")):
-        return "OneBitAdam uncompressed s1"
-    return "SGD uncompressed s1" if name.startswith("SGD") else "uncompressed s1"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -61,7 +55,7 @@ def main() -> None:
         runs = run_distributed(train_gpt_losses, world, rows, args.steps, timeout=6 * args.steps)[0]
         final = {name: sum(losses[-tail:]) / tail for name, (losses, _) in runs.items()}
         for name in rows:
-            change = final[name] / final[baseline(name)] - 1
+            change = final[name] / final[convergence_baseline(name)] - 1
             print(f"| {name} | {world} | {final[name]:.4f} | {change:+.1%} |")
         print(f"({world} ranks: {time.perf_counter() - started:.0f} s)", flush=True)
 

@@ -39,6 +39,7 @@ from zerotrain.comm import Communicator
 from zerotrain.compression import quantize
 from zerotrain.compression.lowrank import LowRankMatrix, orthonormalize, worth_compressing
 from zerotrain.compression.sparse import pack, top_k, tree_indices, unpack
+from zerotrain.optim.onebit import ExactSteps
 
 METHODS = ("none", "powersgd", "acp_sgd", "topk", "gtopk", "int8", "int4")
 
@@ -197,11 +198,11 @@ class _Compressing(GradientCodec):
         super().__init__(comm, buckets)
         self.options = options
         self.method = options.method
+        self.exact_steps = ExactSteps(options.warmup_steps, options.exact_steps)
 
     @property
     def compressing(self) -> bool:
-        step = self.steps + 1  # the step whose gradients these are
-        return step > self.options.warmup_steps and step not in self.options.exact_steps
+        return self.steps + 1 not in self.exact_steps  # the step whose gradients these are
 
     def all_reduce(self, index: int, flat: torch.Tensor) -> Pending:
         if not self.compressing:

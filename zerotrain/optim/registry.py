@@ -92,20 +92,13 @@ def _build_sgd(
     return torch.optim.SGD(param_groups, **options, fused=fused, foreach=foreach)
 
 
-def _build_onebit_adam(
+def _build_one_bit(
+    cls: type[OneBitAdam],
     options: dict[str, Any],
     param_groups: list[dict[str, Any]],
     norm_allreduce: NormAllreduce | None,
 ) -> torch.optim.Optimizer:
-    return OneBitAdam(param_groups, **options)
-
-
-def _build_zero_one_adam(
-    options: dict[str, Any],
-    param_groups: list[dict[str, Any]],
-    norm_allreduce: NormAllreduce | None,
-) -> torch.optim.Optimizer:
-    return ZeroOneAdam(param_groups, **options)
+    return cls(param_groups, **options)
 
 
 def _build_lamb(
@@ -185,7 +178,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "cuda_aware",
                 "comm_backend_name",
             ),
-            _build_onebit_adam,
+            partial(_build_one_bit, OneBitAdam),
             "1-bit Adam (arXiv:2102.02888), DeepSpeed's update: Adam for `freeze_step` steps, "
             "then the variance frozen and the gradients sent as signs with error feedback, at "
             "ZeRO stages 0-2 (docs/compression.md).",
@@ -207,7 +200,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "cuda_aware",
                 "comm_backend_name",
             ),
-            _build_zero_one_adam,
+            partial(_build_one_bit, ZeroOneAdam),
             "0/1 Adam (arXiv:2202.06009), DeepSpeed's update: the variance updated with exactly "
             "averaged gradients every 1, 2, 4, ... steps (the interval doubling after "
             "`var_update_scaler` updates) until `var_freeze_step`, every other step's gradients "

@@ -89,13 +89,13 @@ class CompressionTuner:
         self._skip = 0  # steps not measured after a switch (their first costs more)
         self._before: tuple[Policy, float] | None = None  # a switch's old policy, its step
         # the reductions and gathers counted when the policy in use started, and the step
-        self._counted: tuple[list[int], dict[int, int]] = ([], {})
+        self._counted = self._counts()
         self._counted_at = 0
         warmup = max((p.gradients.warmup_steps for p in options.policies if p.gradients), default=0)
         self._due: float = max(options.window + 1, warmup)
+        # uncompressed, as the group was built; its gathers are built able to quantize
         self.policy = options.policies[0]
-        self.use(self.policy)
-        self._skip = 0  # the first step is not timed anyway: nothing ran before it
+        group.residency.param_gather.quantize(False)
 
     @property
     def policy_names(self) -> list[str]:
@@ -112,8 +112,12 @@ class CompressionTuner:
         self.policy = policy
         self._durations.clear()
         self._skip = 1
-        self._counted = (list(reduction.launches), dict(self.group.residency.param_gather.gathered))
+        self._counted = self._counts()
         self._counted_at = self.steps
+
+    def _counts(self) -> tuple[list[int], dict[int, int]]:
+        """The reductions per bucket and gathers per shard size so far."""
+        return list(self.group.reduction.launches), dict(self.group.residency.param_gather.gathered)
 
     def resume(self, name: str) -> bool:
         """Continue with the policy ``name`` chosen before a checkpoint, deciding again after

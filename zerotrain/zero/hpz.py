@@ -13,7 +13,7 @@ place of one across the nodes. The secondary shards hold the gathered values the
 as the first. An optimizer step, or anything else that writes the primary shards (a checkpoint
 load), makes them stale (:meth:`SecondaryShards.forget`), and the next gather is a primary one
 again. What it costs: numel/L more elements per bucket in the training dtype, per rank, counted
-by ``memory_breakdown()`` with the parameters.
+by ``memory_breakdown()["compression"]``, apart from the ZeRO formula's parameters.
 """
 
 from __future__ import annotations
