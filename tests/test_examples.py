@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from launched import output_or_kill
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -99,6 +100,7 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     assert abs(float(held) - float(whole) / 2) <= 0.01, tuned.stdout  # partitioned over 2
 
 
+@pytest.mark.slow  # 14 s of the suite; expert parallelism is tests/test_moe.py's
 def test_train_gpt_with_experts_spread_over_two_processes():
     """The example GPT with MoE layers of 4 experts in every other block, 2 on each rank."""
     moe = ["examples/train_gpt.py", "--model", "tiny", "--experts", "4", "--ep", "2"]
@@ -111,6 +113,7 @@ def test_train_gpt_with_experts_spread_over_two_processes():
     assert final < first - 0.5, result.stdout
 
 
+@pytest.mark.slow  # 11 s of the suite; DeepSpeed-style scripts are tests/test_deepspeed_script.py's
 def test_deepspeed_style_classifier_on_two_processes():
     result = zerotrain_run(
         "--nproc-per-node",
