@@ -31,6 +31,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Protocol
 
 import torch
@@ -423,6 +424,43 @@ class SparseCodec(_Compressing):
         self.residuals = [None] * len(self.residuals)
 
 
+Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (payload, scales) -> fp32
+
+
+def decode_pieces(
+    payloads: torch.Tensor, scales: torch.Tensor, pieces: int, decode: Decode
+) -> list[torch.Tensor]:
+    """``pieces`` equal encoded pieces, their payloads and scales each concatenated in order
+    (what an all-gather or all-to-all of them delivers), decoded."""
+    split = zip(payloads.view(pieces, -1), scales.view(pieces, -1), strict=True)
+    return [decode(payload, scale) for payload, scale in split]
+
+
+def all_gather_encoded(
+    comm: Communicator,
+    output: torch.Tensor,
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    decode: Decode,
+    name: str,
+) -> Chain:
+    """Every rank's encoded piece, decoded into ``output`` in rank order (asynchronous): the
+    second hop of the stage-0 two-hop codecs and the quantized parameter all-gather. Every
+    rank, the piece's owner too, ends with the decoded values, so the replicas stay equal."""
+    world = comm.world_size
+    payloads = payload.new_empty(world * len(payload))
+    all_scales = scales.new_empty(world * len(scales))
+    ops: list[Pending] = [
+        comm.all_gather(payloads, payload, async_op=True, name=name),
+        comm.all_gather(all_scales, scales, async_op=True, name=name),
+    ]
+
+    def finish() -> None:
+        output.copy_(torch.cat(decode_pieces(payloads, all_scales, world, decode)))
+
+    return Chain(ops, finish)
+
+
 class _TwoHop(_Compressing):
     """A reduce-scatter in two hops of encoded pieces: each rank encodes the N pieces of its
     gradient, an all-to-all delivers each to its owner, who decodes and sums them in fp32, in
@@ -447,14 +485,6 @@ class _TwoHop(_Compressing):
     def _decode(self, payload: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 values of ``numel`` elements that (``payload``, ``scales``) stand for."""
 
-    def _decode_all(
-        self, payloads: torch.Tensor, scales: torch.Tensor, numel: int
-    ) -> list[torch.Tensor]:
-        """The decoded pieces of every rank, concatenated as they arrived, in rank order."""
-        world = self.comm.world_size
-        pieces = zip(payloads.view(world, -1), scales.view(world, -1), strict=True)
-        return [self._decode(payload, scale, numel) for payload, scale in pieces]
-
     def _with_error(self, values: torch.Tensor, errors: list, index: int) -> torch.Tensor:
         error = errors[index] if self.carries_error else None
         return values if error is None else values + error.to(values.device)
@@ -478,7 +508,8 @@ class _TwoHop(_Compressing):
 
         def finish() -> None:
             total = torch.zeros(numel, dtype=torch.float32, device=x.device)
-            for piece in self._decode_all(got_payloads, got_scales, numel):  # in rank order
+            decode = partial(self._decode, numel=numel)
+            for piece in decode_pieces(got_payloads, got_scales, world, decode):  # rank order
                 total += piece
             shard.copy_(total)
 
@@ -494,12 +525,9 @@ class _TwoHop(_Compressing):
             payload, scales = self._encode(y)
             if self.carries_error:
                 self.server_errors[index] = y - self._decode(payload, scales, numel)
-            all_payloads = payload.new_empty(world * len(payload))
-            all_scales = scales.new_empty(world * len(scales))
+            decode = partial(self._decode, numel=numel)
             name = f"{self.method}_all_gather"
-            self.comm.all_gather(all_payloads, payload, name=name)
-            self.comm.all_gather(all_scales, scales, name=name)
-            flat.copy_(torch.cat(self._decode_all(all_payloads, all_scales, numel)))
+            all_gather_encoded(self.comm, flat, payload, scales, decode, name).wait()
 
         return Chain([self._reduce_scatter(index, summed, flat)], gather)
 

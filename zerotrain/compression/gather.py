@@ -19,7 +19,7 @@ import torch
 
 from zerotrain.comm import Communicator
 from zerotrain.compression import quantize
-from zerotrain.compression.codec import Chain, Pending
+from zerotrain.compression.codec import Pending, all_gather_encoded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,22 +60,11 @@ class ParameterGather:
         if options is None:
             return self.comm.all_gather(output, shard, async_op=True)
         bits = 8 if options.method == "int8" else 4
-        mine = quantize.quantize(
-            shard.float(), bits, options.block_size
-        )  # before it is overwritten
-        world = self.comm.world_size
-        codes = mine.codes.new_empty(world * len(mine.codes))
-        scales = mine.scales.new_empty(world * len(mine.scales))
+        numel, block_size = shard.numel(), options.block_size
+        mine = quantize.quantize(shard.float(), bits, block_size)  # before it is overwritten
+
+        def decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+            return quantize.dequantize(quantize.Quantized(codes, scales, numel, bits), block_size)
+
         name = f"{options.method}_param_all_gather"
-        ops: list[Pending] = [
-            self.comm.all_gather(codes, mine.codes, async_op=True, name=name),
-            self.comm.all_gather(scales, mine.scales, async_op=True, name=name),
-        ]
-
-        def finish() -> None:
-            pieces = quantize.dequantize_pieces(
-                codes, scales, shard.numel(), world, bits, options.block_size
-            )
-            output.copy_(torch.cat(pieces))
-
-        return Chain(ops, finish)
+        return all_gather_encoded(self.comm, output, mine.codes, mine.scales, decode, name)

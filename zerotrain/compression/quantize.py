@@ -89,23 +89,6 @@ def _unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.stack([low, high], dim=1).view(-1)[:numel]
 
 
-def dequantize_pieces(
-    codes: torch.Tensor, scales: torch.Tensor, numel: int, pieces: int, bits: int, block_size: int
-) -> list[torch.Tensor]:
-    """``pieces`` tensors of ``numel`` elements each, quantized one after another and their
-    codes and scales concatenated (what an all-gather or all-to-all of them delivers)."""
-    size, blocks = code_bytes(numel, bits), num_blocks(numel, block_size)
-    return [
-        dequantize(
-            Quantized(
-                codes[r * size : (r + 1) * size], scales[r * blocks : (r + 1) * blocks], numel, bits
-            ),
-            block_size,
-        )
-        for r in range(pieces)
-    ]
-
-
 # -- 1-bit: signs and one scale ----------------------------------------------------------------
 def sign_compress(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1-bit Adam's compressor (arXiv:2102.02888 §3.2), per block: each element's sign (zero
