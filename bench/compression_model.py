@@ -22,7 +22,9 @@ alpha and each byte 8 / (efficiency x gbits):
   per piece).
 Low-rank factors are taken as 1% of the parameters (the demo GPT's PowerSGD rank 4 sends
 0.9%, ACP-SGD half that). The per-step compute (`--compute` seconds) is an input too: it
-depends on the accelerator, not on the network.
+depends on the accelerator, not on the network. The last line is the choice
+`comm_compression.auto` would make among its default candidates on these predictions; auto
+also times each codec's own compute, which this model leaves out.
 """
 
 from __future__ import annotations
@@ -130,16 +132,31 @@ def main() -> None:
         "int4 + int4 params",
         "onebit + int4 params",
     ]
-    base = None
-    for method in methods:
+
+    def step_time(method: str) -> tuple[float, float, float]:
+        """(bytes, comm seconds, step seconds) per rank and step."""
         messages = cluster_bytes(method, args.ranks, args.params)
-        nbytes = sum(b for _, b in messages)
         comm = sum(hops * alpha + b * beta for hops, b in messages)
-        step = args.compute + comm  # no overlap of communication with compute: the worst case
-        base = base or step
+        # no overlap of communication with compute: the worst case
+        return sum(b for _, b in messages), comm, args.compute + comm
+
+    base = step_time("none")[2]
+    for method in methods:
+        nbytes, comm, step = step_time(method)
         print(
             f"| {method} | {nbytes / 1e9:.2f} GB | {comm:.2f} | {step:.2f} | {base / step:.2f}x |"
         )
+    # comm_compression.auto's default candidates at stages 1-2 (zerotrain/compression/auto.py)
+    candidates = ["none", "powersgd", "none + int8 params", "powersgd + int8 params"]
+    times = {method: step_time(method)[2] for method in candidates}
+    chosen = min(times, key=times.__getitem__)
+    if times[chosen] > base / 1.05:  # auto switches for a predicted gain of 5% or more
+        chosen = "none"
+    print(
+        f"\nauto (its default candidates at stages 1-2, by this model): {chosen}, "
+        f"{base / times[chosen]:.2f}x; the model counts no compression compute, which auto "
+        "measures and adds"
+    )
 
 
 if __name__ == "__main__":
