@@ -1,13 +1,21 @@
-"""Compressed training against uncompressed over a longer run than the slow test's 300 steps:
-the tiny GPT on the embedded corpus, on 2 and 4 ranks (gloo, this machine), the mean loss of
-the last 10% of the steps against the same optimizer uncompressed. ``--rows``:
-- ``convergence``: each method of tests/test_compression.py's CONVERGENCE (AdamW; the 1-bit
-  optimizers against OneBitAdam's update uncompressed);
+"""Compressed training against uncompressed, as the slow test in tests/test_compression.py
+runs it (300 steps by default, or longer): the tiny GPT on the embedded corpus, on 2 and 4
+ranks (gloo, this machine). The final loss is the trained model's on held-out text, against
+the same optimizer uncompressed, with rank 0's bytes in the median step. ``--rows``:
+- ``convergence``: each method of the slow test's CONVERGENCE (AdamW; the 1-bit optimizers
+  against OneBitAdam's update never frozen);
 - ``sgd``: the low-rank and sparse methods under SGD with momentum;
-- ``onebit``: OneBitAdam with its variance frozen at step 100 but every gradient exact, which
-  tells the freeze's part of the 1-bit gap from the compression's.
+- ``onebit``: OneBitAdam and ZeroOneAdam, each also with every gradient exact (their
+  variance schedules alone), which tells the schedule's part of a 1-bit gap from the
+  compression's;
+- ``seeds``: uncompressed from 4 model seeds: how far apart runs end by chance alone.
 
-    python bench/convergence.py [--steps 1000] [--worlds 4 2] [--rows convergence|sgd|onebit]
+``--warmup-steps`` sets the exact steps before gradient compression starts (the 1-bit
+optimizers keep their own).
+
+    python bench/convergence.py [--steps 300] [--worlds 4 2] [--warmup-steps 20]
+                                [--micro-batch 16] [--lr 1e-3]
+                                [--rows convergence|sgd|onebit|seeds]
 """
 
 from __future__ import annotations
@@ -15,12 +23,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from distributed import run_distributed  # noqa: E402
-from test_compression import CONVERGENCE, convergence_baseline, train_gpt_losses  # noqa: E402
+from test_compression import (  # noqa: E402
+    CONVERGENCE,
+    Training,
+    convergence_baseline,
+    median_sent,
+    train_gpt_losses,
+)
 
 # the gradient methods under SGD with momentum (lr 0.1): without Adam's per-coordinate scaling
 SGD = {
@@ -34,30 +49,72 @@ SGD = {
 
 ONE_BIT = {
     "OneBitAdam uncompressed s1": (1, {}, "OneBitAdam uncompressed"),
-    "OneBitAdam frozen, uncompressed s1": (1, {}, "OneBitAdam frozen, uncompressed"),
+    "OneBitAdam, exact s1": (1, {}, "OneBitAdam, exact"),
     "OneBitAdam s1": (1, {}, "OneBitAdam"),
+    "ZeroOneAdam, exact s1": (1, {}, "ZeroOneAdam, exact"),
+    "ZeroOneAdam s1": (1, {}, "ZeroOneAdam"),
 }
 ROWS = {"convergence": CONVERGENCE, "sgd": SGD, "onebit": ONE_BIT}
+SEEDS = 4
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=Training.steps)
     parser.add_argument("--worlds", type=int, nargs="*", default=[4, 2])
-    parser.add_argument("--rows", choices=list(ROWS), default="convergence")
+    parser.add_argument("--rows", choices=[*ROWS, "seeds"], default="convergence")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=Training.warmup,
+        help="exact steps before gradient compression",
+    )
+    parser.add_argument("--micro-batch", type=int, default=Training.micro_batch)
+    parser.add_argument("--lr", type=float, default=Training.lr, help="AdamW's")
     args = parser.parse_args()
-    rows = ROWS[args.rows]
-    tail = max(1, args.steps // 10)
-    print(f"tiny GPT, {args.steps} steps, mean loss of the last {tail}\n")
-    print("| method | ranks | final loss | vs its baseline |\n|---|---|---|---|")
+    training = Training(
+        steps=args.steps, warmup=args.warmup_steps, micro_batch=args.micro_batch, lr=args.lr
+    )
+    print(f"tiny GPT, {training}, held-out loss of the final model\n")
+    print("| method | ranks | final loss | vs its baseline | MB/step | vs uncompressed s1 |")
+    print("|---|---|---|---|---|---|")
     for world in args.worlds:
         started = time.perf_counter()
-        runs = run_distributed(train_gpt_losses, world, rows, args.steps, timeout=6 * args.steps)[0]
-        final = {name: sum(losses[-tail:]) / tail for name, (losses, _) in runs.items()}
-        for name in rows:
-            change = final[name] / final[convergence_baseline(name)] - 1
-            print(f"| {name} | {world} | {final[name]:.4f} | {change:+.1%} |")
+        if args.rows == "seeds":
+            seeds(world, training)
+        else:
+            rows = ROWS[args.rows]
+            runs = run_distributed(train_gpt_losses, world, rows, training, timeout=20 * args.steps)
+            final = {name: held for name, (_, held) in runs[0].items()}
+            sent = {name: median_sent(sent) for name, (sent, _) in runs[0].items()}
+            base = sent[convergence_baseline(next(iter(rows)))]
+            for name in rows:
+                change = final[name] / final[convergence_baseline(name)] - 1
+                print(
+                    f"| {name} | {world} | {final[name]:.4f} | {change:+.1%} "
+                    f"| {sent[name] / 1e6:.2f} | {sent[name] / base:.3f} |"
+                )
         print(f"({world} ranks: {time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def seeds(world: int, training: Training) -> None:
+    """The baseline from model seeds 0..SEEDS-1, each against seed 0's, and their spread."""
+    baseline = {"uncompressed s1": CONVERGENCE["uncompressed s1"]}
+    final = []
+    for seed in range(SEEDS):
+        runs = run_distributed(
+            train_gpt_losses,
+            world,
+            baseline,
+            replace(training, seed=seed),
+            timeout=20 * training.steps,
+        )
+        final.append(runs[0]["uncompressed s1"][1])
+        print(
+            f"| uncompressed s1, seed {seed} | {world} | {final[-1]:.4f} | "
+            f"{final[-1] / final[0] - 1:+.1%} | | |"
+        )
+    print(f"spread (max - min) / min: {max(final) / min(final) - 1:.1%}")
 
 
 if __name__ == "__main__":
