@@ -34,7 +34,7 @@ from test_compression import (  # noqa: E402
     Training,
     convergence_baseline,
     median_sent,
-    train_gpt_losses,
+    train_gpt,
 )
 
 # the gradient methods under SGD with momentum (lr 0.1): without Adam's per-coordinate scaling
@@ -66,17 +66,22 @@ def main() -> None:
     parser.add_argument(
         "--warmup-steps",
         type=int,
-        default=Training.warmup,
+        default=Training.compression_warmup,
         help="exact steps before gradient compression",
     )
     parser.add_argument("--micro-batch", type=int, default=Training.micro_batch)
-    parser.add_argument("--lr", type=float, default=Training.lr, help="AdamW's")
+    parser.add_argument("--lr", type=float, default=Training.lr, help="the Adam family's")
     args = parser.parse_args()
+    if args.rows != "seeds" and args.steps <= max(100, args.warmup_steps):
+        parser.error("--steps: the bytes are taken after step 100 and the warm-up; train longer")
     training = Training(
-        steps=args.steps, warmup=args.warmup_steps, micro_batch=args.micro_batch, lr=args.lr
+        steps=args.steps,
+        compression_warmup=args.warmup_steps,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
     )
     print(f"tiny GPT, {training}, held-out loss of the final model\n")
-    print("| method | ranks | final loss | vs its baseline | MB/step | vs uncompressed s1 |")
+    print("| method | ranks | final loss | vs its baseline | MB/step | bytes vs baseline |")
     print("|---|---|---|---|---|---|")
     for world in args.worlds:
         started = time.perf_counter()
@@ -84,9 +89,9 @@ def main() -> None:
             seeds(world, training)
         else:
             rows = ROWS[args.rows]
-            runs = run_distributed(train_gpt_losses, world, rows, training, timeout=20 * args.steps)
+            runs = run_distributed(train_gpt, world, rows, training, timeout=20 * args.steps)
             final = {name: held for name, (_, held) in runs[0].items()}
-            sent = {name: median_sent(sent) for name, (sent, _) in runs[0].items()}
+            sent = {name: median_sent(sent, training) for name, (sent, _) in runs[0].items()}
             base = sent[convergence_baseline(next(iter(rows)))]
             for name in rows:
                 change = final[name] / final[convergence_baseline(name)] - 1
@@ -103,7 +108,7 @@ def seeds(world: int, training: Training) -> None:
     final = []
     for seed in range(SEEDS):
         runs = run_distributed(
-            train_gpt_losses,
+            train_gpt,
             world,
             baseline,
             replace(training, seed=seed),

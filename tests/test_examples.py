@@ -100,7 +100,7 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     assert abs(float(held) - float(whole) / 2) <= 0.01, tuned.stdout  # partitioned over 2
 
 
-@pytest.mark.slow  # 14 s of the suite; expert parallelism is tests/test_moe.py's
+@pytest.mark.slow  # 14 s; the suite keeps expert parallelism's own tests (tests/test_moe.py)
 def test_train_gpt_with_experts_spread_over_two_processes():
     """The example GPT with MoE layers of 4 experts in every other block, 2 on each rank."""
     moe = ["examples/train_gpt.py", "--model", "tiny", "--experts", "4", "--ep", "2"]
@@ -113,7 +113,7 @@ def test_train_gpt_with_experts_spread_over_two_processes():
     assert final < first - 0.5, result.stdout
 
 
-@pytest.mark.slow  # 11 s of the suite; DeepSpeed-style scripts are tests/test_deepspeed_script.py's
+@pytest.mark.slow  # 11 s; the suite keeps a DeepSpeed-style script (test_deepspeed_script.py)
 def test_deepspeed_style_classifier_on_two_processes():
     result = zerotrain_run(
         "--nproc-per-node",

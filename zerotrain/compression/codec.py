@@ -432,7 +432,11 @@ def decode_pieces(
 ) -> list[torch.Tensor]:
     """``pieces`` equal encoded pieces, their payloads and scales each concatenated in order
     (what an all-gather or all-to-all of them delivers), decoded."""
-    split = zip(payloads.view(pieces, -1), scales.view(pieces, -1), strict=True)
+    split = zip(
+        payloads.view(pieces, len(payloads) // pieces),
+        scales.view(pieces, len(scales) // pieces),
+        strict=True,
+    )
     return [decode(payload, scale) for payload, scale in split]
 
 
