@@ -8,6 +8,7 @@ the same optimizer uncompressed, with rank 0's bytes in the median step. ``--row
 - ``onebit``: OneBitAdam and ZeroOneAdam, each also with every gradient exact (their
   variance schedules alone), which tells the schedule's part of a 1-bit gap from the
   compression's;
+- ``less``: PowerSGD at rank 8, top-k and gTop-k at 25%: what compressing less buys back;
 - ``seeds``: uncompressed from 4 model seeds: how far apart runs end by chance alone.
 
 ``--warmup-steps`` sets the exact steps before gradient compression starts (the 1-bit
@@ -15,7 +16,7 @@ optimizers keep their own).
 
     python bench/convergence.py [--steps 300] [--worlds 4 2] [--warmup-steps 20]
                                 [--micro-batch 16] [--lr 1e-3]
-                                [--rows convergence|sgd|onebit|seeds]
+                                [--rows convergence|sgd|onebit|less|seeds]
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ ONE_BIT = {
     "ZeroOneAdam, exact s1": (1, {}, "ZeroOneAdam, exact"),
     "ZeroOneAdam s1": (1, {}, "ZeroOneAdam"),
 }
-ROWS = {"convergence": CONVERGENCE, "sgd": SGD, "onebit": ONE_BIT}
+# the low-rank and sparse methods compressing less, under AdamW
+LESS = {
+    "uncompressed s1": CONVERGENCE["uncompressed s1"],
+    "powersgd r8 s1": (1, {"method": "powersgd", "rank": 8}, "AdamW"),
+    "topk 25% s2": (2, {"method": "topk", "ratio": 0.25}, "AdamW"),
+    "gtopk 25% s2": (2, {"method": "gtopk", "ratio": 0.25}, "AdamW"),
+}
+ROWS = {"convergence": CONVERGENCE, "sgd": SGD, "onebit": ONE_BIT, "less": LESS}
 SEEDS = 4
 
 
