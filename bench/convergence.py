@@ -80,14 +80,14 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=Training.micro_batch)
     parser.add_argument("--lr", type=float, default=Training.lr, help="the Adam family's")
     args = parser.parse_args()
-    if args.rows != "seeds" and args.steps <= max(100, args.warmup_steps):
-        parser.error("--steps: the bytes are taken after step 100 and the warm-up; train longer")
     training = Training(
         steps=args.steps,
         compression_warmup=args.warmup_steps,
         micro_batch=args.micro_batch,
         lr=args.lr,
     )
+    if args.rows != "seeds" and args.steps <= training.compressed_from:
+        parser.error(f"--steps: the bytes are taken after step {training.compressed_from}")
     print(f"tiny GPT, {training}, held-out loss of the final model\n")
     print("| method | ranks | final loss | vs its baseline | MB/step | bytes vs baseline |")
     print("|---|---|---|---|---|---|")

@@ -593,6 +593,15 @@ class Training:
     micro_batch: int = 16
     lr: float = 1e-3  # the Adam family's (SGD's: 0.1, momentum 0.9)
 
+    @property
+    def compressed_from(self) -> int:
+        """The first step (0-based) at which every run compresses: after the warm-up, and after
+        the 1-bit optimizers' freeze."""
+        return max(ONE_BIT_FREEZE, self.compression_warmup)
+
+
+ONE_BIT_FREEZE = 100  # the 1-bit optimizers' freeze_step and var_freeze_step here
+
 
 def train_gpt(runs: dict[str, tuple], training: Training = Training()) -> dict:
     """Each run (name: as in CONVERGENCE): the tiny GPT, trained as ``training`` says, the
@@ -623,11 +632,12 @@ def train_gpt(runs: dict[str, tuple], training: Training = Training()) -> dict:
         optimizer = optimizer.removesuffix(", exact")
         if optimizer.startswith("OneBitAdam"):  # its variance must settle before it freezes
             params["betas"] = [0.9, 0.99]
-            params["freeze_step"] = 10**6 if optimizer == "OneBitAdam uncompressed" else 100
+            frozen = optimizer != "OneBitAdam uncompressed"
+            params["freeze_step"] = ONE_BIT_FREEZE if frozen else 10**6
             optimizer = "OneBitAdam"
-        if optimizer == "ZeroOneAdam":  # variance updates thinning out until step 100
+        if optimizer == "ZeroOneAdam":  # variance updates thinning out until the freeze
             params["betas"] = [0.9, 0.99]
-            params["var_freeze_step"] = 100
+            params["var_freeze_step"] = ONE_BIT_FREEZE
         torch.manual_seed(training.seed)
         engine = zerotrain.initialize(
             model=GPT(config),
@@ -674,11 +684,10 @@ def train_gpt(runs: dict[str, tuple], training: Training = Training()) -> dict:
 
 
 def median_sent(sent: list[int], training: Training = Training()) -> int:
-    """The bytes sent in the median step once every method compresses (after the warm-up,
-    and after step 100, the 1-bit optimizers' freeze)."""
-    later = sorted(sent[max(100, training.compression_warmup) :])
+    """The bytes sent in the median step once every method compresses."""
+    later = sorted(sent[training.compressed_from :])
     if not later:
-        raise ValueError(f"{len(sent)} steps: no step compresses; train more than 100")
+        raise ValueError(f"{len(sent)} steps: train more than {training.compressed_from}")
     return later[len(later) // 2]
 
 
