@@ -11,6 +11,7 @@ the same optimizer uncompressed, with rank 0's bytes in the median step. ``--row
 - ``local``: ZeroOneAdam at stage 0 with local steps after the freeze, and without;
 - ``less``: PowerSGD at rank 8, ACP-SGD at ranks 4 and 16, top-k and gTop-k at 25%: what
   compressing less buys back;
+- ``sparse``: top-k and gTop-k under AdamW with and without catching up, and at 1%;
 - ``seeds``: uncompressed from 4 model seeds: how far apart runs end by chance alone.
 
 ``--warmup-steps`` sets the exact steps before gradient compression starts (the 1-bit
@@ -18,7 +19,7 @@ optimizers keep their own).
 
     python bench/convergence.py [--steps 300] [--worlds 4 2] [--warmup-steps 20]
                                 [--micro-batch 16] [--lr 1e-3]
-                                [--rows convergence|sgd|onebit|local|less|seeds]
+                                [--rows convergence|sgd|onebit|local|less|sparse|seeds]
 """
 
 from __future__ import annotations
@@ -82,7 +83,33 @@ LESS = {
     "topk 25% s2": (2, {"method": "topk", "ratio": 0.25}, "AdamW"),
     "gtopk 25% s2": (2, {"method": "gtopk", "ratio": 0.25}, "AdamW"),
 }
-ROWS = {"convergence": CONVERGENCE, "sgd": SGD, "onebit": ONE_BIT, "local": LOCAL, "less": LESS}
+# top-k and gTop-k under AdamW catching up (the default; zerotrain/optim/catch_up.py) and not,
+# and at a tenth of the ratio
+SPARSE = {
+    "uncompressed s1": CONVERGENCE["uncompressed s1"],
+    "topk 10% s2": CONVERGENCE["topk 10% s2"],
+    "topk 10%, catch_up false s2": (
+        2,
+        {"method": "topk", "ratio": 0.1, "catch_up": False},
+        "AdamW",
+    ),
+    "gtopk 10% s2": CONVERGENCE["gtopk 10% s2"],
+    "gtopk 10%, catch_up false s2": (
+        2,
+        {"method": "gtopk", "ratio": 0.1, "catch_up": False},
+        "AdamW",
+    ),
+    "topk 1% s2": (2, {"method": "topk", "ratio": 0.01}, "AdamW"),
+    "gtopk 1% s2": (2, {"method": "gtopk", "ratio": 0.01}, "AdamW"),
+}
+ROWS = {
+    "convergence": CONVERGENCE,
+    "sgd": SGD,
+    "onebit": ONE_BIT,
+    "local": LOCAL,
+    "less": LESS,
+    "sparse": SPARSE,
+}
 SEEDS = 4
 
 

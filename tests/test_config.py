@@ -244,6 +244,7 @@ def test_defaults_match_deepspeed() -> None:
                 "error_feedback": True,
                 "min_numel": 1024,
                 "block_size": 256,
+                "catch_up": True,
             },
             "parameters": {"method": "none", "block_size": 256},
             "hierarchical_partition": False,

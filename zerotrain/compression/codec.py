@@ -59,6 +59,9 @@ class GradientCompression:
     # optimizer steps (1-based) after the warm-up that also travel uncompressed (0/1 Adam's
     # variance updates)
     exact_steps: frozenset[int] = frozenset()
+    # topk / gtopk: count the steps each element's gradient carries, for an Adam that catches
+    # up ([Note: catching up] in zerotrain/optim/catch_up.py)
+    catch_up: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,19 @@ class GradientCodec:
 
     def end_step(self) -> None:
         self.steps += 1
+
+    def skip_step(self) -> None:
+        """The optimizer skipped this step (a non-finite gradient): the warm-up does not count
+        it, and the state kept from it (error feedback) drops the non-finite values it took,
+        which would otherwise make every later step non-finite too."""
+        for kept in self.state_tensors():
+            torch.nan_to_num_(kept, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def catch_up(self, index: int) -> torch.Tensor | None:
+        """Per element of bucket ``index`` (padded), how many steps' gradients this step's
+        carries, for an Adam that catches up (see [Note: catching up]): 0 where none arrived.
+        None: the bucket travelled whole, each element carrying this step's alone."""
+        return None
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What the codec keeps between steps (error feedback, factors), for memory
@@ -335,6 +351,13 @@ class LowRankCodec(_Compressing):
             for mat in mats:
                 mat.error = None
 
+    def skip_step(self) -> None:
+        for mats in self.matrices:
+            for mat in mats:  # all-reduced: non-finite on every rank alike
+                if not (mat.p.isfinite().all() and mat.q.isfinite().all()):
+                    mat.restart()
+        super().skip_step()
+
 
 def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     out, at = [], 0
@@ -364,6 +387,11 @@ class SparseCodec(_Compressing):
             self.compressed.append(ranges)
             self.exact.append(_complement(ranges, bucket.numel_padded))
         self.residuals: list[torch.Tensor | None] = [None] * len(buckets)
+        # catching up: the steps each compressed element has waited since it last travelled,
+        # and those that travelled this step (any of its reductions)
+        self.counting = options.catch_up and options.error_feedback
+        self.waiting: list[torch.Tensor | None] = [None] * len(buckets)
+        self.arrived: list[torch.Tensor | None] = [None] * len(buckets)
 
     def _all_reduce(self, index: int, flat: torch.Tensor) -> Pending:
         ranges, exact = self.compressed[index], self.exact[index]
@@ -392,10 +420,12 @@ class SparseCodec(_Compressing):
             if self.method == "gtopk":
                 dense[chosen] = wire[: len(chosen)]
                 _put(flat, exact, wire[len(chosen) :])
+                self._arrive(index, chosen, len(x))
             else:
                 for piece in gathered.view(self.comm.world_size, -1):
                     where, values = unpack(piece)
                     dense.index_add_(0, where, values)
+                    self._arrive(index, where, len(x))
             if self.options.error_feedback:
                 x[chosen] = 0
                 self.residuals[index] = x
@@ -403,25 +433,70 @@ class SparseCodec(_Compressing):
 
         return Chain(ops, finish)
 
+    def _arrive(self, index: int, where: torch.Tensor, numel: int) -> None:
+        if not self.counting:
+            return
+        arrived = self.arrived[index]
+        if arrived is None:
+            arrived = self.arrived[index] = torch.zeros(
+                numel, dtype=torch.bool, device=where.device
+            )
+        arrived[where] = True
+
+    def catch_up(self, index: int) -> torch.Tensor | None:
+        arrived = self.arrived[index]
+        if arrived is None:  # an exact step, or a bucket with nothing compressed
+            return None
+        waited = self.waiting[index]
+        carried = arrived.to(torch.float32)
+        if waited is not None:
+            carried.mul_(waited + 1)
+        counts = torch.ones(self.buckets[index].numel_padded, device=arrived.device)
+        _put(counts, self.compressed[index], carried)
+        return counts
+
+    def end_step(self) -> None:
+        super().end_step()
+        self._count_waits()
+
+    def skip_step(self) -> None:
+        super().skip_step()
+        self._count_waits()
+
+    def _count_waits(self) -> None:
+        """A step's end, applied or skipped: either way its gradients went into the residuals
+        or travelled, so the elements that did not travel waited one more step."""
+        for index, arrived in enumerate(self.arrived):
+            if arrived is None:
+                continue
+            waited = self.waiting[index]
+            if waited is None:
+                waited = self.waiting[index] = torch.zeros_like(arrived, dtype=torch.int16)
+            # int16: an element that waits 32767 steps counts that many from then on
+            waited.add_(1).clamp_(max=torch.iinfo(torch.int16).max).masked_fill_(arrived, 0)
+        self.arrived = [None] * len(self.arrived)
+
     def state_tensors(self) -> list[torch.Tensor]:
-        return [r for r in self.residuals if r is not None]
+        return [t for t in self.residuals + self.waiting if t is not None]
 
     _keeps_state = True
 
     def _state(self) -> dict:
-        return {"residuals": list(self.residuals)}
+        return {"residuals": list(self.residuals), "waiting": list(self.waiting)}
 
     def _load(self, state: dict) -> None:
-        residuals = state["residuals"]
+        residuals, waiting = state["residuals"], state.get("waiting", [None] * len(self.buckets))
         sizes = [sum(b - a for a, b in ranges) for ranges in self.compressed]
-        if len(residuals) != len(sizes) or any(
-            r is not None and r.numel() != n for r, n in zip(residuals, sizes, strict=True)
-        ):
-            raise ValueError("other compressed elements")
-        self.residuals = list(residuals)
+        for kept in (residuals, waiting):
+            if len(kept) != len(sizes) or any(
+                t is not None and t.numel() != n for t, n in zip(kept, sizes, strict=True)
+            ):
+                raise ValueError("other compressed elements")
+        self.residuals, self.waiting = list(residuals), list(waiting)
 
     def _reset(self) -> None:
         self.residuals = [None] * len(self.residuals)
+        self.waiting = [None] * len(self.waiting)
 
 
 Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (payload, scales) -> fp32

@@ -49,10 +49,15 @@ class LowRankMatrix:
     def __init__(self, offset: int, rows: int, cols: int, rank: int, seed: int):
         self.offset, self.rows, self.cols = offset, rows, cols
         self.numel = rows * cols
-        gen = torch.Generator().manual_seed(seed)
-        self.p = torch.randn(rows, rank, generator=gen)
-        self.q = torch.randn(cols, rank, generator=gen)
+        self.rank, self.seed = rank, seed
+        self.restart()
         self.error: torch.Tensor | None = None  # rows x cols, once error feedback starts
+
+    def restart(self) -> None:
+        """The starting factors (again)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        self.p = torch.randn(self.rows, self.rank, generator=gen)
+        self.q = torch.randn(self.cols, self.rank, generator=gen)
 
     def matrix(self, flat: torch.Tensor, feedback: bool) -> torch.Tensor:
         """This rank's gradient matrix from ``flat``, with the error kept from before."""

@@ -106,6 +106,9 @@ class LocalSteps:
         # the optimizer's groups, read at each use: its load_state_dict replaces them
         self.param_groups = param_groups
         self.steps = 0  # optimizer steps taken (a skip is decided on every rank alike)
+        # the loss scale in this step's gradients (fp16's; the engine sets it): a message's
+        # carry, unscaled, takes it too
+        self.loss_scale: Callable[[], float] = lambda: 1.0
         self.masters: list[torch.Tensor] = []  # bucket order
         self.windows: list[Window | None] = []
         self._group_of: list[int] = []  # each master's optimizer group, by position
@@ -146,8 +149,9 @@ class LocalSteps:
         return window is not None and window.local > 0
 
     def message(self, index: int, wire: torch.Tensor) -> None:
-        """At a synchronization: bucket ``index``'s ``wire``, this rank's gradient, becomes the
-        message S_t / (L_t·(1 - β1)) when the bucket stepped locally since the last one."""
+        """At a synchronization: bucket ``index``'s ``wire``, this rank's gradient (times the
+        loss scale), becomes the message S_t / (L_t·(1 - β1)) (times the loss scale) when the
+        bucket stepped locally since the last one."""
         if not self.open_window(index):
             return
         window, hyper = self._open(index), self.hyper(index)
@@ -157,7 +161,7 @@ class LocalSteps:
         if lrs == 0:  # no step of the window moved the parameters: nothing to average
             return
         carry = window.progress + lr * beta1 * window.deviation
-        carry.div_(lrs * (1 - beta1))
+        carry.mul_(self.loss_scale() / (lrs * (1 - beta1)))
         wire.mul_(lr / lrs).add_(carry.to(wire.dtype))
 
     def local_step(self, index: int, grad: torch.Tensor) -> None:

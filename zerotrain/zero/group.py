@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from torch import nn
 from zerotrain.comm import Communicator
 from zerotrain.compression import GradientCompression, ParameterCompression
 from zerotrain.compression.auto import AutoOptions
+from zerotrain.optim.catch_up import CatchUp, catches_up
 from zerotrain.optim.local_steps import LocalSteps
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
@@ -31,7 +32,7 @@ from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, b
 from zerotrain.zero.offload import OffloadOptions
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
-from zerotrain.zero.store import DeviceShardStore, ShardStore
+from zerotrain.zero.store import DeviceShardStore, InMemoryShardStore, ShardStore
 
 
 def debug_checks() -> bool:
@@ -115,6 +116,8 @@ class ShardGroup:
         self.summed = summed or []  # (bucket index, group), in the parameters' name order
         # 0/1 Adam's local steps, bound to this group's buckets (zerotrain/optim/local_steps.py)
         self.local_steps: LocalSteps | None = None
+        # an Adam catching up on sparse gradients (zerotrain/optim/catch_up.py)
+        self.catch_up: CatchUp | None = None
         self.num_params = sum(b.numel for b in buckets)
         self.state = GroupState.IDLE
         self._deferred: dict[int, Callable[[], None]] = {}  # bucket -> its deferred step
@@ -155,6 +158,15 @@ class ShardGroup:
         for index, group in self.summed:  # a tied layer's copies take the sum of their gradients
             group.all_reduce(reduced[index])
         self.store.attach_grads(reduced)
+        if self.catch_up is not None:  # each bucket's counts, this rank's part of them
+            codec, part = self.reduction.codec, self.partition.part
+            counts = (codec.catch_up(i) for i in range(len(self.buckets)))
+            self.catch_up.arrive(
+                [
+                    c if c is None else part(b, c).clone()
+                    for b, c in zip(self.buckets, counts, strict=True)
+                ]
+            )
 
     def step_store(self) -> None:
         """The store's step over the reduced gradients (attached by :meth:`begin_step`):
@@ -175,6 +187,8 @@ class ShardGroup:
         self.reduction.zero_grads()
         if applied:  # a compression's warm-up counts the optimizer steps taken
             self.reduction.codec.end_step()
+        else:
+            self.reduction.codec.skip_step()
         self._enter(GroupState.IDLE)
 
     def publish(self) -> None:
@@ -367,6 +381,7 @@ def build_shard_group(
     store = strategies.placement.build_store(
         masters_fp32, residency.param_targets(), precision, optimizer_over
     )
+    catch_up, compression = _catch_up(options, store)
     reduction = strategies.reduction(
         buckets,
         reduce_comm,
@@ -375,7 +390,7 @@ def build_shard_group(
         on_settled=residency.finish_backward,
         on_bucket_reduced=store.take_reduced,
         average_over=options.average_over,
-        compression=options.compression,
+        compression=compression,
     )
     local_steps = getattr(store.optimizer, "local_steps", None)  # 0/1 Adam's (config: stage 0)
     if local_steps is not None:
@@ -400,17 +415,40 @@ def build_shard_group(
         [(index, group) for _, index, group in summed],
     )
     shard_group.local_steps = local_steps
+    shard_group.catch_up = catch_up
     return shard_group
+
+
+def _catch_up(
+    options: GroupOptions, store: ShardStore
+) -> tuple[CatchUp | None, GradientCompression | None]:
+    """An Adam's catching up on top-k and gTop-k's gradients (see [Note: catching up]), and
+    the gradient compression the reduction takes: counting what each step carries only where
+    an Adam catches up."""
+    compression = options.compression
+    asked = [compression] + [p.gradients for p in (options.auto.policies if options.auto else ())]
+    if options.comm.world_size == 1 or not any(
+        c is not None and c.method in ("topk", "gtopk") and c.catch_up and c.error_feedback
+        for c in asked
+    ):
+        return None, compression
+    if not catches_up(store.optimizer):  # its update takes the sparse gradients as they are
+        return None, None if compression is None else replace(compression, catch_up=False)
+    if not isinstance(store, InMemoryShardStore):
+        raise ValueError(
+            "comm_compression.gradients.catch_up: an Adam catching up on sparse gradients steps "
+            "the masters in memory (the device's or the host's), not swapped from NVMe; set "
+            "catch_up to false or offload_optimizer.device to cpu"
+        )
+    return CatchUp(store.optimizer, store.master_shards()), compression
 
 
 def _check_local_steps(options: GroupOptions, whole_on_each_rank: bool) -> None:
     """0/1 Adam's local steps where the config cannot see them (an optimizer the script built):
-    a replica steps alone only where it is whole on this rank, without fp16's loss scale."""
+    a replica steps alone only where it is whole on this rank."""
     why = ""
     if not whole_on_each_rank:
         why = "a replica steps alone only at zero_optimization.stage 0, without offload"
-    elif options.precision.param_dtype == torch.float16:
-        why = "fp16's loss scale would multiply a synchronization's gradient alone"
     elif options.average_over or options.summed:
         why = "not yet with MoE experts or layers tied across pipeline stages"
     if why:

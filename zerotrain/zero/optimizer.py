@@ -82,6 +82,9 @@ class ZeroOptimizer:
             build_shard_group(model, groups, make_optimizer, opts, owner=self, frozen=frozen)
             for opts, groups, frozen in specs
         ]
+        for group in self.groups:  # 0/1 Adam's local steps scale a message as its gradient
+            if group.local_steps is not None:
+                group.local_steps.loss_scale = lambda: self.loss_scaler.scale
         # comm_compression.auto: a tuner per group of several ranks (see auto_compression.py)
         self.tuners = [
             CompressionTuner(group, opts.auto)

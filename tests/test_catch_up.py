@@ -1,0 +1,240 @@
+"""An Adam catching up on top-k and gTop-k's gradients (zerotrain/optim/catch_up.py): the step
+against n Adam steps of the mean gradient, the codec's counts, and on 2 ranks the engine's
+steps against both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_compression import relative_error
+from torch import nn
+
+from zerotrain.comm import Communicator
+from zerotrain.compression.codec import BucketShape, GradientCompression, SparseCodec
+from zerotrain.config import ConfigError, load_config
+from zerotrain.optim.adam import FusedAdam
+from zerotrain.optim.catch_up import catch_up_step
+
+LR, BETAS, EPS, DECAY = 0.01, (0.9, 0.99), 1e-8, 0.1
+
+
+def reference_step(value, m, v, total, n, step, decay, decoupled):
+    """One element by the definition: after n steps without news, ``total`` arrives; it takes n
+    Adam steps of total/n for its moments, and n times the last one's update for its value.
+    ``step``: the optimizer's count after this step."""
+    if decoupled:
+        value *= 1 - LR * decay
+    for _ in range(n):
+        g = total / n + (0.0 if decoupled else decay * value)
+        m = BETAS[0] * m + (1 - BETAS[0]) * g
+        v = BETAS[1] * v + (1 - BETAS[1]) * g * g
+    m_hat, v_hat = m / (1 - BETAS[0] ** step), v / (1 - BETAS[1] ** step)
+    return value - n * LR * m_hat / (v_hat**0.5 + EPS), m, v
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_catch_up_step_is_n_adam_steps_of_the_mean_gradient(decoupled):
+    """Elements that waited 0-4 steps (0: nothing arrived, so the moments stay and the value
+    only decays, decoupled), each against :func:`reference_step` in float64."""
+    gen = torch.Generator().manual_seed(0)
+    value, total = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    m, v = torch.randn(6, generator=gen) * 0.1, torch.rand(6, generator=gen) * 0.1
+    counts = torch.tensor([0.0, 1, 2, 3, 4, 0])
+    total[counts == 0] = 0.0  # what the codec delivers where nothing arrived
+    param = value.clone()
+    state = {"step": torch.tensor(6.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    group = {"betas": BETAS, "lr": LR, "eps": EPS, "weight_decay": DECAY}
+    group["decoupled_weight_decay"] = decoupled
+    catch_up_step(param, total.clone(), counts, state, group)
+    for i, n in enumerate(counts.int().tolist()):
+        want = reference_step(
+            value[i].double().item(),
+            m[i].item(),
+            v[i].item(),
+            total[i].item(),
+            n,
+            7,
+            DECAY,
+            decoupled,
+        )
+        got = (param[i].item(), state["exp_avg"][i].item(), state["exp_avg_sq"][i].item())
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (i, n)
+    assert state["step"].item() == 7.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW([p], lr=LR, betas=BETAS, weight_decay=DECAY),
+        lambda p: torch.optim.Adam([p], lr=LR, betas=BETAS, weight_decay=DECAY),
+        lambda p: FusedAdam([p], lr=LR, betas=BETAS, weight_decay=DECAY, bias_correction=False),
+    ],
+)
+def test_every_element_arriving_each_step_is_the_optimizers_own_step(make):
+    """Counts of 1 everywhere: the optimizer's step, from a state it creates itself, for torch
+    AdamW, Adam with L2 decay, and FusedAdam without bias correction (1e-6 over 5 steps)."""
+    gen = torch.Generator().manual_seed(1)
+    ours = nn.Parameter(torch.randn(50, generator=gen))
+    theirs = nn.Parameter(ours.detach().clone())
+    optimizer = make(theirs)
+    group = optimizer.param_groups[0]
+    state: dict = {}
+    for _ in range(5):
+        grad = torch.randn(50, generator=gen)
+        theirs.grad = grad.clone()
+        optimizer.step()
+        with torch.no_grad():
+            catch_up_step(ours, grad.clone(), torch.ones(50), state, group)
+    assert relative_error(ours.detach(), theirs.detach()) < 1e-6
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert relative_error(state[key], optimizer.state[theirs][key]) < 1e-6
+
+
+def test_the_codec_counts_the_steps_each_arrival_carries():
+    """Top-k in one process, a steady gradient of 1 but for one large element: each arrival's
+    count is the steps its value sums (error feedback), exact elements (below min_numel) count
+    1, and nothing else arrives. A skipped step's gradient stays in the residuals too, so it
+    counts. The counts come back from a checkpoint."""
+    shapes = [BucketShape(14, [(0, (12,)), (12, (2,))])]
+    options = GradientCompression(method="topk", ratio=0.25, min_numel=4)
+    codec = SparseCodec(Communicator(), shapes, options)
+    steady = torch.tensor([5.0, *[1.0] * 10, 0.5, 1.0, 1.0])
+    waited = torch.zeros(12)
+    for step in range(6):
+        if step == 3:
+            saved, resumed = codec.state_dict(), SparseCodec(Communicator(), shapes, options)
+            assert resumed.load_state_dict(saved, steps=0) is None
+        flat = steady.clone()
+        codec.all_reduce(0, flat).wait()
+        counts = codec.catch_up(0)
+        assert counts is not None and torch.equal(counts[12:], torch.ones(2))
+        arrived = counts[:12] > 0
+        assert arrived.sum() == 3 and torch.equal(counts[:12][arrived], waited[arrived] + 1)
+        assert torch.equal(flat[:12], counts[:12] * steady[:12])
+        if step == 3:  # the same as the run it was saved from
+            again = steady.clone()
+            resumed.all_reduce(0, again).wait()
+            assert torch.equal(again, flat) and torch.equal(resumed.catch_up(0), counts)
+        waited = torch.where(arrived, 0.0, waited + 1)
+        codec.skip_step() if step == 1 else codec.end_step()
+    assert waited.max() >= 3  # some element waited, and its sum carried that many steps
+    assert codec.steps == 5
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": DECAY}}
+CASES = {  # name: (stage, comm_compression.gradients)
+    "s0": (0, {}),
+    "s2": (2, {}),
+    "topk 100% s0": (0, {"method": "topk", "ratio": 1.0}),
+    "gtopk 100% s2": (2, {"method": "gtopk", "ratio": 1.0}),
+    "topk 10% s0": (0, {"method": "topk", "ratio": 0.1}),
+    "gtopk 10% s2": (2, {"method": "gtopk", "ratio": 0.1}),
+    "gtopk 10% s2, catch_up false": (2, {"method": "gtopk", "ratio": 0.1, "catch_up": False}),
+}
+STEPS = 4
+
+
+def moments(store) -> list[tuple[torch.Tensor, ...]]:
+    """Per bucket: a copy of the master and its Adam moments (zeros before the first step)."""
+    out = []
+    for master in store.master_shards():
+        state = store.optimizer.state.get(master, {})
+        kept = [state.get(k, torch.zeros_like(master)) for k in ("exp_avg", "exp_avg_sq")]
+        out.append(tuple(t.clone() for t in (master, *kept)))
+    return out
+
+
+def train_catching_up(cases: dict[str, tuple[int, dict]]) -> dict:
+    """Each case: the model after every step, and per step and bucket the master and moments
+    before and after it, with the counts the optimizer took."""
+    return {name: train_case(stage, grads) for name, (stage, grads) in cases.items()}
+
+
+def train_case(stage: int, grads: dict) -> tuple:
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 48), nn.GELU(), nn.Linear(48, 3))
+    engine = zerotrain.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": None,
+            "optimizer": ADAMW,
+            "zero_optimization": {"stage": stage},
+            "comm_compression": {"gradients": {"min_numel": 0, **grads}},
+        },
+    )[0]
+    group = engine.optimizer.group
+    counts: list = []
+    catch_up = group.catch_up
+    if catch_up is not None:
+        arrive = catch_up.arrive
+        catch_up.arrive = lambda c: (counts.append([x.clone() for x in c]), arrive(c))
+    gen = torch.Generator().manual_seed(Communicator().rank)
+    states, steps = [], []
+    for _ in range(STEPS):
+        before = moments(group.store)
+        engine.backward(engine(torch.randn(4, 40, generator=gen)).pow(2).mean())
+        engine.step()
+        steps.append((before, moments(group.store)))
+        states.append(engine.consolidated_state_dict())
+    return states, steps, counts, catch_up is not None
+
+
+@pytest.fixture(scope="module")
+def catching_up() -> list[dict]:
+    return run_distributed(train_catching_up, 2, CASES)
+
+
+def test_an_engine_catches_up_exactly_where_all_arrives_and_leaves_the_rest(catching_up):
+    """2 ranks, AdamW: top-k and gTop-k of every element train as uncompressed AdamW (1e-6),
+    each step catching up with counts of 1. At 10%, each step's counts are 1 plus the steps
+    the element waited (as the test counts them), an element with nothing arriving keeps its
+    moments and only decays, one that arrives moves; at stage 0 the replicas stay equal.
+    With catch_up false the optimizer steps as AdamW does (no counts)."""
+    for per_rank in catching_up:
+        for name, (states, steps, counts, catches) in per_rank.items():
+            assert catches == ("%" in name and "false" not in name), name
+            stage = CASES[name][0]
+            if "100%" in name:
+                plain = per_rank[f"s{stage}"][0]
+                for a, b in zip(states, plain, strict=True):
+                    assert max(relative_error(a[k], b[k]) for k in b) < 1e-6, name
+                assert all(torch.equal(c, torch.ones_like(c)) for cs in counts for c in cs)
+            if "10%" not in name or not catches:
+                continue
+            assert len(counts) == STEPS
+            waited = [torch.zeros_like(c) for c in counts[0]]
+            for (before, after), step_counts in zip(steps, counts, strict=True):
+                for (w0, m0, v0), (w1, m1, v1), c, wait in zip(
+                    before, after, step_counts, waited, strict=True
+                ):
+                    still = c == 0
+                    assert still.any() and (~still).any()
+                    assert torch.equal(c[~still], wait[~still] + 1), name
+                    assert torch.equal(m1[still], m0[still]) and torch.equal(v1[still], v0[still])
+                    assert torch.equal(w1[still], w0[still] * (1 - LR * DECAY))
+                    assert not torch.equal(w1[~still], w0[~still] * (1 - LR * DECAY))
+                    wait.copy_(torch.where(still, wait + 1, 0))
+            assert max(w.max().item() for w in waited) >= 2, name
+    for name in CASES:  # stage 0: every rank steps the same replica
+        if CASES[name][0] == 0:
+            a, b = (per_rank[name][0][-1] for per_rank in catching_up)
+            assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_catch_up_set_where_it_does_nothing_is_a_config_error():
+    base = {"train_batch_size": 2, "optimizer": ADAMW, "zero_optimization": {"stage": 2}}
+    for gradients, optimizer, why in [
+        ({"method": "powersgd"}, ADAMW, "gradients.method is powersgd"),
+        ({"method": "topk", "error_feedback": False}, ADAMW, "error_feedback is false"),
+        ({"method": "gtopk"}, {"type": "SGD", "params": {"lr": 0.1}}, "optimizer.type SGD"),
+    ]:
+        config = {**base, "optimizer": optimizer}
+        config["comm_compression"] = {"gradients": {**gradients, "catch_up": True}}
+        with pytest.raises(ConfigError, match=why):
+            load_config(config, world_size=2)
+        del config["comm_compression"]["gradients"]["catch_up"]
+        load_config(config, world_size=2)  # left at its default: no error

@@ -1,0 +1,122 @@
+"""Adam under sparse gradients: a coordinate steps when its gradient arrives, by as many steps
+as the gradient carries.
+
+[Note: catching up]
+Top-k and gTop-k send a coordinate only every few steps, and then, through error feedback,
+the sum S of the gradients of the n steps since it last travelled; in between it arrives as
+zero. Adam fed that sequence moves the coordinate far less than it moves a coordinate that
+arrives every step: for a steady gradient g, its momentum still sums to what arrived (n·g
+per n steps), but its second moment averages (n·g)²/n = n·g² per step, so the coordinate
+moves n·g/√(n·g²) = √n times less than dense Adam's n steps of g/√g². Sparsification then
+slows most coordinates of the model by √n, n being 10 or more at a 10% ratio.
+
+Catching up leaves a coordinate's moments and value alone while nothing arrives. When S
+arrives after n steps (the codec counts them), it takes n Adam steps of the mean gradient
+S/n at once: the moments become exactly those n steps',
+
+    m = β1^n·m + (1 - β1^n)·S/n,    v = β2^n·v + (1 - β2^n)·(S/n)²,
+
+and the value moves by n·lr·m̂/(√v̂ + ε), n times the last of those steps' update (m̂, v̂
+bias-corrected by the optimizer's step count, which every step advances). A coordinate that
+arrives every step (n = 1), and every coordinate of the exact (warm-up) steps, takes Adam's
+own step. Decoupled weight decay still shrinks every coordinate every step; L2 decay is part
+of the gradient, so it travels with it (n steps' worth at an arrival).
+
+The step is the optimizer's: hooks around its ``step`` take the masters that have counts this
+step out of the torch step and step them here, with the optimizer's own state (exp_avg,
+exp_avg_sq, step), so checkpoints and a later dense step read it as theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerotrain.optim.adam import FusedAdam
+
+__all__ = ["CatchUp", "catches_up"]
+
+ADAM_FAMILY = (torch.optim.Adam, FusedAdam)  # torch's AdamW subclasses Adam
+
+
+def catches_up(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is an Adam whose update catching up replaces (not AMSGrad, not
+    maximizing): the others take the sparse gradients as they are."""
+    if not isinstance(optimizer, ADAM_FAMILY):
+        return False
+    return not any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
+
+
+class CatchUp:
+    """Catching up (see [Note: catching up]) for ``optimizer``'s ``masters`` (one per bucket,
+    in bucket order): :meth:`arrive` gives this step's counts, and the optimizer's next step
+    over a master with counts catches up."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]):
+        self.optimizer = optimizer
+        self._index = {id(m): i for i, m in enumerate(masters)}
+        self.counts: list[torch.Tensor | None] = [None] * len(masters)
+        self._taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []
+        optimizer.register_step_pre_hook(self._take)
+        optimizer.register_step_post_hook(self._step)
+
+    def arrive(self, counts: list[torch.Tensor | None]) -> None:
+        """Per bucket, the steps each element of its master's gradient carries (0: none
+        arrived; None: the bucket travelled exactly)."""
+        self.counts = list(counts)
+
+    def _take(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Before the torch step: hide the gradients of the masters that catch up."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                index = self._index.get(id(param))
+                if index is None or param.grad is None or self.counts[index] is None:
+                    continue
+                counts = self.counts[index]
+                assert counts is not None
+                self.counts[index] = None  # one step each (an offloaded one may come later)
+                self._taken.append((param, param.grad, counts.to(param.device), group))
+                param.grad = None
+
+    @torch.no_grad()
+    def _step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """After the torch step: step the hidden masters here, and give their gradients back."""
+        taken, self._taken = self._taken, []
+        for param, grad, counts, group in taken:
+            catch_up_step(param, grad, counts, optimizer.state[param], group)
+            param.grad = grad
+
+
+def catch_up_step(
+    param: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, state: dict, group: dict
+) -> None:
+    """One step of catching up for ``param`` (see [Note: catching up]): ``grad`` holds the sum
+    of ``counts`` steps' gradients per element (0 where nothing arrived). ``state`` and
+    ``group`` are torch Adam's (or FusedAdam's)."""
+    if not state:  # as torch lays it out: a later exact step continues from it
+        on_device = group.get("fused") or group.get("capturable") or "adam_w_mode" in group
+        state["step"] = torch.zeros(
+            (), dtype=torch.float32, device=param.device if on_device else "cpu"
+        )
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    beta1, beta2 = group["betas"]
+    lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
+    decoupled = group.get("decoupled_weight_decay", group.get("adam_w_mode", False))
+    state["step"] += 1
+    step = float(state["step"])
+    mean = grad / counts.clamp(min=1)
+    if decay and not decoupled:  # L2: the decay is part of the gradient that arrived
+        mean.addcmul_(param, (counts > 0).to(param.dtype), value=decay)
+    kept1, kept2 = torch.pow(beta1, counts), torch.pow(beta2, counts)  # 1 where none arrived
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.mul_(kept1).add_(mean * (1 - kept1))
+    exp_avg_sq.mul_(kept2).add_(mean.square_().mul_(1 - kept2))
+    if decay and decoupled:
+        param.mul_(1 - lr * decay)
+    correct = group.get("bias_correction", True)
+    bias1 = 1 - beta1**step if correct else 1.0
+    bias2 = 1 - beta2**step if correct else 1.0
+    denominator = exp_avg_sq.div(bias2).sqrt_().add_(eps)
+    param.addcdiv_(exp_avg * counts, denominator, value=-lr / bias1)
