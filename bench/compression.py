@@ -106,6 +106,11 @@ ROWS = {
     "zerotrain s2": zt(2),
     "zerotrain s2 topk 1% + int4 params": zt(2, {"method": "topk", "ratio": 0.01}, "int4"),
     "zerotrain s2 gtopk 1% + int4 params": zt(2, {"method": "gtopk", "ratio": 0.01}, "int4"),
+    "zerotrain s2 topk 1% + int4 params, catch_up false": zt(
+        2, {"method": "topk", "ratio": 0.01, "catch_up": False}, "int4"
+    ),
+    "zerotrain s2 topk 10% + int4 params": zt(2, {"method": "topk", "ratio": 0.1}, "int4"),
+    "zerotrain s2 gtopk 10% + int4 params": zt(2, {"method": "gtopk", "ratio": 0.1}, "int4"),
     "zerotrain s3": zt(3),
     "zerotrain s3 int4 + int4 params": zt(3, {"method": "int4"}, "int4"),
     "zerotrain s3 auto": zt(3, auto=True),

@@ -6,9 +6,11 @@ Top-k and gTop-k send a coordinate only every few steps, and then, through error
 the sum S of the gradients of the n steps since it last travelled; in between it arrives as
 zero. Adam fed that sequence moves the coordinate far less than it moves a coordinate that
 arrives every step: for a steady gradient g, its momentum still sums to what arrived (n·g
-per n steps), but its second moment averages (n·g)²/n = n·g² per step, so the coordinate
-moves n·g/√(n·g²) = √n times less than dense Adam's n steps of g/√g². Sparsification then
-slows most coordinates of the model by √n, n being 10 or more at a 10% ratio.
+per n steps), but its second moment averages (n·g)²/n = n·g² per step, so over n steps the
+coordinate moves lr·n·g/√(n·g²) = lr·√n where dense Adam moves lr·n. Sparsification then
+slows most coordinates of the model by √n, n being 10 or more at a 10% ratio (measured on
+the tiny GPT under AdamW: +5.0-7.5% final loss, against 0.6-2.0% below uncompressed
+catching up; docs/compression.md).
 
 Catching up leaves a coordinate's moments and value alone while nothing arrives. When S
 arrives after n steps (the codec counts them), it takes n Adam steps of the mean gradient
@@ -106,17 +108,26 @@ def catch_up_step(
     decoupled = group.get("decoupled_weight_decay", group.get("adam_w_mode", False))
     state["step"] += 1
     step = float(state["step"])
-    mean = grad / counts.clamp(min=1)
+    # only the elements that arrived change, but for decoupled decay: work on those alone
+    flat, exp_avg, exp_avg_sq = (
+        param.view(-1),
+        state["exp_avg"].view(-1),
+        state["exp_avg_sq"].view(-1),
+    )
+    arrived = torch.nonzero(counts.view(-1)).squeeze(1)
+    carried = counts.view(-1)[arrived]
+    mean = grad.view(-1)[arrived].div_(carried)
     if decay and not decoupled:  # L2: the decay is part of the gradient that arrived
-        mean.addcmul_(param, (counts > 0).to(param.dtype), value=decay)
-    kept1, kept2 = torch.pow(beta1, counts), torch.pow(beta2, counts)  # 1 where none arrived
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    exp_avg.mul_(kept1).add_(mean * (1 - kept1))
-    exp_avg_sq.mul_(kept2).add_(mean.square_().mul_(1 - kept2))
+        mean.add_(flat[arrived], alpha=decay)
+    kept1, kept2 = torch.pow(beta1, carried), torch.pow(beta2, carried)
+    moment1 = exp_avg[arrived].mul_(kept1).add_(mean * (1 - kept1))
+    moment2 = exp_avg_sq[arrived].mul_(kept2).add_(mean.square_().mul_(1 - kept2))
+    exp_avg.index_copy_(0, arrived, moment1)
+    exp_avg_sq.index_copy_(0, arrived, moment2)
     if decay and decoupled:
-        param.mul_(1 - lr * decay)
+        flat.mul_(1 - lr * decay)
     correct = group.get("bias_correction", True)
     bias1 = 1 - beta1**step if correct else 1.0
     bias2 = 1 - beta2**step if correct else 1.0
-    denominator = exp_avg_sq.div(bias2).sqrt_().add_(eps)
-    param.addcdiv_(exp_avg * counts, denominator, value=-lr / bias1)
+    denominator = moment2.div_(bias2).sqrt_().add_(eps)
+    flat.index_add_(0, arrived, moment1.mul_(carried).div_(denominator), alpha=-lr / bias1)
