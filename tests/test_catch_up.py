@@ -46,7 +46,8 @@ def test_a_catch_up_step_is_n_adam_steps_of_the_mean_gradient(decoupled):
     state = {"step": torch.tensor(6.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     group = {"betas": BETAS, "lr": LR, "eps": EPS, "weight_decay": DECAY}
     group["decoupled_weight_decay"] = decoupled
-    catch_up_step(param, total.clone(), counts, state, group)
+    arrived = counts.nonzero().squeeze(1)
+    catch_up_step(param, total.clone(), arrived, counts[arrived], state, group)
     for i, n in enumerate(counts.int().tolist()):
         want = reference_step(
             value[i].double().item(),
@@ -85,10 +86,18 @@ def test_every_element_arriving_each_step_is_the_optimizers_own_step(make):
         theirs.grad = grad.clone()
         optimizer.step()
         with torch.no_grad():
-            catch_up_step(ours, grad.clone(), torch.ones(50), state, group)
+            catch_up_step(ours, grad.clone(), torch.arange(50), torch.ones(50), state, group)
     assert relative_error(ours.detach(), theirs.detach()) < 1e-6
     for key in ("exp_avg", "exp_avg_sq"):
         assert relative_error(state[key], optimizer.state[theirs][key]) < 1e-6
+
+
+def dense(arrivals, numel: int) -> torch.Tensor:
+    """Arrivals (positions, counts) as one count per element, 0 where nothing arrived."""
+    assert arrivals is not None
+    positions, counts = arrivals
+    assert len(positions.unique()) == len(positions)
+    return torch.zeros(numel).index_put_((positions,), counts)
 
 
 def test_the_codec_counts_the_steps_each_arrival_carries():
@@ -107,15 +116,15 @@ def test_the_codec_counts_the_steps_each_arrival_carries():
             assert resumed.load_state_dict(saved, steps=0) is None
         flat = steady.clone()
         codec.all_reduce(0, flat).wait()
-        counts = codec.catch_up(0)
-        assert counts is not None and torch.equal(counts[12:], torch.ones(2))
+        counts = dense(codec.catch_up(0), 14)
+        assert torch.equal(counts[12:], torch.ones(2))
         arrived = counts[:12] > 0
         assert arrived.sum() == 3 and torch.equal(counts[:12][arrived], waited[arrived] + 1)
         assert torch.equal(flat[:12], counts[:12] * steady[:12])
         if step == 3:  # the same as the run it was saved from
             again = steady.clone()
             resumed.all_reduce(0, again).wait()
-            assert torch.equal(again, flat) and torch.equal(resumed.catch_up(0), counts)
+            assert torch.equal(again, flat) and torch.equal(dense(resumed.catch_up(0), 14), counts)
         waited = torch.where(arrived, 0.0, waited + 1)
         codec.skip_step() if step == 1 else codec.end_step()
     assert waited.max() >= 3  # some element waited, and its sum carried that many steps
@@ -170,8 +179,13 @@ def train_case(stage: int, grads: dict) -> tuple:
     counts: list = []
     catch_up = group.catch_up
     if catch_up is not None:
-        arrive = catch_up.arrive
-        catch_up.arrive = lambda c: (counts.append([x.clone() for x in c]), arrive(c))
+        arrive, masters = catch_up.arrive, group.store.master_shards()
+
+        def record(arrivals: list) -> None:
+            counts.append([dense(a, m.numel()) for a, m in zip(arrivals, masters, strict=True)])
+            arrive(arrivals)
+
+        catch_up.arrive = record
     gen = torch.Generator().manual_seed(Communicator().rank)
     states, steps = [], []
     for _ in range(STEPS):

@@ -159,10 +159,10 @@ class GradientCodec:
         for kept in self.state_tensors():
             torch.nan_to_num_(kept, nan=0.0, posinf=0.0, neginf=0.0)
 
-    def catch_up(self, index: int) -> torch.Tensor | None:
-        """Per element of bucket ``index`` (padded), how many steps' gradients this step's
-        carries, for an Adam that catches up (see [Note: catching up]): 0 where none arrived.
-        None: the bucket travelled whole, each element carrying this step's alone."""
+    def catch_up(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For an Adam that catches up (see [Note: catching up]): the positions in bucket
+        ``index`` (padded) where a gradient arrived this step, and how many steps' gradients
+        each carries. None: the bucket travelled whole, each element carrying this step's."""
         return None
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -387,10 +387,11 @@ class SparseCodec(_Compressing):
             self.compressed.append(ranges)
             self.exact.append(_complement(ranges, bucket.numel_padded))
         self.residuals: list[torch.Tensor | None] = [None] * len(buckets)
-        # catching up: the steps each compressed element has waited since it last travelled,
-        # and those that travelled this step (any of its reductions)
+        # catching up: per compressed element, the first step (counted in ``ticks``, applied or
+        # skipped) whose gradient its residual holds, and which elements travelled this step
         self.counting = options.catch_up and options.error_feedback
-        self.waiting: list[torch.Tensor | None] = [None] * len(buckets)
+        self.ticks = 0
+        self.since: list[torch.Tensor | None] = [None] * len(buckets)
         self.arrived: list[torch.Tensor | None] = [None] * len(buckets)
 
     def _all_reduce(self, index: int, flat: torch.Tensor) -> Pending:
@@ -443,17 +444,21 @@ class SparseCodec(_Compressing):
             )
         arrived[where] = True
 
-    def catch_up(self, index: int) -> torch.Tensor | None:
+    def catch_up(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         arrived = self.arrived[index]
         if arrived is None:  # an exact step, or a bucket with nothing compressed
             return None
-        waited = self.waiting[index]
-        carried = arrived.to(torch.float32)
-        if waited is not None:
-            carried.mul_(waited + 1)
-        counts = torch.ones(self.buckets[index].numel_padded, device=arrived.device)
-        _put(counts, self.compressed[index], carried)
-        return counts
+        since = self._since(index, arrived)
+        where = arrived.nonzero().squeeze(1)
+        counts = (self.ticks + 1 - since[where]).float()
+        # compressed positions into the bucket's, then the elements that travel whole (one step)
+        starts = torch.tensor([a for a, _ in self.compressed[index]], device=where.device)
+        lengths = torch.tensor([b - a for a, b in self.compressed[index]], device=where.device)
+        first = torch.cumsum(lengths, 0) - lengths  # each range's first compressed position
+        ranges = torch.searchsorted(first, where, right=True) - 1
+        exact = [torch.arange(a, b, device=where.device) for a, b in self.exact[index]]
+        positions = torch.cat([where + (starts - first)[ranges], *exact])
+        return positions, torch.cat([counts, counts.new_ones(len(positions) - len(counts))])
 
     def end_step(self) -> None:
         super().end_step()
@@ -465,38 +470,40 @@ class SparseCodec(_Compressing):
 
     def _count_waits(self) -> None:
         """A step's end, applied or skipped: either way its gradients went into the residuals
-        or travelled, so the elements that did not travel waited one more step."""
+        or travelled, so what travelled holds the next step's on."""
         for index, arrived in enumerate(self.arrived):
-            if arrived is None:
-                continue
-            waited = self.waiting[index]
-            if waited is None:
-                waited = self.waiting[index] = torch.zeros_like(arrived, dtype=torch.int16)
-            # int16: an element that waits 32767 steps counts that many from then on
-            waited.add_(1).clamp_(max=torch.iinfo(torch.int16).max).masked_fill_(arrived, 0)
+            if arrived is not None:
+                self._since(index, arrived)[arrived] = self.ticks + 1
         self.arrived = [None] * len(self.arrived)
+        self.ticks += 1
+
+    def _since(self, index: int, arrived: torch.Tensor) -> torch.Tensor:
+        since = self.since[index]
+        if since is None:  # the first compressed step: each element holds this step's on
+            since = self.since[index] = torch.full_like(arrived, self.ticks, dtype=torch.int32)
+        return since
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t for t in self.residuals + self.waiting if t is not None]
+        return [t for t in self.residuals + self.since if t is not None]
 
     _keeps_state = True
 
     def _state(self) -> dict:
-        return {"residuals": list(self.residuals), "waiting": list(self.waiting)}
+        return {"residuals": list(self.residuals), "since": list(self.since), "ticks": self.ticks}
 
     def _load(self, state: dict) -> None:
-        residuals, waiting = state["residuals"], state.get("waiting", [None] * len(self.buckets))
+        residuals, since = state["residuals"], state["since"]
         sizes = [sum(b - a for a, b in ranges) for ranges in self.compressed]
-        for kept in (residuals, waiting):
+        for kept in (residuals, since):
             if len(kept) != len(sizes) or any(
                 t is not None and t.numel() != n for t, n in zip(kept, sizes, strict=True)
             ):
                 raise ValueError("other compressed elements")
-        self.residuals, self.waiting = list(residuals), list(waiting)
+        self.residuals, self.since, self.ticks = list(residuals), list(since), state["ticks"]
 
     def _reset(self) -> None:
         self.residuals = [None] * len(self.residuals)
-        self.waiting = [None] * len(self.waiting)
+        self.since = [None] * len(self.since)
 
 
 Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (payload, scales) -> fp32

@@ -57,7 +57,7 @@ class GradientCompressionConfig(Section):
     and value stay while nothing of it arrives, and when its gradient arrives, the sum of n
     steps', it takes those n steps at once (see docs/compression.md). False: Adam steps the
     sparse gradients as they come, which moves a coordinate sent every n steps √n times less
-    than uncompressed Adam. Counting the steps costs one int16 per compressed element per rank.
+    than uncompressed Adam. Counting the steps costs one int32 per compressed element per rank.
     Other optimizers take the sparse gradients as they come (SGD's momentum sums them; the
     1-bit optimizers' variance is frozen)."""
 

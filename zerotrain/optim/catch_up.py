@@ -37,7 +37,10 @@ import torch
 
 from zerotrain.optim.adam import FusedAdam
 
-__all__ = ["CatchUp", "catches_up"]
+__all__ = ["Arrivals", "CatchUp", "catches_up"]
+
+Arrivals = tuple[torch.Tensor, torch.Tensor]
+"""Where in a master gradients arrived (flat positions), and the steps each carries."""
 
 ADAM_FAMILY = (torch.optim.Adam, FusedAdam)  # torch's AdamW subclasses Adam
 
@@ -58,44 +61,51 @@ class CatchUp:
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]):
         self.optimizer = optimizer
         self._index = {id(m): i for i, m in enumerate(masters)}
-        self.counts: list[torch.Tensor | None] = [None] * len(masters)
-        self._taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []
+        self.arrivals: list[Arrivals | None] = [None] * len(masters)
+        self._taken: list[tuple[torch.Tensor, torch.Tensor, Arrivals, dict]] = []
         optimizer.register_step_pre_hook(self._take)
         optimizer.register_step_post_hook(self._step)
 
-    def arrive(self, counts: list[torch.Tensor | None]) -> None:
-        """Per bucket, the steps each element of its master's gradient carries (0: none
-        arrived; None: the bucket travelled exactly)."""
-        self.counts = list(counts)
+    def arrive(self, arrivals: list[Arrivals | None]) -> None:
+        """Per bucket: the positions in its master where a gradient arrived and the steps each
+        carries (None: every element arrived with this step's)."""
+        self.arrivals = list(arrivals)
 
     def _take(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Before the torch step: hide the gradients of the masters that catch up."""
         for group in optimizer.param_groups:
             for param in group["params"]:
                 index = self._index.get(id(param))
-                if index is None or param.grad is None or self.counts[index] is None:
+                if index is None or param.grad is None:
                     continue
-                counts = self.counts[index]
-                assert counts is not None
-                self.counts[index] = None  # one step each (an offloaded one may come later)
-                self._taken.append((param, param.grad, counts.to(param.device), group))
+                arrivals = self.arrivals[index]
+                if arrivals is None:
+                    continue
+                self.arrivals[index] = None  # one step each (an offloaded one may come later)
+                moved = (arrivals[0].to(param.device), arrivals[1].to(param.device))
+                self._taken.append((param, param.grad, moved, group))
                 param.grad = None
 
     @torch.no_grad()
     def _step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """After the torch step: step the hidden masters here, and give their gradients back."""
         taken, self._taken = self._taken, []
-        for param, grad, counts, group in taken:
-            catch_up_step(param, grad, counts, optimizer.state[param], group)
+        for param, grad, (positions, counts), group in taken:
+            catch_up_step(param, grad, positions, counts, optimizer.state[param], group)
             param.grad = grad
 
 
 def catch_up_step(
-    param: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, state: dict, group: dict
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    state: dict,
+    group: dict,
 ) -> None:
-    """One step of catching up for ``param`` (see [Note: catching up]): ``grad`` holds the sum
-    of ``counts`` steps' gradients per element (0 where nothing arrived). ``state`` and
-    ``group`` are torch Adam's (or FusedAdam's)."""
+    """One step of catching up for ``param`` (see [Note: catching up]): at the flat
+    ``positions`` (distinct) ``grad`` holds the sum of ``counts`` steps' gradients; nothing
+    arrived elsewhere. ``state`` and ``group`` are torch Adam's (or FusedAdam's)."""
     if not state:  # as torch lays it out: a later exact step continues from it
         on_device = group.get("fused") or group.get("capturable") or "adam_w_mode" in group
         state["step"] = torch.zeros(
@@ -108,14 +118,13 @@ def catch_up_step(
     decoupled = group.get("decoupled_weight_decay", group.get("adam_w_mode", False))
     state["step"] += 1
     step = float(state["step"])
-    # only the elements that arrived change, but for decoupled decay: work on those alone
+    # only the elements that arrived change (but for decoupled decay): work on those alone
     flat, exp_avg, exp_avg_sq = (
         param.view(-1),
         state["exp_avg"].view(-1),
         state["exp_avg_sq"].view(-1),
     )
-    arrived = torch.nonzero(counts.view(-1)).squeeze(1)
-    carried = counts.view(-1)[arrived]
+    arrived, carried = positions, counts
     mean = grad.view(-1)[arrived].div_(carried)
     if decay and not decoupled:  # L2: the decay is part of the gradient that arrived
         mean.add_(flat[arrived], alpha=decay)

@@ -23,7 +23,7 @@ from torch import nn
 from zerotrain.comm import Communicator
 from zerotrain.compression import GradientCompression, ParameterCompression
 from zerotrain.compression.auto import AutoOptions
-from zerotrain.optim.catch_up import CatchUp, catches_up
+from zerotrain.optim.catch_up import Arrivals, CatchUp, catches_up
 from zerotrain.optim.local_steps import LocalSteps
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
@@ -158,15 +158,19 @@ class ShardGroup:
         for index, group in self.summed:  # a tied layer's copies take the sum of their gradients
             group.all_reduce(reduced[index])
         self.store.attach_grads(reduced)
-        if self.catch_up is not None:  # each bucket's counts, this rank's part of them
-            codec, part = self.reduction.codec, self.partition.part
-            counts = (codec.catch_up(i) for i in range(len(self.buckets)))
-            self.catch_up.arrive(
-                [
-                    c if c is None else part(b, c).clone()
-                    for b, c in zip(self.buckets, counts, strict=True)
-                ]
-            )
+        if self.catch_up is not None:
+            self.catch_up.arrive([self._arrivals(i) for i in range(len(self.buckets))])
+
+    def _arrivals(self, index: int) -> Arrivals | None:
+        """Where in this rank's part of bucket ``index`` gradients arrived this step, and the
+        steps each carries (for an Adam catching up)."""
+        arrived = self.reduction.codec.catch_up(index)
+        if arrived is None:
+            return None
+        positions, counts = arrived
+        start, end = self.partition.range(self.buckets[index])
+        mine = (positions >= start) & (positions < end)
+        return positions[mine] - start, counts[mine]
 
     def step_store(self) -> None:
         """The store's step over the reduced gradients (attached by :meth:`begin_step`):
