@@ -819,7 +819,7 @@ def convergence_baseline(name: str) -> str:
 # Measured gaps (python: the loop below on this machine, 2026-11-24): the methods that end
 # further than the bound from their baseline, by world size. Equality is asserted, so a new
 # gap fails the test and so does a closed one (then remove it here).
-# Top-k and gTop-k under AdamW end 0.6-2.0% below it by catching up (zerotrain/optim/catch_up.py;
+# Top-k and gTop-k under AdamW end 1.8-2.6% below it by catching up (zerotrain/optim/catch_up.py;
 # without it, +5.0-7.5%: bench/convergence.py --rows sparse).
 # Under OneBitAdam's frozen variance top-k and gTop-k come within 0.5-1.1%, ACP-SGD does not.
 ACP_FROZEN = "OneBitAdam + acp_sgd r8 s1"  # +4.7% (2 ranks), +4.5% (4)

@@ -9,7 +9,7 @@ arrives every step: for a steady gradient g, its momentum still sums to what arr
 per n steps), but its second moment averages (n·g)²/n = n·g² per step, so over n steps the
 coordinate moves lr·n·g/√(n·g²) = lr·√n where dense Adam moves lr·n. Sparsification then
 slows most coordinates of the model by √n, n being 10 or more at a 10% ratio (measured on
-the tiny GPT under AdamW: +5.0-7.5% final loss, against 0.6-2.0% below uncompressed
+the tiny GPT under AdamW: +5.0-7.5% final loss, against 1.8-2.6% below uncompressed
 catching up; docs/compression.md).
 
 Catching up leaves a coordinate's moments and value alone while nothing arrives. When S
