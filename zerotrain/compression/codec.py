@@ -63,6 +63,12 @@ class GradientCompression:
     # up ([Note: catching up] in zerotrain/optim/catch_up.py)
     catch_up: bool = True
 
+    @property
+    def counts_arrivals(self) -> bool:
+        """Whether the codec counts the steps each arrival carries (see ``catch_up``): only
+        sparse methods with error feedback carry several steps' gradients."""
+        return self.method in ("topk", "gtopk") and self.catch_up and self.error_feedback
+
 
 @dataclass(frozen=True)
 class BucketShape:
@@ -157,7 +163,8 @@ class GradientCodec:
         it, and the state kept from it (error feedback) drops the non-finite values it took,
         which would otherwise make every later step non-finite too."""
         for kept in self.state_tensors():
-            torch.nan_to_num_(kept, nan=0.0, posinf=0.0, neginf=0.0)
+            if kept.is_floating_point():
+                torch.nan_to_num_(kept, nan=0.0, posinf=0.0, neginf=0.0)
 
     def catch_up(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For an Adam that catches up (see [Note: catching up]): the positions in bucket
@@ -389,10 +396,15 @@ class SparseCodec(_Compressing):
         self.residuals: list[torch.Tensor | None] = [None] * len(buckets)
         # catching up: per compressed element, the first step (counted in ``ticks``, applied or
         # skipped) whose gradient its residual holds, and which elements travelled this step
-        self.counting = options.catch_up and options.error_feedback
+        self.counting = options.counts_arrivals
         self.ticks = 0
         self.since: list[torch.Tensor | None] = [None] * len(buckets)
         self.arrived: list[torch.Tensor | None] = [None] * len(buckets)
+        # per bucket, built at its first count: each compressed range's shift from compressed
+        # to bucket positions and their starts, and the positions that travel whole
+        self._positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [
+            None
+        ] * len(buckets)
 
     def _all_reduce(self, index: int, flat: torch.Tensor) -> Pending:
         ranges, exact = self.compressed[index], self.exact[index]
@@ -451,14 +463,25 @@ class SparseCodec(_Compressing):
         since = self._since(index, arrived)
         where = arrived.nonzero().squeeze(1)
         counts = (self.ticks + 1 - since[where]).float()
+        shift, first, exact = self._bucket_positions(index, where.device)
         # compressed positions into the bucket's, then the elements that travel whole (one step)
-        starts = torch.tensor([a for a, _ in self.compressed[index]], device=where.device)
-        lengths = torch.tensor([b - a for a, b in self.compressed[index]], device=where.device)
-        first = torch.cumsum(lengths, 0) - lengths  # each range's first compressed position
         ranges = torch.searchsorted(first, where, right=True) - 1
-        exact = [torch.arange(a, b, device=where.device) for a, b in self.exact[index]]
-        positions = torch.cat([where + (starts - first)[ranges], *exact])
-        return positions, torch.cat([counts, counts.new_ones(len(positions) - len(counts))])
+        positions = torch.cat([where + shift[ranges], exact])
+        return positions, torch.cat([counts, counts.new_ones(len(exact))])
+
+    def _bucket_positions(
+        self, index: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cached = self._positions[index]
+        if cached is None:
+            ranges = self.compressed[index]
+            starts = torch.tensor([a for a, _ in ranges], device=device)
+            lengths = torch.tensor([b - a for a, b in ranges], device=device)
+            first = torch.cumsum(lengths, 0) - lengths  # each range's first compressed position
+            exact = [torch.arange(a, b, device=device) for a, b in self.exact[index]]
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            cached = self._positions[index] = (starts - first, first, torch.cat([empty, *exact]))
+        return cached
 
     def end_step(self) -> None:
         super().end_step()

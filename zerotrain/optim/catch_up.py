@@ -59,7 +59,6 @@ class CatchUp:
     over a master with counts catches up."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]):
-        self.optimizer = optimizer
         self._index = {id(m): i for i, m in enumerate(masters)}
         self.arrivals: list[Arrivals | None] = [None] * len(masters)
         self._taken: list[tuple[torch.Tensor, torch.Tensor, Arrivals, dict]] = []

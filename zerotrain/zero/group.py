@@ -431,10 +431,7 @@ def _catch_up(
     an Adam catches up."""
     compression = options.compression
     asked = [compression] + [p.gradients for p in (options.auto.policies if options.auto else ())]
-    if options.comm.world_size == 1 or not any(
-        c is not None and c.method in ("topk", "gtopk") and c.catch_up and c.error_feedback
-        for c in asked
-    ):
+    if options.comm.world_size == 1 or not any(c is not None and c.counts_arrivals for c in asked):
         return None, compression
     if not catches_up(store.optimizer):  # its update takes the sparse gradients as they are
         return None, None if compression is None else replace(compression, catch_up=False)
