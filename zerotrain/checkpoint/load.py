@@ -259,8 +259,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     zero.publish_params()
     if options.module_only:
         for group in zero.groups:  # the loaded parameters, every rank's alike, are the new start
-            if group.local_steps is not None:
-                group.local_steps.forget()
+            group.masters_set()
         return
 
     state = loaded.engine()

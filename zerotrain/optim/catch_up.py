@@ -26,7 +26,10 @@ of the gradient, so it travels with it (n steps' worth at an arrival).
 
 The step is the optimizer's: hooks around its ``step`` take the masters that have counts this
 step out of the torch step and step them here, with the optimizer's own state (exp_avg,
-exp_avg_sq, step), so checkpoints and a later dense step read it as theirs.
+exp_avg_sq, step), so checkpoints and a later dense step read it as theirs. A bucket whose
+copies on other model-parallel ranks sum their gradients (a tied layer, a sequence-parallel
+norm) does not catch up: each copy's codec sends other elements, so the sum has no one count
+(ShardGroup._arrivals).
 """
 
 from __future__ import annotations

@@ -163,7 +163,12 @@ class ShardGroup:
 
     def _arrivals(self, index: int) -> Arrivals | None:
         """Where in this rank's part of bucket ``index`` gradients arrived this step, and the
-        steps each carries (for an Adam catching up)."""
+        steps each carries (for an Adam catching up). None for a bucket whose copies on other
+        model-parallel ranks add their gradients to its own (a tied layer, a sequence-parallel
+        norm): each copy's codec chooses other elements, so the sum has no one count, and
+        catching up per copy would step the copies apart. Such a bucket steps as it comes."""
+        if any(index == summed for summed, _ in self.summed):
+            return None
         arrived = self.reduction.codec.catch_up(index)
         if arrived is None:
             return None
@@ -194,6 +199,12 @@ class ShardGroup:
         else:
             self.reduction.codec.skip_step()
         self._enter(GroupState.IDLE)
+
+    def masters_set(self) -> None:
+        """The masters were set from outside a step, alike on every rank (a load, a broadcast):
+        0/1 Adam's local steps take them as the last synchronization."""
+        if self.local_steps is not None:
+            self.local_steps.forget()
 
     def publish(self) -> None:
         """After the masters changed outside a step (a checkpoint load): update the model's

@@ -240,8 +240,7 @@ class ZeroOptimizer:
         for group in self.groups:
             for index in range(len(group.buckets)):
                 group.store.write_state(index, "master", next(masters))
-            if group.local_steps is not None:  # the saved masters are the last synchronization's
-                group.local_steps.forget()
+            group.masters_set()  # the saved masters are the last synchronization's
         if load_optimizer_states:
             if self._grouped is not None:
                 self._grouped.load_state_dict(state_dict["optimizer"])
@@ -389,8 +388,7 @@ class ZeroOptimizer:
                     if bucket in buckets:
                         part = group.partition.part(bucket, bucket.require_flat_param())
                         group.store.write_state(index, "master", part)
-                if group.local_steps is not None:  # every rank holds the modifier's values
-                    group.local_steps.forget()
+                group.masters_set()  # every rank holds the modifier's values
             group.residency.end_access(gathered_here)
 
     # -- state views ---------------------------------------------------------------------------
