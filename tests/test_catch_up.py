@@ -242,10 +242,21 @@ def test_an_engine_catches_up_exactly_where_all_arrives_and_leaves_the_rest(catc
 TOPK_10 = {"gradients": {"method": "topk", "ratio": 0.1, "min_numel": 0, "warmup_steps": 0}}
 
 
-def summed_copies(engine, caught_up: list[set[int]]) -> dict[str, torch.Tensor]:
-    """This rank's copies of the parameters whose gradients are summed across model-parallel
-    ranks; ``caught_up`` records, per shard group, the buckets that catch up."""
-    for group, buckets in zip(engine.optimizer.groups, caught_up, strict=True):
+def train_tied_copies() -> tuple:
+    """Top-k 10% under AdamW, pp 2 x dp 2 with the embedding tied to the head across the two
+    stages (ZeRO stage 1, 1F1B): this rank's copies of the summed parameters after training,
+    and per shard group the buckets that caught up and the summed ones."""
+    import test_pipeline as pipe
+
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    tied = PipelineModule(pipe.tied_specs(), num_stages=2, loss_fn=pipe.loss_fn, seed_layers=True)
+    config = {**pipe.config(1, "1f1b"), "comm_compression": TOPK_10}
+    engine = zerotrain.initialize(model=tied, config=config)[0]
+    groups = engine.optimizer.groups
+    caught_up: list[set[int]] = [set() for _ in groups]
+    for group, buckets in zip(groups, caught_up, strict=True):
         arrive = group.catch_up.arrive
 
         def record(arrivals: list, arrive=arrive, buckets=buckets) -> None:
@@ -253,58 +264,27 @@ def summed_copies(engine, caught_up: list[set[int]]) -> dict[str, torch.Tensor]:
             arrive(arrivals)
 
         group.catch_up.arrive = record
-    return {
-        group.buckets[index].slots[0].name: group.buckets[index].slots[0].param
-        for group in engine.optimizer.groups
-        for index, _ in group.summed
-    }
-
-
-def train_summed_copies() -> dict[str, tuple]:
-    """Top-k 10% under AdamW: pp 2 x dp 2 with the embedding tied to the head across the two
-    stages (ZeRO stage 1, 1F1B), and tp 2 x dp 2 GPT-2 with sequence parallelism (stage 2).
-    Per case: this rank's summed copies after training, the buckets that caught up, and the
-    summed ones."""
-    import test_pipeline as pipe
-    import test_tensor_parallel as tp
-
-    import zerotrain
-    from zerotrain.pipe import PipelineModule
-
-    out = {}
-    tied = PipelineModule(pipe.tied_specs(), num_stages=2, loss_fn=pipe.loss_fn, seed_layers=True)
-    config = {**pipe.config(1, "1f1b"), "comm_compression": TOPK_10}
-    engine = zerotrain.initialize(model=tied, config=config)[0]
-    caught_up = [set() for _ in engine.optimizer.groups]
-    copies = summed_copies(engine, caught_up)
     pipe.pipeline_trained(engine)
-    summed = [{i for i, _ in g.summed} for g in engine.optimizer.groups]
-    out["tied"] = ({n: p.detach().clone() for n, p in copies.items()}, caught_up, summed)
-    config = {**tp.config(2, 2, sequence=True), "comm_compression": TOPK_10}
-    engine = zerotrain.initialize(model=tp.build("gpt2"), config=config)[0]
-    caught_up = [set() for _ in engine.optimizer.groups]
-    copies = summed_copies(engine, caught_up)
-    tp.run_steps(engine, "gpt2", tp.batches(engine.dp_world_size))
-    summed = [{i for i, _ in g.summed} for g in engine.optimizer.groups]
-    out["sequence"] = ({n: p.detach().clone() for n, p in copies.items()}, caught_up, summed)
-    return out
+    copies = {
+        g.buckets[i].slots[0].name: g.buckets[i].slots[0].param.detach().clone()
+        for g in groups
+        for i, _ in g.summed
+    }
+    return copies, caught_up, [{i for i, _ in g.summed} for g in groups]
 
 
 def test_copies_summed_across_model_parallel_ranks_stay_equal():
-    """A layer tied across pipeline stages and sequence-parallel norms take the sum of their
-    copies' gradients; each copy's codec chooses other elements, so they step as they come
-    (catching up per copy stepped the copies apart), while the other buckets catch up."""
-    per_rank = run_distributed(train_summed_copies, 4)
-    for case in ("tied", "sequence"):
-        copies = [r[case][0] for r in per_rank]
-        names = {n for c in copies for n in c}
-        assert names, case
-        for name in names:
-            held = [c[name] for c in copies if name in c]
-            assert len(held) >= 2 and all(torch.equal(h, held[0]) for h in held), (case, name)
-        for _, caught_up, summed in (r[case] for r in per_rank):
-            both = [c & s for c, s in zip(caught_up, summed, strict=True)]
-            assert any(caught_up) and not any(both), case
+    """A layer tied across pipeline stages takes the sum of its copies' gradients (so do the
+    norms of sequence parallelism, by the same rule); each copy's codec chooses other
+    elements, so such buckets step as they come (catching up per copy stepped the copies
+    apart), while the other buckets catch up."""
+    per_rank = run_distributed(train_tied_copies, 4)
+    assert all(set(copies) == {"tied_modules.embed.weight"} for copies, _, _ in per_rank)
+    weights = [copies["tied_modules.embed.weight"] for copies, _, _ in per_rank]
+    assert all(torch.equal(w, weights[0]) for w in weights)  # both stages' copies, both replicas
+    for _, caught_up, summed in per_rank:
+        both = [c & s for c, s in zip(caught_up, summed, strict=True)]
+        assert any(caught_up) and not any(both)
 
 
 def test_catch_up_set_where_it_does_nothing_is_a_config_error():

@@ -372,15 +372,24 @@ def moe_model(ep: int, k: int = 2) -> MoEModel:
 
 
 def moe_engine(
-    ep: int, stage: int, ranks: int = 4, dedup: bool = False, chunks: int = 1, k: int = 2
+    ep: int,
+    stage: int,
+    ranks: int = 4,
+    dedup: bool = False,
+    chunks: int = 1,
+    k: int = 2,
+    gradients: dict | None = None,
 ):
     """An engine for MoEModel at ``ep`` and ZeRO ``stage`` with top-``k`` gating, its global
-    batch that of ``ranks`` data-parallel ranks accumulating ACCUM micro-batches."""
+    batch that of ``ranks`` data-parallel ranks accumulating ACCUM micro-batches;
+    ``gradients``: the comm_compression.gradients section."""
     import zerotrain
 
     zero = {**MOE_CONFIG["zero_optimization"], "stage": stage}
     moe_section = {"token_dedup": dedup, "overlap_chunks": chunks}
     config = {**MOE_CONFIG, "zero_optimization": zero, "moe": moe_section}
+    if gradients is not None:
+        config["comm_compression"] = {"gradients": {"min_numel": 0, **gradients}}
     del config["gradient_accumulation_steps"]
     config["train_batch_size"] = MICRO * ACCUM * ranks
     return zerotrain.initialize(model=moe_model(ep, k), config=config)[0]
@@ -397,8 +406,9 @@ def run_moe(engine, batches: torch.Tensor) -> None:
 
 
 def train_moe(cases: list[tuple]) -> dict:
-    """(ep, ZeRO stage, options...) each, the options "token_dedup", "overlap_chunks" and
-    "top1": MoEModel trained on this rank's micro-batches."""
+    """(ep, ZeRO stage, options...) each, the options "token_dedup", "overlap_chunks", "top1"
+    and "gtopk" (the gradients compressed where it is exact: gTop-k of every element):
+    MoEModel trained on this rank's micro-batches."""
     out = {}
     for case in cases:
         ep, stage, *options = case
@@ -409,8 +419,12 @@ def train_moe(cases: list[tuple]) -> dict:
             dedup="token_dedup" in options,
             chunks=2 if "overlap_chunks" in options else 1,
             k=1 if "top1" in options else 2,
+            gradients={"method": "gtopk", "ratio": 1.0} if "gtopk" in options else None,
         )
         run_moe(engine, moe_batches(engine.dp_world_size))
+        if "gtopk" in options:  # the experts' group and the dense one both exchanged sparsely
+            assert all(g.reduction.codec.method == "gtopk" for g in engine.optimizer.groups)
+            assert engine.comm.stats["gtopk"].sent > 0
         memory = engine.memory_breakdown()
         out[case] = (
             engine.consolidated_state_dict(),
@@ -430,8 +444,8 @@ def test_the_engine_trains_an_moe_whose_experts_are_on_every_rank():
 
 def test_expert_parallel_training_matches_one_process():
     """ep 1, 2 and 4 over 4 data-parallel ranks, ZeRO stages 0-3, top-2 and top-1 gating (and
-    the config's token deduplication at ep 4, stage 1, and overlap in 2 chunks at ep 2, stage
-    3): the experts' parameters are a second shard group over the ranks holding the same
+    the config's token deduplication at ep 4, stage 1, overlap in 2 chunks at ep 2, stage 3,
+    and gTop-k of every element at ep 2, stage 2): the experts' parameters are a second shard group over the ranks holding the same
     experts, their gradients averaged over all four; the same weights as one process running
     every expert, and model states as the ZeRO formula over each group's ranks."""
     want = {2: moe_reference(4, k=2), 1: moe_reference(4, k=1)}
@@ -447,6 +461,7 @@ def test_expert_parallel_training_matches_one_process():
         (2, 3, "overlap_chunks"),
         (2, 1, "top1"),
         (4, 3, "top1"),
+        (2, 2, "gtopk"),
     ]
     for per_rank in run_distributed(train_moe, 4, cases):
         assert per_rank.keys() == set(cases)

@@ -104,9 +104,11 @@ def train(
     partition: str = "parameters",
     blocks: int = 3,
     sequence: bool = False,
+    gradients: dict | None = None,
 ):
     """Each (ZeRO stage, schedule) of ``runs``; the module has the stages each schedule needs
-    (``stage_options``)."""
+    (``stage_options``). ``gradients``: the data-parallel reduction's
+    comm_compression.gradients section."""
     import zerotrain
     from zerotrain.pipe import PipelineModule, stage_options
 
@@ -123,6 +125,8 @@ def train(
         )
         settings = config(stage, schedule, tp)
         settings["tensor_parallel"]["sequence_parallel"] = sequence
+        if gradients is not None:
+            settings["comm_compression"] = {"gradients": {"min_numel": 0, **gradients}}
         engine, *_ = zerotrain.initialize(model=model, config=settings)
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
         # evaluation runs the schedule forward only: the first batch's loss before training
@@ -132,6 +136,8 @@ def train(
         ]
         assert evaluated == pytest.approx(losses[0], rel=1e-6), (schedule, evaluated, losses)
         layers = list(model.stage_layers())
+        if gradients is not None:  # the compressed exchange ran
+            assert engine.comm.stats[gradients["method"]].sent > 0
         out[stage, schedule] = (engine.consolidated_state_dict(), losses, layers)
     return out
 
@@ -139,14 +145,17 @@ def train(
 def test_pp2_dp2_and_pp2_tp2_match_single_process():
     """pp 2 x dp 2 at stages 0-2 with 1F1B and GPipe; pp 2 x tp 2 (heads 4: tp divides them),
     also with the head alone on stage 1, where the tensor-parallel plan matches nothing, and
-    with sequence parallelism."""
+    with sequence parallelism; pp 2 x dp 2 with the data-parallel gradients compressed where
+    compression is exact (top-k of every element)."""
     runs = [(0, "1f1b"), (1, "gpipe"), (2, "1f1b"), (2, "gpipe")]
     tp_runs = [
         ([(1, "1f1b")], 2, 2, 4),
         ([(1, "1f1b")], 2, 2, 4, "type:Embedding"),
         ([(1, "1f1b")], 2, 2, 4, "parameters", 3, True),
     ]
-    results = run_cases(train, 4, [(runs, 2), *tp_runs])
+    every = {"method": "topk", "ratio": 1.0}
+    compressed = ([(2, "1f1b")], 2, 1, 5, "parameters", 3, False, every)
+    results = run_cases(train, 4, [(runs, 2), *tp_runs, compressed])
     want, want_losses = reference(dp=1, heads=4)
     for rank, per_case in enumerate(results):
         for case in (1, 2, 3):
@@ -157,13 +166,14 @@ def test_pp2_dp2_and_pp2_tp2_match_single_process():
             if case == 2:
                 assert layers == ([0, 1, 2, 3, 4] if rank < 2 else [5]), rank
     want, want_losses = reference(dp=2)
-    for rank, per_run in enumerate(per_case[0] for per_case in results):
-        for (stage, schedule), (state, losses, layers) in per_run.items():
+    for rank, per_case in enumerate(results):
+        per_run = {**per_case[0], "top-k": per_case[4][2, "1f1b"]}
+        for run, (state, losses, layers) in per_run.items():
             # every rank has the whole model, and the step's mean loss over the global batch
             assert state.keys() == want.keys()
             for key, value in want.items():
-                assert relative_error(state[key], value) < 1e-5, (stage, schedule, key)
-            assert losses == pytest.approx(want_losses, rel=1e-5), (stage, schedule)
+                assert relative_error(state[key], value) < 1e-5, (run, key)
+            assert losses == pytest.approx(want_losses, rel=1e-5), run
             # "parameters" balances the counts: the embedding and two blocks, then the rest
             assert layers == ([0, 1, 2] if rank < 2 else [3, 4, 5]), rank
 

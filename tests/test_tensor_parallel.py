@@ -133,8 +133,16 @@ def torch_plan() -> dict:
     }
 
 
-def train(kind: str, tp: int, stages: list[int], sequence: bool = False, plan: str = "auto"):
-    """``plan``: "auto" or "torch" (``torch_plan()``)."""
+def train(
+    kind: str,
+    tp: int,
+    stages: list[int],
+    sequence: bool = False,
+    plan: str = "auto",
+    gradients: dict | None = None,
+):
+    """``plan``: "auto" or "torch" (``torch_plan()``); ``gradients``: the data-parallel
+    reduction's comm_compression.gradients section."""
     import zerotrain
 
     out = {}
@@ -142,6 +150,8 @@ def train(kind: str, tp: int, stages: list[int], sequence: bool = False, plan: s
         settings = config(stage, tp, sequence=sequence)
         if plan == "torch":
             settings["tensor_parallel"]["tp_plan"] = torch_plan()
+        if gradients is not None:
+            settings["comm_compression"] = {"gradients": {"min_numel": 0, **gradients}}
         engine, *_ = zerotrain.initialize(model=build(kind), config=settings)
         engine.comm.reset_stats()
         try:
@@ -295,9 +305,20 @@ def test_sequence_parallel_tp2_matches_single_process():
 
 
 def test_tp2_dp2_matches_single_process_at_every_stage():
-    """Also with sequence parallelism (GPT-2, stages 1 and 2)."""
-    results = run_cases(train, 4, [("gpt", 2, [0, 1, 2, 3]), ("gpt2", 2, [1, 2], True)])
-    check_against_reference([r[0] for r in results], reference("gpt", dp=2), tp=2, kind="gpt")
+    """Also with sequence parallelism (GPT-2, stages 1 and 2), and with the data-parallel
+    gradients compressed at the limit where compression is exact (gTop-k of every element:
+    the sparse exchange and an Adam catching up with counts of 1)."""
+    every = {"method": "gtopk", "ratio": 1.0}
+    cases = [
+        ("gpt", 2, [0, 1, 2, 3]),
+        ("gpt2", 2, [1, 2], True),
+        ("gpt", 2, [2], False, "auto", every),
+    ]
+    results = run_cases(train, 4, cases)
+    want = reference("gpt", dp=2)
+    for case in (0, 2):
+        check_against_reference([r[case] for r in results], want, tp=2, kind="gpt")
+    assert all(r[2][2][4]["gtopk"] > 0 for r in results)  # the compressed exchange ran
     per_rank = [r[1] for r in results]
     check_against_reference(per_rank, reference("gpt2", dp=2), 2, "gpt2", sequence=True)
 
