@@ -25,7 +25,7 @@ from zerotrain.compression.quantize import (
     sign_compress,
     sign_decompress,
 )
-from zerotrain.compression.sparse import merge, top_k, tree_indices
+from zerotrain.compression.sparse import SAMPLE_STRIDE, merge, top_k, tree_indices
 from zerotrain.config import ConfigError, load_config
 
 
@@ -61,6 +61,26 @@ def test_one_bit_keeps_signs_and_each_blocks_l2_norm():
     for block in (slice(0, 4), slice(4, 8), slice(8, 9)):
         assert back[block].norm().item() == pytest.approx(x[block].norm().item())
         assert len(back[block].abs().unique()) == 1
+
+
+def test_top_k_of_a_long_vector_is_torchs_whichever_way_it_is_found():
+    """Above 32k elements top_k chooses among the values over a threshold from a strided
+    sample; where fewer than k pass (the sample hit only the largest values), the whole
+    vector. Either way the positions of torch.topk's k largest, also with ties."""
+    gen = torch.Generator().manual_seed(0)
+    n = 200_003
+    noisy = torch.randn(n, generator=gen) * torch.linspace(0.1, 3.0, n)
+    sampled_high = torch.rand(n, generator=gen)
+    sampled_high[::SAMPLE_STRIDE] += 10.0  # the sample sees only these: its threshold is theirs
+    ties = torch.where(torch.rand(n, generator=gen) < 0.002, 1.0, 0.0)  # ~400 ones, then zeros
+    for values in (noisy, sampled_high, ties):
+        for ratio in (0.001, 0.01, 0.1, 0.25, 0.5):
+            k = math.ceil(ratio * n)
+            want = torch.topk(values.abs(), k).values
+            chosen = top_k(values, k)
+            assert len(chosen) == k and torch.equal(chosen, chosen.unique()), ratio
+            assert torch.equal(values[chosen].abs().sort(descending=True).values, want), ratio
+    assert torch.equal(top_k(noisy, n + 1), torch.arange(n))
 
 
 def test_top_k_and_the_merge_of_two_sparse_vectors():

@@ -17,15 +17,48 @@ below it, and sends them the chosen coordinates at the end.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zerotrain.comm import Communicator
 
+# Choosing among candidates: torch.topk over n elements costs about as much for k = 1% of them
+# as for 25% (65-110 ms for 4.8M fp32 on one CPU thread). A threshold from a strided sample
+# (a prime stride meets every column of rows a power of two long) keeps about 1.2·k candidates
+# in one compare, and whenever at least k pass it, every one of the k largest is among them:
+# 9 ms at 1%, 23 ms at 10%. Fewer than k (a threshold the sample put too high) fall back to
+# the whole vector.
+SAMPLE_STRIDE = 127
+MIN_SAMPLE = 256  # below it (vectors under ~32k elements) the whole topk is as cheap
+
 
 def top_k(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` largest magnitudes of ``values`` (1-D), ascending."""
-    k = min(k, values.numel())
-    return torch.topk(values.abs(), k, sorted=False).indices.sort().values
+    """Positions of the ``k`` largest magnitudes of ``values`` (1-D), ascending (among equal
+    magnitudes at the k-th, any)."""
+    n = values.numel()
+    if k >= n:
+        return torch.arange(n, device=values.device)
+    magnitudes = values.abs()
+    candidates = _candidates(magnitudes, k)
+    if candidates is None:
+        chosen = torch.topk(magnitudes, k, sorted=False).indices
+    else:
+        chosen = candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+    return chosen.sort().values
+
+
+def _candidates(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Positions holding all of the ``k`` largest ``magnitudes`` and few others, or None where
+    a sample does not narrow them down."""
+    n = len(magnitudes)
+    sample = magnitudes[::SAMPLE_STRIDE]
+    if len(sample) < MIN_SAMPLE or 4 * k > n:
+        return None
+    rank = min(len(sample), math.ceil(1.2 * len(sample) * k / n) + 8)
+    threshold = torch.topk(sample, rank, sorted=False).values.min()
+    candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+    return candidates if len(candidates) >= k else None
 
 
 def merge(
