@@ -141,15 +141,16 @@ def clipped(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t * min(1.0, CLIP / (norm + 1e-6)) for t in tensors]
 
 
-def reference() -> list[list[dict]]:
+def reference(model: nn.Module | None = None) -> list[list[dict]]:
     """0/1 Adam with local steps as the paper states it (arXiv:2202.06009, Algorithm 1), two
     workers in one process, exact averages: each worker's momentum m_w and sum of lr·m_w since
     the last synchronization, stepped one step at a time. Clipping as zerotrain defines it: a
     local step clips its worker's gradient, a synchronization the averaged message (the
     window's lr-weighted mean gradient; one step's window: the averaged gradient). Per step,
-    each worker's replica."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    each worker's replica of ``model`` (default: the test model)."""
+    if model is None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
     names = [n for n, _ in model.named_parameters()]
     start = [p.detach().clone() for p in model.parameters()]
     beta1, beta2 = PARAMS["betas"]
@@ -242,6 +243,81 @@ def test_fp16_synchronizes_the_loss_scaled_message(runs):
             assert max(errors) < 0.05, (step, rank, max(errors))
         same = all(torch.equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
         assert same == (step in SYNCS), step
+
+
+class Twice(nn.Module):
+    """One linear layer used twice, then a head: the tie a pipeline splits across stages."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.head = nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(torch.tanh(self.shared(x))))
+
+
+def pipeline_local_steps() -> list[dict]:
+    """:class:`Twice` cut into 2 pipeline stages x 2 data-parallel ranks, each stage holding a
+    copy of the shared layer, under ZeroOneAdam's local steps with exact averages: after each
+    step, this rank's parameters under :class:`Twice`'s names."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule, TiedLayerSpec
+
+    specs = [TiedLayerSpec("shared", nn.Linear, 6, 6), nn.Tanh()]
+    specs += [TiedLayerSpec("shared", nn.Linear, 6, 6), nn.Linear(6, 2)]
+    model = PipelineModule(
+        specs, num_stages=2, loss_fn=lambda out, _: out.pow(2).mean(), partition_method="uniform"
+    )
+    start = Twice().state_dict()
+    names = {
+        "tied_modules.shared.weight": "shared.weight",
+        "tied_modules.shared.bias": "shared.bias",
+    }
+    names |= {"3.weight": "head.weight", "3.bias": "head.bias"}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(start[names[name]])
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": None,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "ZeroOneAdam", "params": PARAMS},
+        "zero_optimization": {"stage": 0},
+        "pipeline": {"schedule": "gpipe"},  # one micro-batch
+    }
+    engine = zerotrain.initialize(model=model, config=config)[0]
+    for group in engine.optimizer.groups:
+        group.reduction.codec = make_codec(None, group.reduction.comm, group.reduction.shapes)
+    out = []
+    for step in range(1, STEPS + 1):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        x = batch(engine.optimizer.comm.rank, step)
+        engine.train_batch(iter([(x, torch.zeros(len(x)))]))
+        out.append({names[n]: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_a_layer_tied_across_pipeline_stages_steps_locally_as_one_parameter():
+    """pp 2 x dp 2: each data-parallel replica, its shared layer in two copies on two stages,
+    steps as the paper's worker of the same replica with one shared parameter (1e-5). A
+    synchronization sums the copies' messages over the stages, so each copy sends half its
+    window's carry: sent whole, the replica is 16% off at the first synchronization after a
+    local step (step 8)."""
+    expected = reference(Twice())
+    per_rank = run_distributed(pipeline_local_steps, 4)
+    for rank, steps in enumerate(per_rank):
+        stage, replica = divmod(rank, 2)
+        assert "shared.weight" in steps[0] and ("head.weight" in steps[0]) == (stage == 1)
+        for step in range(1, STEPS + 1):
+            want = expected[step - 1][replica]
+            errors = [relative_error(v, want[k]) for k, v in steps[step - 1].items()]
+            assert max(errors) < 1e-5, (rank, step, max(errors))
+    for step in range(1, STEPS + 1):  # the copies on the two stages stay equal
+        copies = [steps[step - 1]["shared.weight"] for steps in per_rank]
+        assert torch.equal(copies[0], copies[2]) and torch.equal(copies[1], copies[3]), step
 
 
 FLAG_BYTES = 4  # a local step's one-element overflow flag, sent to the other rank

@@ -29,7 +29,10 @@ The window's state (D, S and the scalars, and x_s) is this rank's own. A checkpo
 as the parameters (the same on every rank) and each rank's D, S and scalars with its rank
 state; a resumed rank rebuilds its replica from them, and at another world size training goes
 on from x_s. Only stage 0, where every rank holds the whole model and optimizer state, can
-step a replica on its own.
+step a replica on its own. A layer with copies on several model-parallel ranks that sum their
+gradients (tied across pipeline stages, a sequence-parallel norm) steps alike on each, with
+the summed gradient; its messages are summed over the copies too, so each sends its share of
+the window's part, S_{t-1} + lr_t·β1·D_{t-1} over the number of copies.
 """
 
 from __future__ import annotations
@@ -113,10 +116,14 @@ class LocalSteps:
         self.windows: list[Window | None] = []
         self._group_of: list[int] = []  # each master's optimizer group, by position
         self._index: dict[int, int] = {}  # id(master) -> its bucket
+        self._copies: dict[int, int] = {}  # bucket -> its copies whose messages are summed
 
-    def bind(self, masters: list[torch.Tensor]) -> None:
-        """The bucket masters, in bucket order (each a parameter of the optimizer)."""
+    def bind(self, masters: list[torch.Tensor], copies: dict[int, int] | None = None) -> None:
+        """The bucket masters, in bucket order (each a parameter of the optimizer); ``copies``:
+        per bucket held by several model-parallel ranks that sum their gradients (a layer tied
+        across pipeline stages, a sequence-parallel norm), how many."""
         position = {id(p): i for i, g in enumerate(self.param_groups()) for p in g["params"]}
+        self._copies = dict(copies or {})
         self.masters = list(masters)
         self._group_of = [position[id(m)] for m in masters]
         self.windows = [None for _ in masters]
@@ -161,7 +168,10 @@ class LocalSteps:
         if lrs == 0:  # no step of the window moved the parameters: nothing to average
             return
         carry = window.progress + lr * beta1 * window.deviation
-        carry.mul_(self.loss_scale() / (lrs * (1 - beta1)))
+        # a summed bucket's copies stepped alike, each with the sum of their gradients: the sum
+        # of their messages must count the carry once
+        copies = self._copies.get(index, 1)
+        carry.mul_(self.loss_scale() / (lrs * (1 - beta1) * copies))
         wire.mul_(lr / lrs).add_(carry.to(wire.dtype))
 
     def local_step(self, index: int, grad: torch.Tensor) -> None:

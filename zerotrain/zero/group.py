@@ -407,27 +407,23 @@ def build_shard_group(
         average_over=options.average_over,
         compression=compression,
     )
+    summed = [
+        (index, group)
+        for _, index, group in sorted(
+            (b.slots[0].name, i, options.summed[id(b.slots[0].param)])
+            for i, b in enumerate(buckets)
+            if id(b.slots[0].param) in options.summed
+        )
+    ]
     local_steps = getattr(store.optimizer, "local_steps", None)  # 0/1 Adam's (config: stage 0)
     if local_steps is not None:
         whole = isinstance(store, DeviceShardStore) and not partition.sharded
         _check_local_steps(options, whole)
         assert isinstance(store, DeviceShardStore)
-        local_steps.bind(store.master_shards())
+        local_steps.bind(store.master_shards(), {i: g.world_size for i, g in summed})
         reduction.local_steps = local_steps
-    summed = sorted(
-        (b.slots[0].name, i, options.summed[id(b.slots[0].param)])
-        for i, b in enumerate(buckets)
-        if id(b.slots[0].param) in options.summed
-    )
     shard_group = ShardGroup(
-        buckets,
-        comm,
-        partition,
-        residency,
-        reduction,
-        store,
-        options.model_parallel,
-        [(index, group) for _, index, group in summed],
+        buckets, comm, partition, residency, reduction, store, options.model_parallel, summed
     )
     shard_group.local_steps = local_steps
     shard_group.catch_up = catch_up
@@ -461,8 +457,8 @@ def _check_local_steps(options: GroupOptions, whole_on_each_rank: bool) -> None:
     why = ""
     if not whole_on_each_rank:
         why = "a replica steps alone only at zero_optimization.stage 0, without offload"
-    elif options.average_over or options.summed:
-        why = "not yet with MoE experts or layers tied across pipeline stages"
+    elif options.average_over:
+        why = "not yet with MoE experts"
     if why:
         raise ValueError(f"ZeroOneAdam's local steps (local_step_clipper above 1): {why}")
 
