@@ -6,7 +6,9 @@ Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states a
 ranks, stage 2 the gradients as well. The engine prints a throughput line every --print-every
 steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) and the script a
 summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
---activation-checkpointing [--ac-every K] recomputes the activations of every K-th block in
+--compress METHOD [--compress-rank R | --compress-ratio F] [--compress-params int8|int4]
+compresses what the ranks exchange (docs/compression.md; the summary shows the bytes sent per
+step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th block in
 backward instead of keeping them (zerotrain.checkpointing.wrap). --profile prints the flops
 profiler's per-module profile of one step (--profile-step); --tensorboard DIR writes the
 per-step scalars for TensorBoard (`pip install tensorboard`).
@@ -117,6 +119,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tensorboard", default=None, metavar="DIR", help="write TensorBoard scalars under DIR"
     )
+    parser.add_argument(
+        "--compress",
+        choices=("none", "powersgd", "acp_sgd", "topk", "gtopk", "int8", "int4", "auto"),
+        default="none",
+        help="compress the gradients' exchange (comm_compression.gradients.method), or let "
+        "the engine measure the link and choose (auto)",
+    )
+    parser.add_argument(
+        "--compress-rank", type=int, default=4, help="powersgd/acp_sgd: the factors' rank"
+    )
+    parser.add_argument(
+        "--compress-ratio", type=float, default=0.01, help="topk/gtopk: the share of elements"
+    )
+    parser.add_argument(
+        "--compress-params",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="quantize the parameter all-gather (ZeRO stages 1-3)",
+    )
     args = parser.parse_args()
     for name in (
         "steps",
@@ -130,6 +151,7 @@ def parse_args() -> argparse.Namespace:
         "pp",
         "ep",
         "moe_overlap",
+        "compress_rank",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -140,6 +162,8 @@ def parse_args() -> argparse.Namespace:
         )
     if args.ac_every != 1 and not args.activation_checkpointing:
         parser.error("--ac-every applies only with --activation-checkpointing")
+    if not 0 < args.compress_ratio <= 1:
+        parser.error("--compress-ratio must be in (0, 1]")
     if args.profile and not 0 <= args.profile_step < args.steps:
         parser.error(f"--profile-step must be in 0..{args.steps - 1} (--steps {args.steps})")
     return args
@@ -168,6 +192,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": args.sequence_parallel},
         "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
         "checkpoint": {"keep_last": 2},
+        "comm_compression": compression(args),
         # profile: the summary reports the time spent recomputing
         **(
             {"activation_checkpointing": {"profile": True}} if args.activation_checkpointing else {}
@@ -188,6 +213,38 @@ def engine_config(args: argparse.Namespace) -> dict:
             "job_name": f"gpt-{args.model}-stage{args.stage}",
         },
     }
+
+
+def compression(args: argparse.Namespace) -> dict:
+    """The comm_compression section for the flags: gradients compressed after the warm-up's
+    exact steps, as the learning rate's."""
+    if args.compress == "auto":
+        return {"auto": True}
+    gradients = {"method": args.compress}
+    if args.compress != "none":
+        gradients["warmup_steps"] = max(1, min(100, args.steps // 10))
+    if args.compress in ("powersgd", "acp_sgd"):
+        gradients["rank"] = args.compress_rank
+    if args.compress in ("topk", "gtopk"):
+        gradients["ratio"] = args.compress_ratio
+    return {"gradients": gradients, "parameters": {"method": args.compress_params}}
+
+
+def described(args: argparse.Namespace) -> str:
+    """The compression flags in a few words, for the first line."""
+    if args.compress == "auto":
+        return "auto"
+    words = args.compress
+    if args.compress in ("powersgd", "acp_sgd"):
+        words += f" rank {args.compress_rank}"
+    if args.compress in ("topk", "gtopk"):
+        words += f" {args.compress_ratio:.0%}"
+    return words + (f" + {args.compress_params} params" if args.compress_params != "none" else "")
+
+
+def sent_bytes(engine) -> int:
+    """What this rank has sent over all its collectives so far."""
+    return sum(stats.sent for stats in engine.comm.stats.values())
 
 
 def layout(args: argparse.Namespace, engine) -> str:
@@ -274,6 +331,7 @@ def main() -> None:
             f"GPT '{args.model}': {num_parameters:,} parameters | ZeRO stage "
             f"{engine.zero_optimization_stage()} | {args.precision} | world {engine.world_size} "
             + (f"({layout(args, engine)}) " if args.tp * args.pp > 1 else "")
+            + (f"| compression {described(args)} " if args.compress != "none" else "")
             + f"| {engine.train_batch_size()} windows x {config.block_size} tokens per step | "
             f"{len(train_set):,} training windows",
             flush=True,
@@ -287,6 +345,7 @@ def main() -> None:
             print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     batches = forever(train_loader)
     step_losses: list[float] = []
+    sent_before = sent_bytes(engine)
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
         # The summary's losses are rank 0's: the mean over its micro-batches of each step
@@ -309,6 +368,7 @@ def main() -> None:
             if is_rank0:
                 print(f"saved {path} in {time.perf_counter() - saved:.2f} s", flush=True)
     train_seconds = time.perf_counter() - start
+    sent = sent_bytes(engine) - sent_before  # checkpoints' gathers included
     engine.destroy()  # flush the TensorBoard file
     steps_run = args.steps - first_step + 1
     if steps_run < 1:
@@ -332,6 +392,7 @@ def main() -> None:
             ("validation loss", f"{val_loss:.4f} ({val_batches} batches)"),
             ("training time", f"{train_seconds:.1f} s ({train_seconds / steps_run:.3f} s/step)"),
             ("tokens/s (all ranks)", f"{tokens_per_step * steps_run / train_seconds:,.0f}"),
+            ("sent per step (rank 0)", f"{sent / steps_run / 1e6:.3f} MB"),
             (
                 "model states per rank (rank 0)",
                 f"{memory['total'] / MiB:.1f} MiB: parameters {memory['parameters'] / MiB:.1f}, "
@@ -346,6 +407,8 @@ def main() -> None:
                 ),
             ),
         ]
+        if memory["compression"]:  # error feedback, factors, counts
+            rows.append(("compression state (rank 0)", f"{memory['compression'] / MiB:.1f} MiB"))
         if args.activation_checkpointing:
             stats = zerotrain.checkpointing.recompute_stats()
             rows.append(

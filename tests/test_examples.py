@@ -113,6 +113,27 @@ def test_train_gpt_with_experts_spread_over_two_processes():
     assert final < first - 0.5, result.stdout
 
 
+@pytest.mark.slow  # 8 s; the suite keeps compression's own tests (tests/test_compression.py)
+def test_train_gpt_with_compression_both_ways_on_two_processes():
+    """Top-k 1% gradients and int4 parameter gathers at stage 2: a third of the bytes of
+    uncompressed stage 2 or less (which sends 4 bytes per parameter per step: a
+    reduce-scatter and an all-gather of half the fp32 model each), and training still learns."""
+    flags = ["--model", "tiny", "--compress", "topk", "--compress-params", "int4"]
+    gpt = ["examples/train_gpt.py", *flags, "--steps", "20", "--print-every", "10"]
+    result = zerotrain_run("--nproc-per-node", "2", *gpt)
+    assert result.returncode == 0, result.stdout
+    assert "| compression topk 1% + int4 params |" in result.stdout, result.stdout
+    parameters = int(
+        re.search(r"GPT 'tiny': ([\d,]+) parameters", result.stdout)[1].replace(",", "")
+    )
+    sent = float(re.search(r"sent per step \(rank 0\)\s+(\d+\.\d+) MB", result.stdout)[1])
+    assert sent * 1e6 < 4 * parameters / 3, result.stdout  # the first step travels exactly
+    assert re.search(r"compression state \(rank 0\)\s+\d+\.\d MiB", result.stdout)
+    first = float(re.search(r"first loss\s+(\d+\.\d+)", result.stdout).group(1))
+    final = float(re.search(r"final loss\s+(\d+\.\d+)", result.stdout).group(1))
+    assert final < first - 0.5, result.stdout
+
+
 @pytest.mark.slow  # 11 s; the suite keeps a DeepSpeed-style script (test_deepspeed_script.py)
 def test_deepspeed_style_classifier_on_two_processes():
     result = zerotrain_run(
