@@ -50,7 +50,8 @@ def top_k(values: torch.Tensor, k: int) -> torch.Tensor:
 
 def _candidates(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
     """Positions holding all of the ``k`` largest ``magnitudes`` and few others, or None where
-    a sample does not narrow them down."""
+    a sample does not narrow them down (a short vector; k over a quarter of it, where the
+    candidates would be most of it; a threshold that fewer than k pass)."""
     n = len(magnitudes)
     sample = magnitudes[::SAMPLE_STRIDE]
     if len(sample) < MIN_SAMPLE or 4 * k > n:
