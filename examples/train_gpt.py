@@ -8,9 +8,9 @@ steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) an
 summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
 --compress METHOD [--compress-rank R | --compress-ratio F] [--compress-params int8|int4]
 compresses what the ranks exchange (docs/compression.md; the summary shows the bytes sent per
-step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th block in
-backward instead of keeping them (zerotrain.checkpointing.wrap). --profile prints the flops
-profiler's per-module profile of one step (--profile-step); --tensorboard DIR writes the
+step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th
+block in backward instead of keeping them (zerotrain.checkpointing.wrap). --profile prints the
+flops profiler's per-module profile of one step (--profile-step); --tensorboard DIR writes the
 per-step scalars for TensorBoard (`pip install tensorboard`).
 """
 
@@ -127,10 +127,10 @@ def parse_args() -> argparse.Namespace:
         "the engine measure the link and choose (auto)",
     )
     parser.add_argument(
-        "--compress-rank", type=int, default=4, help="powersgd/acp_sgd: the factors' rank"
+        "--compress-rank", type=int, help="powersgd/acp_sgd: the factors' rank (default 4)"
     )
     parser.add_argument(
-        "--compress-ratio", type=float, default=0.01, help="topk/gtopk: the share of elements"
+        "--compress-ratio", type=float, help="topk/gtopk: the share of elements (default 0.01)"
     )
     parser.add_argument(
         "--compress-params",
@@ -151,7 +151,6 @@ def parse_args() -> argparse.Namespace:
         "pp",
         "ep",
         "moe_overlap",
-        "compress_rank",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -162,8 +161,14 @@ def parse_args() -> argparse.Namespace:
         )
     if args.ac_every != 1 and not args.activation_checkpointing:
         parser.error("--ac-every applies only with --activation-checkpointing")
-    if not 0 < args.compress_ratio <= 1:
-        parser.error("--compress-ratio must be in (0, 1]")
+    for flag, value, methods in (
+        ("rank", args.compress_rank, ("powersgd", "acp_sgd")),
+        ("ratio", args.compress_ratio, ("topk", "gtopk")),
+    ):
+        if value is not None and args.compress not in methods:
+            parser.error(f"--compress-{flag} applies only with --compress {' or '.join(methods)}")
+    if args.compress == "auto" and args.compress_params != "none":
+        parser.error("--compress-params: --compress auto chooses the parameter gathers' too")
     if args.profile and not 0 <= args.profile_step < args.steps:
         parser.error(f"--profile-step must be in 0..{args.steps - 1} (--steps {args.steps})")
     return args
@@ -223,23 +228,25 @@ def compression(args: argparse.Namespace) -> dict:
     gradients = {"method": args.compress}
     if args.compress != "none":
         gradients["warmup_steps"] = max(1, min(100, args.steps // 10))
-    if args.compress in ("powersgd", "acp_sgd"):
+    if args.compress_rank is not None:  # else the config's default
         gradients["rank"] = args.compress_rank
-    if args.compress in ("topk", "gtopk"):
+    if args.compress_ratio is not None:
         gradients["ratio"] = args.compress_ratio
     return {"gradients": gradients, "parameters": {"method": args.compress_params}}
 
 
-def described(args: argparse.Namespace) -> str:
-    """The compression flags in a few words, for the first line."""
-    if args.compress == "auto":
+def described(compression: dict) -> str:
+    """A comm_compression section in a few words, for the first line."""
+    if compression.get("auto"):
         return "auto"
-    words = args.compress
-    if args.compress in ("powersgd", "acp_sgd"):
-        words += f" rank {args.compress_rank}"
-    if args.compress in ("topk", "gtopk"):
-        words += f" {args.compress_ratio:.0%}"
-    return words + (f" + {args.compress_params} params" if args.compress_params != "none" else "")
+    gradients, words = compression["gradients"], [compression["gradients"]["method"]]
+    if "rank" in gradients:
+        words.append(f"rank {gradients['rank']}")
+    if "ratio" in gradients:
+        words.append(f"{gradients['ratio']:.0%}")
+    if compression["parameters"]["method"] != "none":
+        words.append(f"+ {compression['parameters']['method']} params")
+    return " ".join(words)
 
 
 def sent_bytes(engine) -> int:
@@ -331,7 +338,7 @@ def main() -> None:
             f"GPT '{args.model}': {num_parameters:,} parameters | ZeRO stage "
             f"{engine.zero_optimization_stage()} | {args.precision} | world {engine.world_size} "
             + (f"({layout(args, engine)}) " if args.tp * args.pp > 1 else "")
-            + (f"| compression {described(args)} " if args.compress != "none" else "")
+            + (f"| compression {described(compression(args))} " if args.compress != "none" else "")
             + f"| {engine.train_batch_size()} windows x {config.block_size} tokens per step | "
             f"{len(train_set):,} training windows",
             flush=True,

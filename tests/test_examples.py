@@ -118,7 +118,8 @@ def test_train_gpt_with_compression_both_ways_on_two_processes():
     """Top-k 1% gradients and int4 parameter gathers at stage 2: a third of the bytes of
     uncompressed stage 2 or less (which sends 4 bytes per parameter per step: a
     reduce-scatter and an all-gather of half the fp32 model each), and training still learns."""
-    flags = ["--model", "tiny", "--compress", "topk", "--compress-params", "int4"]
+    flags = ["--model", "tiny", "--compress", "topk", "--compress-ratio", "0.01"]
+    flags += ["--compress-params", "int4"]
     gpt = ["examples/train_gpt.py", *flags, "--steps", "20", "--print-every", "10"]
     result = zerotrain_run("--nproc-per-node", "2", *gpt)
     assert result.returncode == 0, result.stdout

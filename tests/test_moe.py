@@ -445,9 +445,10 @@ def test_the_engine_trains_an_moe_whose_experts_are_on_every_rank():
 def test_expert_parallel_training_matches_one_process():
     """ep 1, 2 and 4 over 4 data-parallel ranks, ZeRO stages 0-3, top-2 and top-1 gating (and
     the config's token deduplication at ep 4, stage 1, overlap in 2 chunks at ep 2, stage 3,
-    and gTop-k of every element at ep 2, stage 2): the experts' parameters are a second shard group over the ranks holding the same
-    experts, their gradients averaged over all four; the same weights as one process running
-    every expert, and model states as the ZeRO formula over each group's ranks."""
+    and gTop-k of every element at ep 2, stage 2): the experts' parameters are a second shard
+    group over the ranks holding the same experts, their gradients averaged over all four; the
+    same weights as one process running every expert, and model states as the ZeRO formula
+    over each group's ranks."""
     want = {2: moe_reference(4, k=2), 1: moe_reference(4, k=1)}
     cases = [
         (1, 0),
