@@ -93,6 +93,7 @@ SMALL_BUCKETS = {"reduce_bucket_size": 1_000_000}
 ROWS = {
     "DDP": {"kind": "ddp"},
     "DDP + PowerSGD hook (rank 4)": {"kind": "ddp", "powersgd": 4},
+    "DDP, 4 MB buckets": {"kind": "ddp", "bucket_cap_mb": 4},  # as the 1M-element rows
     "zerotrain s0": zt(0),
     "zerotrain s0 powersgd r4": zt(0, {"method": "powersgd", "rank": 4}),
     "zerotrain s0 auto": zt(0, auto=True),
@@ -201,6 +202,8 @@ def _trainer(spec: dict, model):
         # several buckets on gloo the ranks can issue them in different orders (a collective
         # mismatch, measured here), so its row runs one bucket
         buckets = {"bucket_cap_mb": 1024} if "powersgd" in spec else {}
+        if "bucket_cap_mb" in spec:
+            buckets = {"bucket_cap_mb": spec["bucket_cap_mb"]}
         ddp = DistributedDataParallel(model, **buckets)
         if "powersgd" in spec:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power
