@@ -126,19 +126,18 @@ def catch_up_step(
         state["exp_avg"].view(-1),
         state["exp_avg_sq"].view(-1),
     )
-    arrived, carried = positions, counts
-    mean = grad.view(-1)[arrived].div_(carried)
+    mean = grad.view(-1)[positions].div_(counts)
     if decay and not decoupled:  # L2: the decay is part of the gradient that arrived
-        mean.add_(flat[arrived], alpha=decay)
-    kept1, kept2 = torch.pow(beta1, carried), torch.pow(beta2, carried)
-    moment1 = exp_avg[arrived].mul_(kept1).add_(mean * (1 - kept1))
-    moment2 = exp_avg_sq[arrived].mul_(kept2).add_(mean.square_().mul_(1 - kept2))
-    exp_avg.index_copy_(0, arrived, moment1)
-    exp_avg_sq.index_copy_(0, arrived, moment2)
+        mean.add_(flat[positions], alpha=decay)
+    kept1, kept2 = torch.pow(beta1, counts), torch.pow(beta2, counts)
+    moment1 = exp_avg[positions].mul_(kept1).add_(mean * (1 - kept1))
+    moment2 = exp_avg_sq[positions].mul_(kept2).add_(mean.square_().mul_(1 - kept2))
+    exp_avg.index_copy_(0, positions, moment1)
+    exp_avg_sq.index_copy_(0, positions, moment2)
     if decay and decoupled:
         flat.mul_(1 - lr * decay)
     correct = group.get("bias_correction", True)
     bias1 = 1 - beta1**step if correct else 1.0
     bias2 = 1 - beta2**step if correct else 1.0
     denominator = moment2.div_(bias2).sqrt_().add_(eps)
-    flat.index_add_(0, arrived, moment1.mul_(carried).div_(denominator), alpha=-lr / bias1)
+    flat.index_add_(0, positions, moment1.mul_(counts).div_(denominator), alpha=-lr / bias1)
