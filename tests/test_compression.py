@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from zerotrain.compression.quantize import (
 )
 from zerotrain.compression.sparse import SAMPLE_STRIDE, merge, top_k, tree_indices
 from zerotrain.config import ConfigError, load_config
+from zerotrain.optim.onebit import OneBitAdam
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,6 +83,15 @@ def test_top_k_of_a_long_vector_is_torchs_whichever_way_it_is_found():
             assert len(chosen) == k and torch.equal(chosen, chosen.unique()), ratio
             assert torch.equal(values[chosen].abs().sort(descending=True).values, want), ratio
     assert torch.equal(top_k(noisy, n + 1), torch.arange(n))
+
+
+def test_top_k_keeps_the_non_finite_values_the_sample_misses():
+    """A NaN or an infinity among the top k reaches the other ranks, which then skip the step:
+    the threshold's compare must not drop a NaN off the sampled positions."""
+    values = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    values[1], values[2] = float("nan"), float("-inf")  # off the stride of 127
+    chosen = top_k(values, 1000).tolist()
+    assert 1 in chosen and 2 in chosen
 
 
 def test_top_k_and_the_merge_of_two_sparse_vectors():
@@ -191,6 +202,58 @@ def test_config_names_what_each_stage_supports():
             },
             world_size=2,
         )
+
+
+def test_config_refuses_keys_nothing_reads():
+    """A key its method does not read is an error naming it, not a silent no-op; with auto
+    and both methods at none the keys shape auto's default candidates. ``ratio: true`` is
+    not 1.0, and a section that is not a mapping is refused beside ZeRO++'s keys too."""
+    onebit = {"type": "OneBitAdam", "params": {"lr": 1e-3}}
+    refused = [
+        ({"gradients": {"method": "powersgd", "ratio": 0.1}}, {}, "gradients.ratio: acts on topk"),
+        ({"gradients": {"method": "topk", "rank": 2}}, {}, "gradients.rank: acts on powersgd"),
+        ({"gradients": {"min_numel": 0, "method": "int8"}}, {}, "gradients.min_numel"),
+        ({"gradients": {"warmup_steps": 10}}, {}, "warmup_steps: .* gradients.method is none, so"),
+        ({"gradients": {"ratio": 0.1}, "auto": True}, {}, "auto's default candidate: powersgd"),
+        ({"gradients": {"block_size": 64}}, {"optimizer": onebit}, "sends its own signs"),
+        ({"parameters": {"block_size": 64}}, {"zero_optimization": {"stage": 1}}, "parameters"),
+        ({"auto_recheck_steps": 10}, {}, "auto_recheck_steps: .* set auto to true"),
+        ({"gradients": {"method": "topk", "ratio": True}}, {}, "ratio: must be a number"),
+        ("int4", {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "mapping"),
+    ]
+    for section, more, match in refused:
+        with pytest.raises(ConfigError, match=match):
+            load_config({"train_batch_size": 4, **more, "comm_compression": section}, world_size=2)
+    accepted = [  # auto's default candidates read these
+        ({"gradients": {"rank": 8}, "auto": True}, {}),
+        ({"parameters": {"block_size": 64}, "auto": True}, {"zero_optimization": {"stage": 1}}),
+        ({"gradients": {"method": "topk", "ratio": 0.1}}, {"optimizer": onebit}),
+    ]
+    for section, more in accepted:
+        load_config({"train_batch_size": 4, **more, "comm_compression": section}, world_size=2)
+
+
+def test_a_one_bit_optimizer_the_script_builds_keeps_the_configs_rules():
+    """Built by the script, a 1-bit optimizer is refused where its config would be: stage 3,
+    a gradients warm-up of its own, auto."""
+    import zerotrain
+
+    refused = [
+        (3, {}, "stage 3 never forms"),
+        (1, {"gradients": {"method": "topk", "warmup_steps": 5}}, "warmup_steps to 0"),
+        (1, {"auto": True}, "auto to false"),
+    ]
+    for stage, section, match in refused:
+        with pytest.raises(ValueError, match=f"OneBitAdam .*{match}"):
+            zerotrain.initialize(
+                model=nn.Linear(4, 4),
+                config={
+                    "train_batch_size": 1,
+                    "zero_optimization": {"stage": stage},
+                    "comm_compression": section,
+                },
+                optimizer=partial(OneBitAdam, lr=1e-3),
+            )
 
 
 # -- codecs on 4 ranks ---------------------------------------------------------------------------
@@ -409,6 +472,8 @@ ZERO_ONE = {
     "params": {**ONEBIT["params"], "var_freeze_step": 10, "var_update_scaler": 1},
 }
 del ZERO_ONE["params"]["freeze_step"]
+SCRIPT_ONEBIT = "ONEBIT's OneBitAdam, built by the script"  # its config has no optimizer
+ONE_BITS = (ONEBIT, ZERO_ONE, SCRIPT_ONEBIT)
 # the 1-bit optimizers' updates with other compressors, at their exact limits (0/1 Adam's
 # first 3 steps are OneBitAdam's here)
 FROZEN_EXACT = [
@@ -429,10 +494,19 @@ TRAIN_CASES = [  # (stage, gradients section); each against the same stage uncom
     (2, {"parameters": "int4"}),
     (3, {"method": "int4", "parameters": "int8"}),
     *[(stage, {"optimizer": ONEBIT}) for stage in (0, 1, 2)],
+    (1, {"optimizer": SCRIPT_ONEBIT}),
     *[(stage, {"optimizer": ZERO_ONE}) for stage in (0, 1, 2)],
     *[(stage, {"optimizer": ADAM_UNCORRECTED}) for stage in (0, 1, 2)],
     *FROZEN_EXACT,
 ]
+
+
+def every_tensor(grads: dict) -> dict:
+    """The gradients section ``grads`` compressing biases too, where its method leaves small
+    tensors whole."""
+    if grads.get("method") in ("powersgd", "acp_sgd", "topk", "gtopk"):
+        return {"min_numel": 0, **grads}
+    return grads
 
 
 def compressed_engine(stage: int, grads: dict):
@@ -441,7 +515,9 @@ def compressed_engine(stage: int, grads: dict):
     import zerotrain
 
     grads = dict(grads)
-    parameters = {"method": grads.pop("parameters", "none"), "block_size": 64}
+    parameters = {"method": grads.pop("parameters", "none")}
+    if parameters["method"] != "none":
+        parameters["block_size"] = 64
     optimizer = grads.pop("optimizer", {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 48), nn.GELU(), nn.Linear(48, 3))
@@ -449,11 +525,13 @@ def compressed_engine(stage: int, grads: dict):
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "steps_per_print": None,
-        "optimizer": optimizer,
         "zero_optimization": {"stage": stage},
-        "comm_compression": {"gradients": {"min_numel": 0, **grads}, "parameters": parameters},
+        "comm_compression": {"gradients": every_tensor(grads), "parameters": parameters},
     }
-    return zerotrain.initialize(model=model, config=config)[0]
+    if optimizer == SCRIPT_ONEBIT:
+        built = partial(OneBitAdam, **ONEBIT["params"])
+        return zerotrain.initialize(model=model, config=config, optimizer=built)[0]
+    return zerotrain.initialize(model=model, config={**config, "optimizer": optimizer})[0]
 
 
 def train_steps(engine, gen: torch.Generator, steps: int) -> list[dict]:
@@ -508,6 +586,16 @@ def train_compressed(cases: list[tuple[int, dict]], resumed: list[tuple[int, dic
         warnings.simplefilter("always")
         engine.load_checkpoint(tmp, tag=f"{resumed[0][0]}{resumed[0][1]['method']}")
     out["warnings"] = [str(w.message) for w in caught]
+    # without the optimizer's state, whose step count starts again, so does the compression's
+    engine = compressed_engine(*resumed[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_checkpoint(
+            tmp, tag=f"{resumed[0][0]}{resumed[0][1]['method']}", load_optimizer_states=False
+        )
+    codec = engine.optimizer.group.reduction.codec
+    errors = [e for mats in codec.state_dict()["factors"] for _, _, e in mats]
+    out["without the optimizer"] = codec.steps, errors, [str(w.message) for w in caught]
     return out
 
 
@@ -552,7 +640,7 @@ def test_training_at_the_exact_limits_matches_uncompressed_training(training_run
             assert plain_off == 0.0
             errors = steps_apart(states, plain)
             if "optimizer" in grads:
-                if grads["optimizer"] in (ONEBIT, ZERO_ONE):  # 2 exact steps, then compressed
+                if grads["optimizer"] in ONE_BITS:  # 2 exact steps, then compressed
                     reference, _, _, _ = per_rank[stage, str({"optimizer": ADAM_UNCORRECTED})]
                     off_adam = steps_apart(states, reference)
                     assert max(off_adam[:2]) < 1e-6 and off_adam[2] > 1e-4, (stage, off_adam)
@@ -565,7 +653,7 @@ def test_training_at_the_exact_limits_matches_uncompressed_training(training_run
                     for other, agrees in (exact, True), (signs, False):
                         apart = steps_apart(states, other)
                         assert (apart[2] < 1e-6) == agrees, (grads, apart)
-                elif grads["optimizer"] in (ONEBIT, ZERO_ONE):
+                elif grads["optimizer"] in ONE_BITS:
                     # the same exact steps (1, 2), the same 1-bit step 3: the same model
                     one_bit, _, _, _ = per_rank[stage, str({"optimizer": ONEBIT})]
                     assert all(
@@ -600,8 +688,9 @@ def test_training_at_the_exact_limits_matches_uncompressed_training(training_run
 
 def test_resume_with_compression_is_bitwise_an_uninterrupted_run(training_runs):
     """Error feedback, low-rank factors, ACP-SGD's phase, the warm-up's count and the steps
-    each element waited (an Adam catching up) come back from the checkpoint: the same bits as training on. Another method's state is refused
-    with a warning and starts afresh."""
+    each element waited (an Adam catching up) come back from the checkpoint: the same bits as
+    training on. Another method's state is refused with a warning and starts afresh; a load
+    without the optimizer's state starts it afresh at step 0, as the optimizer, silently."""
     for per_rank in training_runs:
         for stage, grads in RESUMED:
             straight, resumed = per_rank["resumed", stage, str(grads)]
@@ -611,11 +700,14 @@ def test_resume_with_compression_is_bitwise_an_uninterrupted_run(training_runs):
             "starts afresh: the checkpoint holds state of 'powersgd'" in w
             for w in per_rank["warnings"]
         ), per_rank["warnings"]
+        steps, errors, warned = per_rank["without the optimizer"]
+        assert steps == 0 and errors and all(e is None for e in errors) and not warned
 
 
-def overflow_once(cases: dict[str, dict]) -> dict[str, list[bool]]:
-    """fp16 training with each gradients section (its "optimizer": the optimizer section),
-    rank 1's loss infinite at step 4 of 8: which steps were skipped."""
+def fp16_steps(cases: dict[str, dict], fp16: dict, steps: int, poisoned: int | None) -> dict:
+    """fp16 training of ``steps`` steps under the ``fp16`` section with each gradients section
+    (its "optimizer": the optimizer section), rank 1's loss infinite at step ``poisoned`` (0-based;
+    None: never). Per case: which steps were skipped, and the parameters at the end."""
     import zerotrain
 
     rank = Communicator().rank
@@ -630,37 +722,57 @@ def overflow_once(cases: dict[str, dict]) -> dict[str, list[bool]]:
                 "train_micro_batch_size_per_gpu": 4,
                 "steps_per_print": None,
                 "optimizer": optimizer,
-                "fp16": {"enabled": True, "initial_scale_power": 4},
+                "fp16": {"enabled": True, **fp16},
                 "zero_optimization": {"stage": 2},
-                "comm_compression": {"gradients": {"min_numel": 0, **grads}},
+                "comm_compression": {"gradients": every_tensor(grads)},
             },
         )[0]
         gen = torch.Generator().manual_seed(rank)
         skipped = []
-        for step in range(8):
+        for step in range(steps):
             loss = engine(torch.randn(4, 40, generator=gen).half()).float().pow(2).mean()
-            engine.backward(loss * float("inf") if step == 3 and rank == 1 else loss)
+            engine.backward(loss * float("inf") if step == poisoned and rank == 1 else loss)
             engine.step()
             skipped.append(not engine.was_step_applied())
-        out[name] = skipped
+        params = torch.cat([p.detach().float().view(-1) for p in engine.module.parameters()])
+        out[name] = skipped, params
     return out
+
+
+ONEBIT_FROM_STEP_3 = {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}}
+CARRYING_ERROR = {
+    "topk": {"method": "topk", "ratio": 0.1},
+    "gtopk": {"method": "gtopk", "ratio": 0.1},
+    "powersgd": {"method": "powersgd", "rank": 2},
+    "acp_sgd": {"method": "acp_sgd", "rank": 2},
+    "onebit": {"optimizer": ONEBIT_FROM_STEP_3},
+}
 
 
 def test_one_non_finite_gradient_skips_one_compressed_step():
     """The error feedback (and PowerSGD's factors) that one rank's infinite gradient reaches
     drop what it made non-finite when the step is skipped: the steps after it train. Before,
     the residual kept the infinities and every later step overflowed."""
-    onebit = {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}}
-    cases = {
-        "topk": {"method": "topk", "ratio": 0.1},
-        "gtopk": {"method": "gtopk", "ratio": 0.1},
-        "powersgd": {"method": "powersgd", "rank": 2},
-        "acp_sgd": {"method": "acp_sgd", "rank": 2},
-        "onebit": {"optimizer": onebit},
-    }
-    for per_rank in run_distributed(overflow_once, 2, cases):
-        for name, skipped in per_rank.items():
+    fp16 = {"initial_scale_power": 4}
+    for per_rank in run_distributed(fp16_steps, 2, CARRYING_ERROR, fp16, 8, 3):
+        for name, (skipped, _) in per_rank.items():
             assert skipped == [False] * 3 + [True] + [False] * 4, (name, skipped)
+
+
+def static_and_doubling_scale() -> tuple[dict, dict]:
+    static, doubling = {"loss_scale": 256}, {"initial_scale_power": 8, "loss_scale_window": 1}
+    return tuple(fp16_steps(CARRYING_ERROR, fp16, 5, None) for fp16 in (static, doubling))
+
+
+def test_error_feedback_follows_a_changing_loss_scale():
+    """A dynamic loss scale doubling every step (256, 512, ...) scales the fp16 gradients by
+    powers of two, exactly, so training is bit for bit that at a static 256: the error kept
+    in one step's scaled units follows the scale to the next's. Before, it stayed in the units
+    it was kept in (3e-3 apart after 4 steps)."""
+    for at_256, doubling in run_distributed(static_and_doubling_scale, 2):
+        for name in CARRYING_ERROR:
+            assert not any(at_256[name][0] + doubling[name][0]), name
+            assert torch.equal(at_256[name][1], doubling[name][1]), name
 
 
 def test_a_codec_refuses_state_of_another_layout():
@@ -749,7 +861,8 @@ def train_gpt(runs: dict[str, tuple], training: Training = Training()) -> dict:
         section = dict(section)
         parameters = section.pop("parameters", "none")
         more_params = section.pop("optimizer_params", {})  # bench/convergence.py's rows
-        if not optimizer.startswith(ONE_BIT_RUNS):  # those compress from their freeze
+        # the 1-bit optimizers compress from their freeze; uncompressed has no warm-up
+        if section and not optimizer.startswith(ONE_BIT_RUNS):
             section["warmup_steps"] = training.compression_warmup
         params = {"lr": training.lr, "weight_decay": 0.01}
         if optimizer == "SGD":

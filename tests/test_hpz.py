@@ -47,10 +47,9 @@ def hpz_engine(hierarchical: bool, parameters: str = "none", zero_plus_plus: boo
         "stage3_max_reuse_distance": 0,  # every block gathered again for backward
         "stage3_prefetch_bucket_size": 0,
     }
-    compression = {
-        "hierarchical_partition": hierarchical,
-        "parameters": {"method": parameters, "block_size": 64},
-    }
+    compression = {"hierarchical_partition": hierarchical, "parameters": {"method": parameters}}
+    if parameters != "none":
+        compression["parameters"]["block_size"] = 64
     if zero_plus_plus:
         zero.update(zero_hpz_partition_size=2, zero_quantized_weights=True)
         compression = {"parameters": {"block_size": 64}}

@@ -38,7 +38,6 @@ from zerotrain.moe import MoE
 from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
-from zerotrain.optim.onebit import exact_steps
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, PipelineModule
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
@@ -565,22 +564,11 @@ def _secondary_partition(cfg: ZeroTrainConfig) -> int:
     return section.hierarchical_partition_size or local_ranks()
 
 
-# 1-bit Adam's signs: one fp32 scale per this many (1.6% more bytes than signs alone)
-ONEBIT_BLOCK = 2048
-
-
 def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
     """The `comm_compression.gradients` section as the reductions take it (None: off). A
-    1-bit optimizer's steps are exact until its variance freezes, then compressed by the
-    configured method or its own signs (see [Note: 1-bit optimizers under ZeRO])."""
+    1-bit optimizer adds its exact steps (zerotrain/zero/group.py, from the optimizer built)."""
     section = cfg.comm_compression.gradients
-    options = None if section.method == "none" else GradientCompression(**section.model_dump())
-    schedule = exact_steps(cfg.optimizer.type, cfg.optimizer.params) if cfg.optimizer else None
-    if schedule is None:
-        return options
-    if options is None:
-        options = GradientCompression(method="onebit", min_numel=0, block_size=ONEBIT_BLOCK)
-    return replace(options, warmup_steps=schedule.warmup, exact_steps=schedule.steps)
+    return None if section.method == "none" else GradientCompression(**section.model_dump())
 
 
 def _parameter_compression(cfg: ZeroTrainConfig) -> ParameterCompression | None:

@@ -283,11 +283,12 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         rank_state = {"rng": rank_state}
     if "rng" in rank_state:
         restore_rng_state(rank_state["rng"])
-    _restore_codecs(
-        engine, manifest, rank_state.get("compression"), rank_state.get("compression_policy")
-    )
-    # without the optimizer's state its step count starts again, and so do the local steps
+    # without the optimizer's state its step count starts again, and so do the compression's
+    # (a warm-up, a 1-bit optimizer's exact steps) and the local steps
     steps = engine.global_steps if load_optimizer else 0
+    policies = rank_state.get("compression_policy")
+    saved_codecs = rank_state.get("compression") if load_optimizer else None
+    _restore_codecs(engine, manifest, saved_codecs, policies, steps, quiet=not load_optimizer)
     saved_windows = rank_state.get("local_steps") if load_optimizer else None
     _restore_local_steps(engine, manifest, saved_windows, steps)
 
@@ -324,12 +325,18 @@ def _restore_local_steps(
 
 
 def _restore_codecs(
-    engine: TrainingState, manifest: Manifest, saved: list | None, policies: list | None
+    engine: TrainingState,
+    manifest: Manifest,
+    saved: list | None,
+    policies: list | None,
+    steps: int,
+    quiet: bool,
 ) -> None:
     """Each shard group's gradient codec from this rank's state when the checkpoint has the
-    same world size (its buckets are laid out alike), else started afresh, with a warning
-    when that drops error feedback or factors. With comm_compression.auto, each group's tuner
-    first takes the policy it had chosen (``policies``)."""
+    same world size (its buckets are laid out alike), else started afresh at ``steps``, with a
+    warning when that drops error feedback or factors (unless ``quiet``: the optimizer's state
+    was not loaded either). With comm_compression.auto, each group's tuner first takes the
+    policy it had chosen (``policies``)."""
     groups = engine.optimizer.groups
     resharded = manifest["world_size"] != engine.world_size
     if resharded or saved is None or len(saved) != len(groups):
@@ -344,8 +351,8 @@ def _restore_codecs(
                 stacklevel=4,
             )
     for group, state in zip(groups, saved, strict=True):
-        problem = group.reduction.codec.load_state_dict(state, steps=engine.global_steps)
-        if problem is not None:
+        problem = group.reduction.codec.load_state_dict(state, steps=steps)
+        if problem is not None and not quiet:
             if resharded:
                 problem = (
                     f"the checkpoint was saved at world size {manifest['world_size']}, this "

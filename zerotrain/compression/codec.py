@@ -166,6 +166,17 @@ class GradientCodec:
             if kept.is_floating_point():
                 torch.nan_to_num_(kept, nan=0.0, posinf=0.0, neginf=0.0)
 
+    def rescale(self, factor: float) -> None:
+        """fp16's loss scale changed by ``factor`` for the next step: the error kept in the
+        scaled gradients' units follows it, so that it adds to the next step's gradients in
+        theirs (a scale halved after an overflow would otherwise double it)."""
+        for error in self._errors():
+            error.mul_(factor)
+
+    def _errors(self) -> list[torch.Tensor]:
+        """The error feedback kept (gradient units)."""
+        return []
+
     def catch_up(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For an Adam that catches up (see [Note: catching up]): the positions in bucket
         ``index`` (padded) where a gradient arrived this step, and how many steps' gradients
@@ -334,6 +345,9 @@ class LowRankCodec(_Compressing):
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for mats in self.matrices for mat in mats for t in mat.tensors()]
+
+    def _errors(self) -> list[torch.Tensor]:
+        return [m.error for mats in self.matrices for m in mats if m.error is not None]
 
     _keeps_state = True
 
@@ -509,6 +523,9 @@ class SparseCodec(_Compressing):
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for t in self.residuals + self.since if t is not None]
 
+    def _errors(self) -> list[torch.Tensor]:
+        return [r for r in self.residuals if r is not None]
+
     _keeps_state = True
 
     def _state(self) -> dict:
@@ -594,6 +611,9 @@ class _TwoHop(_Compressing):
     def _decode(self, payload: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 values of ``numel`` elements that (``payload``, ``scales``) stand for."""
 
+    def _errors(self) -> list[torch.Tensor]:
+        return [e for e in self.worker_errors + self.server_errors if e is not None]
+
     def _with_error(self, values: torch.Tensor, errors: list, index: int) -> torch.Tensor:
         error = errors[index] if self.carries_error else None
         return values if error is None else values + error.to(values.device)
@@ -677,7 +697,7 @@ class OneBitCodec(_TwoHop):
         return quantize.sign_decompress(payload, scales, numel, self.options.block_size)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [e for e in self.worker_errors + self.server_errors if e is not None]
+        return self._errors()
 
     def _state(self) -> dict:
         return {"worker": list(self.worker_errors), "server": list(self.server_errors)}

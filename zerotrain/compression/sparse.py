@@ -58,7 +58,9 @@ def _candidates(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
         return None
     rank = min(len(sample), math.ceil(1.2 * len(sample) * k / n) + 8)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+    # "not below" rather than "at least": a NaN passes, as torch.topk ranks it first, so it
+    # travels and every rank skips the step (a NaN the sample missed was dropped before)
+    candidates = (~(magnitudes < threshold)).nonzero().squeeze(1)
     return candidates if len(candidates) >= k else None
 
 

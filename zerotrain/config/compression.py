@@ -5,11 +5,11 @@ import json
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from zerotrain.config.errors import fail
 from zerotrain.config.params import OptimizerConfig
-from zerotrain.config.section import NonNegativeInt, PositiveInt, Section
+from zerotrain.config.section import NonNegativeInt, PositiveInt, Section, reject_bool
 from zerotrain.optim.onebit import ONE_BIT_OPTIMIZERS
 
 __all__ = [
@@ -37,7 +37,7 @@ class GradientCompressionConfig(Section):
     rank: PositiveInt = 4
     """powersgd / acp_sgd: the factors' rank. A matrix whose factors would not be smaller than
     itself travels whole."""
-    ratio: Annotated[float, Field(gt=0, le=1)] = 0.01
+    ratio: Annotated[float, BeforeValidator(reject_bool), Field(gt=0, le=1)] = 0.01
     """topk / gtopk: the fraction of each bucket's compressed elements sent per step (at least
     one)."""
     warmup_steps: NonNegativeInt = 0
@@ -143,6 +143,7 @@ def check_compression(
             "on every rank. Set the stage to 3, or hierarchical_partition to false"
         )
     _check_catch_up(section.gradients, optimizer)
+    _check_keys_in_use(section, stage, onebit)
     parameters = section.parameters.method
     if parameters != "none" and stage == 0:
         raise fail(
@@ -150,6 +151,50 @@ def check_compression(
             "all-gather of zero_optimization.stage 1-3; stage 0 gathers no parameters. Set the "
             "stage to 1 or more, or parameters.method to none"
         )
+
+
+# the gradient methods each key of comm_compression.gradients acts on
+_GRADIENT_KEYS = {
+    "rank": ("powersgd", "acp_sgd"),
+    "ratio": ("topk", "gtopk"),
+    "error_feedback": ("powersgd", "acp_sgd", "topk", "gtopk"),
+    "min_numel": ("powersgd", "acp_sgd", "topk", "gtopk"),
+    "block_size": ("int8", "int4"),
+    "warmup_steps": ("powersgd", "acp_sgd", "topk", "gtopk", "int8", "int4"),
+}
+
+
+def _check_keys_in_use(section: CommCompressionConfig, stage: int, onebit: str) -> None:
+    """A key set where nothing reads it (``ratio`` with powersgd, ``block_size`` of parameters
+    travelling whole, ``auto_recheck_steps`` without auto): a ConfigError, not a silent no-op.
+    With auto and both methods left at none, the keys shape auto's default candidates."""
+    gradients, parameters = section.gradients.method, section.parameters.method
+    gradients_is, parameters_is = gradients, parameters
+    if section.auto and gradients == parameters == "none":
+        gradients = "int8" if stage == 3 else "powersgd"
+        parameters = "int8" if stage > 0 else "none"
+        gradients_is = f"none (auto's default candidate: {gradients})"
+        if stage > 0:
+            parameters_is = "none (auto's default candidate: int8)"
+    elif onebit and gradients == "none":
+        gradients_is = f"none ({onebit} sends its own signs)"
+    for key in sorted(section.gradients.model_fields_set & _GRADIENT_KEYS.keys()):
+        if gradients not in _GRADIENT_KEYS[key]:
+            _unused(f"gradients.{key}", ", ".join(_GRADIENT_KEYS[key]), "gradients", gradients_is)
+    if "block_size" in section.parameters.model_fields_set and parameters == "none":
+        _unused("parameters.block_size", "int8, int4", "parameters", parameters_is)
+    if "auto_recheck_steps" in section.model_fields_set and not section.auto:
+        raise fail(
+            "comm_compression.auto_recheck_steps: paces auto's decisions, and auto is false, so "
+            "nothing reads it. Remove the key, or set auto to true"
+        )
+
+
+def _unused(key: str, methods: str, direction: str, method: str) -> None:
+    raise fail(
+        f"comm_compression.{key}: acts on {methods}, and {direction}.method is {method}, so "
+        "nothing reads it. Remove the key, or choose a method it acts on"
+    )
 
 
 def _check_catch_up(
@@ -198,6 +243,8 @@ def from_zero_plus_plus(zero: dict[str, Any], section: Any) -> dict[str, Any] | 
     `zero_optimization` ``zero`` ask for at stage 3 (see their docs); None where they ask for
     nothing. DeepSpeed reads them at stage 3 only, so below it they are ignored, with a
     warning. A ZeRO++ key and a comm_compression key that disagree are a ConfigError."""
+    if not isinstance(section, dict):
+        return None  # its validation says what it must be
     size = zero.get("zero_hpz_partition_size", 1)
     hpz = isinstance(size, int) and not isinstance(size, bool) and size > 1
     asked = [
@@ -214,7 +261,7 @@ def from_zero_plus_plus(zero: dict[str, Any], section: Any) -> dict[str, Any] | 
             stacklevel=2,
         )
         return None
-    section = dict(section) if isinstance(section, dict) else {}
+    section = dict(section)
     if "zero_quantized_weights" in asked:
         _ask(section, "parameters", "method", "int8", "zero_quantized_weights: true")
     if "zero_quantized_gradients" in asked:

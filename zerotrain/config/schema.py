@@ -270,7 +270,8 @@ class ZeroOptimizationConfig(Section):
     own parameters (DeAR, arXiv:2302.12445); same numerics. With optimizer offload to `cpu`, the
     host buckets' steps are deferred to their next use too (docs/offload.md). A zerotrain key.
     Code that reads a parameter in the forward of a module that does not own it, before the
-    owner ran, must leave it false."""
+    owner ran, must leave it false; code that reads parameters between `step()` and the next
+    forward calls `engine.optimizer.wait_param_gathers()` first."""
     contiguous_gradients: bool = True
     """Accepted for DeepSpeed compatibility, without effect: gradients always accumulate in (or
     are copied to) contiguous bucket buffers."""
@@ -289,7 +290,8 @@ class ZeroOptimizationConfig(Section):
     stage3_param_persistence_threshold: NonNegativeInt = 100_000
     """Stage 3: a gather unit (a block, or the root's own parameters) with fewer elements stays
     whole on every rank instead of being gathered for each use (DeepSpeed counts per
-    parameter; zerotrain per unit)."""
+    parameter; zerotrain per unit). Such a unit is gathered again as the next forward starts:
+    to read it before (an EMA), call `engine.optimizer.wait_param_gathers()`."""
     stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
     """Stage 3: prefetching stops where it would hold more gathered parameter elements than
     this; a unit needed now is always gathered."""
@@ -756,7 +758,7 @@ class ZeroTrainConfig(Section):
     def _zero_plus_plus(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not isinstance(data.get("zero_optimization"), dict):
             return data
-        section = from_zero_plus_plus(data["zero_optimization"], data.get("comm_compression"))
+        section = from_zero_plus_plus(data["zero_optimization"], data.get("comm_compression", {}))
         return data if section is None else {**data, "comm_compression": section}
 
     @model_validator(mode="after")

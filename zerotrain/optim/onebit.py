@@ -50,22 +50,6 @@ class ExactSteps:
         return step <= self.warmup or step in self.steps
 
 
-def exact_steps(optimizer_type: str, params: dict[str, Any]) -> ExactSteps | None:
-    """The exact steps of a 1-bit optimizer, from its config ``params`` (None: ``optimizer_type``
-    is not one)."""
-    kind = optimizer_type.lower()
-    if kind == "onebitadam":
-        return ExactSteps(warmup=int(params.get("freeze_step", 100000)))
-    if kind == "zerooneadam":
-        return ExactSteps(
-            steps=variance_update_steps(
-                int(params.get("var_freeze_step", 100000)),
-                int(params.get("var_update_scaler", 16)),
-            )
-        )
-    return None
-
-
 def variance_update_steps(var_freeze_step: int, var_update_scaler: int) -> frozenset[int]:
     """0/1 Adam's steps that update the variance, with the exactly averaged gradient (DeepSpeed's
     schedule): every ``interval``-th step, the interval starting at 1 and doubling after each

@@ -25,6 +25,7 @@ from zerotrain.compression import GradientCompression, ParameterCompression
 from zerotrain.compression.auto import AutoOptions
 from zerotrain.optim.catch_up import Arrivals, CatchUp, catches_up
 from zerotrain.optim.local_steps import LocalSteps
+from zerotrain.optim.onebit import ExactSteps
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
 from zerotrain.zero.init import ParamOwner, take_ownership
@@ -186,9 +187,10 @@ class ShardGroup:
         else:
             self.store.step(parts)
 
-    def end_step(self, applied: bool) -> None:
+    def end_step(self, applied: bool, rescaled: float = 1.0) -> None:
         """After the store stepped (and wrote the parameter parts, or will: ``applied``) or
-        skipped: publish, drop the gradients."""
+        skipped: publish, drop the gradients. ``rescaled``: the loss scale's change for the
+        next step."""
         if applied:
             self.residency.publish(self._deferred)
             self._deferred = {}
@@ -198,6 +200,8 @@ class ShardGroup:
             self.reduction.codec.end_step()
         else:
             self.reduction.codec.skip_step()
+        if rescaled != 1.0:
+            self.reduction.codec.rescale(rescaled)
         self._enter(GroupState.IDLE)
 
     def masters_set(self) -> None:
@@ -396,7 +400,8 @@ def build_shard_group(
     store = strategies.placement.build_store(
         masters_fp32, residency.param_targets(), precision, optimizer_over
     )
-    catch_up, compression = _catch_up(options, store)
+    compression = _one_bit(options, store.optimizer, residency.shards_params)
+    catch_up, compression = _catch_up(options, store, compression)
     reduction = strategies.reduction(
         buckets,
         reduce_comm,
@@ -430,13 +435,40 @@ def build_shard_group(
     return shard_group
 
 
+# 1-bit Adam's signs: one fp32 scale per this many (1.6% more bytes than signs alone)
+ONEBIT_BLOCK = 2048
+
+
+def _one_bit(
+    options: GroupOptions, optimizer: torch.optim.Optimizer, shards_params: bool
+) -> GradientCompression | None:
+    """The gradient compression under a 1-bit optimizer (OneBitAdam, ZeroOneAdam, from the
+    config or built by the script): exact on its exact steps, then the configured method or
+    its own signs (see [Note: 1-bit optimizers under ZeRO]); else the configured one."""
+    compression = options.compression
+    exact = getattr(optimizer, "exact", None)
+    if not isinstance(exact, ExactSteps):
+        return compression
+    why = ""
+    if shards_params:
+        why = "compresses whole gradients, which stage 3 never forms; use zero stage 0-2"
+    elif compression is not None and compression.warmup_steps:
+        why = "chooses its exact steps itself; set comm_compression.gradients.warmup_steps to 0"
+    elif options.auto is not None:
+        why = "compresses the gradients itself; set comm_compression.auto to false"
+    if why:
+        raise ValueError(f"{type(optimizer).__name__} {why}")
+    if compression is None:
+        compression = GradientCompression(method="onebit", min_numel=0, block_size=ONEBIT_BLOCK)
+    return replace(compression, warmup_steps=exact.warmup, exact_steps=exact.steps)
+
+
 def _catch_up(
-    options: GroupOptions, store: ShardStore
+    options: GroupOptions, store: ShardStore, compression: GradientCompression | None
 ) -> tuple[CatchUp | None, GradientCompression | None]:
     """An Adam's catching up on top-k and gTop-k's gradients (see [Note: catching up]), and
-    the gradient compression the reduction takes: counting what each step carries only where
-    an Adam catches up."""
-    compression = options.compression
+    the gradient ``compression`` the reduction takes: counting what each step carries only
+    where an Adam catches up."""
     asked = [compression] + [p.gradients for p in (options.auto.policies if options.auto else ())]
     if options.comm.world_size == 1 or not any(c is not None and c.counts_arrivals for c in asked):
         return None, compression

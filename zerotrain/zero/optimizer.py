@@ -304,10 +304,12 @@ class ZeroOptimizer:
         for group in self.groups:
             group.begin_step()
         sum_sq = sum(g.grad_sum_of_squares() for g in self.groups)
-        inv_scale = 1.0 / self.loss_scaler.scale
+        scale = self.loss_scaler.scale
+        inv_scale = 1.0 / scale
         norm = math.sqrt(float(sum_sq)) * inv_scale
         overflow = self.overflow = self._any_rank_overflows(not math.isfinite(norm))
         self.loss_scaler.update(overflow)
+        rescaled = self.loss_scaler.scale / scale  # error feedback kept scaled follows it
         if overflow:
             self.skipped_steps += 1
             if not self.loss_scaler.dynamic and self.comm.rank == 0:
@@ -324,7 +326,7 @@ class ZeroOptimizer:
             # through the grouped optimizer where there is one: an LR scheduler counts its steps
             (self._grouped.step if self._grouped is not None else self._step_stores)()
         for group, tuner in zip(self.groups, self.tuners, strict=True):
-            group.end_step(applied=not overflow)
+            group.end_step(applied=not overflow, rescaled=rescaled)
             if tuner is not None:
                 tuner.end_step()
         return not overflow
