@@ -3,7 +3,8 @@ time and time to a fixed loss, for each method and ZeRO stage, against uncompres
 and torch DDP (with and without its PowerSGD hook) on the same link, in one run.
 
     sudo python bench/compression.py [--rate 1gbit] [--delay 0.5ms] [--steps 150]
-                                     [--micro-batch 2] [--ranks-per-node 1] [--rows ...]
+                                     [--micro-batch 2] [--eval-every 10]
+                                     [--ranks-per-node 1] [--rows ...]
 
 Two network namespaces joined by a veth pair limited with `tc` (tests/netns.py), one rank in
 each (`--ranks-per-node 2`: two, as the hpZ rows need; `zerotrain run`, torchrun's rendezvous
@@ -17,7 +18,11 @@ at 1.0), the same batches in every row. Per row:
 - the ratio of the counted bytes to uncompressed bf16's at the same stage (half the fp32 row's
   count: the same collectives in 2-byte elements);
 - the median step time, and the time to reach the loss the uncompressed stage-1 row has after
-  80% of its steps (the mean of 10 steps' losses, averaged over the ranks).
+  80% of its steps (the mean of 10 steps' losses, averaged over the ranks);
+- the loss on 16 held-out windows every ``--eval-every`` steps (outside the timing), and the
+  time to reach the uncompressed stage-1 row's at 80% of its steps. The training loss is of
+  the same batches in every row, so a batch easier than most can carry every row below the
+  target at one step; the held-out loss does not move with the batch.
 A small micro-batch keeps the compute of a step near what a GPU does in the time the link
 needs for the model's bytes: on 2 shared CPU cores a large batch would hide any network.
 Needs root and iproute2. Writes bench/results/compression_<rate>.json.
@@ -32,7 +37,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -70,8 +77,11 @@ def zt(
     hpz: bool = False,
     zero: dict | None = None,
 ):
-    # the 1-bit optimizers choose their exact steps themselves
-    warmup = {} if optimizer["type"].lower() in ONE_BIT_OPTIMIZERS else {"warmup_steps": 10}
+    # the 1-bit optimizers choose their exact steps themselves; uncompressed has none
+    compresses = gradients or auto
+    warmup = {"warmup_steps": 10} if compresses else {}
+    if optimizer["type"].lower() in ONE_BIT_OPTIMIZERS:
+        warmup = {}
     return {
         "kind": "zerotrain",
         "stage": stage,
@@ -133,6 +143,8 @@ ROWS = {
     ),
 }
 UNCOMPRESSED = {0: "zerotrain s0", 1: "zerotrain s1", 2: "zerotrain s2", 3: "zerotrain s3"}
+# held-out windows spread over the corpus's validation split, the same on every rank
+HELD_OUT_WINDOWS = 16
 
 
 # -- one rank of one row (inside a namespace) ----------------------------------------------------
@@ -144,12 +156,15 @@ def worker(spec: dict, out: str) -> None:
     torch.manual_seed(0)
     config = gpt_config("demo")
     model = GPT(config)
-    train_set, _ = train_val_datasets(config.block_size)
+    train_set, val_set = train_val_datasets(config.block_size)
     micro, steps = spec["micro_batch"], spec["steps"]
     interface = os.environ["GLOO_SOCKET_IFNAME"]
-    step_fn, rank, world, mean, counted, decisions = _trainer(spec, model)
+    trainer = _trainer(spec, model)
+    rank, world, mean, counted = trainer.rank, trainer.world, trainer.mean, trainer.counted
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
-    losses, times, wire, counted_steps = [], [], [], []
+    spread = torch.linspace(0, len(val_set) - 1, HELD_OUT_WINDOWS).long().tolist()
+    held_x, held_y = (torch.stack(t) for t in zip(*(val_set[i] for i in spread), strict=True))
+    losses, times, wire, counted_steps, held_out = [], [], [], [], []
     for step in range(steps):
         first = (step * world + rank) * micro
         batch = [train_set[int(i)] for i in order[first : first + micro]]
@@ -159,12 +174,14 @@ def worker(spec: dict, out: str) -> None:
         # the window closes after the ranks' mean loss, a collective: what a step leaves
         # running (a parameter gather overlapped with the next forward) is timed in a window,
         # never between two
-        losses.append(mean(step_fn(x, y, step)))
+        losses.append(mean(trainer.step(x, y)))
         times.append(time.perf_counter() - start)
         wire.append(_tx_bytes(interface) - sent)
         after = counted()
         if after is not None and before is not None:
             counted_steps.append(sum(after.values()) - sum(before.values()))
+        if (step + 1) % spec["eval_every"] == 0:  # outside the window: not a step's time
+            held_out.append([step, mean(trainer.evaluate(held_x, held_y))])
     import torch.distributed as dist
 
     dist.barrier()  # then leave together: gloo aborts a process whose peer closed first
@@ -175,7 +192,8 @@ def worker(spec: dict, out: str) -> None:
             "wire": wire,
             "counted_steps": counted_steps,
             "counted": counted(),
-            "decisions": decisions(),
+            "held_out": held_out,
+            "decisions": trainer.decisions(),
         }
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -185,9 +203,17 @@ def _tx_bytes(interface: str) -> int:
     return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
 
 
-def _trainer(spec: dict, model):
-    """(step(x, y, index) -> loss, rank, world, mean over ranks of a float, counted bytes,
-    comm_compression.auto's decisions)."""
+class Trainer(NamedTuple):
+    step: Callable  # (x, y) -> this rank's loss
+    evaluate: Callable  # (x, y) -> this rank's replica's loss, no gradients
+    rank: int
+    world: int
+    mean: Callable[[float], float]  # over the ranks
+    counted: Callable[[], dict | None]  # zerotrain's bytes sent so far, per operation
+    decisions: Callable[[], list[str]]  # comm_compression.auto's
+
+
+def _trainer(spec: dict, model) -> Trainer:
     import torch
 
     # DeepSpeed's WarmupLR, which zerotrain's reproduces: min_lr for the first two steps, then
@@ -217,7 +243,7 @@ def _trainer(spec: dict, model):
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW["params"])
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
-        def ddp_step(x, y, _index):
+        def ddp_step(x, y):
             loss = ddp(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -231,7 +257,19 @@ def _trainer(spec: dict, model):
             dist.all_reduce(tensor)
             return tensor.item() / dist.get_world_size()
 
-        return ddp_step, dist.get_rank(), dist.get_world_size(), ddp_mean, lambda: None, list
+        @torch.no_grad()
+        def ddp_evaluate(x, y):
+            return model(x, y).item()  # the module itself: no DDP hooks
+
+        return Trainer(
+            ddp_step,
+            ddp_evaluate,
+            dist.get_rank(),
+            dist.get_world_size(),
+            ddp_mean,
+            lambda: None,
+            list,
+        )
 
     import zerotrain
 
@@ -262,7 +300,7 @@ def _trainer(spec: dict, model):
     comm = engine.optimizer.comm
     comm.reset_stats()
 
-    def zt_step(x, y, _index):
+    def zt_step(x, y):
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -280,7 +318,16 @@ def _trainer(spec: dict, model):
         tuner = engine.optimizer.tuners[0]
         return [d.line(engine.world_size) for d in tuner.decisions] if tuner else []
 
-    return zt_step, engine.global_rank, engine.world_size, zt_mean, counted, decisions
+    @torch.no_grad()
+    def zt_evaluate(x, y):
+        engine.eval()
+        loss = engine(x, y).item()
+        engine.train()
+        return loss
+
+    return Trainer(
+        zt_step, zt_evaluate, engine.global_rank, engine.world_size, zt_mean, counted, decisions
+    )
 
 
 # -- the driver (root) ---------------------------------------------------------------------------
@@ -290,6 +337,7 @@ def run_row(nodes, name: str, spec: dict, args, port: int) -> dict | str:
     out = Path(f"/tmp/bench-compression-{os.getpid()}.json")
     out.unlink(missing_ok=True)
     spec = {**spec, "steps": args.steps, "micro_batch": args.micro_batch}
+    spec["eval_every"] = args.eval_every
     per_node = str(args.ranks_per_node)
     rendezvous = ["--nnodes", "2", "--nproc-per-node", per_node, "--master-addr", nodes[0].address]
     script = ["bench/compression.py", "--worker", json.dumps(spec), "--out", str(out)]
@@ -312,26 +360,39 @@ def smoothed(losses: list[float], window: int = 10) -> list[float]:
     return [statistics.fmean(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))]
 
 
+def _time_to(losses_at: list, target: float, times: list[float]) -> float | None:
+    """The steps' time until the first (step, loss) of ``losses_at`` at or below ``target``."""
+    step = next((step for step, loss in losses_at if loss <= target), None)
+    return None if step is None else sum(times[: step + 1])
+
+
 def summarize(results: dict, args) -> tuple[list[str], dict]:
     """The table's lines and the figures behind them."""
     reference = results.get("zerotrain s1")
     if not isinstance(reference, dict):
         raise SystemExit("the uncompressed stage-1 row did not run: no target loss")
     target = smoothed(reference["losses"])[int(0.8 * args.steps) - 1]
+    # the held-out loss of the last evaluation within the same 80% of the steps
+    before = [loss for step, loss in reference["held_out"] if step < 0.8 * args.steps]
+    if not before:
+        raise SystemExit(f"no held-out evaluation in 80% of {args.steps} steps: --eval-every")
+    held_target = before[-1]
     skip = max(1, args.steps // 10)  # the first steps: warm-up, allocation
     lines = [
         f"demo GPT, fp32, 2 nodes x {args.ranks_per_node} rank(s), link {args.rate}"
         + (f", delay {args.delay}" if args.delay else "")
-        + f", micro-batch {args.micro_batch}, {args.steps} steps; target loss {target:.3f}",
+        + f", micro-batch {args.micro_batch}, {args.steps} steps; target loss {target:.3f}"
+        + f", held-out {held_target:.3f} (every {args.eval_every} steps)",
         "",
         "| row | counted bytes/step | bf16 uncompressed / counted | on the wire/step | step time (s) "
-        "| time to target (s) | final loss (10-step mean) | mean counted bytes/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| time to target (s) | to held-out target (s) | final loss (10-step mean) "
+        "| final held-out loss | mean counted bytes/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     figures = {}
     for name, result in results.items():
         if not isinstance(result, dict):
-            lines.append(f"| {name} | {result} | | | | | | |")
+            lines.append(f"| {name} | {result} | | | | | | | | |")
             continue
         # bytes once compression runs (after its 10 warm-up steps): the median step's
         compressed = result["counted_steps"][max(skip, 10) :]
@@ -343,8 +404,8 @@ def summarize(results: dict, args) -> tuple[list[str], dict]:
         if counted and isinstance(base, dict):
             ratio = statistics.median(base["counted_steps"][max(skip, 10) :]) / 2 / counted
         curve = smoothed(result["losses"])
-        reached = next((i for i, loss in enumerate(curve) if loss <= target), None)
-        to_target = sum(result["times"][: reached + 1]) if reached is not None else None
+        to_target = _time_to(enumerate(curve), target, result["times"])
+        to_held_target = _time_to(result["held_out"], held_target, result["times"])
         step_time = statistics.median(result["times"][skip:])
         wire = statistics.median(result["wire"][max(skip, 10) :])
         figures[name] = {
@@ -354,19 +415,30 @@ def summarize(results: dict, args) -> tuple[list[str], dict]:
             "wire_bytes_per_step": wire,
             "step_time": step_time,
             "time_to_target": to_target,
+            "time_to_held_out_target": to_held_target,
             "final_loss": curve[-1],
+            "final_held_out_loss": result["held_out"][-1][1] if result["held_out"] else None,
         }
         lines.append(
-            f"| {name} | {'-' if counted is None else f'{counted / 1e6:.2f} MB'} | "
-            f"{'-' if ratio is None else f'{ratio:.2f}'} | {wire / 1e6:.2f} MB | "
-            f"{step_time:.3f} | {'not reached' if to_target is None else f'{to_target:.1f}'} | "
-            f"{curve[-1]:.3f} | {'-' if mean is None else f'{mean / 1e6:.2f} MB'} |"
+            f"| {name} | {_megabytes(counted)} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{_megabytes(wire)} | {step_time:.3f} | {_seconds(to_target)} | "
+            f"{_seconds(to_held_target)} | {curve[-1]:.3f} | "
+            f"{figures[name]['final_held_out_loss'] or float('nan'):.3f} | {_megabytes(mean)} |"
         )
     decided = [(name, r["decisions"]) for name, r in results.items() if isinstance(r, dict)]
     for name, decisions in decided:
         if decisions:
             lines += ["", f"{name}:", *(f"    {line}" for line in decisions)]
-    return lines, {"target_loss": target, "rows": figures}
+    figures = {"target_loss": target, "held_out_target_loss": held_target, "rows": figures}
+    return lines, figures
+
+
+def _megabytes(count: float | None) -> str:
+    return "-" if count is None else f"{count / 1e6:.2f} MB"
+
+
+def _seconds(time_to: float | None) -> str:
+    return "not reached" if time_to is None else f"{time_to:.1f}"
 
 
 def main() -> None:
@@ -379,6 +451,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument(
+        "--eval-every", type=int, default=10, help="steps between held-out evaluations"
+    )
     parser.add_argument(
         "--ranks-per-node", type=int, default=1, help="ranks in each namespace (hpZ rows: 2)"
     )
