@@ -278,19 +278,26 @@ def print_summary(rows: list[tuple[str, object]]) -> None:
 def validation_loss(
     engine, val_set: TokenWindows, batches: int, batch_size: int
 ) -> tuple[float, int]:
-    """Mean loss over `batches` batches of windows spread evenly over `val_set`; returns
-    (loss, batches used). Every rank evaluates the same windows, so rank 0's value is the
-    global one."""
+    """Mean loss over `batches` batches (whole pipeline steps) of windows spread evenly over
+    `val_set`; returns (loss, batches used). Every rank evaluates the same windows, so rank
+    0's value is the global one."""
+    # a pipeline evaluates micro-batches in groups of a step's: whole groups, at least one
+    group = engine.gradient_accumulation_steps() if hasattr(engine, "eval_batch") else 1
+    batches = -(-batches // group) * group
     count = min(batches * batch_size, len(val_set))
+    if count < group * batch_size:
+        raise ValueError(
+            f"the validation split has {len(val_set)} windows, fewer than a pipeline step's "
+            f"{group} micro-batches of {batch_size}"
+        )
     indices = torch.linspace(0, len(val_set) - 1, count).long().tolist()
     engine.eval()
     pairs = []
     for start in range(0, count, batch_size):
         xs, ys = zip(*(val_set[i] for i in indices[start : start + batch_size]), strict=True)
         pairs.append((torch.stack(xs).to(engine.device), torch.stack(ys).to(engine.device)))
-    if hasattr(engine, "eval_batch"):  # a pipeline: micro-batches in groups of a step's
-        group = engine.gradient_accumulation_steps()
-        pairs = pairs[: max(group, len(pairs) // group * group)]
+    if hasattr(engine, "eval_batch"):
+        pairs = pairs[: len(pairs) // group * group]
         losses = [
             engine.eval_batch(iter(pairs[i : i + group])).item()
             for i in range(0, len(pairs), group)

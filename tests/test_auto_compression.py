@@ -211,6 +211,36 @@ def train(engine, steps: int, gen: torch.Generator, clock: SimulatedClock | None
     return losses
 
 
+def resumed(tmp: str, tag: str, section: dict, seconds: dict, saved_at: int, then: int) -> dict:
+    """On a slow link: ``saved_at`` steps, a checkpoint, then ``then`` steps, and the same
+    ``then`` steps after loading it into a new engine: each one's losses and decisions."""
+    rank = Communicator().rank
+    gen = torch.Generator().manual_seed(rank)
+    runs = {}
+    for run in ("straight", "resumed"):
+        engine = auto_engine(1, section)
+        tuner = engine.optimizer.tuners[0]
+        clock = SimulatedClock(tuner, seconds)
+        tuner.clock, tuner.probe = clock, lambda comm: SLOW
+        if run == "straight":
+            train(engine, saved_at, gen, clock)
+            engine.save_checkpoint(tmp, tag=tag)
+            state = gen.get_state()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no codec state dropped
+                engine.load_checkpoint(tmp, tag=tag)
+            gen.set_state(state)
+        decided = len(tuner.decisions)
+        runs[run] = {
+            "losses": train(engine, then, gen, clock),
+            "decisions": [(d.step, d.outcome, d.policy) for d in tuner.decisions[decided:]],
+            "policy": tuner.policy.name,
+            "codec": engine.optimizer.group.reduction.codec.method,
+        }
+    return runs
+
+
 def tuner_runs(tmp: str) -> dict:
     rank = Communicator().rank
     out: dict = {}
@@ -244,28 +274,17 @@ def tuner_runs(tmp: str) -> dict:
             "losses": losses,
             "line": tuner.decisions[0].line(2),
         }
-    # resume: the chosen policy and its codec's state come back, and training continues
-    # bit for bit as without the checkpoint
-    gen = torch.Generator().manual_seed(rank)
-    engine = auto_engine(1, {"gradients": {"method": "powersgd", "rank": 2}})
-    tuner = engine.optimizer.tuners[0]
-    clock = SimulatedClock(tuner, {"uncompressed": 1.0, "powersgd": 0.5})
-    tuner.clock, tuner.probe = clock, lambda comm: SLOW
-    train(engine, 9, gen, clock)
-    engine.save_checkpoint(tmp, tag="auto")
-    state = gen.get_state()
-    straight = train(engine, 3, gen, clock)
-    engine = auto_engine(1, {"gradients": {"method": "powersgd", "rank": 2}})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no codec state dropped
-        engine.load_checkpoint(tmp, tag="auto")
-    gen.set_state(state)
-    out["resumed"] = (
-        straight,
-        train(engine, 3, gen),
-        engine.optimizer.tuners[0].policy.name,
-        engine.optimizer.group.reduction.codec.method,
+    # resume: the chosen policy, its codec's state and the tuner's schedule come back
+    powersgd = {"gradients": {"method": "powersgd", "rank": 2}}
+    seconds = {"uncompressed": 1.0, "powersgd": 0.5}
+    out["resumed"] = resumed(tmp, "chosen", powersgd, seconds, 9, 3)
+    int8 = {"parameters": {"method": "int8"}}  # the gathers at the load quantize too
+    out["resumed int8"] = resumed(
+        tmp, "int8", int8, {"uncompressed": 1.0, "int8 params": 0.5}, 9, 3
     )
+    out["resumed undecided"] = resumed(tmp, "undecided", powersgd, seconds, 3, 12)
+    slower = {"uncompressed": 1.0, "powersgd": 1.5}
+    out["resumed unchecked"] = resumed(tmp, "unchecked", powersgd, slower, 8, 10)
     # the real clock and probe on this machine's loopback: a decision with its numbers
     engine = auto_engine(1, {})
     train(engine, 8, torch.Generator().manual_seed(rank))
@@ -281,7 +300,7 @@ def tuned(tmp_path_factory) -> list[dict]:
 
 def test_every_rank_decides_alike(tuned):
     for name in tuned[0]:
-        if name not in ("resumed", "real"):
+        if not name.startswith("resumed") and name != "real":
             assert tuned[0][name]["decisions"] == tuned[1][name]["decisions"], name
 
 
@@ -349,10 +368,33 @@ def test_each_stage_chooses_among_its_policies(tuned):
 
 
 def test_resume_continues_the_chosen_policy_bit_for_bit(tuned):
+    """Saved after a switch, with gradient or parameter compression: the same steps as
+    without the checkpoint (quantized parameter gathers from the load on)."""
     for out in tuned:
-        straight, resumed, policy, codec = out["resumed"]
-        assert policy == "powersgd" and codec == "powersgd"
-        assert resumed == straight
+        for name, policy, codec in (
+            ("resumed", "powersgd", "powersgd"),
+            ("resumed int8", "int8 params", "none"),
+        ):
+            straight, again = out[name]["straight"], out[name]["resumed"]
+            assert (again["policy"], again["codec"]) == (policy, codec)
+            assert again["losses"] == straight["losses"], name
+
+
+def test_resume_continues_the_tuners_schedule(tuned):
+    """Saved before the first decision, a resumed run still decides (auto_recheck_steps 0
+    once turned it off for good); saved between a switch and its check, it still checks and
+    reverts a slower policy. It measures its own steps first, so it decides a few steps
+    later than the run it resumed."""
+    for out in tuned:
+        undecided = out["resumed undecided"]
+        assert undecided["straight"]["decisions"][0] == (6, "chose", "powersgd")
+        step, outcome, policy = undecided["resumed"]["decisions"][0]
+        assert step >= 6 and (outcome, policy) == ("chose", "powersgd")
+        unchecked = out["resumed unchecked"]
+        assert unchecked["straight"]["decisions"] == [(12, "reverted to", "uncompressed")]
+        assert [d[1:] for d in unchecked["resumed"]["decisions"]] == [
+            ("reverted to", "uncompressed")
+        ]
 
 
 def test_the_real_probe_and_clock_decide(tuned):

@@ -28,7 +28,7 @@ from zerotrain.compression.quantize import (
 )
 from zerotrain.compression.sparse import SAMPLE_STRIDE, merge, top_k, tree_indices
 from zerotrain.config import ConfigError, load_config
-from zerotrain.optim.onebit import OneBitAdam
+from zerotrain.optim.onebit import OneBitAdam, ZeroOneAdam
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -256,6 +256,33 @@ def test_a_one_bit_optimizer_the_script_builds_keeps_the_configs_rules():
             )
 
 
+def test_compression_with_one_replica_says_it_compresses_nothing():
+    import zerotrain
+
+    config = {"train_batch_size": 1, "comm_compression": {"gradients": {"method": "int8"}}}
+    with pytest.warns(UserWarning, match="one replica: nothing is compressed"):
+        zerotrain.initialize(model=nn.Linear(4, 4), config=config)
+
+
+def test_a_zero_one_adam_given_as_an_instance_keeps_its_settings():
+    """The engine rebuilds a given optimizer over its shards: 0/1 Adam's schedule and local
+    steps, kept out of its groups, come along (they were lost, and it never compressed)."""
+    import zerotrain
+
+    settings = {"var_freeze_step": 6, "var_update_scaler": 2, "local_step_clipper": 4}
+    model = nn.Linear(4, 4)
+    given = ZeroOneAdam(model.parameters(), lr=1e-3, **settings)
+    engine = zerotrain.initialize(
+        model=model,
+        config={"train_batch_size": 1, "zero_optimization": {"stage": 0}},
+        optimizer=given,
+    )[0]
+    rebuilt = engine.optimizer.groups[0].store.optimizer
+    assert rebuilt is not given and rebuilt.exact == given.exact
+    assert rebuilt.local_steps is not None and given.local_steps is not None
+    assert rebuilt.local_steps.schedule == given.local_steps.schedule
+
+
 # -- codecs on 4 ranks ---------------------------------------------------------------------------
 def reference_tree(vectors: list[tuple[torch.Tensor, torch.Tensor]], k: int) -> list[int]:
     """gTop-k's recursive doubling written out over dicts: fold the ranks above the largest
@@ -472,8 +499,9 @@ ZERO_ONE = {
     "params": {**ONEBIT["params"], "var_freeze_step": 10, "var_update_scaler": 1},
 }
 del ZERO_ONE["params"]["freeze_step"]
-SCRIPT_ONEBIT = "ONEBIT's OneBitAdam, built by the script"  # its config has no optimizer
-ONE_BITS = (ONEBIT, ZERO_ONE, SCRIPT_ONEBIT)
+# ONEBIT's OneBitAdam built by the script, which gives initialize a factory or an instance
+SCRIPT_ONEBIT, ONEBIT_INSTANCE = "OneBitAdam factory", "OneBitAdam instance"
+ONE_BITS = (ONEBIT, ZERO_ONE, SCRIPT_ONEBIT, ONEBIT_INSTANCE)
 # the 1-bit optimizers' updates with other compressors, at their exact limits (0/1 Adam's
 # first 3 steps are OneBitAdam's here)
 FROZEN_EXACT = [
@@ -495,6 +523,7 @@ TRAIN_CASES = [  # (stage, gradients section); each against the same stage uncom
     (3, {"method": "int4", "parameters": "int8"}),
     *[(stage, {"optimizer": ONEBIT}) for stage in (0, 1, 2)],
     (1, {"optimizer": SCRIPT_ONEBIT}),
+    (0, {"optimizer": ONEBIT_INSTANCE}),
     *[(stage, {"optimizer": ZERO_ONE}) for stage in (0, 1, 2)],
     *[(stage, {"optimizer": ADAM_UNCORRECTED}) for stage in (0, 1, 2)],
     *FROZEN_EXACT,
@@ -528,9 +557,10 @@ def compressed_engine(stage: int, grads: dict):
         "zero_optimization": {"stage": stage},
         "comm_compression": {"gradients": every_tensor(grads), "parameters": parameters},
     }
-    if optimizer == SCRIPT_ONEBIT:
+    if optimizer in (SCRIPT_ONEBIT, ONEBIT_INSTANCE):
         built = partial(OneBitAdam, **ONEBIT["params"])
-        return zerotrain.initialize(model=model, config=config, optimizer=built)[0]
+        given = built if optimizer == SCRIPT_ONEBIT else built(model.parameters())
+        return zerotrain.initialize(model=model, config=config, optimizer=given)[0]
     return zerotrain.initialize(model=model, config={**config, "optimizer": optimizer})[0]
 
 

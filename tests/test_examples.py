@@ -135,6 +135,16 @@ def test_train_gpt_with_compression_both_ways_on_two_processes():
     assert final < first - 0.5, result.stdout
 
 
+@pytest.mark.slow  # 8 s; the suite keeps the pipeline's own tests (tests/test_pipeline.py)
+def test_train_gpt_on_two_pipeline_stages_validates_whole_steps():
+    """A pipeline evaluates a step's micro-batches together: one validation batch asked for
+    with 2 per step evaluates 2 (it stopped with a bare StopIteration before)."""
+    flags = ["--model", "tiny", "--pp", "2", "--grad-accum", "2", "--val-batches", "1"]
+    result = zerotrain_run("--nproc-per-node", "2", "examples/train_gpt.py", *flags, "--steps", "2")
+    assert result.returncode == 0, result.stdout
+    assert re.search(r"validation loss\s+\d+\.\d+ \(2 batches\)", result.stdout), result.stdout
+
+
 @pytest.mark.slow  # 11 s; the suite keeps a DeepSpeed-style script (test_deepspeed_script.py)
 def test_deepspeed_style_classifier_on_two_processes():
     result = zerotrain_run(

@@ -34,13 +34,18 @@ class Blocks(nn.Module):
         return self.last(x).square().mean()
 
 
-def hpz_engine(hierarchical: bool, parameters: str = "none", zero_plus_plus: bool = False):
+def hpz_engine(
+    hierarchical: bool, parameters: str = "none", zero_plus_plus: bool = False, freeze=None
+):
     """The engine; ``zero_plus_plus``: asking for hpZ (2 ranks) and int8 parameter gathers by
-    DeepSpeed's ZeRO++ keys instead of the comm_compression section."""
+    DeepSpeed's ZeRO++ keys instead of the comm_compression section; ``freeze``: the block
+    whose parameters are frozen."""
     import zerotrain
 
     torch.manual_seed(0)
     model = Blocks()
+    if freeze is not None:
+        model.blocks[freeze].requires_grad_(False)
     zero = {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,
@@ -83,6 +88,9 @@ def hpz_runs() -> dict:
             memory = engine.memory_breakdown()
             buckets = [b.numel_padded for b in engine.optimizer.group.buckets]
             out[hierarchical, parameters] = (state, sent, memory["compression"], buckets)
+    # a frozen block travels exactly: qwZ quantizes the trained parameters' gathers
+    engine = hpz_engine(False, "int4", freeze=1)
+    out["frozen"] = train_three_steps(engine)
     # one node of 4: nothing to keep inside it, a warning says so
     os.environ["LOCAL_WORLD_SIZE"] = "4"
     # DeepSpeed's keys ask for partitions of 2 ranks: the size comes from them, not the node
@@ -106,6 +114,18 @@ def test_hpz_trains_the_same_model_bit_for_bit(runs, parameters):
         plain, hpz = out[False, parameters][0], out[True, parameters][0]
         assert plain.keys() == hpz.keys()
         assert all(torch.equal(plain[k], hpz[k]) for k in plain)
+
+
+def test_frozen_parameters_are_gathered_exactly(runs):
+    """Stage 3 with int4 parameter gathers and a frozen block: its values, in the exported
+    state, are the ones the model was built with (qwZ's gathers quantize the trained
+    parameters; before, the frozen ones were exported and checkpointed quantized)."""
+    torch.manual_seed(0)
+    built = Blocks().blocks[1].weight.detach()
+    for out in runs:
+        state, sent = out["frozen"]
+        assert torch.equal(state["blocks.1.weight"], built)
+        assert sent["int4_param_all_gather"] > 0
 
 
 def test_deepspeed_zero_plus_plus_keys_train_as_the_comm_compression_section(runs):

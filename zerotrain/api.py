@@ -164,6 +164,15 @@ def initialize(
     zero = cfg.zero_optimization
     data_parallel = mesh.dp  # what ZeRO shards over and the data is split by
     auto = _auto_compression(cfg)
+    section = cfg.comm_compression
+    asked = section.auto or {section.gradients.method, section.parameters.method} != {"none"}
+    if asked and data_parallel.world_size == 1 and comm.rank == 0:
+        taken = f" (its {comm.world_size} ranks split the model)" if comm.world_size > 1 else ""
+        warnings.warn(
+            "zerotrain: comm_compression acts between data-parallel ranks, and this run has "
+            f"one replica{taken}: nothing is compressed",
+            stacklevel=2,
+        )
     options = GroupOptions(
         policy=ZeroPolicy.for_stage(zero.stage),
         comm=data_parallel,

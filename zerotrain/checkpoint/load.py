@@ -256,6 +256,11 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
             count = len(group.store.param_groups)
             group.store.load_scalar_state(hyper[:count], scalars[:count])
             hyper, scalars = hyper[count:], scalars[count:]
+    rank_state: dict[str, Any] = loaded.rank_state or {}
+    if "python" in rank_state:  # written before the codecs' state: the generators alone
+        rank_state = {"rng": rank_state}
+    if not options.module_only:  # before the gathers below: the policy may quantize them
+        _resume_tuners(engine, rank_state.get("compression_policy"))
     zero.publish_params()
     if options.module_only:
         for group in zero.groups:  # the loaded parameters, every rank's alike, are the new start
@@ -278,17 +283,13 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     loader = engine.training_dataloader
     if state["dataloader"] is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(state["dataloader"])
-    rank_state: dict[str, Any] = loaded.rank_state or {}
-    if "python" in rank_state:  # written before the codecs' state: the generators alone
-        rank_state = {"rng": rank_state}
     if "rng" in rank_state:
         restore_rng_state(rank_state["rng"])
     # without the optimizer's state its step count starts again, and so do the compression's
     # (a warm-up, a 1-bit optimizer's exact steps) and the local steps
     steps = engine.global_steps if load_optimizer else 0
-    policies = rank_state.get("compression_policy")
     saved_codecs = rank_state.get("compression") if load_optimizer else None
-    _restore_codecs(engine, manifest, saved_codecs, policies, steps, quiet=not load_optimizer)
+    _restore_codecs(engine, manifest, saved_codecs, steps, quiet=not load_optimizer)
     saved_windows = rank_state.get("local_steps") if load_optimizer else None
     _restore_local_steps(engine, manifest, saved_windows, steps)
 
@@ -324,32 +325,32 @@ def _restore_local_steps(
         engine.optimizer.publish_params()
 
 
+def _resume_tuners(engine: TrainingState, saved: list | None) -> None:
+    """comm_compression.auto: each group's tuner continues from where it stood (its policy,
+    its step count, its next decision or a switch yet to check), as saved."""
+    tuners = engine.optimizer.tuners
+    if saved is None or len(saved) != len(tuners):
+        saved = [None] * len(tuners)
+    for tuner, state in zip(tuners, saved, strict=True):
+        if tuner is not None and state is not None and not tuner.load_state_dict(state):
+            warnings.warn(
+                f"load_checkpoint: comm_compression.auto had chosen among policies that are "
+                f"not all among this run's {tuner.policy_names} ({state}); it decides afresh",
+                stacklevel=4,
+            )
+
+
 def _restore_codecs(
-    engine: TrainingState,
-    manifest: Manifest,
-    saved: list | None,
-    policies: list | None,
-    steps: int,
-    quiet: bool,
+    engine: TrainingState, manifest: Manifest, saved: list | None, steps: int, quiet: bool
 ) -> None:
     """Each shard group's gradient codec from this rank's state when the checkpoint has the
     same world size (its buckets are laid out alike), else started afresh at ``steps``, with a
     warning when that drops error feedback or factors (unless ``quiet``: the optimizer's state
-    was not loaded either). With comm_compression.auto, each group's tuner first takes the
-    policy it had chosen (``policies``)."""
+    was not loaded either)."""
     groups = engine.optimizer.groups
     resharded = manifest["world_size"] != engine.world_size
     if resharded or saved is None or len(saved) != len(groups):
         saved = [None] * len(groups)
-    if policies is None or len(policies) != len(groups):
-        policies = [None] * len(groups)
-    for tuner, name in zip(engine.optimizer.tuners, policies, strict=True):
-        if tuner is not None and name is not None and not tuner.resume(name):
-            warnings.warn(
-                f"load_checkpoint: comm_compression.auto had chosen {name!r}, which is not "
-                f"among this run's policies {tuner.policy_names}; it decides afresh",
-                stacklevel=4,
-            )
     for group, state in zip(groups, saved, strict=True):
         problem = group.reduction.codec.load_state_dict(state, steps=steps)
         if problem is not None and not quiet:

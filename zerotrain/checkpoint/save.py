@@ -193,8 +193,8 @@ def _write_rank_files(
         "rng": capture_rng_state(),
         # each shard group's gradient codec: error feedback, factors (exact resume)
         "compression": [group.reduction.codec.state_dict() for group in zero.groups],
-        # comm_compression.auto: the policy each group's tuner chose
-        "compression_policy": [t.policy.name if t else None for t in zero.tuners],
+        # comm_compression.auto: where each group's tuner stands (its policy, its schedule)
+        "compression_policy": [t.state_dict() if t else None for t in zero.tuners],
         # 0/1 Adam's local steps: this rank's window since the last synchronization
         "local_steps": [g.local_steps and g.local_steps.state_dict() for g in zero.groups],
     }

@@ -52,9 +52,13 @@ class ParameterGather:
         switches at the same point."""
         self.options = self.compression if on else None
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Pending:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, exact: bool = False) -> Pending:
         """Every rank's ``shard`` into ``output`` (asynchronous); ``shard`` may be ``output``'s
-        own piece."""
+        own piece. ``exact``: uncompressed whatever the policy, as frozen parameters travel
+        (ZeRO++ quantizes the trained ones; DeepSpeed's quantized frozen weights are refused),
+        and not counted among the gathers a policy may quantize."""
+        if exact:
+            return self.comm.all_gather(output, shard, async_op=True)
         self.gathered[shard.numel()] += 1
         options = self.options
         if options is None:

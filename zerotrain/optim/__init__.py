@@ -10,6 +10,7 @@ import torch
 
 from zerotrain.optim.adam import DeepSpeedCPUAdam, FusedAdam
 from zerotrain.optim.lamb import Lamb
+from zerotrain.optim.onebit import OneBitAdam, ZeroOneAdam
 from zerotrain.optim.registry import (
     DEEPSPEED_ONLY_OPTIMIZERS,
     OPTIMIZERS,
@@ -32,11 +33,13 @@ __all__ = [
     "FusedAdam",
     "Lamb",
     "NoOptimizer",
+    "OneBitAdam",
     "OneCycle",
     "OptimizerSpec",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "ZeroOneAdam",
     "build_optimizer",
     "build_scheduler",
     "find_optimizer",

@@ -92,6 +92,9 @@ class OneBitAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.exact = ExactSteps(warmup=freeze_step)
         self.eps_inside_sqrt = eps_inside_sqrt
+        # the settings kept out of the groups: the engine rebuilds an optimizer it is given
+        # over its shards from ``defaults`` (zerotrain/api.py)
+        self.defaults.update(freeze_step=freeze_step, eps_inside_sqrt=eps_inside_sqrt)
 
     @torch.no_grad()
     def step(self, closure=None):  # pyrefly: ignore[bad-override]
@@ -174,6 +177,12 @@ class ZeroOneAdam(OneBitAdam):
             comm_backend_name=comm_backend_name,
         )
         self.exact = ExactSteps(steps=variance_update_steps(var_freeze_step, var_update_scaler))
+        self.defaults.update(  # as OneBitAdam's
+            var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+        )
         self.local_steps: LocalSteps | None = None
         if local_step_clipper > 1:
             schedule = LocalStepSchedule(var_freeze_step + 2, local_step_scaler, local_step_clipper)

@@ -119,15 +119,30 @@ class CompressionTuner:
         """The reductions per bucket and gathers per shard size so far."""
         return list(self.group.reduction.launches), dict(self.group.residency.param_gather.gathered)
 
-    def resume(self, name: str) -> bool:
-        """Continue with the policy ``name`` chosen before a checkpoint, deciding again after
-        ``recheck_steps``; False if no policy has that name."""
-        chosen = [p for p in self.options.policies if p.name == name]
-        if not chosen:
+    def state_dict(self) -> dict:
+        """Where the tuner stands, for a checkpoint: its policy, its steps, when it decides
+        next, and a switch not yet checked (the old policy and its step time). The step times
+        it measured are not kept: a resumed run measures its own."""
+        before = None if self._before is None else [self._before[0].name, self._before[1]]
+        return {"policy": self.policy.name, "steps": self.steps, "due": self._due, "before": before}
+
+    def load_state_dict(self, state: dict | str) -> bool:
+        """Continue from ``state`` (:meth:`state_dict`'s, or a policy's name alone, as
+        checkpoints before 2026-11-25 kept it: deciding again after ``recheck_steps``); False
+        if a policy it names is not among this run's."""
+        if isinstance(state, str):
+            state = {"policy": state}
+        policies = {p.name: p for p in self.options.policies}
+        before = state.get("before")
+        if state["policy"] not in policies or (before and before[0] not in policies):
             return False
-        self.use(chosen[0])
-        self._before = None
-        self._due = self._next_check()
+        self.use(policies[state["policy"]])
+        if "steps" not in state:
+            self._before, self._due = None, self._next_check()
+            return True
+        self.steps = self._counted_at = state["steps"]
+        self._due = state["due"]
+        self._before = None if before is None else (policies[before[0]], before[1])
         return True
 
     def end_step(self) -> None:

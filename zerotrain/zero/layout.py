@@ -72,6 +72,12 @@ class FlatBucket:
     def shard_numel(self) -> int:
         return self.numel_padded // self.world_size
 
+    @property
+    def frozen(self) -> bool:
+        """Whether it holds frozen parameters (stage 3 partitions them too), of no optimizer
+        group."""
+        return self.group_index < 0
+
     # The buffers by what the stage and the moment guarantee; each raises naming the bucket
     # where a caller asks for one that does not exist now (a bug in the caller's stage logic).
     def require_flat_param(self) -> torch.Tensor:
