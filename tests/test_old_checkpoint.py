@@ -4,22 +4,37 @@ this one and training continues bit for bit as it did in the version that wrote 
 The fixture was made with ``.venv/bin/python tests/test_old_checkpoint.py`` at zerotrain 0.1.0
 (commit ed7a439): K steps, save, K more steps whose losses and final parameters it records.
 Never regenerate it to make the test pass: the point is that old files keep working.
+
+The continuation's bits depend on the platform as the golden losses' do (test_golden.py), so
+``continuation.json`` keeps one record per platform. On a new platform, record what 0.1.0 itself
+computes there from these files: ``git worktree add /tmp/v0.1.0 850ac9f`` (0.1.0 and this
+test), then ``.venv/bin/python tests/test_old_checkpoint.py --add-platform /tmp/v0.1.0``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 from distributed import run_distributed
 from models import SEQ, VOCAB, DropoutModel, param_groups
-from test_golden import float_bits, state_hash
+from test_golden import (
+    assert_one_matches,
+    float_bits,
+    platform,
+    platform_record,
+    records_to_hold,
+    state_hash,
+)
 from torch.utils.data import TensorDataset
 
 FIXTURE = Path(__file__).parent / "golden" / "checkpoints"
+CONTINUATION = FIXTURE / "continuation.json"
 WORLD, K, MICRO, ACCUM = 2, 2, 2, 2
 LAYOUTS = {"stage2-bf16": (2, {"bf16": {"enabled": True}}), "stage3-fp16": (3, {"fp16": {}})}
 
@@ -78,17 +93,35 @@ def _continue(root: str) -> dict:
 
 
 def test_checkpoints_of_0_1_0_resume_bit_for_bit(tmp_path):
-    expected = json.loads((FIXTURE / "continuation.json").read_text())
-    if expected["torch"] != torch.__version__:
-        pytest.skip(f"the continuation was recorded with torch {expected['torch']}")
+    held = records_to_hold(json.loads(CONTINUATION.read_text())["records"])
     root = tmp_path / "old"
     shutil.copytree(FIXTURE, root)  # loading must not need to write, but keep the fixture safe
     got = run_distributed(_continue, WORLD, str(root))
-    for rank, per_layout in enumerate(got):
-        for layout, want in expected["layouts"].items():
-            assert per_layout[layout]["losses"] == want["losses"][rank], (rank, layout)
-            assert per_layout[layout]["params"] == want["params"], (rank, layout)
-            assert per_layout[layout]["loss_scale"] == want["loss_scale"], (rank, layout)
+    assert_one_matches(held, lambda record: differences(got, record["layouts"]))
+
+
+def differences(got: list[dict], want: dict) -> list[str]:
+    """Where each rank's continuation differs from the recorded one."""
+    return [
+        f"rank {rank}, {layout}: {key}"
+        for rank, per_layout in enumerate(got)
+        for layout, record in want.items()
+        for key in ("losses", "params", "loss_scale")
+        if per_layout[layout][key] != (record[key][rank] if key == "losses" else record[key])
+    ]
+
+
+def continuation_record(per_rank: list[dict]) -> dict:
+    """The record of one continuation per rank, for this platform."""
+    layouts = {
+        layout: {
+            "losses": [r[layout]["losses"] for r in per_rank],
+            "params": per_rank[0][layout]["params"],
+            "loss_scale": per_rank[0][layout]["loss_scale"],
+        }
+        for layout in LAYOUTS
+    }
+    return platform_record(layouts=layouts)
 
 
 def _write_fixture(root: str) -> dict:
@@ -103,17 +136,34 @@ def _write_fixture(root: str) -> dict:
     return out
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write the fixture, or record a platform's.")
+    parser.add_argument(
+        "--add-platform",
+        metavar="TREE_0_1_0",
+        help="a checkout of 850ac9f: record the continuation its zerotrain computes from the "
+        "fixture on this platform (the fixture stays as it is)",
+    )
+    args = parser.parse_args()
+    if args.add_platform is None:  # the 0.1.0 tree itself wrote the fixture this way
+        shutil.rmtree(FIXTURE, ignore_errors=True)
+        per_rank = run_distributed(_write_fixture, WORLD, str(FIXTURE))
+        CONTINUATION.write_text(
+            json.dumps({"records": [continuation_record(per_rank)]}, indent=1) + "\n"
+        )
+        print(f"wrote {FIXTURE}")
+        return
+    sys.path.insert(0, str(Path(args.add_platform).resolve()))  # the ranks import 0.1.0
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(FIXTURE, f"{tmp}/old")
+        per_rank = run_distributed(_continue, WORLD, f"{tmp}/old")
+    records = json.loads(CONTINUATION.read_text())["records"]
+    kept = [r for r in records if r["platform"] != platform()]
+    CONTINUATION.write_text(
+        json.dumps({"records": [*kept, continuation_record(per_rank)]}, indent=1) + "\n"
+    )
+    print(f"recorded 0.1.0's continuation on {platform()} in {CONTINUATION}")
+
+
 if __name__ == "__main__":
-    shutil.rmtree(FIXTURE, ignore_errors=True)
-    per_rank = run_distributed(_write_fixture, WORLD, str(FIXTURE))
-    layouts = {
-        layout: {
-            "losses": [r[layout]["losses"] for r in per_rank],
-            "params": per_rank[0][layout]["params"],
-            "loss_scale": per_rank[0][layout]["loss_scale"],
-        }
-        for layout in LAYOUTS
-    }
-    record = {"torch": torch.__version__, "layouts": layouts}
-    (FIXTURE / "continuation.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {FIXTURE}")
+    main()

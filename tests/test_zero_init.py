@@ -80,9 +80,11 @@ def build_and_train_beyond_limit(budget_fraction: float):
 
 def test_init_builds_a_model_larger_than_the_rank_limit_and_trains_it(monkeypatch):
     # A fixed mmap threshold makes glibc return freed large blocks to the OS, so the data
-    # segment measures live memory rather than heap fragmentation.
+    # segment measures live memory rather than heap fragmentation. glibc reads it as the
+    # process starts, so each rank is a new interpreter.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    for control, losses, max_live in run_distributed(build_and_train_beyond_limit, 2, 0.65):
+    ranks = run_distributed(build_and_train_beyond_limit, 2, 0.65, fresh_interpreter=True)
+    for control, losses, max_live in ranks:
         assert control == "fails", control
         assert losses[-1] < losses[0]
         assert max_live <= 3 * BLOCK_NUMEL + 2  # gathered parameters never near the full model
