@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
-from zerotrain.comm.pipeline import PipelineAction, StageRun, pipeline_schedule
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.pipe.module import PipelineModule
+
+if TYPE_CHECKING:
+    from zerotrain.comm.pipeline import PipelineAction
 
 
 class PipelineEngine(ZeroTrainEngine):
@@ -138,6 +140,10 @@ class PipelineEngine(ZeroTrainEngine):
         if self._schedule is None:
             module = self.module
             assert isinstance(module, PipelineModule)  # initialize makes this engine for one
+            # torch.distributed.pipelining takes seconds to import (DTensor, dynamo): only a
+            # pipeline that runs pays for it, not every import of zerotrain
+            from zerotrain.comm.pipeline import StageRun, pipeline_schedule
+
             if module.loss_fn is None:
                 raise ValueError("PipelineModule(loss_fn=...) is required to train it")
             chunks = range(module.stages_per_rank)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotrain.comm.pipeline import stage_inputs, trace_stages
 from zerotrain.config import ConfigError
 from zerotrain.pipe.module import PipelineModule
 
@@ -47,6 +46,9 @@ def split_model(
     ``PipelineModule`` (``options`` go to it: the stage placement, the activation
     checkpoint interval, ...). ``example_inputs``: one micro-batch's inputs, as ``model`` takes
     them (see [Note: splitting a model by module names])."""
+    # torch.distributed.pipelining: imported by the models that are split (see pipe/engine.py)
+    from zerotrain.comm.pipeline import stage_inputs, trace_stages
+
     names = dict(model.named_modules())
     unknown = [p for p in split_points if p not in names or not p]
     if unknown or not split_points:

@@ -16,8 +16,10 @@ shared CPU, mostly the sharing: see bench/parallel3d.py); the replay measures th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from zerotrain.comm.pipeline import PipelineAction
+if TYPE_CHECKING:  # importing it imports torch.distributed.pipelining (see pipe/engine.py)
+    from zerotrain.comm.pipeline import PipelineAction
 
 
 def idle_shares(
