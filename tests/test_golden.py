@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import platform as host
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -181,6 +182,20 @@ def test_losses_and_parameters_match_golden_bits():
     held = records_to_hold(json.loads(GOLDEN.read_text())["records"])
     got = measure()
     assert_one_matches(held, lambda record: moved_cases(got, record["cases"]))
+
+
+def test_a_platform_is_held_to_its_own_record_else_to_unnamed_ones(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "platform", lambda: "here")
+    mine, unnamed, other = ({"platform": p} for p in ("here", None, "there"))
+    assert records_to_hold([other, unnamed, mine]) == [mine]
+    assert records_to_hold([other, unnamed]) == [unnamed]
+    with pytest.raises(pytest.skip.Exception, match="no bits recorded for here"):
+        records_to_hold([other])
+    assert_one_matches([mine, unnamed], lambda r: [] if r is unnamed else ["moved"])
+    with pytest.raises(AssertionError, match="moved"):
+        assert_one_matches([mine], lambda r: ["moved"])
+    with pytest.raises(pytest.skip.Exception, match="other bits than the records of unnamed"):
+        assert_one_matches([unnamed], lambda r: ["moved"])
 
 
 def main() -> None:
