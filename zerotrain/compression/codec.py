@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, Protocol
@@ -551,15 +551,16 @@ Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (payload, scale
 
 def decode_pieces(
     payloads: torch.Tensor, scales: torch.Tensor, pieces: int, decode: Decode
-) -> list[torch.Tensor]:
+) -> Iterator[torch.Tensor]:
     """``pieces`` equal encoded pieces, their payloads and scales each concatenated in order
-    (what an all-gather or all-to-all of them delivers), decoded."""
+    (what an all-gather or all-to-all of them delivers), decoded one at a time (one piece's
+    fp32 values alive, not all of them)."""
     split = zip(
         payloads.view(pieces, len(payloads) // pieces),
         scales.view(pieces, len(scales) // pieces),
         strict=True,
     )
-    return [decode(payload, scale) for payload, scale in split]
+    return (decode(payload, scale) for payload, scale in split)
 
 
 def all_gather_encoded(
@@ -582,7 +583,9 @@ def all_gather_encoded(
     ]
 
     def finish() -> None:
-        output.copy_(torch.cat(decode_pieces(payloads, all_scales, world, decode)))
+        pieces = decode_pieces(payloads, all_scales, world, decode)
+        for piece, values in zip(output.view(world, -1), pieces, strict=True):
+            piece.copy_(values)
 
     return Chain(ops, finish)
 

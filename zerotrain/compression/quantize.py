@@ -47,31 +47,44 @@ def quantize(flat: torch.Tensor, bits: int, block_size: int) -> Quantized:
     """``flat`` (1-D) quantized per block (see [Note: block-wise quantization])."""
     if bits not in LEVELS:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
-    levels = LEVELS[bits]
-    numel = flat.numel()
-    blocks = num_blocks(numel, block_size)
-    padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=flat.device)
-    padded[:numel] = flat
-    rows = padded.view(blocks, block_size)
-    scales = rows.abs().amax(dim=1) / levels
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(rows / safe[:, None]).clamp_(-levels, levels).to(torch.int8).view(-1)
-    codes = codes[:numel]
+    values = flat.to(torch.float32)
+    whole = flat.numel() - flat.numel() % block_size
+    # the whole blocks in place; a copy padded with zeros only for the last, partial one (a
+    # padded copy of everything cost twice the quantization itself)
+    parts = [_quantize_rows(values[:whole].view(-1, block_size), LEVELS[bits])]
+    if whole < flat.numel():
+        tail = values.new_zeros(block_size)
+        tail[: flat.numel() - whole] = values[whole:]
+        parts.append(_quantize_rows(tail.view(1, block_size), LEVELS[bits]))
+    codes = torch.cat([c for c, _ in parts])[: flat.numel()]
     if bits == 4:
         codes = _pack_int4(codes)
-    return Quantized(codes, scales, numel, bits)
+    return Quantized(codes, torch.cat([s for _, s in parts]), flat.numel(), bits)
+
+
+def _quantize_rows(rows: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes (flat) and the scales of blocks laid out as ``rows``. The codes need no
+    clamp: no value's magnitude exceeds its block's largest, ``levels`` steps."""
+    scales = rows.abs().amax(dim=1) / levels
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (rows / safe[:, None]).round_().to(torch.int8).view(-1), scales
 
 
 def dequantize(q: Quantized, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 values ``q`` stands for (into ``out`` when given, 1-D of ``q.numel``)."""
+    """The fp32 values ``q`` stands for (into ``out`` when given, 1-D of ``q.numel``, any
+    float dtype: rounded once from fp32)."""
     codes = _unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes
-    blocks = num_blocks(q.numel, block_size)
-    padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=codes.device)
-    padded[: q.numel] = codes
-    values = (padded.view(blocks, block_size) * q.scales[:, None]).view(-1)[: q.numel]
     if out is None:
-        return values
-    out.copy_(values)
+        out = torch.empty(q.numel, dtype=torch.float32, device=codes.device)
+    whole = q.numel - q.numel % block_size
+    blocks = whole // block_size
+    torch.mul(
+        codes[:whole].view(blocks, block_size),
+        q.scales[:blocks, None],
+        out=out[:whole].view(blocks, block_size),
+    )
+    if whole < q.numel:
+        torch.mul(codes[whole:], q.scales[blocks], out=out[whole:])
     return out
 
 
