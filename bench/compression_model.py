@@ -181,8 +181,8 @@ def main() -> None:
 
     table(methods)
     base = step_time("none")[2]
-    # comm_compression.auto's default candidates at stages 1-2 (zerotrain/compression/auto.py)
-    candidates = ["none", "powersgd", "none + int8 params", "powersgd + int8 params"]
+    # comm_compression.auto's default candidates at stages 1-2 (zerotrain/api.py)
+    candidates = ["none", "int8", "none + int8 params", "int8 + int8 params"]
     times = {method: step_time(method)[2] for method in candidates}
     chosen = min(times, key=times.__getitem__)
     if times[chosen] > base * 0.95:  # auto switches for a predicted 5% less time or more

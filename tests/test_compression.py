@@ -214,7 +214,7 @@ def test_config_refuses_keys_nothing_reads():
         ({"gradients": {"method": "topk", "rank": 2}}, {}, "gradients.rank: acts on powersgd"),
         ({"gradients": {"min_numel": 0, "method": "int8"}}, {}, "gradients.min_numel"),
         ({"gradients": {"warmup_steps": 10}}, {}, "warmup_steps: .* gradients.method is none, so"),
-        ({"gradients": {"ratio": 0.1}, "auto": True}, {}, "auto's default candidate: powersgd"),
+        ({"gradients": {"rank": 8}, "auto": True}, {}, "auto's default candidate: int8"),
         ({"gradients": {"block_size": 64}}, {"optimizer": onebit}, "sends its own signs"),
         ({"parameters": {"block_size": 64}}, {"zero_optimization": {"stage": 1}}, "parameters"),
         ({"auto_recheck_steps": 10}, {}, "auto_recheck_steps: .* set auto to true"),
@@ -225,7 +225,7 @@ def test_config_refuses_keys_nothing_reads():
         with pytest.raises(ConfigError, match=match):
             load_config({"train_batch_size": 4, **more, "comm_compression": section}, world_size=2)
     accepted = [  # auto's default candidates read these
-        ({"gradients": {"rank": 8}, "auto": True}, {}),
+        ({"gradients": {"block_size": 64}, "auto": True}, {}),
         ({"parameters": {"block_size": 64}, "auto": True}, {"zero_optimization": {"stage": 1}}),
         ({"gradients": {"method": "topk", "ratio": 0.1}}, {"optimizer": onebit}),
     ]
@@ -678,11 +678,14 @@ def test_training_at_the_exact_limits_matches_uncompressed_training(training_run
                 if "method" in grads:  # another compressor after the freeze: exact here
                     assert sent[grads["method"]] > 0, grads
                     # top-k and gTop-k of every element agree, at stages 1 and 2; signs do not
+                    # (0.7 apart). The exact run is stage 1's: stage 2 sums in another order
+                    # from step 1 (4e-8 apart), and the frozen variance amplifies that (1.04e-6
+                    # at step 3 on an AVX-512 CPU), hence 1e-5
                     exact = per_rank[FROZEN_EXACT[0][0], str(FROZEN_EXACT[0][1])][0]
                     signs = per_rank[stage, str({"optimizer": ONEBIT})][0]
                     for other, agrees in (exact, True), (signs, False):
                         apart = steps_apart(states, other)
-                        assert (apart[2] < 1e-6) == agrees, (grads, apart)
+                        assert (apart[2] < 1e-5) == agrees, (grads, apart)
                 elif grads["optimizer"] in ONE_BITS:
                     # the same exact steps (1, 2), the same 1-bit step 3: the same model
                     one_bit, _, _, _ = per_rank[stage, str({"optimizer": ONEBIT})]
@@ -852,6 +855,7 @@ class Training:
     compression_warmup: int = 20  # exact steps before gradient compression
     micro_batch: int = 16
     lr: float = 1e-3  # the Adam family's (SGD's: 0.1, momentum 0.9)
+    model: str = "tiny"  # the examples' GPT preset
 
     @property
     def compressed_from(self) -> int:
@@ -881,7 +885,7 @@ def train_gpt(runs: dict[str, tuple], training: Training = Training()) -> dict:
 
     import zerotrain
 
-    config = gpt_config("tiny")
+    config = gpt_config(training.model)
     train_set, val_set = train_val_datasets(config.block_size)
     held_out = [val_set[i * len(val_set) // HELD_OUT] for i in range(HELD_OUT)]
     world = Communicator()

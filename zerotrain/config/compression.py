@@ -95,8 +95,9 @@ class CommCompressionConfig(Section):
     compression's own compute, and use a compression only where it is predicted to make the
     step faster by 5%, reverting if the measured steps are slower. It chooses among
     `gradients.method` and `parameters.method` as configured (each on or off); with both left
-    at none, among PowerSGD (stages 0-2) or int8 (stage 3) gradients and, at stages 1-3, int8
-    parameters. Each decision is printed with its prediction. See docs/compression.md."""
+    at none, among int8 gradients and, at stages 1-3, int8 parameters, which train as well as
+    uncompressed training. Each decision is printed with its prediction. See
+    docs/compression.md."""
     auto_recheck_steps: NonNegativeInt = 1000
     """auto: measure and decide again this often, in optimizer steps (0: decide once)."""
 
@@ -171,9 +172,9 @@ def _check_keys_in_use(section: CommCompressionConfig, stage: int, onebit: str) 
     gradients, parameters = section.gradients.method, section.parameters.method
     gradients_is, parameters_is = gradients, parameters
     if section.auto and gradients == parameters == "none":
-        gradients = "int8" if stage == 3 else "powersgd"
+        gradients = "int8"
         parameters = "int8" if stage > 0 else "none"
-        gradients_is = f"none (auto's default candidate: {gradients})"
+        gradients_is = "none (auto's default candidate: int8)"
         if stage > 0:
             parameters_is = "none (auto's default candidate: int8)"
     elif onebit and gradients == "none":
