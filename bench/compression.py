@@ -98,6 +98,8 @@ def zt(
 # (the gathers hierarchical_partition keeps inside the node)
 REGATHER = {"stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
 SMALL_BUCKETS = {"reduce_bucket_size": 1_000_000}
+# stages 1-2 overlapping both directions: reductions with backward, gathers with the next forward
+OVERLAPPED = {**SMALL_BUCKETS, "overlap_param_gather": True}
 
 
 ROWS = {
@@ -120,11 +122,14 @@ ROWS = {
     "zerotrain s1 acp_sgd r4 + int4 params": zt(1, {"method": "acp_sgd", "rank": 4}, "int4"),
     "zerotrain s1 int8 + int8 params": zt(1, {"method": "int8"}, "int8"),
     "zerotrain s1 auto": zt(1, auto=True),
-    "zerotrain s1, 1M-element buckets, gathers in forward": zt(
-        1, zero={**SMALL_BUCKETS, "overlap_param_gather": True}
-    ),
+    "zerotrain s1, 1M-element buckets, gathers in forward": zt(1, zero=OVERLAPPED),
     "zerotrain s1 OneBitAdam + int4 params": zt(1, None, "int4", ONEBIT),
     "zerotrain s2": zt(2),
+    "zerotrain s2, 1M-element buckets, gathers in forward": zt(2, zero=OVERLAPPED),
+    "zerotrain s2 int4 + int4 params": zt(2, {"method": "int4"}, "int4"),
+    "zerotrain s2 int4 + int4 params, 1M-element buckets, gathers in forward": zt(
+        2, {"method": "int4"}, "int4", zero=OVERLAPPED
+    ),
     "zerotrain s2 topk 1% + int4 params": zt(2, {"method": "topk", "ratio": 0.01}, "int4"),
     "zerotrain s2 gtopk 1% + int4 params": zt(2, {"method": "gtopk", "ratio": 0.01}, "int4"),
     "zerotrain s2 topk 1% + int4 params, catch_up false": zt(

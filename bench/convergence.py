@@ -1,5 +1,6 @@
 """Compressed training against uncompressed, as the slow test in tests/test_compression.py
-runs it (300 steps by default, or longer): the tiny GPT on the embedded corpus, on 2 and 4
+runs it (300 steps by default, or longer): the tiny GPT (``--model``: another preset of
+examples/gpt) on the embedded corpus, on 2 and 4
 ranks (gloo, this machine). The final loss is the trained model's on held-out text, against
 the same optimizer uncompressed, with rank 0's bytes in the median step. ``--rows``:
 - ``convergence``: each method of the slow test's CONVERGENCE (AdamW; the 1-bit optimizers
@@ -12,14 +13,17 @@ the same optimizer uncompressed, with rank 0's bytes in the median step. ``--row
 - ``less``: PowerSGD at rank 8, ACP-SGD at ranks 4 and 16, top-k and gTop-k at 25%: what
   compressing less buys back;
 - ``sparse``: top-k and gTop-k under AdamW with and without catching up, and at 1%;
+- ``demo``: for ``--model demo``: PowerSGD at ranks 4-32, ACP-SGD at 4-64, and the quantized
+  methods;
 - ``seeds``: uncompressed from 4 model seeds: how far apart runs end by chance alone.
 
 ``--warmup-steps`` sets the exact steps before gradient compression starts (the 1-bit
 optimizers keep their own).
 
     python bench/convergence.py [--steps 300] [--worlds 4 2] [--warmup-steps 20]
-                                [--micro-batch 16] [--lr 1e-3]
-                                [--rows convergence|sgd|onebit|local|less|sparse|seeds]
+                                [--micro-batch 16] [--lr 1e-3] [--model tiny]
+                                [--rows convergence|sgd|onebit|local|less|sparse|demo|seeds]
+                                [--only ROW ...]
 """
 
 from __future__ import annotations
@@ -102,6 +106,19 @@ SPARSE = {
     "topk 1% s2": (2, {"method": "topk", "ratio": 0.01}, "AdamW"),
     "gtopk 1% s2": (2, {"method": "gtopk", "ratio": 0.01}, "AdamW"),
 }
+# for --model demo, whose 256-wide matrices leave the low ranks a smaller share than the tiny
+# GPT's 64-wide ones: PowerSGD and ACP-SGD at ranks up to a quarter of the width, and the
+# quantized methods auto picks from
+DEMO = {
+    "uncompressed s1": CONVERGENCE["uncompressed s1"],
+    **{
+        f"{method} r{rank} s1": (1, {"method": method, "rank": rank}, "AdamW")
+        for method, ranks in (("powersgd", (4, 16, 32)), ("acp_sgd", (4, 8, 32, 64)))
+        for rank in ranks
+    },
+    "int8 + int8 params s1": CONVERGENCE["int8 + int8 params s1"],
+    "int4 + int4 params s3": CONVERGENCE["int4 + int4 params s3"],
+}
 ROWS = {
     "convergence": CONVERGENCE,
     "sgd": SGD,
@@ -109,6 +126,7 @@ ROWS = {
     "local": LOCAL,
     "less": LESS,
     "sparse": SPARSE,
+    "demo": DEMO,
 }
 SEEDS = 4
 
@@ -126,16 +144,27 @@ def main() -> None:
     )
     parser.add_argument("--micro-batch", type=int, default=Training.micro_batch)
     parser.add_argument("--lr", type=float, default=Training.lr, help="the Adam family's")
+    parser.add_argument("--model", default=Training.model, help="the examples' GPT preset")
+    parser.add_argument(
+        "--only", nargs="+", default=[], help="these rows of --rows' set (and their baselines)"
+    )
     args = parser.parse_args()
+    rows = ROWS.get(args.rows, {})
+    if unknown := [name for name in args.only if name not in rows]:
+        parser.error(f"--only: {unknown} not in --rows {args.rows}'s {list(rows)}")
+    if args.only:
+        chosen = {*args.only, *map(convergence_baseline, args.only)}
+        rows = {name: run for name, run in rows.items() if name in chosen}
     training = Training(
         steps=args.steps,
         compression_warmup=args.warmup_steps,
         micro_batch=args.micro_batch,
         lr=args.lr,
+        model=args.model,
     )
     if args.rows != "seeds" and args.steps <= training.compressed_from:
         parser.error(f"--steps: the bytes are taken after step {training.compressed_from}")
-    print(f"tiny GPT, {training}, held-out loss of the final model\n")
+    print(f"{args.model} GPT, {training}, held-out loss of the final model\n")
     print(
         "| method | ranks | final loss | vs its baseline | MB/step | bytes vs baseline "
         "| mean bytes vs baseline |"
@@ -146,7 +175,6 @@ def main() -> None:
         if args.rows == "seeds":
             seeds(world, training)
         else:
-            rows = ROWS[args.rows]
             runs = run_distributed(train_gpt, world, rows, training, timeout=20 * args.steps)
             final = {name: held for name, (_, held) in runs[0].items()}
             sent = {name: median_sent(sent, training) for name, (sent, _) in runs[0].items()}
