@@ -51,6 +51,23 @@ def test_block_quantization_error_is_half_a_step_per_block(bits):
     assert torch.equal(dequantize(quantize(exact, bits, 64), 64), exact)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_partial_last_block_quantizes_as_if_padded_with_zeros(bits):
+    """The whole blocks are quantized in place and the last, partial one from a padded copy:
+    the codes and scales of the tensor zero-padded to whole blocks, cut to its length; bf16
+    input quantized as its fp32 values; dequantized into a bf16 output, rounded once."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0)).bfloat16()
+    padded = torch.cat([x.float(), torch.zeros(23)])  # 1024: 16 whole blocks of 64
+    got, whole = quantize(x, bits, 64), quantize(padded, bits, 64)
+    assert torch.equal(got.scales, whole.scales)
+    if bits == 8:
+        assert torch.equal(got.codes, whole.codes[:1001])
+    else:  # 1001 codes, two to a byte: the last byte's high nibble is padding
+        assert torch.equal(got.codes[:500], whole.codes[:500])
+    back = dequantize(got, 64, torch.empty(1001, dtype=torch.bfloat16))
+    assert torch.equal(back, dequantize(whole, 64)[:1001].bfloat16())
+
+
 def test_one_bit_keeps_signs_and_each_blocks_l2_norm():
     """1-bit Adam's compressor, per block of 4: each element's sign (zero as +) times its
     block's scale, the root mean square, so each block keeps its L2 norm (the last block, of
