@@ -31,6 +31,7 @@ from zerotrain.comm import (
 from zerotrain.compression import GradientCompression, ParameterCompression
 from zerotrain.compression.auto import AutoOptions, candidate_policies
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
+from zerotrain.config.compression import AUTO_DEFAULT_METHOD
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.lora import apply_lora_fa
@@ -600,10 +601,12 @@ def _auto_compression(cfg: ZeroTrainConfig) -> AutoOptions | None:
         stage = cfg.zero_optimization.stage
         # int8, not PowerSGD, whose rank 4 ended the demo GPT 12.1% above uncompressed
         # under AdamW (docs/compression.md): auto changes the speed, not how well it trains
-        gradients = replace(GradientCompression(**section.gradients.model_dump()), method="int8")
+        gradients = replace(
+            GradientCompression(**section.gradients.model_dump()), method=AUTO_DEFAULT_METHOD
+        )
         if stage > 0:
             parameters = replace(
-                ParameterCompression(**section.parameters.model_dump()), method="int8"
+                ParameterCompression(**section.parameters.model_dump()), method=AUTO_DEFAULT_METHOD
             )
     return AutoOptions(
         policies=candidate_policies(gradients, parameters),

@@ -47,19 +47,20 @@ def quantize(flat: torch.Tensor, bits: int, block_size: int) -> Quantized:
     """``flat`` (1-D) quantized per block (see [Note: block-wise quantization])."""
     if bits not in LEVELS:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
-    values = flat.to(torch.float32)
-    whole = flat.numel() - flat.numel() % block_size
+    values, numel = flat.to(torch.float32), flat.numel()
+    whole = numel - numel % block_size
     # the whole blocks in place; a copy padded with zeros only for the last, partial one (a
     # padded copy of everything cost twice the quantization itself)
-    parts = [_quantize_rows(values[:whole].view(-1, block_size), LEVELS[bits])]
-    if whole < flat.numel():
+    codes, scales = _quantize_rows(values[:whole].view(-1, block_size), LEVELS[bits])
+    if whole < numel:
         tail = values.new_zeros(block_size)
-        tail[: flat.numel() - whole] = values[whole:]
-        parts.append(_quantize_rows(tail.view(1, block_size), LEVELS[bits]))
-    codes = torch.cat([c for c, _ in parts])[: flat.numel()]
+        tail[: numel - whole] = values[whole:]
+        tail_codes, tail_scale = _quantize_rows(tail.view(1, block_size), LEVELS[bits])
+        codes = torch.cat([codes, tail_codes[: numel - whole]])
+        scales = torch.cat([scales, tail_scale])
     if bits == 4:
         codes = _pack_int4(codes)
-    return Quantized(codes, torch.cat([s for _, s in parts]), flat.numel(), bits)
+    return Quantized(codes, scales, numel, bits)
 
 
 def _quantize_rows(rows: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,6 +154,9 @@ def check_compression(
         )
 
 
+# what comm_compression.auto chooses among with no method configured: int8 gradients and, at
+# stages 1-3, int8 parameters, or each uncompressed
+AUTO_DEFAULT_METHOD = "int8"
 # the gradient methods each key of comm_compression.gradients acts on
 _GRADIENT_KEYS = {
     "rank": ("powersgd", "acp_sgd"),
@@ -172,11 +175,11 @@ def _check_keys_in_use(section: CommCompressionConfig, stage: int, onebit: str) 
     gradients, parameters = section.gradients.method, section.parameters.method
     gradients_is, parameters_is = gradients, parameters
     if section.auto and gradients == parameters == "none":
-        gradients = "int8"
-        parameters = "int8" if stage > 0 else "none"
-        gradients_is = "none (auto's default candidate: int8)"
+        gradients = AUTO_DEFAULT_METHOD
+        parameters = AUTO_DEFAULT_METHOD if stage > 0 else "none"
+        gradients_is = f"none (auto's default candidate: {AUTO_DEFAULT_METHOD})"
         if stage > 0:
-            parameters_is = "none (auto's default candidate: int8)"
+            parameters_is = gradients_is
     elif onebit and gradients == "none":
         gradients_is = f"none ({onebit} sends its own signs)"
     for key in sorted(section.gradients.model_fields_set & _GRADIENT_KEYS.keys()):
