@@ -11,6 +11,7 @@ counters report the process's resident set, as DeepSpeed's CPU accelerator does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 
@@ -23,6 +24,7 @@ __all__ = [
     "get_accelerator",
     "peak_rss",
     "set_accelerator",
+    "settle_host_math",
 ]
 
 
@@ -103,6 +105,32 @@ def _cgroup_headroom() -> int | None:
             return None
         return max(0, int(limit) - usage)
     return None
+
+
+# The float unary ops ATen hands to MKL's vector math library (aten/src/ATen/cpu/vml.h).
+_VML_OPS = (
+    "abs", "acos", "asin", "atan", "cos", "erf", "erfc", "exp", "expm1", "log", "log10",
+    "log1p", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+@functools.cache
+def settle_host_math() -> None:
+    """Call each of MKL's vector math functions once, from this thread alone, before training.
+
+    MKL picks its kernels on the first call of the process. When several intra-op threads
+    make that first call together (a CPU op over more than 2048 elements with two or more
+    threads), one of them can run a low-accuracy kernel over its whole chunk, for that call
+    only (pytorch/pytorch#188792; oneMKL 2024.2, fixed in 2025.0). A training step's first
+    ``tanh`` (GPT-2's GELU) or ``sqrt`` (Adam) then differs from every later one, and the
+    run from a single-process reference. One single-element call per function and dtype
+    settles the choice first; the calls cost well under a millisecond."""
+    if not torch.backends.mkl.is_available():
+        return
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in _VML_OPS:
+            getattr(torch, name)(one)
 
 
 def _local_rank() -> int:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zerotrain import activation_checkpointing as checkpointing
-from zerotrain.accelerator import get_accelerator
+from zerotrain.accelerator import get_accelerator, settle_host_math
 from zerotrain.comm import (
     CommsLog,
     Communicator,
@@ -104,6 +104,7 @@ def initialize(
         )
     if mpu is not None:
         check_mpu(mpu)
+    settle_host_math()  # before the first forward pass
     if config is None:
         config = config_params
     config = _config_from_args(args, config)
