@@ -42,6 +42,9 @@ import math
 import re
 from pathlib import Path
 
+from zerotrain.compression.auto import AutoOptions
+from zerotrain.config.compression import AUTO_DEFAULT_METHOD
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -182,10 +185,11 @@ def main() -> None:
     table(methods)
     base = step_time("none")[2]
     # comm_compression.auto's default candidates at stages 1-2 (zerotrain/api.py)
-    candidates = ["none", "int8", "none + int8 params", "int8 + int8 params"]
+    m = AUTO_DEFAULT_METHOD
+    candidates = ["none", m, f"none + {m} params", f"{m} + {m} params"]
     times = {method: step_time(method)[2] for method in candidates}
     chosen = min(times, key=times.__getitem__)
-    if times[chosen] > base * 0.95:  # auto switches for a predicted 5% less time or more
+    if times[chosen] > base * (1 - AutoOptions.margin):  # the predicted gain auto switches for
         chosen = "none"
     print(
         f"\nauto (its default candidates at stages 1-2, by this model): {chosen}, "

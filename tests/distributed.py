@@ -55,16 +55,20 @@ def _worker(fn, rank, world_size, port, args, out_dir, collective_timeout_s, env
 
 
 def _context(fresh_interpreter: bool):
-    """A fork server that imported torch and zerotrain once: each rank forks from it instead
-    of importing them again (2-3 s and 1 s a rank on this machine). The fork server is one
+    """A fork server that imported torch, zerotrain and (where installed) transformers' GPT-2
+    once: each rank forks from it instead of importing them again (3 s, 1 s and 3 s a rank on
+    this machine; the ranks of several test files build GPT-2s). The fork server is one
     thread and has run no torch op, so its children start as clean as spawned ones, but for
-    what a process reads only as it starts (glibc's ``MALLOC_*`` variables):
-    ``fresh_interpreter`` spawns for that. (zerotrain reads its environment variables as it
-    runs, not as it is imported, so each rank still sees the parent's.)"""
+    what a process reads only as it starts: glibc's ``MALLOC_*`` variables, and accelerate's
+    view of whether ``deepspeed`` is importable, fixed when transformers imported it (tests
+    of ``zerotrain.compat.deepspeed.activate()`` under accelerate need a process that has not
+    imported it yet). ``fresh_interpreter`` spawns for those. (zerotrain reads its environment
+    variables as it runs, not as it is imported, so each rank still sees the parent's.)"""
     if fresh_interpreter:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "zerotrain.api"])
+    # a module that fails to import is skipped (multiprocessing's forkserver)
+    ctx.set_forkserver_preload(["torch", "zerotrain.api", "transformers.models.gpt2.modeling_gpt2"])
     return ctx
 
 

@@ -213,7 +213,9 @@ def train_with_hf_trainer(stage: int, root: str) -> dict:
 def test_hf_trainer_trains_as_zerotrain_called_directly(tmp_path, stage):
     from transformers import GPT2LMHeadModel
 
-    results = run_distributed(train_with_hf_trainer, 2, stage, str(tmp_path), timeout=400)
+    results = run_distributed(
+        train_with_hf_trainer, 2, stage, str(tmp_path), timeout=400, fresh_interpreter=True
+    )
     for rank in results:
         assert rank["clipping"] == 1.0
         assert len(rank["losses"]) == STEPS * ACCUM
@@ -323,6 +325,27 @@ def test_activate_refuses_next_to_a_real_deepspeed_unless_shadowing(tmp_path):
     )
     assert "is imported already" in late.stdout, late.stderr
     assert importlib.util.find_spec("deepspeed") is None  # this process untouched
+
+
+def test_activate_refuses_after_accelerate_was_imported_without_deepspeed():
+    done = _python(
+        """
+        import accelerate.utils
+        from zerotrain.compat import deepspeed as compat
+        try:
+            compat.activate()
+        except compat.DeepSpeedInstalled as error:
+            print("refused:", error)
+        print("active:", compat.active())
+        """
+    )
+    assert done.stdout.splitlines() == [
+        "refused: zerotrain.compat.deepspeed.activate(): accelerate was imported before it, "
+        "when `import deepspeed` failed, and keeps no DeepSpeed support in this process; call "
+        "activate() before importing accelerate or transformers (as `zerotrain run "
+        "--deepspeed-compat` does)",
+        "active: False",
+    ], done.stderr
 
 
 TRAINER_SCRIPT = """
@@ -546,7 +569,9 @@ def _accelerate_run(stage: int, root: str) -> dict:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_accelerate_trains_saves_and_loads_state_on_zerotrain(tmp_path, stage):
-    results = run_distributed(_accelerate_run, 2, stage, str(tmp_path), timeout=300)
+    results = run_distributed(
+        _accelerate_run, 2, stage, str(tmp_path), timeout=300, fresh_interpreter=True
+    )
     for rank, got in enumerate(results):
         assert got["engine"] == "ZeroTrainEngine" and got["unwrapped"] == "GPT2LMHeadModel"
         assert len(got["losses"]) == 4  # 16 samples, 2 ranks, batches of 2

@@ -133,6 +133,15 @@ def activate(*, shadow: bool = False, announce: bool = True) -> None:
             f"zerotrain.compat.deepspeed.activate(): a module named {_NAME} is imported already "
             f"({sys.modules[_NAME]!r}); call activate() before anything imports {_NAME}"
         )
+    accelerate_utils = sys.modules.get("accelerate.utils")
+    if accelerate_utils is not None and not hasattr(accelerate_utils, "DeepSpeedEngineWrapper"):
+        # accelerate decides once, as it is imported, whether it supports DeepSpeed
+        raise DeepSpeedInstalled(
+            "zerotrain.compat.deepspeed.activate(): accelerate was imported before it, when "
+            f"`import {_NAME}` failed, and keeps no DeepSpeed support in this process; call "
+            "activate() before importing accelerate or transformers (as `zerotrain run "
+            "--deepspeed-compat` does)"
+        )
     real = installed_deepspeed()
     if real is not None and not shadow:
         raise DeepSpeedInstalled(
