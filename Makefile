@@ -12,7 +12,7 @@ demo: env
 	.venv/bin/zerotrain run --nproc-per-node $(NPROC) examples/train_gpt.py --steps $(STEPS) $(ARGS)
 
 # Bytecode caches on, even where the environment turns them off (PYTHONDONTWRITEBYTECODE): the
-# suite starts about a hundred interpreters, and each would compile zerotrain again (0.35 s).
+# suite starts dozens of interpreters, and each would compile zerotrain again (0.35 s).
 test: env
 	PYTHONDONTWRITEBYTECODE= .venv/bin/python -m pytest -q
 

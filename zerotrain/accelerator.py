@@ -124,7 +124,7 @@ def settle_host_math() -> None:
     only (pytorch/pytorch#188792; oneMKL 2024.2, fixed in 2025.0). A training step's first
     ``tanh`` (GPT-2's GELU) or ``sqrt`` (Adam) then differs from every later one, and the
     run from a single-process reference. One single-element call per function and dtype
-    settles the choice first; the calls cost well under a millisecond."""
+    settles the choice first: about 3 ms, once a process."""
     if not torch.backends.mkl.is_available():
         return
     for dtype in (torch.float32, torch.float64):

@@ -38,7 +38,8 @@ _NAME = "deepspeed"
 
 
 class DeepSpeedInstalled(RuntimeError):
-    """A real DeepSpeed is installed or imported where the alias would shadow it."""
+    """A real DeepSpeed is installed or imported where the alias would shadow it, or
+    accelerate was imported without DeepSpeed before the alias could take effect."""
 
 
 class _AliasLoader(importlib.abc.Loader):
