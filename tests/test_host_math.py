@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import zerotrain
 # tanh and sqrt twice on two threads, with or without settling first, and says whether the
 # first call differed from the second.
 _STORM = """
-import os, sys, torch
+import os, sys, traceback, torch
 from zerotrain.accelerator import settle_host_math
 settle, forks = sys.argv[1] == "settle", int(sys.argv[2])
 x = torch.rand(4, 4096, generator=torch.Generator().manual_seed(0)) + 0.05
@@ -28,24 +27,31 @@ differed = 0
 for _ in range(forks):
     read, write = os.pipe()
     if os.fork() == 0:
-        torch.set_num_threads(2)
-        if settle:
-            settle_host_math()
-        first = [torch.tanh(x), torch.sqrt(x)]
-        same = all(torch.equal(a, b) for a, b in zip(first, [torch.tanh(x), torch.sqrt(x)]))
-        os.write(write, b"1" if same else b"0")
+        try:  # a child never returns into the loop, whatever happens in it
+            torch.set_num_threads(2)
+            if settle:
+                settle_host_math()
+            first = [torch.tanh(x), torch.sqrt(x)]
+            same = all(torch.equal(a, b) for a, b in zip(first, [torch.tanh(x), torch.sqrt(x)]))
+            os.write(write, b"1" if same else b"0")
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
         os._exit(0)
-    os.wait()
-    differed += os.read(read, 1) == b"0"
+    os.close(write)  # so a child that died without answering reads as end of file
+    _, status = os.wait()
+    answer = os.read(read, 1)
     os.close(read)
-    os.close(write)
+    if answer not in (b"0", b"1"):
+        sys.exit(f"a child exited without answering (status {status})")
+    differed += answer == b"0"
 print(differed)
 """
 
 
 def _differing_first_calls(mode: str, forks: int) -> int:
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_STORM), mode, str(forks)],
+        [sys.executable, "-c", _STORM, mode, str(forks)],
         capture_output=True,
         text=True,
         timeout=300,
