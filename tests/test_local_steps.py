@@ -4,10 +4,14 @@ in one process, the bytes of each step, and resume."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import pytest
 import torch
 from distributed import run_distributed
 from test_compression import relative_error
+from test_moe import EXPERTS, SEQ, WIDTH, MoEModel, moe_model
 from torch import nn
 
 from zerotrain.compression import make_codec
@@ -135,82 +139,121 @@ def runs(checkpoint) -> list[dict]:
     return run_distributed(local_step_runs, 2, checkpoint)
 
 
+def clip_factor(tensors: list[torch.Tensor]) -> float:
+    """What the engine multiplies ``tensors`` by to clip their global norm to CLIP."""
+    norm = sum(t.square().sum() for t in tensors).sqrt().item()
+    return min(1.0, CLIP / (norm + 1e-6))
+
+
 def clipped(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` scaled to a global norm of at most CLIP (as the engine clips)."""
-    norm = sum(t.square().sum() for t in tensors).sqrt().item()
-    return [t * min(1.0, CLIP / (norm + 1e-6)) for t in tensors]
+    factor = clip_factor(tensors)
+    return [t * factor for t in tensors]
 
 
-def reference(model: nn.Module | None = None) -> list[list[dict]]:
-    """0/1 Adam with local steps as the paper states it (arXiv:2202.06009, Algorithm 1), two
-    workers in one process, exact averages: each worker's momentum m_w and sum of lr·m_w since
-    the last synchronization, stepped one step at a time. Clipping as zerotrain defines it: a
-    local step clips its worker's gradient, a synchronization the averaged message (the
-    window's lr-weighted mean gradient; one step's window: the averaged gradient). Per step,
-    each worker's replica of ``model`` (default: the test model)."""
+def squared_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def reference(
+    model: nn.Module | None = None,
+    workers: int = 2,
+    holder: Callable[[str, int], int] = lambda name, worker: worker,
+    stepper: Callable[[str, int], int] = lambda name, replica: replica,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] = squared_loss,
+    batch_of: Callable[[int, int], torch.Tensor] = batch,
+    eps: float = 1e-8,
+) -> list[list[dict]]:
+    """0/1 Adam with local steps as the paper states it (arXiv:2202.06009, Algorithm 1),
+    ``workers`` workers in one process, exact averages: each replica's momentum and sum of
+    lr·momentum since the last synchronization, stepped one step at a time. Clipping as
+    zerotrain defines it: a local step clips by its worker's gradient norm, a synchronization
+    the averaged message (the window's lr-weighted mean gradient; one step's window: the
+    averaged gradient).
+
+    By default each worker has a replica of every parameter. ``holder(name, worker)`` names
+    the replica of a parameter a worker trains with where workers share one (an MoE expert,
+    once per expert-parallel group): a shared replica steps with the mean of its workers'
+    gradients, clipped by the norm of worker ``stepper(name, replica)``, the one holding it; a
+    worker's norm counts the replicas it trains with. Per step, each worker's view of
+    ``model`` (default: the test model), whose ``loss`` on ``batch_of(worker, step)`` gives
+    the gradients; ``eps``: Adam's."""
     if model is None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
     names = [n for n, _ in model.named_parameters()]
     start = [p.detach().clone() for p in model.parameters()]
     beta1, beta2 = PARAMS["betas"]
-    wd, eps = PARAMS["weight_decay"], 1e-8
-    replicas = [[t.clone() for t in start] for _ in range(2)]
+    wd = PARAMS["weight_decay"]
+    held = [[holder(n, w) for w in range(workers)] for n in names]  # [param][worker]: replica
+    count = [max(h) + 1 for h in held]  # replicas of each parameter
+    replicas = [[t.clone() for _ in range(c)] for t, c in zip(start, count, strict=True)]
+    local_m = [[torch.zeros_like(t) for _ in range(c)] for t, c in zip(start, count, strict=True)]
+    progress = [[torch.zeros_like(t) for _ in range(c)] for t, c in zip(start, count, strict=True)]
     synced = [t.clone() for t in start]
     m = [torch.zeros_like(t) for t in start]
     v = [torch.zeros_like(t) for t in start]
-    local_m = [[torch.zeros_like(t) for t in start] for _ in range(2)]
-    progress = [[torch.zeros_like(t) for t in start] for _ in range(2)]
     lrs, decay, weight = 0.0, 1.0, 0.0
     schedule = LocalStepSchedule(PARAMS["var_freeze_step"] + 2, 2, 4)
     out = []
     for step in range(1, STEPS + 1):
         lr = lr_at(step)
-        grads = []
-        for w in range(2):
+        grads = [[torch.zeros_like(t) for _ in range(c)] for t, c in zip(start, count, strict=True)]
+        for w in range(workers):
             with torch.no_grad():
-                for p, value in zip(model.parameters(), replicas[w], strict=True):
-                    p.copy_(value)
+                for i, p in enumerate(model.parameters()):
+                    p.copy_(replicas[i][held[i][w]])
             model.zero_grad()
-            model(batch(w, step)).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
+            loss(model, batch_of(w, step)).backward()
+            for i, p in enumerate(model.parameters()):
+                grads[i][held[i][w]] += p.grad / held[i].count(held[i][w])
         if step < schedule.frozen_from:  # every step synchronizes
-            averaged = clipped([(a + b) / 2 for a, b in zip(*grads, strict=True)])
+            averaged = clipped([sum(g) / len(g) for g in grads])
             for i, g in enumerate(averaged):
                 m[i].mul_(beta1).add_(g, alpha=1 - beta1)
                 if step in (1, 2, 4):
                     v[i].mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 new = synced[i] - lr * (m[i] / (v[i].sqrt() + eps) + wd * synced[i])
                 synced[i] = new
-                for w in range(2):
-                    replicas[w][i], local_m[w][i] = new.clone(), m[i].clone()
+                for h in range(count[i]):
+                    replicas[i][h], local_m[i][h] = new.clone(), m[i].clone()
         else:
             lrs += lr
             decay *= beta1
             weight += lr * decay  # Σ lr·β1^(k-s): m_s's part of the progress
             syncs = schedule.syncs(step)
-            for w in range(2):
-                g = grads[w] if syncs else clipped(grads[w])  # a local step clips its own
-                for i in range(len(start)):
-                    local_m[w][i].mul_(beta1).add_(g[i], alpha=1 - beta1)
-                    progress[w][i].add_(local_m[w][i], alpha=lr)
+            factors = [  # a local step clips by its worker's norm
+                1.0 if syncs else clip_factor([grads[i][held[i][w]] for i in range(len(start))])
+                for w in range(workers)
+            ]
+            for i in range(len(start)):
+                for h in range(count[i]):
+                    g = grads[i][h] * factors[stepper(names[i], h)]
+                    local_m[i][h].mul_(beta1).add_(g, alpha=1 - beta1)
+                    progress[i][h].add_(local_m[i][h], alpha=lr)
                     d = v[i].sqrt() + eps
-                    replicas[w][i] = synced[i] * (1 - wd * lrs) - progress[w][i] / d
-            if syncs:  # the workers' S / (L·(1 - β1)), averaged, clipped
+                    replicas[i][h] = synced[i] * (1 - wd * lrs) - progress[i][h] / d
+            if syncs:  # the replicas' S / (L·(1 - β1)), averaged, clipped
                 scale = lrs * (1 - beta1)
                 sent = [
-                    sum((progress[w][i] - weight * m[i]) / scale for w in range(2)) / 2
+                    sum((progress[i][h] - weight * m[i]) / scale for h in range(count[i]))
+                    / count[i]
                     for i in range(len(start))
                 ]
                 for i, average in enumerate(clipped(sent)):
                     mean = weight * m[i] + average * scale
                     m[i] = mean / lrs
                     synced[i] = synced[i] * (1 - wd * lrs) - mean / (v[i].sqrt() + eps)
-                    for w in range(2):
-                        replicas[w][i], local_m[w][i] = synced[i].clone(), m[i].clone()
-                        progress[w][i].zero_()
+                    for h in range(count[i]):
+                        replicas[i][h], local_m[i][h] = synced[i].clone(), m[i].clone()
+                        progress[i][h].zero_()
                 lrs, decay, weight = 0.0, 1.0, 0.0
-        out.append([dict(zip(names, [t.clone() for t in r], strict=True)) for r in replicas])
+        out.append(
+            [
+                {n: replicas[i][held[i][w]].clone() for i, n in enumerate(names)}
+                for w in range(workers)
+            ]
+        )
     return out
 
 
@@ -318,6 +361,97 @@ def test_a_layer_tied_across_pipeline_stages_steps_locally_as_one_parameter():
     for step in range(1, STEPS + 1):  # the copies on the two stages stay equal
         copies = [steps[step - 1]["shared.weight"] for steps in per_rank]
         assert torch.equal(copies[0], copies[2]) and torch.equal(copies[1], copies[3]), step
+
+
+MOE_EP = 2  # over 4 ranks: ranks 0-1 and 2-3 each hold every expert once
+# an expert that gets few tokens has tiny gradients, whose rounding Adam's normalization would
+# magnify at eps 1e-8 (as in test_moe)
+MOE_EPS = 1e-5
+
+
+def moe_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(2, SEQ, WIDTH, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def moe_local_steps() -> dict[str, list[dict]]:
+    """test_moe's MoEModel at ep 2 over 4 ranks under ZeroOneAdam's local steps, with exact
+    averages and in 1 bit: after each step, this rank's parameters (its experts under their
+    global names)."""
+    return {"exact": train_moe(exact=True), "one bit": train_moe(exact=False)}
+
+
+def train_moe(exact: bool) -> list[dict]:
+    import zerotrain
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": None,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "ZeroOneAdam", "params": {**PARAMS, "eps": MOE_EPS}},
+        "zero_optimization": {"stage": 0},
+    }
+    engine = zerotrain.initialize(model=moe_model(MOE_EP), config=config)[0]
+    for group in engine.optimizer.groups if exact else []:
+        group.reduction.codec = make_codec(None, group.reduction.comm, group.reduction.shapes)
+    out = []
+    for step in range(1, STEPS + 1):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        engine.backward(engine(moe_batch(engine.optimizer.comm.rank, step)))
+        engine.step()
+        out.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    return out
+
+
+def by_layer(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each module's parameters in one vector."""
+    layers: dict[str, list[torch.Tensor]] = {}
+    for name, value in params.items():
+        layers.setdefault(name.rsplit(".", 1)[0], []).append(value.flatten())
+    return {layer: torch.cat(values) for layer, values in layers.items()}
+
+
+def test_moe_experts_step_locally_as_one_replica_per_expert_parallel_group():
+    """ep 2 x 4 data-parallel ranks: each rank's dense parameters step as its reference
+    worker's, and each expert, held once per expert-parallel group, as one replica stepped
+    with the mean of its group's gradients (1e-5). An expert's gradient on a rank already sums
+    its group's tokens: a local step takes half of it, and a synchronization counts the
+    window's carry twice, as much as that sum weighs. In 1 bit, the ranks holding the same
+    experts, and all four for the dense parameters, are equal after each synchronization
+    only."""
+    runs = run_distributed(moe_local_steps, 4)
+    per_rank = [run["exact"] for run in runs]
+    experts_each = EXPERTS // MOE_EP
+
+    def expert(name: str) -> int | None:
+        match = re.search(r"deepspeed_experts\.(\d+)\.", name)
+        return None if match is None else int(match.group(1))
+
+    def holder(name: str, worker: int) -> int:
+        return worker if expert(name) is None else worker // MOE_EP
+
+    def stepper(name: str, replica: int) -> int:
+        index = expert(name)
+        return replica if index is None else replica * MOE_EP + index // experts_each
+
+    expected = reference(
+        MoEModel(), 4, holder, stepper, lambda model, x: model(x), moe_batch, MOE_EPS
+    )
+    for rank, steps in enumerate(per_rank):
+        assert {expert(n) for n in steps[0]} - {None} == set(
+            range(rank % MOE_EP * experts_each, (rank % MOE_EP + 1) * experts_each)
+        )
+        for step in range(1, STEPS + 1):  # by layer: the head's bias alone nears zero
+            want = by_layer(expected[step - 1][rank])
+            for layer, value in by_layer(steps[step - 1]).items():
+                assert relative_error(value, want[layer]) < 1e-5, (rank, step, layer)
+    for method in ("exact", "one bit"):
+        for step in range(1, STEPS + 1):
+            after = [run[method][step - 1] for run in runs]
+            assert all(torch.isfinite(t).all() for t in after[0].values())
+            for a, b in ((0, 1), (0, 2), (0, 3), (1, 3)):  # 0-2 and 1-3 hold the same experts
+                same = all(torch.equal(after[a][k], after[b][k]) for k in after[a] if k in after[b])
+                assert same == (step in SYNCS), (method, step, a, b)
 
 
 FLAG_BYTES = 4  # a local step's one-element overflow flag, sent to the other rank

@@ -33,6 +33,12 @@ step a replica on its own. A layer with copies on several model-parallel ranks t
 gradients (tied across pipeline stages, a sequence-parallel norm) steps alike on each, with
 the summed gradient; its messages are summed over the copies too, so each sends its share of
 the window's part, S_{t-1} + lr_t·β1·D_{t-1} over the number of copies.
+
+An MoE expert's gradient on a rank already sums the tokens of its whole expert-parallel group
+(ep ranks, which share one replica of each expert), so that rank's estimate of the average is
+the gradient over ep: a local step takes that (:meth:`LocalSteps.own_estimate`, before the
+gradient's norm is taken for clipping). A synchronization's gradient is still the sum, and its
+ep-group's share of the average is ep times one rank's: the carry is multiplied by ep.
 """
 
 from __future__ import annotations
@@ -117,13 +123,19 @@ class LocalSteps:
         self._group_of: list[int] = []  # each master's optimizer group, by position
         self._index: dict[int, int] = {}  # id(master) -> its bucket
         self._copies: dict[int, int] = {}  # bucket -> its copies whose messages are summed
+        self.sums = 1  # the data-parallel ranks whose tokens each gradient sums (experts: ep)
 
-    def bind(self, masters: list[torch.Tensor], copies: dict[int, int] | None = None) -> None:
+    def bind(
+        self, masters: list[torch.Tensor], copies: dict[int, int] | None = None, sums: int = 1
+    ) -> None:
         """The bucket masters, in bucket order (each a parameter of the optimizer); ``copies``:
         per bucket held by several model-parallel ranks that sum their gradients (a layer tied
-        across pipeline stages, a sequence-parallel norm), how many."""
+        across pipeline stages, a sequence-parallel norm), how many; ``sums``: how many
+        data-parallel ranks' tokens each of this rank's gradients sums (an MoE expert's: its
+        expert-parallel group's)."""
         position = {id(p): i for i, g in enumerate(self.param_groups()) for p in g["params"]}
         self._copies = dict(copies or {})
+        self.sums = sums
         self.masters = list(masters)
         self._group_of = [position[id(m)] for m in masters]
         self.windows = [None for _ in masters]
@@ -150,6 +162,13 @@ class LocalSteps:
         """Whether this step's gradients stay on this rank."""
         return not self.schedule.syncs(self.steps + 1)
 
+    def own_estimate(self, grad: torch.Tensor) -> None:
+        """A local step's ``grad`` (this rank's, unreduced) becomes this rank's estimate of the
+        average gradient, in place: an expert's, summed over its expert-parallel group, over
+        the group's size."""
+        if self.sums != 1:
+            grad.div_(self.sums)
+
     def open_window(self, index: int) -> bool:
         """Whether bucket ``index`` stepped locally since the last synchronization."""
         window = self.windows[index]
@@ -169,9 +188,10 @@ class LocalSteps:
             return
         carry = window.progress + lr * beta1 * window.deviation
         # a summed bucket's copies stepped alike, each with the sum of their gradients: the sum
-        # of their messages must count the carry once
+        # of their messages must count the carry once; an expert's gradient in the message
+        # sums its expert-parallel group's tokens, and the carry must weigh as much
         copies = self._copies.get(index, 1)
-        carry.mul_(self.loss_scale() / (lrs * (1 - beta1) * copies))
+        carry.mul_(self.loss_scale() * self.sums / (lrs * (1 - beta1) * copies))
         wire.mul_(lr / lrs).add_(carry.to(wire.dtype))
 
     def local_step(self, index: int, grad: torch.Tensor) -> None:

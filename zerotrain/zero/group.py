@@ -423,9 +423,10 @@ def build_shard_group(
     local_steps = getattr(store.optimizer, "local_steps", None)  # 0/1 Adam's (config: stage 0)
     if local_steps is not None:
         whole = isinstance(store, DeviceShardStore) and not partition.sharded
-        _check_local_steps(options, whole)
+        _check_local_steps(whole)
         assert isinstance(store, DeviceShardStore)
-        local_steps.bind(store.master_shards(), {i: g.world_size for i, g in summed})
+        sums = (options.average_over or reduce_comm.world_size) // reduce_comm.world_size
+        local_steps.bind(store.master_shards(), {i: g.world_size for i, g in summed}, sums)
         reduction.local_steps = local_steps
     shard_group = ShardGroup(
         buckets, comm, partition, residency, reduction, store, options.model_parallel, summed
@@ -483,16 +484,14 @@ def _catch_up(
     return CatchUp(store.optimizer, store.master_shards()), compression
 
 
-def _check_local_steps(options: GroupOptions, whole_on_each_rank: bool) -> None:
+def _check_local_steps(whole_on_each_rank: bool) -> None:
     """0/1 Adam's local steps where the config cannot see them (an optimizer the script built):
     a replica steps alone only where it is whole on this rank."""
-    why = ""
     if not whole_on_each_rank:
-        why = "a replica steps alone only at zero_optimization.stage 0, without offload"
-    elif options.average_over:
-        why = "not yet with MoE experts"
-    if why:
-        raise ValueError(f"ZeroOneAdam's local steps (local_step_clipper above 1): {why}")
+        raise ValueError(
+            "ZeroOneAdam's local steps (local_step_clipper above 1): a replica steps alone only "
+            "at zero_optimization.stage 0, without offload"
+        )
 
 
 def _split_runs(

@@ -330,6 +330,7 @@ class _InPlaceReduction(GradientReduction):
         wire = bucket.require_flat_grad()
         local = self.local_steps  # 0/1 Adam's local steps (zerotrain/optim/local_steps.py)
         if local is not None and local.keeps_local():  # this rank's gradient is its step's
+            local.own_estimate(wire)
             self._pending.append(Chain([], self._arrived[index].clear))
             return
         if self.comm_dtype not in (None, wire.dtype):
