@@ -6,7 +6,8 @@ and torch DDP (with and without its PowerSGD hook) on the same link, in one run.
                                      [--micro-batch 2] [--eval-every 10]
                                      [--ranks-per-node 1] [--rows ...]
 
-Two network namespaces joined by a veth pair limited with `tc` (tests/netns.py), one rank in
+Two network namespaces joined by a veth pair limited with `tc` (tests/netns.py; with
+`--delay`, two TUN devices and the delay line of tests/delay_line.py), one rank in
 each (`--ranks-per-node 2`: two, as the hpZ rows need; `zerotrain run`, torchrun's rendezvous
 over the link), train the demo GPT of
 examples/gpt on the embedded corpus, fp32, AdamW (lr 1e-3 after 10 warm-up steps, clipping
@@ -452,7 +453,9 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--rate", default="1gbit", help="the link's rate each way (tc)")
     parser.add_argument(
-        "--delay", default=None, help="added to each packet each way (needs tc's netem)"
+        "--delay",
+        default=None,
+        help="added to each packet each way (tests/delay_line.py: up to about 2 Gbit/s here)",
     )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--micro-batch", type=int, default=2)

@@ -72,44 +72,66 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _seconds(duration: str) -> float:
+    """tc's notation for a time ("0.5ms", "100us", "1s") in seconds."""
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if duration.endswith(unit):
+            return float(duration[: -len(unit)]) * scale
+    raise ValueError(f"delay {duration!r}: give a number and us, ms or s (e.g. 0.5ms)")
+
+
+def _delay_line(interfaces: list[str], delay: str) -> subprocess.Popen:
+    """tests/delay_line.py joining two new TUN devices named ``interfaces``, each packet held
+    ``delay``: this kernel's tc has no netem (sch_netem) to delay a veth."""
+    script = str(Path(__file__).with_name("delay_line.py"))
+    line = subprocess.Popen(
+        [sys.executable, script, *interfaces, str(_seconds(delay))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ready = line.stdout.readline() if line.stdout is not None else ""
+    if ready.strip() != "ready":
+        line.kill()
+        raise RuntimeError(f"the delay line did not start (exit status {line.wait()})")
+    return line
+
+
 @contextlib.contextmanager
 def two_namespaces(rate: str = "200mbit", delay: str | None = None) -> Iterator[list[Node]]:
-    """Two namespaces joined by a veth pair limited to ``rate`` each way (tc's notation), and
-    with ``delay`` (e.g. "0.5ms") added to every packet each way when given."""
+    """Two namespaces joined by a link limited to ``rate`` each way (tc's notation): a veth
+    pair, or with ``delay`` (e.g. "0.5ms") two TUN devices whose packets a delay line
+    (tests/delay_line.py) holds that long each way."""
     tag = os.getpid() % 10_000  # concurrent runs get their own names
     names = [f"zt{tag}n{i}" for i in range(2)]
-    interfaces = [f"zt{tag}v{i}" for i in range(2)]
+    interfaces = [f"zt{tag}{'t' if delay else 'v'}{i}" for i in range(2)]
     subnet = tag % 250
     nodes = [
         Node(n, SUBNET.format(subnet, i + 1), v)
         for i, (n, v) in enumerate(zip(names, interfaces, strict=True))
     ]
+    line = None
     try:
         for node in nodes:
             _ip("netns", "add", node.name)
             _ip("-n", node.name, "link", "set", "lo", "up")
-        _ip("link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1])
+        if delay is None:
+            _ip("link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1])
+        else:
+            line = _delay_line(interfaces, delay)
         for node in nodes:
             _ip("link", "set", node.interface, "netns", node.name)
             _ip("-n", node.name, "addr", "add", f"{node.address}/24", "dev", node.interface)
+            if delay is not None:  # 64 KB packets: few for the delay line to forward
+                _ip("-n", node.name, "link", "set", node.interface, "mtu", "64000")
             _ip("-n", node.name, "link", "set", node.interface, "up")
             tc = ["ip", "netns", "exec", node.name, "tc", "qdisc", "add", "dev", node.interface]
             limit = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
-            if delay is None:
-                subprocess.run([*tc, "root", *limit], check=True, capture_output=True)
-            else:  # netem delays, the token bucket under it limits the rate
-                netem = ["root", "handle", "1:", "netem", "delay", delay, "limit", "100000"]
-                added = subprocess.run([*tc, *netem], capture_output=True, text=True)
-                if added.returncode:
-                    raise RuntimeError(
-                        f"tc cannot add a delay here ({added.stderr.strip()}): this kernel has "
-                        "no netem queueing discipline (sch_netem); run without a delay"
-                    )
-                subprocess.run(
-                    [*tc, "parent", "1:", "handle", "2:", *limit], check=True, capture_output=True
-                )
+            subprocess.run([*tc, "root", *limit], check=True, capture_output=True)
         yield nodes
     finally:
         for node in nodes:
             node.kill_everything()  # nothing outlives its namespace
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
+        if line is not None:  # its TUN devices go with it
+            line.kill()
+            line.wait()
