@@ -170,12 +170,12 @@ def worker(spec: dict, out: str) -> None:
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
     spread = torch.linspace(0, len(val_set) - 1, HELD_OUT_WINDOWS).long().tolist()
     held_x, held_y = (torch.stack(t) for t in zip(*(val_set[i] for i in spread), strict=True))
-    losses, times, wire, counted_steps, held_out = [], [], [], [], []
+    losses, times, wire, counted_steps, calls_steps, held_out = [], [], [], [], [], []
     for step in range(steps):
         first = (step * world + rank) * micro
         batch = [train_set[int(i)] for i in order[first : first + micro]]
         x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
-        sent, before = _tx_bytes(interface), counted()
+        sent, before, calls_before = _tx_bytes(interface), counted(), trainer.calls()
         start = time.perf_counter()
         # the window closes after the ranks' mean loss, a collective: what a step leaves
         # running (a parameter gather overlapped with the next forward) is timed in a window,
@@ -186,6 +186,9 @@ def worker(spec: dict, out: str) -> None:
         after = counted()
         if after is not None and before is not None:
             counted_steps.append(sum(after.values()) - sum(before.values()))
+        calls_after = trainer.calls()
+        if calls_after is not None and calls_before is not None:
+            calls_steps.append(calls_after - calls_before)
         if (step + 1) % spec["eval_every"] == 0:  # outside the window: not a step's time
             held_out.append([step, mean(trainer.evaluate(held_x, held_y))])
     import torch.distributed as dist
@@ -197,6 +200,7 @@ def worker(spec: dict, out: str) -> None:
             "times": times,
             "wire": wire,
             "counted_steps": counted_steps,
+            "calls_steps": calls_steps,
             "counted": counted(),
             "held_out": held_out,
             "decisions": trainer.decisions(),
@@ -216,6 +220,7 @@ class Trainer(NamedTuple):
     world: int
     mean: Callable[[float], float]  # over the ranks
     counted: Callable[[], dict | None]  # zerotrain's bytes sent so far, per operation
+    calls: Callable[[], int | None]  # zerotrain's collectives launched so far
     decisions: Callable[[], list[str]]  # comm_compression.auto's
 
 
@@ -274,6 +279,7 @@ def _trainer(spec: dict, model) -> Trainer:
             dist.get_world_size(),
             ddp_mean,
             lambda: None,
+            lambda: None,
             list,
         )
 
@@ -320,6 +326,9 @@ def _trainer(spec: dict, model) -> Trainer:
     def counted() -> dict:
         return {op: s.sent for op, s in comm.stats.items()}
 
+    def calls() -> int:
+        return sum(s.calls for s in comm.stats.values())
+
     def decisions() -> list[str]:
         tuner = engine.optimizer.tuners[0]
         return [d.line(engine.world_size) for d in tuner.decisions] if tuner else []
@@ -332,7 +341,14 @@ def _trainer(spec: dict, model) -> Trainer:
         return loss
 
     return Trainer(
-        zt_step, zt_evaluate, engine.global_rank, engine.world_size, zt_mean, counted, decisions
+        zt_step,
+        zt_evaluate,
+        engine.global_rank,
+        engine.world_size,
+        zt_mean,
+        counted,
+        calls,
+        decisions,
     )
 
 
@@ -488,6 +504,8 @@ def main() -> None:
     lines, figures = summarize(results, args)
     print("\n" + "\n".join(lines))
     slug = re.sub(r"\W+", "", args.rate)
+    if args.delay:  # its own file: compression_model.py fits the runs without a delay
+        slug += "_" + re.sub(r"[^\w.]+", "", args.delay)
     out = ROOT / "bench" / "results" / f"compression_{slug}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), **figures, "raw": results}, indent=1) + "\n")

@@ -7,8 +7,11 @@ extrapolated to a cluster. A model, not a measurement.
 
 Fit: every row measured at two or more link rates (bench/results/compression_*.json) gives
 step time = compute + wire bytes x 8 / (efficiency x rate): one compute time per row, one
-efficiency of the link for all. The veth adds no latency (this kernel has no netem), so alpha
-is not fitted: it is an input (`--alpha-us`, per message hop).
+efficiency of the link for all, from the runs without `--delay`. Alpha stays an input
+(`--alpha-us`, per message hop): two ranks cannot tell hops apart from calls. A run with
+`--delay` (the delay line of tests/delay_line.py) shows instead how many one-way delays each
+collective adds to a step: (its step time - the same row's without the delay) / (collectives
+per step x the delay), printed first.
 
 Extrapolation: per rank and step, each method's collectives for `--params` trainable
 parameters on `--ranks` ranks, bf16 where uncompressed (the bytes formulas below, which
@@ -49,15 +52,48 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def measured() -> dict[float, dict]:
-    """bench/compression.py's rows by link rate (bits/s)."""
+def _bits_per_second(rate: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)([kmg])bit", rate).groups()
+    return float(number) * {"k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
+def measured(delayed: bool = False) -> dict[float, dict]:
+    """bench/compression.py's results by link rate (bits/s): those without an added delay, or
+    (``delayed``) those with one."""
     out = {}
     for path in sorted(RESULTS.glob("compression_*.json")):
         data = json.loads(path.read_text())
-        rate = data["args"]["rate"]
-        number, unit = re.fullmatch(r"([\d.]+)([kmg])bit", rate).groups()
-        out[float(number) * {"k": 1e3, "m": 1e6, "g": 1e9}[unit]] = data["rows"]
+        if bool(data["args"].get("delay")) == delayed:
+            out[_bits_per_second(data["args"]["rate"])] = data
     return out
+
+
+def _seconds(duration: str) -> float:
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if duration.endswith(unit):
+            return float(duration[: -len(unit)]) * scale
+    raise ValueError(duration)
+
+
+def delays_per_collective(plain: dict[float, dict]) -> None:
+    """For each run with a delay, per row also measured without one at the same rate: the
+    one-way delays its collectives each added to a step (see the docstring)."""
+    for rate, data in measured(delayed=True).items():
+        base = plain.get(rate)
+        if base is None:
+            continue
+        delay = _seconds(data["args"]["delay"])
+        print(f"link {data['args']['rate']}, delay {data['args']['delay']} each way:")
+        for name, row in data["rows"].items():
+            calls = data["raw"][name].get("calls_steps") if name in data["raw"] else None
+            if not calls or name not in base["rows"]:
+                continue
+            per_step = sorted(calls)[len(calls) // 2]
+            added = row["step_time"] - base["rows"][name]["step_time"]
+            print(
+                f"  {name}: {added * 1e3:+.1f} ms per step, {per_step} collectives: "
+                f"{added / (per_step * delay):.2f} one-way delays each"
+            )
 
 
 def fit(runs: dict[float, dict]) -> tuple[float, dict[str, float]]:
@@ -137,7 +173,8 @@ def main() -> None:
         "--node-gbits", type=float, default=1600.0, help="the link inside a node (hpZ)"
     )
     args = parser.parse_args()
-    runs = measured()
+    runs = {rate: data["rows"] for rate, data in measured().items()}
+    delays_per_collective(measured())
     efficiency, compute = fit(runs)
     print(f"fitted on {len(runs)} link rates: link efficiency {efficiency:.2f}")
     for name, seconds in sorted(compute.items()):

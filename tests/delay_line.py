@@ -60,6 +60,10 @@ def forward(fds: list[int], delay: float) -> None:
 def main() -> None:
     first, second, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
     fds = [open_tun(first), open_tun(second)]
+    try:  # wake when a packet is due, ahead of busy training ranks (it takes ~15% of a core)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except PermissionError:
+        pass
     print("ready", flush=True)
     forward(fds, delay)
 
