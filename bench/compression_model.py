@@ -10,8 +10,9 @@ step time = compute + wire bytes x 8 / (efficiency x rate): one compute time per
 efficiency of the link for all, from the runs without `--delay`. Alpha stays an input
 (`--alpha-us`, per message hop): two ranks cannot tell hops apart from calls. A run with
 `--delay` (the delay line of tests/delay_line.py) shows instead how many one-way delays each
-collective adds to a step: (its step time - the same row's without the delay) / (collectives
-per step x the delay), printed first.
+collective adds to a step: (its step time - the same row's at `--delay 0ms`, the same TUN
+link, whose 64 KB packets cost less CPU than the veth's) / (collectives per step x the delay),
+printed first.
 
 Extrapolation: per rank and step, each method's collectives for `--params` trainable
 parameters on `--ranks` ranks, bf16 where uncompressed (the bytes formulas below, which
@@ -57,13 +58,12 @@ def _bits_per_second(rate: str) -> float:
     return float(number) * {"k": 1e3, "m": 1e6, "g": 1e9}[unit]
 
 
-def measured(delayed: bool = False) -> dict[float, dict]:
-    """bench/compression.py's results by link rate (bits/s): those without an added delay, or
-    (``delayed``) those with one."""
+def measured() -> dict[float, dict]:
+    """bench/compression.py's results without `--delay`, by link rate (bits/s)."""
     out = {}
     for path in sorted(RESULTS.glob("compression_*.json")):
         data = json.loads(path.read_text())
-        if bool(data["args"].get("delay")) == delayed:
+        if not data["args"].get("delay"):
             out[_bits_per_second(data["args"]["rate"])] = data
     return out
 
@@ -75,17 +75,22 @@ def _seconds(duration: str) -> float:
     raise ValueError(duration)
 
 
-def delays_per_collective(plain: dict[float, dict]) -> None:
-    """For each run with a delay, per row also measured without one at the same rate: the
-    one-way delays its collectives each added to a step (see the docstring)."""
-    for rate, data in measured(delayed=True).items():
-        base = plain.get(rate)
-        if base is None:
+def delays_per_collective() -> None:
+    """For each run with a delay, per row also measured at a delay of 0 on the same link rate:
+    the one-way delays its collectives each added to a step (see the docstring)."""
+    runs: dict[tuple[float, float], dict] = {}
+    for path in sorted(RESULTS.glob("compression_*.json")):
+        data = json.loads(path.read_text())
+        if data["args"].get("delay"):
+            rate = _bits_per_second(data["args"]["rate"])
+            runs[rate, _seconds(data["args"]["delay"])] = data
+    for (rate, delay), data in sorted(runs.items()):
+        base = runs.get((rate, 0.0))
+        if delay == 0 or base is None:
             continue
-        delay = _seconds(data["args"]["delay"])
-        print(f"link {data['args']['rate']}, delay {data['args']['delay']} each way:")
+        print(f"link {data['args']['rate']}, delay {data['args']['delay']} each way, against 0:")
         for name, row in data["rows"].items():
-            calls = data["raw"][name].get("calls_steps") if name in data["raw"] else None
+            calls = data["raw"][name].get("calls_steps")
             if not calls or name not in base["rows"]:
                 continue
             per_step = sorted(calls)[len(calls) // 2]
@@ -173,8 +178,8 @@ def main() -> None:
         "--node-gbits", type=float, default=1600.0, help="the link inside a node (hpZ)"
     )
     args = parser.parse_args()
+    delays_per_collective()
     runs = {rate: data["rows"] for rate, data in measured().items()}
-    delays_per_collective(measured())
     efficiency, compute = fit(runs)
     print(f"fitted on {len(runs)} link rates: link efficiency {efficiency:.2f}")
     for name, seconds in sorted(compute.items()):
