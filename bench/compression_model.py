@@ -44,12 +44,16 @@ import argparse
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 from zerotrain.compression.auto import AutoOptions
 from zerotrain.config.compression import AUTO_DEFAULT_METHOD
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from netns import seconds as tc_seconds  # noqa: E402  (tc's notation of the runs' --delay)
+
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -68,13 +72,6 @@ def measured() -> dict[float, dict]:
     return out
 
 
-def _seconds(duration: str) -> float:
-    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
-        if duration.endswith(unit):
-            return float(duration[: -len(unit)]) * scale
-    raise ValueError(duration)
-
-
 def delays_per_collective() -> None:
     """For each run with a delay, per row also measured at a delay of 0 on the same link rate:
     the one-way delays its collectives each added to a step (see the docstring)."""
@@ -83,7 +80,7 @@ def delays_per_collective() -> None:
         data = json.loads(path.read_text())
         if data["args"].get("delay"):
             rate = _bits_per_second(data["args"]["rate"])
-            runs[rate, _seconds(data["args"]["delay"])] = data
+            runs[rate, tc_seconds(data["args"]["delay"])] = data
     for (rate, delay), data in sorted(runs.items()):
         base = runs.get((rate, 0.0))
         if delay == 0 or base is None:

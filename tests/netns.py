@@ -72,7 +72,7 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def _seconds(duration: str) -> float:
+def seconds(duration: str) -> float:
     """tc's notation for a time ("0.5ms", "100us", "1s") in seconds."""
     for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
         if duration.endswith(unit):
@@ -85,7 +85,7 @@ def _delay_line(interfaces: list[str], delay: str) -> subprocess.Popen:
     ``delay``: this kernel's tc has no netem (sch_netem) to delay a veth."""
     script = str(Path(__file__).with_name("delay_line.py"))
     line = subprocess.Popen(
-        [sys.executable, script, *interfaces, str(_seconds(delay))],
+        [sys.executable, script, *interfaces, str(seconds(delay))],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -103,7 +103,7 @@ def two_namespaces(rate: str = "200mbit", delay: str | None = None) -> Iterator[
     (tests/delay_line.py) holds that long each way."""
     tag = os.getpid() % 10_000  # concurrent runs get their own names
     names = [f"zt{tag}n{i}" for i in range(2)]
-    interfaces = [f"zt{tag}{'t' if delay else 'v'}{i}" for i in range(2)]
+    interfaces = [f"zt{tag}{'v' if delay is None else 't'}{i}" for i in range(2)]
     subnet = tag % 250
     nodes = [
         Node(n, SUBNET.format(subnet, i + 1), v)
