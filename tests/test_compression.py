@@ -171,6 +171,70 @@ def test_acp_sgd_alternates_the_factor_it_sends():
         assert relative_error(flat[:120].view(12, 10), rebuilt) < 1e-6, step
 
 
+@pytest.mark.parametrize("method", ["powersgd", "acp_sgd"])
+def test_embedding_tables_travel_whole_unless_asked(method):
+    """A matrix the bucket marks as an embedding table is all-reduced whole under the low-rank
+    methods (a batch's gradient of one is nonzero in its tokens' rows only);
+    ``compress_embeddings`` sends it as factors like any other matrix."""
+    bucket = BucketShape(240, [(0, (12, 10)), (120, (12, 10))], frozenset({120}))
+    for compress in (False, True):
+        options = GradientCompression(
+            method=method, rank=2, min_numel=0, compress_embeddings=compress
+        )
+        codec = LowRankCodec(Communicator(), [bucket], options)
+        assert [m.offset for m in codec.matrices[0]] == ([0, 120] if compress else [0])
+        grad = torch.randn(240)
+        flat = grad.clone()
+        codec.all_reduce(0, flat).wait()
+        assert torch.equal(flat[120:], grad[120:]) != compress
+        assert not torch.equal(flat[:120], grad[:120])
+
+
+class TiedEmbedding(nn.Module):
+    """Tokens to logits through an embedding table that the output layer shares."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(tokens)))).logsumexp(-1).mean()
+
+
+def compressed_matrices() -> dict[bool, set[str]]:
+    """Per ``compress_embeddings``: the names of the parameters PowerSGD sends as factors when
+    the engine trains :class:`TiedEmbedding` (one step, so the path runs)."""
+    import zerotrain
+
+    out = {}
+    for compress in (False, True):
+        gradients = {"method": "powersgd", "rank": 2, "min_numel": 0}
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": None,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "comm_compression": {"gradients": {**gradients, "compress_embeddings": compress}},
+        }
+        engine = zerotrain.initialize(model=TiedEmbedding(), config=config)[0]
+        engine.backward(engine(torch.randint(16, (4, 5))))
+        engine.step()
+        group = engine.optimizer.groups[0]
+        names = {(i, s.offset): s.name for i, b in enumerate(group.buckets) for s in b.slots}
+        matrices = group.reduction.codec.matrices
+        out[compress] = {names[i, m.offset] for i, mats in enumerate(matrices) for m in mats}
+    return out
+
+
+def test_the_engine_marks_embedding_tables_and_the_layers_tied_to_them():
+    """2 ranks, PowerSGD: the embedding table, which the output layer shares, travels whole
+    unless ``compress_embeddings``; the other matrix goes as factors either way."""
+    for per_rank in run_distributed(compressed_matrices, 2):
+        assert per_rank == {False: {"mix.weight"}, True: {"mix.weight", "embed.weight"}}
+
+
 def test_a_matrix_whose_factors_are_not_smaller_travels_whole():
     assert not matrices_codec("powersgd", 6).matrices[0]  # (12 + 10) x 6 > 120
     assert matrices_codec("powersgd", 5).matrices[0]

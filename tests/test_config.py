@@ -243,6 +243,7 @@ def test_defaults_match_deepspeed() -> None:
                 "warmup_steps": 0,
                 "error_feedback": True,
                 "min_numel": 1024,
+                "compress_embeddings": False,
                 "block_size": 256,
                 "catch_up": True,
             },

@@ -176,7 +176,9 @@ def _pieces(bucket: BucketShape, world: int) -> list[BucketShape]:
         start = params[0][0]
         end = params[-1][0] + math.prod(params[-1][1])
         padded = -(-(end - start) // world) * world
-        pieces.append(BucketShape(padded, [(offset - start, shape) for offset, shape in params]))
+        shifted = [(offset - start, shape) for offset, shape in params]
+        embeddings = frozenset(o - start for o, _ in params if o in bucket.embeddings)
+        pieces.append(BucketShape(padded, shifted, embeddings))
     return pieces
 
 

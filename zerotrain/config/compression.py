@@ -50,6 +50,10 @@ class GradientCompressionConfig(Section):
     min_numel: NonNegativeInt = 1024
     """Parameters with fewer elements (biases, norms) travel whole with the low-rank and sparse
     methods; so do vectors with the low-rank ones."""
+    compress_embeddings: bool = False
+    """powersgd / acp_sgd: send embedding tables (`nn.Embedding` weights, and layers tied to
+    them) as factors too. By default they travel whole: a batch's gradient of one is nonzero
+    in its tokens' rows only, which few factors represent badly."""
     block_size: PositiveInt = 256
     """int8 / int4: elements per quantization block, each with its own fp32 scale."""
     catch_up: bool = True
@@ -163,6 +167,7 @@ _GRADIENT_KEYS = {
     "ratio": ("topk", "gtopk"),
     "error_feedback": ("powersgd", "acp_sgd", "topk", "gtopk"),
     "min_numel": ("powersgd", "acp_sgd", "topk", "gtopk"),
+    "compress_embeddings": ("powersgd", "acp_sgd"),
     "block_size": ("int8", "int4"),
     "warmup_steps": ("powersgd", "acp_sgd", "topk", "gtopk", "int8", "int4"),
 }

@@ -411,6 +411,7 @@ def build_shard_group(
         on_bucket_reduced=store.take_reduced,
         average_over=options.average_over,
         compression=compression,
+        embeddings={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)},
     )
     summed = [
         (index, group)

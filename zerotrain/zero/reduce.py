@@ -34,7 +34,7 @@ accumulation gathered.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import ClassVar
 
 import torch
@@ -70,12 +70,18 @@ class GradientReduction(ABC):
         on_bucket_reduced: Callable[[int, torch.Tensor], None] = _nothing,
         average_over: int | None = None,
         compression: GradientCompression | None = None,
+        embeddings: Collection[int] = (),
     ):
         self.buckets = buckets
         self.comm = comm
-        # how each bucket travels: the backend's collectives, or compressed ones
+        # how each bucket travels: the backend's collectives, or compressed ones; the
+        # ``embeddings`` (ids of embedding tables) are whole under the low-rank methods
         shapes = [
-            BucketShape(b.numel_padded, [(s.offset, tuple(s.shape)) for s in b.slots])
+            BucketShape(
+                b.numel_padded,
+                [(s.offset, tuple(s.shape)) for s in b.slots],
+                frozenset(s.offset for s in b.slots if id(s.param) in embeddings),
+            )
             for b in buckets
         ]
         self.shapes = shapes
