@@ -10,9 +10,8 @@ step time = compute + wire bytes x 8 / (efficiency x rate): one compute time per
 efficiency of the link for all, from the runs without `--delay`. Alpha stays an input
 (`--alpha-us`, per message hop): two ranks cannot tell hops apart from calls. A run with
 `--delay` (the delay line of tests/delay_line.py) shows instead how many one-way delays each
-collective adds to a step: (its step time - the same row's at `--delay 0ms`, the same TUN
-link, whose 64 KB packets cost less CPU than the veth's) / (collectives per step x the delay),
-printed first.
+collective adds to a step: (its step time - the same row's at `--delay 0ms`, on the same TUN
+path) / (collectives per step x the delay), printed first.
 
 Extrapolation: per rank and step, each method's collectives for `--params` trainable
 parameters on `--ranks` ranks, bf16 where uncompressed (the bytes formulas below, which

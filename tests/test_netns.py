@@ -92,3 +92,8 @@ def test_the_link_has_its_rate_and_its_delay(delay):
         assert measured["round_trip"] < 1e-3, measured
     else:
         assert 4e-3 <= measured["round_trip"] < 10e-3, measured
+
+
+if __name__ == "__main__":  # the link's figures: sudo python tests/test_netns.py RATE [DELAY]
+    with two_namespaces(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None) as nodes:
+        print(_measure(nodes))
