@@ -22,10 +22,10 @@ Parameters smaller than ``min_numel`` elements (biases, norms) and vectors trave
 the compressed call's own all-reduce, and so do embedding tables under the low-rank methods
 unless ``compress_embeddings``: a batch's gradient of one has nonzero rows for its tokens
 only, which few factors represent badly (measured on the demo GPT: PowerSGD at rank 16 ends
-+1.2% above uncompressed training with its embeddings whole, +2.9% with them compressed). The first ``warmup_steps`` optimizer steps are not
-compressed at all. A compressed reduction that needs a second collective issues it when the
-first completes (inside ``wait``): every rank waits for its buckets in the same order, so
-the collectives still match.
++1.3% above uncompressed training with its embeddings whole, +2.9% with them compressed).
+The first ``warmup_steps`` optimizer steps are not compressed at all. A compressed reduction
+that needs a second collective issues it when the first completes (inside ``wait``): every
+rank waits for its buckets in the same order, so the collectives still match.
 """
 
 from __future__ import annotations
