@@ -61,25 +61,24 @@ def _bits_per_second(rate: str) -> float:
     return float(number) * {"k": 1e3, "m": 1e6, "g": 1e9}[unit]
 
 
-def measured() -> dict[float, dict]:
-    """bench/compression.py's results without `--delay`, by link rate (bits/s)."""
-    out = {}
-    for path in sorted(RESULTS.glob("compression_*.json")):
-        data = json.loads(path.read_text())
-        if not data["args"].get("delay"):
-            out[_bits_per_second(data["args"]["rate"])] = data
-    return out
+def results() -> list[dict]:
+    """bench/compression.py's results, each run's file."""
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("compression_*.json"))]
 
 
-def delays_per_collective() -> None:
-    """For each run with a delay, per row also measured at a delay of 0 on the same link rate:
-    the one-way delays its collectives each added to a step (see the docstring)."""
-    runs: dict[tuple[float, float], dict] = {}
-    for path in sorted(RESULTS.glob("compression_*.json")):
-        data = json.loads(path.read_text())
-        if data["args"].get("delay"):
-            rate = _bits_per_second(data["args"]["rate"])
-            runs[rate, tc_seconds(data["args"]["delay"])] = data
+def measured(runs: list[dict]) -> dict[float, dict]:
+    """Of ``runs``, those without `--delay`, by link rate (bits/s)."""
+    return {_bits_per_second(r["args"]["rate"]): r for r in runs if not r["args"].get("delay")}
+
+
+def delays_per_collective(results: list[dict]) -> None:
+    """For each of ``results`` with a delay, per row also measured at a delay of 0 on the same
+    link rate: the one-way delays its collectives each added to a step (see the docstring)."""
+    runs = {
+        (_bits_per_second(r["args"]["rate"]), tc_seconds(r["args"]["delay"])): r
+        for r in results
+        if r["args"].get("delay")
+    }
     for (rate, delay), data in sorted(runs.items()):
         base = runs.get((rate, 0.0))
         if delay == 0 or base is None:
@@ -174,8 +173,9 @@ def main() -> None:
         "--node-gbits", type=float, default=1600.0, help="the link inside a node (hpZ)"
     )
     args = parser.parse_args()
-    delays_per_collective()
-    runs = {rate: data["rows"] for rate, data in measured().items()}
+    every = results()
+    delays_per_collective(every)
+    runs = {rate: data["rows"] for rate, data in measured(every).items()}
     efficiency, compute = fit(runs)
     print(f"fitted on {len(runs)} link rates: link efficiency {efficiency:.2f}")
     for name, seconds in sorted(compute.items()):

@@ -12,8 +12,6 @@ collective sees it). Needs root and iproute2.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -66,16 +64,8 @@ def main() -> None:
     print(f"| link, {args.rate} | {header} |\n|---|{'---|' * len(CASES)}")
     for delay in [None, *args.delays]:
         with two_namespaces(args.rate, delay) as nodes:
-            command = [sys.executable, __file__, "--worker", nodes[0].address]
             processes = [
-                subprocess.Popen(
-                    ["ip", "netns", "exec", node.name, *command, str(rank)],
-                    env={**os.environ, "GLOO_SOCKET_IFNAME": node.interface},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
+                node.python(__file__, "--worker", nodes[0].address, str(rank))
                 for rank, node in enumerate(nodes)
             ]
             outputs = [output_or_kill(p, 300, f"rank {r}") for r, p in enumerate(processes)]

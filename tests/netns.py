@@ -50,14 +50,18 @@ class Node:
 
     def run(self, *args: str, **popen) -> subprocess.Popen:
         """``zerotrain run ARGS`` inside the namespace, in its own process group."""
+        return self.python("-m", "zerotrain.cli", "run", *args, **popen)
+
+    def python(self, *args: str, **popen) -> subprocess.Popen:
+        """``python ARGS`` inside the namespace, in its own process group (which
+        tests/launched.py's ``output_or_kill`` kills), its gloo on the link, its output piped."""
         env = {
             **os.environ,
             "GLOO_SOCKET_IFNAME": self.interface,  # the link to the other node
             "PYTHONUNBUFFERED": "1",
         }
-        command = ["ip", "netns", "exec", self.name, sys.executable, "-m", "zerotrain.cli"]
         return subprocess.Popen(
-            [*command, "run", *args],
+            ["ip", "netns", "exec", self.name, sys.executable, *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

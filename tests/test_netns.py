@@ -5,7 +5,6 @@ slow-link benchmarks run over: its rate limit, and the delay the delay line
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -58,21 +57,8 @@ print(json.dumps({{"round_trip": sorted(trips)[len(trips) // 2], "rate": rate}})
 
 def _measure(nodes) -> dict[str, float]:
     receiver, sender = nodes[1], nodes[0]
-    python = [sys.executable, "-c"]
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", receiver.name, *python, RECEIVER, receiver.address],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # output_or_kill kills its session
-    )
-    client = subprocess.Popen(
-        ["ip", "netns", "exec", sender.name, *python, SENDER, receiver.address],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # output_or_kill kills its session
-    )
+    server = receiver.python("-c", RECEIVER, receiver.address)
+    client = sender.python("-c", SENDER, receiver.address)
     output = output_or_kill(client, 60, "the sending node")
     output_or_kill(server, 10, "the receiving node")
     assert client.returncode == 0, output
