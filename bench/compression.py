@@ -109,6 +109,8 @@ ROWS = {
     "DDP, 4 MB buckets": {"kind": "ddp", "bucket_cap_mb": 4},  # as the 1M-element rows
     "zerotrain s0": zt(0),
     "zerotrain s0 powersgd r4": zt(0, {"method": "powersgd", "rank": 4}),
+    # rank 16: a sixteenth of the demo GPT's width, within 2% of uncompressed (convergence.py)
+    "zerotrain s0 powersgd r16": zt(0, {"method": "powersgd", "rank": 16}),
     "zerotrain s0 auto": zt(0, auto=True),
     # buckets of 1M elements: the first ones reduce while backward goes on (the default 500M
     # makes the demo GPT one bucket, reduced after backward)
@@ -120,6 +122,7 @@ ROWS = {
     "zerotrain s0 ZeroOneAdam, local steps to 8": zt(0, optimizer=ZERO_ONE_LOCAL),
     "zerotrain s1": zt(1),
     "zerotrain s1 powersgd r4 + int4 params": zt(1, {"method": "powersgd", "rank": 4}, "int4"),
+    "zerotrain s1 powersgd r16 + int4 params": zt(1, {"method": "powersgd", "rank": 16}, "int4"),
     "zerotrain s1 acp_sgd r4 + int4 params": zt(1, {"method": "acp_sgd", "rank": 4}, "int4"),
     "zerotrain s1 int8 + int8 params": zt(1, {"method": "int8"}, "int8"),
     "zerotrain s1 auto": zt(1, auto=True),

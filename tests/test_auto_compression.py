@@ -171,7 +171,7 @@ SLOW = Link(alpha=1e-4, beta=1e5)  # 0.8 Mb/s: every policy that sends less pays
 FAST = Link(alpha=0.0, beta=1e15)  # the wire is free: the codecs' own compute decides
 
 
-def auto_engine(stage: int, comm_compression: dict, recheck: int = 0):
+def auto_engine(stage: int, comm_compression: dict, recheck: int = 0, optimizer: str = "Adam"):
     import zerotrain
 
     torch.manual_seed(0)
@@ -179,7 +179,7 @@ def auto_engine(stage: int, comm_compression: dict, recheck: int = 0):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": None,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "optimizer": {"type": optimizer, "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage},
         "comm_compression": {"auto": True, "auto_recheck_steps": recheck, **comm_compression},
     }
@@ -285,6 +285,14 @@ def tuner_runs(tmp: str) -> dict:
     out["resumed undecided"] = resumed(tmp, "undecided", powersgd, seconds, 3, 12)
     slower = {"uncompressed": 1.0, "powersgd": 1.5}
     out["resumed unchecked"] = resumed(tmp, "unchecked", powersgd, slower, 8, 10)
+    # top-k chosen: its codec counts each arrival's steps for an Adam, which catches up on
+    # them, and not for SGD, which takes the sparse gradients as they come
+    out["counts arrivals"] = {}
+    for optimizer in ("Adam", "SGD"):
+        engine = auto_engine(1, {"gradients": {"method": "topk"}}, optimizer=optimizer)
+        tuner = engine.optimizer.tuners[0]
+        tuner.use(next(p for p in tuner.options.policies if p.name == "topk"))
+        out["counts arrivals"][optimizer] = engine.optimizer.group.reduction.codec.counting
     # the real clock and probe on this machine's loopback: a decision with its numbers
     engine = auto_engine(1, {})
     train(engine, 8, torch.Generator().manual_seed(rank))
@@ -304,7 +312,7 @@ def tuned(tmp_path_factory) -> list[dict]:
 
 def test_every_rank_decides_alike(tuned):
     for name in tuned[0]:
-        if not name.startswith("resumed") and name != "real":
+        if not name.startswith("resumed") and name not in ("real", "counts arrivals"):
             assert tuned[0][name]["decisions"] == tuned[1][name]["decisions"], name
 
 
@@ -401,3 +409,8 @@ def test_the_real_probe_and_clock_decide(tuned):
     assert step == 6 and link.beta > 0
     assert set(predicted) == set(sent) == set(POLICIES)
     assert sent["int8 + int8 params"] < sent["uncompressed"]
+
+
+def test_top_k_chosen_counts_arrivals_only_for_an_adam_that_catches_up(tuned):
+    for run in tuned:
+        assert run["counts arrivals"] == {"Adam": True, "SGD": False}

@@ -133,6 +133,28 @@ def test_the_codec_counts_the_steps_each_arrival_carries():
     assert codec.steps == 5
 
 
+def test_an_element_sent_before_a_later_micro_batch_counts_that_micro_batchs_step():
+    """Stages 2-3 reduce each micro-batch. Top-k of 3 in 12: step 0's first micro-batch sends
+    elements 0-2, its second 3-5, so 0-2's residuals hold step 0's second micro-batch's
+    gradient and their next arrival carries 2 steps; 3-5's carried 1. A backward that raised
+    drops its arrivals."""
+    shapes = [BucketShape(12, [(0, (12,))])]
+    options = GradientCompression(method="topk", ratio=0.25, min_numel=0)
+    codec = SparseCodec(Communicator(), shapes, options)
+    first, second = torch.full((12,), 0.01), torch.full((12,), 0.01)
+    first[:3], second[3:6] = 10.0, 10.0
+    for micro_batch in (first, second):
+        codec.all_reduce(0, micro_batch.clone()).wait()
+    assert torch.equal(dense(codec.catch_up(0), 12), torch.tensor([1.0] * 6 + [0.0] * 6))
+    codec.end_step()
+    again = torch.zeros(12)
+    again[:3] = 10.0
+    codec.all_reduce(0, again).wait()
+    assert torch.equal(dense(codec.catch_up(0), 12), torch.tensor([2.0] * 3 + [0.0] * 9))
+    codec.abort_backward()
+    assert codec.catch_up(0) is None
+
+
 ADAMW = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": DECAY}}
 CASES = {  # name: (stage, comm_compression.gradients)
     "s0": (0, {}),
@@ -302,3 +324,7 @@ def test_catch_up_set_where_it_does_nothing_is_a_config_error():
             load_config(config, world_size=2)
         del config["comm_compression"]["gradients"]["catch_up"]
         load_config(config, world_size=2)  # left at its default: no error
+    # false where no method reads it is refused too, naming the methods it acts on
+    config = {**base, "comm_compression": {"gradients": {"method": "int8", "catch_up": False}}}
+    with pytest.raises(ConfigError, match="catch_up: acts on topk, gtopk, and gradients.method"):
+        load_config(config, world_size=2)

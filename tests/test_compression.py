@@ -497,6 +497,17 @@ def codec_checks() -> dict:
         0, flat
     ).wait()
     out["int8 all_reduce"] = (flat, want)
+    # bf16 gradients: the factors and chosen values travel in fp32, what travels whole (the
+    # vector and the padding) in bf16, summed as uncompressed bf16 training sums it
+    for method in ("powersgd", "acp_sgd", "topk", "gtopk"):
+        world.reset_stats()
+        options = GradientCompression(method=method, rank=2, ratio=0.1, min_numel=0)
+        flat = grads.bfloat16()
+        make_codec(options, world, [shape]).all_reduce(0, flat).wait()
+        sent = {op: s.sent for op, s in world.stats.items()}
+        summed = grads[96:].bfloat16()
+        world.all_reduce(summed)
+        out[f"bf16 {method}"] = (sent, flat[96:], summed)
     return out
 
 
@@ -565,6 +576,28 @@ def test_compressed_bytes_against_their_formulas(codec_runs):
         torch.equal(r["int8 all_reduce"][0], codec_runs[0]["int8 all_reduce"][0])
         for r in codec_runs
     )
+
+
+def test_what_travels_whole_keeps_the_gradients_16_bit_dtype(codec_runs):
+    """bf16 gradients on 4 ranks (a 12 x 8 matrix at rank 2, then 5 + 3 elements of vector and
+    padding; for top-k 101 compressed elements, k = 11): the factors and the chosen values
+    travel in fp32, what travels whole in bf16, in a collective of its own, and is summed as
+    uncompressed bf16 training sums it."""
+    k = math.ceil(0.1 * 101)
+    ring = lambda n, size: 2 * n * size * 3 // 4  # noqa: E731 (an all-reduce's bytes sent)
+    sent = {
+        "powersgd": ring(12 * 2, 4) + ring(8 * 2, 4) + ring(8, 2),  # P, then Q
+        "acp_sgd": ring(12 * 2, 4) + ring(8, 2),  # P alone at its first step
+        "topk": 3 * 2 * k * 4 + ring(3, 2),  # the vector is compressed too (min_numel 0)
+        "gtopk": 2 * 2 * k * 4 + ring(k, 4) + ring(3, 2),
+    }
+    for run in codec_runs:
+        for method, want_sent in sent.items():
+            stats, got, want = run[f"bf16 {method}"]
+            assert sum(stats.values()) == want_sent, (method, stats)
+            assert got.dtype == torch.bfloat16
+            whole = slice(0, 8) if method in ("powersgd", "acp_sgd") else slice(5, 8)
+            assert torch.equal(got[whole], want[whole]), method
 
 
 # -- training through the engine -----------------------------------------------------------------

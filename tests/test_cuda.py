@@ -142,3 +142,53 @@ def test_offload_on_gpu_trains_as_in_memory(tmp_path):
         assert got["error"] < tolerance, (key, got)
         assert got["offloaded"] > 0, key
         assert got["param_devices"] == {"cuda"}, key
+
+
+def test_gtopk_merges_sparse_vectors_on_the_gpu():
+    from zerotrain.compression.sparse import merge
+
+    a = (torch.tensor([0, 2, 5], device="cuda"), torch.tensor([1.0, -4.0, 2.0], device="cuda"))
+    b = (torch.tensor([2, 3, 5], device="cuda"), torch.tensor([1.0, 0.5, 2.5], device="cuda"))
+    indices, values = merge(a, b, 2)
+    assert values.device.type == "cuda"
+    assert indices.tolist() == [2, 5] and values.tolist() == [-3.0, 4.5]
+
+
+@pytest.mark.parametrize("method", ["topk", "gtopk", "powersgd", "acp_sgd", "onebit"])
+def test_codec_state_read_to_the_host_resumes_on_the_gpu(tmp_path, method):
+    """Checkpoints are read with map_location="cpu": a codec given its state on the host
+    continues on GPU gradients as the codec it was saved from (one process: each collective
+    is a copy)."""
+    import math
+
+    from zerotrain.comm import Communicator
+    from zerotrain.compression import BucketShape, GradientCompression
+    from zerotrain.compression.codec import LowRankCodec, OneBitCodec, SparseCodec
+
+    shape = (16, 12)
+    bucket = BucketShape(math.prod(shape) + 8, [(0, shape), (math.prod(shape), (8,))])
+    options = GradientCompression(method=method, rank=2, ratio=0.1, min_numel=0, block_size=8)
+    kinds = {"topk": SparseCodec, "gtopk": SparseCodec, "onebit": OneBitCodec}
+    build = lambda: kinds.get(method, LowRankCodec)(Communicator(), [bucket], options)  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(bucket.numel_padded, generator=gen).cuda() for _ in range(4)]
+
+    def step(codec, grad):
+        flat = grad.clone()
+        codec.all_reduce(0, flat).wait()
+        arrivals = codec.catch_up(0)
+        codec.end_step()
+        return flat, arrivals
+
+    straight = build()
+    for grad in grads[:2]:
+        step(straight, grad)
+    torch.save(straight.state_dict(), tmp_path / "codec.pt")
+    resumed = build()
+    resumed.load_state_dict(torch.load(tmp_path / "codec.pt", map_location="cpu"), steps=2)
+    for grad in grads[2:]:
+        want, want_arrivals = step(straight, grad)
+        got, got_arrivals = step(resumed, grad)
+        assert got.device.type == "cuda" and torch.equal(got, want), method
+        if want_arrivals is not None:
+            assert all(map(torch.equal, got_arrivals, want_arrivals)), method

@@ -12,15 +12,18 @@ stage 0) or leaves this rank's piece of the sum in a shard (``reduce_scatter``, 
   bytes of the gradient direction, not its shape. Their error feedback keeps, per rank, what
   the compression left out and adds it to the next gradient (one fp32 copy of the compressed
   parameters' gradients per rank, counted by ``memory_breakdown()["compression"]``).
-* quantized (:class:`QuantizedCodec`, int8 and int4, quantize.py) reduce-scatters in two
-  hops, as ZeRO++'s qgZ (arXiv:2306.10209 §4.2): each rank quantizes the N pieces of its
-  gradient per block, an all-to-all delivers every piece to its owner, who dequantizes and
-  sums them in fp32. The error is one quantization per addend, not one per hop of a ring.
+* quantized (:class:`QuantizedCodec`, int8 and int4, quantize.py) reduce-scatter with one
+  all-to-all of quantized pieces, the exchange of ZeRO++'s qgZ (arXiv:2306.10209 §4.2): each
+  rank quantizes the N pieces of its gradient per block, the all-to-all delivers every piece
+  to its owner, who dequantizes and sums them in fp32. The error is one quantization per
+  addend, not one per hop of a ring. qgZ's hierarchy (an all-to-all inside each node, then
+  one across nodes, to cut the bytes between nodes further) is not built: one all-to-all
+  spans the group.
   At stage 0 the owner then quantizes its summed piece and all-gathers it; every rank,
   the owner too, uses the dequantized values, so the replicas stay equal.
 Parameters smaller than ``min_numel`` elements (biases, norms) and vectors travel whole in
-the compressed call's own all-reduce, and so do embedding tables under the low-rank methods
-unless ``compress_embeddings``: a batch's gradient of one has nonzero rows for its tokens
+the compressed call's own all-reduce (16-bit gradients: in an all-reduce of their own, in
+their dtype), and so do embedding tables under the low-rank methods unless ``compress_embeddings``: a batch's gradient of one has nonzero rows for its tokens
 only, which few factors represent badly (measured on the demo GPT: PowerSGD at rank 16 ends
 +1.3% above uncompressed training with its embeddings whole, +2.9% with them compressed).
 The first ``warmup_steps`` optimizer steps are not compressed at all. A compressed reduction
@@ -119,11 +122,11 @@ class Chain:
 Ranges = list[tuple[int, int]]
 
 
-def _take(flat: torch.Tensor, ranges: Ranges) -> torch.Tensor:
-    """The elements of ``ranges`` ([start, end) each) of ``flat``, one fp32 vector."""
+def _take(flat: torch.Tensor, ranges: Ranges, dtype=torch.float32) -> torch.Tensor:
+    """The elements of ``ranges`` ([start, end) each) of ``flat``, one vector of ``dtype``."""
     if not ranges:
-        return flat.new_zeros(0, dtype=torch.float32)
-    return torch.cat([flat[a:b] for a, b in ranges]).float()
+        return flat.new_zeros(0, dtype=dtype)
+    return torch.cat([flat[a:b] for a, b in ranges]).to(dtype)
 
 
 def _put(flat: torch.Tensor, ranges: Ranges, values: torch.Tensor) -> None:
@@ -165,6 +168,11 @@ class GradientCodec:
 
     def end_step(self) -> None:
         self.steps += 1
+
+    def abort_backward(self) -> None:
+        """A backward raised (see ``abort_backward`` in zerotrain/zero/reduce.py): its
+        accumulation's reduced gradients are dropped, so nothing arrived this step. What
+        error feedback kept from its reductions stays kept (ranks agree on it all the same)."""
 
     def skip_step(self) -> None:
         """The optimizer skipped this step (a non-finite gradient): the warm-up does not count
@@ -270,12 +278,29 @@ class _Compressing(GradientCodec):
         return Chain([self._all_reduce(index, flat)], keep_piece)
 
     def _exact_all_reduce(self, flat: torch.Tensor, exact: Ranges, name: str) -> Pending | None:
-        """The parameters that travel whole, summed in place (None: there are none)."""
+        """The parameters that travel whole, summed in place in the gradients' own dtype, as
+        uncompressed training sums them (None: there are none)."""
         if not exact:
             return None
-        values = _take(flat, exact)
+        values = _take(flat, exact, flat.dtype)
         op = self.comm.all_reduce(values, async_op=True, name=name)
         return op.then(lambda: _put(flat, exact, values))
+
+    def _all_reduce_with_exact(
+        self, payload: torch.Tensor, flat: torch.Tensor, exact: Ranges, name: str
+    ) -> tuple[list[Pending], torch.Tensor]:
+        """All-reduce the fp32 ``payload`` and the parameters that travel whole (put back into
+        ``flat`` as they arrive): fp32 gradients in one collective, 16-bit ones in two, so
+        that the whole ones travel at 16 bits. Returns the operations and the summed payload
+        (final once they complete)."""
+        if flat.dtype != torch.float32:
+            ops: list[Pending] = [self.comm.all_reduce(payload, async_op=True, name=name)]
+            exact_op = self._exact_all_reduce(flat, exact, name)
+            return ops + ([exact_op] if exact_op is not None else []), payload
+        n = len(payload)
+        wire = torch.cat([payload, _take(flat, exact)])
+        op = self.comm.all_reduce(wire, async_op=True, name=name)
+        return [op.then(lambda: _put(flat, exact, wire[n:]))], wire[:n]
 
 
 class LowRankCodec(_Compressing):
@@ -314,21 +339,20 @@ class LowRankCodec(_Compressing):
             mat.p, mat.q = mat.p.to(flat.device), mat.q.to(flat.device)
         feedback = self.options.error_feedback
         ms = [mat.matrix(flat, feedback) for mat in mats]
-        exact = self.exact[index]
         if self.alternating:
             sends_p = self.sends_p[index]
             self.sends_p[index] = not sends_p
             bases = [orthonormalize(mat.q if sends_p else mat.p) for mat in mats]
             factors = [m @ b if sends_p else m.T @ b for m, b in zip(ms, bases, strict=True)]
-        else:  # Q orthonormalized first: subspace iteration, not a power iteration whose
-            # columns would all turn towards the top singular vector (PowerSGD's Algorithm 1)
+        else:  # Q orthonormalized first, for conditioning (see the note)
             factors = [m @ orthonormalize(mat.q) for m, mat in zip(ms, mats, strict=True)]
-        wire = torch.cat([f.reshape(-1) for f in factors] + [_take(flat, exact)])
-        op = self.comm.all_reduce(wire, async_op=True, name=self.method)
+        payload = torch.cat([f.reshape(-1) for f in factors])
+        ops, summed_payload = self._all_reduce_with_exact(
+            payload, flat, self.exact[index], self.method
+        )
 
         def finish() -> None:
-            summed = _split(wire, [f.shape for f in factors])
-            _put(flat, exact, wire[sum(f.numel() for f in factors) :])
+            summed = _split(summed_payload, [f.shape for f in factors])
             if self.alternating:
                 for mat, m, base, factor in zip(mats, ms, bases, summed, strict=True):
                     if sends_p:
@@ -351,7 +375,7 @@ class LowRankCodec(_Compressing):
                 mat.keep_error(m, rebuilt, self.comm.world_size, feedback)
                 mat.write(flat, rebuilt)
 
-        return Chain([op], finish)
+        return Chain(ops, finish)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for mats in self.matrices for mat in mats for t in mat.tensors()]
@@ -380,7 +404,9 @@ class LowRankCodec(_Compressing):
     def _reset(self) -> None:
         for mats in self.matrices:
             for mat in mats:
+                mat.restart()
                 mat.error = None
+        self.sends_p = [True] * len(self.sends_p)
 
     def skip_step(self) -> None:
         for mats in self.matrices:
@@ -424,6 +450,9 @@ class SparseCodec(_Compressing):
         self.ticks = 0
         self.since: list[torch.Tensor | None] = [None] * len(buckets)
         self.arrived: list[torch.Tensor | None] = [None] * len(buckets)
+        # and which travelled in the bucket's latest reduction (stages 2-3 reduce each
+        # micro-batch: what travelled before it holds the later micro-batches' gradients)
+        self.latest: list[torch.Tensor | None] = [None] * len(buckets)
         # per bucket, built at its first count: each compressed range's shift from compressed
         # to bucket positions and their starts, and the positions that travel whole
         self._positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [
@@ -442,21 +471,22 @@ class SparseCodec(_Compressing):
         chosen = top_k(x, k)
         if self.method == "gtopk":
             chosen = tree_indices(self.comm, chosen, x[chosen])
-            wire = torch.cat([x[chosen], _take(flat, exact)])
-            ops: list[Pending] = [self.comm.all_reduce(wire, async_op=True, name="gtopk")]
+            ops, summed = self._all_reduce_with_exact(x[chosen], flat, exact, "gtopk")
         else:
             message = pack(chosen, x[chosen])
             gathered = torch.empty(self.comm.world_size * len(message), device=x.device)
-            ops = [self.comm.all_gather(gathered, message, async_op=True, name="topk")]
+            ops: list[Pending] = [
+                self.comm.all_gather(gathered, message, async_op=True, name="topk")
+            ]
             exact_op = self._exact_all_reduce(flat, exact, "topk")
             if exact_op is not None:
                 ops.append(exact_op)
 
         def finish() -> None:
             dense = torch.zeros_like(x)
+            self.latest[index] = None
             if self.method == "gtopk":
-                dense[chosen] = wire[: len(chosen)]
-                _put(flat, exact, wire[len(chosen) :])
+                dense[chosen] = summed
                 self._arrive(index, chosen, len(x))
             else:
                 for piece in gathered.view(self.comm.world_size, -1):
@@ -473,12 +503,11 @@ class SparseCodec(_Compressing):
     def _arrive(self, index: int, where: torch.Tensor, numel: int) -> None:
         if not self.counting:
             return
-        arrived = self.arrived[index]
-        if arrived is None:
-            arrived = self.arrived[index] = torch.zeros(
-                numel, dtype=torch.bool, device=where.device
-            )
-        arrived[where] = True
+        for masks in (self.arrived, self.latest):
+            mask = masks[index]
+            if mask is None:
+                mask = masks[index] = torch.zeros(numel, dtype=torch.bool, device=where.device)
+            mask[where] = True
 
     def catch_up(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         arrived = self.arrived[index]
@@ -517,17 +546,27 @@ class SparseCodec(_Compressing):
 
     def _count_waits(self) -> None:
         """A step's end, applied or skipped: either way its gradients went into the residuals
-        or travelled, so what travelled holds the next step's on."""
-        for index, arrived in enumerate(self.arrived):
+        or travelled, so what travelled in the latest reduction holds the next step's on, and
+        what travelled only before it this step's later micro-batches' on."""
+        for index, (arrived, latest) in enumerate(zip(self.arrived, self.latest, strict=True)):
             if arrived is not None:
-                self._since(index, arrived)[arrived] = self.ticks + 1
-        self.arrived = [None] * len(self.arrived)
+                since = self._since(index, arrived)
+                since[arrived] = self.ticks
+                if latest is not None:  # set with arrived; None only if a reduction was cut
+                    since[latest] = self.ticks + 1
+        self.abort_backward()  # the step's arrivals are counted: forget them
         self.ticks += 1
+
+    def abort_backward(self) -> None:
+        self.arrived = [None] * len(self.arrived)
+        self.latest = [None] * len(self.latest)
 
     def _since(self, index: int, arrived: torch.Tensor) -> torch.Tensor:
         since = self.since[index]
         if since is None:  # the first compressed step: each element holds this step's on
             since = self.since[index] = torch.full_like(arrived, self.ticks, dtype=torch.int32)
+        elif since.device != arrived.device:  # loaded from a checkpoint, on the host
+            since = self.since[index] = since.to(arrived.device)
         return since
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -600,8 +639,8 @@ def all_gather_encoded(
     return Chain(ops, finish)
 
 
-class _TwoHop(_Compressing):
-    """A reduce-scatter in two hops of encoded pieces: each rank encodes the N pieces of its
+class _EncodedAllToAll(_Compressing):
+    """A reduce-scatter by one all-to-all of encoded pieces: each rank encodes the N pieces of its
     gradient, an all-to-all delivers each to its owner, who decodes and sums them in fp32, in
     rank order. At stage 0 the owner then encodes its sum and all-gathers it, and every rank,
     the owner too, uses the decoded sums. With ``carries_error`` each rank keeps what its
@@ -674,8 +713,8 @@ class _TwoHop(_Compressing):
         return Chain([self._reduce_scatter(index, summed, flat)], gather)
 
 
-class QuantizedCodec(_TwoHop):
-    """int8 or int4 block-wise, in two hops (see [Note: gradient codecs]); the quantization
+class QuantizedCodec(_EncodedAllToAll):
+    """int8 or int4 block-wise, by all-to-all (see [Note: gradient codecs]); the quantization
     error is bounded per block and not carried."""
 
     def __init__(
@@ -693,9 +732,9 @@ class QuantizedCodec(_TwoHop):
         return quantize.dequantize(packed, self.options.block_size)
 
 
-class OneBitCodec(_TwoHop):
+class OneBitCodec(_EncodedAllToAll):
     """1-bit Adam's compressed exchange (arXiv:2102.02888 §3.2, DeepSpeed's compressed
-    all-reduce) as a reduce-scatter in two hops: each piece travels as signs and one scale per
+    all-reduce) as an all-to-all reduce-scatter: each piece travels as signs and one scale per
     block of ``block_size`` (the block's root mean square), with each rank's error, and at
     stage 0 each owner's error for its sum, carried to the next step. See [Note: 1-bit
     optimizers under ZeRO] in zerotrain/optim/onebit.py."""

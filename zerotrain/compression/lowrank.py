@@ -3,15 +3,16 @@
 [Note: PowerSGD and ACP-SGD]
 A gradient matrix M (n x m, a parameter's gradient with its first dimension as rows) is sent
 as two thin factors. PowerSGD (Vogels et al., arXiv:1905.13727, Algorithm 1) runs one step of
-subspace iteration per training step: P = M Q^ (Q orthonormalized), all-reduce P,
-orthonormalize it (P^), then Q = M^T P^, all-reduce Q; every rank rebuilds P^ Q^T, and Q is
-kept as the next step's start (warm start). Without orthonormalizing Q the warm-started
-columns all turn towards the top singular vector, and P's basis loses the others to
-rounding (measured: the demo GPT then trained no better than at rank 1). That is two all-reduces, the second waiting for the first. ACP-SGD (Zhang, Shi
-et al., arXiv:2306.08881) halves it: each step compresses one side only, alternating, with the
-other factor from the step before, orthonormalized: odd steps send P = M Q^ and rebuild P Q^T,
-even steps send Q = M^T P^ and rebuild P^ Q^T. One all-reduce per step, which can overlap the
-backward like an uncompressed bucket's. Both keep each rank's error, M minus what was rebuilt,
+subspace iteration per training step: P = M Q, all-reduce P, orthonormalize it (P^), then
+Q = M^T P^, all-reduce Q; every rank rebuilds P^ Q^T, and Q is kept as the next step's start
+(warm start). Here Q is orthonormalized before P = M Q^ too, which the paper does not do: in
+exact arithmetic M Q and M Q^ span the same columns, but warm-started steps turn Q's columns
+towards the top singular vector, and P's basis then loses the others to rounding (measured:
+the demo GPT trained no better than at rank 1). That is two all-reduces, the second waiting
+for the first. ACP-SGD (Zhang, Shi et al., arXiv:2306.08881) halves it: each step compresses
+one side only, alternating, with the other factor from the step before, orthonormalized: odd
+steps send P = M Q^ and rebuild P Q^T, even steps send Q = M^T P^ and rebuild P^ Q^T. One
+all-reduce per step, which can overlap the backward like an uncompressed bucket's. Both keep each rank's error, M minus what was rebuilt,
 and add it to the next step's gradient (error feedback), so what a step leaves out is sent
 later. The gradients come scaled by 1/N (each rank's share of the average) and the rebuilt
 matrix is their sum, so a rank's error is its share less 1/N of the rebuilt sum: the errors of
@@ -20,7 +21,8 @@ all-reduced factor and so rebuilds the same matrix.
 
 A matrix is compressed only when its factors are smaller than it: rank r < min(n, m) for
 ACP-SGD (one factor of n·r or m·r elements per step), (n + m)·r < n·m for PowerSGD; any
-other matrix, and vectors, travel whole in the same all-reduce.
+other matrix, and vectors, travel whole: in the same all-reduce as the factors when the
+gradients are fp32, in one of their own, in the gradients' dtype, when they are 16-bit.
 """
 
 from __future__ import annotations

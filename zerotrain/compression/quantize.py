@@ -29,10 +29,6 @@ class Quantized:
     numel: int
     bits: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
-
 
 def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)

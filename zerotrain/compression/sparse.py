@@ -71,7 +71,7 @@ def merge(
     the same result whichever is ``a`` (callers pass the lower rank's first)."""
     indices = torch.cat([a[0], b[0]])
     unique, inverse = torch.unique(indices, return_inverse=True)
-    summed = torch.zeros(len(unique), dtype=a[1].dtype).index_add_(
+    summed = torch.zeros(len(unique), dtype=a[1].dtype, device=a[1].device).index_add_(
         0, inverse, torch.cat([a[1], b[1]])
     )
     keep = top_k(summed, k)

@@ -30,7 +30,8 @@ class GradientCompressionConfig(Section):
     """`powersgd` (arXiv:1905.13727) and `acp_sgd` (arXiv:2306.08881): each gradient matrix as
     rank-`rank` factors; `topk`: each rank's `ratio` largest elements; `gtopk`
     (arXiv:1901.04359): the same number of coordinates for all ranks, by a tree merge; `int8`,
-    `int4`: block-wise quantized reduce-scatter in two hops (ZeRO++'s qgZ, arXiv:2306.10209).
+    `int4`: block-wise quantized reduce-scatter by one all-to-all (ZeRO++'s qgZ exchange,
+    arXiv:2306.10209, without its intra-node hop).
     The low-rank and sparse methods work at stages 0-2, the quantized ones at stages 0-3.
     With optimizer OneBitAdam or ZeroOneAdam, the method replaces their 1-bit signs after the
     freeze (none: the signs)."""
@@ -168,6 +169,7 @@ _GRADIENT_KEYS = {
     "error_feedback": ("powersgd", "acp_sgd", "topk", "gtopk"),
     "min_numel": ("powersgd", "acp_sgd", "topk", "gtopk"),
     "compress_embeddings": ("powersgd", "acp_sgd"),
+    "catch_up": ("topk", "gtopk"),
     "block_size": ("int8", "int4"),
     "warmup_steps": ("powersgd", "acp_sgd", "topk", "gtopk", "int8", "int4"),
 }
@@ -209,14 +211,14 @@ def _unused(key: str, methods: str, direction: str, method: str) -> None:
 def _check_catch_up(
     gradients: GradientCompressionConfig, optimizer: OptimizerConfig | None
 ) -> None:
-    """`catch_up` set true where it does nothing: a ConfigError (left at its default, it
-    applies where it can)."""
-    if "catch_up" not in gradients.model_fields_set or not gradients.catch_up:
+    """`catch_up` set true where top-k or gTop-k's arrivals carry one step or an optimizer
+    takes them as they come: a ConfigError (left at its default, it applies where it can;
+    with another method :func:`_check_keys_in_use` refuses it)."""
+    asked = "catch_up" in gradients.model_fields_set and gradients.catch_up
+    if not asked or gradients.method not in ("topk", "gtopk"):
         return
     why = ""
-    if gradients.method not in ("topk", "gtopk"):
-        why = f"gradients.method is {gradients.method}; it works with topk and gtopk"
-    elif not gradients.error_feedback:
+    if not gradients.error_feedback:
         why = "gradients.error_feedback is false, so an arrival carries one step's gradient"
     elif optimizer is not None and optimizer.type.lower() not in ("adam", "adamw"):
         why = f"optimizer.type {optimizer.type} takes the sparse gradients as they come"

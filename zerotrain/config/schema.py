@@ -309,7 +309,7 @@ class ZeroOptimizationConfig(Section):
     only; below, zerotrain too ignores it, with a warning."""
     zero_quantized_gradients: bool = False
     """DeepSpeed's ZeRO++ qgZ. At stage 3 true is `comm_compression.gradients.method: int4`
-    (block-quantized reduce-scatter in two hops). Below stage 3 ignored, with a warning, as
+    (block-quantized all-to-all reduce-scatter). Below stage 3 ignored, with a warning, as
     DeepSpeed ignores it."""
     zero_hpz_partition_size: PositiveInt = 1
     """DeepSpeed's ZeRO++ hpZ. At stage 3 a size above 1 is `comm_compression:

@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -106,7 +106,10 @@ class CompressionTuner:
         same step). The gradient codec starts afresh: what it kept is dropped."""
         reduction = self.group.reduction
         steps = reduction.codec.steps
-        reduction.codec = make_codec(policy.gradients, reduction.comm, reduction.shapes)
+        gradients = policy.gradients
+        if gradients is not None and self.group.catch_up is None:  # nothing reads the counts
+            gradients = replace(gradients, catch_up=False)
+        reduction.codec = make_codec(gradients, reduction.comm, reduction.shapes)
         reduction.codec.steps = steps
         self.group.residency.param_gather.quantize(policy.parameters is not None)
         self.policy = policy

@@ -257,6 +257,7 @@ class GradientReduction(ABC):
         self._at_boundary = False
         self._grad_factor = 1.0
         self._settle()
+        self.codec.abort_backward()
         self._drop_transients()
         for arrived in self._arrived:
             arrived.clear()
