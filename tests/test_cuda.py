@@ -16,7 +16,10 @@ from tests.models import DropoutModel, make_batches, param_groups
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _engine(stage: int, precision: str, zero: dict | None = None):
+FUSED_ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "fused": True}}
+
+
+def _engine(stage: int, precision: str, zero: dict | None = None, optimizer=FUSED_ADAMW):
     import zerotrain
 
     torch.manual_seed(0)
@@ -26,7 +29,7 @@ def _engine(stage: int, precision: str, zero: dict | None = None):
         model_parameters=param_groups(model, 0.1),
         config={
             "train_micro_batch_size_per_gpu": 4,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "fused": True}},
+            "optimizer": optimizer,
             "gradient_clipping": 1.0,
             "zero_optimization": {
                 "stage": stage,
@@ -52,33 +55,43 @@ def _train(engine, batches) -> list[float]:
     return losses
 
 
+# zerotrain's FusedAdam (Adam without bias correction), which keeps `step` on the GPU
+FUSED_ADAM_UNCORRECTED = {"type": "Adam", "params": {"lr": 1e-2, "bias_correction": False}}
+
+
 def _resume_on_gpu(root: str):
-    """Per stage and precision: 4 steps straight vs 2, save, a new engine loads, 2 more."""
+    """Per stage and precision: 4 steps straight vs 2, save, a new engine loads, 2 more; and
+    zerotrain's own FusedAdam at stage 1 (key "FusedAdam")."""
     out = {}
     idx, tgt = make_batches(4, 4, seed=3)
-    for stage in (0, 1, 2, 3):
-        for precision in ("fp32", "bf16", "fp16"):
-            straight = _engine(stage, precision)
-            assert straight.device.type == "cuda"
-            first = _train(straight, (idx[:2], tgt[:2]))
-            path = straight.save_checkpoint(f"{root}/{stage}-{precision}")
-            rest = _train(straight, (idx[2:], tgt[2:]))
-            resumed = _engine(stage, precision)
-            resumed.load_checkpoint(f"{root}/{stage}-{precision}")
-            again = _train(resumed, (idx[2:], tgt[2:]))
-            a, b = straight.consolidated_state_dict(), resumed.consolidated_state_dict()
-            out[stage, precision] = {
-                "losses": (rest, again),
-                "equal": all(torch.equal(a[k], b[k]) for k in a),
-                "first": first,
-                "path": str(path),
-                "state_device": {
-                    t.device.type
-                    for s in resumed.optimizer.optimizer.state.values()
-                    for t in s.values()
-                    if torch.is_tensor(t) and t.dim() > 0
-                },
-            }
+    cases = {(s, p): (s, p, FUSED_ADAMW) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")}
+    cases["FusedAdam"] = (1, "bf16", FUSED_ADAM_UNCORRECTED)
+    for key, (stage, precision, optimizer) in cases.items():
+        straight = _engine(stage, precision, optimizer=optimizer)
+        assert straight.device.type == "cuda"
+        first = _train(straight, (idx[:2], tgt[:2]))
+        path = straight.save_checkpoint(f"{root}/{stage}-{precision}-{optimizer['type']}")
+        rest = _train(straight, (idx[2:], tgt[2:]))
+        resumed = _engine(stage, precision, optimizer=optimizer)
+        resumed.load_checkpoint(f"{root}/{stage}-{precision}-{optimizer['type']}")
+        again = _train(resumed, (idx[2:], tgt[2:]))
+        a, b = straight.consolidated_state_dict(), resumed.consolidated_state_dict()
+        states = list(resumed.optimizer.optimizer.state.values())
+        out[key] = {
+            "losses": (rest, again),
+            "equal": all(torch.equal(a[k], b[k]) for k in a),
+            "first": first,
+            "path": str(path),
+            "state_device": {
+                t.device.type for s in states for t in s.values() if torch.is_tensor(t) and t.dim()
+            },
+            # where each run keeps Adam's step count: torch's fused kernels and zerotrain's
+            # FusedAdam read it on the GPU
+            "step_device": [
+                {s["step"].device.type for s in e.optimizer.optimizer.state.values()}
+                for e in (straight, resumed)
+            ],
+        }
     return out
 
 
@@ -90,6 +103,7 @@ def test_checkpoint_resume_on_gpu_every_stage_and_precision(tmp_path):
         rest, again = got["losses"]
         assert rest == again and got["equal"], key  # dropout RNG on the GPU resumed too
         assert got["state_device"] == {"cuda"}, key
+        assert got["step_device"][1] == got["step_device"][0], key  # as before the checkpoint
     plain = load_consolidated(DropoutModel(), results[3, "bf16"]["path"])
     assert all(p.device.type == "cpu" for p in plain.parameters())
 

@@ -29,7 +29,8 @@ user_stats: dict[str, OpStats] = {}
 """Calls, bytes and time of the collectives issued through these functions, per operation."""
 
 
-def _control_device() -> torch.device:
+def control_device() -> torch.device:
+    """Where the default process group's collectives take their tensors."""
     # NCCL moves its scalars through the GPU; gloo through the CPU.
     if is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -37,7 +38,7 @@ def _control_device() -> torch.device:
 
 
 def _comm(group=None) -> Communicator:
-    return Communicator(group, device=_control_device(), stats=user_stats)
+    return Communicator(group, device=control_device(), stats=user_stats)
 
 
 def _require_group(name: str) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
+from zerotrain.comm.functional import control_device
 from zerotrain.zero.init import (
     ParamOwner,
     gather_param,
@@ -39,7 +40,7 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
     if not enabled or not params:
         yield
         return
-    comm = Communicator()
+    comm = Communicator(device=control_device())  # NCCL: its collectives take GPU tensors
     init_params = [p for p in params if is_init_partitioned(p)]
     owners: dict[int, tuple[ParamOwner, list[nn.Parameter]]] = {}
     for param in params:

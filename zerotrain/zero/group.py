@@ -232,7 +232,7 @@ class ShardGroup:
         weights = None
         if mp is not None and mp.comm.world_size > 1:
             weights = [1.0 / mp.replicas(b.slots[0].param) for b in self.buckets]
-        sum_sq = self.store.grad_sum_of_squares(weights)
+        sum_sq = self.store.grad_sum_of_squares(weights).to(self.partition.comm.device)
         self.partition.sum_over_ranks(sum_sq)
         if mp is not None and weights is not None:
             mp.comm.all_reduce(sum_sq)

@@ -27,6 +27,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import Communicator
+from zerotrain.comm.functional import control_device
 from zerotrain.precision import training_dtype
 
 _FULL_SHAPE = "_zerotrain_full_shape"  # set on a parameter while it is an Init chunk
@@ -144,11 +145,12 @@ def partition_param(
 ) -> None:
     """Replace ``param``'s data by this rank's chunk of rank ``src``'s values (collective)."""
     full = param.data
-    comm.broadcast(full, src=src)
-    flat = full.reshape(-1)
+    on_wire = full.to(comm.device)  # NCCL sends device tensors; the chunk stays on full's
+    comm.broadcast(on_wire, src=src)
+    flat = on_wire.reshape(-1)
     chunk = -(-flat.numel() // comm.world_size)
     # Copy only this rank's piece (no padded copy of the whole: memory is what Init is for).
-    mine = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+    mine = torch.zeros(chunk, dtype=flat.dtype, device=full.device)
     piece = flat[comm.rank * chunk : (comm.rank + 1) * chunk]
     mine[: piece.numel()] = piece
     param.data = mine.to(dtype) if dtype is not None else mine
@@ -159,10 +161,10 @@ def partition_param(
 def gather_param(param: nn.Parameter, comm: Communicator) -> torch.Tensor:
     """The full value of an Init-partitioned parameter (collective; the chunk is kept)."""
     shape = full_shape(param)
-    chunk = param.data
+    chunk = param.data.to(comm.device)  # NCCL gathers device tensors
     padded = torch.empty(chunk.numel() * comm.world_size, dtype=chunk.dtype, device=chunk.device)
     comm.all_gather(padded, chunk)
-    return padded[: shape.numel()].view(shape)
+    return padded[: shape.numel()].view(shape).to(param.device)
 
 
 def unpartition_param(param: nn.Parameter, comm: Communicator) -> None:
@@ -273,7 +275,7 @@ class Init:
     @property
     def comm(self) -> Communicator:
         if self._comm is None:
-            self._comm = Communicator()
+            self._comm = Communicator(device=control_device())
         return self._comm
 
     def _partition(self, module: nn.Module) -> None:

@@ -238,12 +238,16 @@ class OptimizerPartition:
         """Sum a per-rank partial (a gradient norm, Lamb's per-parameter norms) in place: each
         element is owned by one rank when sharded, by every rank otherwise."""
         if self.sharded:
-            self.comm.all_reduce(tensor)
+            on_wire = tensor.to(self.comm.device)  # offloaded: on the host, which NCCL cannot send
+            self.comm.all_reduce(on_wire)
+            if on_wire is not tensor:
+                tensor.copy_(on_wire)
 
     def full(self, bucket: FlatBucket, local: torch.Tensor) -> torch.Tensor:
         """The whole bucket from every rank's part ``local`` (collective when sharded)."""
         if not self.sharded:
             return local
-        full = torch.empty(bucket.numel_padded, dtype=local.dtype, device=local.device)
-        self.comm.all_gather(full, local.contiguous())
+        on_wire = local.to(self.comm.device).contiguous()  # offloaded: from the host
+        full = torch.empty(bucket.numel_padded, dtype=local.dtype, device=on_wire.device)
+        self.comm.all_gather(full, on_wire)
         return full
