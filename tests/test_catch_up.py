@@ -133,26 +133,31 @@ def test_the_codec_counts_the_steps_each_arrival_carries():
     assert codec.steps == 5
 
 
-def test_an_element_sent_before_a_later_micro_batch_counts_that_micro_batchs_step():
-    """Stages 2-3 reduce each micro-batch. Top-k of 3 in 12: step 0's first micro-batch sends
-    elements 0-2, its second 3-5, so 0-2's residuals hold step 0's second micro-batch's
-    gradient and their next arrival carries 2 steps; 3-5's carried 1. A backward that raised
-    drops its arrivals."""
+def test_micro_batches_count_steps_and_a_backward_that_raised_empties_what_it_sent():
+    """Stages 2-3 reduce each micro-batch. Top-k of 3 in 12: each step's first micro-batch
+    sends elements 0-2, its second 3-5, and each arrival counts one step (the half step an
+    element sent first holds from the second micro-batch makes a step's worth with the next
+    first one). A reduction of a backward that raised sent 6-8, which had waited since step 0,
+    and emptied their residuals: sent again after it, they count one step, not three."""
     shapes = [BucketShape(12, [(0, (12,))])]
     options = GradientCompression(method="topk", ratio=0.25, min_numel=0)
     codec = SparseCodec(Communicator(), shapes, options)
-    first, second = torch.full((12,), 0.01), torch.full((12,), 0.01)
-    first[:3], second[3:6] = 10.0, 10.0
-    for micro_batch in (first, second):
-        codec.all_reduce(0, micro_batch.clone()).wait()
-    assert torch.equal(dense(codec.catch_up(0), 12), torch.tensor([1.0] * 6 + [0.0] * 6))
-    codec.end_step()
-    again = torch.zeros(12)
-    again[:3] = 10.0
-    codec.all_reduce(0, again).wait()
-    assert torch.equal(dense(codec.catch_up(0), 12), torch.tensor([2.0] * 3 + [0.0] * 9))
+
+    def reduce(large: slice) -> torch.Tensor | None:
+        grad = torch.full((12,), 0.01)
+        grad[large] = 10.0
+        codec.all_reduce(0, grad).wait()
+        arrivals = codec.catch_up(0)
+        return None if arrivals is None else dense(arrivals, 12)
+
+    for _ in range(2):
+        reduce(slice(0, 3))
+        assert torch.equal(reduce(slice(3, 6)), torch.tensor([1.0] * 6 + [0.0] * 6))
+        codec.end_step()
+    reduce(slice(6, 9))
     codec.abort_backward()
     assert codec.catch_up(0) is None
+    assert torch.equal(reduce(slice(6, 9)), torch.tensor([0.0] * 6 + [1.0] * 3 + [0.0] * 3))
 
 
 ADAMW = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": DECAY}}

@@ -12,20 +12,21 @@ stage 0) or leaves this rank's piece of the sum in a shard (``reduce_scatter``, 
   bytes of the gradient direction, not its shape. Their error feedback keeps, per rank, what
   the compression left out and adds it to the next gradient (one fp32 copy of the compressed
   parameters' gradients per rank, counted by ``memory_breakdown()["compression"]``).
-* quantized (:class:`QuantizedCodec`, int8 and int4, quantize.py) reduce-scatter with one
-  all-to-all of quantized pieces, the exchange of ZeRO++'s qgZ (arXiv:2306.10209 §4.2): each
-  rank quantizes the N pieces of its gradient per block, the all-to-all delivers every piece
-  to its owner, who dequantizes and sums them in fp32. The error is one quantization per
-  addend, not one per hop of a ring. qgZ's hierarchy (an all-to-all inside each node, then
-  one across nodes, to cut the bytes between nodes further) is not built: one all-to-all
-  spans the group.
+* quantized (:class:`QuantizedCodec`, int8 and int4, quantize.py) reduce-scatter by an
+  all-to-all exchange of quantized pieces (codes and scales, one all-to-all each), the
+  exchange of ZeRO++'s qgZ (arXiv:2306.10209 §4.2): each rank quantizes the N pieces of its
+  gradient per block, the exchange delivers every piece to its owner, who dequantizes and
+  sums them in fp32. The error is one quantization per addend, not one per hop of a ring.
+  qgZ's hierarchy (an exchange inside each node, then one across nodes, to cut the bytes
+  between nodes further) is not built: the exchange spans the group.
   At stage 0 the owner then quantizes its summed piece and all-gathers it; every rank,
   the owner too, uses the dequantized values, so the replicas stay equal.
 Parameters smaller than ``min_numel`` elements (biases, norms) and vectors travel whole in
 the compressed call's own all-reduce (16-bit gradients: in an all-reduce of their own, in
-their dtype), and so do embedding tables under the low-rank methods unless ``compress_embeddings``: a batch's gradient of one has nonzero rows for its tokens
-only, which few factors represent badly (measured on the demo GPT: PowerSGD at rank 16 ends
-+1.3% above uncompressed training with its embeddings whole, +2.9% with them compressed).
+their dtype), and so do embedding tables under the low-rank methods unless
+``compress_embeddings``: a batch's gradient of one has nonzero rows for its tokens only,
+which few factors represent badly (measured on the demo GPT: PowerSGD at rank 16 ends +1.3%
+above uncompressed training with its embeddings whole, +2.9% with them compressed).
 The first ``warmup_steps`` optimizer steps are not compressed at all. A compressed reduction
 that needs a second collective issues it when the first completes (inside ``wait``): every
 rank waits for its buckets in the same order, so the collectives still match.
@@ -450,9 +451,6 @@ class SparseCodec(_Compressing):
         self.ticks = 0
         self.since: list[torch.Tensor | None] = [None] * len(buckets)
         self.arrived: list[torch.Tensor | None] = [None] * len(buckets)
-        # and which travelled in the bucket's latest reduction (stages 2-3 reduce each
-        # micro-batch: what travelled before it holds the later micro-batches' gradients)
-        self.latest: list[torch.Tensor | None] = [None] * len(buckets)
         # per bucket, built at its first count: each compressed range's shift from compressed
         # to bucket positions and their starts, and the positions that travel whole
         self._positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [
@@ -484,7 +482,6 @@ class SparseCodec(_Compressing):
 
         def finish() -> None:
             dense = torch.zeros_like(x)
-            self.latest[index] = None
             if self.method == "gtopk":
                 dense[chosen] = summed
                 self._arrive(index, chosen, len(x))
@@ -503,11 +500,12 @@ class SparseCodec(_Compressing):
     def _arrive(self, index: int, where: torch.Tensor, numel: int) -> None:
         if not self.counting:
             return
-        for masks in (self.arrived, self.latest):
-            mask = masks[index]
-            if mask is None:
-                mask = masks[index] = torch.zeros(numel, dtype=torch.bool, device=where.device)
-            mask[where] = True
+        arrived = self.arrived[index]
+        if arrived is None:
+            arrived = self.arrived[index] = torch.zeros(
+                numel, dtype=torch.bool, device=where.device
+            )
+        arrived[where] = True
 
     def catch_up(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         arrived = self.arrived[index]
@@ -546,20 +544,23 @@ class SparseCodec(_Compressing):
 
     def _count_waits(self) -> None:
         """A step's end, applied or skipped: either way its gradients went into the residuals
-        or travelled, so what travelled in the latest reduction holds the next step's on, and
-        what travelled only before it this step's later micro-batches' on."""
-        for index, (arrived, latest) in enumerate(zip(self.arrived, self.latest, strict=True)):
-            if arrived is not None:
-                since = self._since(index, arrived)
-                since[arrived] = self.ticks
-                if latest is not None:  # set with arrived; None only if a reduction was cut
-                    since[latest] = self.ticks + 1
-        self.abort_backward()  # the step's arrivals are counted: forget them
+        or travelled, so what travelled holds the next step's on. (Stages 2-3 reduce each
+        micro-batch: an element sent in the first of two holds the second's gradient, half a
+        step's, which its next arrival does not count; the sum it brings is then one step's
+        worth a step, as its count says, when it travels in the same micro-batch each time.)"""
+        self._forget_arrivals(self.ticks + 1)
         self.ticks += 1
 
     def abort_backward(self) -> None:
+        # what the dropped reductions sent is lost, and with it the residuals they emptied:
+        # those elements hold this step's gradients on
+        self._forget_arrivals(self.ticks)
+
+    def _forget_arrivals(self, holds_from: int) -> None:
+        for index, arrived in enumerate(self.arrived):
+            if arrived is not None:
+                self._since(index, arrived)[arrived] = holds_from
         self.arrived = [None] * len(self.arrived)
-        self.latest = [None] * len(self.latest)
 
     def _since(self, index: int, arrived: torch.Tensor) -> torch.Tensor:
         since = self.since[index]
@@ -640,11 +641,12 @@ def all_gather_encoded(
 
 
 class _EncodedAllToAll(_Compressing):
-    """A reduce-scatter by one all-to-all of encoded pieces: each rank encodes the N pieces of its
-    gradient, an all-to-all delivers each to its owner, who decodes and sums them in fp32, in
-    rank order. At stage 0 the owner then encodes its sum and all-gathers it, and every rank,
-    the owner too, uses the decoded sums. With ``carries_error`` each rank keeps what its
-    encoding left out and adds it next time, and so does each owner for its sum."""
+    """A reduce-scatter by an all-to-all exchange of encoded pieces: each rank encodes the N
+    pieces of its gradient, an all-to-all (codes, then scales) delivers each to its owner, who
+    decodes and sums them in fp32, in rank order. At stage 0 the owner then encodes its sum and
+    all-gathers it, and every rank, the owner too, uses the decoded sums. With ``carries_error``
+    each rank keeps what its encoding left out and adds it next time, and so does each owner for
+    its sum."""
 
     carries_error: ClassVar[bool] = False
 

@@ -12,12 +12,13 @@ the demo GPT trained no better than at rank 1). That is two all-reduces, the sec
 for the first. ACP-SGD (Zhang, Shi et al., arXiv:2306.08881) halves it: each step compresses
 one side only, alternating, with the other factor from the step before, orthonormalized: odd
 steps send P = M Q^ and rebuild P Q^T, even steps send Q = M^T P^ and rebuild P^ Q^T. One
-all-reduce per step, which can overlap the backward like an uncompressed bucket's. Both keep each rank's error, M minus what was rebuilt,
-and add it to the next step's gradient (error feedback), so what a step leaves out is sent
-later. The gradients come scaled by 1/N (each rank's share of the average) and the rebuilt
-matrix is their sum, so a rank's error is its share less 1/N of the rebuilt sum: the errors of
-all ranks add up to exactly what the compression left out. Every rank orthonormalizes the same
-all-reduced factor and so rebuilds the same matrix.
+all-reduce per step, which can overlap the backward like an uncompressed bucket's. Both keep
+each rank's error, M minus what was rebuilt, and add it to the next step's gradient (error
+feedback), so what a step leaves out is sent later. The gradients come scaled by 1/N (each
+rank's share of the average) and the rebuilt matrix is their sum, so a rank's error is its
+share less 1/N of the rebuilt sum: the errors of all ranks add up to exactly what the
+compression left out. Every rank orthonormalizes the same all-reduced factor and so rebuilds
+the same matrix.
 
 A matrix is compressed only when its factors are smaller than it: rank r < min(n, m) for
 ACP-SGD (one factor of n·r or m·r elements per step), (n + m)·r < n·m for PowerSGD; any

@@ -30,8 +30,8 @@ class GradientCompressionConfig(Section):
     """`powersgd` (arXiv:1905.13727) and `acp_sgd` (arXiv:2306.08881): each gradient matrix as
     rank-`rank` factors; `topk`: each rank's `ratio` largest elements; `gtopk`
     (arXiv:1901.04359): the same number of coordinates for all ranks, by a tree merge; `int8`,
-    `int4`: block-wise quantized reduce-scatter by one all-to-all (ZeRO++'s qgZ exchange,
-    arXiv:2306.10209, without its intra-node hop).
+    `int4`: block-wise quantized reduce-scatter by an all-to-all exchange over the group
+    (ZeRO++'s qgZ exchange, arXiv:2306.10209, without its intra-node hop).
     The low-rank and sparse methods work at stages 0-2, the quantized ones at stages 0-3.
     With optimizer OneBitAdam or ZeroOneAdam, the method replaces their 1-bit signs after the
     freeze (none: the signs)."""

@@ -25,6 +25,13 @@ from torch.optim.adamw import adamw
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 
+def keeps_step_on_device(group: dict) -> bool:
+    """Whether an Adam parameter group keeps ``step`` on its parameters' device: torch's fused
+    and capturable kernels read it there, and so does :class:`FusedAdam` (whose groups carry
+    ``adam_w_mode``); torch's other Adams keep it on the host."""
+    return bool(group.get("fused") or group.get("capturable") or "adam_w_mode" in group)
+
+
 class FusedAdam(torch.optim.Optimizer):
     """DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` (same arguments and defaults).
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zerotrain.optim.adam import FusedAdam
+from zerotrain.optim.adam import FusedAdam, keeps_step_on_device
 
 __all__ = ["Arrivals", "CatchUp", "catches_up"]
 
@@ -110,7 +110,7 @@ def catch_up_step(
     ``positions`` (distinct) ``grad`` holds the sum of ``counts`` steps' gradients; nothing
     arrived elsewhere. ``state`` and ``group`` are torch Adam's (or FusedAdam's)."""
     if not state:  # as torch lays it out: a later exact step continues from it
-        on_device = group.get("fused") or group.get("capturable") or "adam_w_mode" in group
+        on_device = keeps_step_on_device(group)
         state["step"] = torch.zeros(
             (), dtype=torch.float32, device=param.device if on_device else "cpu"
         )

@@ -453,7 +453,10 @@ def _one_bit(
         return compression
     why = ""
     if shards_params:
-        why = "compresses whole gradients, which stage 3 never forms; set zero_optimization.stage to 0-2"
+        why = (
+            "compresses whole gradients, which stage 3 never forms; set "
+            "zero_optimization.stage to 0-2"
+        )
     elif compression is not None and compression.warmup_steps:
         why = "chooses its exact steps itself; set comm_compression.gradients.warmup_steps to 0"
     elif options.auto is not None:

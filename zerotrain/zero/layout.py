@@ -250,4 +250,4 @@ class OptimizerPartition:
         on_wire = local.to(self.comm.device).contiguous()  # offloaded: from the host
         full = torch.empty(bucket.numel_padded, dtype=local.dtype, device=on_wire.device)
         self.comm.all_gather(full, on_wire)
-        return full
+        return full.to(local.device)  # and back there: offload keeps the whole off the GPU

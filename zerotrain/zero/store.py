@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from zerotrain.optim.adam import keeps_step_on_device
 from zerotrain.precision import PrecisionPolicy
 
 OptimizerOver = Callable[..., torch.optim.Optimizer]
@@ -181,9 +182,7 @@ class ShardStore(ABC):
             self.optimizer.param_groups, hyperparameters, scalars, strict=True
         ):
             group.update(hyper)
-            # torch keeps `step` on CPU unless the fused or capturable kernels want it on device;
-            # zerotrain's FusedAdam (a group with adam_w_mode) keeps it on the device too
-            on_device = group.get("fused") or group.get("capturable") or "adam_w_mode" in group
+            on_device = keeps_step_on_device(group)
             for master in group["params"]:
                 state = self.optimizer.state[master]
                 for key, value in group_scalars.items():
