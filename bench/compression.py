@@ -150,6 +150,13 @@ ROWS = {
     "zerotrain s3 re-gathered + hpZ + int8": zt(
         3, {"method": "int8"}, "int8", hpz=True, zero=REGATHER
     ),
+    # and the gradients reduce-scattered inside each node first (qgZ's hierarchy)
+    "zerotrain s3 re-gathered + hpZ + int8, gradients by node": zt(
+        3, {"method": "int8", "hierarchical": True}, "int8", hpz=True, zero=REGATHER
+    ),
+    "zerotrain s2 int4 + int4 params, gradients by node": zt(
+        2, {"method": "int4", "hierarchical": True}, "int4"
+    ),
 }
 UNCOMPRESSED = {0: "zerotrain s0", 1: "zerotrain s1", 2: "zerotrain s2", 3: "zerotrain s3"}
 # held-out windows spread over the corpus's validation split, the same on every rank

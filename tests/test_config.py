@@ -245,6 +245,7 @@ def test_defaults_match_deepspeed() -> None:
                 "min_numel": 1024,
                 "compress_embeddings": False,
                 "block_size": 256,
+                "hierarchical": False,
                 "catch_up": True,
             },
             "parameters": {"method": "none", "block_size": 256},

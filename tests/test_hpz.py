@@ -167,7 +167,7 @@ def test_zero_plus_plus_keys_below_stage_3_and_against_the_section():
     }
     with pytest.raises(ConfigError, match="zero_hpz_partition_size: 8 asks for `comm_compres"):
         load_config(disagreeing, world_size=16)
-    with pytest.raises(ConfigError, match="hierarchical_partition_size: sizes the partition"):
+    with pytest.raises(ConfigError, match="hierarchical_partition_size: the ranks per node of"):
         load_config(
             {"train_batch_size": 8, "comm_compression": {"hierarchical_partition_size": 2}},
             world_size=4,

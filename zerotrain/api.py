@@ -579,7 +579,15 @@ def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
     """The `comm_compression.gradients` section as the reductions take it (None: off). A
     1-bit optimizer adds its exact steps (zerotrain/zero/group.py, from the optimizer built)."""
     section = cfg.comm_compression.gradients
-    return None if section.method == "none" else GradientCompression(**section.model_dump())
+    return None if section.method == "none" else _gradient_options(cfg)
+
+
+def _gradient_options(cfg: ZeroTrainConfig) -> GradientCompression:
+    """`comm_compression.gradients` as a policy, with ``hierarchical``'s ranks per node."""
+    options = cfg.comm_compression.gradients.model_dump()
+    hierarchical = options.pop("hierarchical")
+    size = cfg.comm_compression.hierarchical_partition_size or local_ranks()
+    return GradientCompression(**options, ranks_per_node=size if hierarchical else 0)
 
 
 def _parameter_compression(cfg: ZeroTrainConfig) -> ParameterCompression | None:
@@ -602,9 +610,7 @@ def _auto_compression(cfg: ZeroTrainConfig) -> AutoOptions | None:
         stage = cfg.zero_optimization.stage
         # int8, not PowerSGD, whose rank 4 ended the demo GPT 12.1% above uncompressed
         # under AdamW (docs/compression.md): auto changes the speed, not how well it trains
-        gradients = replace(
-            GradientCompression(**section.gradients.model_dump()), method=AUTO_DEFAULT_METHOD
-        )
+        gradients = replace(_gradient_options(cfg), method=AUTO_DEFAULT_METHOD)
         if stage > 0:
             parameters = replace(
                 ParameterCompression(**section.parameters.model_dump()), method=AUTO_DEFAULT_METHOD

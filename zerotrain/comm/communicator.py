@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -277,16 +278,34 @@ class Communicator:
         ranks of a node consecutively: node = default-group rank // ``ranks_per_node``).
         Collective over the default group; every node must hold as many of this group's ranks.
         """
-        world = Communicator(device=self.device, stats=self.stats, log=self.log)
-        node = self.global_rank // ranks_per_node
+        return self._split_by(self._on_node(ranks_per_node)[self.global_rank // ranks_per_node])
+
+    def across_nodes(self, ranks_per_node: int) -> Communicator:
+        """A communicator over the ranks of this group that hold this rank's place on their
+        node (the i-th of the group's ranks on each node), for exchanges that first reduce
+        inside each node (collective over the default group, as :meth:`within_nodes`)."""
+        on_node = self._on_node(ranks_per_node)
+        place = on_node[self.global_rank // ranks_per_node].index(self.global_rank)
+        return self._split_by([on_node[node][place] for node in sorted(on_node)])
+
+    def _on_node(self, ranks_per_node: int) -> dict[int, list[int]]:
+        """Per node, this group's default-group ranks on it, ascending."""
         members = [self.global_rank_of(r) for r in range(self.world_size)]
-        mine = [g for g in members if g // ranks_per_node == node]
+        on_node: dict[int, list[int]] = {}
+        for rank in sorted(members):
+            on_node.setdefault(rank // ranks_per_node, []).append(rank)
         sizes = set(Counter(g // ranks_per_node for g in members).values())
         if len(sizes) > 1:
             raise ValueError(
                 f"ranks {members} hold {sorted(sizes)} ranks on different nodes of "
                 f"{ranks_per_node} ranks each; a partition inside each node needs as many on each"
             )
+        return on_node
+
+    def _split_by(self, mine: list[int]) -> Communicator:
+        """:meth:`split` into the lists of default-group ranks that every rank names as its
+        own ``mine`` (collective over the default group)."""
+        world = Communicator(device=self.device, stats=self.stats, log=self.log)
         lists = sorted({tuple(ranks) for ranks in world.all_gather_object(mine)})
         return self.split([list(ranks) for ranks in lists])
 
@@ -546,3 +565,20 @@ def _group_timeout(group: dist.ProcessGroup | None, default="unknown") -> timede
         return pg._get_backend(torch.device("cpu")).options._timeout
     except Exception:
         return default
+
+
+def nothing_inside_nodes(
+    comm: Communicator, node: Communicator, ranks_per_node: int, key: str, instead: str
+) -> bool:
+    """Whether ``node`` (``comm.within_nodes(ranks_per_node)``) leaves a hierarchy by node
+    nothing to do, ``comm`` sitting on one node or one rank per node; if so, a warning that
+    names the config ``key`` and what runs ``instead``."""
+    if 1 < node.world_size < comm.world_size:
+        return False
+    where = "one node" if node.world_size == comm.world_size else "one rank per node"
+    warnings.warn(
+        f"{key}: the {comm.world_size} data-parallel ranks sit on {where} ({ranks_per_node} "
+        f"ranks per node): {instead}",
+        stacklevel=3,
+    )
+    return True

@@ -17,8 +17,9 @@ stage 0) or leaves this rank's piece of the sum in a shard (``reduce_scatter``, 
   exchange of ZeRO++'s qgZ (arXiv:2306.10209 §4.2): each rank quantizes the N pieces of its
   gradient per block, the exchange delivers every piece to its owner, who dequantizes and
   sums them in fp32. The error is one quantization per addend, not one per hop of a ring.
-  qgZ's hierarchy (an exchange inside each node, then one across nodes, to cut the bytes
-  between nodes further) is not built: the exchange spans the group.
+  With ``ranks_per_node`` (``gradients.hierarchical``) the exchange follows qgZ's hierarchy:
+  inside each node first, then across the nodes, which sends the bytes between nodes once
+  per node rather than once per rank, for a second quantization (of each node's sums).
   At stage 0 the owner then quantizes its summed piece and all-gathers it; every rank,
   the owner too, uses the dequantized values, so the replicas stay equal.
 Parameters smaller than ``min_numel`` elements (biases, norms) and vectors travel whole in
@@ -44,6 +45,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from zerotrain.comm import Communicator
+from zerotrain.comm.communicator import nothing_inside_nodes
 from zerotrain.compression import quantize
 from zerotrain.compression.lowrank import LowRankMatrix, orthonormalize, worth_compressing
 from zerotrain.compression.sparse import pack, top_k, tree_indices, unpack
@@ -71,6 +73,9 @@ class GradientCompression:
     catch_up: bool = True
     # powersgd / acp_sgd: embedding tables as factors too (else whole)
     compress_embeddings: bool = False
+    # int8 / int4: reduce inside nodes of this many ranks first, then across them (qgZ's
+    # hierarchy); 0: one exchange over the group
+    ranks_per_node: int = 0
 
     @property
     def counts_arrivals(self) -> bool:
@@ -656,6 +661,9 @@ class _EncodedAllToAll(_Compressing):
         super().__init__(comm, buckets, options)
         self.worker_errors: list[torch.Tensor | None] = [None] * len(buckets)
         self.server_errors: list[torch.Tensor | None] = [None] * len(buckets)
+        # (the ranks of this node, the ranks of this place on every node): reduce-scatter by
+        # node first (QuantizedCodec with ``ranks_per_node``)
+        self.by_node: tuple[Communicator, Communicator] | None = None
 
     @abstractmethod
     def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -673,30 +681,62 @@ class _EncodedAllToAll(_Compressing):
         return values if error is None else values + error.to(values.device)
 
     def _reduce_scatter(self, index: int, shard: torch.Tensor, flat: torch.Tensor) -> Pending:
-        world = self.comm.world_size
         x = self._with_error(flat.float(), self.worker_errors, index)
-        numel = x.numel() // world
-        encoded = [self._encode(piece) for piece in x.view(world, -1)]
+        name = f"{self.method}_reduce_scatter"
+        if self.by_node is not None:
+            return self._reduce_scatter_by_node(*self.by_node, x, shard, name)
+        ops, received, sent = self._exchange(self.comm, x, name)
         if self.carries_error:
-            sent = [self._decode(payload, scales, numel) for payload, scales in encoded]
-            self.worker_errors[index] = x - torch.cat(sent)
+            self.worker_errors[index] = x - sent()
+        return Chain(ops, lambda: shard.copy_(received()))
+
+    def _reduce_scatter_by_node(
+        self,
+        node: Communicator,
+        across: Communicator,
+        x: torch.Tensor,
+        shard: torch.Tensor,
+        name: str,
+    ) -> Pending:
+        """qgZ's hierarchy: the ``node``'s ranks first exchange and sum, each the pieces of
+        its place on every node; then the ranks of one place exchange those node sums
+        ``across`` the nodes. Group rank r is place r % g on node r // g (ranks numbered by
+        node)."""
+        by_place = x.view(across.world_size, node.world_size, -1).transpose(0, 1).reshape(-1)
+        ops, in_node, _ = self._exchange(node, by_place, f"{name}_in_node")
+
+        def across_nodes() -> None:
+            ops, received, _ = self._exchange(across, in_node(), f"{name}_across_nodes")
+            Chain(ops, lambda: shard.copy_(received())).wait()
+
+        return Chain(ops, across_nodes)
+
+    def _exchange(
+        self, comm: Communicator, values: torch.Tensor, name: str
+    ) -> tuple[list[Pending], Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+        """Encode ``values`` as ``comm.world_size`` equal pieces and send piece i to rank i
+        (an all-to-all of the payloads and one of the scales, asynchronous). Returns the
+        operations, the fp32 sum of the pieces received (once they complete; in rank order)
+        and the decoded pieces this rank sent."""
+        world = comm.world_size
+        numel = values.numel() // world
+        encoded = [self._encode(piece) for piece in values.view(world, -1)]
         payloads = torch.cat([payload for payload, _ in encoded])
         scales = torch.cat([scale for _, scale in encoded])
         got_payloads, got_scales = torch.empty_like(payloads), torch.empty_like(scales)
-        name = f"{self.method}_reduce_scatter"
         ops: list[Pending] = [
-            self.comm.all_to_all(got_payloads, payloads, async_op=True, name=name),
-            self.comm.all_to_all(got_scales, scales, async_op=True, name=name),
+            comm.all_to_all(got_payloads, payloads, async_op=True, name=name),
+            comm.all_to_all(got_scales, scales, async_op=True, name=name),
         ]
+        decode = partial(self._decode, numel=numel)
 
-        def finish() -> None:
-            total = torch.zeros(numel, dtype=torch.float32, device=x.device)
-            decode = partial(self._decode, numel=numel)
-            for piece in decode_pieces(got_payloads, got_scales, world, decode):  # rank order
+        def received() -> torch.Tensor:
+            total = torch.zeros(numel, dtype=torch.float32, device=values.device)
+            for piece in decode_pieces(got_payloads, got_scales, world, decode):
                 total += piece
-            shard.copy_(total)
+            return total
 
-        return Chain(ops, finish)
+        return ops, received, lambda: torch.cat([decode(p, s) for p, s in encoded])
 
     def _all_reduce(self, index: int, flat: torch.Tensor) -> Pending:
         world = self.comm.world_size
@@ -724,6 +764,8 @@ class QuantizedCodec(_EncodedAllToAll):
     ):
         super().__init__(comm, buckets, options)
         self.bits = 8 if options.method == "int8" else 4
+        if options.ranks_per_node:
+            self.by_node = _node_hierarchy(comm, options.ranks_per_node)
 
     def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         quantized = quantize.quantize(values, self.bits, self.options.block_size)
@@ -732,6 +774,25 @@ class QuantizedCodec(_EncodedAllToAll):
     def _decode(self, payload: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         packed = quantize.Quantized(payload, scales, numel, self.bits)
         return quantize.dequantize(packed, self.options.block_size)
+
+
+def _node_hierarchy(
+    comm: Communicator, ranks_per_node: int
+) -> tuple[Communicator, Communicator] | None:
+    """The communicators of qgZ's hierarchy over ``comm`` (collective over the default group);
+    None, with a warning, where the node holds one rank of ``comm`` or all of them."""
+    node, across = comm.within_nodes(ranks_per_node), comm.across_nodes(ranks_per_node)
+    key = "comm_compression.gradients.hierarchical"
+    instead = "there is no exchange inside a node to do first, so gradients reduce-scatter in one"
+    if nothing_inside_nodes(comm, node, ranks_per_node, key, instead):
+        return None
+    if comm.rank != across.rank * node.world_size + node.rank:
+        raise ValueError(
+            f"comm_compression.gradients.hierarchical: data-parallel rank {comm.rank} is place "
+            f"{node.rank} of node {across.rank} ({node.world_size} ranks each); the hierarchy "
+            "needs each node's ranks numbered consecutively, as torchrun numbers them"
+        )
+    return node, across
 
 
 class OneBitCodec(_EncodedAllToAll):

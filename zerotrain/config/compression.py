@@ -30,8 +30,8 @@ class GradientCompressionConfig(Section):
     """`powersgd` (arXiv:1905.13727) and `acp_sgd` (arXiv:2306.08881): each gradient matrix as
     rank-`rank` factors; `topk`: each rank's `ratio` largest elements; `gtopk`
     (arXiv:1901.04359): the same number of coordinates for all ranks, by a tree merge; `int8`,
-    `int4`: block-wise quantized reduce-scatter by an all-to-all exchange over the group
-    (ZeRO++'s qgZ exchange, arXiv:2306.10209, without its intra-node hop).
+    `int4`: block-wise quantized reduce-scatter by an all-to-all exchange (ZeRO++'s qgZ,
+    arXiv:2306.10209; by node first with `hierarchical`).
     The low-rank and sparse methods work at stages 0-2, the quantized ones at stages 0-3.
     With optimizer OneBitAdam or ZeroOneAdam, the method replaces their 1-bit signs after the
     freeze (none: the signs)."""
@@ -57,6 +57,13 @@ class GradientCompressionConfig(Section):
     in its tokens' rows only, which few factors represent badly."""
     block_size: PositiveInt = 256
     """int8 / int4: elements per quantization block, each with its own fp32 scale."""
+    hierarchical: bool = False
+    """int8 / int4 (ZeRO++'s qgZ hierarchy): reduce-scatter inside each node first, each rank
+    summing the pieces of its place on every node, then across the nodes, each rank sending
+    one node sum per node: the bytes between nodes drop by the ranks per node, for a second
+    quantization (of the node sums). Ranks per node: `hierarchical_partition_size`, or
+    torchrun's LOCAL_WORLD_SIZE; with one rank per node, or one node, a warning and one
+    exchange."""
     catch_up: bool = True
     """topk / gtopk with error feedback, under optimizer Adam or AdamW: a coordinate's moments
     and value stay while nothing of it arrives, and when its gradient arrives, the sum of n
@@ -92,8 +99,8 @@ class CommCompressionConfig(Section):
     in `memory_breakdown()["compression"]`. Ranks per node: `hierarchical_partition_size`, or
     torchrun's LOCAL_WORLD_SIZE."""
     hierarchical_partition_size: NonNegativeInt = 0
-    """hierarchical_partition: the ranks of each partition inside a node, consecutive ranks
-    (torchrun numbers a node's ranks consecutively); 0: torchrun's LOCAL_WORLD_SIZE.
+    """hierarchical_partition and gradients.hierarchical: the ranks of each node, consecutive
+    ranks (torchrun numbers a node's ranks consecutively); 0: torchrun's LOCAL_WORLD_SIZE.
     DeepSpeed's `zero_optimization.zero_hpz_partition_size` sets it."""
     auto: bool = False
     """Start uncompressed, then measure the links (latency and bandwidth), the steps and each
@@ -137,10 +144,12 @@ def check_compression(
             f"comm_compression.auto: optimizer.type {onebit} compresses the gradients itself; "
             "set auto to false"
         )
-    if section.hierarchical_partition_size and not section.hierarchical_partition:
+    hierarchical = section.hierarchical_partition or section.gradients.hierarchical
+    if section.hierarchical_partition_size and not hierarchical:
         raise fail(
-            "comm_compression.hierarchical_partition_size: sizes the partition that "
-            "hierarchical_partition keeps, which is false; set it to true, or the size to 0"
+            "comm_compression.hierarchical_partition_size: the ranks per node of "
+            "hierarchical_partition and gradients.hierarchical, which are both false; set one "
+            "to true, or the size to 0"
         )
     if section.hierarchical_partition and stage != 3:
         raise fail(
@@ -171,6 +180,7 @@ _GRADIENT_KEYS = {
     "compress_embeddings": ("powersgd", "acp_sgd"),
     "catch_up": ("topk", "gtopk"),
     "block_size": ("int8", "int4"),
+    "hierarchical": ("int8", "int4"),
     "warmup_steps": ("powersgd", "acp_sgd", "topk", "gtopk", "int8", "int4"),
 }
 

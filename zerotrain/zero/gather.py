@@ -18,7 +18,6 @@ zerotrain/zero/in_flight.py.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
+from zerotrain.comm.communicator import nothing_inside_nodes
 from zerotrain.compression.gather import ParameterCompression, ParameterGather
 from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.zero.hpz import SecondaryShards
@@ -482,13 +482,11 @@ def _secondary_shards(comm: Communicator, ranks_per_node: int) -> SecondaryShard
     default group); None, with a warning, where the node holds one rank of ``comm`` or all of
     them: no gather would then stay off the network."""
     node = comm.within_nodes(ranks_per_node)
-    if 1 < node.world_size < comm.world_size:
-        return SecondaryShards(node)
-    where = "one node" if node.world_size == comm.world_size else "one rank per node"
-    warnings.warn(
-        f"comm_compression.hierarchical_partition: the {comm.world_size} data-parallel ranks "
-        f"sit on {where} ({ranks_per_node} ranks per node): a partition inside the node would "
-        "keep no gather off the network, so stage 3 runs without it",
-        stacklevel=2,
+    key = "comm_compression.hierarchical_partition"
+    instead = (
+        "a partition inside the node would keep no gather off the network, so stage 3 runs "
+        "without it"
     )
-    return None
+    if nothing_inside_nodes(comm, node, ranks_per_node, key, instead):
+        return None
+    return SecondaryShards(node)
