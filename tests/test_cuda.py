@@ -177,7 +177,8 @@ def test_codec_state_read_to_the_host_resumes_on_the_gpu(tmp_path, method):
 
     from zerotrain.comm import Communicator
     from zerotrain.compression import BucketShape, GradientCompression
-    from zerotrain.compression.codec import LowRankCodec, OneBitCodec, SparseCodec
+    from zerotrain.compression.codec import LowRankCodec, SparseCodec
+    from zerotrain.compression.encoded import OneBitCodec
 
     shape = (16, 12)
     bucket = BucketShape(math.prod(shape) + 8, [(0, shape), (math.prod(shape), (8,))])

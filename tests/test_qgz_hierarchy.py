@@ -154,3 +154,5 @@ def test_config_of_the_hierarchy():
         load_config({**base, "comm_compression": size_alone}, world_size=4)
     size_alone["gradients"]["hierarchical"] = True
     load_config({**base, "comm_compression": size_alone}, world_size=4)
+    with pytest.raises(ConfigError, match="hierarchical: not with auto yet"):
+        load_config({**base, "comm_compression": {**size_alone, "auto": True}}, world_size=4)

@@ -31,7 +31,8 @@ import torch
 from zerotrain.comm import Communicator
 from zerotrain.comm.dry_run import DryRunCommunicator
 from zerotrain.comm.link import Link, settle
-from zerotrain.compression.codec import BucketShape, GradientCompression, Pending, make_codec
+from zerotrain.compression import make_codec
+from zerotrain.compression.codec import BucketShape, GradientCompression, Pending
 from zerotrain.compression.gather import ParameterCompression, ParameterGather
 
 

@@ -19,7 +19,8 @@ import torch
 
 from zerotrain.comm import Communicator
 from zerotrain.compression import quantize
-from zerotrain.compression.codec import Pending, all_gather_encoded
+from zerotrain.compression.codec import Pending
+from zerotrain.compression.encoded import all_gather_encoded
 
 
 @dataclass(frozen=True, kw_only=True)

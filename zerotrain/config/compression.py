@@ -144,6 +144,12 @@ def check_compression(
             f"comm_compression.auto: optimizer.type {onebit} compresses the gradients itself; "
             "set auto to false"
         )
+    if section.auto and section.gradients.hierarchical:
+        raise fail(
+            "comm_compression.gradients.hierarchical: not with auto yet (auto measures and "
+            "switches the exchange over the whole group, and a switch would build the node's "
+            "groups mid-run); set auto to false to reduce by node, or hierarchical to false"
+        )
     hierarchical = section.hierarchical_partition or section.gradients.hierarchical
     if section.hierarchical_partition_size and not hierarchical:
         raise fail(

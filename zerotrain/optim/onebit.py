@@ -8,8 +8,8 @@ send is kept and added next time). DeepSpeed compresses each rank's momentum
 m_i = β1·m + (1 - β1)·g_i, which needs the whole momentum m on every rank, and refused ZeRO
 (``assert not self.zero_optimization()``). Under ZeRO-1/2 a rank holds m only for its own
 shard, and β1·m is the same on every rank: only (1 - β1)·g_i differs. So here the engine's
-gradient codec (zerotrain/compression/codec.py, ``OneBitCodec``) sends each rank's gradient,
-plus its kept error, as signs and one scale per destination piece, and the owner of a piece
+gradient codec (zerotrain/compression/encoded.py, ``OneBitCodec``) sends each rank's gradient,
+plus its kept error, as signs and one scale per block of 2048, and the owner of a piece
 sums what it receives; the optimizer then folds that average into its shard's momentum,
 m = β1·m + (1 - β1)·ĝ, exactly. Each rank ends with the averaged quantity for its own shard;
 what it keeps between steps (its error, one fp32 element per bucket element, and at stage 0
