@@ -567,12 +567,14 @@ def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptio
     )
 
 
+def _ranks_per_node(cfg: ZeroTrainConfig) -> int:
+    """The ranks of a node for hpZ and the gradients' hierarchy: as configured, or torchrun's."""
+    return cfg.comm_compression.hierarchical_partition_size or local_ranks()
+
+
 def _secondary_partition(cfg: ZeroTrainConfig) -> int:
-    """The ranks of each hpZ partition (0: no hpZ): as configured, or the node's."""
-    section = cfg.comm_compression
-    if not section.hierarchical_partition:
-        return 0
-    return section.hierarchical_partition_size or local_ranks()
+    """The ranks of each hpZ partition (0: no hpZ)."""
+    return _ranks_per_node(cfg) if cfg.comm_compression.hierarchical_partition else 0
 
 
 def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
@@ -585,9 +587,8 @@ def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
 def _gradient_options(cfg: ZeroTrainConfig) -> GradientCompression:
     """`comm_compression.gradients` as a policy, with ``hierarchical``'s ranks per node."""
     options = cfg.comm_compression.gradients.model_dump()
-    hierarchical = options.pop("hierarchical")
-    size = cfg.comm_compression.hierarchical_partition_size or local_ranks()
-    return GradientCompression(**options, ranks_per_node=size if hierarchical else 0)
+    ranks_per_node = _ranks_per_node(cfg) if options.pop("hierarchical") else 0
+    return GradientCompression(**options, ranks_per_node=ranks_per_node)
 
 
 def _parameter_compression(cfg: ZeroTrainConfig) -> ParameterCompression | None:

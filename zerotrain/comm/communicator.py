@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -294,7 +293,7 @@ class Communicator:
         on_node: dict[int, list[int]] = {}
         for rank in sorted(members):
             on_node.setdefault(rank // ranks_per_node, []).append(rank)
-        sizes = set(Counter(g // ranks_per_node for g in members).values())
+        sizes = {len(ranks) for ranks in on_node.values()}
         if len(sizes) > 1:
             raise ValueError(
                 f"ranks {members} hold {sorted(sizes)} ranks on different nodes of "
