@@ -795,6 +795,23 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
             "'ZeroOneAdam', got 5",
         ),
         (nested("optimizer.params.lr", "x"), 'optimizer.params.lr: must be a number, got "x"'),
+        # JSON's Infinity and NaN (Python's json reads both): no float key takes them
+        (
+            nested("optimizer.params.lr", float("inf")),
+            "optimizer.params.lr: must be a finite number, got Infinity",
+        ),
+        (
+            nested("optimizer.params.lr", float("nan")),
+            "optimizer.params.lr: must be a finite number, got NaN",
+        ),
+        (
+            {"train_batch_size": 8, "gradient_clipping": float("inf")},
+            "gradient_clipping: must be a finite number, got Infinity",
+        ),
+        (
+            nested("fp16.initial_scale_power", float("inf")),
+            "fp16.initial_scale_power: must be a finite number, got Infinity",
+        ),
         (
             nested("optimizer.params.betas", [0.9]),
             "optimizer.params.betas: must be a list of two numbers, got [0.9]",
@@ -837,6 +854,35 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
 )
 def test_bad_values_name_the_path(config: dict, message: str) -> None:
     assert load_error(config) == message
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_nvme_path_that_cannot_hold_working_files_is_refused(section: str, tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for path, problem in [
+        (a_file, f"{a_file} is a file; give a directory"),
+        ("/proc/zerotrain", "/proc/zerotrain is on a kernel pseudo-filesystem (/proc)"),
+    ]:
+        config = {
+            "train_batch_size": 8,
+            "zero_optimization": {
+                "stage": 3,
+                section: {"device": "nvme", "nvme_path": str(path)},
+            },
+        }
+        assert f"{section}.nvme_path: {problem}" in load_error(config)
+
+
+def test_nvme_directory_that_cannot_be_written_is_a_config_error(tmp_path: Path) -> None:
+    from zerotrain.zero.nvme import prepare_directory
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(ConfigError, match=r"offload_param.nvme_path: cannot write working files"):
+        prepare_directory(a_file / "below", key="offload_param")  # made after the config check
+    prepare_directory(tmp_path / "new" / "dir")
+    assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())
 
 
 def test_per_param_group_learning_rates_are_accepted() -> None:

@@ -148,3 +148,22 @@ def test_gathered_parameters_read_and_modify(stage, precision):
         assert torch.all(state["blocks.2.down.weight"] == 0.25)  # rank 1's change, masters too
         assert seen["engine_shape"] == (7, 5)
         assert seen["after_exit_numel"] == (0 if stage == 3 else 35)
+
+
+def test_init_checks_its_config_before_any_module_is_built(tmp_path):
+    # a typo is reported before the (possibly minutes-long) build, not at initialize
+    typo = {"train_batch_size": 8, "zero_optimisation": {"stage": 3}}
+    with pytest.raises(zerotrain.ConfigError, match="zero_optimisation: unknown key; did you mean"):
+        zerotrain.zero.Init(config_dict_or_path=typo)
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1}}}')
+    with pytest.raises(zerotrain.ConfigError, match="optimizer.params.lr: must be >= 0"):
+        zerotrain.zero.Init(config=str(path))
+    # HuggingFace's unfilled placeholders are left to the Trainer: no error, bf16 still read
+    unfilled = {
+        "train_batch_size": "auto",
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+    }
+    assert zerotrain.zero.Init(config_dict_or_path=unfilled).dtype == torch.bfloat16

@@ -145,6 +145,16 @@ _AUTO_NEVER_FILLED = {
 }
 
 
+def _without_auto(data: dict[Any, Any]) -> dict[Any, Any]:
+    kept: dict[Any, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            kept[key] = _without_auto(value)
+        elif not _auto_problems(value, ""):
+            kept[key] = value
+    return kept
+
+
 def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
@@ -182,10 +192,16 @@ def load_config(
     return check_config(raw).resolve_batch(world_size)
 
 
-def check_config(raw: dict[str, Any]) -> ZeroTrainConfig:
+def check_config(raw: dict[str, Any], *, unfilled: bool = False) -> ZeroTrainConfig:
     """Passes 1 and 2 of [Note: how a config is checked] on a raw mapping, without resolving the
     batch fields, so that one section can be checked on its own (``{"section": {...}}``).
-    Accepted keys the user may expect to act (deepspeed_keys.py) are named in a warning."""
+    Accepted keys the user may expect to act (deepspeed_keys.py) are named in a warning.
+
+    ``unfilled``: the config may still hold HuggingFace's ``"auto"`` placeholders (``zero.Init``
+    sees it before the Trainer has filled them): each key whose value is or holds one is left
+    out, and the rest is checked; the warnings are left to the check of the filled config."""
+    if unfilled:
+        raw = _without_auto(raw)
     found = _Pass1()
     data = _normalise(raw, ZeroTrainConfig, found)
     if found.problems:
@@ -194,6 +210,6 @@ def check_config(raw: dict[str, Any]) -> ZeroTrainConfig:
         config = ZeroTrainConfig.model_validate(data)
     except ValidationError as exc:
         raise config_error(exc) from None
-    for note in found.notes:
+    for note in [] if unfilled else found.notes:
         warnings.warn(f"zerotrain config: {note}", stacklevel=3)
     return config

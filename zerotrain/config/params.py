@@ -43,7 +43,7 @@ class Params:
         # pyrefly: ignore[invalid-annotation]
         fields = {k: Required[v] if k in self.required else v for k, v in self.keys.items()}
         spec = TypedDict("Params", fields, total=False)  # type: ignore[operator]
-        spec.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]
+        spec.__pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)  # type: ignore[attr-defined]
         return TypeAdapter(spec)
 
 

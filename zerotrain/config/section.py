@@ -71,7 +71,9 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are immutable, and the
     attribute docstrings are the field descriptions (and the generated docs)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     # DeepSpeed keys of this section accepted without a field (deepspeed_keys.py).
     _ACCEPTED: ClassVar[dict[str, Accepted]] = {}

@@ -203,9 +203,9 @@ class Init:
     """Context manager: modules built inside it have their parameters partitioned at once.
 
     DeepSpeed's signature. ``config_dict_or_path`` (or its old name ``config``): a config dict
-    or path, of which only the precision is read (bf16 or fp16 enabled: the chunks take that
-    dtype, as in DeepSpeed), so a config HuggingFace has not filled yet (``"auto"`` values) is
-    fine. ``dtype`` overrides it; without either the dtype is unchanged. ``enabled=False`` is a
+    or path, checked at once (a ConfigError before any module is built), of which only the
+    precision is read (bf16 or fp16 enabled: the chunks take that dtype, as in DeepSpeed); a
+    config HuggingFace has not filled yet (``"auto"`` values) is fine. ``dtype`` overrides it; without either the dtype is unchanged. ``enabled=False`` is a
     no-op; ``module`` partitions an existing module's parameters now. ``remote_device`` "cpu"
     asks for the chunks in CPU memory, where they are on a CPU-only run; from a GPU it is
     refused until zerotrain offloads. ``mem_efficient_linear``, ``pin_memory`` and
@@ -340,12 +340,13 @@ class Init:
 
 
 def _precision_dtype(config) -> torch.dtype | None:
-    """The training dtype a config asks for (None: neither bf16 nor fp16). Of a DeepSpeed dict
-    or file only the two keys are read; "auto" (HuggingFace fills it later) counts as not
-    enabled."""
+    """The training dtype a config asks for (None: neither bf16 nor fp16). A DeepSpeed dict or
+    file is checked first, so that a typo is reported before the model is built rather than at
+    ``initialize``; "auto" values (HuggingFace fills them later) are left out of the check and
+    count as not enabled."""
     if config is None:
         return None
-    from zerotrain.config import ConfigError, ZeroTrainConfig, read_config_file
+    from zerotrain.config import ConfigError, ZeroTrainConfig, check_config, read_config_file
 
     if isinstance(config, ZeroTrainConfig):
         bf16, fp16 = config.bf16.enabled, config.fp16.enabled
@@ -356,6 +357,7 @@ def _precision_dtype(config) -> torch.dtype | None:
                 f"zero.Init(config_dict_or_path=...): expected a config dict or path, got "
                 f"{type(raw).__name__}"
             )
+        check_config(raw, unfilled=True)
 
         def enabled(*names: str) -> bool:
             sections = [raw.get(name) for name in names]

@@ -171,12 +171,28 @@ def disk_bytes_needed(numel: int, state_bytes: int) -> int:
     return numel * (4 + state_bytes)
 
 
+def prepare_directory(directory: Path, *, key: str = "offload_optimizer") -> None:
+    """Make ``directory`` (the ``key`` section's nvme_path) ready for working files, or refuse
+    it with a ConfigError naming the key: a path that is a file, or where this process cannot
+    create and write a file, fails here rather than as a raw OSError in the middle of a build."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".zerotrain-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"zero_optimization.{key}.nvme_path: cannot write working files in {directory} "
+            f"({error.strerror or error}); give a writable directory on a local disk"
+        ) from None
+
+
 def check_disk(
     directory: Path, needed: int, local_ranks: int, *, key: str = "offload_optimizer"
 ) -> None:
     """Preflight: refuse, before writing, what the disk under ``directory`` cannot hold (for
     the working file of the ``key`` section)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    prepare_directory(directory, key=key)
     free = shutil.disk_usage(directory).free
     total = needed * local_ranks
     if total > free:
