@@ -11,6 +11,7 @@ bf16; a ZeRO-3 checkpoint exports a plain model.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,13 +213,16 @@ def _loader(rank: int, world: int):
     return torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
 
 
-def _trainer(stage: int, root: str, max_steps: int):
+def _trainer(stage: int, root: str, max_steps: int, monitor: str | None = None):
     import lightning.pytorch as pl
 
     from zerotrain.integrations.lightning.trainer import ZeroTrainStrategy
 
+    config: dict = {"steps_per_print": 10**6}
+    if monitor is not None:  # the engine's reported loss per step, read by the test
+        config["csv_monitor"] = {"enabled": True, "output_path": root, "job_name": monitor}
     return pl.Trainer(
-        strategy=ZeroTrainStrategy(stage=stage, config={"steps_per_print": 10**6}),
+        strategy=ZeroTrainStrategy(stage=stage, config=config),
         accelerator="cpu",
         devices=2,
         max_steps=max_steps,
@@ -242,7 +246,7 @@ def trainer_versus_direct(root: str) -> dict:
     for kind, stage in RUNS:
         seen: list = []
         module = _lightning_module(seen, kind)
-        trainer = _trainer(stage, root, STEPS)
+        trainer = _trainer(stage, root, STEPS, monitor=f"stage{stage}")
         trainer.fit(module, train_dataloaders=_loader(rank, world))
         engine = trainer.model
         direct = _direct(stage, kind)
@@ -278,8 +282,23 @@ def trainer_versus_direct(root: str) -> dict:
     return out
 
 
+def _reported_losses(root: Path, job: str) -> list[float]:
+    rows = (root / job / "Train_loss.csv").read_text().splitlines()[1:]
+    return [float(row.split(",")[1]) for row in rows]
+
+
 def test_lightning_trainer_trains_as_zerotrain_called_directly(tmp_path):
-    for rank in run_distributed(trainer_versus_direct, 2, str(tmp_path), timeout=400):
+    ranks = run_distributed(trainer_versus_direct, 2, str(tmp_path), timeout=400)
+    for stage in ranks[0]:
+        # the engine reports the loss training_step returned, averaged over the step's
+        # micro-batches and ranks, although Lightning hands backward that loss / ACCUM
+        user = [
+            sum(r[stage]["losses"][s * ACCUM + i] for r in ranks for i in range(ACCUM))
+            / (ACCUM * len(ranks))
+            for s in range(STEPS)
+        ]
+        assert _reported_losses(tmp_path, f"stage{stage}") == pytest.approx(user, rel=1e-6)
+    for rank in ranks:
         for stage, got in rank.items():
             assert got["engine"] and got["stage"] == stage
             assert len(got["losses"]) == STEPS * ACCUM

@@ -284,10 +284,15 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         ``loss.backward()`` on a loss computed from ``engine(...)``'s outputs does the same
         (see [Note: loss.backward() without engine.backward] in backward.py)."""
         _check_loss(loss, "engine.backward")
-        self.metrics.observe_loss(loss)
         scale = self.optimizer.loss_scale
         if scale_wrt_gas:
             scale /= self.gradient_accumulation_steps()
+            self.metrics.observe_loss(loss)
+        else:
+            # the caller divided by the accumulation steps itself (Lightning's automatic
+            # optimization does): report the loss it computed, as DeepSpeed's sum over the
+            # micro-steps of what backward got does
+            self.metrics.observe_loss(loss.detach() * self.gradient_accumulation_steps())
         with self._backward.managed():
             (loss.float() * scale).backward(retain_graph=retain_graph)
         return loss
