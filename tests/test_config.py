@@ -537,6 +537,20 @@ def test_world_size_must_be_a_positive_integer(world_size: Any) -> None:
             {"train_batch_size": 8, "monitor": {"enabled": True}},
             "monitor: unknown key; did you mean 'csv_monitor'?",
         ),
+        (  # HuggingFace's TrainingArguments names: spelling alone would not find these
+            nested("optimizer.params.adam_eps", 1e-8),
+            "optimizer.params.adam_eps: unknown key; did you mean 'eps'? DeepSpeed's name for it",
+        ),
+        (
+            nested("optimizer.params.adam_beta2", 0.95),
+            "optimizer.params.adam_beta2: unknown key; did you mean 'betas' (both betas in one "
+            "list: [beta1, beta2])? DeepSpeed's name for it",
+        ),
+        (
+            nested("optimizer.params.learning_rate", 0.1),
+            "optimizer.params.learning_rate: unknown key; did you mean 'lr'? DeepSpeed's name "
+            "for it",
+        ),
         (
             nested("optimizer.params.max_grad_norm", 1.0),
             "optimizer.params.max_grad_norm: not an "

@@ -33,7 +33,7 @@ from zerotrain.config.files import read_config_file
 from zerotrain.config.params import TypedParamsSection
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.section import Section, canonical_choice, section_of
-from zerotrain.optim.registry import REFUSED_PARAMS
+from zerotrain.optim.registry import PARAM_ALIASES, REFUSED_PARAMS
 
 __all__ = ["check_config", "load_config"]
 
@@ -67,6 +67,10 @@ def _param_problems(
             fix = REFUSED_PARAMS[key]
         elif owners:
             fix = f"not a parameter of {canonical}; only of {', '.join(owners)}"
+        elif PARAM_ALIASES.get(key) in known:
+            alias = PARAM_ALIASES[key]
+            pair = " (both betas in one list: [beta1, beta2])" if alias == "betas" else ""
+            fix = f"unknown key; did you mean '{alias}'{pair}? DeepSpeed's name for it"
         else:
             fix = f"unknown key{did_you_mean(str(key), known)}"
         problems.append(f"{path}.{key}: {fix}")

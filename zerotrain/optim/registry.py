@@ -25,6 +25,7 @@ from zerotrain.optim.onebit import OneBitAdam, ZeroOneAdam
 __all__ = [
     "DEEPSPEED_ONLY_OPTIMIZERS",
     "OPTIMIZERS",
+    "PARAM_ALIASES",
     "REFUSED_PARAMS",
     "OptimizerSpec",
     "build_optimizer",
@@ -222,6 +223,24 @@ REFUSED_PARAMS = {
     "max_grad_norm": "not an optimizer parameter; use the top-level `gradient_clipping` instead",
 }
 """``params`` keys DeepSpeed refuses for every optimizer, with the fix."""
+
+PARAM_ALIASES = {
+    # HuggingFace TrainingArguments and torch/optax habits -> DeepSpeed's constructor argument
+    "adam_eps": "eps",
+    "adam_epsilon": "eps",
+    "epsilon": "eps",
+    "adam_beta1": "betas",
+    "adam_beta2": "betas",
+    "beta1": "betas",
+    "beta2": "betas",
+    "b1": "betas",
+    "b2": "betas",
+    "learning_rate": "lr",
+    "wd": "weight_decay",
+    "decay": "weight_decay",
+}
+"""``params`` keys other frameworks spell differently -> DeepSpeed's key, suggested when the
+key is unknown (a did-you-mean by spelling would miss most of them)."""
 
 
 def find_optimizer(name: str) -> OptimizerSpec | None:
