@@ -376,6 +376,32 @@ def test_fp16_auto_cast_casts_floating_inputs(capsys) -> None:
     assert engine.module.dtypes == [(torch.float16, torch.int64)]
 
 
+def test_bf16_auto_cast_casts_floating_inputs() -> None:
+    engine, *_ = zerotrain.initialize(
+        model=Recorder(), config=_config(0, bf16={"enabled": True, "auto_cast": True})
+    )
+    engine.backward(engine(torch.randn(2, 3), torch.arange(2)))
+    engine.step()
+    assert engine.module.dtypes == [(torch.bfloat16, torch.int64)]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_fp32_inputs_to_a_16_bit_model_name_the_fix(grad: bool) -> None:
+    engine, *_ = zerotrain.initialize(model=Recorder(), config=_config(0, bf16={"enabled": True}))
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError) as raised:
+        engine(torch.randn(2, 3), ids=torch.arange(2))
+    message = str(raised.value)
+    assert "zerotrain: engine(...) got float32/float64 tensors (argument 0) while the model's " in (
+        message
+    )
+    assert "weights are bfloat16 (bf16.enabled): cast them before the call, or set " in message
+    assert "bf16.auto_cast: true" in message
+    assert isinstance(raised.value.__cause__, RuntimeError)  # torch's own error, kept
+    # other failures pass through unchanged
+    with pytest.raises(RuntimeError, match=r"^Expected all tensors|^mat1 and mat2 shapes"):
+        engine(torch.randn(2, 5, dtype=torch.bfloat16), torch.arange(2))
+
+
 def test_log_level_is_left_alone_unless_the_config_sets_it() -> None:
     from zerotrain.utils import logger
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,21 +145,47 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
 
     # -- training ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.fp16_auto_cast():
-            args, kwargs = pytree.tree_map(_to_half, (args, kwargs))
+        cast = self.auto_cast_dtype()
+        if cast is not None:
+            args, kwargs = pytree.tree_map(functools.partial(_cast, dtype=cast), (args, kwargs))
         if not torch.is_grad_enabled():  # evaluation: not part of a training step's metrics
-            return self.module(*args, **kwargs)
+            with self._input_dtype_hint(args, kwargs):
+                return self.module(*args, **kwargs)
         start = time.perf_counter()
         self.metrics.start_micro_step(start)
         self.optimizer.begin_forward()
         try:
-            with self._instrumented_forward():
+            with self._instrumented_forward(), self._input_dtype_hint(args, kwargs):
                 out = self.module(*args, **kwargs)
         finally:
             self.optimizer.end_forward()
         self._backward.watch(out)  # for loss.backward(): see backward.py
         self.metrics.observe_forward(args, kwargs, time.perf_counter() - start)
         return out
+
+    @contextlib.contextmanager
+    def _input_dtype_hint(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """A forward that fails on a dtype mismatch while it was given fp32 tensors and the
+        weights are 16-bit gets the fix added to torch's message (which names neither)."""
+        try:
+            yield
+        except RuntimeError as error:
+            weights = self.optimizer.precision.param_dtype
+            wide = [
+                name
+                for name, value in [*enumerate(args), *kwargs.items()]
+                if torch.is_tensor(value) and value.dtype in (torch.float32, torch.float64)
+            ]
+            if weights.itemsize != 2 or not wide or not _DTYPE_MISMATCH.search(str(error)):
+                raise
+            section = "bf16" if weights == torch.bfloat16 else "fp16"
+            names = ", ".join(f"argument {n}" if isinstance(n, int) else n for n in wide)
+            raise RuntimeError(
+                f"{error}\nzerotrain: engine(...) got float32/float64 tensors ({names}) while "
+                f"the model's weights are {str(weights).removeprefix('torch.')} "
+                f"({section}.enabled): cast them before the call, or set "
+                f"{section}.auto_cast: true to have the engine cast floating-point arguments"
+            ) from error
 
     def _reports(self, step: int) -> bool:
         """Whether optimizer step ``step`` (from 1) prints or is monitored."""
@@ -680,8 +709,14 @@ def _check_loss(loss: torch.Tensor, caller: str) -> None:
         )
 
 
-def _to_half(value):
-    """fp16.auto_cast: floating-point tensors to float16; everything else unchanged."""
+def _cast(value, dtype: torch.dtype):
+    """fp16/bf16.auto_cast: floating-point tensors to ``dtype``; everything else unchanged."""
     if torch.is_tensor(value) and value.is_floating_point():
-        return value.half()
+        return value.to(dtype)
     return value
+
+
+# torch's wordings of an operator given mixed dtypes ("mat1 and mat2 must have the same dtype",
+# "expected scalar type BFloat16 but found Float", "Input type (float) and bias type
+# (c10::BFloat16) should be the same")
+_DTYPE_MISMATCH = re.compile(r"same dtype|scalar type|should be the same", re.IGNORECASE)

@@ -87,6 +87,16 @@ class DeepSpeedQueries:
     def fp16_auto_cast(self) -> bool:
         return self.zerotrain_config.fp16.enabled and self.zerotrain_config.fp16.auto_cast
 
+    def auto_cast_dtype(self) -> torch.dtype | None:
+        """The dtype ``engine(...)`` casts floating-point arguments to (``fp16.auto_cast``,
+        ``bf16.auto_cast``), or None."""
+        config = self.zerotrain_config
+        if self.fp16_auto_cast():
+            return torch.float16
+        if config.bf16.enabled and config.bf16.auto_cast:
+            return torch.bfloat16
+        return None
+
     def dynamic_loss_scale(self) -> bool:
         return self.optimizer.loss_scaler.dynamic
 

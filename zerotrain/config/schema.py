@@ -92,6 +92,10 @@ class BF16Config(Section):
 
     enabled: bool = False
     """Run forward and backward in bfloat16 and keep fp32 master weights."""
+    auto_cast: bool = False
+    """Cast the floating-point tensors among the arguments of `engine(...)` to bfloat16 before
+    the model's forward (integer tensors, such as token ids, are left alone), as
+    `fp16.auto_cast` does for float16. (A zerotrain key.)"""
 
 
 class CheckpointConfig(Section):
