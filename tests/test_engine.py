@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 import pytest
 import torch
@@ -98,7 +99,11 @@ def user_optimizer_and_scheduler(stage):
         config=dict(BASE, gradient_accumulation_steps=2, zero_optimization={"stage": stage}),
     )
     assert engine_sched is sched and sched.optimizer is zero_opt.optimizer
-    state = _train(engine, comm.world_size, comm.rank, accum=2)
+    with warnings.catch_warnings():
+        # torch's "optimizer.step() has been overridden" / "lr_scheduler.step() before
+        # optimizer.step()": the repointed scheduler must see the new optimizer's steps
+        warnings.filterwarnings("error", message=r".*(optimizer|lr_scheduler)\.step\(\)")
+        state = _train(engine, comm.world_size, comm.rank, accum=2)
     return state, engine.get_lr()
 
 

@@ -38,7 +38,7 @@ from zerotrain.lora import apply_lora_fa
 from zerotrain.moe import MoE
 from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.monitor import check_monitor_packages
-from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler
+from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler, repoint_scheduler
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, PipelineModule
 from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
@@ -763,7 +763,7 @@ def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimi
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             # Built over the user's optimizer: point it at the optimizer that owns the shards
             # (same groups, same order).
-            lr_scheduler.optimizer = optimizer
+            repoint_scheduler(lr_scheduler, optimizer)
             return lr_scheduler
         if callable(lr_scheduler):
             return lr_scheduler(optimizer)

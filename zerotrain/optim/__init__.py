@@ -24,6 +24,7 @@ from zerotrain.optim.schedulers import (
     WarmupDecayLR,
     WarmupLR,
     build_scheduler,
+    repoint_scheduler,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "ZeroOneAdam",
     "build_optimizer",
     "build_scheduler",
+    "repoint_scheduler",
     "find_optimizer",
 ]
 

@@ -18,9 +18,11 @@ as in DeepSpeed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "build_scheduler",
+    "repoint_scheduler",
 ]
 
 WARMUP_LOG = "log"
@@ -502,3 +505,26 @@ def build_scheduler(
         if p.default is inspect.Parameter.empty and name not in params:
             raise ValueError(f"scheduler.params.{name}: required by {type}")
     return cls(optimizer, **params)
+
+
+def repoint_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> None:
+    """``scheduler`` over ``optimizer``, whose steps it must see: torch's LRScheduler patches
+    its optimizer's ``step`` at construction to mark each call (``_opt_called``) and warns at
+    its first step when the optimizer it holds has no marked step, which a scheduler repointed
+    after construction does not have (torch's protocol in torch/optim/lr_scheduler.py, stable
+    since torch 1.1)."""
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)  # no cycle through the optimizer's own attribute
+
+    @functools.wraps(step)
+    def marked_step(*args, **kwargs):
+        target = owner()
+        if target is not None:
+            target._opt_called = True  # pyrefly: ignore[missing-attribute]
+        return step(*args, **kwargs)
+
+    marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = marked_step  # type: ignore[method-assign]
