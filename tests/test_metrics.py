@@ -13,6 +13,7 @@ from models import SEQ, AwkwardModel, make_batches, micro_batch
 
 import zerotrain
 from zerotrain.comm import Communicator, OpStats
+from zerotrain.fmt import MB
 from zerotrain.observability import metrics
 from zerotrain.observability.metrics import StepMetrics, sequence_length
 
@@ -196,3 +197,31 @@ def test_count_model_flops_false_leaves_tflops_out(capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith("[zerotrain] step 1 | loss ") and "tokens/s" in line, line
     assert "TFLOP/s" not in line and engine.metrics.forward_flops is None
+
+
+def test_link_probes_are_not_counted_as_the_steps_traffic():
+    from zerotrain.comm.link import PROBE
+
+    comm = Communicator()
+    step_metrics = StepMetrics(comm, torch.device("cpu"), train_batch_size=8, micro_steps=1)
+    comm.stats["all_reduce"] = OpStats(calls=1, bytes=2 * MB, sent=2 * MB)
+    comm.stats[PROBE] = OpStats(calls=8, bytes=16 * MB, sent=16 * MB)  # comm_compression.auto's
+    step_metrics.start_micro_step(0.0)
+    step_metrics.observe_loss(torch.tensor(1.0))
+    record = step_metrics.finish_step(
+        step=1, lr=[0.1], grad_norm=1.0, loss_scale=1.0, skipped_steps=0, report=True
+    )
+    line = step_metrics.throughput_line(record, wall_clock_breakdown=True)
+    assert line.endswith("2.00 MB sent per step")
+
+
+def test_a_link_too_fast_for_the_probe_is_not_given_a_rate():
+    from zerotrain.comm.link import Link
+
+    assert Link(alpha=2e-5, beta=5e8).describe() == "20 us per hop, 4 Gb/s"
+    # the probe's clamp (4 MiB in 1e-9 s) once read "3.35e+07 Gb/s"
+    unresolved = Link(alpha=2e-5, beta=4.2e15, resolved=False).describe()
+    assert unresolved == (
+        "20 us per hop, bandwidth beyond what the probe resolves (a 4 MiB all-reduce took no "
+        "longer than a 1 KiB one)"
+    )

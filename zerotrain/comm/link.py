@@ -26,6 +26,8 @@ from zerotrain.comm.communicator import Communicator, ring_sent
 # the probes: small enough to time the latency, large enough that bandwidth dominates
 SMALL_PROBE_BYTES = 1 << 10
 LARGE_PROBE_BYTES = 4 << 20
+PROBE = "link_probe"
+"""The name the probes' collectives are counted under (not training traffic)."""
 
 
 def settle(device: torch.device) -> None:
@@ -46,6 +48,7 @@ class Link:
 
     alpha: float  # seconds per hop
     beta: float  # bytes per second a rank sends
+    resolved: bool = True  # False: the large probe took no longer than the small one
 
     def seconds(self, op: str, sent: int, world: int) -> float:
         """The model's time for one collective ``op`` in which this rank sends ``sent`` bytes."""
@@ -54,6 +57,11 @@ class Link:
     def describe(self) -> str:
         bits = self.beta * 8
         rate = f"{bits / 1e9:.3g} Gb/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mb/s"
+        if not self.resolved:
+            rate = (
+                f"bandwidth beyond what the probe resolves (a {LARGE_PROBE_BYTES >> 20} MiB "
+                f"all-reduce took no longer than a {SMALL_PROBE_BYTES >> 10} KiB one)"
+            )
         return f"{self.alpha * 1e6:.0f} us per hop, {rate}"
 
 
@@ -65,20 +73,22 @@ def probe_link(comm: Communicator, repeats: int = 3) -> Link:
     times = []
     for nbytes in (SMALL_PROBE_BYTES, LARGE_PROBE_BYTES):
         message = torch.zeros(nbytes // 4, device=comm.device)
-        comm.all_reduce(message, name="link_probe")  # connections made, buffers allocated
+        comm.all_reduce(message, name=PROBE)  # connections made, buffers allocated
         runs = []
         for _ in range(repeats):
             settle(comm.device)
             start = time.perf_counter()
-            comm.all_reduce(message, name="link_probe")
+            comm.all_reduce(message, name=PROBE)
             settle(comm.device)
             runs.append(time.perf_counter() - start)
         times.append(statistics.median(runs))
     slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
-    comm.all_reduce(slowest, op="max", name="link_probe")
+    comm.all_reduce(slowest, op="max", name=PROBE)
     small, large = slowest.tolist()
     sent_small = ring_sent("all_reduce", SMALL_PROBE_BYTES, world)
     sent_large = ring_sent("all_reduce", LARGE_PROBE_BYTES, world)
+    # a large message no slower than a small one (noise on a fast link): beta is then the
+    # clamp's, effectively unlimited, and describe() says so rather than print it
     beta = (sent_large - sent_small) / max(large - small, 1e-9)
     alpha = max(0.0, small - sent_small / beta) / max(hops("all_reduce", world), 1)
-    return Link(alpha, beta)
+    return Link(alpha, beta, resolved=large > small)

@@ -34,6 +34,7 @@ import torch
 
 from zerotrain.accelerator import current_rss, peak_rss
 from zerotrain.comm import Communicator
+from zerotrain.comm.link import PROBE
 from zerotrain.fmt import GB, MB, quantity
 from zerotrain.observability.flops_profiler import FlopCounter, warm_up
 
@@ -276,7 +277,8 @@ class StepMetrics:
         return 3.0 * self.forward_flops * self.micro_steps * self.comm.world_size * steps
 
     def _comm_totals(self) -> tuple[float, int]:
-        stats = self.comm.stats.values()
+        # comm_compression.auto's link probes are not the step's traffic
+        stats = [s for name, s in self.comm.stats.items() if name != PROBE]
         return sum(s.seconds for s in stats), sum(s.sent for s in stats)
 
     def throughput_line(self, record: StepRecord, wall_clock_breakdown: bool = False) -> str:
