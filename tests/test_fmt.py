@@ -35,6 +35,7 @@ def test_count_writes_model_sizes(value, text):
 def test_scaled_and_duration():
     assert fmt.scaled(3 * fmt.GiB, "Gi") == "3.00" and fmt.scaled(1234, "K", 1) == "1.2"
     assert [fmt.duration(s) for s in (2.5, 0.0123, 4e-6)] == ["2.50 s", "12.30 ms", "4.00 us"]
+    assert [fmt.clock(s) for s in (0.4, 75, 3725, 90000)] == ["0:00", "1:15", "1:02:05", "25:00:00"]
 
 
 @pytest.mark.parametrize(

@@ -225,3 +225,41 @@ def test_a_link_too_fast_for_the_probe_is_not_given_a_rate():
         "20 us per hop, bandwidth beyond what the probe resolves (a 4 MiB all-reduce took no "
         "longer than a 1 KiB one)"
     )
+
+
+def test_with_a_total_the_line_says_step_n_of_total_and_the_time_left(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    step_metrics = StepMetrics(
+        Communicator(), torch.device("cpu"), train_batch_size=8, micro_steps=1
+    )
+    for step, end in ((1, 2.0), (2, 5.0)):  # 2.5 s per step over the window
+        step_metrics.start_micro_step(clock[0])
+        step_metrics.observe_loss(torch.tensor(1.0))
+        clock[0] = end
+        record = step_metrics.finish_step(
+            step=step, lr=[0.1], grad_norm=1.0, loss_scale=1.0, skipped_steps=0, report=True
+        )
+    parts = step_metrics.throughput_line(record, total_steps=50).split(" | ")
+    assert parts[:2] == ["[zerotrain] step 2/50", "ETA 2:00"]  # 48 steps x 2.5 s
+
+
+def test_the_engine_takes_its_total_from_the_schedule_unless_told(capsys):
+    engine, *_ = zerotrain.initialize(
+        model=AwkwardModel(),
+        config={
+            "train_batch_size": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {"total_num_steps": 40, "warmup_num_steps": 1},
+            },
+            "steps_per_print": 1,
+        },
+    )
+    assert engine.total_steps == 40
+    engine.total_steps = 3
+    idx, targets = make_batches(1, 2)
+    engine.backward(engine(idx[0], targets[0]))
+    engine.step()
+    assert "[zerotrain] step 1/3 | ETA " in capsys.readouterr().out

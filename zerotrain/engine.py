@@ -76,6 +76,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self.micro_steps = 0
         self._step_applied = False
         self._compiled = False
+        self._total_steps: int | None = None
         self.metrics = StepMetrics(
             comm,
             device,
@@ -186,6 +187,19 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 f"({section}.enabled): cast them before the call, or set "
                 f"{section}.auto_cast: true to have the engine cast floating-point arguments"
             ) from error
+
+    @property
+    def total_steps(self) -> int | None:
+        """The optimizer steps this run takes, for the throughput line's ``step N/total`` and
+        ETA: what was set (``engine.total_steps = N``), else the LR schedule's
+        ``total_num_steps`` where it has one (WarmupDecayLR, WarmupCosineLR), else None."""
+        if self._total_steps is not None:
+            return self._total_steps
+        return getattr(self.lr_scheduler, "total_num_steps", None)
+
+    @total_steps.setter
+    def total_steps(self, steps: int | None) -> None:
+        self._total_steps = steps
 
     def _reports(self, step: int) -> bool:
         """Whether optimizer step ``step`` (from 1) prints or is monitored."""
@@ -385,7 +399,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             )
         if printing:
             assert record is not None  # finish_step reports when printing
-            line = self.metrics.throughput_line(record, self.zerotrain_config.wall_clock_breakdown)
+            line = self.metrics.throughput_line(
+                record, self.zerotrain_config.wall_clock_breakdown, self.total_steps
+            )
             self.monitor.flush()
             if self.global_rank == 0:
                 print(line, flush=True)

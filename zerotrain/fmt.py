@@ -22,6 +22,7 @@ __all__ = [
     "KiB",
     "MiB",
     "TiB",
+    "clock",
     "count",
     "duration",
     "parse_size",
@@ -84,6 +85,14 @@ def duration(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.2f} us"
+
+
+def clock(seconds: float) -> str:
+    """A longer span as a clock reads it, for progress and ETAs: ``clock(75) == "1:15"``,
+    ``clock(3725) == "1:02:05"``."""
+    minutes, secs = divmod(max(0, round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def parse_size(text: str) -> int:

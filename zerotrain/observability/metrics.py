@@ -35,7 +35,7 @@ import torch
 from zerotrain.accelerator import current_rss, peak_rss
 from zerotrain.comm import Communicator
 from zerotrain.comm.link import PROBE
-from zerotrain.fmt import GB, MB, quantity
+from zerotrain.fmt import GB, MB, clock, quantity
 from zerotrain.observability.flops_profiler import FlopCounter, warm_up
 
 __all__ = ["MemoryUse", "StepMetrics", "StepRecord", "memory_use", "sequence_length"]
@@ -281,16 +281,26 @@ class StepMetrics:
         stats = [s for name, s in self.comm.stats.items() if name != PROBE]
         return sum(s.seconds for s in stats), sum(s.sent for s in stats)
 
-    def throughput_line(self, record: StepRecord, wall_clock_breakdown: bool = False) -> str:
+    def throughput_line(
+        self,
+        record: StepRecord,
+        wall_clock_breakdown: bool = False,
+        total_steps: int | None = None,
+    ) -> str:
         """The line printed every ``steps_per_print`` steps: ``record``'s values, with rates
         averaged over the steps since the previous line; starts the next window (call it on
-        every rank)."""
+        every rank). With ``total_steps``: ``step N/total`` and the time left at the window's
+        rate."""
         window, self._window = self._window, _Window()
         comm_now = self._comm_totals()
         comm_seconds = comm_now[0] - self._comm_mark[0]
         comm_sent = comm_now[1] - self._comm_mark[1]
         self._comm_mark = comm_now
-        parts = [f"[zerotrain] step {record.step}"]
+        if total_steps is None:
+            parts = [f"[zerotrain] step {record.step}"]
+        else:
+            left = max(0, total_steps - record.step) * window.seconds / window.steps
+            parts = [f"[zerotrain] step {record.step}/{total_steps}", f"ETA {clock(left)}"]
         parts.append("loss -" if record.loss is None else f"loss {record.loss:.4g}")
         lrs = [f"{lr:.3g}" for lr in record.lr]
         parts.append(f"lr {lrs[0]}" if len(lrs) == 1 else f"lr [{', '.join(lrs)}]")
