@@ -15,7 +15,10 @@ PACKAGE = ROOT / "zerotrain"
 
 # Lowest first: a module may import its own layer and the layers below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("fmt", "ranges", "precision", "accelerator", "config", "optim")),
+    (
+        "foundations",
+        ("fmt", "progress", "ranges", "precision", "accelerator", "config", "optim"),
+    ),
     ("communication", ("comm",)),
     ("compression", ("compression",)),
     ("zero", ("zero",)),

@@ -16,9 +16,11 @@ time; stages 0-2 gather them whole. :class:`GatheredParameters` gives temporary 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +31,7 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import Communicator
 from zerotrain.comm.functional import control_device
 from zerotrain.precision import training_dtype
+from zerotrain.progress import progress
 
 _FULL_SHAPE = "_zerotrain_full_shape"  # set on a parameter while it is an Init chunk
 _OWNER = "_zerotrain_owner"  # the ZeroOptimizer that manages a parameter after initialize
@@ -269,6 +272,9 @@ class Init:
         self._comm: Communicator | None = None
         self._depth: dict[int, int] = {}
         self._patched: list[tuple[type, object]] = []
+        # a large model takes minutes to build partitioned: shown on a terminal (progress.py)
+        self._phase = contextlib.ExitStack()
+        self._advance: Callable[[float], object] = lambda numel: None
         if module is not None and enabled:
             self._partition(module)
 
@@ -281,7 +287,9 @@ class Init:
     def _partition(self, module: nn.Module) -> None:
         for param in module.parameters():
             if not is_init_partitioned(param):
+                numel = param.numel()
                 partition_param(param, self.comm, self.dtype)
+                self._advance(numel)
 
     def _wrap(self, init):
         @functools.wraps(init)
@@ -310,6 +318,9 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        self._advance = self._phase.enter_context(
+            progress("zero.Init: parameters built and partitioned", unit=" params")
+        )
         for cls in _module_classes():
             self._patch(cls)
         # Classes defined inside the context are patched when they are created.
@@ -337,6 +348,8 @@ class Init:
             else:  # the __init__ _patch wrapped (the checker sees a method reassigned)
                 cls.__init__ = original  # pyrefly: ignore[bad-assignment]
         self._patched.clear()
+        self._phase.close()
+        self._advance = lambda numel: None
 
 
 def _precision_dtype(config) -> torch.dtype | None:

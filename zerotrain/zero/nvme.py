@@ -39,6 +39,7 @@ import torch
 from zerotrain.accelerator import available_host_memory
 from zerotrain.config import ConfigError
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.progress import progress
 from zerotrain.zero.offload import (
     BucketNorms,
     HostBytes,
@@ -527,10 +528,13 @@ class NvmePlacement(HostPlacement):
             slot_bytes += [4 * group.numel, *(d.itemsize * group.numel for d in layout.dtypes)]
         swap = SwapFile(working_file(directory, "optimizer"), slot_bytes, options.aio)
         staging = aligned_empty(largest, torch.float32)
-        for group in groups:  # the initial masters, through one host buffer
-            part = staging[: group.numel]
-            part.copy_(masters_fp32[group.bucket][group.start : group.end])
-            swap.write(group.slot, part).result()
+        written = 4 * sum(group.numel for group in groups)
+        with progress("NVMe offload: initial masters written", total=written, unit="B") as advance:
+            for group in groups:  # the initial masters, through one host buffer
+                part = staging[: group.numel]
+                part.copy_(masters_fp32[group.bucket][group.start : group.end])
+                swap.write(group.slot, part).result()
+                advance(4 * group.numel)
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         device_masters: list[torch.Tensor | None] = [
             None if host else (param_parts.tensors[index] if alias else master.clone())
