@@ -419,5 +419,5 @@ def test_damaged_checkpoints_are_refused_before_anything_changes(tmp_path):
     assert "another model" in messages["awkward"] and "'up.weight'" in messages["awkward"]
     assert "blocks.0.up.weight" in messages["narrow"] and "[13, 7]" in messages["narrow"]
     assert kept == ["global_step2", "global_step3", "latest"]
-    assert nothing == (None, None) and any("no complete checkpoint" in w for w in warned)
+    assert nothing == (None, None) and any("no such checkpoint directory" in w for w in warned)
     assert exported  # save_16bit_model: the bf16 weights, every key

@@ -198,6 +198,15 @@ def test_deepspeed_compat_starts_each_rank_through_the_alias():
         plan(["--deepspeed-compat=yes", "train.py"])
 
 
+def test_require_resume_reaches_the_engine_through_its_environment_variable():
+    from zerotrain.checkpoint.load import REQUIRE_RESUME_ENV  # what the engine reads
+
+    required = plan(["--require-resume", "--nproc-per-node", "1", "train.py", "--resume"])
+    assert required.env_overrides == {REQUIRE_RESUME_ENV: "1"}
+    assert required.argv[-3:] == ["1", "train.py", "--resume"]  # not passed to torchrun
+    assert REQUIRE_RESUME_ENV not in plan(["train.py"]).env_overrides
+
+
 def test_main_reports_launch_errors_with_status_2(monkeypatch, capsys):
     monkeypatch.setattr(launch, "_cuda_device_count", lambda: 0)
     assert cli.main(["run", "--dry-run", "--bogus", "train.py"]) == 2

@@ -233,6 +233,17 @@ def test_hf_trainer_trains_as_zerotrain_called_directly(tmp_path, stage):
     assert set(trained) <= set(saved)
     for key, value in trained.items():
         assert torch.equal(saved[key], value), key
+    # the Trainer's checkpoint-N folder (its model.safetensors beside latest and global_step4/)
+    # is a checkpoint to every tool: HF's documented recovery path, and inspect
+    from zerotrain.checkpoint import inspect_checkpoints
+    from zerotrain.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+
+    folder = tmp_path / "run" / "checkpoint-4"
+    assert {"model.safetensors", "latest", "global_step4"} <= {p.name for p in folder.iterdir()}
+    recovered = load_state_dict_from_zero_checkpoint(_model(), folder).state_dict()
+    for key, value in trained.items():
+        assert torch.equal(recovered[key], value), key
+    assert "global_step4: complete" in inspect_checkpoints(folder)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import time
 import warnings
@@ -17,7 +18,7 @@ from torch import nn
 
 from zerotrain.backward import BackwardState, MicroStepBackward
 from zerotrain.checkpoint.files import write_state_dict
-from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
+from zerotrain.checkpoint.load import REQUIRE_RESUME_ENV, LoadOptions, load_checkpoint
 from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
@@ -623,8 +624,13 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         """Load a checkpoint saved at any world size and ZeRO stage (collective).
 
         ``tag=None`` takes the newest complete checkpoint in ``load_dir`` (incomplete saves are
-        ignored); returns ``(path, client_state)``, or ``(None, None)`` with a warning when
-        ``load_dir`` holds no complete checkpoint. Files are checked (names, shapes, sizes,
+        ignored), or ``load_dir`` itself if it is one; the HuggingFace Trainer's
+        ``checkpoint-N`` folder is a save directory. Returns ``(path, client_state)``, or
+        ``(None, None)`` when there is no checkpoint to load: quietly (one line) for an empty
+        folder, a first run; with a warning for a path that does not exist, only incomplete
+        saves, or a folder holding something else. ``checkpoint.require_resume`` (or
+        ``ZEROTRAIN_REQUIRE_RESUME=1``: ``zerotrain run --require-resume``) makes each of those
+        a ``CheckpointError`` on every rank. Files are checked (names, shapes, sizes,
         SHA-256) before anything changes: a bad checkpoint raises ``CheckpointError`` naming
         the file and the problem, and leaves the engine as it was. ``load_module_only`` loads
         the weights alone; the other flags leave out the optimizer states or the scheduler.
@@ -643,6 +649,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             optimizer_states=load_optimizer_states,
             lr_scheduler_states=load_lr_scheduler_states,
             module_only=load_module_only,
+            require_resume=self.zerotrain_config.checkpoint.require_resume
+            or os.environ.get(REQUIRE_RESUME_ENV, "") not in ("", "0"),
         )
         return load_checkpoint(self, load_dir, tag, options)
 

@@ -3,7 +3,8 @@
 ``engine.save_checkpoint`` / ``engine.load_checkpoint`` are the training-time entry points;
 ``load_consolidated`` puts a checkpoint into a plain PyTorch model, and ``zerotrain checkpoint
 consolidate|inspect`` works on checkpoints from the command line. The layout is described in
-[Note: checkpoint layout] (manifest.py) and docs/checkpoints.md.
+[Note: checkpoint layout] (manifest.py) and docs/checkpoints.md; which folders every tool
+accepts in [Note: the folders a checkpoint tool accepts] (locate.py).
 """
 
 from zerotrain.checkpoint.export import (
@@ -12,13 +13,16 @@ from zerotrain.checkpoint.export import (
     load_consolidated,
     read_state_dict,
 )
-from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
+from zerotrain.checkpoint.locate import NoCheckpoint, find_checkpoints, resolve
+from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, scan
 
 __all__ = [
     "CheckpointError",
     "Manifest",
+    "NoCheckpoint",
     "ShardReader",
     "consolidate",
+    "find_checkpoints",
     "inspect_checkpoints",
     "load_consolidated",
     "read_state_dict",

@@ -32,23 +32,12 @@ from zerotrain.checkpoint.files import (
     fsync_dir,
     write_safetensors,
 )
-from zerotrain.checkpoint.manifest import (
-    MANIFEST,
-    CheckpointError,
-    CheckpointStatus,
-    Manifest,
-    ShardReader,
-    read_latest,
-    resolve,
-    scan,
-    status_of,
-)
+from zerotrain.checkpoint.locate import INDEX_FILE, SINGLE_FILE, find_checkpoints, resolve
+from zerotrain.checkpoint.manifest import CheckpointError, CheckpointStatus, Manifest, ShardReader
 from zerotrain.fmt import KiB, quantity
 
 __all__ = ["consolidate", "inspect_checkpoints", "load_consolidated", "read_state_dict"]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -190,32 +179,16 @@ class _SafetensorsSource(_Source):
         yield self.handles[self.file_of[key]].get_tensor(key)
 
 
-def _is_tag_dir(path: Path) -> bool:
-    """A checkpoint (tag) directory holds files; a save directory holds tag directories."""
-    if (path / MANIFEST).exists():
-        return True
-    return any(p.suffix in (".safetensors", ".pt") for p in path.iterdir() if p.is_file())
-
-
-def _manifest_of(path: Path, tag: str | None) -> Manifest:
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if _is_tag_dir(path):
-        if tag is not None:
-            raise CheckpointError(
-                f"{path} is a checkpoint directory itself; pass its parent with tag={tag!r}, "
-                "or leave out the tag"
-            )
-        return Manifest.read(path)
-    return resolve(path, tag)
-
-
 def _open_source(path: Path, tag: str | None) -> _Source:
-    if path.is_dir() and ((path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists()):
+    """The checkpoint in ``path`` (see [Note: the folders a checkpoint tool accepts]), else a
+    consolidated export there: in the HuggingFace Trainer's checkpoint-N folder, which holds
+    both, the fp32 masters rather than the exported copy."""
+    found = find_checkpoints(path)
+    if found.export and found.newest is None and not found.single:
         if tag is not None:
             raise CheckpointError(f"{path} is a consolidated export, it has no tag {tag!r}")
         return _SafetensorsSource(path)
-    return _CheckpointSource(_manifest_of(path, tag))
+    return _CheckpointSource(resolve(path, tag))
 
 
 # -- consolidate ---------------------------------------------------------------------------------
@@ -231,11 +204,12 @@ def consolidate(
 ) -> list[Path]:
     """Write a checkpoint's full model state dict as HuggingFace-style safetensors.
 
-    ``ckpt_dir`` is a save directory (the checkpoint ``tag``, or the newest complete one) or a
-    checkpoint directory itself. Every state-dict key is written, in the model's order: trained
-    parameters from their fp32 master weights, frozen parameters and buffers as saved;
-    floating-point entries are cast to ``dtype``. One ``model.safetensors`` when the model fits
-    in ``max_shard_size`` bytes, else ``model-0000i-of-0000N.safetensors`` shards and
+    ``ckpt_dir`` is a save directory (the checkpoint ``tag``, or the newest complete one), a
+    checkpoint directory itself or the HuggingFace Trainer's ``checkpoint-N`` folder (see [Note:
+    the folders a checkpoint tool accepts]). Every state-dict key is written, in the model's
+    order: trained parameters from their fp32 master weights, frozen parameters and buffers as
+    saved; floating-point entries are cast to ``dtype``. One ``model.safetensors`` when the
+    model fits in ``max_shard_size`` bytes, else ``model-0000i-of-0000N.safetensors`` shards and
     ``model.safetensors.index.json``. Files are checked against the manifest first (raises
     ``CheckpointError`` naming the damaged file); see [Note: consolidating one parameter at a
     time]. ``exclude_frozen_parameters`` leaves the frozen parameters out. Returns the files
@@ -247,7 +221,7 @@ def consolidate(
         )
     if not dtype.is_floating_point:
         raise ValueError(f"consolidate: dtype must be a floating-point dtype, got {dtype}")
-    source = _CheckpointSource(_manifest_of(Path(ckpt_dir), tag))
+    source = _CheckpointSource(resolve(ckpt_dir, tag))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -307,8 +281,9 @@ def read_state_dict(
 ) -> dict[str, torch.Tensor]:
     """A checkpoint's full model state dict in memory, on the CPU (trained parameters from
     their fp32 masters; floating-point entries cast to ``dtype``). For models that fit in
-    memory; :func:`consolidate` streams to files instead."""
-    source = _CheckpointSource(_manifest_of(Path(ckpt_dir), tag))
+    memory; :func:`consolidate` streams to files instead. ``ckpt_dir`` as for
+    :func:`consolidate`."""
+    source = _CheckpointSource(resolve(ckpt_dir, tag))
     try:
         out = {}
         for key in _keys(source, exclude_frozen_parameters):
@@ -365,7 +340,9 @@ def load_consolidated(
     """Load a checkpoint's weights into a plain ``model`` (no distributed setup needed).
 
     ``ckpt_dir`` is a zerotrain save directory (the checkpoint ``tag``, or the newest complete
-    one), a checkpoint directory, or a :func:`consolidate` output directory. Names and shapes
+    one), a checkpoint directory, the HuggingFace Trainer's ``checkpoint-N`` folder (its
+    checkpoint's fp32 masters, not its exported copy), or a :func:`consolidate` output
+    directory. Names and shapes
     are checked first: missing or unexpected keys (with ``strict``) and shape mismatches raise
     ``CheckpointError`` listing them, and leave the model unchanged; ``strict=False`` loads the
     keys both have. Values are copied into the model's tensors one entry at a time, cast to
@@ -407,28 +384,23 @@ def _load_into(model: nn.Module, source: _Source, strict: bool) -> None:
 
 # -- inspect -------------------------------------------------------------------------------------
 def inspect_checkpoints(path: str | Path, *, verify: bool = True) -> str:
-    """A human-readable summary of a save directory (or of one checkpoint directory).
+    """A human-readable summary of a save directory (or of one checkpoint directory, or of the
+    HuggingFace Trainer's ``checkpoint-N`` folder). Raises ``CheckpointError`` naming what the
+    folder holds when it holds something other than checkpoints.
 
     The ``latest`` pointer, then each checkpoint, oldest first: complete, INCOMPLETE (and why)
     or CORRUPT (the files that fail the manifest's sizes and SHA-256, checked when ``verify``);
     its step, world size, ZeRO stage, precision, optimizer, trained parameters, dtypes, files
     and bytes on disk, and commit time; and the newest complete checkpoint.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists():
-        raise CheckpointError(
-            f"{path}: a consolidated export, not a checkpoint; load it with load_consolidated"
-        )
-    if _is_tag_dir(path):
-        save_dir = path.parent
-        statuses = [status_of(path)]
-    else:
-        save_dir = path
-        statuses = scan(path)
+    found = find_checkpoints(path)
+    if not found.checkpoints:
+        nothing = found.nothing_to_load()
+        if nothing.kind != "empty":  # a wrong folder, not an empty one: say what it holds
+            raise nothing
+    save_dir, statuses = found.save_dir, found.checkpoints
     names = {s.tag: s for s in statuses}
-    latest = read_latest(save_dir)
+    latest = found.latest
     lines = [f"checkpoints in {path}"]
     if latest is None:
         lines.append("latest: none (no latest file)")

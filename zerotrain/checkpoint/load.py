@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader, resolve, scan
+from zerotrain.checkpoint.locate import NoCheckpoint, resolve
+from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader
 from zerotrain.checkpoint.rng import restore_rng_state
 from zerotrain.checkpoint.save import (
     LAYOUT_GROUP_KEYS,
@@ -39,6 +40,19 @@ class LoadOptions:
     optimizer_states: bool = True
     lr_scheduler_states: bool = True
     module_only: bool = False
+    require_resume: bool = False  # no checkpoint to load is an error (checkpoint.require_resume)
+
+
+# [Note: when there is no checkpoint to load]
+# A script that resumes "if there is a checkpoint" calls load_checkpoint on every start, so
+# finding none must not sound alarming on a first run, yet a mistyped path must not pass as one
+# (it trains from scratch). With tag=None the four kinds of NoCheckpoint (locate.py) are told
+# apart: an empty folder is a first run (one line on stdout); a path that does not exist (named,
+# with the closest existing name), only incomplete saves (named), or a folder holding something
+# else (a consolidated export, another layout) warn. checkpoint.require_resume (or
+# ZEROTRAIN_REQUIRE_RESUME=1: `zerotrain run --require-resume`) makes each of them an error,
+# for jobs that must resume. Rank 0 decides for everyone, so every rank returns or raises alike.
+REQUIRE_RESUME_ENV = "ZEROTRAIN_REQUIRE_RESUME"
 
 
 @dataclass
@@ -60,46 +74,62 @@ def load_checkpoint(
     """Load a checkpoint into ``engine`` (collective); see
     :meth:`ZeroTrainEngine.load_checkpoint`."""
     comm = engine.comm
-    load_dir = Path(load_dir)
-    choice = _choose(load_dir, tag) if comm.rank == 0 else None
+    choice = _choose(Path(load_dir), tag, options.require_resume) if comm.rank == 0 else None
     decided = comm.all_gather_object(choice)[0]  # rank 0 decides for everyone
     assert decided is not None  # rank 0's own choice
     kind, value = decided
-    if kind == "none":
-        if comm.rank == 0:
-            warnings.warn(f"load_checkpoint: {value}; nothing loaded", stacklevel=3)
-        return None, None
     if kind == "error":
         raise CheckpointError(value)
+    if kind != "load":  # see [Note: when there is no checkpoint to load]
+        if comm.rank == 0 and kind == "empty":
+            print(f"zerotrain: load_checkpoint: {value}", flush=True)
+        elif comm.rank == 0:
+            warnings.warn(f"load_checkpoint: {value}", stacklevel=3)
+        return None, None
 
+    directory = Path(value)
     loaded, problems, manifest = _Loaded(), [], None
     try:
-        manifest = Manifest.read(load_dir / value)
+        manifest = Manifest.read(directory)
         problems = _check(engine, manifest, options)
         if not problems:
             loaded = _read_small_files(engine, manifest, options)
     except CheckpointError as exc:
         problems = [str(exc)]
     except Exception as exc:  # unreadable small files: report, like any other problem
-        problems = [f"{load_dir / value}: {type(exc).__name__}: {exc}"]
+        problems = [f"{directory}: {type(exc).__name__}: {exc}"]
     everyone = comm.all_gather_object(problems)
     merged = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
     if merged:
         raise CheckpointError(
-            f"cannot load checkpoint {load_dir / value} (nothing was changed):\n  "
-            + "\n  ".join(merged)
+            f"cannot load checkpoint {directory} (nothing was changed):\n  " + "\n  ".join(merged)
         )
     assert manifest is not None  # else reading it was a problem, raised above
     _apply(engine, manifest, loaded, options)
     return str(manifest.directory), loaded.client_state if loaded.client_state is not None else {}
 
 
-def _choose(load_dir: Path, tag: str | None) -> tuple[str, str]:
-    if tag is None and not any(status.complete for status in scan(load_dir)):
-        return "none", f"{load_dir} holds no complete checkpoint"  # a first run: start fresh
+def _choose(load_dir: Path, tag: str | None, require: bool) -> tuple[str, str]:
+    """("load", the checkpoint directory), ("error", why), or (the NoCheckpoint kind, what to
+    say): see [Note: when there is no checkpoint to load]."""
     try:
-        return "tag", resolve(load_dir, tag).directory.name
-    except CheckpointError as exc:
+        return "load", str(resolve(load_dir, tag).directory)
+    except NoCheckpoint as exc:
+        if tag is not None:  # the checkpoint asked for by name is not there
+            return "error", str(exc)
+        if require:
+            return "error", (
+                f"{exc}; nothing to resume from, and checkpoint.require_resume (or "
+                f"{REQUIRE_RESUME_ENV}=1, set by `zerotrain run --require-resume`) makes that "
+                "an error"
+            )
+        if exc.kind == "empty":
+            return "empty", f"no checkpoint in {load_dir} yet (a first run); nothing loaded"
+        return exc.kind, (
+            f"{exc}; nothing loaded, the engine is unchanged (checkpoint.require_resume makes "
+            "this an error)"
+        )
+    except (CheckpointError, OSError) as exc:  # every rank raises it, not rank 0 alone
         return "error", str(exc)
 
 

@@ -26,9 +26,10 @@ index in the whole model) do not depend on the stages. A load joins the pieces i
 logical tensor and cuts its own, so a checkpoint loads at any tensor-parallel degree, none
 included.
 
-A checkpoint exists once its manifest does; a directory without one is a save that did not
-finish. Saving the same tag again writes new files under a new save id and switches the
-manifest by rename, so the previous save stays loadable until the new one is committed.
+A checkpoint exists once its manifest does; a directory holding a save's files without one is
+a save that did not finish (other folders are not checkpoints: ``holds_save``). Saving the
+same tag again writes new files under a new save id and switches the manifest by rename, so
+the previous save stays loadable until the new one is committed.
 Loading any world size or ZeRO stage is a pure function of the manifest: a rank reads, for each
 parameter slice it owns, the segments that overlap it. The ``.pt`` files hold only tensors and
 plain containers and are loaded with ``weights_only=True``; ``client_state.pt`` is unpickled.
@@ -37,6 +38,7 @@ plain containers and are loaded with ``weights_only=True``; ``client_state.pt`` 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +57,7 @@ VERSION = 2  # 2: tensor-parallel pieces and pipeline stages (split, tp_ranks, m
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
+_SAVE_FILE = re.compile(r"^[0-9a-f]{12}-\w+\.(safetensors|pt)$")  # {save_id}-{role}: save.py
 
 
 class CheckpointError(RuntimeError):
@@ -294,6 +297,15 @@ def status_of(directory: Path) -> CheckpointStatus:
         return CheckpointStatus(directory.name, directory, None, str(exc))
 
 
+def holds_save(directory: Path) -> bool:
+    """Whether ``directory`` is a checkpoint (tag) directory, complete or not: its manifest, or
+    a file that a save writes (``{save_id}-rank00000.safetensors``, ...). Other folders in a
+    save directory (logs, the HuggingFace Trainer's files) are not checkpoints."""
+    if (directory / MANIFEST).exists():
+        return True
+    return any(_SAVE_FILE.match(path.name) for path in directory.iterdir())
+
+
 def scan(save_dir: Path) -> list[CheckpointStatus]:
     """Every tag directory in ``save_dir``, oldest commit first; incomplete ones last."""
     if not save_dir.is_dir():
@@ -301,21 +313,11 @@ def scan(save_dir: Path) -> list[CheckpointStatus]:
     found = [
         status_of(path)
         for path in sorted(save_dir.iterdir())
-        if path.is_dir() and not path.name.startswith(".")
+        if path.is_dir() and not path.name.startswith(".") and holds_save(path)
     ]
     return sorted(
         found, key=lambda s: (not s.complete, s.manifest["commit_time"] if s.complete else 0)
     )
-
-
-def resolve(save_dir: Path, tag: str | None) -> Manifest:
-    """The manifest of ``tag``, or of the newest complete checkpoint when ``tag`` is None."""
-    if tag is not None:
-        return Manifest.read(save_dir / tag)
-    complete = [s.manifest for s in scan(save_dir) if s.manifest is not None]
-    if not complete:
-        raise CheckpointError(f"{save_dir}: no complete checkpoint to load")
-    return complete[-1]
 
 
 def read_latest(save_dir: Path) -> str | None:

@@ -11,6 +11,12 @@ from zerotrain.cli.arguments import ParserSpec, size_argument
 __all__ = ["PARSER", "add_arguments"]
 
 
+_CKPT_DIR_HELP = (
+    "a save directory (global_step*/ beside latest), one checkpoint's directory, or a "
+    "HuggingFace Trainer checkpoint-N folder"
+)
+
+
 def _checkpoint_error(command: str, error: Exception) -> int:
     print(f"zerotrain checkpoint {command}: {error}", file=sys.stderr)
     return 1
@@ -61,9 +67,7 @@ def add_arguments(checkpoint: argparse.ArgumentParser) -> None:
         "parameters and buffers) to OUT as model.safetensors, or as shards plus "
         "model.safetensors.index.json when it is larger than --max-shard-size.",
     )
-    consolidate.add_argument(
-        "ckpt_dir", metavar="CKPT_DIR", help="a save directory, or one checkpoint's directory"
-    )
+    consolidate.add_argument("ckpt_dir", metavar="CKPT_DIR", help=_CKPT_DIR_HELP)
     consolidate.add_argument("out", metavar="OUT", help="the output directory")
     consolidate.add_argument(
         "--tag", help="the checkpoint in CKPT_DIR (default: the newest complete one)"
@@ -87,9 +91,7 @@ def add_arguments(checkpoint: argparse.ArgumentParser) -> None:
         description="List each checkpoint in CKPT_DIR, oldest first: complete, INCOMPLETE or "
         "CORRUPT, its step, world size, ZeRO stage, precision, sizes and commit time.",
     )
-    inspect.add_argument(
-        "ckpt_dir", metavar="CKPT_DIR", help="a save directory, or one checkpoint's directory"
-    )
+    inspect.add_argument("ckpt_dir", metavar="CKPT_DIR", help=_CKPT_DIR_HELP)
     inspect.add_argument(
         "--no-verify",
         dest="verify",

@@ -29,6 +29,10 @@ _DRY_RUN = "--dry-run"
 _HELP = ("-h", "--help")
 _NPROC = ("--nproc-per-node", "--nproc_per_node")
 _COMPAT = "--deepspeed-compat"  # ... or --deepspeed-compat=shadow
+_REQUIRE_RESUME = "--require-resume"
+# read by engine.load_checkpoint (zerotrain/checkpoint/load.py, REQUIRE_RESUME_ENV); not
+# imported from there: `zerotrain run` starts without importing torch
+REQUIRE_RESUME_ENV = "ZEROTRAIN_REQUIRE_RESUME"
 
 # Launcher options (torchrun `dest` names) that choose how the nodes meet. With none of them and
 # a single node, `--standalone` is added: torchrun then runs its own c10d store on a free local
@@ -48,8 +52,8 @@ _RENDEZVOUS_DESTS = frozenset(
 )
 
 _RUN_USAGE = (
-    "zerotrain run [--nproc-per-node N] [--deepspeed-compat[=shadow]] [--dry-run] "
-    "[TORCHRUN OPTIONS] SCRIPT [SCRIPT ARGS]"
+    "zerotrain run [--nproc-per-node N] [--deepspeed-compat[=shadow]] [--require-resume] "
+    "[--dry-run] [TORCHRUN OPTIONS] SCRIPT [SCRIPT ARGS]"
 )
 _RUN_DESCRIPTION = """\
 Launch SCRIPT once per local device with torchrun (python -m torch.distributed.run).
@@ -61,6 +65,10 @@ options:
                       (zerotrain.compat.deepspeed.activate: for frameworks that import
                       deepspeed by name, such as the HuggingFace Trainer and Accelerate);
                       =shadow: even where a real DeepSpeed is installed
+  --require-resume    engine.load_checkpoint raises instead of starting from scratch when it
+                      finds no checkpoint (a mistyped path, an empty folder, only incomplete
+                      saves): for jobs that must resume. Sets ZEROTRAIN_REQUIRE_RESUME=1, as
+                      the config key checkpoint.require_resume does
   --dry-run           print the torchrun command line instead of running it
   -h, --help          show this help and exit
 
@@ -161,6 +169,7 @@ class _OwnOptions:
     dry_run: bool = False
     show_help: bool = False
     compat: str | None = None  # --deepspeed-compat: "on" or "shadow"
+    require_resume: bool = False
 
 
 def _take_own_options(launcher_argv: list[str]) -> tuple[list[str], _OwnOptions]:
@@ -173,6 +182,8 @@ def _take_own_options(launcher_argv: list[str]) -> tuple[list[str], _OwnOptions]
         name, _, attached = token.partition("=")
         if token == _DRY_RUN:
             own.dry_run = True
+        elif token == _REQUIRE_RESUME:
+            own.require_resume = True
         elif token in _HELP:
             own.show_help = True
         elif name == _COMPAT:
@@ -230,7 +241,7 @@ def plan_launch(
     """
     torchrun = _torchrun_parser()
     takes_value = _option_arity(torchrun)
-    takes_value.update({_DRY_RUN: False, _HELP[0]: False, _HELP[1]: False, _COMPAT: False})
+    takes_value.update(dict.fromkeys([_DRY_RUN, *_HELP, _COMPAT, _REQUIRE_RESUME], False))
     launcher_argv, script, script_args = _split_run_argv(run_argv, takes_value)
     forwarded, own = _take_own_options(launcher_argv)
     if own.show_help:
@@ -268,6 +279,8 @@ def plan_launch(
         # cores idle when there are fewer processes than cores; the default of every process
         # taking all cores oversubscribes them. Split the cores evenly instead.
         env_overrides["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
+    if own.require_resume:
+        env_overrides[REQUIRE_RESUME_ENV] = "1"
 
     argv = [python, "-m", "torch.distributed.run"]
     if single_node and not has_rendezvous:

@@ -2,8 +2,11 @@
 
 A zerotrain checkpoint already holds fp32 master weights with their logical shapes, so these
 are thin wrappers of :mod:`zerotrain.checkpoint.export`. ``checkpoint_dir`` is the save
-directory (the checkpoint named by ``tag``, else the newest complete one) or a checkpoint
-directory itself. Nothing needs a process group.
+directory (the checkpoint named by ``tag``, else the newest complete one), a checkpoint
+directory itself, or the HuggingFace Trainer's ``checkpoint-N`` folder (HF's documented
+recovery: ``load_state_dict_from_zero_checkpoint(model, "out/checkpoint-N")``); see [Note: the
+folders a checkpoint tool accepts] in zerotrain/checkpoint/locate.py. Nothing needs a process
+group.
 """
 
 from __future__ import annotations
