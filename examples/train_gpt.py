@@ -28,9 +28,14 @@ import zerotrain
 from zerotrain.fmt import MiB, quantity
 from zerotrain.observability.metrics import memory_use
 
+KEEP_CHECKPOINTS = 2  # with --checkpoint-dir: the newest kept, older ones deleted
+
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows the defaults
+    )
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
     parser.add_argument(
         "--tp",
@@ -78,7 +83,9 @@ def parse_args() -> argparse.Namespace:
         help="with --experts: exchange each MoE layer's tokens in this many parts, overlapping "
         "the all-to-all with expert compute",
     )
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="training dtype"
+    )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--model", choices=sorted(PRESETS), default="demo", help="GPT preset")
     parser.add_argument("--micro-batch", type=int, default=8, help="windows per rank per step")
@@ -89,11 +96,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--print-every", type=int, default=10, help="steps between lines")
     parser.add_argument("--val-batches", type=int, default=8, help="held-out batches at the end")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="save checkpoints here, and resume from the newest complete one on start",
+        help="save checkpoints here, and resume from the newest complete one on start; the "
+        f"newest {KEEP_CHECKPOINTS} are kept, older ones deleted (checkpoint.keep_last)",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=50, help="steps between checkpoints"
@@ -105,7 +113,7 @@ def parse_args() -> argparse.Namespace:
         "keeping them",
     )
     parser.add_argument(
-        "--ac-every", type=int, default=1, help="checkpoint every K-th block (default 1: all)"
+        "--ac-every", type=int, default=1, help="checkpoint every K-th block (1: all)"
     )
     parser.add_argument(
         "--profile", action="store_true", help="print the flops profile of one step (rank 0)"
@@ -196,7 +204,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         "zero_optimization": {"stage": args.stage},
         "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": args.sequence_parallel},
         "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
-        "checkpoint": {"keep_last": 2},
+        "checkpoint": {"keep_last": KEEP_CHECKPOINTS},
         "comm_compression": compression(args),
         # profile: the summary reports the time spent recomputing
         **(
@@ -264,6 +272,14 @@ def forever(loader) -> Iterator:
     epoch anew and continues where a loaded checkpoint left off."""
     while True:
         yield from loader
+
+
+def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each of ``values`` averaged over all ranks (collective): the loss the throughput line
+    shows, for the summary."""
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    zerotrain.comm.all_reduce(summed)
+    return (summed / zerotrain.comm.get_world_size()).tolist()
 
 
 def print_summary(rows: list[tuple[str, object]]) -> None:
@@ -338,6 +354,7 @@ def main() -> None:
         training_data=train_set,
         config=engine_config(args),
     )
+    engine.total_steps = args.steps  # the line's N/total (a resumed schedule keeps its own)
     is_rank0 = engine.global_rank == 0
     tokens_per_step = engine.train_batch_size() * config.block_size  # over all ranks
     if is_rank0:
@@ -362,8 +379,8 @@ def main() -> None:
     sent_before = sent_bytes(engine)
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
-        # The summary's losses are rank 0's: the mean over its micro-batches of each step
-        # (the engine's line prints the mean over all ranks).
+        # each step's loss on this rank: the mean over its micro-batches (over all ranks at the
+        # end, as the engine's line prints it)
         if args.pp > 1:  # the schedule runs the step's micro-batches through the stages
             pairs = ((x.to(engine.device), y.to(engine.device)) for x, y in batches)
             step_losses.append(engine.train_batch(pairs).item())
@@ -391,6 +408,7 @@ def main() -> None:
         return
 
     val_loss, val_batches = validation_loss(engine, val_set, args.val_batches, args.micro_batch)
+    step_losses = mean_over_ranks(step_losses, engine.device)
     if is_rank0:
         last = step_losses[-10:]
         memory = engine.memory_breakdown()

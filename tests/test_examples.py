@@ -46,15 +46,19 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "15"]
     result = zerotrain_run(*demo, *checkpoints, "--steps", "30", "--print-every", "10")
     assert result.returncode == 0, result.stdout
-    # the engine's throughput line is the progress line
+    # the engine's throughput line is the progress line, with the schedule's length
     progress = re.findall(
-        r"^\[zerotrain\] step (\d+) \| loss [\d.]+ \|", result.stdout, re.MULTILINE
+        r"^\[zerotrain\] step (\d+)/30 \| ETA \d+:\d\d \| loss ([\d.]+) \|",
+        result.stdout,
+        re.MULTILINE,
     )
-    assert [int(step) for step in progress] == [10, 20, 30], result.stdout
+    assert [int(step) for step, _ in progress] == [10, 20, 30], result.stdout
     assert result.stdout.count("tokens/s | ") == 3 and "TFLOP/s per rank | RSS" in result.stdout
     first = float(re.search(r"first loss\s+(\d+\.\d+)", result.stdout).group(1))
     final = float(re.search(r"final loss\s+(\d+\.\d+)", result.stdout).group(1))
     assert final < first - 0.5, result.stdout  # byte-level: ln(256) = 5.55 at the start
+    # one loss: the summary's is the line's, the mean over the micro-batches and ranks
+    assert final == pytest.approx(float(progress[-1][1]), abs=6e-4), result.stdout
     assert re.search(r"world size\s+2$", result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"ZeRO stage\s+2$", result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"validation loss\s+\d+\.\d+", result.stdout), result.stdout
@@ -77,7 +81,7 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
     # 10 steps of 2 checkpointed blocks (of the tiny model's 4)
     assert "every 2 of 4 blocks: 20 recomputations" in resumed.stdout, resumed.stdout
     assert "at step 30" in resumed.stdout, resumed.stdout
-    progress = re.findall(r"^\[zerotrain\] step (\d+) \|", resumed.stdout, re.MULTILINE)
+    progress = re.findall(r"^\[zerotrain\] step (\d+)/40 \|", resumed.stdout, re.MULTILINE)
     assert progress == ["40"], resumed.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "global_step30",
@@ -101,6 +105,21 @@ def test_train_gpt_demo_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow  # 14 s; the suite keeps expert parallelism's own tests (tests/test_moe.py)
+def test_train_gpt_help_shows_the_defaults():
+    result = subprocess.run(
+        [sys.executable, "examples/train_gpt.py", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps at the terminal's width
+    assert "optimizer steps (default: 200)" in text
+    assert "training dtype (default: fp32)" in text
+    assert "the newest 2 are kept, older ones deleted (checkpoint.keep_last)" in text
+
+
 def test_train_gpt_with_experts_spread_over_two_processes():
     """The example GPT with MoE layers of 4 experts in every other block, 2 on each rank."""
     moe = ["examples/train_gpt.py", "--model", "tiny", "--experts", "4", "--ep", "2"]

@@ -242,6 +242,14 @@ def test_with_a_total_the_line_says_step_n_of_total_and_the_time_left(monkeypatc
         )
     parts = step_metrics.throughput_line(record, total_steps=50).split(" | ")
     assert parts[:2] == ["[zerotrain] step 2/50", "ETA 2:00"]  # 48 steps x 2.5 s
+    # a schedule that ended before the run (a resumed run given more steps) is no total
+    step_metrics.observe_loss(torch.tensor(1.0))
+    clock[0] = 6.0
+    record = step_metrics.finish_step(
+        step=3, lr=[0.1], grad_norm=1.0, loss_scale=1.0, skipped_steps=0, report=True
+    )
+    past = step_metrics.throughput_line(record, total_steps=1).split(" | ")
+    assert past[:2] == ["[zerotrain] step 3", "loss 1"]
 
 
 def test_the_engine_takes_its_total_from_the_schedule_unless_told(capsys):

@@ -7,11 +7,14 @@ deterministic for a given Python version: the files are read in sorted order.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+from zerotrain.progress import progress
 
 __all__ = [
     "TokenWindows",
@@ -41,22 +44,26 @@ def decode(tokens: torch.Tensor) -> str:
 def _concatenate(files: list[Path], max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
-    for path in files:
-        if size >= max_bytes:
-            break
-        chunk = path.read_bytes()[: max_bytes - size]
-        chunks.append(chunk)
-        size += len(chunk)
+    with progress("corpus read", total=max_bytes, unit="B") as advance:
+        for path in files:
+            if size >= max_bytes:
+                break
+            chunk = path.read_bytes()[: max_bytes - size]
+            chunks.append(chunk)
+            size += len(chunk)
+            advance(len(chunk))
     return b"".join(chunks)
 
 
 def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """The standard library's *.py files, sorted by path, concatenated up to `max_bytes`."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in root.rglob("*.py") if _NOT_STDLIB.isdisjoint(p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+    files = []
+    for directory, subdirectories, names in os.walk(root):
+        # pruned, not filtered: site-packages can hold far more than the library (4 s of torch)
+        subdirectories[:] = [d for d in subdirectories if d not in _NOT_STDLIB]
+        files += [Path(directory, name) for name in names if name.endswith(".py")]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
     if not files:
         raise FileNotFoundError(
             f"no *.py files under the standard library directory {root}; pass --data PATH"

@@ -296,7 +296,7 @@ class StepMetrics:
         comm_seconds = comm_now[0] - self._comm_mark[0]
         comm_sent = comm_now[1] - self._comm_mark[1]
         self._comm_mark = comm_now
-        if total_steps is None:
+        if total_steps is None or total_steps < record.step:  # past a schedule's end: no ETA
             parts = [f"[zerotrain] step {record.step}"]
         else:
             left = max(0, total_steps - record.step) * window.seconds / window.steps
