@@ -151,7 +151,7 @@ def test_save_directories_tag_directories_and_the_folders_around_them(tmp_path):
         resolve(GOLDEN / "global_step2", tag="global_step2")
 
 
-def test_no_checkpoint_says_which_of_four_cases(tmp_path):
+def test_no_checkpoint_says_which_of_five_cases(tmp_path):
     def kind_and_message(path: Path) -> tuple[str, str]:
         with pytest.raises(NoCheckpoint) as error:
             resolve(path)
@@ -163,8 +163,8 @@ def test_no_checkpoint_says_which_of_four_cases(tmp_path):
         "missing",
         f"{typo}: no such checkpoint directory (did you mean {tmp_path / 'ckpt'}?)",
     )
-    kind, message = kind_and_message(tmp_path / "nowhere" / "sub")
-    assert kind == "missing" and message.endswith("no such checkpoint directory")
+    kind, message = kind_and_message(tmp_path / "nowhere" / "sub")  # nothing alike: made later
+    assert kind == "absent" and message == f"{tmp_path / 'nowhere' / 'sub'}: does not exist yet"
     kind, message = kind_and_message(tmp_path / "ckpt")
     assert kind == "empty" and "expected a checkpoint directory" in message
 
@@ -199,7 +199,7 @@ def _load(engine, path) -> dict:
     }
 
 
-NO_CHECKPOINT = ("ckpt_typo", "fresh", "broken", "out")
+NO_CHECKPOINT = ("ckpt_typo", "fresh", "later/run", "broken", "out")
 
 
 def _engine_loads(root: str) -> dict:
@@ -262,6 +262,10 @@ def test_engine_loads_every_folder_and_says_why_it_found_nothing(tmp_path):
     fresh = rank0["fresh"]
     assert fresh["returned"] is None and fresh["error"] is None and not fresh["warned"]
     assert f"no checkpoint in {tmp_path / 'fresh'} yet" in fresh["printed"]
+    # ... and one whose folder its first save makes (nothing of a similar name beside it)
+    later = rank0["later/run"]
+    assert later["returned"] is None and later["error"] is None and not later["warned"]
+    assert f"no checkpoint in {tmp_path / 'later' / 'run'} yet (a first run)" in later["printed"]
 
     for rank in ranks:
         assert all(rank[case]["same"] and not rank[case]["warned"] for case in loaded)

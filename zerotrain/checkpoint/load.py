@@ -46,10 +46,11 @@ class LoadOptions:
 # [Note: when there is no checkpoint to load]
 # A script that resumes "if there is a checkpoint" calls load_checkpoint on every start, so
 # finding none must not sound alarming on a first run, yet a mistyped path must not pass as one
-# (it trains from scratch). With tag=None the four kinds of NoCheckpoint (locate.py) are told
-# apart: an empty folder is a first run (one line on stdout); a path that does not exist (named,
-# with the closest existing name), only incomplete saves (named), or a folder holding something
-# else (a consolidated export, another layout) warn. checkpoint.require_resume (or
+# (it trains from scratch). With tag=None the kinds of NoCheckpoint (locate.py) are told apart:
+# an empty folder, or one not made yet with no similar name beside it, is a first run (one line
+# on stdout); a path that does not exist beside a similar name (a typo: that name is offered),
+# only incomplete saves (named), or a folder holding something else (a consolidated export,
+# another layout) warn. checkpoint.require_resume (or
 # ZEROTRAIN_REQUIRE_RESUME=1: `zerotrain run --require-resume`) makes each of them an error,
 # for jobs that must resume. Rank 0 decides for everyone, so every rank returns or raises alike.
 REQUIRE_RESUME_ENV = "ZEROTRAIN_REQUIRE_RESUME"
@@ -123,7 +124,7 @@ def _choose(load_dir: Path, tag: str | None, require: bool) -> tuple[str, str]:
                 f"{REQUIRE_RESUME_ENV}=1, set by `zerotrain run --require-resume`) makes that "
                 "an error"
             )
-        if exc.kind == "empty":
+        if exc.kind in ("empty", "absent"):
             return "empty", f"no checkpoint in {load_dir} yet (a first run); nothing loaded"
         return exc.kind, (
             f"{exc}; nothing loaded, the engine is unchanged (checkpoint.require_resume makes "

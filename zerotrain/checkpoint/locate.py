@@ -16,9 +16,10 @@ DeepSpeed's ``zero_to_fp32`` reads ``checkpoint_dir/latest`` and accepts nothing
 are a superset. DeepSpeed accepts no folder of several save directories (the Trainer's output
 directory with its ``checkpoint-N`` folders), and neither do we: which one is meant (the newest,
 the best) is the user's choice, so the error names them. When a folder holds no complete
-checkpoint, :class:`NoCheckpoint` says why, in one of four kinds the engine treats apart
-(see ``load.py``): the path does not exist (a typo, most likely: the closest existing name is
-offered), it holds nothing of a checkpoint (a first run), only incomplete saves, or something
+checkpoint, :class:`NoCheckpoint` says why, in one of five kinds the engine treats apart
+(see ``load.py``): the path does not exist beside a similar name (a typo, most likely: that name
+is offered), it does not exist or holds nothing of a checkpoint (a first run: scripts pass a
+folder their first save creates), only incomplete saves, or something
 else that is not a loadable checkpoint (a consolidated export, DeepSpeed's files, save
 directories one level down, a ``latest`` naming a tag that is not there).
 """
@@ -56,14 +57,15 @@ EXPECTED = (
 # DeepSpeed's own checkpoint files (mp_rank_00_model_states.pt, zero_pp_rank_0_..._optim_states.pt)
 _DEEPSPEED_FILE = re.compile(r"(model|optim)_states\.pt$")
 
-NoCheckpointKind = Literal["missing", "empty", "incomplete", "unusable"]
+NoCheckpointKind = Literal["absent", "missing", "empty", "incomplete", "unusable"]
 
 
 class NoCheckpoint(CheckpointError):
-    """A folder holds no complete checkpoint to load; ``kind`` says why: ``missing`` (no such
-    path), ``empty`` (nothing of a checkpoint: a first run), ``incomplete`` (only saves that
-    did not finish) or ``unusable`` (something else: see [Note: the folders a checkpoint tool
-    accepts])."""
+    """A folder holds no complete checkpoint to load; ``kind`` says why: ``absent`` (no such
+    path, and nothing of a similar name beside it: a first run), ``missing`` (no such path, but
+    a similar name: a typo), ``empty`` (nothing of a checkpoint: a first run), ``incomplete``
+    (only saves that did not finish) or ``unusable`` (something else: see [Note: the folders a
+    checkpoint tool accepts])."""
 
     def __init__(self, message: str, kind: NoCheckpointKind):
         super().__init__(message)
@@ -152,7 +154,10 @@ def find_checkpoints(path: str | os.PathLike[str]) -> Found:
     file."""
     path = Path(path)
     if not path.exists():
-        raise NoCheckpoint(f"{path}: no such checkpoint directory{_closest(path)}", "missing")
+        near = _closest(path)
+        if not near:  # nothing alike beside it: a first run, whose first save will make it
+            raise NoCheckpoint(f"{path}: does not exist yet", "absent")
+        raise NoCheckpoint(f"{path}: no such checkpoint directory{near}", "missing")
     if not path.is_dir():
         raise CheckpointError(f"{path}: a file, not a checkpoint directory; {EXPECTED}")
     if holds_save(path):
