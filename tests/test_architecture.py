@@ -17,7 +17,7 @@ PACKAGE = ROOT / "zerotrain"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundations",
-        ("fmt", "progress", "ranges", "precision", "accelerator", "config", "optim"),
+        ("fmt", "errors", "progress", "ranges", "precision", "accelerator", "config", "optim"),
     ),
     ("communication", ("comm",)),
     ("compression", ("compression",)),

@@ -16,6 +16,14 @@ from zerotrain.cli import LaunchError, launch, plan_launch
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
+@pytest.fixture(autouse=True)
+def scripts_here(tmp_path, monkeypatch):
+    """The scripts the command lines name exist (zerotrain run checks them before launching)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "script.py", "./-odd.py"):
+        (tmp_path / name).write_text("")
+
+
 def plan(argv, *, environ=None, cpu_count=8, cuda_devices=0):
     return plan_launch(argv, environ=environ or {}, cpu_count=cpu_count, cuda_devices=cuda_devices)
 
@@ -264,6 +272,9 @@ def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
         "pathlib.Path(__file__).with_name('rank' + os.environ['RANK']).write_text("
         "f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} threads "
         "{os.environ['OMP_NUM_THREADS']} args {sys.argv[1:]}\")\n"
+        "if '--config-error' in sys.argv:\n"
+        "    import zerotrain\n"
+        "    raise zerotrain.ConfigError('zero_optimization.stage: must be between 0 and 3')\n"
         "sys.exit(3 if '--fail' in sys.argv and os.environ['RANK'] == '1' else 0)\n"
     )
     repo = Path(__file__).resolve().parents[1]
@@ -285,4 +296,122 @@ def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
         report = (tmp_path / f"rank{rank}").read_text()
         assert report == f"rank {rank} of 2 threads 5 args ['--x', '1']"
     failed = run("--fail")
-    assert failed.returncode != 0
+    assert failed.returncode == 3
+    # the cause first, then the rank torchrun stopped; no torchrun traceback or table
+    head = f"zerotrain run: {script} failed\n  rank 1: exit code 3 (the rank's own output above "
+    assert failed.stderr.endswith(
+        f"{head}says why)\n"
+        "  rank 0: killed by SIGTERM (torchrun stops the other ranks once one has failed)\n"
+    ) or failed.stderr.endswith(f"{head}says why)\n"), failed.stderr  # rank 0 may end first
+    assert "ChildFailedError" not in failed.stderr
+    # zerotrain's own error: said once for both ranks, without a traceback
+    config = run("--config-error")
+    assert config.returncode == 1
+    assert config.stderr.endswith(
+        f"zerotrain run: {script} failed\n"
+        "  ranks 0-1: ConfigError: zero_optimization.stage: must be between 0 and 3\n"
+    ), config.stderr
+    assert "Traceback" not in config.stderr and config.stderr.count("ConfigError") == 1
+
+
+def test_a_missing_script_or_a_bad_config_is_refused_before_launching(tmp_path):
+    with pytest.raises(LaunchError, match=r"SCRIPT trian.py does not exist \(looked in .*\); "):
+        plan(["--nproc-per-node", "2", "trian.py"])
+    with pytest.raises(LaunchError, match="did you mean train.py"):
+        plan(["trian.py"])
+    with pytest.raises(LaunchError, match="is a directory"):
+        plan([str(tmp_path)])
+    plan(["-m", "not_a_file.train"])  # a module: python finds it, not us
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8, "zero_optimisation": {}}')
+    for args in (["--deepspeed_config", "ds.json"], ["--deepspeed_config=ds.json"]):
+        with pytest.raises(LaunchError) as error:
+            plan(["train.py", *args])
+        assert str(error.value) == (
+            "zerotrain run: --deepspeed_config ds.json:\n"
+            "zero_optimisation: unknown key; did you mean 'zero_optimization'?"
+        )
+    (tmp_path / "ok.yaml").write_text("train_batch_size: auto\nzero_optimization: {stage: 3}\n")
+    plan(["train.py", "--deepspeed", "--deepspeed_config", "ok.yaml"])  # HF's autos are fine
+    with pytest.raises(LaunchError, match="config file does not exist"):
+        plan(["train.py", "--deepspeed", "missing.json"])  # HuggingFace's --deepspeed FILE
+
+
+@pytest.mark.parametrize(
+    ("option", "hint"),
+    [
+        ("--num_gpus", "use --nproc-per-node N"),
+        ("--num-gpus", "use --nproc-per-node N"),
+        ("--num_nodes", "use --nnodes N"),
+        ("--hostfile", "start `zerotrain run --nnodes N"),
+    ],
+)
+def test_deepspeed_launcher_options_name_torchruns(option, hint):
+    with pytest.raises(LaunchError, match=f"{option} is the deepspeed launcher's: {hint}"):
+        plan([option, "2", "train.py"])
+
+
+def test_the_rendezvous_endpoint_is_planned_for_the_check():
+    c10d = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
+    assert plan([*c10d, "node0:29511", "train.py"]).endpoint == ("node0", 29511)
+    assert plan([*c10d, "node0", "train.py"]).endpoint == ("node0", 29400)
+    static = ["--master-addr", "10.0.0.1", "--master-port", "29600", "train.py"]
+    assert plan(static).endpoint == ("10.0.0.1", 29600)
+    assert plan(["train.py"]).endpoint is None  # standalone: torchrun picks a free port
+
+
+def test_an_endpoint_held_by_another_program_is_refused_in_bounded_time(monkeypatch):
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from zerotrain.cli import torchrun
+
+    monkeypatch.setattr(torchrun, "PROBE_TIMEOUT_S", 8.0)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert torchrun.check_endpoint("127.0.0.1", port) is None  # nothing there: ours to take
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    assert torchrun.check_endpoint("127.0.0.1", store.port) is None  # a store answers
+    with socket.socket() as silent:  # accepts connections, never answers (an HTTP server)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        message = torchrun.check_endpoint("127.0.0.1", silent.getsockname()[1])
+    assert message is not None and "does not answer as a c10d store (no answer in 8 s)" in message
+
+
+def test_a_stopped_launch_stops_its_ranks_and_says_so(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "sleepy.py"
+    script.write_text(
+        "import os, pathlib, time\n"
+        "pathlib.Path(__file__).with_name(f\"pid{os.environ['RANK']}\").write_text(str(os.getpid()))\n"
+        "time.sleep(300)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "2", str(script)],
+        env=dict(os.environ, PYTHONPATH=str(repo)),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pids = [tmp_path / "pid0", tmp_path / "pid1"]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() and p.read_text() for p in pids):
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks never started"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)  # a scheduler's stop: SLURM's scancel
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert err.endswith("zerotrain run: stopped by SIGTERM; the ranks were stopped\n"), err
+    assert "Traceback" not in err
+    for pid in pids:
+        assert not Path(f"/proc/{pid.read_text()}").exists()  # no rank outlived the launcher

@@ -18,7 +18,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from zerotrain.errors import ZeroTrainError, report_errors_to_launcher
+
 __version__ = "0.1.0"
+
+# a rank of `zerotrain run` hands its ZeroTrainError to the launcher, which prints it once
+# (see [Note: one message per failure, not a traceback per rank] in errors.py)
+report_errors_to_launcher()
 
 # the names of DeepSpeed's top level -> the module that defines each; the submodules of __all__
 # (deepspeed.checkpointing, deepspeed.zero, ...) and all others load through __getattr__ too
@@ -50,6 +56,7 @@ __all__ = [
     "PipelineModule",
     "ZeroTrainConfig",
     "ZeroTrainEngine",
+    "ZeroTrainError",
     "__version__",
     "accelerator",
     "add_config_arguments",

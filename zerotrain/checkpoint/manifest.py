@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerotrain.checkpoint.files import record_of
+from zerotrain.errors import ZeroTrainError
 from zerotrain.ranges import intersect
 from zerotrain.tensor_parallel.shard import TPShard
 
@@ -60,7 +61,7 @@ LATEST = "latest"
 _SAVE_FILE = re.compile(r"^[0-9a-f]{12}-\w+\.(safetensors|pt)$")  # {save_id}-{role}: save.py
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ZeroTrainError, RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file and the problem."""
 
 

@@ -8,13 +8,14 @@ import os
 import sys
 
 from zerotrain.cli.arguments import ParserSpec, positive_int, size_argument
+from zerotrain.errors import ZeroTrainError
 
 __all__ = ["PARSER", "EstimateError", "add_arguments"]
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
-class EstimateError(ValueError):
+class EstimateError(ZeroTrainError, ValueError):
     """A `zerotrain estimate` command line that cannot be estimated."""
 
 

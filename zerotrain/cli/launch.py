@@ -1,6 +1,8 @@
 """``zerotrain run [launcher options] SCRIPT [SCRIPT ARGS]``: start SCRIPT once per local device
 through torchrun (``python -m torch.distributed.run``). We do not write our own launcher or
-rendezvous, we only pick defaults that suit ZeRO training and then hand over to torchrun.
+rendezvous, we only pick defaults that suit ZeRO training, check what can be checked before any
+rank starts (the script, the config file among its arguments, the rendezvous endpoint), and then
+run torchrun in this process (zerotrain/cli/torchrun.py).
 
 # [Note: how `zerotrain run` splits its arguments]
 argparse cannot tell a torchrun option's value from the script path (in ``--nnodes 2 train.py``
@@ -14,13 +16,17 @@ launcher options we do not own are then validated by torchrun's parser and forwa
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from zerotrain.cli.arguments import ParserSpec
+from zerotrain.cli.torchrun import check_endpoint, run_torchrun
+from zerotrain.errors import ZeroTrainError
 
 __all__ = ["PARSER", "LaunchError", "LaunchPlan", "add_arguments", "plan_launch"]
 
@@ -50,6 +56,28 @@ _RENDEZVOUS_DESTS = frozenset(
         "local_addr",
     }
 )
+
+# the deepspeed launcher's options, which a DeepSpeed user types first -> what to use here
+_DEEPSPEED_OPTIONS = {
+    "--num_gpus": "use --nproc-per-node N (processes on this node)",
+    "--num_nodes": "use --nnodes N, with --rdzv-backend c10d --rdzv-endpoint HOST:PORT",
+    "--num_accelerators": "use --nproc-per-node N (processes on this node)",
+    "--hostfile": "start `zerotrain run --nnodes N --rdzv-endpoint HOST:PORT ...` on each node "
+    "(torchrun meets the nodes at the endpoint; there is no hostfile)",
+    "--include": "set CUDA_VISIBLE_DEVICES to the devices to use",
+    "--exclude": "set CUDA_VISIBLE_DEVICES to the devices to use",
+    "--launcher": "zerotrain run starts the ranks of one node with torchrun; under SLURM or MPI "
+    "run it once per node",
+}
+
+# script arguments that name a DeepSpeed config file (DeepSpeed's, zerotrain's, HuggingFace's)
+_CONFIG_ARGUMENTS = (
+    "--deepspeed_config",
+    "--deepspeed-config",
+    "--zerotrain_config",
+    "--deepspeed",
+)
+_CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 
 _RUN_USAGE = (
     "zerotrain run [--nproc-per-node N] [--deepspeed-compat[=shadow]] [--require-resume] "
@@ -82,6 +110,16 @@ Defaults added for you:
                       unless already set, so the processes share the cores without
                       oversubscribing them
 
+Checked before any rank starts:
+  SCRIPT              exists (else: did you mean ...?)
+  config              a --deepspeed_config / --deepspeed FILE among the script's arguments
+                      is read and checked: one error, not one per rank
+  rendezvous          a --rdzv-endpoint (or --master-addr/--master-port) held by a program
+                      that does not answer as a c10d store is refused within 15 s
+
+When ranks fail, one line per distinct cause names the ranks (a zerotrain error's message,
+a signal, or the exit code of a rank whose own output shows its traceback).
+
 examples:
   zerotrain run --nproc-per-node 2 examples/train_gpt.py --steps 200
   zerotrain run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
@@ -89,7 +127,7 @@ examples:
 """
 
 
-class LaunchError(ValueError):
+class LaunchError(ZeroTrainError, ValueError):
     """A `zerotrain run` command line that cannot be turned into a torchrun command."""
 
 
@@ -103,6 +141,14 @@ class LaunchPlan:
     """Environment variables set on top of the caller's environment."""
     dry_run: bool = False
     """Print the command instead of running it."""
+    endpoint: tuple[str, int] | None = None
+    """The rendezvous store's host and port, checked before launching (None: torchrun picks a
+    free local port, ``--standalone``)."""
+
+    @property
+    def torchrun_argv(self) -> list[str]:
+        """torchrun's own arguments: ``argv`` after ``python -m torch.distributed.run``."""
+        return self.argv[3:]
 
     def shell_line(self) -> str:
         """The command as one shell line, environment overrides first."""
@@ -150,9 +196,14 @@ def _split_run_argv(
         elif not token.startswith("--") and token[:2] in takes_value:
             name, attached = token[:2], True  # short option with its value attached: -r3
         else:
+            hint = _DEEPSPEED_OPTIONS.get("--" + name.lstrip("-").replace("-", "_"))
             raise LaunchError(
                 f"zerotrain run: unknown launcher option {token!r} before the script; "
-                "see `zerotrain run --help` and `python -m torch.distributed.run --help`"
+                + (
+                    f"{name} is the deepspeed launcher's: {hint}"
+                    if hint
+                    else "see `zerotrain run --help` and `python -m torch.distributed.run --help`"
+                )
             )
         if takes_value[name] and not attached:
             if i + 1 == len(tokens):
@@ -256,6 +307,9 @@ def plan_launch(
     # torchrun's parser validates the forwarded options and fills in what comes from its
     # PET_* environment variables; exits with a usage message on an invalid option value.
     parsed = torchrun.parse_args([*forwarded, script])
+    if not (parsed.module or parsed.no_python):  # a path: every rank would fail to open it
+        _check_script(script)
+    _check_config_argument(script_args)
     given = {
         action.dest
         for action in torchrun._actions
@@ -289,7 +343,60 @@ def plan_launch(
     if own.compat:  # each rank: python -m zerotrain.compat SCRIPT (activates, then runs it)
         argv += ["-m", "zerotrain.compat", *(["--shadow-deepspeed"] * (own.compat == "shadow"))]
     argv += [script, *script_args]
-    return LaunchPlan(argv=argv, env_overrides=env_overrides, dry_run=own.dry_run)
+    endpoint = None
+    if has_rendezvous:
+        endpoint = _endpoint(parsed)
+    return LaunchPlan(
+        argv=argv, env_overrides=env_overrides, dry_run=own.dry_run, endpoint=endpoint
+    )
+
+
+def _endpoint(parsed: argparse.Namespace) -> tuple[str, int] | None:
+    """Where the nodes' rendezvous store listens: the c10d endpoint (torchrun's default port
+    29400), or the static backend's master address and port."""
+    if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
+        host, _, port = parsed.rdzv_endpoint.rpartition(":")
+        if not host:  # "HOST" alone
+            return parsed.rdzv_endpoint, 29400
+        return host.strip("[]"), int(port) if port.isdigit() else 29400
+    if parsed.rdzv_backend == "static" and parsed.master_port is not None:
+        return parsed.master_addr, int(parsed.master_port)
+    return None
+
+
+def _check_script(script: str) -> None:
+    path = Path(script)
+    if path.is_file():
+        return
+    if path.is_dir():
+        raise LaunchError(f"zerotrain run: SCRIPT {script} is a directory; name a Python file")
+    near = difflib.get_close_matches(
+        path.name, [p.name for p in path.parent.glob("*.py")] if path.parent.is_dir() else [], n=1
+    )
+    hint = f"; did you mean {path.parent / near[0]}?" if near else ""
+    raise LaunchError(
+        f"zerotrain run: SCRIPT {script} does not exist (looked in {Path.cwd()}){hint}"
+    )
+
+
+def _check_config_argument(script_args: Sequence[str]) -> None:
+    """The config file the script is given (``--deepspeed_config FILE`` and its spellings),
+    checked before any rank starts: a typo is then one message, not one per rank (the batch
+    keys wait for the engine, which knows the data-parallel world size)."""
+    for index, token in enumerate(script_args):
+        name, equals, value = token.partition("=")
+        if name not in _CONFIG_ARGUMENTS:
+            continue
+        if not equals:
+            value = script_args[index + 1] if index + 1 < len(script_args) else ""
+        if not value.lower().endswith(_CONFIG_SUFFIXES):
+            continue  # DeepSpeed's --deepspeed is a flag; HuggingFace's takes the file
+        from zerotrain.config import ConfigError, check_config, read_config_file
+
+        try:
+            check_config(read_config_file(Path(value)), unfilled=True)
+        except ConfigError as error:
+            raise LaunchError(f"zerotrain run: {name} {value}:\n{error}") from None
 
 
 def _available_cpus() -> int:
@@ -300,7 +407,7 @@ def _available_cpus() -> int:
 
 
 def _cuda_device_count() -> int:
-    import torch
+    import torch  # already imported by torchrun's parser: no cost here
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -321,11 +428,13 @@ def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
     if plan.dry_run:
         print(plan.shell_line())
         return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # exec rather than a child process: torchrun then receives SIGINT/SIGTERM directly (and
-    # forwards them to the workers), and its exit status is ours without any relaying.
-    os.execve(plan.argv[0], plan.argv, {**os.environ, **plan.env_overrides})
+    if plan.endpoint is not None:
+        taken = check_endpoint(*plan.endpoint)
+        if taken:
+            print(taken, file=sys.stderr)
+            return 2
+    # see [Note: torchrun in the launcher's own process] (torchrun.py)
+    return run_torchrun(plan.torchrun_argv, plan.env_overrides)
 
 
 PARSER: ParserSpec = {

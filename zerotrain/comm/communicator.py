@@ -16,6 +16,7 @@ import torch.distributed as dist
 from zerotrain.comm import pairwise
 from zerotrain.comm.log import CommsLog
 from zerotrain.comm.setup import collective_timeout
+from zerotrain.errors import ZeroTrainError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -26,7 +27,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 T = TypeVar("T")
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(ZeroTrainError, RuntimeError):
     """A collective failed or timed out, usually because a peer rank died or stalled."""
 
 

@@ -31,13 +31,15 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from zerotrain.errors import ZeroTrainError
+
 VERSION = "0.19.8+zerotrain"
 """The version of the ``deepspeed`` distribution the alias presents."""
 
 _NAME = "deepspeed"
 
 
-class DeepSpeedInstalled(RuntimeError):
+class DeepSpeedInstalled(ZeroTrainError, RuntimeError):
     """A real DeepSpeed is installed or imported where the alias would shadow it, or
     accelerate was imported without DeepSpeed before the alias could take effect."""
 

@@ -9,10 +9,12 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
+from zerotrain.errors import ZeroTrainError
+
 __all__ = ["ConfigError", "config_error", "did_you_mean", "fail", "show"]
 
 
-class ConfigError(ValueError):
+class ConfigError(ZeroTrainError, ValueError):
     """A config zerotrain cannot use. The message names every offending key path and the fix,
     one problem per line."""
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from zerotrain.errors import ZeroTrainError
+
 ALIGNMENT = 4096  # bytes; O_DIRECT's buffer, offset and length granularity
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # absent on macOS: buffered I/O there
@@ -61,7 +63,7 @@ class AioOptions:
                 raise ValueError(f"aio.{key}: must be >= 1, got {getattr(self, key)}")
 
 
-class SwapIOError(OSError):
+class SwapIOError(ZeroTrainError, OSError):
     """A swap file read or write failed; the message names the file, slot, bytes and cause."""
 
 
