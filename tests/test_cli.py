@@ -415,3 +415,38 @@ def test_a_stopped_launch_stops_its_ranks_and_says_so(tmp_path):
     assert "Traceback" not in err
     for pid in pids:
         assert not Path(f"/proc/{pid.read_text()}").exists()  # no rank outlived the launcher
+
+
+def test_config_check_reports_every_problem_or_what_the_config_asks_for(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8, "zero_optimisation": {}, "gradient_clip": 1}')
+    assert cli.main(["config", "check", str(bad)]) == 1
+    assert capsys.readouterr().err == (
+        f"{bad}: 2 problem(s)\n"
+        "zero_optimisation: unknown key; did you mean 'zero_optimization'?\n"
+        "gradient_clip: unknown key; did you mean 'gradient_clipping'?\n"
+    )
+    good = tmp_path / "ds.yaml"
+    good.write_text(
+        "train_batch_size: 16\ntrain_micro_batch_size_per_gpu: 4\nbf16: {enabled: true}\n"
+        "zero_optimization: {stage: 3, offload_optimizer: {device: cpu}}\n"
+    )
+    assert cli.main(["config", "check", str(good), "--world-size", "2"]) == 0
+    assert capsys.readouterr().out == (
+        f"{good}: valid\n"
+        "  ZeRO stage 3, bf16, optimizer none (the script's), offload: optimizer cpu, "
+        "parameters none\n"
+        "  batch: train_batch_size 16 = micro-batch 4 x accumulation 2 x 2 data-parallel "
+        "rank(s)\n"
+    )
+    assert cli.main(["config", "check", str(good), "--world-size", "3"]) == 1
+    assert "is not divisible by" in capsys.readouterr().err
+    hf = tmp_path / "hf.json"  # HuggingFace's template: its Trainer fills the autos
+    hf.write_text('{"train_batch_size": "auto", "zero_optimization": {"stage": 2}}')
+    assert cli.main(["config", "check", str(hf), "--world-size", "2"]) == 0
+    assert '"auto" values are left for HuggingFace' in capsys.readouterr().out
+    # python -m zerotrain.config FILE is the same check
+    run = subprocess.run(
+        [sys.executable, "-m", "zerotrain.config", str(bad)], capture_output=True, text=True
+    )
+    assert run.returncode == 1 and "did you mean 'zero_optimization'" in run.stderr

@@ -1,8 +1,9 @@
 """The ``zerotrain`` console script: ``zerotrain run``, ``zerotrain checkpoint``,
-``zerotrain estimate``.
+``zerotrain config``, ``zerotrain estimate``.
 
 One module per command: :mod:`~zerotrain.cli.launch` (``run``, a thin wrapper of torchrun),
-:mod:`~zerotrain.cli.checkpoint` (consolidate, inspect) and :mod:`~zerotrain.cli.estimate`;
+:mod:`~zerotrain.cli.checkpoint` (consolidate, inspect), :mod:`~zerotrain.cli.config` (check)
+and :mod:`~zerotrain.cli.estimate`;
 each has ``PARSER`` (its ``add_parser`` arguments) and ``add_arguments(parser)``.
 
 [Note: `zerotrain --version` imports nothing heavy]
@@ -20,13 +21,13 @@ import sys
 from collections.abc import Sequence
 
 from zerotrain import __version__
-from zerotrain.cli import checkpoint, estimate, launch
+from zerotrain.cli import checkpoint, config, estimate, launch
 from zerotrain.cli.estimate import EstimateError
 from zerotrain.cli.launch import LaunchError, LaunchPlan, plan_launch
 
 __all__ = ["EstimateError", "LaunchError", "LaunchPlan", "main", "plan_launch"]
 
-_COMMANDS = {"run": launch, "checkpoint": checkpoint, "estimate": estimate}
+_COMMANDS = {"run": launch, "checkpoint": checkpoint, "config": config, "estimate": estimate}
 
 
 def _build_parser(command: str | None) -> argparse.ArgumentParser:

@@ -71,6 +71,12 @@ def config_reference_markdown() -> str:
         "Keys starting with `_` are comments. Load a config with "
         "`zerotrain.config.load_config(config, world_size=...)`; a `.json`, `.yaml` or "
         "`.yml` path or a dict.",
+        "",
+        "Check a file before submitting a job: `zerotrain config check ds_config.json "
+        "[--world-size N]` (or `python -m zerotrain.config ds_config.json`) prints every "
+        "problem with its key path, or what the config asks for; `zerotrain run` runs the "
+        "same check on a `--deepspeed_config FILE` among the script's arguments before it "
+        "starts any rank, and `zero.Init` before it builds the model.",
     ]
     for path, section in _sections():
         out += [

@@ -149,14 +149,20 @@ _AUTO_NEVER_FILLED = {
 }
 
 
-def _without_auto(data: dict[Any, Any]) -> dict[Any, Any]:
+def _without_auto(data: dict[Any, Any], path: str = "") -> dict[Any, Any]:
     kept: dict[Any, Any] = {}
     for key, value in data.items():
+        key_path = f"{path}{key}"
         if isinstance(value, dict):
-            kept[key] = _without_auto(value)
-        elif not _auto_problems(value, ""):
+            kept[key] = _without_auto(value, f"{key_path}.")
+        elif key_path in _AUTO_IS_A_VALUE or not _auto_problems(value, ""):
             kept[key] = value
     return kept
+
+
+def has_auto(raw: dict[str, Any]) -> bool:
+    """Whether ``raw`` holds HuggingFace's ``"auto"`` placeholders, which its Trainer fills."""
+    return _without_auto(raw) != raw
 
 
 def _is_auto(value: Any) -> bool:
