@@ -6,6 +6,7 @@ import ast
 import pathlib
 import time
 
+import pytest
 import torch
 from distributed import run_distributed
 
@@ -200,3 +201,50 @@ def test_an_unwaited_pairwise_operation_cannot_write_into_freed_memory():
     assert held == 1  # kept until its messages have landed
     assert later == [10.0] * 4 + [11.0] * 4  # and no message went to the wrong operation
     assert left == 0  # the later operation completed it
+
+
+@pytest.mark.parametrize(
+    ("environ", "hosts", "threads_before", "expected"),
+    [
+        ({"LOCAL_WORLD_SIZE": "4"}, None, 8, 2),  # torchrun's count: 8 cores / 4 ranks
+        ({}, ["a", "a", "b"], 8, 4),  # plain processes: 2 of the 3 ranks on this host
+        ({"LOCAL_WORLD_SIZE": "16"}, None, 8, 1),  # more ranks than cores: at least 1
+        ({"OMP_NUM_THREADS": "8", "LOCAL_WORLD_SIZE": "4"}, None, 8, None),  # the user's
+        ({"LOCAL_WORLD_SIZE": "2"}, None, 1, None),  # already below the share: kept
+    ],
+)
+def test_cpu_ranks_on_one_node_share_its_cores(
+    monkeypatch, environ, hosts, threads_before, expected
+):
+    from zerotrain.comm import setup
+
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(setup, "usable_cpus", lambda: 8)
+    if hosts is not None:
+        monkeypatch.setattr(setup.socket, "gethostname", lambda: "a")
+        monkeypatch.setattr(setup.dist, "get_world_size", lambda: len(hosts))
+        monkeypatch.setattr(
+            setup.dist, "all_gather_object", lambda out, _: out.__setitem__(slice(None), hosts)
+        )
+    threads = [threads_before]
+    monkeypatch.setattr(setup.torch, "get_num_threads", lambda: threads[0])
+    monkeypatch.setattr(setup.torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
+    assert setup._share_cpu_cores() == expected
+    assert threads[0] == (expected or threads_before)
+
+
+def test_usable_cpus_read_the_smallest_cgroup_quota(tmp_path, monkeypatch):
+    from zerotrain import accelerator
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: 2 cores usable
+    assert accelerator._cpu_quota_at(str(tmp_path), "cpu.max") == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert accelerator._cpu_quota_at(str(tmp_path), "cpu.max") is None
+    (tmp_path / "cpu.cfs_quota_us").write_text("300000\n")  # cgroup v1
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert accelerator._cpu_quota_at(str(tmp_path), "") == 3
+    monkeypatch.setattr(accelerator, "_cgroup_cpu_quota", lambda: 1)
+    assert accelerator.usable_cpus() == 1

@@ -25,6 +25,7 @@ __all__ = [
     "peak_rss",
     "set_accelerator",
     "settle_host_math",
+    "usable_cpus",
 ]
 
 
@@ -57,6 +58,59 @@ def peak_rss() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def usable_cpus() -> int:
+    """The CPU cores this process may run on: its affinity mask (taskset, cpusets, SLURM's
+    --cpus-per-task), lowered to its cgroup's CPU quota where one is set, at any level up to
+    the root (a container limited to 2 CPUs on a 64-core host sees 64 cores otherwise)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores or 1, quota) if quota is not None else cores or 1)
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """The smallest CPU quota (in whole CPUs, rounded up) of this process's cgroup and its
+    ancestors; None where none is set or the platform does not say."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: "max 100000" or "200000 100000"
+            root, name = "/sys/fs/cgroup", "cpu.max"
+        elif "cpu" in controllers.split(","):
+            root, name = f"/sys/fs/cgroup/{controllers}", ""
+        else:
+            continue
+        level = path
+        while True:
+            quotas.append(_cpu_quota_at(f"{root}{level.rstrip('/')}", name))
+            if level in ("/", ""):
+                break
+            level = level.rsplit("/", 1)[0] or "/"
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def _cpu_quota_at(directory: str, v2_name: str) -> int | None:
+    try:
+        if v2_name:
+            with open(f"{directory}/{v2_name}", encoding="ascii") as f:
+                quota, period = f.read().split()
+        else:
+            with open(f"{directory}/cpu.cfs_quota_us", encoding="ascii") as f:
+                quota = f.read().strip()
+            with open(f"{directory}/cpu.cfs_period_us", encoding="ascii") as f:
+                period = f.read().strip()
+        if quota in ("max", "-1"):
+            return None
+        return -(-int(quota) // int(period))
+    except (OSError, ValueError):
+        return None
 
 
 def available_host_memory() -> int | None:

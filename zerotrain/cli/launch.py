@@ -400,10 +400,9 @@ def _check_config_argument(script_args: Sequence[str]) -> None:
 
 
 def _available_cpus() -> int:
-    # The affinity mask respects taskset, cgroup cpusets and SLURM's --cpus-per-task.
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    from zerotrain.accelerator import usable_cpus  # affinity and cgroup quota
+
+    return usable_cpus()
 
 
 def _cuda_device_count() -> int:
