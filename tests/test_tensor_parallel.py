@@ -454,3 +454,24 @@ def test_config_checks_the_degree():
         load_config(
             {**base, "data_parallel_size": 4, "tensor_parallel": {"autotp_size": 2}}, world_size=4
         )
+
+
+def different_batches() -> str:
+    import zerotrain
+
+    engine, *_ = zerotrain.initialize(model=build("gpt"), config=config(0, 2, 2))
+    x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    loss_of("gpt", engine, x).backward()  # the same batch on both ranks: fine
+    longer = engine.global_rank == 1
+    with pytest.raises(ValueError) as error:  # a rank given another batch length
+        loss_of("gpt", engine, x[:, : SEQ - 2] if longer else x)
+    return str(error.value)
+
+
+def test_tp_ranks_given_different_batches_raise_naming_what_each_got():
+    for message in run_distributed(different_batches, 2):
+        assert message.startswith(
+            "tensor parallelism: the 2 ranks of a tensor-parallel group got inputs of different "
+            "shapes (rank 0: [((2, 11), 'int64'), ((2, 11), 'int64')]; rank 1: [((2, 9), "
+            "'int64'), ((2, 9), 'int64')])"
+        ), message

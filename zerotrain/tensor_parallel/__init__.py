@@ -8,9 +8,12 @@ stage shards the tensor-parallel pieces like any other parameter.
 
 from __future__ import annotations
 
+import functools
+import zlib
 from collections.abc import Mapping
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from zerotrain.comm import Communicator
@@ -111,4 +114,30 @@ def parallelize(
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, src=comm.root)
     summed = apply_plan(model, resolved, comm, sequence_parallel)
+    model.register_forward_pre_hook(
+        functools.partial(_same_inputs, comm=comm), with_kwargs=True, prepend=True
+    )
     return TensorParallel(comm, resolved, summed)
+
+
+def _same_inputs(module: nn.Module, args: tuple, kwargs: dict, *, comm: Communicator) -> None:
+    """The ranks of a tensor-parallel group must run the same batch: each computes a slice of
+    the same layers, and the group's collectives would otherwise exchange messages of
+    different sizes (gloo aborts the process in C++: "Received data size doesn't match").
+    One 4-byte gather per forward compares the inputs' shapes and dtypes; a mismatch is an
+    error on every rank of the group, naming what each got."""
+    leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(leaf)]
+    signature = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves]
+    digest = torch.tensor([zlib.crc32(repr(signature).encode())], dtype=torch.int64)
+    digests = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)
+    comm.all_gather(digests, digest.to(comm.device), name="tp_input_check")
+    if bool((digests == digests[0]).all()):
+        return
+    everyone = comm.all_gather_object(signature)
+    got = "; ".join(f"rank {rank}: {sig}" for rank, sig in enumerate(everyone))
+    raise ValueError(
+        f"tensor parallelism: the {comm.world_size} ranks of a tensor-parallel group got "
+        f"inputs of different shapes ({got}); each group's ranks must run the same batch "
+        "(shard the data over the data-parallel ranks only, as the dataloader initialize "
+        "returns does: engine.dp_world_size shards, not the world size)"
+    )
