@@ -119,6 +119,8 @@ def main() -> None:
         layers=count.config["layers"],
         heads=count.config["heads"],
         vocab_size=count.config["vocab_size"],
+        intermediate_size=count.config["intermediate_size"],
+        mlp=count.mlp or "gelu",  # Llama's SwiGLU, found from its three MLP matrices
     )
     job = TrainingJob(**common, shape=shape)
     offload_job = TrainingJob(**common, offload="cpu", stages=(1, 2, 3))

@@ -166,6 +166,47 @@ def test_activations_match_saved_tensors_of_the_demo_gpt(name, dtype, batch):
     assert measured[True] - est.checkpointed_kept == left_out
 
 
+def test_swiglu_mlp_keeps_what_transformers_llama_mlp_saves():
+    """A gated MLP keeps four tensors of its width (gate projection, its SiLU, up projection,
+    their product) where a GeLU MLP keeps two: the estimate's difference between a Llama layer
+    (SwiGLU, width 40) and a GPT layer (GeLU, 4h) is what autograd saves for transformers'
+    LlamaMLP beyond a 4h GeLU MLP, byte for byte (it used to assume GeLU at 4h for both)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    b, s, h, i = 3, 7, 24, 40
+    shape = TransformerShape(batch_size=b, seq_len=s, hidden_size=h, layers=1, heads=4)
+    llama = TransformerShape(**{**vars(shape), "intermediate_size": i, "mlp": "swiglu"})
+    gelu_mlp = torch.nn.Sequential(
+        torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h)
+    )
+    swiglu_mlp = LlamaMLP(
+        LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=4, hidden_act="silu")
+    )
+    measured = {}
+    for name, mlp in (("gelu", gelu_mlp), ("swiglu", swiglu_mlp)):
+        x = torch.randn(b, s, h, requires_grad=True)
+        with count_saved_activations(mlp.parameters()) as saved:
+            out = mlp(x)
+        out.sum().backward()
+        measured[name] = saved.nbytes
+    fp32 = ActivationAssumptions(element_bytes=4)
+    estimated = activation_bytes(llama, fp32).per_layer - activation_bytes(shape, fp32).per_layer
+    assert estimated == measured["swiglu"] - measured["gelu"] == 4 * (4 * b * s * i - 8 * b * s * h)
+
+
+def test_count_parameters_finds_the_mlp_of_llama_and_gpt2():
+    from models import tiny_hf_gpt2
+    from test_tensor_parallel import build
+
+    llama = count_parameters(build("llama"), persistence_threshold=0)
+    assert llama.mlp == "swiglu" and llama.config["intermediate_size"] == 40
+    assert count_parameters(tiny_hf_gpt2(), persistence_threshold=0).mlp == "gelu"  # Conv1D
+    assert (
+        count_parameters(GPT(gpt_config("tiny", **ODD_GPT)), persistence_threshold=0).mlp == "gelu"
+    )
+
+
 # -- against a real run ------------------------------------------------------------------------
 ODD_GPT = dict(vocab_size=77, block_size=15, n_layer=3, n_head=5, n_embd=35)  # odd Ψ: padding
 RUNS = [  # (dtype, stage, stage3_max_live_parameters, stage3_param_persistence_threshold)
@@ -386,7 +427,7 @@ def test_offload_host_memory_verdict_is_the_preflights(capsys):
     per_rank = 16 * 7 * 10**9 // 8 + 4 * min(5 * 10**8 // 8, 1 << 24) * 2
     assert row["host_per_rank"]["total"] == per_rank
     assert row["cpu_per_node"] == 8 * per_rank
-    fits, short = str(8 * per_rank), str(8 * per_rank - 1)
+    fits, short = f"{8 * per_rank}B", f"{8 * per_rank - 1}B"
     code, out, _ = run_cli(capsys, *argv, "--host-memory", fits, "--json")
     (row,) = json.loads(out)["rows"]
     assert row["host_fits"] == "yes" and "host_preflight" not in row
@@ -461,8 +502,8 @@ def test_cli_params_7b_table(capsys):
         ], stage
         peak = params + grads + optim + max(gathered, step)
         assert rows[stage][7] == gib(peak)
-        assert rows[stage][8] == ("yes" if peak <= 80e9 else "no")
-    assert rows[0][8] == "no" and rows[3][8] == "yes"
+        assert rows[stage][8] == ("yes w/o act" if peak <= 80e9 else "no")
+    assert rows[0][8] == "no" and rows[3][8] == "yes w/o act"
     assert "GiB (2^30 bytes)" in out and "7.00B parameters" in out
 
 
@@ -535,7 +576,70 @@ def test_cli_model_on_meta_device_and_hf_config(capsys, tmp_path):
     )
     assert code == 0, err
     assert f"{real.num_parameters() / 1e3:.2f}K parameters" in out  # tied head counted once
-    assert "hidden 48, 2 layers, 4 heads, vocabulary 101" in out  # from GPT2Config
+    assert "hidden 48, gelu MLP 192, 2 layers, 4 heads, vocabulary 101" in out  # GPT2Config
+
+
+def test_cli_llama_config_is_estimated_with_its_swiglu_mlp(capsys, tmp_path):
+    """--model reads intermediate_size and finds the gated MLP (three hidden x intermediate
+    matrices), so a Llama's activations are its SwiGLU's, not a 4h GeLU's."""
+    factory = tmp_path / "llama.py"
+    factory.write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n\n"
+        "def tiny():\n"
+        "    return LlamaForCausalLM(LlamaConfig(hidden_size=24, intermediate_size=40,\n"
+        "        num_hidden_layers=2, num_attention_heads=4, vocab_size=101))\n"
+    )
+    argv = ["--model", f"{factory}:tiny", "--batch-size", "2", "--seq-len", "16"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["inputs"]["shape"]["intermediate_size"] == 40
+    assert data["inputs"]["shape"]["mlp"] == "swiglu"
+    shape = TransformerShape(
+        batch_size=2, seq_len=16, hidden_size=24, layers=2, heads=4, vocab_size=101,
+        intermediate_size=40, mlp="swiglu",
+    )  # fmt: skip
+    assert data["rows"][0]["activations"] == activation_bytes(shape).without_checkpointing
+    code, out, err = run_cli(capsys, *argv, "--mlp", "gelu", "--intermediate-size", "96")
+    assert code == 0, err
+    assert "hidden 24, gelu MLP 96, 2 layers" in out  # the flags win over the model's
+
+
+def test_cli_activation_note_says_what_was_assumed(capsys):
+    """The note under the table names the dtype, attention, dropout and MLP the activations
+    were estimated with (it used to say "16-bit, dropout, eager attention" whatever the flags)."""
+    code, out, err = run_cli(
+        capsys, "--params", "7B", "--dtype", "fp32", "--attention", "flash", "--no-dropout",
+        "--batch-size", "1", "--seq-len", "4096", "--hidden-size", "4096", "--layers", "32",
+        "--heads", "32", "--intermediate-size", "11008", "--mlp", "swiglu",
+    )  # fmt: skip
+    assert code == 0, err
+    note = " ".join(out.split("- activations:")[1].split("\n- ")[0].split())
+    assert "here with 4-byte activations, flash attention" in note
+    assert "no dropout masks, a swiglu MLP of width 11008" in note
+    assert "16-bit, dropout, eager" not in out
+    code, out, _ = run_cli(
+        capsys, "--params", "7B", "--batch-size", "1", "--seq-len", "512", "--hidden-size",
+        "1024", "--layers", "8", "--heads", "16",
+    )  # fmt: skip
+    note = " ".join(out.split("- activations:")[1].split("\n- ")[0].split())
+    assert (
+        "here with 2-byte activations, eager attention (keeps the s x s softmax; with its "
+        "dropout mask), 1-byte dropout masks, a gelu MLP of width 4096" in note
+    )
+
+
+def test_cli_fits_says_activations_are_left_out(capsys):
+    """Without the batch shape the verdict says the peak fits without activations, not "yes"."""
+    argv = ["--params", "1B", "--device-memory", "80GB"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert {row[-1] for row in table_rows(out).values()} == {"yes w/o act"}
+    assert "'yes w/o act': without activations, which were not estimated" in " ".join(out.split())
+    code, out, _ = run_cli(capsys, *argv, "--json")
+    assert {row["fits"] for row in json.loads(out)["rows"]} == {"yes w/o act"}
+    code, out, _ = run_cli(capsys, *argv, "--batch-size", "1", "--seq-len", "8", "--hidden-size",
+                           "64", "--layers", "2", "--heads", "2")  # fmt: skip
+    assert {row[-1] for row in table_rows(out).values()} == {"yes"}
 
 
 def test_cli_plot(capsys, tmp_path):
@@ -549,7 +653,7 @@ def test_cli_plot(capsys, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     import matplotlib.image
 
-    assert matplotlib.image.imread(path).shape[:2] == (450, 700)  # 7 x 4.5 in at 100 dpi
+    assert matplotlib.image.imread(path).shape[:2] == (450, 900)  # 9 x 4.5 in at 100 dpi
 
     shape = TransformerShape(batch_size=1, seq_len=2048, hidden_size=4096, layers=32, heads=32)
     job = TrainingJob(trainable_params=7 * 10**9, gpus_per_node=8, max_live_numel=10**9)
@@ -562,6 +666,43 @@ def test_cli_plot(capsys, tmp_path):
         tops = [sum(bars[i].get_height() for bars in axes.containers) for i in range(len(rows))]
         assert tops == pytest.approx([r.peak(checkpointing=False) / GiB for r in rows])
         assert len(axes.lines) == 1  # the device memory line
+        assert_legend_covers_no_bar(axes)
+
+
+def assert_legend_covers_no_bar(axes):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(axes.figure).get_renderer()
+    legend = axes.get_legend().get_window_extent(renderer)
+    for bars in axes.containers:
+        for bar in bars:
+            assert not legend.overlaps(bar.get_window_extent(renderer)), bar
+
+
+def test_plot_shows_the_host_verdict_of_the_table(capsys, tmp_path):
+    """With offload the chart gives each stage's host memory per node and, with
+    --host-memory, the preflight's verdict that the table's last column gives."""
+    argv = ["--params", "7B", "--gpus-per-node", "8", "--offload", "cpu", "--device-memory", "80GB"]
+    per_node = 8 * (16 * 7 * 10**9 // 8 + 4 * (1 << 24) * 2)  # stages 1-2, as the test above
+    for host, verdict in ((f"{per_node}B", "yes"), (f"{per_node - 1}B", "no")):
+        code, out, err = run_cli(capsys, *argv, "--host-memory", host)
+        assert code == 0, err
+        assert table_rows(out)[2][-1] == verdict
+        job = TrainingJob(
+            trainable_params=7 * 10**9, gpus_per_node=8, offload="cpu", stages=(1, 2),
+            max_live_numel=10**9,
+        )  # fmt: skip
+        axes = figure(
+            job, estimate(job), 80 * 10**9, per_node if verdict == "yes" else per_node - 1
+        ).axes[0]
+        labels = [tick.get_text() for tick in axes.get_xticklabels()]
+        assert labels == [
+            f"stage {stage}\nCPU/node {per_node / GiB:.2f} GiB\nhost fits: {verdict}"
+            for stage in (1, 2)
+        ]
+        assert_legend_covers_no_bar(axes)
+    code, _, err = run_cli(capsys, *argv, "--host-memory", "1GB", "--plot", str(tmp_path / "o.png"))
+    assert code == 0 and (tmp_path / "o.png").stat().st_size > 10_000, err
 
 
 def test_cli_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
@@ -585,6 +726,8 @@ def test_cli_model_path_that_is_not_python(capsys, tmp_path):
     [
         (["--params", "7Q"], "'7Q' is not a parameter count"),
         (["--params", "7B", "--device-memory", "lots"], "'lots' is not a size"),
+        (["--params", "7B", "--device-memory", "80"], "'80' has no unit; write 80GB"),
+        (["--params", "7B", "--offload", "cpu", "--host-memory", "5e11"], "'5e11' has no unit"),
         (["--model", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
         (["--model", "tests.models:no_such_factory"], "no function or class 'no_such_factory'"),
         (["--model", "tests.models"], "expected module.path:factory"),

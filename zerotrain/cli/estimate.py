@@ -36,6 +36,17 @@ def _parse_count(text: str) -> int:
     return count
 
 
+def _memory_size(text: str) -> int:
+    """A memory size with its unit: ``80GB`` (10^9 bytes), ``80GiB`` (2^30), ``512MB``. A bare
+    number is refused: ``--device-memory 80`` would be 80 bytes, never what was meant."""
+    if not text.strip()[-1:].isalpha():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit; write 80GB (10^9 bytes) or 80GiB (2^30 bytes), or B for "
+            "bytes (80000000000B)"
+        )
+    return size_argument(text)
+
+
 def _import_target(target: str):
     import importlib
     import importlib.util
@@ -121,7 +132,10 @@ def _estimate_job(args: argparse.Namespace):
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import TrainingJob, TransformerShape, count_parameters
 
-    shape_values = {key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size")}
+    shape_values = {
+        key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size", "intermediate_size")
+    }
+    mlp = args.mlp
     counts = {"trainable_params": args.params, "largest_layer": args.largest_layer or 0}
     if args.model:
         if args.largest_layer is not None:
@@ -144,6 +158,7 @@ def _estimate_job(args: argparse.Namespace):
         for key, value in count.config.items():  # the model's config fills what is not given
             if shape_values[key] is None:
                 shape_values[key] = value
+        mlp = mlp or count.mlp
     shape = None
     if args.batch_size is not None or args.seq_len is not None:
         missing = [flag for key, flag in _SHAPE_FLAGS.items() if shape_values[key] is None]
@@ -152,7 +167,7 @@ def _estimate_job(args: argparse.Namespace):
                 f"activations need {', '.join(_SHAPE_FLAGS.values())}; missing {', '.join(missing)}"
                 + ("" if args.model else " (or --model with an HF-like .config)")
             )
-        shape = TransformerShape(**shape_values)
+        shape = TransformerShape(**shape_values, mlp=mlp or "gelu")
     offload = _offload_settings(args)
     try:
         return TrainingJob(
@@ -194,7 +209,7 @@ def _estimate_command(args: argparse.Namespace, rest: list[str]) -> int:
         print(format_table(job, rows, args.device_memory, args.host_memory))
     if args.plot:
         try:
-            plot(job, rows, args.plot, args.device_memory)
+            plot(job, rows, args.plot, args.device_memory, args.host_memory)
         except ImportError as error:
             print(f"zerotrain estimate: {error}", file=sys.stderr)
             return 2
@@ -283,7 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     offload.add_argument(
         "--host-memory",
-        type=size_argument,
+        type=_memory_size,
         metavar="SIZE",
         help="a node's available host memory, e.g. 512GiB: adds a column with the verdict of "
         "initialize's host-memory preflight",
@@ -317,6 +332,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vocab-size", type=positive_int, help="adds the loss's fp32 logits (optional)"
     )
     shape.add_argument(
+        "--intermediate-size",
+        type=positive_int,
+        help="width of the MLP's hidden layer (default: 4 x --hidden-size, or the model's)",
+    )
+    shape.add_argument(
+        "--mlp",
+        choices=("gelu", "swiglu"),
+        help="gelu: two hidden x intermediate matrices (GPT-2); swiglu: gated, three (Llama, "
+        "Mistral), keeps twice the MLP's activations (default: what --model holds, else gelu)",
+    )
+    shape.add_argument(
         "--attention",
         choices=("eager", "flash"),
         default="eager",
@@ -328,9 +354,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device-memory",
-        type=size_argument,
+        type=_memory_size,
         metavar="SIZE",
-        help="device memory, e.g. 80GB, 80GiB: adds a column saying which stages fit",
+        help="device memory with its unit, 80GB (10^9 bytes) or 80GiB (2^30): adds a column "
+        "saying which stages fit",
     )
     parser.add_argument(
         "--plot", metavar="PNG", help="draw stacked bars per stage (needs matplotlib)"

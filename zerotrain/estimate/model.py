@@ -1,15 +1,17 @@
-"""A model's parameters as the estimate needs them: trainable, frozen, the largest layer and
-stage 3's gather units, counted on any device (``meta`` included: a 70B model costs nothing)."""
+"""A model's parameters as the estimate needs them: trainable, frozen, the largest layer,
+stage 3's gather units and the kind of MLP (for its activations), counted on any device
+(``meta`` included: a 70B model costs nothing)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from torch import nn
 
 from zerotrain.zero.units import assign_units, find_unit_modules
 
-__all__ = ["ParameterCount", "count_parameters"]
+__all__ = ["ParameterCount", "count_parameters", "mlp_kind"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +33,10 @@ class ParameterCount:
     """Stage 3: trainable elements of the largest gather unit, root included: its largest
     bucket (one per unit), which sizes offload's transfer ring (0: unknown)."""
     config: dict[str, int] = field(default_factory=dict)
-    """hidden_size, layers, heads, vocab_size found on the model's HF-like ``.config``."""
+    """hidden_size, layers, heads, vocab_size, intermediate_size found on the model's HF-like
+    ``.config``."""
+    mlp: Literal["gelu", "swiglu"] | None = None
+    """The MLP of the first block, from its matrices (:func:`mlp_kind`); None: not found."""
 
 
 # HF-like config attribute names, first match wins (GPT-2 style n_* names included).
@@ -40,7 +45,31 @@ _CONFIG_NAMES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "heads": ("num_attention_heads", "n_head", "num_heads"),
     "vocab_size": ("vocab_size",),
+    "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
 }
+
+
+def mlp_kind(block: nn.Module, hidden: int, width: int) -> Literal["gelu", "swiglu"] | None:
+    """What MLP ``block`` holds, from its matrices of ``hidden`` x ``width``: ``swiglu`` where
+    one orientation has twice as many as the other (gate and up, then down; a fused gate-up
+    counts twice), ``gelu`` where both have as many (in, then out; GPT-2's Conv1D stores them
+    transposed, which the ratio does not see); None where there are none or the shapes cannot
+    tell (an MLP as wide as the residual stream)."""
+    if hidden in (width, 2 * width):
+        return None
+    one_way = other_way = 0
+    for param in block.parameters():
+        for rows, matrices in ((width, 1), (2 * width, 2)):
+            if tuple(param.shape) == (rows, hidden):
+                one_way += matrices
+            elif tuple(param.shape) == (hidden, rows):
+                other_way += matrices
+    fewer, more = sorted((one_way, other_way))
+    if fewer and more == 2 * fewer:
+        return "swiglu"
+    if fewer and more == fewer:
+        return "gelu"
+    return None
 
 
 def count_parameters(model: nn.Module, *, persistence_threshold: int) -> ParameterCount:
@@ -67,6 +96,12 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         value = next((getattr(model_config, n) for n in names if hasattr(model_config, n)), None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             config[key] = value
+    mlp = None
+    if "hidden_size" in config:
+        hidden = config["hidden_size"]
+        mlp = mlp_kind(
+            blocks[0] if blocks else model, hidden, config.get("intermediate_size", 4 * hidden)
+        )
     return ParameterCount(
         trainable=sum(p.numel() for p in trainable),
         frozen=sum(p.numel() for p in params if not p.requires_grad),
@@ -76,4 +111,5 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         persistent_frozen=sum(n for n, kept in zip(unit_frozen, persistent, strict=True) if kept),
         largest_unit=max(unit_numel),
         config=config,
+        mlp=mlp,
     )

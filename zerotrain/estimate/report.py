@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import textwrap
 
-from zerotrain.estimate.activations import activation_bytes
+from zerotrain.estimate.activations import (
+    ActivationAssumptions,
+    TransformerShape,
+    activation_bytes,
+)
 from zerotrain.estimate.stages import (
     StageEstimate,
     TrainingJob,
@@ -21,10 +25,15 @@ from zerotrain.zero.policy import ZeroPolicy
 __all__ = ["format_table", "to_json"]
 
 
-def _fits(row: StageEstimate, device_memory: int, with_activations: bool) -> str:
+# The fits verdict where activations were not estimated: the peak without them fits, and
+# whether the activations fit too is unknown ("yes" would claim more than the table knows).
+FITS_WITHOUT_ACTIVATIONS = "yes w/o act"
+
+
+def _fits(row: StageEstimate, device_memory: int) -> str:
     if row.peak(checkpointing=False) <= device_memory:
-        return "yes"
-    if with_activations and row.peak(checkpointing=True) <= device_memory:
+        return "yes" if row.activations is not None else FITS_WITHOUT_ACTIVATIONS
+    if row.activations is not None and row.peak(checkpointing=True) <= device_memory:
         return "with ckpt"
     return "no"
 
@@ -58,7 +67,8 @@ def format_table(
         shape, a = job.shape, job.assumptions
         lines.append(
             f"activations: micro-batch {shape.batch_size} x {shape.seq_len} tokens, hidden "
-            f"{shape.hidden_size}, {shape.layers} layers, {shape.heads} heads"
+            f"{shape.hidden_size}, {shape.mlp} MLP {shape.mlp_width}, {shape.layers} layers, "
+            f"{shape.heads} heads"
             + (f", vocabulary {shape.vocab_size}" if shape.vocab_size else "")
             + f"; {a.element_bytes}-byte activations, {a.attention} attention, "
             + ("with" if a.dropout else "no")
@@ -113,7 +123,7 @@ def format_table(
         if job.offload == "nvme":
             cells.append(scaled(row.disk * job.gpus_per_node, "Gi"))
         if device_memory is not None:
-            cells.append(_fits(row, device_memory, row.activations is not None))
+            cells.append(_fits(row, device_memory))
         if job.offload and host_memory is not None:
             cells.append(_host_fits(job, row, host_memory))
         table.append(cells)
@@ -141,15 +151,7 @@ def _notes(
         "block) elements; step: the fp32 gradient copy during a 16-bit optimizer step.",
         "peak = states + max(gathered + activations, step)"
         + ("; act ckpt: every layer checkpointed, one recomputed." if job.shape else "."),
-        *(
-            [
-                "activations: Korthikanti et al. 2022's sbh(34 + 5as/h) bytes per layer (16-bit, "
-                "dropout, eager attention), adapted to the assumptions above; a 4h GeLU MLP "
-                "assumed (gated MLPs such as SwiGLU keep more)."
-            ]
-            if job.shape
-            else []
-        ),
+        *([_activation_note(job.shape, job.assumptions)] if job.shape else []),
         "not counted: the gradient bucket being reduce-scattered (stages 2-3), kernel "
         "workspaces, the CUDA context, allocator fragmentation: leave headroom.",
     ]
@@ -162,11 +164,37 @@ def _notes(
         notes.append(
             f"fits: peak <= {quantity(device_memory, 'B', prefix='Gi')} ({device_memory} bytes), "
             "no margin; "
-            "'with ckpt': only with activation checkpointing."
+            + (
+                "'with ckpt': only with activation checkpointing."
+                if job.shape
+                else f"'{FITS_WITHOUT_ACTIVATIONS}': without activations, which were not "
+                "estimated and come on top of the peak."
+            )
         )
     if job.offload:
         notes += _offload_notes(job, rows, host_memory)
     return notes
+
+
+def _activation_note(shape: TransformerShape, a: ActivationAssumptions) -> str:
+    """What the activation columns assume: the job's dtype, attention, dropout and MLP, next to
+    the paper's case, which the estimate reduces to."""
+    mlp = shape.mlp
+    attention = {
+        "eager": "eager attention (keeps the s x s softmax",
+        "flash": "flash attention (fused SDPA: a log-sum-exp per row and head, no s x s matrix",
+    }[a.attention] + ("; with its dropout mask)" if a.dropout and a.attention == "eager" else ")")
+    return (
+        "activations: Korthikanti et al. 2022's bytes per layer (sbh(34 + 5as/h) in the paper's "
+        "case: 2-byte activations, eager attention, dropout, a 4h GeLU MLP), here with "
+        f"{a.element_bytes}-byte activations, {attention}, "
+        + ("1-byte dropout masks" if a.dropout else "no dropout masks")
+        + f", a {mlp} MLP of width {shape.mlp_width} ("
+        + ("two" if mlp == "gelu" else "gated: four")
+        + " tensors of that width kept per token) and "
+        + ("fp32" if a.norm_stats_bytes == 4 else f"{a.norm_stats_bytes}-byte")
+        + " LayerNorm statistics."
+    )
 
 
 def _offload_notes(
@@ -291,7 +319,7 @@ def to_json(
             record["disk_per_rank"] = row.disk
             record["nvme_per_node"] = row.disk * job.gpus_per_node
         if device_memory is not None:
-            record["fits"] = _fits(row, device_memory, row.activations is not None)
+            record["fits"] = _fits(row, device_memory)
         if job.offload and host_memory is not None:
             refusal = host_memory_shortfall(job, row, host_memory)
             record["host_fits"] = "no" if refusal else "yes"
