@@ -20,3 +20,21 @@ def output_or_kill(process: subprocess.Popen, timeout: float, what: str) -> str:
         output, _ = process.communicate()
         pytest.fail(f"{what} ran past {timeout} s; output:\n{output}")
     return output
+
+
+def run_in_session(
+    argv: list[str], *, cwd, env: dict[str, str], timeout: float, what: str
+) -> subprocess.CompletedProcess:
+    """Run ``argv`` in a session of its own (torchrun and its workers die together past
+    ``timeout``), stderr into stdout; returns its exit status and output."""
+    process = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    output = output_or_kill(process, timeout, what)
+    return subprocess.CompletedProcess(argv, process.returncode, output, None)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launched import output_or_kill
+from launched import run_in_session
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,18 +27,7 @@ def zerotrain_run(*args: str) -> subprocess.CompletedProcess:
     )
     env.pop("OMP_NUM_THREADS", None)  # let `zerotrain run` split the cores
     command = [sys.executable, "-m", "zerotrain.cli", "run", *args]
-    # A session of its own, so that a timeout kills torchrun and its workers together.
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    output = output_or_kill(process, TIMEOUT_S, " ".join(args))
-    return subprocess.CompletedProcess(command, process.returncode, output, None)
+    return run_in_session(command, cwd=REPO, env=env, timeout=TIMEOUT_S, what=" ".join(args))
 
 
 def test_train_gpt_demo_on_two_processes(tmp_path):
