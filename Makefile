@@ -3,7 +3,7 @@ NPROC ?= 2
 STEPS ?= 200
 ARGS ?=
 
-.PHONY: env demo test test-all lint
+.PHONY: env demo test test-all lint gpu-check gpu-wheels
 
 env:
 	bash scripts/setup_env.sh
@@ -24,3 +24,14 @@ lint: env
 	.venv/bin/ruff check zerotrain tests examples bench
 	.venv/bin/ruff format --check zerotrain tests examples bench
 	.venv/bin/pyrefly check
+
+# On a machine with one GPU, in the Python that has its CUDA torch (not .venv): tests/test_cuda.py
+# and a short benchmark of every GPU path (estimated 5 minutes) into $(OUT)/results.json. Packages
+# that Python lacks come from the wheels `make gpu-wheels` downloads (bench/README.md#gpu_checkpy).
+PYTHON ?= python3
+OUT ?= bench/results/gpu_check
+gpu-check:
+	$(PYTHON) bench/gpu_check.py --out $(OUT) $(ARGS)
+
+gpu-wheels:
+	bash scripts/gpu_wheels.sh
