@@ -31,7 +31,7 @@ from zerotrain.engine import ZeroTrainEngine
 from zerotrain.pipe.module import PipelineModule
 
 if TYPE_CHECKING:
-    from zerotrain.comm.pipeline import PipelineAction
+    from zerotrain.comm.pipeline import PipelineAction, PipelineSchedule
 
 
 class PipelineEngine(ZeroTrainEngine):
@@ -44,7 +44,7 @@ class PipelineEngine(ZeroTrainEngine):
         self.num_stages = pipe_comm.world_size
         self.stage_id = pipe_comm.rank
         self._schedule_name = schedule
-        self._schedule = None  # built at the first batch (shapes are inferred then)
+        self._schedule: PipelineSchedule | None = None  # built at the first batch
         self._running = False  # inside train_batch / eval_batch
         self._data: Iterator | None = None
         self._chunk_scopes: list[list[list[int]]] = []  # per chunk: the buckets it reduces
@@ -136,7 +136,7 @@ class PipelineEngine(ZeroTrainEngine):
             self._running = False
         return self._mean_loss(losses)
 
-    def _pipeline(self):
+    def _pipeline(self) -> PipelineSchedule:
         if self._schedule is None:
             module = self.module
             assert isinstance(module, PipelineModule)  # initialize makes this engine for one
@@ -204,16 +204,16 @@ class PipelineEngine(ZeroTrainEngine):
         the gradients of the chunk's parameters rather than accumulating them."""
         self._backward.outside_autograd(run, self._chunk_params[chunk])
 
-    def _run(self, run, inputs, labels, losses: list) -> None:
-        first, last = self.is_first_stage(), self.is_last_stage()
-        args = (inputs,) if first else ()
-        if last:
-            run(*args, target=labels, losses=losses)
-        else:
-            run(*args)
+    def _run(self, run, inputs: list | None, labels: list | None, losses: list) -> None:
+        run(
+            inputs if self.is_first_stage() else None,
+            labels if self.is_last_stage() else None,
+            losses,
+        )
 
-    def _next_batch(self, data_iter: Iterator | None) -> tuple[Any, Any]:
-        """This step's micro-batches, concatenated (the schedule splits them again)."""
+    def _next_batch(self, data_iter: Iterator | None) -> tuple[list | None, list | None]:
+        """This step's micro-batches: their inputs and their labels, each micro-batch with its
+        own shapes (see [Note: self-describing stage messages] in comm/stage_messages.py)."""
         if not (self.is_first_stage() or self.is_last_stage()):
             return None, None
         if data_iter is None:
@@ -230,8 +230,8 @@ class PipelineEngine(ZeroTrainEngine):
                 "train_batch / eval_batch: each micro-batch must be an (inputs, labels) pair of "
                 f"tensors, got {type(pairs[0]).__name__}"
             )
-        inputs = torch.cat([torch.as_tensor(x) for x, _ in pairs]).to(self.device)
-        labels = torch.cat([torch.as_tensor(y) for _, y in pairs]).to(self.device)
+        inputs = [torch.as_tensor(x).to(self.device) for x, _ in pairs]
+        labels = [torch.as_tensor(y).to(self.device) for _, y in pairs]
         return inputs, labels
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

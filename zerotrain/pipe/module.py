@@ -97,7 +97,9 @@ class PipelineModule(nn.Module):
     run in order, cut into ``num_stages`` pipeline stages (see [Note: pipeline stages]);
     ``loss_fn(output, label)`` gives the loss on the last stage. ``partition_method``:
     ``"parameters"`` balances the parameter counts, ``"uniform"`` the number of layers,
-    ``"type:<regex>"`` the layers whose class name matches. ``activation_checkpoint_interval``
+    ``"type:<regex>"`` the layers whose class name matches. A layer may return a tuple of
+    tensors; across a cut, the next stage's first layer gets it as one tuple, and every micro-batch
+    may have its own shapes (see comm/stage_messages.py). ``activation_checkpoint_interval``
     k > 0 recomputes every run of k layers in backward. ``stages_per_rank`` > 1 cuts the layers
     into that many stages per pipeline rank, for ``pipeline.schedule`` ``interleaved_1f1b``
     (``stage_placement="loop"``) or ``zbv`` (two, ``"v"``; see [Note: pipeline stages]). Train
@@ -165,7 +167,9 @@ class PipelineModule(nn.Module):
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
-        self.dynamic_shape = dynamic_shape  # accepted: shapes are inferred at the first batch
+        # accepted: every message between stages carries its shapes, as DeepSpeed's
+        # dynamic_shape=True sends them (see comm/stage_messages.py)
+        self.dynamic_shape = dynamic_shape
         self._specs = list(layers)
         self.parts = partition(self._specs, num_stages * stages_per_rank, partition_method)
         self.tied_modules = nn.ModuleDict()
