@@ -368,21 +368,20 @@ def test_offload_estimate_is_what_the_preflight_counts(
     monkeypatch, tmp_path, device, stage, dtype, buffer_count, sub_group
 ):
     """`zerotrain estimate --offload` gives, per rank, exactly the host bytes (and NVMe file
-    bytes) that the preflight of ``initialize`` checks for the same model and settings."""
+    bytes) that the memory preflight of ``initialize`` counts for the same model and settings,
+    and the store then allocates them (up to Adam's step counters, and the alignment of NVMe's
+    buffers and file slots to 4 KiB)."""
     import zerotrain
-    from zerotrain.zero import nvme, offload
+    from zerotrain.estimate import preflight
 
     checked = {}
 
-    def capture_host(needed, **kwargs):
-        checked["host"] = needed
+    def capture(job):
+        rows = estimate(job)
+        checked.setdefault("row", rows[0])  # the first: the run's own, then the options'
+        return rows
 
-    def capture_disk(directory, needed, local_ranks):
-        checked["disk"] = needed
-
-    monkeypatch.setattr(offload, "check_host_memory", capture_host)
-    monkeypatch.setattr(nvme, "check_host_memory", capture_host)
-    monkeypatch.setattr(nvme, "check_disk", capture_disk)
+    monkeypatch.setattr(preflight, "estimate", capture)
     section = {"device": device, "buffer_count": buffer_count, "nvme_path": str(tmp_path)}
     zero = {"stage": stage, "offload_optimizer": section}
     if sub_group is not None:
@@ -401,6 +400,10 @@ def test_offload_estimate_is_what_the_preflight_counts(
     buckets = engine.optimizer.group.buckets
     assert engine.optimizer.comm.world_size == 1
     assert len(buckets) == (1 if stage < 3 else ODD_GPT["n_layer"] + 1)  # the case meant
+    idx = torch.randint(0, model.config.vocab_size, (2, 8))
+    engine.backward(engine(idx, idx))
+    engine.step()  # Adam's state exists from the first step
+    measured = engine.memory_breakdown()
 
     job = TrainingJob(
         trainable_params=count.trainable,
@@ -413,9 +416,16 @@ def test_offload_estimate_is_what_the_preflight_counts(
         **({"sub_group_size": sub_group} if sub_group is not None else {}),
     )
     (row,) = estimate(job)
-    assert row.host == checked["host"]
-    assert row.disk == checked.get("disk", 0)
-    assert row.host.total > 0 and (device == "cpu") == ("disk" not in checked)
+    assert row.host == checked["row"].host and row.disk == checked["row"].disk
+    assert row.host.total > 0 and (device == "cpu") == (row.disk == 0)
+    if device == "cpu":  # masters, state, gradients; the ring
+        held = row.host.masters + row.host.optimizer_state + row.host.gradients
+        assert 0 <= measured["offloaded"] - held <= 4 * len(buckets)  # Adam's step counters
+        assert measured["staging"] == row.host.staging
+    else:  # staging sets (4 aligned buffers: master, gradient, exp_avg, exp_avg_sq); ring
+        assert 0 <= measured["staging"] - row.host.total <= 4 * 4096 * buffer_count
+        slots = len(engine.optimizer.group.store.swap.slot_bytes)
+        assert 0 <= measured["disk"] - row.disk < 4096 * slots
 
 
 def test_offload_host_memory_verdict_is_the_preflights(capsys):
@@ -435,12 +445,17 @@ def test_offload_host_memory_verdict_is_the_preflights(capsys):
     (row,) = json.loads(out)["rows"]
     assert row["host_fits"] == "no"
     assert row["host_preflight"].startswith(
-        "zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
-        "each rank needs 13.16 GiB of host memory"
-    )
+        "zero_optimization: this run does not fit in memory (found before allocating it): "
+        "ranks 0-7 each need 13.16 GiB of host memory (offloaded fp32 masters 3.26 GiB, "
+        "offloaded optimizer state 6.52 GiB, offloaded fp32 gradients 3.26 GiB, transfer ring "
+        "128.00 MiB) but each have 13.16 GiB (1/8 of --host-memory: 105.31 GiB, shared by 8 "
+        'ranks), 1 B short. Options that fit: offload_optimizer.device "nvme" (9.78 GiB of '
+        "disk per rank); offload_optimizer.ratio 0.75; offload_optimizer.buffer_count 2; 16 "
+        "data-parallel ranks or more, as many per node as now."
+    ), row["host_preflight"]
     code, out, _ = run_cli(capsys, *argv, "--host-memory", short)
     assert table_rows(out)[2][-1] == "no"
-    assert "- stage 2: zero_optimization.offload_optimizer: this node cannot hold" in out
+    assert "- stage 2: zero_optimization: this run does not fit in memory" in out
 
 
 def test_count_parameters_units_and_config():

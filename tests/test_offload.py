@@ -13,10 +13,11 @@ from test_parity import ACCUM, BETAS, CLIP, EPS, LR, MICRO, STEPS, WD, reference
 from test_precision import train_fp16_with_overflow
 
 import zerotrain
+from zerotrain.accelerator import HostMemoryLimit
 from zerotrain.config import ConfigError
+from zerotrain.estimate import preflight
 from zerotrain.zero.offload import (
     HostBytes,
-    check_host_memory,
     choose_host_buckets,
     fit_on_device,
     host_bytes,
@@ -319,26 +320,17 @@ def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
     needed = host_bytes(3 << 30, 3 << 30, state_bytes=8, param_itemsize=2, buffer_count=4)
     # the ring: 4 buffers of at most 16M elements (RING_CHUNK), however large the bucket
     assert needed == HostBytes(12 << 30, 24 << 30, 12 << 30, 4 * (1 << 24) * 2)
-    check_host_memory(needed, local_ranks=2, available=None)  # unknown: no check
-    check_host_memory(needed, local_ranks=1, available=49 << 30)
+    # at initialize (the memory preflight), before the host buffers are allocated
+    limit = [HostMemoryLimit(100, "RLIMIT_AS", "process")]
+    monkeypatch.setattr(preflight, "host_memory_limits", lambda: limit)
     with pytest.raises(ConfigError) as error:
-        check_host_memory(needed, local_ranks=2, available=90 << 30)
-    assert str(error.value) == (
-        "zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
-        "each rank needs 48.12 GiB of host memory (fp32 masters 12.00 GiB, optimizer state "
-        "24.00 GiB, fp32 gradients 12.00 GiB, transfer ring 128.00 MiB), x 2 rank(s) on this "
-        'node = 96.25 GiB, but 90.00 GiB is available. Options: device: "nvme" with an '
-        "nvme_path (host memory then holds only the sub-groups in flight), a lower ratio "
-        "(keeps more of the optimizer state on the device), a lower buffer_count, "
-        "or more nodes"
-    )
-    # at initialize, before the host buffers are allocated
-    monkeypatch.setattr(zerotrain.zero.offload, "available_host_memory", lambda: 100)
-    with pytest.raises(ConfigError, match="but 100 B is available"):
         _engine(2, {"device": "cpu"})
+    assert "rank 0 needs " in str(error.value), error.value
+    assert "of host memory (parameters " in str(error.value), error.value
+    assert "offloaded optimizer state " in str(error.value), error.value
+    assert "(RLIMIT_AS: 100 B, plus " in str(error.value), error.value
     # stage 3's parameter shards (offload_param), before they are allocated
-    monkeypatch.setattr(zerotrain.zero.param_home, "available_host_memory", lambda: 100)
-    with pytest.raises(ConfigError, match="cannot hold stage 3's parameter shards in host memory"):
+    with pytest.raises(ConfigError, match=r", parameter shards [\d.]+ KiB"):
         _engine(3, VARIANTS["none"], {"offload_param": {"device": "cpu"}})
 
 
@@ -385,8 +377,9 @@ def test_parameters_on_nvme_preflight(tmp_path, monkeypatch):
         "stage-3 parameter shard (one gather unit's share) has 294; set buffer_size to at "
         "least 294"
     )
-    monkeypatch.setattr(zerotrain.zero.param_home, "available_host_memory", lambda: 100)
-    with pytest.raises(ConfigError, match="cannot hold the NVMe buffers of stage 3's parameter"):
+    limit = [HostMemoryLimit(100, "MemAvailable", "node")]
+    monkeypatch.setattr(preflight, "host_memory_limits", lambda: limit)
+    with pytest.raises(ConfigError, match="offload_param's NVMe buffers"):
         _engine(3, VARIANTS["none"], params_on_nvme)
     monkeypatch.undo()
     monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())

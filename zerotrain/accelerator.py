@@ -11,18 +11,23 @@ counters report the process's resident set, as DeepSpeed's CPU accelerator does.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "Accelerator",
+    "HostMemoryLimit",
     "available_host_memory",
     "current_rss",
     "get_accelerator",
+    "host_memory_limits",
     "peak_rss",
+    "release_free_host_memory",
     "set_accelerator",
     "settle_host_math",
     "usable_cpus",
@@ -69,29 +74,40 @@ def usable_cpus() -> int:
     return max(1, min(cores or 1, quota) if quota is not None else cores or 1)
 
 
-def _cgroup_cpu_quota() -> int | None:
-    """The smallest CPU quota (in whole CPUs, rounded up) of this process's cgroup and its
-    ancestors; None where none is set or the platform does not say."""
+def _cgroup_levels(
+    v1_controller: str, *, proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> list[tuple[str, bool]]:
+    """The directories of this process's cgroup and of each ancestor up to the root, as
+    ``(directory, is_v2)``: in the cgroup v2 hierarchy, and in the v1 hierarchy that holds
+    ``v1_controller``. A limit set at any of them applies to the process (a container's or a
+    SLURM job's limit usually sits above the process's own cgroup, which has none)."""
     try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
+        with open(proc, encoding="ascii") as f:
             lines = f.read().splitlines()
     except OSError:
-        return None
-    quotas = []
+        return []
+    levels = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2: "max 100000" or "200000 100000"
-            root, name = "/sys/fs/cgroup", "cpu.max"
-        elif "cpu" in controllers.split(","):
-            root, name = f"/sys/fs/cgroup/{controllers}", ""
+        if controllers == "":  # cgroup v2
+            base, v2 = root, True
+        elif v1_controller in controllers.split(","):
+            base, v2 = f"{root}/{controllers}", False
         else:
             continue
         level = path
         while True:
-            quotas.append(_cpu_quota_at(f"{root}{level.rstrip('/')}", name))
+            levels.append((f"{base}{level.rstrip('/')}", v2))
             if level in ("/", ""):
                 break
             level = level.rsplit("/", 1)[0] or "/"
+    return levels
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """The smallest CPU quota (in whole CPUs, rounded up) of this process's cgroup and its
+    ancestors; None where none is set or the platform does not say."""
+    quotas = [_cpu_quota_at(d, "cpu.max" if v2 else "") for d, v2 in _cgroup_levels("cpu")]
     found = [q for q in quotas if q is not None]
     return min(found) if found else None
 
@@ -113,52 +129,125 @@ def _cpu_quota_at(directory: str, v2_name: str) -> int | None:
         return None
 
 
-def available_host_memory() -> int | None:
-    """Bytes of host memory this process can still allocate without swapping or being killed:
-    the kernel's ``MemAvailable``, lowered to what the process's cgroup (v2 or v1) still
-    allows. None where the platform does not say."""
+@dataclass(frozen=True)
+class HostMemoryLimit:
+    """One bound on the host memory this process can still allocate."""
+
+    nbytes: int
+    what: str
+    """Where it comes from, for messages: ``MemAvailable``, ``cgroup <dir>``, ``RLIMIT_AS``."""
+    scope: str
+    """What shares it: ``node`` (every process of the host), ``cgroup`` (the processes of that
+    cgroup) or ``process`` (this process alone)."""
+
+
+def host_memory_limits(
+    *, proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> list[HostMemoryLimit]:
+    """Every bound on the host memory this process can still allocate without swapping or
+    being killed: the kernel's ``MemAvailable`` (the node's), the headroom of each memory
+    cgroup from the process's own up to the root (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``; limit minus usage, the usage without reclaimable page cache),
+    and ``RLIMIT_AS`` (``ulimit -v``) less the process's current virtual size. Empty where
+    the platform says nothing."""
     limits = []
+    available = _proc_field("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        limits.append(HostMemoryLimit(available, "MemAvailable", "node"))
+    for directory, v2 in _cgroup_levels("memory", proc=proc, root=root):
+        headroom = _memory_headroom_at(directory, v2)
+        if headroom is not None:
+            limits.append(HostMemoryLimit(headroom, f"cgroup {directory}", "cgroup"))
+    address_space = _address_space_headroom()
+    if address_space is not None:
+        limits.append(HostMemoryLimit(address_space, "RLIMIT_AS", "process"))
+    return limits
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory this process can still allocate: the smallest of
+    :func:`host_memory_limits` (None where the platform does not say)."""
+    limits = host_memory_limits()
+    return min(limit.nbytes for limit in limits) if limits else None
+
+
+def _proc_field(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    limits.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError):
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
-    cgroup = _cgroup_headroom()
-    if cgroup is not None:
-        limits.append(cgroup)
-    return min(limits) if limits else None
-
-
-def _cgroup_headroom() -> int | None:
-    """The process's cgroup memory limit minus its usage (None: no limit, or unknown)."""
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2
-            base = f"/sys/fs/cgroup{path}"
-            files = (f"{base}/memory.max", f"{base}/memory.current")
-        elif "memory" in controllers.split(","):
-            base = f"/sys/fs/cgroup/memory{path}"
-            files = (f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes")
-        else:
-            continue
-        try:
-            with open(files[0], encoding="ascii") as f:
-                limit = f.read().strip()
-            with open(files[1], encoding="ascii") as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for "none"
-            return None
-        return max(0, int(limit) - usage)
     return None
+
+
+def _memory_headroom_at(directory: str, v2: bool) -> int | None:
+    """A memory cgroup's limit minus its usage (None: no limit there, or unreadable). Usage
+    leaves out the inactive page cache, which the kernel reclaims before it kills (what
+    ``docker stats`` and the kubelet call the working set)."""
+    names = (
+        ("memory.max", "memory.current")
+        if v2
+        else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    )
+    try:
+        with open(f"{directory}/{names[0]}", encoding="ascii") as f:
+            limit = f.read().strip()
+        with open(f"{directory}/{names[1]}", encoding="ascii") as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for "none"
+        return None
+    stat = _cgroup_stat(f"{directory}/memory.stat")
+    cache = stat.get("inactive_file" if v2 else "total_inactive_file", 0)
+    return max(0, int(limit) - max(0, usage - cache))
+
+
+def _cgroup_stat(path: str) -> dict[str, int]:
+    try:
+        with open(path, encoding="ascii") as f:
+            pairs = [line.split() for line in f]
+        return {pair[0]: int(pair[1]) for pair in pairs if len(pair) == 2}
+    except (OSError, ValueError):
+        return {}
+
+
+def _address_space_headroom() -> int | None:
+    """``RLIMIT_AS`` (soft) less this process's virtual size (None: unlimited, or unknown)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    size = _proc_field("/proc/self/status", "VmSize:")
+    return None if size is None else max(0, soft - size)
+
+
+def release_free_host_memory() -> None:
+    """Give the host memory that freed allocations still hold back to the kernel (glibc's
+    ``malloc_trim``; a no-op where the C library has none).
+
+    glibc serves blocks below its mmap threshold from heaps, and raises that threshold (up to
+    32 MiB) the first time a larger block is freed; a heap returns memory only from its top,
+    so a small block that outlives large ones there keeps every page below it resident.
+    ``malloc_trim`` also returns the free pages inside the heaps. See [Note: NVMe offload
+    and freed host memory] in zerotrain/zero/nvme.py."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
 
 
 # The float unary ops ATen hands to MKL's vector math library (aten/src/ATen/cpu/vml.h).

@@ -34,6 +34,7 @@ from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_con
 from zerotrain.config.compression import AUTO_DEFAULT_METHOD
 from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
 from zerotrain.engine import ZeroTrainEngine
+from zerotrain.estimate.preflight import check_memory
 from zerotrain.lora import apply_lora_fa
 from zerotrain.moe import MoE
 from zerotrain.moe.layer import expert_tensors
@@ -162,6 +163,8 @@ def initialize(
             "tied key's layers on one stage"
         )
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
+    # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
+    check_memory(model, cfg, groups, make_optimizer, mesh, device)
     precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
     zero = cfg.zero_optimization
     data_parallel = mesh.dp  # what ZeRO shards over and the data is split by

@@ -3,7 +3,8 @@ that its peak RSS is its own: a plain fp32 MLP of ``--layers`` x Linear(``--widt
 ``--width``), stage 1, world 1, AdamW, ``--steps`` steps on one batch.
 
 ``--offload none|cpu|nvme`` (``--nvme-path DIR`` with nvme). ``--init-only``: stop after
-``zerotrain.initialize``. Prints one JSON line: the parameter count, the resident set after
+``zerotrain.initialize``. ``--skip-preflight``: without initialize's memory preflight (to see
+what the kernel does with a run that it would refuse). Prints one JSON line: the parameter count, the resident set after
 initialize and after each step, the peak (VmHWM), and the memory cgroup's usage where the
 process is in one with a limit. A ConfigError at initialize (a preflight) is printed as
 ``{"config_error": message}`` with exit status 3.
@@ -28,7 +29,10 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--sub-group-size", type=int, default=1 << 18)
 parser.add_argument("--buffer-count", type=int, default=2)
 parser.add_argument("--init-only", action="store_true")
+parser.add_argument("--skip-preflight", action="store_true")
 args = parser.parse_args()
+if args.skip_preflight:
+    zerotrain.api.check_memory = lambda *args: None
 
 
 def cgroup_usage() -> int | None:

@@ -171,8 +171,8 @@ def _estimate_job(args: argparse.Namespace):
     offload = _offload_settings(args)
     try:
         return TrainingJob(
-            **counts,
-            **offload,
+            **counts,  # pyrefly: ignore[bad-argument-type] (ints, for int fields)
+            **offload,  # pyrefly: ignore[bad-argument-type]
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
             dtype=args.dtype,

@@ -9,6 +9,7 @@ from typing import Literal
 
 from torch import nn
 
+from zerotrain.zero.init import full_shape
 from zerotrain.zero.units import assign_units, find_unit_modules
 
 __all__ = ["ParameterCount", "count_parameters", "mlp_kind"]
@@ -60,9 +61,9 @@ def mlp_kind(block: nn.Module, hidden: int, width: int) -> Literal["gelu", "swig
     one_way = other_way = 0
     for param in block.parameters():
         for rows, matrices in ((width, 1), (2 * width, 2)):
-            if tuple(param.shape) == (rows, hidden):
+            if tuple(full_shape(param)) == (rows, hidden):
                 one_way += matrices
-            elif tuple(param.shape) == (hidden, rows):
+            elif tuple(full_shape(param)) == (hidden, rows):
                 other_way += matrices
     fewer, more = sorted((one_way, other_way))
     if fewer and more == 2 * fewer:
@@ -72,13 +73,19 @@ def mlp_kind(block: nn.Module, hidden: int, width: int) -> Literal["gelu", "swig
     return None
 
 
+def _numel(param: nn.Parameter) -> int:
+    """Elements of the whole parameter, also of a ``zero.Init`` chunk (its ``ds_numel``)."""
+    return full_shape(param).numel()
+
+
 def count_parameters(model: nn.Module, *, persistence_threshold: int) -> ParameterCount:
-    """Count ``model``'s parameters (on any device, ``meta`` included) and, for stage 3, its
-    gather units as zerotrain would form them (zerotrain/zero/units.py)."""
+    """Count ``model``'s parameters (on any device, ``meta`` included; a model built under
+    ``zero.Init`` by their whole sizes) and, for stage 3, its gather units as zerotrain would
+    form them (zerotrain/zero/units.py)."""
     params = {id(p): p for p in model.parameters()}.values()  # tied: once
     trainable = [p for p in params if p.requires_grad]
     largest_layer = max(
-        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+        (sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0
     )
     blocks = find_unit_modules(model)
     unit_of = assign_units(model, blocks)
@@ -87,7 +94,7 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
     for param in params:
         if param.requires_grad or param.is_floating_point():
             held = unit_numel if param.requires_grad else unit_frozen
-            held[unit_of[id(param)]] += param.numel()
+            held[unit_of[id(param)]] += _numel(param)
     unit_total = [t + f for t, f in zip(unit_numel, unit_frozen, strict=True)]
     persistent = [0 < n < persistence_threshold for n in unit_total]
     config = {}
@@ -103,8 +110,8 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
             blocks[0] if blocks else model, hidden, config.get("intermediate_size", 4 * hidden)
         )
     return ParameterCount(
-        trainable=sum(p.numel() for p in trainable),
-        frozen=sum(p.numel() for p in params if not p.requires_grad),
+        trainable=sum(_numel(p) for p in trainable),
+        frozen=sum(_numel(p) for p in params if not p.requires_grad),
         largest_layer=largest_layer,
         root_and_largest_block=unit_total[-1] + max(unit_total[:-1], default=0),
         persistent=sum(n for n, kept in zip(unit_numel, persistent, strict=True) if kept),

@@ -270,8 +270,8 @@ def _offload_notes(
         notes.append(
             f"host fits: what the preflight of initialize says on a node with "
             f"{quantity(host_memory, 'B', prefix='Gi')} of available memory "
-            "(zerotrain.zero.offload.check_host_memory; initialize reads MemAvailable and the "
-            "cgroup limit)."
+            "(zerotrain.estimate.verdict; initialize reads MemAvailable, every memory cgroup "
+            "up to the root and RLIMIT_AS)."
         )
         refusals: dict[str, list[str]] = {}
         for row in rows:

@@ -1,25 +1,29 @@
 """One training job, every ZeRO stage: the bytes per device of model states (the formula of
 :func:`zerotrain.zero.memory.model_state_bytes`), stage 3's gathered parameters, the step's fp32
-gradients and the activations, and the peak they add up to; with optimizer offload, the host
-memory and NVMe bytes per rank from the functions the preflight of ``initialize`` calls."""
+gradients and the activations, and the peak they add up to; with offload, the host memory and
+NVMe bytes per rank from the functions the stores allocate by. The memory preflight of
+``initialize`` (zerotrain/estimate/preflight.py) is this estimate of the job it is given, by
+:func:`rank_needs`, against the limits each rank has, with the changes
+:func:`memory_options` lists."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from zerotrain.config import ZERO_DEFAULTS, ConfigError
+from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.estimate.activations import (
     ActivationAssumptions,
     ActivationBytes,
     TransformerShape,
     activation_bytes,
 )
+from zerotrain.estimate.verdict import Limit, Need, Option, RankMemory, gib, shortfall
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import DTYPES, PrecisionPolicy
 from zerotrain.zero.memory import ModelStateBytes, model_state_bytes
-from zerotrain.zero.nvme import disk_bytes_needed, staging_host_bytes
-from zerotrain.zero.offload import HostBytes, check_host_memory, host_bytes
+from zerotrain.zero.nvme import disk_bytes_needed, staging_host_bytes, sub_group_numel
+from zerotrain.zero.offload import HostBytes, host_bytes
 from zerotrain.zero.policy import ZeroPolicy
 
 __all__ = [
@@ -29,6 +33,8 @@ __all__ = [
     "estimate",
     "host_memory_shortfall",
     "largest_bucket",
+    "memory_options",
+    "rank_needs",
     "stage3_gathered_numel",
 ]
 
@@ -59,10 +65,20 @@ class TrainingJob:
     dtype: str = "bf16"
     """``fp32``, ``bf16`` or ``fp16`` (training dtype of parameters, gradients, activations)."""
     optimizer: str = "adam"
-    """A key of :data:`OPTIMIZER_STATE_BYTES`."""
+    """A key of :data:`OPTIMIZER_STATE_BYTES` (``lamb``: not element-wise, so no NVMe)."""
+    optimizer_state_bytes: int | None = None
+    """Bytes of optimizer state per element where known exactly (the preflight asks the
+    optimizer it will build); None: :data:`OPTIMIZER_STATE_BYTES` of ``optimizer``."""
     offload: str | None = None
-    """None, ``cpu`` or ``nvme``: ``offload_optimizer.device``, with ``ratio`` 1 (the whole
-    optimizer partition off the device)."""
+    """None, ``cpu`` or ``nvme``: ``offload_optimizer.device``."""
+    offload_ratio: float = 1.0
+    """With ``offload``: ``offload_optimizer.ratio``, the share of the optimizer partition off
+    the device (1: all of it)."""
+    offload_param: str | None = None
+    """None, ``cpu`` or ``nvme``: ``offload_param.device``, where stage 3 keeps the parameter
+    shards (read at stage 3 only)."""
+    param_buffer_count: int = ZERO_DEFAULTS.offload_param.buffer_count
+    """``offload_param.buffer_count``: the NVMe buffers parameter shards are read into."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     largest_layer: int = 0
     """DeepSpeed's largest layer, shown for comparison with its estimator."""
@@ -127,6 +143,13 @@ class TrainingJob:
         return self.nodes * self.gpus_per_node
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state per element."""
+        if self.optimizer_state_bytes is not None:
+            return self.optimizer_state_bytes
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    @property
     def precision(self) -> PrecisionPolicy:
         """The dtypes zerotrain would train in."""
         return PrecisionPolicy(DTYPES[self.dtype])
@@ -157,9 +180,12 @@ class StageEstimate:
     """Stage 3: gathered parameters beyond this rank's shards, during forward and backward."""
     activations: ActivationBytes | None
     host: HostBytes | None = None
-    """With offload: the host memory one rank allocates, as the preflight counts it."""
+    """With optimizer offload: the host memory one rank's store allocates."""
+    param_host: int = 0
+    """With stage 3's ``offload_param``: the host bytes of the parameter shards (``cpu``) or of
+    the buffers they are read into (``nvme``)."""
     disk: int = 0
-    """With NVMe offload: bytes of one rank's working file."""
+    """With NVMe offload: bytes of one rank's working files."""
 
     @property
     def model_states(self) -> float:
@@ -184,19 +210,22 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
     rows = []
     for stage in job.stages:
         policy = ZeroPolicy.for_stage(stage)
+        params_off = job.offload_param is not None and policy.shard_parameters
         states = model_state_bytes(
             job.trainable_params,
             world_size=job.world_size,
             policy=policy,
             precision=precision,
-            optimizer_state_bytes=OPTIMIZER_STATE_BYTES[job.optimizer],
+            optimizer_state_bytes=job.state_bytes,
             persistent_numel=job.persistent_numel,
-            offload=1.0 if job.offload else 0.0,
+            offload=job.offload_ratio if job.offload else 0.0,
+            offload_params=params_off,
         )
         gathered, frozen = 0.0, float(job.frozen_params)
         if policy.shard_parameters:
             whole = min(job.persistent_frozen, job.frozen_params)
-            frozen = whole + (job.frozen_params - whole) / job.world_size
+            # offload_param keeps the frozen shards with the trainable ones
+            frozen = whole + (0 if params_off else (job.frozen_params - whole) / job.world_size)
             live = stage3_gathered_numel(
                 params=job.trainable_params + job.frozen_params,
                 root_and_largest_block=max(job.root_and_largest_block, job.largest_layer),
@@ -204,6 +233,7 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
             )
             gathered = p * max(0.0, live - job.persistent_numel - whole)
         host, disk = _offload_bytes(job, policy) if job.offload else (None, 0)
+        param_host, param_disk = _param_offload_bytes(job, policy) if params_off else (0, 0)
         rows.append(
             StageEstimate(
                 stage=stage,
@@ -212,7 +242,8 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
                 gathered=gathered,
                 activations=act,
                 host=host,
-                disk=disk,
+                param_host=param_host,
+                disk=disk + param_disk,
             )
         )
     return rows
@@ -232,8 +263,10 @@ def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int
     offloaded, from the functions the preflight of ``initialize`` calls."""
     n = job.world_size
     partition = -(-job.trainable_params // n)  # stages 1-3: ⌈Ψ/N⌉ (buckets pad to N)
+    # ratio < 1: the host takes buckets until it holds at least that share (at least this)
+    partition = -int(-partition * job.offload_ratio // 1)
     largest = -(-largest_bucket(job, policy) // n)
-    state_bytes = OPTIMIZER_STATE_BYTES[job.optimizer]
+    state_bytes = job.state_bytes
     if job.offload == "nvme":
         host = staging_host_bytes(
             largest,
@@ -253,19 +286,148 @@ def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int
     return host, 0
 
 
+def _param_offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[int, int]:
+    """Stage 3's ``offload_param``: one rank's host bytes and working-file bytes (the shards of
+    the units that are not kept whole, frozen ones included; with ``nvme`` the host holds
+    ``param_buffer_count`` buffers of the largest unit's shard)."""
+    n, p = job.world_size, job.precision_bytes
+    shards = job.trainable_params - job.persistent_numel
+    shards += job.frozen_params - min(job.persistent_frozen, job.frozen_params)
+    shard_bytes = p * -(-shards // n)
+    if job.offload_param == "nvme":
+        largest = -(-largest_bucket(job, policy) // n)
+        return max(1, job.param_buffer_count) * largest * p, shard_bytes
+    return shard_bytes, 0
+
+
+def rank_needs(job: TrainingJob, row: StageEstimate, *, on_host: bool) -> tuple[Need | None, Need]:
+    """What one rank of ``job`` needs at ``row``'s stage, as (device, host): model states on the
+    device with the step's fp32 gradients or stage 3's gathered parameters at peak (activations
+    come on top: the preflight does not know them), and what offload keeps in host memory.
+    ``on_host``: the training device is the CPU, whose memory holds it all (device None)."""
+    states = row.states
+    optimizer = "fp32 masters and optimizer state" if states.optimizer_states else "optimizer"
+    if not job.precision.has_master_copy:
+        optimizer = "optimizer state"
+    device = (
+        ("parameters", states.parameters),
+        ("frozen parameters", row.frozen),
+        ("gradients", states.gradients),
+        (optimizer, states.optimizer_states),
+    )
+    peaks = (
+        ("the step's fp32 gradients", states.step_grads),
+        ("stage 3's gathered parameters", row.gathered),
+    )
+    host: list[tuple[str, float]] = []
+    if row.host is not None:
+        if job.offload == "nvme":
+            staging = row.host.masters + row.host.optimizer_state + row.host.gradients
+            host.append(("offload_optimizer's NVMe staging sets", staging))
+        else:
+            host += [
+                ("offloaded fp32 masters", row.host.masters),
+                ("offloaded optimizer state", row.host.optimizer_state),
+                ("offloaded fp32 gradients", row.host.gradients),
+            ]
+        host.append(("transfer ring", row.host.staging))
+    if row.param_host:
+        what = "offload_param's NVMe buffers" if job.offload_param == "nvme" else "parameter shards"
+        host.append((what, row.param_host))
+    if on_host:
+        return None, Need((*device, *host), peaks)
+    return Need(device, peaks), Need(tuple(host))
+
+
+def memory_options(job: TrainingJob, stage: int, *, on_host: bool) -> list[Option]:
+    """Changes of ``job`` at ``stage`` that lower what a rank needs, each evaluated by
+    :func:`rank_needs`: a higher stage, optimizer offload to cpu or nvme (``ratio`` 1),
+    ``offload_param`` at stage 3, and their combinations; with offload, a lower ``ratio`` or
+    ``buffer_count``, and with nvme a smaller ``sub_group_size``."""
+    variants: list[tuple[tuple[str, ...], int, TrainingJob, str]] = []  # ..., family
+    devices = [job.offload, "cpu"] + (["nvme"] if job.optimizer != "lamb" else [])
+    for new_stage in range(stage, 4):
+        for device in dict.fromkeys(devices):
+            if device is not None and new_stage == 0:
+                continue  # offload moves partitioned state: stage 1 or more
+            homes = dict.fromkeys([job.offload_param, "cpu", "nvme"] if new_stage == 3 else [None])
+            for home in homes:
+                changes, cost = [], new_stage - stage
+                if new_stage != stage:
+                    changes.append(f"stage {new_stage}")
+                if device != job.offload:
+                    changes.append(f'offload_optimizer.device "{device}"')
+                    cost += 1 if device == "cpu" else 2
+                if new_stage == 3 and home != job.offload_param:
+                    changes.append(f'offload_param.device "{home}"')
+                    cost += 1 if home == "cpu" else 2
+                ratio = job.offload_ratio if device == job.offload else 1.0
+                if changes:
+                    changed = replace(
+                        job,
+                        stages=(new_stage,),
+                        offload=device,
+                        offload_ratio=ratio,
+                        offload_param=home,
+                    )
+                    variants.append((tuple(changes), cost, changed, ""))
+    if job.offload is not None:
+        for ratio in (0.75, 0.5, 0.25, 0.0):  # the device keeps more
+            if ratio < job.offload_ratio:
+                changed = replace(job, stages=(stage,), offload_ratio=ratio)
+                variants.append(((f"offload_optimizer.ratio {ratio}",), 3, changed, "ratio"))
+        for count in (2, 1):
+            if count < job.buffer_count:
+                changed = replace(job, stages=(stage,), buffer_count=count)
+                change = f"offload_optimizer.buffer_count {count}"
+                variants.append(((change,), 3, changed, "buffer_count"))
+    if job.offload == "nvme":
+        size = sub_group_numel(job.sub_group_size) // 4
+        while size >= 1 << 14:
+            changed = replace(job, stages=(stage,), sub_group_size=size)
+            variants.append(((f"sub_group_size {size}",), 3, changed, "sub_group_size"))
+            size //= 4
+    options = []
+    for changes, cost, changed, family in variants:
+        (row,) = estimate(changed)
+        device, host = rank_needs(changed, row, on_host=on_host)
+        note = f"{gib(row.disk)} of disk per rank" if row.disk else ""
+        total = device.total if device else 0.0
+        options.append(Option(changes, cost, total, host.total, note, family))
+    return options
+
+
+def more_ranks(
+    job: TrainingJob, stage: int, *, on_host: bool
+) -> tuple[tuple[int, int, float, float], ...]:
+    """What one rank would need with 2, 4, ... 1024 times the data-parallel ranks, as many per
+    node as now (more nodes), at ``stage`` and at stage 3: (stage, ranks, device, host)."""
+    out = []
+    for new_stage in dict.fromkeys([stage, 3]):
+        for factor in (2**k for k in range(1, 11)):
+            changed = replace(job, nodes=job.nodes * factor, stages=(new_stage,))
+            (row,) = estimate(changed)
+            device, host = rank_needs(changed, row, on_host=on_host)
+            total = device.total if device else 0.0
+            out.append((new_stage, changed.world_size, total, host.total))
+    return tuple(out)
+
+
 def host_memory_shortfall(job: TrainingJob, row: StageEstimate, host_memory: int) -> str | None:
-    """What the preflight of ``initialize`` (:func:`check_host_memory`, ``gpus_per_node`` ranks
-    on a node with ``host_memory`` bytes available) says of ``row``'s host bytes: None when the
-    node holds them, else its refusal."""
-    if row.host is None:
+    """What the memory preflight of ``initialize`` says of ``row``'s host bytes on a node of
+    ``gpus_per_node`` ranks with ``host_memory`` bytes available (the model states on the
+    GPUs, which the estimate does not limit): None when the node holds them, else its
+    refusal (:func:`zerotrain.estimate.verdict.shortfall`)."""
+    if row.host is None and not row.param_host:
         return None
-    try:
-        check_host_memory(
-            row.host,
-            local_ranks=job.gpus_per_node,
-            available=host_memory,
-            nvme=job.offload == "nvme",
-        )
-    except ConfigError as error:
-        return str(error)
-    return None
+    _, host = rank_needs(job, row, on_host=False)
+    one = RankMemory(
+        rank=0,
+        device=None,
+        host=host,
+        host_limits=(Limit(host_memory, "--host-memory", "node"),),
+        options=tuple(memory_options(job, row.stage, on_host=False)),
+        more_ranks=more_ranks(job, row.stage, on_host=False),
+    )
+    ranks = [replace(one, rank=rank) for rank in range(job.gpus_per_node)]
+    return shortfall(ranks)

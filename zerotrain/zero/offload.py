@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import torch
 
 from zerotrain.accelerator import available_host_memory
-from zerotrain.config import ConfigError
 from zerotrain.fmt import quantity
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
@@ -390,40 +389,10 @@ def host_bytes(
     """What :class:`OffloadedShardStore` allocates for ``numel`` offloaded elements in buckets
     of at most ``largest``: fp32 masters, ``state_bytes`` of optimizer state and an fp32
     gradient per element, and ``buffer_count`` ring buffers of the largest bucket (at most
-    :data:`RING_CHUNK` elements) in the training dtype. The preflight at ``initialize`` and ``zerotrain estimate --offload`` both
-    call it, so they cannot disagree."""
+    :data:`RING_CHUNK` elements) in the training dtype. The memory preflight of ``initialize``
+    and ``zerotrain estimate --offload`` count with it (zerotrain/estimate/stages.py)."""
     ring = buffer_count * ring_numel(largest) * param_itemsize
     return HostBytes(4 * numel, state_bytes * numel, 4 * numel, ring)
-
-
-def check_host_memory(
-    needed: HostBytes, *, local_ranks: int, available: int | None, nvme: bool = False
-) -> None:
-    """Preflight: refuse, before allocating, what the host cannot hold (instead of the kernel's
-    OOM kill in the first step). ``local_ranks`` ranks of this node allocate as much each."""
-    if available is None:
-        return
-    total = needed.total * local_ranks
-    if total <= available:
-        return
-    per_rank = (
-        ("staging sets of buffer_count sub-groups: " if nvme else "")
-        + f"fp32 masters {gib(needed.masters)}, optimizer state {gib(needed.optimizer_state)}, "
-        f"fp32 gradients {gib(needed.gradients)}, transfer ring {gib(needed.staging)}"
-    )
-    first = (
-        "a lower sub_group_size (the staging sets hold buffer_count sub-groups)"
-        if nvme
-        else 'device: "nvme" with an nvme_path (host memory then holds only the sub-groups in '
-        "flight)"
-    )
-    raise ConfigError(
-        f"zero_optimization.offload_optimizer: this node cannot hold the offloaded optimizer: "
-        f"each rank needs {gib(needed.total)} of host memory ({per_rank}), x {local_ranks} "
-        f"rank(s) on this node = {gib(total)}, but {gib(available)} is available. Options: "
-        f"{first}, a lower ratio (keeps more of the optimizer state on the device), a lower "
-        "buffer_count, or more nodes"
-    )
 
 
 AUTO_HEADROOM = 0.25
@@ -466,29 +435,6 @@ def configure_host_threads() -> int:
     return threads
 
 
-def check_param_host_memory(
-    nbytes: int, *, local_ranks: int, available: int | None, nvme: bool = False
-) -> None:
-    """Preflight of ``offload_param``: stage 3's parameter shards in host memory, or (``nvme``)
-    the host buffers they are staged through."""
-    if available is None or nbytes * local_ranks <= available:
-        return
-    what = (
-        "the NVMe buffers of stage 3's parameter shards" if nvme else "stage 3's parameter shards"
-    )
-    options = (
-        "a lower offload_param.buffer_count, or smaller gather units"
-        if nvme
-        else 'more nodes (each rank holds 1/N of the parameters), offload_param.device: "nvme", '
-        'or offload_param.device: "none"'
-    )
-    raise ConfigError(
-        f"zero_optimization.offload_param: this node cannot hold {what} in host memory: each "
-        f"rank needs {gib(nbytes)}, x {local_ranks} rank(s) on this node = "
-        f"{gib(nbytes * local_ranks)}, but {gib(available)} is available. Options: {options}"
-    )
-
-
 def local_ranks() -> int:
     """Ranks sharing this node's host memory (torchrun's LOCAL_WORLD_SIZE)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -511,19 +457,7 @@ class HostPlacement(Placement):
         probe = self._probe(masters_fp32, optimizer_over)
         state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
         on_host = self.on_host([m.numel() for m in masters_fp32], state_bytes, precision)
-        host_numels = [m.numel() for m, host in zip(masters_fp32, on_host, strict=True) if host]
-        needed = host_bytes(
-            sum(host_numels),
-            max(host_numels, default=0),
-            state_bytes=state_bytes,
-            param_itemsize=precision.param_dtype.itemsize,
-            buffer_count=options.buffer_count,
-        )
-        check_host_memory(
-            needed,
-            local_ranks=local_ranks(),
-            available=available_host_memory(),
-        )
+        # the host memory was checked at initialize (zerotrain/estimate/preflight.py)
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = []
         for index, (master, host) in enumerate(zip(masters_fp32, on_host, strict=True)):

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.accelerator import available_host_memory
 from zerotrain.config import ConfigError
 from zerotrain.zero.layout import FlatBucket
 from zerotrain.zero.nvme import check_disk, remove_stale_files, working_file
-from zerotrain.zero.offload import check_param_host_memory, host_tensor, local_ranks
+from zerotrain.zero.offload import host_tensor, local_ranks
 from zerotrain.zero.store import ParamShards
 from zerotrain.zero.swap import AioOptions, SwapFile, aligned_empty
 
@@ -55,7 +54,8 @@ class ShardHome:
     """Whether lent shards are host memory (copied to the device before their gather)."""
 
     def check(self, buckets: list[FlatBucket]) -> None:
-        """Preflight for keeping ``buckets``' shards here, before any is allocated."""
+        """Prepare for keeping ``buckets``' shards here, before any is allocated (their host
+        memory was checked at initialize: zerotrain/estimate/preflight.py)."""
 
     def keep(self, bucket: FlatBucket, values: torch.Tensor) -> None:
         """Keep ``values`` (the bucket's shard in the training dtype, on the device)."""
@@ -92,12 +92,6 @@ class HostShardHome(ShardHome):
     def __init__(self, pin: bool):
         self.pin = pin
         self._kept: list[torch.Tensor] = []
-
-    def check(self, buckets: list[FlatBucket]) -> None:
-        nbytes = sum(b.shard_numel * b.dtype.itemsize for b in buckets)
-        check_param_host_memory(
-            nbytes, local_ranks=local_ranks(), available=available_host_memory()
-        )
 
     def keep(self, bucket: FlatBucket, values: torch.Tensor) -> None:
         bucket.param_shard = host_tensor(values.numel(), values.dtype, pin=self.pin).copy_(values)
@@ -157,13 +151,7 @@ class NvmeShardHome(ShardHome):
                 f"{largest}; set buffer_size to at least {largest}"
             )
         itemsize = max(b.dtype.itemsize for b in buckets)
-        count = max(1, options.buffer_count)
-        check_param_host_memory(
-            count * largest * itemsize,
-            local_ranks=local_ranks(),
-            available=available_host_memory(),
-            nvme=True,
-        )
+        count = max(1, options.buffer_count)  # their host memory: checked at initialize
         sizes = [b.shard_numel * b.dtype.itemsize for b in buckets]
         remove_stale_files(self.directory)
         check_disk(self.directory, sum(sizes), local_ranks(), key="offload_param")
