@@ -14,8 +14,17 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "zerotrain"
 
 
 # The launcher reads torchrun's own argument parser; it issues no collectives.
-LAUNCHER_ONLY = {
-    "cli/launch.py": ("torch.distributed.run", "torch.distributed.run.get_args_parser")
+LAUNCHER_ONLY = {  # torchrun itself: the launcher is no training process
+    "cli/launch.py": ("torch.distributed.run", "torch.distributed.run.get_args_parser"),
+    "cli/torchrun.py": (
+        "torch.distributed.run",
+        "torch.distributed.run.parse_args",
+        "torch.distributed.run.run",
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.distributed.elastic.multiprocessing.api.SignalException",
+        "torch.distributed.elastic.multiprocessing.errors",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+    ),
 }
 
 

@@ -20,9 +20,7 @@ import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 
 from zerotrain.errors import LAUNCHED_ENV
 
@@ -124,28 +122,12 @@ def check_endpoint(host: str, port: int) -> str | None:
             pass
     except OSError:
         return None  # nothing there yet
-    answered = threading.Event()
+    from zerotrain.comm.setup import store_answers
 
-    def probe() -> None:
-        from torch.distributed import TCPStore
-
-        try:
-            store = TCPStore(
-                host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S - 5)
-            )
-            store.check(["zerotrain/endpoint-probe"])
-        except Exception:
-            return  # refused or reset: not a hang
-        answered.set()
-
-    # a daemon thread: a probe stuck in torch's client never holds up the exit
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(PROBE_TIMEOUT_S)
-    if thread.is_alive() or not answered.is_set():
-        return (
-            f"zerotrain run: the rendezvous endpoint {host}:{port} is taken by a program that "
-            f"does not answer as a c10d store (no answer in {PROBE_TIMEOUT_S:.0f} s): another "
-            "service, or another job's launcher, holds the port; choose a free port"
-        )
-    return None
+    if store_answers(host, port, PROBE_TIMEOUT_S):
+        return None
+    return (
+        f"zerotrain run: the rendezvous endpoint {host}:{port} is taken by a program that "
+        f"does not answer as a c10d store (no answer in {PROBE_TIMEOUT_S:.0f} s): another "
+        "service, or another job's launcher, holds the port; choose a free port"
+    )

@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 import socket
+import threading
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -211,3 +212,26 @@ def destroy_distributed() -> None:
 def local_rank() -> int:
     """This process's rank on its node (0 without a launcher)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def store_answers(host: str, port: int, seconds: float) -> bool:
+    """Whether the program listening at ``host:port`` answers as a c10d store (torchrun's
+    rendezvous) within ``seconds``. torch's store client can wait past its own timeout on a
+    program that accepts the connection and never replies (an HTTP server), so the probe runs
+    on a daemon thread that is abandoned, not joined, when it does not finish."""
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            store = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=max(1.0, seconds - 5))
+            )
+            store.check(["zerotrain/endpoint-probe"])
+        except Exception:
+            return  # refused or reset: not a store either
+        answered.set()
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return answered.is_set()
