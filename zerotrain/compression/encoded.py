@@ -6,7 +6,7 @@ all-gather the parameter gathers use (gather.py)."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -27,17 +27,19 @@ Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (payload, scale
 
 
 def decode_pieces(
-    payloads: torch.Tensor, scales: torch.Tensor, pieces: int, decode: Decode
+    payloads: torch.Tensor, scales: torch.Tensor, pieces: int, decode: Decode | Sequence[Decode]
 ) -> Iterator[torch.Tensor]:
     """``pieces`` equal encoded pieces, their payloads and scales each concatenated in order
     (what an all-gather or all-to-all of them delivers), decoded one at a time (one piece's
-    fp32 values alive, not all of them)."""
+    fp32 values alive, not all of them); ``decode``: one for all, or one per piece."""
+    decoders = [decode] * pieces if callable(decode) else decode
     split = zip(
         payloads.view(pieces, len(payloads) // pieces),
         scales.view(pieces, len(scales) // pieces),
+        decoders,
         strict=True,
     )
-    return (decode(payload, scale) for payload, scale in split)
+    return (decode(payload, scale) for payload, scale, decode in split)
 
 
 def all_gather_encoded(
@@ -45,12 +47,13 @@ def all_gather_encoded(
     output: torch.Tensor,
     payload: torch.Tensor,
     scales: torch.Tensor,
-    decode: Decode,
+    decode: Decode | Sequence[Decode],
     name: str,
 ) -> Chain:
     """Every rank's encoded piece, decoded into ``output`` in rank order (asynchronous): the
-    second hop of the stage-0 two-hop codecs and the quantized parameter all-gather. Every
-    rank, the piece's owner too, ends with the decoded values, so the replicas stay equal."""
+    second hop of the stage-0 two-hop codecs and the quantized parameter all-gather (which
+    decodes each rank's piece by its own layout: one ``decode`` per rank). Every rank, the
+    piece's owner too, ends with the decoded values, so the replicas stay equal."""
     world = comm.world_size
     payloads = payload.new_empty(world * len(payload))
     all_scales = scales.new_empty(world * len(scales))

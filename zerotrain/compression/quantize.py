@@ -8,10 +8,16 @@ most half a step, ``scale / 2``: a block's error is bounded by its own largest v
 gradient does not wash out the small ones elsewhere (ZeRO++, arXiv:2306.10209 §4.1, quantizes
 per block for this reason). int4 codes are stored two to a byte (low nibble first). A value
 that is an integer multiple of its block's scale, within the levels, comes back exactly.
+
+Given the lengths of the pieces a tensor is made of (``blocks``, from :func:`piece_blocks`),
+each piece is cut into blocks from its own start, its last block partial: no block spans two
+pieces, so one parameter's magnitudes never set another's scale (see [Note: quantized
+parameter all-gather] in gather.py for what that costs otherwise).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +45,30 @@ def code_bytes(numel: int, bits: int) -> int:
     return numel if bits == 8 else -(-numel // 2)
 
 
-def quantize(flat: torch.Tensor, bits: int, block_size: int) -> Quantized:
-    """``flat`` (1-D) quantized per block (see [Note: block-wise quantization])."""
+def piece_blocks(pieces: Sequence[int], block_size: int, device: torch.device) -> torch.Tensor:
+    """The lengths of the blocks (int64, on ``device``) of a flat tensor made of consecutive
+    pieces of the lengths ``pieces``, each cut into blocks of ``block_size`` from its own start
+    (see [Note: block-wise quantization])."""
+    lengths = []
+    for numel in pieces:
+        whole, rest = divmod(numel, block_size)
+        lengths.append(torch.full((whole,), block_size, dtype=torch.int64))
+        if rest:
+            lengths.append(torch.tensor([rest]))
+    return torch.cat(lengths).to(device)
+
+
+def quantize(
+    flat: torch.Tensor, bits: int, block_size: int, blocks: torch.Tensor | None = None
+) -> Quantized:
+    """``flat`` (1-D) quantized per block (see [Note: block-wise quantization]); ``blocks``: the
+    blocks' lengths (:func:`piece_blocks`), else ``block_size`` each from the start."""
     if bits not in LEVELS:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     values, numel = flat.to(torch.float32), flat.numel()
+    if blocks is not None:
+        codes, scales = _quantize_blocks(values, blocks, LEVELS[bits])
+        return Quantized(_pack_int4(codes) if bits == 4 else codes, scales, numel, bits)
     whole = numel - numel % block_size
     # the whole blocks in place; a copy padded with zeros only for the last, partial one (a
     # padded copy of everything cost twice the quantization itself)
@@ -67,21 +92,42 @@ def _quantize_rows(rows: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch
     return (rows / safe[:, None]).round_().to(torch.int8).view(-1), scales
 
 
-def dequantize(q: Quantized, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _quantize_blocks(
+    values: torch.Tensor, blocks: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_rows` over blocks of the lengths ``blocks``: the same codes and scales
+    where they are all one size. ``unsafe``: the lengths are ours, and checking them would
+    wait for the device."""
+    scales = torch.segment_reduce(values.abs(), "max", lengths=blocks, unsafe=True) / levels
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    per_element = safe.repeat_interleave(blocks, output_size=len(values))
+    return values.div(per_element).round_().to(torch.int8), scales
+
+
+def dequantize(
+    q: Quantized,
+    block_size: int,
+    out: torch.Tensor | None = None,
+    blocks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The fp32 values ``q`` stands for (into ``out`` when given, 1-D of ``q.numel``, any
-    float dtype: rounded once from fp32)."""
+    float dtype: rounded once from fp32); ``blocks`` as :func:`quantize` was given them (the
+    scales beyond their number are ignored)."""
     codes = _unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes
     if out is None:
         out = torch.empty(q.numel, dtype=torch.float32, device=codes.device)
+    if blocks is not None:
+        scales = q.scales[: len(blocks)].repeat_interleave(blocks, output_size=q.numel)
+        return torch.mul(codes, scales, out=out)
     whole = q.numel - q.numel % block_size
-    blocks = whole // block_size
+    rows = whole // block_size
     torch.mul(
-        codes[:whole].view(blocks, block_size),
-        q.scales[:blocks, None],
-        out=out[:whole].view(blocks, block_size),
+        codes[:whole].view(rows, block_size),
+        q.scales[:rows, None],
+        out=out[:whole].view(rows, block_size),
     )
     if whole < q.numel:
-        torch.mul(codes[whole:], q.scales[blocks], out=out[whole:])
+        torch.mul(codes[whole:], q.scales[rows], out=out[whole:])
     return out
 
 

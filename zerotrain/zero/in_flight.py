@@ -81,7 +81,9 @@ class BucketGathers:
             if self.home.on_host:
                 shard = _to_device(shard, flat_param)
             self.home.give_back(bucket)
-        self._ops[id(bucket)] = self.gather.all_gather(flat_param, shard, exact=bucket.frozen)
+        self._ops[id(bucket)] = self.gather.all_gather(
+            flat_param, shard, exact=bucket.frozen, pieces=bucket.shard_pieces
+        )
         if self.secondary is not None:
             self._primary[id(bucket)] = (bucket, flat_param)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -112,6 +114,19 @@ class FlatBucket:
         """Flat positions ``[start, end)`` of rank ``rank``'s (default: this rank's) shard."""
         r = self.rank if rank is None else rank
         return r * self.shard_numel, (r + 1) * self.shard_numel
+
+    @cached_property
+    def shard_pieces(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the lengths of the pieces its shard holds of each parameter (and of the
+        padding), in order: where a quantized gather's blocks end (see [Note: quantized
+        parameter all-gather] in zerotrain/compression/gather.py)."""
+        bounds = {slot.offset for slot in self.slots} | {self.numel}
+        out = []
+        for rank in range(self.world_size):
+            start, end = self.shard_range(rank)
+            edges = [start, *sorted(b for b in bounds if start < b < end), end]
+            out.append(tuple(b - a for a, b in pairwise(edges)))
+        return tuple(out)
 
     def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) piece of a bucket-sized flat tensor."""
