@@ -158,13 +158,23 @@ def test_no_checkpoint_says_which_of_five_cases(tmp_path):
         return error.value.kind, str(error.value)
 
     (tmp_path / "ckpt").mkdir()
-    typo = tmp_path / "ckpt_typo"
+    _copy(GOLDEN, tmp_path / "rck")
+    typo = tmp_path / "rck_typo"  # the issue's: beside a folder of checkpoints
     assert kind_and_message(typo) == (
         "missing",
-        f"{typo}: no such checkpoint directory (did you mean {tmp_path / 'ckpt'}?)",
+        f"{typo}: no such checkpoint directory (did you mean {tmp_path / 'rck'}?)",
     )
-    kind, message = kind_and_message(tmp_path / "nowhere" / "sub")  # nothing alike: made later
-    assert kind == "absent" and message == f"{tmp_path / 'nowhere' / 'sub'}: does not exist yet"
+    # nothing alike beside it, in a folder that exists: a first run's, made by its first save
+    kind, message = kind_and_message(tmp_path / "new_run")
+    assert kind == "absent" and message == f"{tmp_path / 'new_run'}: no such directory"
+    # ... but not where its parent is missing too (an unmounted disk, a wrong root)
+    kind, message = kind_and_message(tmp_path / "nowhere" / "sub")
+    assert kind == "missing" and message.endswith("no such checkpoint directory")
+    # a name that differs only in its numbers is another run, not a typo; a folder that holds
+    # no checkpoint is no suggestion
+    _copy(GOLDEN, tmp_path / "exp1")
+    assert kind_and_message(tmp_path / "exp2")[0] == "absent"
+    assert kind_and_message(tmp_path / "ckpt_typo")[0] == "absent"  # ckpt holds nothing
     kind, message = kind_and_message(tmp_path / "ckpt")
     assert kind == "empty" and "expected a checkpoint directory" in message
 
@@ -199,7 +209,7 @@ def _load(engine, path) -> dict:
     }
 
 
-NO_CHECKPOINT = ("ckpt_typo", "fresh", "later/run", "broken", "out")
+NO_CHECKPOINT = ("ckpt_typo", "fresh", "new_run", "broken", "out")
 
 
 def _engine_loads(root: str) -> dict:
@@ -214,6 +224,8 @@ def _engine_loads(root: str) -> dict:
     if engine.global_rank == 0:
         hf_trainer_folder(root_path / "ckpt", root_path / "out" / "checkpoint-1")
         (root_path / "fresh").mkdir()
+        (root_path / "bad_latest").mkdir()
+        (root_path / "bad_latest" / "latest").write_bytes(b"\xff\xfe")
         _copy(root_path / "ckpt" / "global_step1", root_path / "broken" / "global_step1")
         (root_path / "broken" / "global_step1" / "manifest.json").unlink()
     comm.barrier()
@@ -224,7 +236,7 @@ def _engine_loads(root: str) -> dict:
         results[case] = _load(fresh, root_path / case)
         state = fresh.consolidated_state_dict()
         results[case]["same"] = all(torch.equal(state[k], v) for k, v in saved.items())
-    for case in NO_CHECKPOINT:  # they change nothing: one engine for all
+    for case in (*NO_CHECKPOINT, "bad_latest"):  # they change nothing: one engine for all
         results[case] = _load(fresh, root_path / case)
     required = _block_engine(checkpoint={"require_resume": True})
     results["required"] = {case: _load(required, root_path / case) for case in NO_CHECKPOINT}
@@ -263,9 +275,12 @@ def test_engine_loads_every_folder_and_says_why_it_found_nothing(tmp_path):
     assert fresh["returned"] is None and fresh["error"] is None and not fresh["warned"]
     assert f"no checkpoint in {tmp_path / 'fresh'} yet" in fresh["printed"]
     # ... and one whose folder its first save makes (nothing of a similar name beside it)
-    later = rank0["later/run"]
-    assert later["returned"] is None and later["error"] is None and not later["warned"]
-    assert f"no checkpoint in {tmp_path / 'later' / 'run'} yet (a first run)" in later["printed"]
+    new = rank0["new_run"]
+    assert new["returned"] is None and new["error"] is None and not new["warned"]
+    assert f"no checkpoint in {tmp_path / 'new_run'} yet (a first run)" in new["printed"]
+    # a latest file that is not text: an error on every rank, not rank 0's alone (a hang)
+    for rank in ranks:
+        assert "UnicodeDecodeError" in rank["bad_latest"]["error"], rank["bad_latest"]
 
     for rank in ranks:
         assert all(rank[case]["same"] and not rank[case]["warned"] for case in loaded)

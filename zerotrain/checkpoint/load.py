@@ -130,8 +130,10 @@ def _choose(load_dir: Path, tag: str | None, require: bool) -> tuple[str, str]:
             f"{exc}; nothing loaded, the engine is unchanged (checkpoint.require_resume makes "
             "this an error)"
         )
-    except (CheckpointError, OSError) as exc:  # every rank raises it, not rank 0 alone
+    except CheckpointError as exc:  # every rank raises it, not rank 0 alone
         return "error", str(exc)
+    except Exception as exc:  # anything else too: the other ranks would wait for rank 0
+        return "error", f"{load_dir}: {type(exc).__name__}: {exc}"
 
 
 # -- checks (nothing changes yet) ----------------------------------------------------------------

@@ -155,8 +155,9 @@ def find_checkpoints(path: str | os.PathLike[str]) -> Found:
     path = Path(path)
     if not path.exists():
         near = _closest(path)
-        if not near:  # nothing alike beside it: a first run, whose first save will make it
-            raise NoCheckpoint(f"{path}: does not exist yet", "absent")
+        if not near and path.parent.is_dir():  # a first run: its first save makes the folder
+            raise NoCheckpoint(f"{path}: no such directory", "absent")
+        # a near name (a typo), or a missing parent too (an unmounted disk, a wrong root)
         raise NoCheckpoint(f"{path}: no such checkpoint directory{near}", "missing")
     if not path.is_dir():
         raise CheckpointError(f"{path}: a file, not a checkpoint directory; {EXPECTED}")
@@ -205,16 +206,23 @@ def _is_save_dir(path: Path) -> bool:
 
 
 def _closest(path: Path) -> str:
-    """``" (did you mean X?)"``: the existing name nearest the first missing component of
-    ``path`` (a mistyped directory), or ``""``."""
+    """``" (did you mean X?)"``: a save or checkpoint folder beside the first missing component
+    of ``path`` whose name is a near spelling of it (a mistyped directory), or ``""``. Folders
+    that hold no checkpoint, and names that differ only in their numbers (``runs/exp2`` beside
+    ``runs/exp1``: a new run, not a typo), are no suggestion."""
     missing, parent = path, path.parent
     while not parent.is_dir() and parent != parent.parent:
         missing, parent = parent, parent.parent
     if not parent.is_dir():
         return ""
-    names = [d.name for d in _subdirs(parent)]
-    # a near spelling, else a name that one of the two starts with (rck_typo -> rck)
-    prefixed = [n for n in names if missing.name.startswith(n) or n.startswith(missing.name)]
+    numbered = re.sub(r"\d+", "#", missing.name)
+    names = [
+        d.name
+        for d in _subdirs(parent)
+        if (holds_save(d) or _is_save_dir(d)) and re.sub(r"\d+", "#", d.name) != numbered
+    ]
+    # a near spelling, else a name the missing one starts with (rck_typo -> rck)
+    prefixed = [n for n in names if missing.name.startswith(n)]
     match = difflib.get_close_matches(missing.name, names, n=1, cutoff=0.6) or sorted(
         prefixed, key=len, reverse=True
     )
