@@ -216,7 +216,8 @@ def test_an_unwaited_pairwise_operation_cannot_write_into_freed_memory():
     ("environ", "hosts", "threads_before", "expected"),
     [
         ({"LOCAL_WORLD_SIZE": "4"}, None, 8, 2),  # torchrun's count: 8 cores / 4 ranks
-        ({}, ["a", "a", "b"], 8, 4),  # plain processes: 2 of the 3 ranks on this host
+        ({}, [("a", [0]), ("a", [0]), ("b", [0])], 8, 4),  # plain: 2 of 3 ranks on this host
+        ({}, [("a", [0, 1]), ("a", [2, 3])], 8, None),  # pinned apart: all of its own cores
         ({"LOCAL_WORLD_SIZE": "16"}, None, 8, 1),  # more ranks than cores: at least 1
         ({"OMP_NUM_THREADS": "8", "LOCAL_WORLD_SIZE": "4"}, None, 8, None),  # the user's
         ({"LOCAL_WORLD_SIZE": "2"}, None, 1, None),  # already below the share: kept
@@ -234,6 +235,7 @@ def test_cpu_ranks_on_one_node_share_its_cores(
     monkeypatch.setattr(setup, "usable_cpus", lambda: 8)
     if hosts is not None:
         monkeypatch.setattr(setup.socket, "gethostname", lambda: "a")
+        monkeypatch.setattr(setup.os, "sched_getaffinity", lambda pid: set(hosts[0][1]))
         monkeypatch.setattr(setup.dist, "get_world_size", lambda: len(hosts))
         monkeypatch.setattr(
             setup.dist, "all_gather_object", lambda out, _: out.__setitem__(slice(None), hosts)

@@ -886,6 +886,10 @@ def test_nvme_path_that_cannot_hold_working_files_is_refused(section: str, tmp_p
             },
         }
         assert f"{section}.nvme_path: {problem}" in load_error(config)
+    shm = {"device": "nvme", "nvme_path": "/dev/shm/zerotrain"}  # a tmpfs, as tests use it
+    load_config(
+        {"train_batch_size": 8, "zero_optimization": {"stage": 3, section: shm}}, world_size=1
+    )
 
 
 def test_nvme_directory_that_cannot_be_written_is_a_config_error(tmp_path: Path) -> None:

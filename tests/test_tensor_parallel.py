@@ -462,16 +462,21 @@ def different_batches() -> str:
     engine, *_ = zerotrain.initialize(model=build("gpt"), config=config(0, 2, 2))
     x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
     loss_of("gpt", engine, x).backward()  # the same batch on both ranks: fine
-    longer = engine.global_rank == 1
-    with pytest.raises(ValueError) as error:  # a rank given another batch length
-        loss_of("gpt", engine, x[:, : SEQ - 2] if longer else x)
-    return str(error.value)
+    other = engine.global_rank == 1
+    with pytest.raises(ValueError) as shorter:  # a rank given another batch length
+        loss_of("gpt", engine, x[:, : SEQ - 2] if other else x)
+    with pytest.raises(ValueError) as shifted:  # the same shape, other tokens (data sharded
+        loss_of("gpt", engine, (x + 1) % VOCAB if other else x)  # over the world)
+    return str(shorter.value), str(shifted.value)
 
 
 def test_tp_ranks_given_different_batches_raise_naming_what_each_got():
-    for message in run_distributed(different_batches, 2):
-        assert message.startswith(
-            "tensor parallelism: the 2 ranks of a tensor-parallel group got inputs of different "
-            "shapes (rank 0: [((2, 11), 'int64'), ((2, 11), 'int64')]; rank 1: [((2, 9), "
-            "'int64'), ((2, 9), 'int64')])"
-        ), message
+    for shorter, shifted in run_distributed(different_batches, 2):
+        assert shorter.startswith(
+            "tensor parallelism: the 2 ranks of a tensor-parallel group got different inputs "
+            "(rank 0: [((2, 11), 'int64'), ((2, 11), 'int64')], integer sum "
+        ), shorter
+        assert "rank 1: [((2, 9), 'int64'), ((2, 9), 'int64')], integer sum " in shorter
+        assert shifted.startswith("tensor parallelism: the 2 ranks"), shifted
+        sums = [int(part.split(";")[0].rstrip(")")) for part in shifted.split("integer sum ")[1:]]
+        assert len(sums) == 2 and sums[0] != sums[1], shifted

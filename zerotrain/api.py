@@ -364,8 +364,7 @@ def _model_parallel(mesh: Mesh, tied: dict[int, Communicator]) -> ModelParallel 
 
 
 def _sequence_summed(tensor_parallel: TensorParallel | None) -> dict[int, Communicator]:
-    """Sequence parallelism's parameters, whose gradients are summed over the
-    tensor-parallel group."""
+    """Sequence parallelism's parameters: their gradients are summed over the tp group."""
     if tensor_parallel is None:
         return {}
     return {id(p): tensor_parallel.comm for p in tensor_parallel.summed}
@@ -388,7 +387,8 @@ def _tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> Tens
             "parallelism are not supported; use one of them"
         )
     stages = mesh.axis("pp") if isinstance(model, PipelineModule) else None
-    return parallelize(model, mesh.axis("tp"), section.tp_plan, stages, section.sequence_parallel)
+    options = {"sequence_parallel": section.sequence_parallel, "check_inputs": section.check_inputs}
+    return parallelize(model, mesh.axis("tp"), section.tp_plan, stages, **options)
 
 
 def _broadcast_untrained_state(model: nn.Module, mesh: Mesh) -> None:

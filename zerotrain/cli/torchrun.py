@@ -49,7 +49,8 @@ def run_torchrun(torchrun_argv: Sequence[str], env_overrides: Mapping[str, str])
     os.environ.update(env_overrides)
     os.environ[LAUNCHED_ENV] = "1"  # the ranks report their ZeroTrainErrors to us
     args = parse_args(list(torchrun_argv))
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailedLines())
+    if not args.max_restarts:  # with restarts, the agent's lines are the only record of an attempt
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailedLines())
     try:
         run(args)
     except ChildFailedError as failed:
@@ -129,5 +130,5 @@ def check_endpoint(host: str, port: int) -> str | None:
     return (
         f"zerotrain run: the rendezvous endpoint {host}:{port} is taken by a program that "
         f"does not answer as a c10d store (no answer in {PROBE_TIMEOUT_S:.0f} s): another "
-        "service, or another job's launcher, holds the port; choose a free port"
+        "service holds the port; choose a free port"
     )

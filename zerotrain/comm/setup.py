@@ -137,6 +137,7 @@ def init_distributed(
         else:
             init_method = "env://"
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("RANK", str(rank))  # for what reads it later (progress.py)
     if backend == "nccl":  # CUDA only: bind this process to its GPU before NCCL starts
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     global _timeout, _made_group, _exit_hook_registered
@@ -168,10 +169,19 @@ def _share_cpu_cores() -> int | None:
     if "OMP_NUM_THREADS" in os.environ:
         return None
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is None:  # not torchrun: count the ranks sharing this host
-        hosts: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        ranks_here = hosts.count(socket.gethostname())
+    if local is None:  # not torchrun: the ranks on this host whose cores overlap ours (srun
+        # and mpirun may pin each rank to its own cores: those share nothing)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        mine = (socket.gethostname(), cpus)
+        everyone: list[tuple[str, list[int]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        ranks_here = sum(
+            1
+            for other in everyone
+            if other is not None
+            and other[0] == mine[0]
+            and (not other[1] or not cpus or set(other[1]) & set(cpus))
+        )
     else:
         ranks_here = int(local)
     threads = max(1, usable_cpus() // max(1, ranks_here))

@@ -184,6 +184,12 @@ class TensorParallelConfig(Section):
     the sequence each (Megatron-LM's sequence parallelism): their activations shrink by tp for
     the same bytes. The sequence (dimension 1 of the blocks' hidden states) must divide by
     `autotp_size`; dropout there masks each rank's own tokens. (A zerotrain key.)"""
+    check_inputs: bool = True
+    """Before each forward, the ranks of a tensor-parallel group compare their inputs (shapes,
+    dtypes, and the sum of integer tensors such as token ids) with one 16-byte gather, and all
+    raise naming what each got when they differ (data sharded over the world instead of the
+    data-parallel ranks); false skips it (it waits for the device once per forward). (A
+    zerotrain key.)"""
 
 
 class MoEConfig(Section):

@@ -29,7 +29,8 @@ def _check_nvme_path(key: str, path: str) -> None:
     resolved = Path(path).expanduser().resolve()
     if resolved.exists() and not resolved.is_dir():
         raise fail(f"{key}: {path} is a file; give a directory for the working files")
-    if resolved.parts[1:2] in (("proc",), ("sys",), ("dev",)):
+    pseudo = resolved.parts[1:2] in (("proc",), ("sys",), ("dev",))
+    if pseudo and resolved.parts[1:3] != ("dev", "shm"):  # /dev/shm is a tmpfs: files work
         raise fail(
             f"{key}: {path} is on a kernel pseudo-filesystem (/{resolved.parts[1]}); give a "
             "directory on a local disk"

@@ -517,14 +517,16 @@ def repoint_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) 
     step = optimizer.step
     if hasattr(step, "_wrapped_by_lr_sched"):
         return
-    owner = weakref.ref(optimizer)  # no cycle through the optimizer's own attribute
+    # the unbound function and a weak reference, as torch's own patch: the wrapper, stored on
+    # the optimizer, must not hold the optimizer (a bound method would, a reference cycle)
+    func = step.__func__
+    owner = weakref.ref(optimizer)
 
-    @functools.wraps(step)
+    @functools.wraps(func)
     def marked_step(*args, **kwargs):
         target = owner()
-        if target is not None:
-            target._opt_called = True  # pyrefly: ignore[missing-attribute]
-        return step(*args, **kwargs)
+        target._opt_called = True  # pyrefly: ignore[missing-attribute]
+        return func(target, *args, **kwargs)
 
     marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = marked_step  # type: ignore[method-assign]

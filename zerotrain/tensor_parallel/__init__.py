@@ -85,6 +85,8 @@ def parallelize(
     plan: Mapping[str, object] | None = None,
     stages: Communicator | None = None,
     sequence_parallel: bool = False,
+    *,
+    check_inputs: bool = True,
 ) -> TensorParallel:
     """Split ``model`` in place over the tensor-parallel group ``comm`` as ``plan`` says (None:
     the automatic plan). Every value is first broadcast from the group's first rank, so that
@@ -114,30 +116,40 @@ def parallelize(
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, src=comm.root)
     summed = apply_plan(model, resolved, comm, sequence_parallel)
-    model.register_forward_pre_hook(
-        functools.partial(_same_inputs, comm=comm), with_kwargs=True, prepend=True
-    )
+    if check_inputs:
+        model.register_forward_pre_hook(
+            functools.partial(_same_inputs, comm=comm), with_kwargs=True, prepend=True
+        )
     return TensorParallel(comm, resolved, summed)
 
 
 def _same_inputs(module: nn.Module, args: tuple, kwargs: dict, *, comm: Communicator) -> None:
     """The ranks of a tensor-parallel group must run the same batch: each computes a slice of
     the same layers, and the group's collectives would otherwise exchange messages of
-    different sizes (gloo aborts the process in C++: "Received data size doesn't match").
-    One 4-byte gather per forward compares the inputs' shapes and dtypes; a mismatch is an
-    error on every rank of the group, naming what each got."""
+    different sizes (gloo aborts the process in C++: "Received data size doesn't match") or,
+    with equal shapes, train on different data without a word. One gather of two int64s per
+    forward compares the inputs' shapes and dtypes and the sum of their integer tensors (token
+    ids); a mismatch is an error on every rank of the group, naming what each got
+    (``tensor_parallel.check_inputs: false`` turns it off)."""
     leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(leaf)]
     signature = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves]
-    digest = torch.tensor([zlib.crc32(repr(signature).encode())], dtype=torch.int64)
-    digests = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)
-    comm.all_gather(digests, digest.to(comm.device), name="tp_input_check")
-    if bool((digests == digests[0]).all()):
+    content = torch.zeros((), dtype=torch.int64, device=comm.device)
+    for tensor in leaves:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            content = content + tensor.to(comm.device).sum(dtype=torch.int64)
+    shapes = torch.tensor(zlib.crc32(repr(signature).encode()), device=comm.device)
+    mine = torch.stack([shapes, content])
+    everyone = torch.empty(comm.world_size * 2, dtype=torch.int64, device=comm.device)
+    comm.all_gather(everyone, mine, name="tp_input_check")
+    if bool((everyone.view(-1, 2) == mine).all()):
         return
-    everyone = comm.all_gather_object(signature)
-    got = "; ".join(f"rank {rank}: {sig}" for rank, sig in enumerate(everyone))
+    described = comm.all_gather_object((signature, int(content)))
+    got = "; ".join(
+        f"rank {rank}: {sig}, integer sum {total}" for rank, (sig, total) in enumerate(described)
+    )
     raise ValueError(
         f"tensor parallelism: the {comm.world_size} ranks of a tensor-parallel group got "
-        f"inputs of different shapes ({got}); each group's ranks must run the same batch "
-        "(shard the data over the data-parallel ranks only, as the dataloader initialize "
-        "returns does: engine.dp_world_size shards, not the world size)"
+        f"different inputs ({got}); each group's ranks must run the same batch (shard the data "
+        "over the data-parallel ranks only, as the dataloader initialize returns does: "
+        "engine.dp_world_size shards, not the world size)"
     )
