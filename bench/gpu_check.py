@@ -183,6 +183,7 @@ CASE_NAMES = [case.name for case in CASES]
 CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     "zerotrain/accelerator.py": ("stage0",),
     "zerotrain/api.py": ("stage0",),
+    "zerotrain/estimate/preflight.py": ("stage0",),  # the device's free memory, at initialize
     "zerotrain/comm/setup.py": ("stage0",),
     "zerotrain/comm/functional.py": ("stage3-zero-init",),
     "zerotrain/optim/adam.py": ("stage0",),

@@ -166,7 +166,7 @@ def test_no_checkpoint_says_which_of_five_cases(tmp_path):
     )
     # nothing alike beside it, in a folder that exists: a first run's, made by its first save
     kind, message = kind_and_message(tmp_path / "new_run")
-    assert kind == "absent" and message == f"{tmp_path / 'new_run'}: no such directory"
+    assert kind == "absent" and message == f"{tmp_path / 'new_run'}: no such checkpoint directory"
     # ... but not where its parent is missing too (an unmounted disk, a wrong root)
     kind, message = kind_and_message(tmp_path / "nowhere" / "sub")
     assert kind == "missing" and message.endswith("no such checkpoint directory")

@@ -173,7 +173,7 @@ def test_defaults_match_deepspeed() -> None:
             "consecutive_hysteresis": False,
             "min_loss_scale": 1.0,
         },
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": False, "auto_cast": False},  # auto_cast: zerotrain's
         "aio": {
             "block_size": 1_048_576,
             "queue_depth": 8,
@@ -228,11 +228,17 @@ def test_defaults_match_deepspeed() -> None:
         "checkpoint": {
             "tag_validation": "Warn",
             "keep_last": 0,
+            "require_resume": False,  # zerotrain's
             "load_universal": False,
             "use_node_local_storage": False,
         },
         "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
-        "tensor_parallel": {"autotp_size": 1, "tp_plan": None, "sequence_parallel": False},
+        "tensor_parallel": {  # zerotrain's
+            "autotp_size": 1,
+            "tp_plan": None,
+            "sequence_parallel": False,
+            "check_inputs": True,
+        },
         "pipeline": {"schedule": "1f1b"},
         "moe": {"token_dedup": False, "overlap_chunks": 1},  # zerotrain's
         "comm_compression": {  # zerotrain's

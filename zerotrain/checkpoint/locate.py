@@ -156,7 +156,7 @@ def find_checkpoints(path: str | os.PathLike[str]) -> Found:
     if not path.exists():
         near = _closest(path)
         if not near and path.parent.is_dir():  # a first run: its first save makes the folder
-            raise NoCheckpoint(f"{path}: no such directory", "absent")
+            raise NoCheckpoint(f"{path}: no such checkpoint directory", "absent")
         # a near name (a typo), or a missing parent too (an unmounted disk, a wrong root)
         raise NoCheckpoint(f"{path}: no such checkpoint directory{near}", "missing")
     if not path.is_dir():
