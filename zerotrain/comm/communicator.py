@@ -218,43 +218,49 @@ class Communicator:
         self.issue(name, nbytes, launch, False, sent=sent)
         return None
 
-    def new_group(self, ranks: list[int] | None = None) -> Communicator:
+    def new_group(self, ranks: list[int] | None = None, backend: str | None = None) -> Communicator:
         """A communicator over a new process group of ``ranks`` (default-group ranks; None:
-        the same ranks as this group), with this group's timeout. Collective: every rank of
-        the default group calls it, in the same order. Collectives on different groups are
-        ordered independently."""
+        the same ranks as this group), with this group's timeout; ``backend``: another backend
+        than the default group's ("gloo" beside NCCL: its collectives run on the CPU, its
+        communicator's tensors live there). Collective: every rank of the default group calls
+        it, in the same order. Collectives on different groups are ordered independently."""
         if not self.distributed:
             return Communicator(device=self.device, stats=self.stats, log=self.log)
         if ranks is None and self.group is not None:
-            return self._duplicate()
-        group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
+            return self._duplicate(backend)
+        timeout = _group_timeout(self.group, default=None)
+        group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
         if not isinstance(group, dist.ProcessGroup):  # torch's marker for a rank not in ranks
             raise ValueError(
                 f"new_group: rank {self.global_rank} is not in ranks {ranks}; every rank makes "
                 "the group, only its members get a communicator (split() gives every rank one)"
             )
-        return Communicator(group, device=self.device, stats=self.stats, log=self.log)
+        device = "cpu" if backend == "gloo" else self.device
+        return Communicator(group, device=device, stats=self.stats, log=self.log)
 
-    def _duplicate(self) -> Communicator:
+    def _duplicate(self, backend: str | None = None) -> Communicator:
         """A second group over this group's ranks. Making a group is collective over the
         default group, and the other ranks are in groups of their own (a mesh axis): each rank
         learns every rank's group, and all of them are made again, in one order."""
         world = Communicator(device=self.device, stats=self.stats, log=self.log)
         everyone = world.all_gather_object(dist.get_process_group_ranks(self.group))
         lists = sorted({tuple(ranks) for ranks in everyone})
-        return self.split([list(ranks) for ranks in lists])
+        return self.split([list(ranks) for ranks in lists], backend)
 
-    def split(self, rank_lists: list[list[int]]) -> Communicator:
+    def split(self, rank_lists: list[list[int]], backend: str | None = None) -> Communicator:
         """Make a process group for each list of default-group ranks (collective: every rank
         makes every group, in order) and return the communicator of the one holding this rank.
         """
-        chosen = self.subgroups(rank_lists)
+        chosen = self.subgroups(rank_lists, backend)
         if chosen is None:
             raise ValueError(f"split: rank {self.global_rank} is in none of {rank_lists}")
         return chosen
 
-    def subgroups(self, rank_lists: list[list[int]]) -> Communicator | None:
-        """:meth:`split` where a rank may be in none of the lists (None for it)."""
+    def subgroups(
+        self, rank_lists: list[list[int]], backend: str | None = None
+    ) -> Communicator | None:
+        """:meth:`split` where a rank may be in none of the lists (None for it); ``backend``
+        as :meth:`new_group`'s."""
         mine = [ranks for ranks in rank_lists if self.global_rank in ranks]
         if len(mine) > 1:
             raise ValueError(
@@ -263,15 +269,17 @@ class Communicator:
         if not self.distributed:
             return self.new_group() if mine else None
         chosen = None
+        timeout = _group_timeout(self.group, default=None)
         for ranks in rank_lists:
-            group = dist.new_group(ranks=ranks, timeout=_group_timeout(self.group, default=None))
+            group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
             if mine and ranks is mine[0]:
                 chosen = group
         if not mine:
             return None
         if not isinstance(chosen, dist.ProcessGroup):  # torch made the group of mine[0] here
             raise RuntimeError(f"split: torch made no process group for ranks {mine[0]}")
-        return Communicator(chosen, device=self.device, stats=self.stats, log=self.log)
+        device = "cpu" if backend == "gloo" else self.device
+        return Communicator(chosen, device=device, stats=self.stats, log=self.log)
 
     def within_nodes(self, ranks_per_node: int) -> Communicator:
         """A communicator over this group's ranks on this rank's node (torchrun numbers the

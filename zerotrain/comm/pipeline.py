@@ -18,7 +18,9 @@ whole backward in the weight step, through autograd, as any other backward.
 What stages on different ranks send each other goes through
 :class:`~zerotrain.comm.stage_messages.StageMessages`, not torch's receive buffers (shaped once,
 from the first batch): every message says its tensors' dtypes and shapes, so each micro-batch
-may have its own ([Note: self-describing stage messages] in stage_messages.py).
+may have its own ([Note: self-describing stage messages] in stage_messages.py); the schedule
+still posts, groups and waits every tensor's send and receive itself ([Note: headers apart from
+the tensors] there).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' type
 
 from zerotrain.comm.communicator import Communicator
-from zerotrain.comm.stage_messages import MessageKey, StageMessages
+from zerotrain.comm.stage_messages import MessageKey, StageMessages, restart_advice
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # several stages per rank
@@ -74,7 +76,30 @@ class _Chunk(nn.Module):
     def forward(self, *args: Any) -> Any:
         # the stage's input as one value, a tuple when the previous stage returned several
         # tensors (DeepSpeed's PipelineModule passes tuples between stages so)
-        return self._run(args[0] if len(args) == 1 else args)
+        out = self._run(args[0] if len(args) == 1 else args)
+        if isinstance(out, tuple):
+            return tuple(_not_a_view(x) for x in out)
+        return _not_a_view(out)
+
+
+class _Alias(torch.autograd.Function):
+    """The same memory as a tensor that is not a view: torch's zero-bubble backward detaches
+    each stage output in place (``stage_backward_input``), which autograd refuses for a view
+    (nn.Linear returns one on 3-D input). No copy; the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return grads[0]
+
+
+def _not_a_view(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x._is_view():
+        return _Alias.apply(x) if x.requires_grad else x.detach()
+    return x
 
 
 class PipelineAction(NamedTuple):
@@ -114,18 +139,12 @@ class _Stage(PipelineStage):
         self._runtime_validate = False
         self._inputs: dict[int, list[torch.Tensor]] = {}  # micro-batch -> its input
         self._output_grads: dict[int, tuple[torch.Tensor | None, ...]] = {}
-        self._local_grads: dict[int, tuple[torch.Tensor | None, ...]] = {}  # from this rank
+        # micro-batch -> the gradients of its output: from another rank, or from this rank's
+        # next stage (ZBV's V)
+        self._grads: dict[int, tuple[torch.Tensor | None, ...]] = {}
 
     # -- what the schedule runs ----------------------------------------------------------------
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
-        if not self.is_first and not self._is_same_rank(self.stage_index - 1):
-            peer = self.stage_index_to_group_rank[self.stage_index - 1]
-            key = MessageKey("activations", self.stage_index, fwd_chunk_id)
-            received = self._messages.receive(peer, key)
-            inputs = [x for x in received if x is not None]
-            if len(inputs) != len(received):  # get_fwd_send_ops sends none
-                raise RuntimeError(f"pipeline: {key.describe()} came with a None")
-            self._inputs[fwd_chunk_id] = inputs
         start = time.perf_counter()
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         self._record("F", fwd_chunk_id, start)
@@ -135,12 +154,7 @@ class _Stage(PipelineStage):
         if not self.has_backward:  # evaluation: the schedule's backwards do nothing
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         if not self.is_last:
-            if self._is_same_rank(self.stage_index + 1):
-                grads = self._local_grads.pop(bwd_chunk_id)
-            else:
-                peer = self.stage_index_to_group_rank[self.stage_index + 1]
-                key = MessageKey("gradients", self.stage_index, bwd_chunk_id)
-                grads = tuple(self._messages.receive(peer, key))
+            grads = self._grads.pop(bwd_chunk_id)
             outputs, _ = self.fwd_cache[bwd_chunk_id]
             self._output_grads[bwd_chunk_id] = self._grads_for(outputs, grads, bwd_chunk_id)
         start = time.perf_counter()
@@ -198,7 +212,7 @@ class _Stage(PipelineStage):
         super().clear_runtime_states()
         self._inputs.clear()
         self._output_grads.clear()
-        self._local_grads.clear()
+        self._grads.clear()
 
     # -- the stage's inputs and output gradients: from the messages, not torch's buffers -------
     def _retrieve_recv_activations(self, fwd_chunk_id: int):
@@ -240,20 +254,30 @@ class _Stage(PipelineStage):
 
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
         if self.has_backward:
-            self._local_grads[mb_index] = tuple(next_stage_bwd_outputs)
+            self._grads[mb_index] = tuple(next_stage_bwd_outputs)
 
-    # -- the schedule's sends and receives: posted as messages; nothing left for it to post ----
+    # -- the schedule's sends and receives: the tensors' operations, which it posts, groups and
+    # waits as its own; their header goes ahead ([Note: headers apart from the tensors]) --------
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        if not self.is_first and not self._is_same_rank(self.stage_index - 1):
-            peer = self.stage_index_to_group_rank[self.stage_index - 1]
-            self._messages.expect(peer, MessageKey("activations", self.stage_index, fwd_chunk_id))
-        return []
+        if self.is_first or self._is_same_rank(self.stage_index - 1):
+            return []
+        peer = self.stage_index_to_group_rank[self.stage_index - 1]
+        key = MessageKey("activations", self.stage_index, fwd_chunk_id)
+        received, ops = self._messages.recv_ops(peer, key)
+        inputs = [x for x in received if x is not None]
+        if len(inputs) != len(received):  # get_fwd_send_ops sends none
+            raise RuntimeError(f"pipeline: {key.describe()} came with a None")
+        self._inputs[fwd_chunk_id] = inputs
+        return ops
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        if self.has_backward and not self.is_last and not self._is_same_rank(self.stage_index + 1):
-            peer = self.stage_index_to_group_rank[self.stage_index + 1]
-            self._messages.expect(peer, MessageKey("gradients", self.stage_index, bwd_chunk_id))
-        return []
+        if not self.has_backward or self.is_last or self._is_same_rank(self.stage_index + 1):
+            return []
+        peer = self.stage_index_to_group_rank[self.stage_index + 1]
+        key = MessageKey("gradients", self.stage_index, bwd_chunk_id)
+        grads, ops = self._messages.recv_ops(peer, key)
+        self._grads[bwd_chunk_id] = tuple(grads)
+        return ops
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         if not self.is_last:
@@ -265,7 +289,7 @@ class _Stage(PipelineStage):
                     "stages pass tensors, or tuples of tensors, to each other"
                 )
             peer = self.stage_index_to_group_rank[self.stage_index + 1]
-            self._messages.send(peer, key, outputs)
+            return self._messages.send_ops(peer, key, outputs)
         return []
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
@@ -273,7 +297,7 @@ class _Stage(PipelineStage):
             grads = self.bwd_cache.pop(bwd_chunk_id)
             peer = self.stage_index_to_group_rank[self.stage_index - 1]
             key = MessageKey("gradients", self.stage_index - 1, bwd_chunk_id)
-            self._messages.send(peer, key, grads)
+            return self._messages.send_ops(peer, key, grads)
         return []
 
 
@@ -305,7 +329,7 @@ class PipelineSchedule:
         if self._failed is not None:
             raise RuntimeError(
                 f"pipeline: an earlier step failed midway ({self._failed}), which leaves the "
-                "stages' messages out of step; build the engine again (initialize) to go on"
+                f"stages' messages out of step; {restart_advice()}"
             )
         schedule = self._schedule
         count = schedule._n_microbatches

@@ -9,40 +9,85 @@ to its own longest sequence, so shapes change every step. Here every message bet
 different ranks (a stage's output to the next stage, its input's gradient to the previous one)
 is a fixed-size int64 header, then the tensors it describes:
 
-    magic | number on the link | kind | stage | micro-batch | tensors | posted ahead |
-    descriptor slots | per tensor: -1 (None), or dtype code x 2 + requires_grad, ndim, shape...
+    magic | number on the link | kind | stage | micro-batch | tensors | descriptor slots |
+    per tensor: -1 (None), or dtype code x 2 + requires_grad, ndim, shape...
 
-A descriptor longer than the header's room follows as a second header message. On each link (a
-pair of ranks, one direction) the receiver has one header receive in flight at a time, posted
-when the schedule would post the data's receive, and posts the tensors' receives once it has the
-header, before the next header's: both ends post header, tensors, header, tensors..., so the
-messages pair up by order alone, as NCCL (which has no tags) needs; headers and tensors also
-travel under tags of their own, so on gloo neither can be read as the other. A header says which
-message it carries (kind, stage, micro-batch) and its number on the link: a message that comes
-before the one wanted is kept until asked for (a rank with two stages takes its links' messages
-in its own order), one out of step is an error naming both ends, never data read as another
-shape. Sends are posted as soon as the tensors exist and completed at the end of the step
-(:meth:`StageMessages.finish`), which keeps each message's tensors until then: waiting for one
-earlier could wait for a receiver that first needs a later message of this rank. Every wait is
-bounded by the group's timeout.
+A descriptor longer than the header's room follows as a second header message. The headers
+travel on a channel of their own ([Note: headers apart from the tensors]); the tensors go as the
+schedule's own point-to-point operations, sized from the header. A header says which message it
+carries (kind, stage, micro-batch) and its number on the link (a pair of ranks, one direction):
+a message that comes before the one wanted is kept until asked for, one out of step is an error
+naming both ends, never data read as another shape. Every wait for a header is bounded by the
+group's timeout.
 
-[Note: receives posted ahead]
-A tensor's receive posted only once its header is in costs a round trip on the critical path (a
-rendezvous: gloo and NCCL move the bytes once both ends have posted), leaves no overlap of the
-transfer with the receiver's work, and adds a message. So when the last two messages on a link
-had the same tensors (dtypes, shapes, requires_grad), the receiver posts the next header's
-receive as one message of the header and those tensors packed after it (each at a 64-byte
-boundary): the sender copies its tensors in, the receiver uses them in place, and with shapes
-that do not change every message after the second is one message, its receive posted ahead as
-torch's fixed buffers are. Both ends know the last two messages, so both know when a packed
-message is due (its header says so too, checked). A message whose tensors differ is sent as that
-packed message holding its header alone (a filler, op ``send_filler``), then its tensors: one
-wasted transfer where the shapes change after a run of equal ones.
+[Note: headers apart from the tensors]
+NCCL has no tags: it pairs the sends and receives between two ranks by their order, on one
+stream per pair of ranks, where an operation waits for the one before it; a send larger than
+NCCL's buffers completes only once its receive runs. torch's schedules are written for that.
+1F1B posts a send and the opposite receive as one group (batch_isend_irecv: they run together);
+the multi-stage runtime (interleaved 1F1B, ZBV) places each receive in the receiver's list where
+its send falls in one simulated run of every rank (``_add_send_recv``), so both ends of a pair
+post in one order. Posting our own sends as soon as the tensors exist and the receives only once
+their header is in breaks both (at pp 2, 1F1B, rank 0 posts send act 0, send act 1, receive
+grad 0, while rank 1 posts receive act 0, send grad 0, receive act 1: a circular wait).
+
+So the tensors go exactly as torch's stages send them: ``get_*_send_ops`` and ``get_*_recv_ops``
+return one ``P2POp`` per tensor (:meth:`StageMessages.send_ops`, :meth:`StageMessages.recv_ops`)
+and the schedule posts, groups and waits them where it posts, groups and waits its own; the
+operations on the stage group are torch's, one for one, in its order, only their sizes come from
+the header. Whatever the schedule guarantees on NCCL holds unchanged, and sends complete where
+torch waits for them (as it goes in 1F1B, at the end of the forwards in GPipe, at the end of the
+step in the runtime).
+
+The receiver must know the shapes before it returns its receives, so the header travels ahead,
+on a gloo group over the same ranks (CPU tensors, no stream; on a gloo stage group, the group
+itself, under a tag of its own): posted, never waited for until the end of the step, where the
+schedule asks for the send ops; waited for where it asks for the receive ops. That wait is the
+only one added, and it closes no cycle:
+
+- GPipe asks for a receive's ops right before it waits for them: the same wait.
+- 1F1B waits for the group of a held send and a receive (send act k with receive grad b, send
+  grad b with receive act k'); we wait for the receive's header before the held send is posted.
+  At stage s of S the warm-up is w = S - s forwards, and k = b + w - 1. Stage s+1 sends grad
+  b's header after its backward b, which needs this rank's activations up to b + w - 2 = k - 1
+  only; stage s-1 sends act k' = b + w's header after its forward k', which needs this rank's
+  gradients up to b - 1 only (its warm-up is w + 1). Those were all posted before.
+- The runtime: lowering runs every rank's actions in one order and appends a receive to the
+  receiver's list where its sender sends; each rank's list follows that order (``defer_pp_recv``
+  only moves receives later), and the runtime waits for its sends only at the end of the step.
+  The first action in that order not yet done waits, if at all, for a header or tensors that its
+  sender posted earlier in that order: so some rank always proceeds.
+
+Headers and tensors never share a tag, and each schedule built takes tags of its own
+([Note: a schedule built again]). ``tests/test_pipeline_p2p.py`` runs every schedule with
+NCCL's order imposed on gloo (each pair of ranks one queue of rendezvous operations, a group's
+run together), where the design before (our own sends posted at once) deadlocked in 1F1B's
+first step; ``tests/test_cuda.py`` runs them over NCCL where there are two GPUs.
+
+What it costs against torch's fixed buffers: a receive is posted once its header is in, not ahead,
+and the header is a message of its own (no longer packed with the tensors, which spared a message
+while shapes repeated but sent fillers of the old size where they changed, and kept a packed copy
+of each tensor until the end of the step). On NCCL the hosts run ahead of the GPU, so the header
+mostly arrives before the tensors are computed; on gloo it adds a transfer per message: a few
+milliseconds a step, not measurable in the demo GPT's pp 2 steps (bench/pipeline_messages.py).
+
+[Note: a schedule built again]
+A step that fails midway leaves operations posted: header receives, sends nobody receives, the
+schedule's tensor receives. gloo matches by peer and tag, and these would take a later schedule's
+messages (a hang, an out-of-step error, or a size mismatch that aborts the process). Each
+StageMessages therefore takes tags of its own, from a build number all ranks of the stage group
+agree on (the largest of theirs): an engine built again in the same processes never reads an
+older one's messages. It still cannot go on in general: gloo closes a connection whose wait timed
+out (the ranks that waited for a failed one), and may close one whose posted operations are
+dropped, and NCCL cannot take back what was posted and pairs by order (its watchdog ends the
+processes once the timeout passes). So the error after a failed step says to restart the
+processes; ``tests/test_pipeline_p2p.py`` builds an engine again after a step where every rank
+failed, nothing timed out and the failed operations stay referenced, and trains it.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,15 +99,15 @@ import torch.distributed as dist
 
 from zerotrain.comm.communicator import CollectiveError, Communicator, _group_timeout
 
-MAGIC = 0x7A7450495045_01  # "ztPIPE", protocol version 1
+MAGIC = 0x7A7450495045_02  # "ztPIPE", protocol version 2
 HEADER_SLOTS = 32
 HEADER_BYTES = HEADER_SLOTS * 8
-_FIXED = 8  # the header's slots before the descriptor
-_ALIGN = 64  # bytes: where each tensor of a packed message starts
-# p2p tags of their own on the stage group (gloo matches by peer and tag; pairwise.py's tags
-# count up from 1)
-HEADER_TAG = 0x7A740001
-TENSOR_TAG = 0x7A740002
+_FIXED = 7  # the header's slots before the descriptor
+_LONGEST = 1 << 16  # descriptor slots: more is a stray message, not a header
+# p2p tags on the stage group (gloo matches by peer and tag; pairwise.py's tags count up from
+# 1): two per schedule built ([Note: a schedule built again]), below 2**31 (gloo's int)
+_TAG_BASE = 0x7A740000
+_BUILDS = (2**31 - _TAG_BASE) // 2
 KINDS = ("activations", "gradients")
 # the dtype codes: both ends run the same zerotrain, so the same table
 DTYPES: tuple[torch.dtype, ...] = (
@@ -81,6 +126,7 @@ DTYPES: tuple[torch.dtype, ...] = (
     *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)),
 )
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's, where the group's is unknown
+_builds = itertools.count()  # this process's schedules, agreed with the other ranks' (max)
 
 
 class MessageKey(NamedTuple):
@@ -127,13 +173,11 @@ def specs_of(key: MessageKey, tensors: Sequence[torch.Tensor | None]) -> list[Te
 
 
 class Header(NamedTuple):
-    """A message's header: its ``number`` on the link, which message it is, its tensors, and
-    whether the receiver had posted their receives ahead ([Note: receives posted ahead])."""
+    """A message's header: its ``number`` on the link, which message it is, its tensors."""
 
     number: int
     key: MessageKey
     specs: list[TensorSpec | None]
-    ahead: bool
 
 
 def encode(header: Header) -> torch.Tensor:
@@ -148,7 +192,7 @@ def encode(header: Header) -> torch.Tensor:
             descriptor += [code, len(spec.shape), *spec.shape]
     key = header.key
     fixed = [MAGIC, header.number, KINDS.index(key.kind), key.stage, key.micro_batch]
-    slots = [*fixed, len(header.specs), int(header.ahead), len(descriptor), *descriptor]
+    slots = [*fixed, len(header.specs), len(descriptor), *descriptor]
     slots += [0] * max(0, HEADER_SLOTS - len(slots))
     return torch.tensor(slots, dtype=torch.int64)
 
@@ -158,8 +202,8 @@ def decode(slots: Sequence[int]) -> Header:
     are not one."""
     if len(slots) < _FIXED or slots[0] != MAGIC:
         raise ValueError("not a stage message header (another protocol version or a stray message)")
-    number, kind, stage, micro_batch, count, ahead, length = slots[1:_FIXED]
-    if not 0 <= kind < len(KINDS) or count < 0 or ahead not in (0, 1):
+    number, kind, stage, micro_batch, count, length = slots[1:_FIXED]
+    if not 0 <= kind < len(KINDS) or count < 0:
         raise ValueError(f"a malformed stage message header {list(slots[:_FIXED])}")
     descriptor = list(slots[_FIXED : _FIXED + length])
     specs: list[TensorSpec | None] = []
@@ -181,79 +225,29 @@ def decode(slots: Sequence[int]) -> Header:
         raise ValueError(f"a malformed stage message descriptor {descriptor}") from None
     if at != length:
         raise ValueError(f"a stage message descriptor of {length} slots holds {at}")
-    return Header(number, MessageKey(KINDS[kind], stage, micro_batch), specs, bool(ahead))
+    return Header(number, MessageKey(KINDS[kind], stage, micro_batch), specs)
 
 
 def header_slots(first: torch.Tensor) -> int:
-    """How many slots a whole header takes, from its first HEADER_SLOTS (the rest follow)."""
-    return max(HEADER_SLOTS, _FIXED + int(first[_FIXED - 1]))
+    """How many slots a whole header takes, from its first HEADER_SLOTS (the rest follow);
+    ValueError if they are not a header's (checked before its length is believed)."""
+    if int(first[0]) != MAGIC:
+        raise ValueError("not a stage message header (another protocol version or a stray message)")
+    length = int(first[_FIXED - 1])
+    if not 0 <= length <= _LONGEST:
+        raise ValueError(f"a stage message header announcing {length} descriptor slots")
+    return max(HEADER_SLOTS, _FIXED + length)
 
 
-def packed_layout(specs: Sequence[TensorSpec | None]) -> tuple[list[int], int]:
-    """Where each tensor of ``specs`` starts in a packed message (after the header's first
-    HEADER_SLOTS; -1 for None and empty ones), and the message's bytes."""
-    offsets, at = [], HEADER_BYTES
-    for spec in specs:
-        nbytes = 0 if spec is None else math.prod(spec.shape) * spec.dtype.itemsize
-        offsets.append(at if nbytes else -1)
-        at += -(-nbytes // _ALIGN) * _ALIGN
-    return offsets, at
-
-
-def pack(header: torch.Tensor, tensors: Sequence[torch.Tensor | None], size: int) -> torch.Tensor:
-    """One uint8 message of ``size`` bytes: ``header``'s first HEADER_SLOTS, then ``tensors``
-    where :func:`packed_layout` places them (none: a filler that carries the header alone)."""
-    packed = torch.empty(size, dtype=torch.uint8, device=header.device)
-    packed[:HEADER_BYTES].copy_(header[:HEADER_SLOTS].view(torch.uint8))
-    specs = [None if t is None else TensorSpec(t.dtype, tuple(t.shape), False) for t in tensors]
-    for tensor, at in zip(tensors, packed_layout(specs)[0], strict=True):
-        if tensor is not None and at >= 0:
-            flat = tensor.detach().reshape(-1).view(torch.uint8)
-            packed[at : at + flat.numel()].copy_(flat)
-    return packed
-
-
-def unpack(packed: torch.Tensor, specs: Sequence[TensorSpec | None]) -> list[torch.Tensor | None]:
-    """The tensors of a packed message, in its memory. Not autograd views of it: torch's stages
-    detach their outputs in place, and a stage may return its input."""
-    tensors: list[torch.Tensor | None] = []
-    for spec, at in zip(specs, packed_layout(specs)[0], strict=True):
-        if spec is None:
-            tensors.append(None)
-            continue
-        if at < 0:  # empty: all in the header
-            tensor = torch.empty(spec.shape, dtype=spec.dtype, device=packed.device)
-        else:
-            strides = [math.prod(spec.shape[d + 1 :]) for d in range(len(spec.shape))]
-            tensor = torch.empty(0, dtype=spec.dtype, device=packed.device).set_(
-                packed.untyped_storage(), at // spec.dtype.itemsize, spec.shape, strides
-            )
-        tensors.append(tensor.requires_grad_(spec.requires_grad))
-    return tensors
-
-
-@dataclass
-class _Recent:
-    """The tensors of the last two messages on a link, as both of its ends saw them."""
-
-    last: list[TensorSpec | None] | None = None
-    before: list[TensorSpec | None] | None = None
-
-    def repeated(self) -> list[TensorSpec | None] | None:
-        """The last message's tensors if the one before had the same: the next message's
-        receives are posted ahead for them ([Note: receives posted ahead])."""
-        return self.last if self.last is not None and self.last == self.before else None
-
-    def push(self, specs: list[TensorSpec | None]) -> None:
-        self.before, self.last = self.last, specs
-
-
-@dataclass
-class _Arrived:
-    """A message whose header arrived: its tensors, their receives posted."""
-
-    tensors: list[torch.Tensor | None]
-    works: list[dist.Work]
+def agreed_build(headers: Communicator) -> int:
+    """This schedule's build number, the same on every rank of ``headers``: the largest of
+    theirs ([Note: a schedule built again])."""
+    global _builds
+    build = torch.tensor([next(_builds)], dtype=torch.int64, device=headers.device)
+    headers.all_reduce(build, op="max", name="pipeline_build")
+    agreed = int(build.item())
+    _builds = itertools.count(agreed + 1)
+    return agreed % _BUILDS
 
 
 @dataclass
@@ -261,196 +255,157 @@ class _Link:
     """What this rank receives from one peer rank of the stage group."""
 
     peer: int
-    due: list[MessageKey] = field(default_factory=list)  # announced, not yet arrived
-    early: set[MessageKey] = field(default_factory=set)  # arrived, not yet announced
-    # the header's receive in flight: the header alone, or packed with the tensors expected,
-    # which it holds too ([Note: receives posted ahead])
-    header: tuple[dist.Work, torch.Tensor, list[TensorSpec | None] | None] | None = None
     received: int = 0  # headers taken: the next one's number on the link
-    recent: _Recent = field(default_factory=_Recent)
-    arrived: dict[MessageKey, _Arrived] = field(default_factory=dict)
+    early: dict[MessageKey, list[TensorSpec | None]] = field(default_factory=dict)
 
 
 class StageMessages:
     """This rank's messages to and from the stages on other ranks of ``comm`` (the stage
-    group), on ``device`` (see [Note: self-describing stage messages]). Peers are ranks of
-    ``comm``."""
+    group), their tensors on ``device`` (see [Note: self-describing stage messages]). Peers
+    are ranks of ``comm``. Collective over the default group where ``comm`` is not gloo (it
+    makes the headers' gloo group), over ``comm`` otherwise."""
 
     def __init__(self, comm: Communicator, device: torch.device):
         self.comm = comm
         self.device = device
         timeout = _group_timeout(comm.group, default=None)
         self.timeout = timeout if isinstance(timeout, timedelta) else _DEFAULT_TIMEOUT
+        self.headers = comm if _is_gloo(comm) else comm.new_group(backend="gloo")
+        build = agreed_build(self.headers)
+        self.header_tag, self.tensor_tag = _TAG_BASE + 2 * build, _TAG_BASE + 2 * build + 1
         self._links: dict[int, _Link] = {}
-        self._sent: dict[int, tuple[int, _Recent]] = {}  # peer -> messages sent, their tensors
-        self._sends: list[tuple[dist.Work, int, MessageKey]] = []
+        self._sent: dict[int, int] = {}  # peer -> messages sent to it
+        self._header_sends: list[tuple[dist.Work, int, MessageKey]] = []
 
     # -- sending --------------------------------------------------------------------------------
-    def send(self, peer: int, key: MessageKey, tensors: Sequence[torch.Tensor | None]) -> None:
-        """Post ``key``'s message of ``tensors`` (None: a gradient autograd did not produce) to
-        ``peer``; completed by :meth:`finish`."""
-        number, recent = self._sent.get(peer, (0, _Recent()))
+    def send_ops(
+        self, peer: int, key: MessageKey, tensors: Sequence[torch.Tensor | None]
+    ) -> list[dist.P2POp]:
+        """Post the header of ``key``'s message of ``tensors`` (None: a gradient autograd did
+        not produce) to ``peer``, and return the sends of its tensors for the schedule to post
+        ([Note: headers apart from the tensors])."""
+        number = self._sent.get(peer, 0)
         specs = specs_of(key, tensors)
-        ahead = recent.repeated()  # what the receiver expects, packed after the header
-        header = encode(Header(number, key, specs, ahead is not None)).to(self.device)
-        payload = [t.detach().contiguous() if t is not None else None for t in tensors]
-        filler = 0
-        if ahead is None:
-            self._post(header[:HEADER_SLOTS], peer, HEADER_TAG, key)
-        else:  # a filler that carries the header alone if the tensors are not the ones expected
-            size = packed_layout(ahead)[1]
-            hit = ahead == specs
-            self._post(pack(header, payload if hit else [], size), peer, HEADER_TAG, key)
-            filler = 0 if hit else size - HEADER_BYTES
-        if len(header) > HEADER_SLOTS:  # the rest of a long header
-            self._post(header[HEADER_SLOTS:], peer, HEADER_TAG, key)
-        if ahead != specs:
-            for tensor in payload:
-                if tensor is not None and tensor.numel():  # an empty one is all in its header
-                    self._post(tensor, peer, TENSOR_TAG, key)
-        recent.push(specs)
-        self._sent[peer] = (number + 1, recent)
-        sent = [t for t in payload if t is not None]
+        header = encode(Header(number, key, specs))
+        for part in (header[:HEADER_SLOTS], header[HEADER_SLOTS:]):  # the rest of a long one
+            if part.numel():
+                work = self._p2p(dist.isend, part, peer, self.headers, self.header_tag)
+                self._header_sends.append((work, peer, key))
+        self._sent[peer] = number + 1
+        sent = [t.detach().contiguous() for t in tensors if t is not None and t.numel()]
         data = sum(t.numel() * t.element_size() for t in sent)
         self.comm.count("send", data, sent=data, calls=len(sent))
         self.comm.count("send_header", header.numel() * 8, sent=header.numel() * 8)
-        if filler:
-            self.comm.count("send_filler", filler, sent=filler)
+        return [self._op(dist.isend, t, peer) for t in sent]  # an empty one is all in its header
 
-    def _post(self, tensor: torch.Tensor, peer: int, tag: int, key: MessageKey) -> None:
-        self._sends.append((self._p2p(dist.isend, tensor, peer, tag), peer, key))
+    def _op(self, op, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        return dist.P2POp(op, tensor, group=self.comm.group, tag=self.tensor_tag, group_peer=peer)
 
-    def _p2p(self, op, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        """``op`` (isend or irecv) of ``tensor`` with ``peer`` under ``tag``."""
+    def _p2p(self, op, tensor: torch.Tensor, peer: int, comm: Communicator, tag: int) -> dist.Work:
+        """``op`` (isend or irecv) of ``tensor`` with ``peer`` of ``comm`` under ``tag``."""
         if op is dist.isend:
-            work = dist.isend(tensor, group=self.comm.group, group_dst=peer, tag=tag)
+            work = dist.isend(tensor, group=comm.group, group_dst=peer, tag=tag)
         else:
-            work = dist.irecv(tensor, group=self.comm.group, group_src=peer, tag=tag)
+            work = dist.irecv(tensor, group=comm.group, group_src=peer, tag=tag)
         if work is None:  # torch's answer to a rank outside the group
             raise RuntimeError(f"pipeline: rank {peer} is not in the stage group")
         return work
 
     # -- receiving ------------------------------------------------------------------------------
-    def expect(self, peer: int, key: MessageKey) -> None:
-        """``key``'s message will come from ``peer``: post a header receive for it (the
-        schedule's receive, posted ahead)."""
+    def recv_ops(
+        self, peer: int, key: MessageKey
+    ) -> tuple[list[torch.Tensor | None], list[dist.P2POp]]:
+        """``key``'s tensors from ``peer`` (each ``requires_grad`` as the sender's was), filled
+        once the schedule has posted and waited for the receives returned with them; waits for
+        the message's header, taking the ones before it on the link as they come."""
         link = self._links.setdefault(peer, _Link(peer))
-        if key in link.early:  # its header came first, for another message's receive
-            link.early.remove(key)
-            return
-        if key in link.due or key in link.arrived:
-            raise RuntimeError(f"pipeline: {key.describe()} was expected twice from rank {peer}")
-        link.due.append(key)
-        self._post_header(link)
-
-    def receive(self, peer: int, key: MessageKey) -> list[torch.Tensor | None]:
-        """``key``'s tensors from ``peer`` (each ``requires_grad`` as the sender's was), taking
-        the headers before it on the link as they come."""
-        link = self._links.setdefault(peer, _Link(peer))
-        if key not in link.due and key not in link.arrived or key in link.early:
-            self.expect(peer, key)
-        while key not in link.arrived:
-            self._take_header(link, key)
-        arrived = link.arrived.pop(key)
-        for work in arrived.works:
-            self._wait(work, peer, key, receiving=True)
-        return arrived.tensors
-
-    def _post_header(self, link: _Link) -> None:
-        """Post the next header's receive on ``link`` if a message is due and none is in
-        flight: packed with the tensors of the last message if the one before had the same."""
-        if link.header is not None or not link.due:
-            return  # one at a time: its tensors' receives go before the next header's
-        ahead = link.recent.repeated()
-        if ahead is None:
-            buffer = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        else:
-            buffer = torch.empty(packed_layout(ahead)[1], dtype=torch.uint8, device=self.device)
-        link.header = (self._p2p(dist.irecv, buffer, link.peer, HEADER_TAG), buffer, ahead)
-
-    def _receive_tensors(self, link: _Link, specs: list[TensorSpec | None]) -> _Arrived:
+        specs = link.early.pop(key, None)
+        while specs is None:
+            header = self._take_header(link, key)
+            if header.key == key:
+                specs = header.specs
+            elif header.key in link.early:
+                raise RuntimeError(
+                    f"pipeline: {header.key.describe()} arrived twice from rank {peer}"
+                )
+            else:  # the schedule asks for it later
+                link.early[header.key] = header.specs
         tensors: list[torch.Tensor | None] = []
-        works = []
+        ops = []
         for spec in specs:
             if spec is None:
                 tensors.append(None)
                 continue
             tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             if tensor.numel():  # an empty tensor is all in its header
-                works.append(self._p2p(dist.irecv, tensor, link.peer, TENSOR_TAG))
+                ops.append(self._op(dist.irecv, tensor, peer))
             tensors.append(tensor.requires_grad_(spec.requires_grad))
-        return _Arrived(tensors, works)
+        return tensors, ops
 
-    def _take_header(self, link: _Link, wanted: MessageKey) -> None:
-        """Complete the header in flight on ``link``, post its tensors' receives (or take them
-        from the packed message), and post the next header's receive if more messages are
-        due."""
-        if link.header is None:
-            raise RuntimeError(f"pipeline: no message is due from rank {link.peer}")
-        work, buffer, ahead = link.header
-        self._wait(work, link.peer, wanted, receiving=True, header=True)
-        link.header = None
-        first = buffer if ahead is None else buffer[:HEADER_BYTES].view(torch.int64)
-        slots = header_slots(first)
-        if slots > HEADER_SLOTS:  # the rest of a long header
-            rest = torch.empty(slots - HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            more = self._p2p(dist.irecv, rest, link.peer, HEADER_TAG)
-            self._wait(more, link.peer, wanted, receiving=True, header=True)
-            first = torch.cat([first, rest])
+    def _take_header(self, link: _Link, wanted: MessageKey) -> Header:
+        """The next header on ``link`` (its number checked), waited for."""
+        first = torch.empty(HEADER_SLOTS, dtype=torch.int64)
+        self._wait_header(first, link.peer, wanted)
         try:
+            slots = header_slots(first)
+            if slots > HEADER_SLOTS:  # the rest of a long header
+                rest = torch.empty(slots - HEADER_SLOTS, dtype=torch.int64)
+                self._wait_header(rest, link.peer, wanted)
+                first = torch.cat([first, rest])
             header = decode(first.tolist())
         except ValueError as error:
             raise RuntimeError(
                 f"pipeline: rank {self.comm.rank} of the stage group got {error} from rank "
                 f"{link.peer} while waiting for {wanted.describe()}"
             ) from None
-        key = header.key
-        if header.number != link.received or header.ahead != (ahead is not None):
+        if header.number != link.received:
             raise RuntimeError(
-                f"pipeline: message {header.number} from rank {link.peer} ({key.describe()}) "
-                f"arrived where message {link.received} was due, or not as expected: the stages "
-                "are out of step (a step that failed midway?); build the engine again"
+                f"pipeline: message {header.number} from rank {link.peer} "
+                f"({header.key.describe()}) arrived where message {link.received} was due: the "
+                "stages are out of step (a step that failed midway?); " + restart_advice()
             )
         link.received += 1
-        if key in link.arrived or key in link.early:
-            raise RuntimeError(f"pipeline: {key.describe()} arrived twice from rank {link.peer}")
-        if key in link.due:
-            link.due.remove(key)
-        else:  # the schedule announces it later (another message's header is still to come)
-            link.early.add(key)
-        if ahead is not None and ahead == header.specs:
-            link.arrived[key] = _Arrived(unpack(buffer, header.specs), [])
-        else:
-            link.arrived[key] = self._receive_tensors(link, header.specs)
-        link.recent.push(header.specs)
-        self._post_header(link)
+        return header
 
-    def _wait(
-        self, work: dist.Work, peer: int, key: MessageKey, receiving: bool, header: bool = False
-    ) -> None:
+    def _wait_header(self, into: torch.Tensor, peer: int, wanted: MessageKey) -> None:
+        work = self._p2p(dist.irecv, into, peer, self.headers, self.header_tag)
+        self._wait(work, peer, wanted, receiving=True)
+
+    def _wait(self, work: dist.Work, peer: int, key: MessageKey, receiving: bool) -> None:
         start = time.monotonic()
         try:
             work.wait(self.timeout)
         except (RuntimeError, dist.DistBackendError) as error:
-            what = ("the header of " if header else "") + key.describe()
             action = "send" if receiving else "receive"
             raise CollectiveError(
                 f"pipeline: rank {self.comm.rank} of the stage group waited "
                 f"{time.monotonic() - start:.1f} s (timeout {self.timeout}) for rank {peer} to "
-                f"{action} {what}: {error}. Rank {peer} probably died or stalled; check its log."
+                f"{action} the header of {key.describe()}: {error}. Rank {peer} probably died or "
+                "stalled; check its log."
             ) from error
 
     # -- the end of a step ----------------------------------------------------------------------
     def finish(self) -> None:
-        """Complete this step's sends and check that every message due arrived and was taken:
+        """Complete this step's header sends and check that every header that came was taken:
         the links are then empty, as at the start."""
-        sends, self._sends = self._sends, []
+        sends, self._header_sends = self._header_sends, []
         for work, peer, key in sends:
             self._wait(work, peer, key, receiving=False)
         for link in self._links.values():
-            left = [*link.due, *link.arrived]  # (early ones are in arrived)
-            if left or link.header is not None:
+            if link.early:
                 raise RuntimeError(
                     f"pipeline: the step ended with messages from rank {link.peer} not taken: "
-                    f"{', '.join(k.describe() for k in left) or 'a header receive in flight'}"
+                    f"{', '.join(k.describe() for k in link.early)}"
                 )
+
+
+def _is_gloo(comm: Communicator) -> bool:
+    return dist.get_backend(comm.group) == "gloo"
+
+
+def restart_advice() -> str:
+    """What to do after a step failed midway ([Note: a schedule built again])."""
+    return (
+        "restart the processes (what the failed step posted cannot be taken back, and gloo "
+        "closes a connection whose wait timed out)"
+    )
