@@ -58,6 +58,7 @@ def test_dry_run_trains_through_the_gpu_paths_on_the_cpu(tmp_path):
     assert not any((tmp_path / "scratch").iterdir()), "NVMe working files or results left"
 
 
+@pytest.mark.slow  # 15 s: a torch import per case; the dry run above keeps the harness honest
 def test_a_case_that_fails_or_hangs_is_reported_and_the_others_still_run(tmp_path):
     results, output, code = _check(
         tmp_path, "--skip-tests", "--cases", "stage0", "codec-topk", "--model", "nope"
