@@ -4,6 +4,7 @@ it offers only where they fit; and host memory freed by NVMe offload goes back t
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -253,3 +254,64 @@ def test_freed_heap_memory_goes_back_to_the_system():
     resident, returned = map(int, done.stdout.split())
     assert resident > 200 * MiB, done.stdout  # freed, yet resident: the case meant
     assert returned > 200 * MiB, done.stdout
+
+
+LARGE_BLOCKS_AFTER_NVME = textwrap.dedent(
+    """
+    import ctypes, sys, tempfile
+    import torch
+    from torch import nn
+    import zerotrain
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+
+    def mapped_by_a_4_mib_block():
+        before = libc.mallinfo2().hblkhd
+        block = torch.empty(1 << 20)  # 4 MiB
+        return libc.mallinfo2().hblkhd - before
+
+    torch.empty(4 << 20)  # freeing a mapped 16 MiB block raises glibc's threshold past 4 MiB
+    heap_before = mapped_by_a_4_mib_block() == 0
+    offload = {"device": "nvme", "nvme_path": sys.argv[1]}
+    zerotrain.initialize(model=nn.Linear(64, 64), config={
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1, "offload_optimizer": offload},
+    })
+    print(heap_before, mapped_by_a_4_mib_block() >= 4 << 20)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("user_threshold", [None, str(32 << 20)])
+def test_nvme_offload_maps_large_host_blocks_unless_the_user_chose_a_threshold(
+    tmp_path, user_threshold
+):
+    """Blocks glibc serves from a heap fragment it under a CPU step's changing gradients and
+    temporaries (peak RSS 0.53 of the state lower, not 0.8, in a CI run of
+    tests/test_offload_faults.py): with NVMe offload, a 4 MiB block is mapped on its own, even
+    after glibc has raised its threshold; a user's MALLOC_MMAP_THRESHOLD_ stays in force."""
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc before 2.33: no mallinfo2")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    if user_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = user_threshold
+    done = subprocess.run(
+        [sys.executable, "-c", LARGE_BLOCKS_AFTER_NVME, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    heap_before, mapped_after = done.stdout.split()
+    assert heap_before == "True", done.stdout  # the case meant: a 4 MiB block from the heap
+    assert mapped_after == ("False" if user_threshold else "True"), done.stdout

@@ -27,6 +27,7 @@ __all__ = [
     "get_accelerator",
     "host_memory_limits",
     "peak_rss",
+    "map_large_host_blocks",
     "release_free_host_memory",
     "set_accelerator",
     "settle_host_math",
@@ -248,6 +249,27 @@ def _malloc_trim():
         return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return None
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def map_large_host_blocks(threshold: int = 1 << 20) -> bool:
+    """Have glibc serve every block of ``threshold`` bytes or more from its own mapping,
+    unmapped when freed, instead of from a heap (``mallopt(M_MMAP_THRESHOLD)``, which also
+    stops glibc raising the threshold by itself). False where the C library has no mallopt,
+    or where the user chose a threshold with ``MALLOC_MMAP_THRESHOLD_``, which is kept.
+
+    A heap reuses a freed block only for a request that fits in it, so blocks of changing
+    sizes freed between live ones grow it step after step while the bytes in use stay the
+    same. See [Note: NVMe offload and freed host memory] in zerotrain/zero/nvme.py."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
 # The float unary ops ATen hands to MKL's vector math library (aten/src/ATen/cpu/vml.h).
