@@ -487,6 +487,45 @@ def test_accelerate_launch_runs_ranks_through_the_compat_runner(tmp_path):
     assert done.stdout.count("is zerotrain 0.1.0 in this process") == 1  # rank 0 announces
 
 
+ACCELERATE_SCRIPT = """
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+import deepspeed
+
+# gloo: Accelerate picks a backend only for accelerators (see docs/integrations.md)
+accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, optimizer = accelerator.prepare(model, optimizer)
+for _ in range(2):
+    accelerator.backward(model(torch.randn(2, 4)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+stage = model.zero_optimization_stage()
+print(f"engine: {type(model).__module__} {deepspeed.__version__} stage {stage}", flush=True)
+"""
+
+
+@pytest.mark.slow  # ~30 s on 2 loaded cores
+def test_accelerate_launch_use_deepspeed_runs_on_zerotrain(tmp_path):
+    """`python -m zerotrain.compat accelerate launch --use_deepspeed ... --module
+    zerotrain.compat script.py`: Accelerate's launcher finds `deepspeed.launcher.runner` and
+    starts the ranks with its DeepSpeed environment, each through the compat runner."""
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    launch = [sys.executable, "-m", "zerotrain.compat", str(accelerate), "launch"]
+    launch += ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch += ["--main_process_port", "0", "--module", "zerotrain.compat", str(script)]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("engine: zerotrain.engine 0.19.8+zerotrain stage 2") == 2, done.stdout
+
+
 def _accelerate_run(stage: int, root: str) -> dict:
     """Accelerate with a DeepSpeed plugin and the tiny GPT-2: 4 steps saving its state after
     the second, then the state loaded into a new run that repeats steps 3-4; and zerotrain
@@ -592,3 +631,61 @@ def test_accelerate_trains_saves_and_loads_state_on_zerotrain(tmp_path, stage):
         assert got["resumed_equal"]
         assert got["full_equal"] if rank == 0 or stage < 3 else got["full_none"]
     assert results[0]["losses"] != results[1]["losses"]  # each rank its own shard of the data
+
+
+def test_accelerate_dummy_scheduler_defaults_run_deepspeeds_warmup_schedules():
+    """Accelerate's DummyScheduler defaults to warmup_num_steps=0, which DeepSpeed 0.19.6 and
+    later refuse (as zerotrain does); accelerator.prepare fills in max(1, 0), and the schedule
+    warms up over DeepSpeed's minimum of 2 steps: warmup_min_lr at the first step, then
+    warmup_max_lr (WarmupDecayLR then decays linearly to 0 at total_num_steps)."""
+    done = _python(
+        """
+        import os, socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        from zerotrain.compat.deepspeed import activate
+        activate(announce=False)
+        import torch
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import (DeepSpeedPlugin, DummyOptim, DummyScheduler,
+                                      InitProcessGroupKwargs)
+        for kind in ("WarmupLR", "WarmupDecayLR"):
+            AcceleratorState._reset_state(True)
+            PartialState._reset_state()
+            params = {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps")}
+            if kind == "WarmupDecayLR":
+                params["total_num_steps"] = "auto"
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+                "scheduler": {"type": kind, "params": params},
+            }
+            accelerator = Accelerator(
+                deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+            )
+            model = torch.nn.Linear(4, 4)
+            optimizer = DummyOptim(model.parameters(), lr=1e-2)
+            scheduler = DummyScheduler(optimizer, total_num_steps=4)  # warmup_num_steps=0
+            engine, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+            lrs = []
+            for _ in range(4):
+                accelerator.backward(engine(torch.randn(2, 4)).square().mean())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                lrs.append(round(scheduler.get_last_lr()[0], 12))
+            filled = accelerator.deepspeed_config["scheduler"]["params"]["warmup_num_steps"]
+            print(kind, filled, lrs)
+        """
+    )
+    assert done.stdout.splitlines()[-2:] == [
+        "WarmupLR 1 [0.0, 0.01, 0.01, 0.01]",
+        "WarmupDecayLR 1 [0.0, 0.01, 0.01, 0.005]",
+    ], done.stderr[-3000:]

@@ -1229,7 +1229,7 @@ def test_unknown_warmup_type_falls_back_to_log() -> None:
         ("WarmupDecayLR", {"warmup_num_steps": 10}, r"scheduler\.params\.total_num_steps"),
         ("WarmupCosineLR", {}, r"scheduler\.params\.total_num_steps"),
         ("OneCycle", {"cycle_max_lr": 0.1}, r"scheduler\.params\.cycle_min_lr"),
-        ("WarmupLR", {"warmup_num_steps": 0}, "positive integer"),
+        ("WarmupLR", {"warmup_num_steps": 0}, "positive integer, got 0; .* give 1"),
         ("WarmupLR", {"warmup_max_lr": [0.1, 0.2, 0.3]}, "one value per param group"),
         (
             "OneCycle",

@@ -65,9 +65,11 @@ def _check_warmup(owner: str, warmup_num_steps: Any, warmup_type: str) -> str:
         raise ValueError(
             f"{owner}: warmup_num_steps must be a positive integer, got {warmup_num_steps!r}"
         )
-    if warmup_num_steps <= 0:
+    if warmup_num_steps <= 0:  # DeepSpeed 0.19.6 and later refuse it too, in these words
         raise ValueError(
-            f"{owner}: warmup_num_steps must be a positive integer, got {warmup_num_steps}"
+            f"{owner}: warmup_num_steps must be a positive integer, got {warmup_num_steps}; "
+            "for the shortest warmup give 1 (as in DeepSpeed, a warmup lasts at least 2 "
+            "steps and the first step runs at warmup_min_lr)"
         )
     if warmup_type not in (WARMUP_LOG, WARMUP_LINEAR):
         # DeepSpeed logs a warning and falls back to "log"; an error here would reject configs
