@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     # frameworks: the opt-in DeepSpeed alias and native integrations, over the whole package
     ("frameworks", ("compat", "integrations")),
-    ("cli", ("cli", "__main__")),
+    ("cli", ("cli", "launcher", "__main__")),
 ]
 MAX_LINES = 800
 

@@ -48,6 +48,9 @@ DEEPSPEED_NAMES = [
     ("ops.lamb", ["FusedLamb"]),
     ("pipe", ["PipelineModule", "LayerSpec", "TiedLayerSpec"]),
     ("moe.layer", ["MoE"]),
+    ("launcher.runner", ["DEEPSPEED_ENVIRONMENT_NAME", "DLTS_HOSTFILE", "parse_args", "main"]),
+    ("launcher.runner", ["fetch_hostfile", "parse_resource_filter", "parse_inclusion_exclusion"]),
+    ("launcher.constants", ["PDSH_LAUNCHER", "OPENMPI_LAUNCHER", "SLURM_LAUNCHER"]),
     ("moe.utils", ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"]),
     (
         "runtime.data_pipeline.data_sampling.variable_batch_size_and_lr",

@@ -1,9 +1,9 @@
 """The ``zerotrain`` console script: ``zerotrain run``, ``zerotrain checkpoint``,
-``zerotrain config``, ``zerotrain estimate``.
+``zerotrain config``, ``zerotrain estimate``, ``zerotrain deepspeed``.
 
 One module per command: :mod:`~zerotrain.cli.launch` (``run``, a thin wrapper of torchrun),
-:mod:`~zerotrain.cli.checkpoint` (consolidate, inspect), :mod:`~zerotrain.cli.config` (check)
-and :mod:`~zerotrain.cli.estimate`;
+:mod:`~zerotrain.cli.checkpoint` (consolidate, inspect), :mod:`~zerotrain.cli.config` (check),
+:mod:`~zerotrain.cli.estimate` and :mod:`~zerotrain.cli.deepspeed` (DeepSpeed's launcher flags);
 each has ``PARSER`` (its ``add_parser`` arguments) and ``add_arguments(parser)``.
 
 [Note: `zerotrain --version` imports nothing heavy]
@@ -21,13 +21,19 @@ import sys
 from collections.abc import Sequence
 
 from zerotrain import __version__
-from zerotrain.cli import checkpoint, config, estimate, launch
+from zerotrain.cli import checkpoint, config, deepspeed, estimate, launch
 from zerotrain.cli.estimate import EstimateError
 from zerotrain.cli.launch import LaunchError, LaunchPlan, plan_launch
 
 __all__ = ["EstimateError", "LaunchError", "LaunchPlan", "main", "plan_launch"]
 
-_COMMANDS = {"run": launch, "checkpoint": checkpoint, "config": config, "estimate": estimate}
+_COMMANDS = {
+    "run": launch,
+    "checkpoint": checkpoint,
+    "config": config,
+    "estimate": estimate,
+    "deepspeed": deepspeed,
+}
 
 
 def _build_parser(command: str | None) -> argparse.ArgumentParser:

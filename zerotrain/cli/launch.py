@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import os
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from zerotrain.cli.arguments import ParserSpec
 from zerotrain.cli.torchrun import check_endpoint, run_torchrun
 from zerotrain.errors import ZeroTrainError
 
-__all__ = ["PARSER", "LaunchError", "LaunchPlan", "add_arguments", "plan_launch"]
+__all__ = ["PARSER", "LaunchError", "LaunchPlan", "add_arguments", "plan_launch", "run_planned"]
 
 # Options that belong to `zerotrain run` itself; all other launcher options go to torchrun.
 _DRY_RUN = "--dry-run"
@@ -282,13 +283,16 @@ def plan_launch(
     cpu_count: int,
     cuda_devices: int,
     python: str = sys.executable,
+    local_rank_argument: bool = False,
 ) -> LaunchPlan | None:
     """Builds the torchrun command for ``zerotrain run RUN_ARGV``.
 
     Launches nothing, so it can be tested. `environ` is the environment the launch inherits
     (torchrun's parser reads its PET_* defaults from `os.environ` itself); `cuda_devices` is the
-    number of local CUDA devices. Returns None when help was requested, after printing it.
-    Raises `LaunchError` on a bad command line.
+    number of local CUDA devices; `local_rank_argument`: each rank's script gets
+    ``--local_rank=N`` before its arguments, as DeepSpeed's launcher passes it (needs
+    --deepspeed-compat: the compat runner adds it). Returns None when help was requested, after
+    printing it. Raises `LaunchError` on a bad command line.
     """
     torchrun = _torchrun_parser()
     takes_value = _option_arity(torchrun)
@@ -340,8 +344,16 @@ def plan_launch(
     if single_node and not has_rendezvous:
         argv.append("--standalone")
     argv += ["--nproc-per-node", str(nproc), *forwarded]
+    if own.compat and parsed.no_python:
+        raise LaunchError(
+            f"zerotrain run: {_COMPAT} runs SCRIPT in Python; --no-python runs a program"
+        )
     if own.compat:  # each rank: python -m zerotrain.compat SCRIPT (activates, then runs it)
         argv += ["-m", "zerotrain.compat", *(["--shadow-deepspeed"] * (own.compat == "shadow"))]
+        argv += ["--local-rank-arg"] * local_rank_argument
+        argv += ["-m"] * bool(parsed.module)  # SCRIPT is a module: the runner imports it
+    elif local_rank_argument:
+        raise LaunchError(f"zerotrain run: --local_rank=N is passed only with {_COMPAT}")
     argv += [script, *script_args]
     endpoint = None
     if has_rendezvous:
@@ -411,13 +423,13 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
+def run_planned(make_plan: Callable[..., LaunchPlan | None]) -> int:
+    """Plan with ``make_plan(environ=, cpu_count=, cuda_devices=)`` for this machine, then run
+    the plan (or print it, with --dry-run); returns the exit status. A LaunchError is one line
+    on stderr and status 2."""
     try:
-        plan = plan_launch(
-            rest,
-            environ=os.environ,
-            cpu_count=_available_cpus(),
-            cuda_devices=_cuda_device_count(),
+        plan = make_plan(
+            environ=os.environ, cpu_count=_available_cpus(), cuda_devices=_cuda_device_count()
         )
     except LaunchError as error:
         print(error, file=sys.stderr)
@@ -434,6 +446,10 @@ def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
             return 2
     # see [Note: torchrun in the launcher's own process] (torchrun.py)
     return run_torchrun(plan.torchrun_argv, plan.env_overrides)
+
+
+def _run_command(args: argparse.Namespace, rest: list[str]) -> int:
+    return run_planned(functools.partial(plan_launch, rest))
 
 
 PARSER: ParserSpec = {
