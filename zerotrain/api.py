@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import socket
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -124,6 +125,10 @@ def initialize(
     if cfg.log_level is not None:
         # the `zerotrain` logger (zerotrain.utils.logger, DeepSpeed's deepspeed.utils.logger)
         logging.getLogger("zerotrain").setLevel(cfg.log_level.upper())
+    if comm.rank == 0:  # DeepSpeed's INFO line, which clients assert on deepspeed.utils.logger
+        version = sys.modules["zerotrain"].__version__  # the package root: a layer above
+        info = f"DeepSpeed info: version={version}, git-hash=[none], git-branch=[none]"
+        logging.getLogger("zerotrain").info(f"[Rank 0] {info}")
     if cfg.dump_state and comm.rank == 0:
         print(f"zerotrain config:\n{cfg.model_dump_json(indent=2)}", flush=True)
     comms_logger = cfg.comms_logger

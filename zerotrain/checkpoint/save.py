@@ -42,6 +42,7 @@ from zerotrain.checkpoint.manifest import (
     scan,
 )
 from zerotrain.checkpoint.rng import capture_rng_state
+from zerotrain.errors import ZeroTrainError
 from zerotrain.tensor_parallel.shard import TPShard, shard_of
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def save_checkpoint(
     """Save ``engine``'s full training state under ``save_dir/tag`` (collective); returns the
     checkpoint directory. See :meth:`ZeroTrainEngine.save_checkpoint`."""
     comm = engine.comm
-    tag = _agreed_tag(engine, tag)
+    tag = _agreed_tag(engine, tag, save_dir)
     if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
         warnings.warn(
             "save_checkpoint: called in the middle of a gradient accumulation; the gradients "
@@ -107,18 +108,35 @@ def _not_saved(directory: Path, problems: list[str]) -> CheckpointError:
     )
 
 
-def _agreed_tag(engine: TrainingState, tag: str | None) -> str:
+class TagMismatch(ZeroTrainError, ValueError, AssertionError):
+    """The ranks passed different tags under ``checkpoint.tag_validation: Fail``: an
+    ``AssertionError``, as DeepSpeed raises it (its tests expect one), and a ``ValueError``."""
+
+
+def _agreed_tag(engine: TrainingState, tag: str | None, save_dir: str | Path | None) -> str:
+    """The tag every rank saves under, and a ``save_dir`` checked on every rank, before anything
+    is written."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    no_dir = save_dir is None or (isinstance(save_dir, str) and not save_dir.strip())
     # gather before validating: a rank raising alone would leave the others in the collective
-    tags = engine.comm.all_gather_object(tag)
+    reports = engine.comm.all_gather_object((tag, repr(save_dir) if no_dir else None))
+    tags = [t for t, _ in reports]
+    empty = {rank: bad for rank, (_, bad) in enumerate(reports) if bad is not None}
+    if empty:
+        raise ValueError(
+            f"save_checkpoint: save_dir {' / '.join(sorted(set(empty.values())))} on rank(s) "
+            f"{sorted(empty)} names no directory (an empty one would write into the current "
+            "directory); pass the folder to save into, the same on every rank"
+        )
     mode = engine.zerotrain_config.checkpoint.tag_validation
     if len(set(tags)) > 1 and mode != "Ignore":
         message = (
-            f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; every rank must "
-            "pass the same tag"
+            "save_checkpoint: the checkpoint tag is not consistent across all ranks: ranks "
+            f"passed different tags {sorted(set(tags))}; every rank must pass the same tag (a "
+            "tag with rank-specific information cannot be restored at another world size)"
         )
         if mode == "Fail":
-            raise ValueError(message + " (checkpoint.tag_validation is Fail)")
+            raise TagMismatch(message + " (checkpoint.tag_validation is Fail)")
         if engine.comm.rank == 0:
             warnings.warn(message + f"; saving under rank 0's tag {tags[0]!r}", stacklevel=3)
     tag = tags[0]
