@@ -40,6 +40,9 @@ DEEPSPEED_NAMES = [
     ("runtime.compiler", ["is_compile_supported"]),
     ("runtime.zero.offload_config", ["OffloadDeviceEnum", "OffloadStateTypeEnum"]),
     ("runtime.zero.partition_parameters", ["ZeroParamStatus", "GatheredParameters", "Init"]),
+    # transformers' from_pretrained under ZeRO-3 (prevent_arange_dtype_change)
+    ("runtime.zero.partition_parameters", ["zero_wrapper_for_fp_tensor_constructor"]),
+    ("runtime.zero.partition_parameters", ["_orig_torch_arange", "get_accelerator"]),
     ("checkpoint.utils", ["clone_tensors_for_torch_save"]),
     ("checkpointing", ["checkpoint", "configure", "is_configured", "reset"]),
     ("profiling.flops_profiler", ["FlopsProfiler"]),

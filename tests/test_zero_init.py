@@ -167,3 +167,121 @@ def test_init_checks_its_config_before_any_module_is_built(tmp_path):
         "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
     }
     assert zerotrain.zero.Init(config_dict_or_path=unfilled).dtype == torch.bfloat16
+
+
+def _torch_state() -> dict:
+    """What zero.Init patches: torch's constructors, nn.Module's subclass hook, every
+    module class's own __init__."""
+    from zerotrain.zero.init import _module_classes
+
+    return {
+        "constructors": {n: getattr(torch, n) for n in TORCH_CONSTRUCTORS},
+        "subclass_hook": nn.Module.__dict__.get("__init_subclass__"),
+        "inits": {cls: cls.__dict__.get("__init__") for cls in _module_classes()},
+    }
+
+
+TORCH_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+
+class _Buffers(nn.Module):
+    """Buffers only (nothing to partition, so no process group): what torch's constructors
+    give inside Init."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("default", torch.zeros(3))
+        self.register_buffer(
+            "rope", 1.0 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.int64) / 4))
+        )
+        self.register_buffer("explicit", torch.ones(2, dtype=torch.float64))
+        self.register_buffer("ids", torch.tensor([1, 2]))
+
+
+def test_init_wraps_torch_constructors_through_the_served_name(monkeypatch):
+    from zerotrain.runtime.zero import partition_parameters as pp
+    from zerotrain.zero import init as init_module
+
+    before = _torch_state()
+    asked = []
+    wrapper = pp.zero_wrapper_for_fp_tensor_constructor
+
+    def override(fn, *args, **kwargs):  # as transformers replaces it around from_pretrained
+        asked.append((fn, kwargs))
+        return wrapper(fn, *args, **kwargs)
+
+    monkeypatch.setattr(pp, "zero_wrapper_for_fp_tensor_constructor", override)
+    assert init_module.zero_wrapper_for_fp_tensor_constructor is override  # one value
+    with zerotrain.zero.Init(dtype=torch.bfloat16):
+        inside = {n: getattr(torch, n) for n in TORCH_CONSTRUCTORS}
+        buffers = _Buffers()
+    originals = {n: getattr(pp, f"_orig_torch_{n}") for n in TORCH_CONSTRUCTORS}
+    assert originals == before["constructors"]
+    assert [fn for fn, _ in asked] == list(originals.values())
+    assert all(kw == {"target_fp_dtype": None, "target_device": None} for _, kw in asked)
+    assert all(inside[n] is not originals[n] for n in TORCH_CONSTRUCTORS)
+    # dtypes as the code asked for (zerotrain casts parameters when it partitions them)
+    assert {n: b.dtype for n, b in buffers.named_buffers()} == {
+        "default": torch.float32,
+        "rope": torch.float32,
+        "explicit": torch.float64,
+        "ids": torch.int64,
+    }
+    assert all(torch.equal(b, getattr(_Buffers(), n)) for n, b in buffers.named_buffers())
+    assert _torch_state() == before
+
+
+def test_zero_wrapper_for_fp_tensor_constructor_as_deepspeed_defines_it():
+    from zerotrain.runtime.zero.partition_parameters import zero_wrapper_for_fp_tensor_constructor
+
+    zeros = zero_wrapper_for_fp_tensor_constructor(torch.zeros, torch.bfloat16, "meta")
+    assert zeros(3).dtype == torch.bfloat16 and zeros(3).device.type == "meta"
+    assert zeros(3, device="cpu").device.type == "cpu"  # a device the call names is kept
+    arange = zero_wrapper_for_fp_tensor_constructor(torch.arange, torch.bfloat16)
+    assert arange(4).dtype == torch.int64  # only floating-point tensors are cast
+    assert arange(4.0).dtype == torch.bfloat16
+    unchanged = zero_wrapper_for_fp_tensor_constructor(torch.ones, None, None)
+    assert torch.equal(unchanged(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+
+
+class _Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        _Fails.zeros_seen = torch.zeros
+        raise ValueError("a module's __init__ failed")
+
+
+@pytest.mark.parametrize("where", ["inside", "wrapper", "patching"])
+def test_a_failed_init_restores_torch_and_module_classes(monkeypatch, where):
+    from zerotrain.runtime.zero import partition_parameters as pp
+    from zerotrain.zero.init import Init
+
+    before = _torch_state()
+    if where == "wrapper":  # a client's wrapper fails on the fifth constructor
+        wrapper, made = pp.zero_wrapper_for_fp_tensor_constructor, []
+
+        def failing_wrapper(fn, *args, **kwargs):
+            made.append(fn)
+            if len(made) == 5:
+                raise RuntimeError("a client's wrapper failed")
+            return wrapper(fn, *args, **kwargs)
+
+        monkeypatch.setattr(pp, "zero_wrapper_for_fp_tensor_constructor", failing_wrapper)
+    if where == "patching":  # patching a module class fails part-way through __enter__
+        patch, patched = Init._patch, []
+
+        def failing_patch(self, cls):
+            patched.append(cls)
+            if len(patched) == 5:
+                raise RuntimeError("patching failed")
+            patch(self, cls)
+
+        monkeypatch.setattr(Init, "_patch", failing_patch)
+    with pytest.raises((ValueError, RuntimeError), match="failed"):
+        with zerotrain.zero.Init():
+            _Fails()
+    if where == "inside":
+        assert _Fails.zeros_seen is not before["constructors"]["zeros"]  # it was wrapped
+    assert _torch_state() == before
+    linear = nn.Linear(3, 2)  # built as without Init
+    assert linear.weight.shape == (2, 3) and not hasattr(linear.weight, "ds_id")

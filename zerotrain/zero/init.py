@@ -12,6 +12,21 @@ whole: a model larger than one rank's memory can be built. Initialisation code t
 
 ``zerotrain.initialize`` with stage 3 re-lays the chunks into its own units one parameter at a
 time; stages 0-2 gather them whole. :class:`GatheredParameters` gives temporary full access.
+
+[Note: torch's tensor constructors inside Init]
+DeepSpeed's Init also replaces torch's tensor constructors (``torch.tensor``, ``empty``,
+``zeros``, ``ones``, ``full``, ``arange``, ``eye``, ``randn``) by wrappers that put tensors on
+its device and cast floating ones to the training dtype. It makes each wrapper by calling the
+module attribute ``zero_wrapper_for_fp_tensor_constructor`` on torch's original (the
+``_orig_torch_*`` names), looked up when the context is entered, so that a client can change
+it: transformers does, around every ``from_pretrained`` under ZeRO-3, to keep ``torch.arange``
+(RoPE's inverse frequencies) out of the cast. zerotrain's Init makes the same replacement
+through the same lookup, restored on exit, and asks for neither a dtype nor a device
+(``target_fp_dtype=None, target_device=None``): it casts parameters when it partitions them,
+so a module's ``__init__`` runs as it would without Init (the same random draws, the same
+values before the cast, buffers in the dtypes their code asked for, tensors on torch's default
+device) and a model built under Init holds exactly what the same model built whole and then
+partitioned would hold.
 """
 
 from __future__ import annotations
@@ -45,6 +60,58 @@ class ZeroParamStatus(enum.Enum):
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
+
+
+# torch's constructors as they were when zerotrain was imported: what Init wraps, and what a
+# client's wrapper compares against (transformers: ``fn is pp._orig_torch_arange``)
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
+
+
+def _torch_constructors() -> dict[str, Callable[..., torch.Tensor]]:
+    """torch's constructors that Init wraps, by their name in ``torch``."""
+    return {
+        "tensor": _orig_torch_tensor,
+        "empty": _orig_torch_empty,
+        "zeros": _orig_torch_zeros,
+        "ones": _orig_torch_ones,
+        "full": _orig_torch_full,
+        "arange": _orig_torch_arange,
+        "eye": _orig_torch_eye,
+        "randn": _orig_torch_randn,
+    }
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor],
+    target_fp_dtype: torch.dtype | None,
+    target_device: torch.device | str | None = None,
+) -> Callable[..., torch.Tensor]:
+    """DeepSpeed's: ``fn``, one of torch's tensor constructors, made to put its tensor on
+    ``target_device`` when the call names no device, and to cast a floating-point tensor to
+    ``target_fp_dtype``; None leaves that as the call has it. :class:`Init` passes None for both
+    (see [Note: torch's tensor constructors inside Init]): zerotrain casts parameters when it
+    partitions them, so constructors keep the dtypes their callers ask for and a model's
+    initialisation runs as in an unpartitioned model. Init looks this name up when it is
+    entered, so a replacement assigned to it (here or in
+    ``zerotrain.runtime.zero.partition_parameters``) is what Init uses."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped
 
 
 class ParamOwner(Protocol):
@@ -211,11 +278,15 @@ class Init:
     config HuggingFace has not filled yet (``"auto"`` values) is fine. ``dtype`` overrides it; without either the dtype is unchanged. ``enabled=False`` is a
     no-op; ``module`` partitions an existing module's parameters now. ``remote_device`` "cpu"
     asks for the chunks in CPU memory, where they are on a CPU-only run; from a GPU it is
-    refused until zerotrain offloads. ``mem_efficient_linear``, ``pin_memory`` and
-    ``tensor_overrides`` tune DeepSpeed's kernels and copies and have no effect here. The
-    process-group arguments must be None (the default group) and ``zero_quantized_*`` False.
-    Parameters stay partitioned after the context; train with ``zerotrain.initialize`` at
-    stage 3, or read them with :class:`GatheredParameters`.
+    refused until zerotrain offloads. ``mem_efficient_linear`` and ``pin_memory`` tune
+    DeepSpeed's kernels and copies and have no effect here; nor does ``tensor_overrides``: torch's
+    tensor constructors are wrapped inside the context as in DeepSpeed, through
+    :func:`zero_wrapper_for_fp_tensor_constructor`, but asked to change neither dtype nor device
+    (see [Note: torch's tensor constructors inside Init]). The process-group arguments must be
+    None (the default group) and ``zero_quantized_*`` False. Parameters stay partitioned after
+    the context; train with ``zerotrain.initialize`` at stage 3, or read them with
+    :class:`GatheredParameters`. Leaving the context, also by an exception, or a failure while
+    entering it, restores torch's constructors and module classes as they were.
     """
 
     def __init__(
@@ -272,6 +343,7 @@ class Init:
         self._comm: Communicator | None = None
         self._depth: dict[int, int] = {}
         self._patched: list[tuple[type, object]] = []
+        self._replaced_constructors: dict[str, object] = {}  # torch's attributes before enter
         # a large model takes minutes to build partitioned: shown on a terminal (progress.py)
         self._phase = contextlib.ExitStack()
         self._advance: Callable[[float], object] = lambda numel: None
@@ -315,29 +387,53 @@ class Init:
             self._patched.append((cls, original))
             cls.__init__ = self._wrap(original)
 
+    def _wrap_constructors(self) -> None:
+        """Replace torch's tensor constructors by wrappers made by the module attribute
+        ``zero_wrapper_for_fp_tensor_constructor`` as it is now (a client's override counts);
+        all are made before any is installed, so a failing wrapper changes nothing."""
+        make = zero_wrapper_for_fp_tensor_constructor  # the module global as it is now
+        wrappers = {
+            name: make(original, target_fp_dtype=None, target_device=None)
+            for name, original in _torch_constructors().items()
+        }
+        for name, wrapper in wrappers.items():
+            self._replaced_constructors[name] = getattr(torch, name)
+            setattr(torch, name, wrapper)
+
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        self._advance = self._phase.enter_context(
-            progress("zero.Init: parameters built and partitioned", unit=" params")
-        )
-        for cls in _module_classes():
-            self._patch(cls)
-        # Classes defined inside the context are patched when they are created.
-        original_hook = nn.Module.__dict__.get("__init_subclass__")
-        init = self
+        try:
+            self._wrap_constructors()
+            self._advance = self._phase.enter_context(
+                progress("zero.Init: parameters built and partitioned", unit=" params")
+            )
+            for cls in _module_classes():
+                self._patch(cls)
+            # Classes defined inside the context are patched when they are created.
+            original_hook = nn.Module.__dict__.get("__init_subclass__")
+            init = self
 
-        def __init_subclass__(cls, **kwargs):
-            super(nn.Module, cls).__init_subclass__(**kwargs)
-            init._patch(cls)
+            def __init_subclass__(cls, **kwargs):
+                super(nn.Module, cls).__init_subclass__(**kwargs)
+                init._patch(cls)
 
-        # a patch of torch's class, undone in __exit__ (the checker sees a method reassigned)
-        # pyrefly: ignore[bad-assignment]
-        nn.Module.__init_subclass__ = classmethod(__init_subclass__)
-        self._patched.append((nn.Module, ("__init_subclass__", original_hook)))
+            # a patch of torch's class, undone in _restore (the checker sees a method reassigned)
+            # pyrefly: ignore[bad-assignment]
+            nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+            self._patched.append((nn.Module, ("__init_subclass__", original_hook)))
+        except BaseException:
+            # Python calls no __exit__ for a failed __enter__ (nor does an ExitStack, as
+            # transformers' from_pretrained uses): undo what was done so far here
+            self._restore()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        """Undo every patch of this context, also after a failure part-way."""
         for cls, original in reversed(self._patched):
             if isinstance(original, tuple):  # the __init_subclass__ hook
                 name, value = original
@@ -348,6 +444,10 @@ class Init:
             else:  # the __init__ _patch wrapped (the checker sees a method reassigned)
                 cls.__init__ = original  # pyrefly: ignore[bad-assignment]
         self._patched.clear()
+        for name, value in self._replaced_constructors.items():
+            setattr(torch, name, value)
+        self._replaced_constructors.clear()
+        self._depth.clear()
         self._phase.close()
         self._advance = lambda numel: None
 
