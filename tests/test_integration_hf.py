@@ -209,7 +209,8 @@ def train_with_hf_trainer(stage: int, root: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+# stage 2 with the slow tests (47 s on loaded cores): stage 3 runs the same path and more
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_hf_trainer_trains_as_zerotrain_called_directly(tmp_path, stage):
     from transformers import GPT2LMHeadModel
 
@@ -437,6 +438,7 @@ if trainer.args.process_index == 0:
 """
 
 
+@pytest.mark.slow  # 80 s on loaded cores; test_lora trains peft at every stage by default
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
 def test_hf_trainer_fine_tunes_peft_lora_at_zero3_and_resumes(tmp_path):
     """The commonest ZeRO-3 job: HF's Trainer, a peft model, the frozen base partitioned. The
@@ -467,6 +469,7 @@ def test_hf_trainer_fine_tunes_peft_lora_at_zero3_and_resumes(tmp_path):
     assert len(losses(straight)) == 8 and losses(resumed) == losses(straight), resumed
 
 
+@pytest.mark.slow  # the documented --use_deepspeed command below covers the same ranks
 def test_accelerate_launch_runs_ranks_through_the_compat_runner(tmp_path):
     """`accelerate launch --module zerotrain.compat script.py`: each rank activates the alias
     before the script runs (`--use_deepspeed` would need DeepSpeed in the launcher itself)."""
@@ -509,7 +512,6 @@ print(f"engine: {type(model).__module__} {deepspeed.__version__} stage {stage}",
 """
 
 
-@pytest.mark.slow  # ~30 s on 2 loaded cores
 def test_accelerate_launch_use_deepspeed_runs_on_zerotrain(tmp_path):
     """`python -m zerotrain.compat accelerate launch --use_deepspeed ... --module
     zerotrain.compat script.py`: Accelerate's launcher finds `deepspeed.launcher.runner` and
@@ -617,7 +619,7 @@ def _accelerate_run(stage: int, root: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_accelerate_trains_saves_and_loads_state_on_zerotrain(tmp_path, stage):
     results = run_distributed(
         _accelerate_run, 2, stage, str(tmp_path), timeout=300, fresh_interpreter=True

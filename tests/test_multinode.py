@@ -42,6 +42,7 @@ def _summary(output: str) -> dict[str, str]:
 TRAIN = ["examples/train_gpt.py", "--model", "tiny", "--steps", "12", "--print-every", "4"]
 
 
+@pytest.mark.slow  # 49 s: the demo on 2 emulated nodes (docs/launching.md says so)
 def test_two_nodes_train_as_one_node_with_the_same_ranks(two_nodes):
     """2 nodes x 2 ranks over the rate-limited veth train exactly as 1 node x 4 ranks: the same
     losses, bit for bit, on the node-local ranks of both nodes."""

@@ -161,6 +161,7 @@ def _filesystem(path: Path) -> str:
     return kind
 
 
+@pytest.mark.slow  # 46 s, five runs; tests/test_preflight.py checks the cgroup reading
 def test_nvme_trains_under_a_memory_limit_the_in_memory_run_exceeds(tmp_path):
     if _filesystem(tmp_path) in ("tmpfs", "ramfs"):  # its pages are charged to the cgroup
         pytest.skip(f"{tmp_path} is in memory ({_filesystem(tmp_path)}): no disk to offload to")
