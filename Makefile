@@ -3,7 +3,7 @@ NPROC ?= 2
 STEPS ?= 200
 ARGS ?=
 
-.PHONY: env demo test test-all lint gpu-check gpu-wheels
+.PHONY: env demo test test-all test-newest lint gpu-check gpu-wheels
 
 env:
 	bash scripts/setup_env.sh
@@ -18,6 +18,11 @@ test: env
 
 test-all: env
 	PYTHONDONTWRITEBYTECODE= .venv/bin/python -m pytest -q -m ''
+
+# The tests that reach zerotrain through transformers, accelerate, lightning and peft, with those
+# at their newest releases instead of the pins (in .venv-newest; prints both versions).
+test-newest:
+	bash scripts/test_newest_clients.sh $(ARGS)
 
 # The type checker's scope, interpreter and preset are in pyproject.toml ([tool.pyrefly]).
 lint: env
