@@ -203,7 +203,7 @@ def _damaged_copy(save_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     corrupt = copy / "corrupt"
     shutil.copytree(copy / "global_step2", corrupt)
     manifest = json.loads((corrupt / "manifest.json").read_text())
-    manifest["commit_time"] += 1  # the newest: what tag=None would pick
+    manifest["commit_time"] += 1  # the newest commit; latest still names global_step2
     (corrupt / "manifest.json").write_text(json.dumps(manifest))
     rank_file = corrupt / manifest["roles"]["shard"][1]
     data = bytearray(rank_file.read_bytes())
@@ -234,7 +234,7 @@ def test_inspect_reports_complete_incomplete_and_corrupt_checkpoints(trained, tm
 
     # what reads the corrupted checkpoint refuses it, naming the file
     with pytest.raises(CheckpointError, match=f"{rank_file}: corrupted"):
-        consolidate(copy, tmp_path / "out", progress=False)
+        consolidate(copy, tmp_path / "out", tag="corrupt", progress=False)
     assert not (tmp_path / "out").exists()
     model = _fresh_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -102,6 +102,38 @@ def _copy(source: Path, target: Path, drop: tuple[str, ...] = ()) -> Path:
     return target
 
 
+def test_tag_none_reads_the_tag_latest_names_as_deepspeed(tmp_path):
+    expected = read_state_dict(GOLDEN)
+    frozen = "frozen_scale"  # DropoutModel's frozen parameter
+    # a newer save that did not move latest (save_latest=False), with files that fail to read
+    save = _copy(GOLDEN, tmp_path / "save")
+    folder = hf_trainer_folder(GOLDEN, tmp_path / "out" / "checkpoint-2")
+    for path in (save, folder):
+        newer = _copy(GOLDEN / "global_step2", path / "global_step5")
+        manifest = json.loads((newer / "manifest.json").read_text())
+        manifest.update(tag="global_step5", commit_time=manifest["commit_time"] + 100)
+        (newer / "manifest.json").write_text(json.dumps(manifest))
+        for shard in newer.glob("*-rank*.safetensors"):
+            shard.write_bytes(b"")
+
+    for path in (save, folder):  # DeepSpeed reads latest's tag; so does every tool here
+        assert resolve(path).directory == path / "global_step2"
+        _assert_equal(get_fp32_state_dict_from_zero_checkpoint(path), expected)
+        model = load_state_dict_from_zero_checkpoint(DropoutModel(), path)  # HF's recipe
+        _assert_equal(_model_state(model, expected), expected)
+        consolidate(path, tmp_path / "export" / path.name, progress=False)
+        _assert_equal(load_file(tmp_path / "export" / path.name / "model.safetensors"), expected)
+        trained = get_fp32_state_dict_from_zero_checkpoint(path, exclude_frozen_parameters=True)
+        _assert_equal(trained, {k: v for k, v in expected.items() if k != frozen})
+        with pytest.raises(CheckpointError, match="global_step5"):  # a tag asked for by name
+            get_fp32_state_dict_from_zero_checkpoint(path, tag="global_step5")
+    assert "latest: global_step2" in inspect_checkpoints(save, verify=False)
+
+    # latest naming no complete checkpoint: the newest complete one (DeepSpeed would raise)
+    (save / "latest").write_text("global_step9\n")
+    assert resolve(save).directory.name == "global_step5"
+
+
 def test_save_directories_tag_directories_and_the_folders_around_them(tmp_path):
     expected = read_state_dict(GOLDEN)
     _assert_equal(read_state_dict(GOLDEN / "global_step2"), expected)  # a tag directory itself

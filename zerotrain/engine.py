@@ -495,8 +495,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     ) -> dict[str, torch.Tensor]:
         """The full model state dict from the fp32 master weights, on every rank (collective).
 
-        Same keys as ``module.state_dict()``; floating-point entries are cast to ``dtype``.
-        Frozen parameters that stage 3 partitions are gathered unit by unit, onto the host.
+        Same keys as ``module.state_dict()``, tied keys sharing one tensor as in the model;
+        floating-point entries are cast to ``dtype``. Frozen parameters that stage 3
+        partitions are gathered unit by unit, onto the host.
         """
         return self._full_state(dtype, exclude_frozen=False)
 
@@ -532,6 +533,13 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             mine = {k: v.cpu() for k, v in out.items() if id(entries.get(k)) in of_experts}
             for theirs in self.expert_comm.all_gather_object(mine):
                 out.update(theirs)
+        # a tied key (embedding and head) is one tensor, as in the model and DeepSpeed's gather:
+        # torch.save then writes it once and load_state_dict keeps the tie
+        first_key: dict[int, str] = {}
+        for key, value in entries.items():
+            first = first_key.setdefault(id(value), key)
+            if first != key and first in out and key in out:
+                out[key] = out[first]
         return out
 
     def module_state_dict(
@@ -566,7 +574,11 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         state = self._training_dtype_state(exclude_frozen_parameters)
         if self.global_rank != 0:
             return None
-        return {key: value.cpu() for key, value in state.items()}
+        on_cpu: dict[int, torch.Tensor] = {}  # a tied tensor is copied once, and stays one
+        for value in state.values():
+            if id(value) not in on_cpu:
+                on_cpu[id(value)] = value.cpu()
+        return {key: on_cpu[id(value)] for key, value in state.items()}
 
     def _training_dtype_state(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
         """The full state dict in the training dtype (collective; complete on rank 0, which
@@ -623,8 +635,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     ) -> tuple[str | None, dict | None]:
         """Load a checkpoint saved at any world size and ZeRO stage (collective).
 
-        ``tag=None`` takes the newest complete checkpoint in ``load_dir`` (incomplete saves are
-        ignored), or ``load_dir`` itself if it is one; the HuggingFace Trainer's
+        ``tag=None`` takes the checkpoint ``load_dir/latest`` names, as DeepSpeed does; without
+        one (or where it names no complete checkpoint) the newest complete one (incomplete
+        saves are ignored), or ``load_dir`` itself if it is one; the HuggingFace Trainer's
         ``checkpoint-N`` folder is a save directory. Returns ``(path, client_state)``, or
         ``(None, None)`` when there is no checkpoint to load: quietly (one line) for an empty
         folder, a first run; with a warning for a path that does not exist, only incomplete
@@ -699,11 +712,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Rank 0 writes the full model state dict in the training dtype to
-        ``save_dir/save_filename`` (collective): a ``.safetensors`` name writes safetensors,
-        any other ``torch.save``; written under a temporary name and renamed. At ZeRO stage 3
-        this needs ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (the full
-        weights are gathered); without it nothing is written and False is returned, as in
-        DeepSpeed. For resumable training state use :meth:`save_checkpoint`.
+        ``save_dir/save_filename`` (collective): a ``.safetensors`` name writes safetensors (a
+        copy per tied key: it cannot share), any other ``torch.save`` (tied keys one tensor);
+        written under a temporary name and renamed. At ZeRO stage 3 this needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (the full weights are
+        gathered); without it nothing is written and False is returned, as in DeepSpeed. For
+        resumable training state use :meth:`save_checkpoint`.
         """
         gather = self.zero_gather_16bit_weights_on_model_save()
         if self.optimizer.shards_params and not gather:

@@ -6,9 +6,20 @@ or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.js
 split is planned from the manifest's shapes alone, then each file is streamed by
 ``write_safetensors``: an entry's chunks are the parameter's segments, read from the rank files
 when the writer reaches them. At most one segment of one parameter is in memory at a time, so a
-model larger than this machine's memory consolidates as well as a small one. Tied parameters
-are written under each of their state-dict keys (the data twice): every loader can then read
-every key, where a deduplicated file needs the loader to know the tie.
+model larger than this machine's memory consolidates as well as a small one.
+
+[Note: tied parameters in exports]
+A tied embedding and head (GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``) is one
+tensor under two state-dict keys. In memory (:func:`read_state_dict`, DeepSpeed's
+``get_fp32_state_dict_from_zero_checkpoint``) and in ``torch.save`` files the keys share one
+tensor, as the model and DeepSpeed's ``shared_params`` recovery hold it, so the file holds the
+data once and ``load_state_dict`` keeps the tie. safetensors cannot store two names for one
+tensor (it refuses shared tensors); there each key gets its own copy of the data, as DeepSpeed's
+``safe_serialization`` writes it since deepspeedai/DeepSpeed#8376 (before, it stopped with
+safetensors' error): ``load_state_dict(strict=True)`` then finds every key, and
+HuggingFace's ``from_pretrained`` ties the loaded copy again. (HuggingFace's ``save_pretrained``
+drops the tied key instead, which only a loader that knows the tie can read.) The checkpoint
+names the ties: keys of one trained parameter, and the manifest's ``tied_keys``.
 
 Files are written under temporary names and renamed at the end, the index last: a crash leaves
 temporary files, never a truncated file under a final name.
@@ -87,6 +98,7 @@ class _CheckpointSource(_Source):
             raise CheckpointError(
                 f"cannot read checkpoint {self.where}:\n  " + "\n  ".join(problems)
             )
+        self.tied = _tied_keys(manifest)
         self.reader = ShardReader(manifest)
         self.module = safe_open(str(self.where / module), framework="pt") if module else None
         stored = set(self.module.keys()) if self.module is not None else set()
@@ -127,6 +139,19 @@ class _CheckpointSource(_Source):
         for _, start, end in record.segments:
             for _, values in self.reader.read(name, "master", start, end):
                 yield values
+
+
+def _tied_keys(manifest: Manifest) -> dict[str, str]:
+    """State-dict key -> the earlier key whose tensor it is (see [Note: tied parameters in
+    exports]): keys of one trained parameter, and what the manifest's ``tied_keys`` names
+    (frozen parameters and buffers too; older checkpoints do not have it)."""
+    tied = dict(manifest.data.get("tied_keys", {}))
+    first_of: dict[str, str] = {}
+    for key in manifest["module_keys"]:
+        name = manifest["trained_keys"].get(key)
+        if name is not None and first_of.setdefault(name, key) != key:
+            tied.setdefault(key, first_of[name])
+    return tied
 
 
 class _SafetensorsSource(_Source):
@@ -204,11 +229,12 @@ def consolidate(
 ) -> list[Path]:
     """Write a checkpoint's full model state dict as HuggingFace-style safetensors.
 
-    ``ckpt_dir`` is a save directory (the checkpoint ``tag``, or the newest complete one), a
+    ``ckpt_dir`` is a save directory (the checkpoint ``tag``, or the one ``latest`` names), a
     checkpoint directory itself or the HuggingFace Trainer's ``checkpoint-N`` folder (see [Note:
     the folders a checkpoint tool accepts]). Every state-dict key is written, in the model's
     order: trained parameters from their fp32 master weights, frozen parameters and buffers as
-    saved; floating-point entries are cast to ``dtype``. One ``model.safetensors`` when the
+    saved; floating-point entries are cast to ``dtype``; a tied key gets its own copy (see
+    [Note: tied parameters in exports]). One ``model.safetensors`` when the
     model fits in ``max_shard_size`` bytes, else ``model-0000i-of-0000N.safetensors`` shards and
     ``model.safetensors.index.json``. Files are checked against the manifest first (raises
     ``CheckpointError`` naming the damaged file); see [Note: consolidating one parameter at a
@@ -280,13 +306,16 @@ def read_state_dict(
     exclude_frozen_parameters: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A checkpoint's full model state dict in memory, on the CPU (trained parameters from
-    their fp32 masters; floating-point entries cast to ``dtype``). For models that fit in
-    memory; :func:`consolidate` streams to files instead. ``ckpt_dir`` as for
-    :func:`consolidate`."""
+    their fp32 masters; floating-point entries cast to ``dtype``); tied keys share one tensor
+    ([Note: tied parameters in exports]). For models that fit in memory; :func:`consolidate`
+    streams to files instead. ``ckpt_dir`` as for :func:`consolidate`."""
     source = _CheckpointSource(resolve(ckpt_dir, tag))
     try:
         out = {}
         for key in _keys(source, exclude_frozen_parameters):
+            if source.tied.get(key) in out:  # one tensor, as the model holds it
+                out[key] = out[source.tied[key]]
+                continue
             tensor = source.tensor(key)
             out[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         return out
@@ -339,8 +368,8 @@ def load_consolidated(
 ) -> nn.Module:
     """Load a checkpoint's weights into a plain ``model`` (no distributed setup needed).
 
-    ``ckpt_dir`` is a zerotrain save directory (the checkpoint ``tag``, or the newest complete
-    one), a checkpoint directory, the HuggingFace Trainer's ``checkpoint-N`` folder (its
+    ``ckpt_dir`` is a zerotrain save directory (the checkpoint ``tag``, or the one ``latest``
+    names), a checkpoint directory, the HuggingFace Trainer's ``checkpoint-N`` folder (its
     checkpoint's fp32 masters, not its exported copy), or a :func:`consolidate` output
     directory. Names and shapes
     are checked first: missing or unexpected keys (with ``strict``) and shape mismatches raise

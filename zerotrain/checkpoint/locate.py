@@ -7,15 +7,18 @@ through :func:`find_checkpoints` and :func:`resolve`, so they accept the same fo
 
 - a checkpoint (tag) directory: ``manifest.json`` beside the files of a save;
 - a save directory: tag directories (``global_step100/``), usually beside a ``latest`` file;
-  with ``tag=None`` the newest complete one by commit time (incomplete ones are skipped);
+  with ``tag=None`` the tag ``latest`` names, as DeepSpeed reads it (an older one when the
+  last save passed ``save_latest=False``, or when a user pointed ``latest`` back); without a
+  ``latest``, or one naming no complete checkpoint, the newest complete one by commit time
+  (incomplete ones are skipped);
 - the HuggingFace Trainer's ``checkpoint-N`` folder: a save directory (``latest``,
   ``global_stepN/``) that also holds the Trainer's files (``model.safetensors``,
   ``trainer_state.json``, ``rng_state_*.pth``); the checkpoint is read, not the export.
 
-DeepSpeed's ``zero_to_fp32`` reads ``checkpoint_dir/latest`` and accepts nothing else; these
-are a superset. DeepSpeed accepts no folder of several save directories (the Trainer's output
-directory with its ``checkpoint-N`` folders), and neither do we: which one is meant (the newest,
-the best) is the user's choice, so the error names them. When a folder holds no complete
+DeepSpeed's ``zero_to_fp32`` and ``load_checkpoint`` read ``checkpoint_dir/latest`` and accept
+nothing else; these are a superset. DeepSpeed accepts no folder of several save directories
+(the Trainer's output directory with its ``checkpoint-N`` folders), and neither do we: which one
+is meant (the newest, the best) is the user's choice, so the error names them. When a folder holds no complete
 checkpoint, :class:`NoCheckpoint` says why, in one of five kinds the engine treats apart
 (see ``load.py``): the path does not exist beside a similar name (a typo, most likely: that name
 is offered), it does not exist or holds nothing of a checkpoint (a first run: scripts pass a
@@ -88,6 +91,17 @@ class Found:
         for name in (SINGLE_FILE, INDEX_FILE):
             if (self.path / name).is_file():
                 return name
+        return None
+
+    @property
+    def named_by_latest(self) -> Manifest | None:
+        """The complete checkpoint ``latest`` names in a save directory (DeepSpeed's choice
+        with ``tag=None``), or None."""
+        if self.single or self.latest is None:
+            return None
+        for status in self.checkpoints:
+            if status.tag == self.latest and status.manifest is not None:
+                return status.manifest
         return None
 
     @property
@@ -169,8 +183,9 @@ def find_checkpoints(path: str | os.PathLike[str]) -> Found:
 def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Manifest:
     """The manifest of the checkpoint in the folder a user has: ``tag`` in the save directory
     ``path``, or with ``tag=None`` ``path`` itself if it is a checkpoint directory, else the
-    newest complete checkpoint in it. Raises :class:`NoCheckpoint` (``tag=None``) or
-    ``CheckpointError`` saying what was found where, and what was expected."""
+    complete checkpoint its ``latest`` names, else the newest complete one in it. Raises
+    :class:`NoCheckpoint` (``tag=None``) or ``CheckpointError`` saying what was found where,
+    and what was expected."""
     found = find_checkpoints(path)
     if tag is not None:
         if found.single:
@@ -181,6 +196,9 @@ def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Manifest:
         return Manifest.read(found.path / tag)
     if found.single and (found.path / MANIFEST).exists():
         return Manifest.read(found.path)  # its own error: a malformed manifest is no first run
+    named = found.named_by_latest
+    if named is not None:
+        return named
     newest = found.newest
     if newest is None:
         raise found.nothing_to_load()

@@ -15,7 +15,9 @@
 - ``client_state.pt``: the user's ``client_state`` (the only pickled file);
 - ``manifest.json``: what the save wrote, written last and committed by rename. It lists every
   parameter by name with its logical shape and which rank's file holds which element range
-  (``segments``), and every file with its size and SHA-256.
+  (``segments``), and every file with its size and SHA-256. ``tied_keys`` maps a state-dict
+  key whose tensor is an earlier key's (a tied embedding and head) to that key, so that an
+  export keeps them one tensor (checkpoints without it: the trained keys of one parameter).
 
 A parameter that tensor parallelism split (see zerotrain/tensor_parallel/shard.py) is saved as
 its pieces: its record's ``split`` is ``[dim, chunks, size]``, and each segment is a range of the

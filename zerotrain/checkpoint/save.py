@@ -275,10 +275,15 @@ def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> di
         for key, value in engine.module.state_dict(keep_vars=True).items()
         if not (excluded and key in frozen)
     ]
+    first_key: dict[int, str] = {}
+    for key, value in keys:
+        first_key.setdefault(id(value), key)
     return {
         "module_keys": [key for key, _ in keys],
         "frozen_keys": sorted(frozen),
         "trained_keys": {key: trained[id(v)] for key, v in keys if id(v) in trained},
+        # keys whose tensor is an earlier key's (tied embedding and head): exports keep one tensor
+        "tied_keys": {key: first_key[id(v)] for key, v in keys if first_key[id(v)] != key},
         "saved": sorted(untrained),
     }
 
@@ -349,6 +354,7 @@ def _commit(
     module_keys = list(dict.fromkeys(k for _, m in modules for k in m["module_keys"]))
     frozen = sorted({k for _, m in modules for k in m["frozen_keys"]})
     trained_keys = {k: n for _, m in modules for k, n in m["trained_keys"].items()}
+    tied_keys = {k: first for _, m in modules for k, first in m["tied_keys"].items()}
     module_ranks = {
         key: rank
         for rank, m in reversed(modules)  # the first stage holding a key is where it is read
@@ -376,6 +382,7 @@ def _commit(
         "module_keys": module_keys,
         "frozen_keys": frozen,  # frozen parameters, saved in "module_keys" or not
         "trained_keys": trained_keys,
+        "tied_keys": tied_keys,  # key -> the earlier key whose tensor it is
         "module_ranks": module_ranks,  # untrained keys in a rank's shard file, not the module's
         "roles": {
             "shard": [w["roles"]["shard"] for w in written],

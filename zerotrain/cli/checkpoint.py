@@ -70,7 +70,9 @@ def add_arguments(checkpoint: argparse.ArgumentParser) -> None:
     consolidate.add_argument("ckpt_dir", metavar="CKPT_DIR", help=_CKPT_DIR_HELP)
     consolidate.add_argument("out", metavar="OUT", help="the output directory")
     consolidate.add_argument(
-        "--tag", help="the checkpoint in CKPT_DIR (default: the newest complete one)"
+        "--tag",
+        help="the checkpoint in CKPT_DIR (default: the one CKPT_DIR/latest names, else the "
+        "newest complete one)",
     )
     consolidate.add_argument(
         "--dtype",

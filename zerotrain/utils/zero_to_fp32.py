@@ -2,7 +2,7 @@
 
 A zerotrain checkpoint already holds fp32 master weights with their logical shapes, so these
 are thin wrappers of :mod:`zerotrain.checkpoint.export`. ``checkpoint_dir`` is the save
-directory (the checkpoint named by ``tag``, else the newest complete one), a checkpoint
+directory (the checkpoint named by ``tag``, else the one ``latest`` names), a checkpoint
 directory itself, or the HuggingFace Trainer's ``checkpoint-N`` folder (HF's documented
 recovery: ``load_state_dict_from_zero_checkpoint(model, "out/checkpoint-N")``); see [Note: the
 folders a checkpoint tool accepts] in zerotrain/checkpoint/locate.py. Nothing needs a process
@@ -57,8 +57,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
     lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The full model state dict in fp32 on the CPU (buffers included), ready for
-    ``model.load_state_dict``. ``lazy_mode`` is accepted; the values are read at once (a
-    tensor has the ``.contiguous()`` DeepSpeed's lazy values offer)."""
+    ``model.load_state_dict``; tied keys share one tensor, as DeepSpeed's ``shared_params``
+    recovery gives them. ``tag=None`` reads the tag ``latest`` names, as DeepSpeed does (see
+    [Note: the folders a checkpoint tool accepts] for folders without one).
+    ``lazy_mode`` is accepted; the values are read at once (a tensor has the ``.contiguous()``
+    DeepSpeed's lazy values offer)."""
     del lazy_mode
     return read_state_dict(
         checkpoint_dir, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters
@@ -76,7 +79,10 @@ def convert_zero_checkpoint_to_state_dict(
 ) -> None:
     """Write the state dict to ``output_dir``: ``model.safetensors`` with
     ``safe_serialization``, else ``pytorch_model.bin``; split into ``...-0000i-of-0000N``
-    shards plus an index when larger than ``max_shard_size``, as HuggingFace names them."""
+    shards plus an index when larger than ``max_shard_size``, as HuggingFace names them. Tied
+    keys (an embedding and its head) are one tensor in the ``torch.save`` files, in the same
+    shard, and a copy each in safetensors, which cannot share (see [Note: tied parameters in
+    exports] in zerotrain/checkpoint/export.py), as DeepSpeed writes them (since #8376)."""
     dtype, limit = _dtype(dtype), _size_in_bytes(max_shard_size or 2**63 - 1)
     if safe_serialization:
         consolidate(
@@ -92,13 +98,18 @@ def convert_zero_checkpoint_to_state_dict(
         checkpoint_dir, tag=tag, dtype=dtype, exclude_frozen_parameters=exclude_frozen_parameters
     )
     shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_of: dict[int, int] = {}  # id(tensor) -> its shard: tied keys go with their tensor
     shard_bytes = 0
     for key, tensor in state.items():  # greedy in key order, as HuggingFace splits
+        if id(tensor) in shard_of:  # a tied key: torch.save writes the shared data once
+            shards[shard_of[id(tensor)]][key] = tensor
+            continue
         size = tensor.numel() * tensor.element_size()
         if shards[-1] and shard_bytes + size > limit:
             shards.append({})
             shard_bytes = 0
         shards[-1][key] = tensor
+        shard_of[id(tensor)] = len(shards) - 1
         shard_bytes += size
     out = Path(output_dir)
     if len(shards) == 1:
@@ -107,8 +118,9 @@ def convert_zero_checkpoint_to_state_dict(
     names = [f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin" for i in range(len(shards))]
     for name, shard in zip(names, shards, strict=True):
         write_state_dict(out / name, shard)
+    unique = {id(t): t for t in state.values()}.values()
     index = {
-        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in unique)},
         "weight_map": {key: n for n, shard in zip(names, shards, strict=True) for key in shard},
     }
     commit_text(out / "pytorch_model.bin.index.json", json.dumps(index, indent=2) + "\n")
