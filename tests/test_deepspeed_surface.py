@@ -27,6 +27,17 @@ DEEPSPEED_NAMES = [
     ("comm", ["init_distributed", "is_initialized", "new_group", "ReduceOp", "send", "recv"]),
     ("utils", ["logger", "log_dist", "RepeatingLoader", "safe_get_full_fp32_param"]),
     ("utils", ["safe_get_full_grad", "safe_get_full_optimizer_state", "set_z3_leaf_modules"]),
+    ("utils", ["safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state"]),
+    (
+        "utils",
+        ["safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state"],
+    ),
+    (
+        "utils",
+        ["safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"],
+    ),
+    ("utils", ["safe_update_full_grad_vectorized"]),
+    ("utils.tensor_fragment", ["safe_get_full_fp32_param", "safe_set_full_fp32_param"]),
     ("utils.logging", ["logger"]),
     ("utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
     ("utils.zero_to_fp32", ["convert_zero_checkpoint_to_fp32_state_dict"]),
@@ -39,6 +50,10 @@ DEEPSPEED_NAMES = [
     ("runtime.dataloader", ["RepeatingLoader"]),
     ("runtime.compiler", ["is_compile_supported"]),
     ("runtime.zero.offload_config", ["OffloadDeviceEnum", "OffloadStateTypeEnum"]),
+    # the classes of the optimizer initialize returns at stages 1-2 and 3 (isinstance by stage)
+    ("runtime.zero.stage_1_and_2", ["DeepSpeedZeroOptimizer"]),
+    ("runtime.zero.stage3", ["DeepSpeedZeroOptimizer_Stage3"]),
+    ("runtime.base_optimizer", ["ZeROOptimizer"]),
     ("runtime.zero.partition_parameters", ["ZeroParamStatus", "GatheredParameters", "Init"]),
     # transformers' from_pretrained under ZeRO-3 (prevent_arange_dtype_change)
     ("runtime.zero.partition_parameters", ["zero_wrapper_for_fp_tensor_constructor"]),

@@ -1,13 +1,12 @@
-"""DeepSpeed's ``deepspeed.utils``: the logger, ``RepeatingLoader``, full views of partitioned
-state, and (in ``zerotrain.utils.zero_to_fp32``) checkpoint conversion."""
+"""DeepSpeed's ``deepspeed.utils``: the logger, ``RepeatingLoader``, partitioned state read and
+set by hand (``tensor_fragment``), and (in ``zerotrain.utils.zero_to_fp32``) checkpoint conversion."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from zerotrain.data import RepeatingLoader
-from zerotrain.utils import logging, zero_to_fp32
+from zerotrain.utils import logging, tensor_fragment, zero_to_fp32
 from zerotrain.utils.logging import (
     log_dist,
     log_dist_once,
@@ -15,7 +14,21 @@ from zerotrain.utils.logging import (
     print_dist,
     set_log_level_from_string,
 )
-from zerotrain.zero.init import owner_of
+from zerotrain.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 
 __all__ = [
     "RepeatingLoader",
@@ -27,33 +40,21 @@ __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
     "set_log_level_from_string",
     "set_z3_leaf_modules",
+    "tensor_fragment",
     "zero_to_fp32",
 ]
-
-
-def _full(param: nn.Parameter, kind: str) -> torch.Tensor | None:
-    owner = owner_of(param)
-    return owner.full_value(param, kind) if owner is not None else None
-
-
-def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    """The full fp32 master weight of ``param`` (collective: every rank calls it); None for a
-    parameter no engine trains."""
-    return _full(param, "master")
-
-
-def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """The full fp32 gradient of ``param`` reduced so far, without the fp16 loss scale: the
-    average over ranks between the accumulation boundary's backward and ``step()`` (collective)."""
-    return _full(param, "grad")
-
-
-def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
-    """The full fp32 optimizer state ``optim_state_key`` (``"exp_avg"``, ``"exp_avg_sq"``) of
-    ``param``; None before the optimizer made it (collective)."""
-    return _full(param, optim_state_key)
 
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_found: bool = True):

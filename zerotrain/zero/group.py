@@ -29,7 +29,13 @@ from zerotrain.optim.onebit import ExactSteps
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
 from zerotrain.zero.init import ParamOwner, take_ownership
-from zerotrain.zero.layout import FlatBucket, NamedParams, OptimizerPartition, build_buckets
+from zerotrain.zero.layout import (
+    FlatBucket,
+    NamedParams,
+    OptimizerPartition,
+    ParamSlot,
+    build_buckets,
+)
 from zerotrain.zero.offload import OffloadOptions
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
@@ -270,6 +276,64 @@ class ShardGroup:
                     )
         return pieces
 
+    # -- one parameter's state, read and set by hand (deepspeed.utils.safe_get_* / safe_set_*) --
+    def local_piece(self, index: int, slot: ParamSlot) -> tuple[slice, slice]:
+        """Where this rank's part of bucket ``index`` holds ``slot``'s parameter: positions in
+        the part, and the same elements' positions in the flattened parameter (both empty where
+        the part holds none of it)."""
+        start, end = self.partition.range(self.buckets[index])
+        lo, hi = slot.overlap(start, end)
+        hi = max(lo, hi)
+        return slice(lo - start, hi - start), slice(lo - slot.offset, hi - slot.offset)
+
+    def part_of(self, index: int, kind: str) -> torch.Tensor:
+        """This rank's part of bucket ``index``'s ``kind``: ``"grad"`` (reduced so far, loss
+        scale included), ``"master"`` or an element state key (see ShardStore.state_tensor)."""
+        if kind != "grad":
+            return self.store.state_tensor(index, kind)
+        if not self.reduction.holds_reduced:
+            raise RuntimeError(
+                f"the gradients of {self.buckets[index].slots[0].name!r}'s bucket are reduced "
+                "only between the backward of an accumulation boundary (every backward at "
+                "stages 2-3) and step(); read or set them there"
+            )
+        return self.reduction.reduced_grads()[index]
+
+    def local_value(self, index: int, slot: ParamSlot, kind: str) -> torch.Tensor:
+        """This rank's elements of ``slot``'s flattened parameter in :meth:`part_of` (a 1-D
+        fp32 copy; empty where this rank's part holds none)."""
+        part, _ = self.local_piece(index, slot)
+        return self.part_of(index, kind)[part].float().clone()
+
+    def set_local_value(self, index: int, slot: ParamSlot, kind: str, values: torch.Tensor) -> None:
+        """Set this rank's elements of ``slot``'s parameter in :meth:`part_of` to ``values``
+        (1-D, :meth:`local_value`'s length). A master takes effect at the next step, which
+        trains from it and writes it into the model's parameters."""
+        part, _ = self.local_piece(index, slot)
+        if kind == "grad":
+            with torch.no_grad():
+                self.part_of(index, kind)[part].copy_(values)
+            # a store that took the reduced gradients (a norm, a host copy) takes them again
+            self.store.forget_taken()
+        else:
+            self.store.write_state_piece(index, kind, part.start, values)
+
+    def set_param(self, index: int, slot: ParamSlot, value: torch.Tensor) -> None:
+        """``slot``'s parameter takes the whole ``value`` (fp32), as its master and in the
+        model's copy, as if it had been trained to it; every rank calls it with the same value
+        (collective where stage 3 gathers the unit)."""
+        bucket = self.buckets[index]
+        gathered_here = self.residency.begin_access([bucket])
+        try:
+            with torch.no_grad():
+                bucket.view(bucket.require_flat_param(), slot).copy_(value.view(slot.shape))
+            self.residency.take_values(bucket)  # stage 3: the shard kept between uses
+            part, piece = self.local_piece(index, slot)
+            self.store.write_state_piece(index, "master", part.start, value.reshape(-1)[piece])
+            self.masters_set()
+        finally:
+            self.residency.end_access(gathered_here)
+
     def full_master_params(self) -> dict[int, torch.Tensor]:
         """``id(param) -> full fp32 master value``, gathered from every rank's part."""
         out: dict[int, torch.Tensor] = {}
@@ -412,6 +476,7 @@ def build_shard_group(
         average_over=options.average_over,
         compression=compression,
         embeddings={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)},
+        accum_dtype=precision.grad_accum_dtype,
     )
     summed = [
         (index, group)

@@ -398,26 +398,87 @@ class ZeroOptimizer:
         """``id(param) -> full fp32 master value``, gathered from every rank's part."""
         return {k: v for g in self.groups for k, v in g.full_master_params().items()}
 
+    def _locate(self, param: nn.Parameter, kind: str) -> tuple[ShardGroup, int, ParamSlot] | None:
+        """The group, bucket index and slot of a parameter this optimizer trains (None for
+        another); ``kind`` checked: ``"grad"``, ``"master"`` or an optimizer state key."""
+        for group in self.groups:
+            found = group.locate(param)
+            if found is None:
+                continue
+            keys = [] if kind in ("grad", "master") else group.store.element_state_keys()
+            if kind not in ("grad", "master", *keys):
+                raise ValueError(
+                    f"{kind!r} is not an optimizer state of {found[1].name!r}: its states are "
+                    f"{keys or 'none yet (the optimizer makes them at its first step)'}"
+                )
+            index, slot = found
+            return group, index, slot
+        return None
+
     def full_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None:
         """One parameter's full fp32 value of ``kind`` (collective where it is partitioned:
         every rank calls it for the same parameter): ``"master"`` (the fp32 master weight),
         ``"grad"`` (the gradient reduced so far, unscaled: the average after the boundary's
         backward), or an optimizer state key such as ``"exp_avg"`` (None before the optimizer
         created it). None for a parameter this optimizer does not train."""
-        for group in self.groups:
-            found = group.locate(param)
-            if found is None:
-                continue
-            index, slot = found
-            bucket, store = group.buckets[index], group.store
-            if kind == "grad":
-                local = group.reduction.reduced_grads()[index].float() / self.loss_scaler.scale
-            elif kind == "master" or kind in store.element_state_keys():
-                local = store.state_tensor(index, kind)
-            else:
-                return None
-            return bucket.view(group.partition.full(bucket, local), slot).float().clone()
-        return None
+        try:
+            found = self._locate(param, kind)
+        except ValueError:
+            return None
+        if found is None:
+            return None
+        group, index, slot = found
+        bucket = group.buckets[index]
+        local = group.part_of(index, kind).float()
+        if kind == "grad":
+            local = local / self.loss_scaler.scale
+        return bucket.view(group.partition.full(bucket, local), slot).float().clone()
+
+    def set_full_value(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> bool:
+        """Set one parameter's ``kind`` (see :meth:`full_value`) from its whole ``value``; every
+        rank calls it with the same value. A master is set in the model's parameter too (in its
+        dtype), so the next forward and step go on from it. False for a parameter this
+        optimizer does not train."""
+        found = self._locate(param, kind)
+        if found is None:
+            return False
+        group, index, slot = found
+        flat = _checked(value, slot.numel, f"the value for {slot.name!r}", tuple(slot.shape))
+        if kind == "master":
+            group.set_param(index, slot, flat)
+        else:
+            _, piece = group.local_piece(index, slot)
+            group.set_local_value(index, slot, kind, self._scaled(flat[piece], kind))
+        return True
+
+    def local_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None:
+        """This rank's elements of one parameter's ``kind`` (see :meth:`full_value`): the run of
+        the flattened parameter in this rank's partition, 1-D fp32 (the whole parameter at
+        stage 0; empty where this rank holds none of it). Not a collective."""
+        found = self._locate(param, kind)
+        if found is None:
+            return None
+        group, index, slot = found
+        local = group.local_value(index, slot, kind)
+        return local / self.loss_scaler.scale if kind == "grad" else local
+
+    def set_local_value(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> bool:
+        """Set what :meth:`local_value` returns (a master takes effect at the next step, which
+        trains from it). Not a collective. False for a parameter this optimizer does not
+        train."""
+        found = self._locate(param, kind)
+        if found is None:
+            return False
+        group, index, slot = found
+        part, _ = group.local_piece(index, slot)
+        numel = part.stop - part.start
+        flat = _checked(value, numel, f"the local value for {slot.name!r} on this rank", (numel,))
+        group.set_local_value(index, slot, kind, self._scaled(flat, kind))
+        return True
+
+    def _scaled(self, values: torch.Tensor, kind: str) -> torch.Tensor:
+        """Gradients are held times the loss scale (fp16)."""
+        return values * self.loss_scaler.scale if kind == "grad" else values
 
     # -- the model's state dict entries no group trains (frozen parameters, buffers) -----------
     def _untrained_entries(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -563,3 +624,15 @@ class GroupedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         names = ", ".join(type(store.optimizer).__name__ for store in self.stores)
         return f"GroupedOptimizer({names})"
+
+
+def _checked(value: torch.Tensor, numel: int, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``value`` flattened, in fp32, checked to hold ``numel`` elements."""
+    if not torch.is_tensor(value):
+        raise TypeError(f"{what} must be a tensor, got {type(value).__name__}")
+    if value.numel() != numel:
+        raise ValueError(
+            f"{what} has {value.numel()} elements (shape {tuple(value.shape)}); it needs "
+            f"{numel} (shape {shape})"
+        )
+    return value.detach().reshape(-1).float()

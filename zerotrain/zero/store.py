@@ -158,6 +158,13 @@ class ShardStore(ABC):
     def write_state(self, master: int, key: str, value: torch.Tensor) -> None:
         """Set bucket ``master``'s ``key`` (see :meth:`state_tensor`) to ``value``."""
 
+    def write_state_piece(self, master: int, key: str, start: int, values: torch.Tensor) -> None:
+        """Set elements ``[start, start + values.numel())`` of bucket ``master``'s ``key`` (see
+        :meth:`state_tensor`) to ``values`` (1-D), the rest unchanged."""
+        whole = self.state_tensor(master, key).clone()
+        whole[start : start + values.numel()] = values
+        self.write_state(master, key, whole)
+
     @abstractmethod
     def reset_element_state(self, keys: list[str]) -> None:
         """Replace the optimizer's state by zeroed ``keys`` on every master (to be loaded)."""
@@ -225,6 +232,10 @@ class InMemoryShardStore(ShardStore):
 
     def write_state(self, master: int, key: str, value: torch.Tensor) -> None:
         copy_into(self.state_tensor(master, key), value)
+
+    def write_state_piece(self, master: int, key: str, start: int, values: torch.Tensor) -> None:
+        with torch.no_grad():  # in place: no copy of the whole bucket for one parameter
+            self.state_tensor(master, key)[start : start + values.numel()].copy_(values)
 
     def reset_element_state(self, keys: list[str]) -> None:
         self._settle()
