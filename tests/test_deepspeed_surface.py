@@ -38,6 +38,10 @@ DEEPSPEED_NAMES = [
     ),
     ("utils", ["safe_update_full_grad_vectorized"]),
     ("utils.tensor_fragment", ["safe_get_full_fp32_param", "safe_set_full_fp32_param"]),
+    ("utils", ["unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]),
+    ("utils", ["z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name"]),
+    ("utils", ["set_z3_leaf_modules_by_suffix"]),
+    ("utils.z3_leaf_module", ["set_z3_leaf_modules", "unset_z3_leaf_modules"]),
     ("utils.logging", ["logger"]),
     ("utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
     ("utils.zero_to_fp32", ["convert_zero_checkpoint_to_fp32_state_dict"]),
@@ -50,10 +54,6 @@ DEEPSPEED_NAMES = [
     ("runtime.dataloader", ["RepeatingLoader"]),
     ("runtime.compiler", ["is_compile_supported"]),
     ("runtime.zero.offload_config", ["OffloadDeviceEnum", "OffloadStateTypeEnum"]),
-    # the classes of the optimizer initialize returns at stages 1-2 and 3 (isinstance by stage)
-    ("runtime.zero.stage_1_and_2", ["DeepSpeedZeroOptimizer"]),
-    ("runtime.zero.stage3", ["DeepSpeedZeroOptimizer_Stage3"]),
-    ("runtime.base_optimizer", ["ZeROOptimizer"]),
     ("runtime.zero.partition_parameters", ["ZeroParamStatus", "GatheredParameters", "Init"]),
     # transformers' from_pretrained under ZeRO-3 (prevent_arange_dtype_change)
     ("runtime.zero.partition_parameters", ["zero_wrapper_for_fp_tensor_constructor"]),

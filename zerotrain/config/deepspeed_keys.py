@@ -191,6 +191,13 @@ TOP_LEVEL: dict[str, Accepted] = {
         "summed (not averaged) gradients",
         '"mean"',
     ),
+    "data_types": Accepted(
+        "Accepted while `grad_accum_dtype` is null or left out: gradients accumulate in the "
+        "training dtype.",
+        lambda v: v is None or (isinstance(v, dict) and v.get("grad_accum_dtype") is None),
+        "gradient accumulation in another dtype than the training dtype",
+        "`grad_accum_dtype: null`",
+    ),
     "disable_python_gc": Accepted(
         "Accepted while 0 or false.",
         _equals(0, False, None),
@@ -253,8 +260,9 @@ ZERO_OPTIMIZATION: dict[str, Accepted] = {
     ),
     "save_muon_momentum_buffer_in_memory": _off("Muon optimizer buffers"),
     "leaf_module": Accepted(
-        "No effect: DeepSpeed gathers a leaf module's parameters together; zerotrain gathers "
-        "whole blocks (units), so a leaf module is always gathered whole."
+        "No effect: DeepSpeed's list of module classes and names to mark as ZeRO-3 leaves; "
+        "mark them with `deepspeed.utils.set_z3_leaf_modules` (or its `_by_name` form) "
+        "before `initialize`, which zerotrain honours."
     ),
     "zenflow": Accepted(
         "Accepted while null or left out.", _equals(None), "ZenFlow asynchronous updates", "null"

@@ -3,8 +3,6 @@ set by hand (``tensor_fragment``), and (in ``zerotrain.utils.zero_to_fp32``) che
 
 from __future__ import annotations
 
-from torch import nn
-
 from zerotrain.data import RepeatingLoader
 from zerotrain.utils import logging, tensor_fragment, zero_to_fp32
 from zerotrain.utils.logging import (
@@ -29,9 +27,20 @@ from zerotrain.utils.tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from zerotrain.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 __all__ = [
     "RepeatingLoader",
+    "get_z3_leaf_modules",
     "log_dist",
     "log_dist_once",
     "logger",
@@ -51,24 +60,13 @@ __all__ = [
     "safe_set_local_optimizer_state",
     "safe_update_full_grad_vectorized",
     "set_log_level_from_string",
+    "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "tensor_fragment",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
     "zero_to_fp32",
 ]
-
-
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_found: bool = True):
-    """Mark the modules of ``model`` whose class is (or is named) one of
-    ``leaf_module_classes`` as ZeRO-3 leaves and return them (DeepSpeed's name). zerotrain
-    gathers whole blocks, so a leaf module is always gathered whole: the mark has no further
-    effect (see `zero_optimization.leaf_module` in docs/config.md)."""
-    wanted = tuple(leaf_module_classes)
-    found = [
-        m for m in model.modules() if any(type(m) is c or type(m).__name__ == c for c in wanted)
-    ]
-    if not found and raise_if_not_found:
-        raise ValueError(f"set_z3_leaf_modules: no module of {list(wanted)} in the model")
-    for module in found:
-        # torch annotates Module.__setattr__ for tensors and modules; other values are plain
-        module._z3_leaf = True  # pyrefly: ignore[bad-argument-type]
-    return found

@@ -11,6 +11,14 @@ a parameter read with ``F.linear(x, self.emb.weight)`` in a parent's forward). T
 that reads parameters outside their own module's forward correct without registration; a
 parameter read by a block that does not own it must be registered
 (``zerotrain.zero.register_external_parameter``), and then joins the root unit too.
+
+A module marked as a ZeRO-3 leaf (DeepSpeed's ``set_z3_leaf_modules``) is a unit as a whole
+wherever it sits outside another unit: none of its descendants (its own lists included) is
+one. Its parameters are then gathered together on entry to its forward and held through its
+backward, which a Mixture-of-Experts block needs when its experts are the outermost list: as
+units of their own, ranks routing their tokens to different experts would gather different
+units, collectives that do not match. Inside a block that is already a unit, the mark changes
+nothing.
 """
 
 from __future__ import annotations
@@ -19,21 +27,32 @@ from torch import nn
 
 from zerotrain.zero.init import external_parameters
 
+LEAF_FLAG = "_z3_leaf"
+"""The attribute that marks a module as a ZeRO-3 leaf (DeepSpeed's name, which client code
+also sets by hand)."""
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """Whether ``module`` is marked as a ZeRO-3 leaf."""
+    return bool(getattr(module, LEAF_FLAG, False))
+
 
 def find_unit_modules(model: nn.Module) -> list[nn.Module]:
     """The block modules of ``model`` in registration order (the root is not included)."""
     units: list[nn.Module] = []
     inside: set[int] = set()  # modules already covered by a chosen unit
+    if is_leaf_module(model):  # the root unit holds everything anyway
+        return units
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             if id(child) in inside:
                 continue
-            is_block = isinstance(module, nn.ModuleList) and module is not model
-            if is_block and any(True for _ in child.parameters()):
+            in_list = isinstance(module, nn.ModuleList) and module is not model
+            if (in_list or is_leaf_module(child)) and any(True for _ in child.parameters()):
                 units.append(child)
                 inside.update(id(m) for m in child.modules())
-            else:
+            elif not is_leaf_module(child):  # a leaf without parameters holds no unit either
                 visit(child)
 
     if isinstance(model, nn.ModuleList):  # a bare list: its items are the blocks
