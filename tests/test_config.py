@@ -161,6 +161,7 @@ def test_defaults_match_deepspeed() -> None:
         "optimizer": None,
         "scheduler": None,
         "gradient_clipping": 1.0,  # DeepSpeed 0.19.8's default
+        "data_types": {"grad_accum_dtype": None},
         "communication_data_type": None,
         "dataloader_drop_last": False,
         "fp16": {
@@ -632,12 +633,6 @@ ASKS_FOR_MISSING = [
     ("sequence_parallel_size", 2, "sequence parallelism (Ulysses)", "1"),
     ("compile", {"deepcompile": True}, "DeepCompile", "`deepcompile: false`"),
     ("managed_gradient_accumulation", False, "unmanaged gradient accumulation", "true"),
-    (
-        "data_types",
-        {"grad_accum_dtype": "fp32"},
-        "gradient accumulation in another",
-        "`grad_accum_dtype: null`",
-    ),
     (
         "zero_optimization.zero_quantized_nontrainable_weights",
         True,

@@ -43,7 +43,7 @@ from zerotrain.observability.monitor import check_monitor_packages
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler, repoint_scheduler
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, PipelineModule
-from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy, training_dtype
+from zerotrain.precision import DTYPES, LossScaler
 from zerotrain.tensor_parallel import TensorParallel, is_split, parallelize
 from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.gather import Stage3Options
@@ -170,7 +170,7 @@ def initialize(
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
     check_memory(model, cfg, groups, make_optimizer, mesh, device)
-    precision = PrecisionPolicy(training_dtype(cfg.bf16.enabled, cfg.fp16.enabled))
+    precision = cfg.precision_policy()
     zero = cfg.zero_optimization
     data_parallel = mesh.dp  # what ZeRO shards over and the data is split by
     auto = _auto_compression(cfg)

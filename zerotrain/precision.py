@@ -18,13 +18,28 @@ def training_dtype(bf16: bool, fp16: bool) -> torch.dtype:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Dtypes of the model's working copy and of the optimizer's master copy.
+    """Dtypes of the model's working copy, of its gradients and of the optimizer's master copy.
 
-    Gradients are produced and communicated in ``param_dtype``; the optimizer always steps an
-    fp32 master copy. In fp32 training that master copy *is* the model's parameters (no copy).
+    Gradients are produced and communicated in ``param_dtype`` and accumulate in
+    ``grad_accum_dtype`` (None: ``param_dtype``; DeepSpeed's ``data_types.grad_accum_dtype``,
+    fp32 under bf16 in zerotrain: [Note: fp32 gradient accumulation] in zerotrain/zero/reduce.py);
+    the optimizer always steps an fp32 master copy. In fp32 training that master copy *is* the
+    model's parameters (no copy).
     """
 
     param_dtype: torch.dtype = torch.float32
+    grad_accum_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, param_dtype: torch.dtype, grad_accum_dtype: torch.dtype | None) -> PrecisionPolicy:
+        """Training in ``param_dtype``, accumulating gradients in ``grad_accum_dtype`` (None, or
+        ``param_dtype`` itself: no dtype of their own)."""
+        return cls(param_dtype, None if grad_accum_dtype == param_dtype else grad_accum_dtype)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the persistent gradient buffers (what accumulates over micro-steps)."""
+        return self.grad_accum_dtype or self.param_dtype
 
     @property
     def has_master_copy(self) -> bool:

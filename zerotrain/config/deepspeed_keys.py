@@ -191,13 +191,6 @@ TOP_LEVEL: dict[str, Accepted] = {
         "summed (not averaged) gradients",
         '"mean"',
     ),
-    "data_types": Accepted(
-        "Accepted while `grad_accum_dtype` is null or left out: gradients accumulate in the "
-        "training dtype.",
-        lambda v: v is None or (isinstance(v, dict) and v.get("grad_accum_dtype") is None),
-        "gradient accumulation in another dtype than the training dtype",
-        "`grad_accum_dtype: null`",
-    ),
     "disable_python_gc": Accepted(
         "Accepted while 0 or false.",
         _equals(0, False, None),

@@ -35,7 +35,7 @@ from zerotrain.config.zero import (
     OffloadStateTypeEnum,
     ZeroOptimizationConfig,
 )
-from zerotrain.precision import DTYPES
+from zerotrain.precision import DTYPES, PrecisionPolicy, training_dtype
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointConfig",
     "CommCompressionConfig",
     "CommsLoggerConfig",
+    "DataTypesConfig",
     "FP16Config",
     "FlopsProfilerConfig",
     "OffloadDeviceEnum",
@@ -96,6 +97,35 @@ class BF16Config(Section):
     """Cast the floating-point tensors among the arguments of `engine(...)` to bfloat16 before
     the model's forward (integer tensors, such as token ids, are left alone), as
     `fp16.auto_cast` does for float16. (A zerotrain key.)"""
+
+
+# DeepSpeed's names of a dtype (its DtypeEnum), as data_types takes them
+_DTYPE_NAMES = {
+    **dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+    **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16"),
+    **dict.fromkeys(("bf16", "bfloat16", "bfloat", "torch.bfloat16"), "bf16"),
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    return _DTYPE_NAMES.get(value.lower(), value) if isinstance(value, str) else value
+
+
+class DataTypesConfig(Section):
+    """`data_types`: the dtype gradients accumulate in, as DeepSpeed's section names it."""
+
+    grad_accum_dtype: Annotated[
+        Literal[tuple(DTYPES)] | None,  # type: ignore[valid-type]
+        BeforeValidator(_dtype_name),
+    ] = None
+    """The dtype gradients are summed in over the micro-steps of a step and kept in until the
+    optimizer steps; null: the training dtype. `fp32` under bf16 is DeepSpeed's usual bf16
+    setup, at ZeRO stages 1-3 (DeepSpeed refuses it at stage 0, and so does zerotrain): each
+    micro-step's bf16 gradient is added, upcast, to fp32 buffers (stage 1: before the
+    reduction, which rounds the sum to the wire's dtype once; stages 2-3: after each
+    micro-step's reduction), which the optimizer then steps from without a copy. Costs 2 more
+    bytes per gradient element a rank keeps (stage 1: all of them; stages 2-3: its shard).
+    DeepSpeed's names (`float32`, `bfloat16`, `half`...) are accepted."""
 
 
 class CheckpointConfig(Section):
@@ -366,6 +396,11 @@ def _zero_optimization_from_bool(value: Any) -> Any:
     return {"stage": 1 if value else 0} if isinstance(value, bool) else value
 
 
+def _null_is_empty(value: Any) -> Any:
+    # DeepSpeed reads a null section as one with every key at its default
+    return {} if value is None else value
+
+
 def _infinite_is_none(value: Any) -> Any:
     # JSON's Infinity (Python's json reads it) means "never", as null does
     return None if isinstance(value, float) and value == float("inf") else value
@@ -398,6 +433,10 @@ class ZeroTrainConfig(Section):
     """Clip the global gradient L2 norm (over all ranks' partitions) to this value; 0 turns
     clipping off. The default is DeepSpeed 0.19.8's: clipping at 1.0 unless the config says
     otherwise."""
+    data_types: Annotated[DataTypesConfig, BeforeValidator(_null_is_empty)] = Field(
+        default_factory=DataTypesConfig
+    )
+    """The dtype gradients accumulate in; see the data_types section."""
     communication_data_type: Literal[tuple(DTYPES)] | None = None  # type: ignore[valid-type]
     """The dtype gradients are reduced in; null: the training dtype (fp32, fp16 or bf16).
     `fp32` in 16-bit training sums gradients without 16-bit rounding (stages 2-3 then also keep
@@ -475,6 +514,31 @@ class ZeroTrainConfig(Section):
         if self.fp16.enabled and self.bf16.enabled:
             raise fail("fp16.enabled and bf16.enabled are both true; enable at most one of them")
         return self
+
+    @model_validator(mode="after")
+    def _grad_accum_fits(self) -> "ZeroTrainConfig":
+        wanted, training = self.data_types.grad_accum_dtype, self.precision_policy().name
+        if wanted in (None, training):
+            return self
+        if (wanted, training) != ("fp32", "bf16"):
+            raise fail(
+                f"data_types.grad_accum_dtype: {wanted} under {training} training asks for a "
+                "gradient accumulation zerotrain does not have (it accumulates in the training "
+                "dtype, or in fp32 under bf16); set it to null or remove it"
+            )
+        if self.zero_optimization.stage == 0:
+            raise fail(
+                "data_types.grad_accum_dtype: fp32 under bf16 accumulates in the buffers ZeRO "
+                "stages 1-3 keep, not at zero_optimization.stage 0 (DeepSpeed refuses this mix "
+                "at stage 0 too); set the stage to 1, 2 or 3, or remove grad_accum_dtype"
+            )
+        return self
+
+    def precision_policy(self) -> PrecisionPolicy:
+        """The dtypes of each copy of the model state this config trains with."""
+        dtype = training_dtype(self.bf16.enabled, self.fp16.enabled)
+        name = self.data_types.grad_accum_dtype
+        return PrecisionPolicy.of(dtype, None if name is None else DTYPES[name])
 
     @model_validator(mode="before")
     @classmethod

@@ -46,7 +46,6 @@ from zerotrain.estimate.stages import (
 from zerotrain.estimate.verdict import Limit, RankMemory, shortfall
 from zerotrain.optim import NoOptimizer
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
-from zerotrain.precision import DTYPES, training_dtype
 from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import device_budget, needs_whole_parameters, probe_optimizer
@@ -104,12 +103,12 @@ def job_of(
     offload = zero.offload_optimizer.device
     if whole and offload == "nvme":  # NvmePlacement refuses it, naming the optimizer
         return None
-    dtype = training_dtype(cfg.bf16.enabled, cfg.fp16.enabled)
     job = TrainingJob(
         trainable_params=count.trainable,
         frozen_params=count.frozen,
         gpus_per_node=data_parallel,
-        dtype=next(name for name, d in DTYPES.items() if d == dtype),
+        dtype=cfg.precision_policy().name,
+        grad_accum_dtype=cfg.data_types.grad_accum_dtype,  # counted in the gradients' bytes
         optimizer="lamb" if whole else "adam",
         optimizer_state_bytes=state_bytes,
         offload=None if offload == "none" else offload,

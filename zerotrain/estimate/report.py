@@ -140,11 +140,17 @@ def format_table(
     return "\n".join(lines)
 
 
+def _grads_dtype(job: TrainingJob) -> str:
+    if job.precision.grad_accum_dtype is None:
+        return "training dtype"
+    return f"{job.grad_accum_dtype} (data_types.grad_accum_dtype)"
+
+
 def _notes(
     job: TrainingJob, rows: list[StageEstimate], device_memory: int | None, host_memory: int | None
 ) -> list[str]:
     notes = [
-        "params: trainable and frozen, training dtype; grads: training dtype; optim: fp32 "
+        f"params: trainable and frozen, training dtype; grads: {_grads_dtype(job)}; optim: fp32 "
         "masters (16-bit training) + optimizer state; states: their sum.",
         "gathered: stage 3, full units live during forward/backward, at most "
         f"max(stage3_max_live_parameters = {count(job.max_live_numel)}, root unit + largest "

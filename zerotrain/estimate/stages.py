@@ -64,6 +64,8 @@ class TrainingJob:
     gpus_per_node: int = 1
     dtype: str = "bf16"
     """``fp32``, ``bf16`` or ``fp16`` (training dtype of parameters, gradients, activations)."""
+    grad_accum_dtype: str | None = None
+    """``data_types.grad_accum_dtype``: the dtype gradients accumulate in (None: ``dtype``)."""
     optimizer: str = "adam"
     """A key of :data:`OPTIMIZER_STATE_BYTES` (``lamb``: not element-wise, so no NVMe)."""
     optimizer_state_bytes: int | None = None
@@ -109,6 +111,10 @@ class TrainingJob:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.grad_accum_dtype not in (None, *DTYPES):
+            raise ValueError(
+                f"--grad-accum-dtype: one of {', '.join(DTYPES)}, got {self.grad_accum_dtype!r}"
+            )
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
                 f"--optimizer: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}"
@@ -152,7 +158,8 @@ class TrainingJob:
     @property
     def precision(self) -> PrecisionPolicy:
         """The dtypes zerotrain would train in."""
-        return PrecisionPolicy(DTYPES[self.dtype])
+        accum = self.grad_accum_dtype
+        return PrecisionPolicy.of(DTYPES[self.dtype], None if accum is None else DTYPES[accum])
 
     @property
     def precision_bytes(self) -> int:

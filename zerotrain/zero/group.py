@@ -476,6 +476,7 @@ def build_shard_group(
         average_over=options.average_over,
         compression=compression,
         embeddings={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)},
+        accum_dtype=precision.grad_accum_dtype,
     )
     summed = [
         (index, group)

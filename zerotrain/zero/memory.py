@@ -12,7 +12,10 @@ measured by ``memory_breakdown()`` in tests/test_estimate.py). Where it differs 
   parameter gathers (comm_compression.parameters) write dequantized values into the
   parameters, so there the masters are a copy again (m = 4).
 - 16-bit training (bf16, fp16): parameters and gradients in the training dtype (gradients are
-  reduced in it too), fp32 masters: 2 + 2 + (4 + 8) = 16, as in the paper.
+  reduced in it too), fp32 masters: 2 + 2 + (4 + 8) = 16, as in the paper. With
+  ``data_types.grad_accum_dtype: fp32`` (bf16) the gradient buffers are fp32, g = 4, and the
+  step takes them as they are: no step transient ([Note: fp32 gradient accumulation] in
+  zerotrain/zero/reduce.py).
 - Stage 3 keeps units smaller than ``stage3_param_persistence_threshold`` whole on every rank.
 - Frozen parameters have no gradient and no state; stage 3 partitions them (p/N bytes each,
   but in persistent units), the other stages keep them whole. They are counted apart:
@@ -48,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import PrecisionPolicy
@@ -101,7 +106,8 @@ def model_state_bytes(
     gather needs one in fp32 training too).
     """
     psi, n = float(num_params), world_size
-    p = g = precision.param_dtype.itemsize
+    p = precision.param_dtype.itemsize
+    g = precision.grad_dtype.itemsize
     master_copy = precision.has_master_copy if master_copy is None else master_copy
     m = 4 if master_copy else 0
     s = optimizer_state_bytes
@@ -122,7 +128,8 @@ def model_state_bytes(
         parameters=parameters,
         gradients=gradients,
         optimizer_states=(m + s) * on_device,
-        step_grads=4 * on_device if precision.has_master_copy else 0.0,  # a 16-bit gradient
+        # a 16-bit gradient cast to fp32 for the step (fp32 buffers are taken as they are)
+        step_grads=4 * on_device if precision.grad_dtype != torch.float32 else 0.0,
         offloaded=offloaded,
     )
 

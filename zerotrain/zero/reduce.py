@@ -24,6 +24,20 @@ bucket is on the wire (wait-free backpropagation); ``finish_backward`` waits for
 collective itself, the backend's or a compressed one, is the codec's
 (``comm_compression``; [Note: gradient codecs] in zerotrain/compression/codec.py).
 
+[Note: fp32 gradient accumulation]
+``data_types.grad_accum_dtype: fp32`` under bf16 (``accum_dtype``) keeps the persistent gradient
+buffers in fp32, as DeepSpeed 0.19 does (its BF16_Optimizer at stage 1, ``gradient_accumulation_
+dtype`` of its ZeRO 2-3 optimizers); gradients are still produced and sent in bf16 (or
+``communication_data_type``):
+* stages 0-1: each micro-step's bf16 ``param.grad`` is added, upcast, into the fp32 ``flat_grad``
+  by its hook and dropped (``param.grad`` views no buffer: it is None between backwards); at the
+  boundary the fp32 sum is rounded once to the wire's dtype, reduced, and stored back in fp32.
+* stages 2-3: each micro-step is reduce-scattered in bf16 as before and the reduced shard is
+  added, upcast, into the fp32 ``grad_shard``.
+So a step's gradient is rounded to bf16 once per reduction instead of once per micro-step's
+addition. The store takes the fp32 buffers as the masters' gradients with no copy. DeepSpeed
+refuses this at stage 0 (an "unsupported mix" of dtypes), and so does the config.
+
 A pipeline rank running several stages (interleaved 1F1B, ZBV) gives each backward the
 gradients of one stage's parameters only: :meth:`GradientReduction.restrict` limits what the
 reductions in backward (stages 2-3) launch to that stage's buckets, so the others do not travel
@@ -71,9 +85,13 @@ class GradientReduction(ABC):
         average_over: int | None = None,
         compression: GradientCompression | None = None,
         embeddings: Collection[int] = (),
+        accum_dtype: torch.dtype | None = None,
     ):
         self.buckets = buckets
         self.comm = comm
+        # the persistent buffers' dtype (None: the training dtype; see [Note: fp32 gradient
+        # accumulation])
+        self.accum_dtype = accum_dtype
         # how each bucket travels: the backend's collectives, or compressed ones; the
         # ``embeddings`` (ids of embedding tables) are whole under the low-rank methods
         shapes = [
@@ -323,31 +341,48 @@ class _InPlaceReduction(GradientReduction):
 
     def _allocate(self, bucket: FlatBucket) -> None:
         bucket.flat_grad = torch.zeros(
-            bucket.numel_padded, dtype=bucket.dtype, device=bucket.device
+            bucket.numel_padded, dtype=self.accum_dtype or bucket.dtype, device=bucket.device
         )
-        point_grads_at(bucket)  # after the params: a grad must match their dtype
+        if not self._widened(bucket):
+            point_grads_at(bucket)  # after the params: a grad must match their dtype
+
+    def _widened(self, bucket: FlatBucket) -> bool:
+        """Whether ``flat_grad`` is wider than the parameters, so no ``param.grad`` views it
+        (see [Note: fp32 gradient accumulation])."""
+        return self.accum_dtype not in (None, bucket.dtype)
+
+    def _settle_grad(self, bucket: FlatBucket, slot: ParamSlot) -> None:
+        """A ``param.grad`` no hook took into the buffer: the view again, or (widened) added
+        into the buffer and dropped."""
+        if not self._widened(bucket):
+            _repair_grad_view(bucket, slot)
+        elif slot.param.grad is not None:  # written while no backward was open
+            bucket.view(bucket.require_flat_grad(), slot).add_(slot.param.grad)
+            slot.param.grad = None
 
     def _on_hook(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
-        if self._grad_factor != 1.0:
-            _fold_into_view(self.buckets[bucket_index], slot, self._grad_factor)
+        bucket = self.buckets[bucket_index]
+        if self._grad_factor != 1.0 or self._widened(bucket):
+            _fold_into_view(bucket, slot, self._grad_factor, keep_view=not self._widened(bucket))
         super()._on_hook(bucket_index, slot, param)
 
     def _take_grad(self, bucket_index: int, slot: ParamSlot, param: torch.Tensor) -> None:
-        _repair_grad_view(self.buckets[bucket_index], slot)
+        self._settle_grad(self.buckets[bucket_index], slot)
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         for slot in bucket.slots:  # parameters without a gradient this backward
             if slot.index not in self._arrived[index]:
-                _repair_grad_view(bucket, slot)
+                self._settle_grad(bucket, slot)
         wire = bucket.require_flat_grad()
         local = self.local_steps  # 0/1 Adam's local steps (zerotrain/optim/local_steps.py)
         if local is not None and local.keeps_local():  # this rank's gradient is its step's
             local.own_estimate(wire)
             self._pending.append(Chain([], self._arrived[index].clear))
             return
-        if self.comm_dtype not in (None, wire.dtype):
-            wire = wire.to(self.comm_dtype)  # summed in that dtype, stored back after
+        if (self.comm_dtype or bucket.dtype) != wire.dtype:
+            # summed in that dtype (an fp32 accumulation: rounded once), stored back after
+            wire = wire.to(self.comm_dtype or bucket.dtype)
         if local is not None:
             local.message(index, wire)
         wire.mul_(self._inv_world)
@@ -366,17 +401,19 @@ class _InPlaceReduction(GradientReduction):
         self._arrived[index].clear()
 
     def _prepare_backward(self, at_boundary: bool) -> None:  # noqa: B027 (a hook: optional)
-        """Stages 0-1 let autograd write fresh gradients under a factor and fold them, scaled,
-        into the accumulating buffer."""
-        if self._grad_factor != 1.0:
-            for bucket in self.buckets:
+        """Stages 0-1 let autograd write fresh gradients under a factor (or into no buffer:
+        widened) and fold them, scaled, into the accumulating buffer."""
+        for bucket in self.buckets:
+            if self._grad_factor != 1.0 or self._widened(bucket):
                 for slot in bucket.slots:
-                    _repair_grad_view(bucket, slot)  # a .grad written meanwhile: keep it
+                    self._settle_grad(bucket, slot)  # a .grad written meanwhile: keep it
                     slot.param.grad = None
 
     def _end_backward_grads(self) -> None:  # noqa: B027 (a hook: optional)
         if self._grad_factor != 1.0:
             for bucket in self.buckets:  # parameters this backward gave no gradient
+                if self._widened(bucket):  # none views the buffer
+                    continue
                 for slot in bucket.slots:
                     if slot.param.grad is None:
                         slot.param.grad = bucket.view(bucket.require_flat_grad(), slot)
@@ -394,7 +431,11 @@ class _InPlaceReduction(GradientReduction):
     def _reset_grads(self) -> None:
         for bucket in self.buckets:
             bucket.require_flat_grad().zero_()
-            point_grads_at(bucket)  # also where a backward that raised left them None
+            if self._widened(bucket):  # what a backward that raised left in .grad goes too
+                for slot in bucket.slots:
+                    slot.param.grad = None
+            else:
+                point_grads_at(bucket)  # also where a backward that raised left them None
 
 
 class AllReduceAtBoundary(_InPlaceReduction):
@@ -442,14 +483,16 @@ class ReduceScatterAtBoundary(_InPlaceReduction):
         for bucket in self.buckets:
             kept = bucket.shard(bucket.require_flat_grad()).clone()
             start, end = bucket.shard_range()
+            widened = self._widened(bucket)  # no .grad a user could drop
             for slot in bucket.slots:
-                if slot.param.grad is None:  # dropped by the user: its average goes too
-                    lo, hi = slot.overlap(start, end)
+                if slot.param.grad is None and not widened:  # dropped by the user: its average
+                    lo, hi = slot.overlap(start, end)  # goes too
                     if lo < hi:
                         kept[lo - start : hi - start].zero_()
             self._carry.append(kept)
             bucket.require_flat_grad().zero_()
-            point_grads_at(bucket)
+            if not widened:
+                point_grads_at(bucket)
 
 
 class ReduceScatterInBackward(GradientReduction):
@@ -466,10 +509,9 @@ class ReduceScatterInBackward(GradientReduction):
         self._comm_buffers = [None] * len(self.buckets)
 
     def _allocate(self, bucket: FlatBucket) -> None:
-        # in the dtype the reduction produces
-        bucket.grad_shard = torch.zeros(
-            bucket.shard_numel, dtype=self.comm_dtype or bucket.dtype, device=bucket.device
-        )
+        # in the dtype the reduction produces, or the wider one it accumulates in
+        dtype = self.accum_dtype or self.comm_dtype or bucket.dtype
+        bucket.grad_shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.device)
 
     def _comm_buffer(self, bucket_index: int) -> torch.Tensor:
         # Uninitialised: every gradient is written into it once, and _launch zeroes the rest
@@ -500,18 +542,26 @@ class ReduceScatterInBackward(GradientReduction):
             if slot.index not in self._arrived[index]:
                 buffer[slot.offset : slot.offset + slot.numel].zero_()
         buffer[bucket.numel :].zero_()
-        if index not in self._written:  # its first reduction of this accumulation: write
-            self._written.add(index)
-            op = self.codec.reduce_scatter(index, bucket.require_grad_shard(), buffer)
+        shard = bucket.require_grad_shard()
+        first = index not in self._written  # its first reduction of this accumulation: write
+        self._written.add(index)
+        if first and shard.dtype == buffer.dtype:
+            op = self.codec.reduce_scatter(index, shard, buffer)
             self._pending.append(op.then(lambda: self._free_buffer(index)))
-        else:
-            reduced = torch.empty_like(bucket.require_grad_shard())
+        else:  # added (or, widened, copied) into the shard: see [Note: fp32 gradient accumulation]
+            reduced = torch.empty(shard.numel(), dtype=buffer.dtype, device=shard.device)
             op = self.codec.reduce_scatter(index, reduced, buffer)
-            self._pending.append(op.then(lambda: self._free_buffer(index, add_into_shard=reduced)))
+            self._pending.append(op.then(lambda: self._free_buffer(index, reduced, first)))
 
-    def _free_buffer(self, index: int, add_into_shard: torch.Tensor | None = None) -> None:
-        if add_into_shard is not None:
-            self.buckets[index].require_grad_shard().add_(add_into_shard)
+    def _free_buffer(
+        self, index: int, reduced: torch.Tensor | None = None, first: bool = False
+    ) -> None:
+        if reduced is not None:
+            shard = self.buckets[index].require_grad_shard()
+            if first:
+                shard.copy_(reduced)
+            else:
+                shard.add_(reduced)
         self._comm_buffers[index] = None
         self._arrived[index].clear()
 
@@ -545,12 +595,13 @@ def _repair_grad_view(bucket: FlatBucket, slot: ParamSlot) -> None:
         slot.param.grad = view
 
 
-def _fold_into_view(bucket: FlatBucket, slot: ParamSlot, factor: float) -> None:
+def _fold_into_view(bucket: FlatBucket, slot: ParamSlot, factor: float, keep_view: bool) -> None:
     """Add ``factor`` times this backward's fresh gradient into the accumulating buffer, and
-    make ``param.grad`` the buffer's view again (stages 0-1, with a gradient factor)."""
+    make ``param.grad`` the buffer's view again, or None where the buffer is wider (stages 0-1,
+    with a gradient factor or fp32 accumulation)."""
     view = bucket.view(bucket.require_flat_grad(), slot)
-    view.add_(_hooked_grad(slot.param, slot), alpha=factor)
-    slot.param.grad = view
+    view.add_(_hooked_grad(slot.param, slot), alpha=factor)  # upcast exactly, one rounding
+    slot.param.grad = view if keep_view else None
 
 
 def _hooked_grad(param: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
