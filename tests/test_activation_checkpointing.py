@@ -311,7 +311,7 @@ def train_two_steps(stage: int, kind: str, checkpointed: bool) -> dict:
         model=model, model_parameters=param_groups(model, 0.1), config=config
     )
     run_steps(engine, idx, tgt, 2, 2, comm.world_size, comm.rank)
-    gatherer = getattr(optimizer.group.residency, "gatherer", None)
+    gatherer = getattr(engine.optimizer.group.residency, "gatherer", None)
     return {
         "state": engine.consolidated_state_dict(),
         "traffic": (gatherer.gathers, gatherer.prefetched) if gatherer else None,

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("engine", ("backward", "engine_queries", "engine", "pipe")),
-    ("api", ("api",)),
+    ("api", ("api", "optimizer_plan")),
     # DeepSpeed's module names over the layers below (`import zerotrain as deepspeed`), and
     # the package root, which re-exports everything
     (

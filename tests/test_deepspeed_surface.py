@@ -54,6 +54,10 @@ DEEPSPEED_NAMES = [
     ("runtime.dataloader", ["RepeatingLoader"]),
     ("runtime.compiler", ["is_compile_supported"]),
     ("runtime.zero.offload_config", ["OffloadDeviceEnum", "OffloadStateTypeEnum"]),
+    # the classes of the optimizer initialize returns at stages 1-2 and 3 (isinstance by stage)
+    ("runtime.zero.stage_1_and_2", ["DeepSpeedZeroOptimizer"]),
+    ("runtime.zero.stage3", ["DeepSpeedZeroOptimizer_Stage3"]),
+    ("runtime.base_optimizer", ["ZeROOptimizer"]),
     ("runtime.zero.partition_parameters", ["ZeroParamStatus", "GatheredParameters", "Init"]),
     # transformers' from_pretrained under ZeRO-3 (prevent_arange_dtype_change)
     ("runtime.zero.partition_parameters", ["zero_wrapper_for_fp_tensor_constructor"]),

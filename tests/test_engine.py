@@ -98,7 +98,9 @@ def user_optimizer_and_scheduler(stage):
         lr_scheduler=sched,
         config=dict(BASE, gradient_accumulation_steps=2, zero_optimization={"stage": stage}),
     )
-    assert engine_sched is sched and sched.optimizer is zero_opt.optimizer
+    # the client's own optimizer steps (and is returned at stage 0, as DeepSpeed does)
+    assert engine_sched is sched and sched.optimizer is opt is engine.optimizer.optimizer
+    assert zero_opt is (opt if stage == 0 else engine.optimizer)
     with warnings.catch_warnings():
         # torch's "optimizer.step() has been overridden" / "lr_scheduler.step() before
         # optimizer.step()": the repointed scheduler must see the new optimizer's steps
@@ -107,7 +109,7 @@ def user_optimizer_and_scheduler(stage):
     return state, engine.get_lr()
 
 
-def test_user_torch_optimizer_and_scheduler_are_rebuilt_over_shards():
+def test_user_torch_optimizer_and_scheduler_step_the_shards():
     want = _reference(
         lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95)),
         2,
@@ -259,7 +261,7 @@ def test_config_from_deepspeed_args(tmp_path):
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
     engine, optimizer, _, _ = zerotrain.initialize(args=args, model=nn.Linear(3, 2))
     assert engine.get_lr() == [0.5]
-    assert type(optimizer.optimizer).__name__ == "AdamW"  # DeepSpeed's Adam: decoupled decay
+    assert type(optimizer).__name__ == "AdamW"  # DeepSpeed's Adam: decoupled decay
     assert engine.train_batch_size() == MICRO and engine.world_size == 1
     with pytest.raises(zerotrain.ConfigError, match="given twice"):
         zerotrain.initialize(args=args, model=nn.Linear(3, 2), config=dict(BASE))

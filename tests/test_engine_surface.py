@@ -202,7 +202,7 @@ def test_members_below_stage_3_and_state_dict_round_trip() -> None:
     after = engine.consolidated_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
     assert optimizer.state_dict()["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
-    other = zerotrain.initialize(model=AwkwardModel(), config=_config(0))[1]
+    other = zerotrain.initialize(model=AwkwardModel(), config=_config(0))[0].optimizer
     with pytest.raises(ValueError, match="stage"):
         other.load_state_dict(saved)
 

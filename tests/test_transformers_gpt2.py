@@ -97,7 +97,7 @@ def train(stages):
         engine.eval()
         with torch.no_grad():
             eval_loss = engine(input_ids=data[0], labels=data[0]).loss.item()
-        gatherer = getattr(optimizer.group.residency, "gatherer", None)
+        gatherer = getattr(engine.optimizer.group.residency, "gatherer", None)
         units = len(gatherer.units) if gatherer else 0
         out[stage] = (engine.consolidated_state_dict(), eval_loss, units)
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import random
@@ -40,14 +39,15 @@ from zerotrain.lora import apply_lora_fa
 from zerotrain.moe import MoE
 from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.monitor import check_monitor_packages
-from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler, repoint_scheduler
+from zerotrain.optim import Lamb
+from zerotrain.optimizer_plan import optimizer_plan, returned_optimizer, scheduler_for
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.pipe.module import MULTI_STAGE_PLACEMENT, PipelineModule
 from zerotrain.precision import DTYPES, LossScaler
 from zerotrain.tensor_parallel import TensorParallel, is_split, parallelize
-from zerotrain.zero import GroupOptions, ShardSegments, ZeroOptimizer, ZeroPolicy
+from zerotrain.zero import GroupOptions, ZeroOptimizer, ZeroPolicy
 from zerotrain.zero.gather import Stage3Options
-from zerotrain.zero.group import ModelParallel, OptimizerFactory
+from zerotrain.zero.group import ModelParallel
 from zerotrain.zero.init import full_shape, owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import OffloadOptions, device_budget, local_ranks
@@ -83,16 +83,19 @@ def initialize(
     config: dict | str | ZeroTrainConfig | None = None,
     mesh_param: Any = None,
     config_params: dict | None = None,
-) -> tuple[ZeroTrainEngine, ZeroOptimizer, DataLoader | None, Any]:
+) -> tuple[ZeroTrainEngine, ZeroOptimizer | torch.optim.Optimizer | None, DataLoader | None, Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     ``config`` is a dict, a JSON/YAML path or a :class:`ZeroTrainConfig` (or comes from
     ``args.deepspeed_config``/``args.zerotrain_config``). The optimizer is the config's
     ``optimizer`` section or a torch optimizer (or a callable building one from parameter
-    groups); it is rebuilt over this rank's fp32 master shards. Given both, the object wins and
-    the config's section is ignored with a warning, as in DeepSpeed; given neither, the engine
-    runs forward passes only. ``lr_scheduler`` may be a torch scheduler of that optimizer or a
-    callable taking the optimizer. With ``training_data`` the returned dataloader shards it
+    groups); it steps this rank's fp32 master shards (the client's object itself, as in
+    DeepSpeed). Given both, the object wins and the config's section is ignored with a warning,
+    as in DeepSpeed; given neither, the engine runs forward passes only. The optimizer returned
+    is DeepSpeed's choice: at ZeRO stage 0 without fp16/bf16 the torch optimizer that steps
+    (None without one), elsewhere the ZeRO optimizer, which ``engine.optimizer`` always is.
+    ``lr_scheduler`` may be a torch scheduler of that optimizer or a callable taking the
+    optimizer. With ``training_data`` the returned dataloader shards it
     over ranks with a ``DistributedSampler``. ``distributed_port`` is the port of a process
     group this call creates (see :func:`zerotrain.init_distributed`). ``mpu`` is accepted when
     its model-parallel sizes are all 1; ``mesh_param`` must be None.
@@ -167,9 +170,9 @@ def initialize(
             "stages cannot offload its optimizer yet; remove offload_optimizer or keep each "
             "tied key's layers on one stage"
         )
-    groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
+    plan = optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
-    check_memory(model, cfg, groups, make_optimizer, mesh, device)
+    check_memory(model, cfg, plan.groups, plan.build, mesh, device)
     precision = cfg.precision_policy()
     zero = cfg.zero_optimization
     data_parallel = mesh.dp  # what ZeRO shards over and the data is split by
@@ -206,10 +209,11 @@ def initialize(
         param_compression=_parameter_compression(cfg) if auto is None else auto.parameters,
         auto=auto,
     )
+    specs = _shard_groups(model, plan.groups, options, mesh)
     zero_optimizer = ZeroOptimizer(
         model,
-        _shard_groups(model, groups, options, mesh),
-        make_optimizer,
+        specs,
+        plan.factory(len(specs)),  # [Note: the client's optimizer object] in optimizer_plan.py
         loss_scaler=_loss_scaler(cfg),
         gradient_clipping=cfg.gradient_clipping,
     )
@@ -222,7 +226,7 @@ def initialize(
     # Frozen parameters and buffers follow the training dtype too (trainable ones already do,
     # and were copied into fp32 masters before the cast).
     model.to(precision.param_dtype)
-    scheduler = _scheduler(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
+    scheduler = scheduler_for(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
     dataloader = _dataloader(training_data, cfg, data_parallel, collate_fn)
     pipeline: dict[str, Any] = {}
     if isinstance(model, PipelineModule):
@@ -241,7 +245,8 @@ def initialize(
         expert_comm=mesh.axis("ep") if mesh.sizes["ep"] > 1 else None,
         **pipeline,
     )
-    return engine, zero_optimizer, dataloader, scheduler
+    # DeepSpeed's choice (zerotrain/optimizer_plan.py); the engine holds the ZeroOptimizer
+    return engine, returned_optimizer(zero_optimizer, cfg), dataloader, scheduler
 
 
 # -- pieces of initialize ----------------------------------------------------------------------
@@ -657,128 +662,6 @@ def _loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
         min_scale=fp16.min_loss_scale,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
     )
-
-
-def _client_wins(key: str, argument: str, what: str, given: object, rank: int) -> None:
-    """A config section and a client object for the same thing: DeepSpeed uses the object."""
-    if rank == 0:
-        warnings.warn(
-            f"zerotrain: the config's `{key}` section ({what}) is ignored: "
-            f"initialize({argument}=...) was given "
-            f"{type(given).__name__}, which is used instead, as DeepSpeed does",
-            stacklevel=4,
-        )
-
-
-def _optimizer_plan(
-    model: nn.Module, optimizer, model_parameters, cfg: ZeroTrainConfig, rank: int
-) -> tuple[list[tuple[dict, NamedParams]], OptimizerFactory]:
-    """The parameter groups to partition and how to build the optimizer over their shards."""
-    names = {}
-    for name, param in model.named_parameters():
-        names.setdefault(id(param), name)
-    if optimizer is not None and cfg.optimizer is not None:
-        _client_wins("optimizer", "optimizer", cfg.optimizer.type, optimizer, rank)
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raw_groups = optimizer.param_groups
-        opt_cls = type(optimizer)
-        # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
-        # every group carries its own values anyway.
-        accepted = inspect.signature(opt_cls.__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-        def make(groups, segments: ShardSegments | None):
-            return _on_shards(opt_cls(groups, **defaults), groups, segments)
-
-    else:
-        raw_groups = _groups_from(model_parameters if model_parameters is not None else model)
-        if callable(optimizer):
-            user_factory = optimizer
-
-            def make(groups, segments: ShardSegments | None):
-                return _on_shards(user_factory(groups), groups, segments)
-
-        elif cfg.optimizer is not None:
-            opt_cfg = cfg.optimizer
-
-            def make(groups, segments: ShardSegments | None):
-                optimizer = build_optimizer(opt_cfg.type, opt_cfg.params, groups)
-                return _on_shards(optimizer, groups, segments)
-
-        else:  # evaluation only (DeepSpeed allows it); backward and step say so
-            raw_groups = _groups_from(model)  # DeepSpeed ignores model_parameters here
-
-            def make(groups, segments):
-                return NoOptimizer(groups)
-
-    groups: list[tuple[dict, NamedParams]] = []
-    seen: set[int] = set()
-    for group in raw_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        named = []
-        for param in group["params"]:
-            if id(param) not in names:
-                raise ValueError(
-                    "initialize: the optimizer or model_parameters hold a tensor that is not a "
-                    "parameter of the model; build them from model.parameters()"
-                )
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                named.append((names[id(param)], param))
-        groups.append((hyper, named))
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
-    if missing:
-        raise ValueError(
-            f"initialize: trainable parameters {missing[:5]} are in no optimizer group; add them "
-            "to model_parameters / the optimizer, or set requires_grad=False to freeze them"
-        )
-    return groups, make
-
-
-def _on_shards(
-    optimizer: torch.optim.Optimizer, groups: list[dict], segments: ShardSegments | None
-) -> torch.optim.Optimizer:
-    """``optimizer``, built over the flat master shards in ``groups``, told which model
-    parameters those hold where its update needs per-parameter norms: Lamb's trust ratios,
-    whether the Lamb comes from the config or from the user (an instance rebuilt here, or a
-    factory). Per-element optimizers need nothing."""
-    if isinstance(optimizer, Lamb) and segments is not None:
-        masters = [master for group in groups for master in group["params"]]
-        optimizer.set_segments(
-            dict(zip(masters, segments.ranges, strict=True)),
-            segments.num_segments,
-            norm_allreduce=segments.allreduce,
-        )
-    return optimizer
-
-
-def _groups_from(parameters) -> list[dict]:
-    if isinstance(parameters, nn.Module):
-        return [{"params": list(parameters.parameters())}]
-    items = list(parameters)
-    if items and isinstance(items[0], dict):
-        return [dict(g, params=list(g["params"])) for g in items]
-    if items and isinstance(items[0], tuple):  # named_parameters()
-        return [{"params": [p for _, p in items]}]
-    return [{"params": items}]
-
-
-def _scheduler(lr_scheduler, cfg: ZeroTrainConfig, optimizer: torch.optim.Optimizer, rank: int):
-    if lr_scheduler is not None:
-        if cfg.scheduler is not None:
-            _client_wins("scheduler", "lr_scheduler", cfg.scheduler.type, lr_scheduler, rank)
-        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            # Built over the user's optimizer: point it at the optimizer that owns the shards
-            # (same groups, same order).
-            repoint_scheduler(lr_scheduler, optimizer)
-            return lr_scheduler
-        if callable(lr_scheduler):
-            return lr_scheduler(optimizer)
-        raise TypeError("initialize(lr_scheduler=...): expected a torch LR scheduler or a callable")
-    if cfg.scheduler is not None:
-        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
-    return None
 
 
 def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate_fn):

@@ -92,8 +92,9 @@ class OneBitAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.exact = ExactSteps(warmup=freeze_step)
         self.eps_inside_sqrt = eps_inside_sqrt
-        # the settings kept out of the groups: the engine rebuilds an optimizer it is given
-        # over its shards from ``defaults`` (zerotrain/api.py)
+        # the settings kept out of the groups: where several shard groups need one optimizer
+        # each, the engine builds them like the one it is given, from ``defaults``
+        # (zerotrain/optimizer_plan.py)
         self.defaults.update(freeze_step=freeze_step, eps_inside_sqrt=eps_inside_sqrt)
 
     @torch.no_grad()

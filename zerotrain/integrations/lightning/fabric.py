@@ -88,9 +88,12 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
 
     def _initialize(self, module: nn.Module, optimizer, scheduler):
         self._take_precision()
-        engine, zero_optimizer, _, scheduler = zerotrain.initialize(
+        engine, _, _, scheduler = zerotrain.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.config
         )
+        # the ZeRO optimizer at every stage (initialize returns DeepSpeed's choice: at stage 0
+        # the torch optimizer), which save and load recognise as the engine's
+        zero_optimizer = engine.optimizer
         self._engine = self._engine_of[id(zero_optimizer)] = engine
         return engine, zero_optimizer, scheduler
 

@@ -92,13 +92,14 @@ class ZeroTrainStrategy(Configured, DDPStrategy):
                     f"{len(schedulers)}"
                 )
             scheduler = schedulers[0] if schedulers else None
-            engine, optimizer, _, _ = zerotrain.initialize(
+            engine, *_ = zerotrain.initialize(
                 model=module,
                 optimizer=optimizers[0],
                 lr_scheduler=scheduler.scheduler if scheduler else None,
                 config=self.config,
             )
-            self.optimizers = [cast(Any, optimizer)]  # a ZeroOptimizer quacks as torch's
+            # the ZeRO optimizer at every stage; a ZeroOptimizer quacks as torch's
+            self.optimizers = [cast(Any, engine.optimizer)]
             self.lr_scheduler_configs = self._scheduler_to_lightning(engine, scheduler)
         else:  # validate / test / predict: no optimizer
             engine, *_ = zerotrain.initialize(model=module, config=self.config)

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.zero`` (also ``deepspeed.zero``)."""
 
-from zerotrain.runtime.zero import offload_config, partition_parameters
+from zerotrain.runtime.zero import offload_config, partition_parameters, stage3, stage_1_and_2
 from zerotrain.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -16,5 +16,7 @@ __all__ = [
     "offload_config",
     "partition_parameters",
     "register_external_parameter",
+    "stage3",
+    "stage_1_and_2",
     "unregister_external_parameter",
 ]
