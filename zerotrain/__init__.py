@@ -42,6 +42,7 @@ _NAMES = {
     "DeepSpeedConfig": "zerotrain.runtime.config",
     "DeepSpeedConfigError": "zerotrain.runtime.config",
     "DeepSpeedEngine": "zerotrain.runtime.engine",
+    "OnDevice": "zerotrain.utils.init_on_device",
     "log_dist": "zerotrain.utils",
     "logger": "zerotrain.utils",
 }
@@ -53,6 +54,7 @@ __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "DeepSpeedOptimizer",
+    "OnDevice",
     "PipelineModule",
     "ZeroTrainConfig",
     "ZeroTrainEngine",
@@ -99,6 +101,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zerotrain.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     from zerotrain.runtime.engine import DeepSpeedEngine
     from zerotrain.utils import log_dist, logger
+    from zerotrain.utils.init_on_device import OnDevice
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,8 @@ set by hand (``tensor_fragment``), and (in ``zerotrain.utils.zero_to_fp32``) che
 from __future__ import annotations
 
 from zerotrain.data import RepeatingLoader
-from zerotrain.utils import logging, tensor_fragment, zero_to_fp32
+from zerotrain.utils import init_on_device, logging, tensor_fragment, zero_to_fp32
+from zerotrain.utils.init_on_device import OnDevice
 from zerotrain.utils.logging import (
     log_dist,
     log_dist_once,
@@ -39,8 +40,10 @@ from zerotrain.utils.z3_leaf_module import (
 )
 
 __all__ = [
+    "OnDevice",
     "RepeatingLoader",
     "get_z3_leaf_modules",
+    "init_on_device",
     "log_dist",
     "log_dist_once",
     "logger",

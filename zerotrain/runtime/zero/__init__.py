@@ -1,6 +1,6 @@
 """``deepspeed.runtime.zero`` (also ``deepspeed.zero``)."""
 
-from zerotrain.runtime.zero import offload_config, partition_parameters, stage3, stage_1_and_2
+from zerotrain.runtime.zero import config, offload_config, partition_parameters, stage3, stage_1_and_2
 from zerotrain.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -13,6 +13,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "config",
     "offload_config",
     "partition_parameters",
     "register_external_parameter",

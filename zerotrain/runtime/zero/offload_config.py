@@ -1,5 +1,21 @@
-"""``deepspeed.runtime.zero.offload_config``."""
+"""``deepspeed.runtime.zero.offload_config``: the offload sections under DeepSpeed's class
+names (zerotrain's validated sections, zerotrain.config)."""
 
-from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum
+from zerotrain.config import (
+    OffloadDeviceEnum,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OffloadStateTypeEnum,
+)
 
-__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum"]
+DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
+"""``zero_optimization.offload_param``."""
+DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
+"""``zero_optimization.offload_optimizer``."""
+
+__all__ = [
+    "DeepSpeedZeroOffloadOptimizerConfig",
+    "DeepSpeedZeroOffloadParamConfig",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
+]
