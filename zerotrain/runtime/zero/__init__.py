@@ -1,6 +1,12 @@
 """``deepspeed.runtime.zero`` (also ``deepspeed.zero``)."""
 
-from zerotrain.runtime.zero import config, offload_config, partition_parameters, stage3, stage_1_and_2
+from zerotrain.runtime.zero import (
+    config,
+    offload_config,
+    partition_parameters,
+    stage3,
+    stage_1_and_2,
+)
 from zerotrain.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
