@@ -370,22 +370,24 @@ def test_compression_with_one_replica_says_it_compresses_nothing():
 
 
 def test_a_zero_one_adam_given_as_an_instance_keeps_its_settings():
-    """The engine rebuilds a given optimizer over its shards: 0/1 Adam's schedule and local
-    steps, kept out of its groups, come along (they were lost, and it never compressed)."""
+    """The engine steps a given optimizer over its shards: 0/1 Adam's schedule and local steps,
+    kept out of its groups, stay what the step uses (a rebuilt copy once lost them, and it never
+    compressed; the object itself is now adopted, as DeepSpeed's clients expect)."""
     import zerotrain
 
     settings = {"var_freeze_step": 6, "var_update_scaler": 2, "local_step_clipper": 4}
     model = nn.Linear(4, 4)
     given = ZeroOneAdam(model.parameters(), lr=1e-3, **settings)
+    exact, schedule = given.exact, given.local_steps.schedule
     engine = zerotrain.initialize(
         model=model,
         config={"train_batch_size": 1, "zero_optimization": {"stage": 0}},
         optimizer=given,
     )[0]
-    rebuilt = engine.optimizer.groups[0].store.optimizer
-    assert rebuilt is not given and rebuilt.exact == given.exact
-    assert rebuilt.local_steps is not None and given.local_steps is not None
-    assert rebuilt.local_steps.schedule == given.local_steps.schedule
+    stepping = engine.optimizer.groups[0].store.optimizer
+    assert stepping is given and stepping.exact == exact
+    assert stepping.local_steps is not None and stepping.local_steps.schedule == schedule
+    assert stepping.local_steps.schedule.clipper == 4
 
 
 # -- codecs on 4 ranks ---------------------------------------------------------------------------
