@@ -129,9 +129,11 @@ def test_tag_none_reads_the_tag_latest_names_as_deepspeed(tmp_path):
             get_fp32_state_dict_from_zero_checkpoint(path, tag="global_step5")
     assert "latest: global_step2" in inspect_checkpoints(save, verify=False)
 
-    # latest naming no complete checkpoint: the newest complete one (DeepSpeed would raise)
+    # latest naming no complete checkpoint: the newest complete one (DeepSpeed would raise),
+    # with a warning naming both
     (save / "latest").write_text("global_step9\n")
-    assert resolve(save).directory.name == "global_step5"
+    with pytest.warns(UserWarning, match="latest names 'global_step9'.*'global_step5'"):
+        assert resolve(save).directory.name == "global_step5"
 
 
 def test_save_directories_tag_directories_and_the_folders_around_them(tmp_path):

@@ -201,6 +201,7 @@ def test_set_state_trains_as_a_single_process_that_set_it(names) -> None:
 def misuse():
     from zerotrain.utils import (
         safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
         safe_get_local_grad,
         safe_set_full_fp32_param,
         safe_set_full_grad,
@@ -232,6 +233,18 @@ def misuse():
     frozen = engine.module.head_bias
     safe_set_full_fp32_param(frozen, torch.ones(frozen.shape))
     errors["frozen"] = (safe_get_full_fp32_param(frozen), torch.equal(frozen, torch.zeros(11)))
+    # a state key before the first step is None (still to come); after it, a key the optimizer
+    # does not have is an error, not None forever
+    errors["state_before_step"] = safe_get_full_optimizer_state(weight, "exp_avg")
+    idx, tgt = make_batches(1, MICRO)
+    engine.backward(
+        engine(micro_batch(idx[0], 0, 0, 1, MICRO), micro_batch(tgt[0], 0, 0, 1, MICRO))
+    )
+    engine.step()
+    try:
+        errors["misspelled_state"] = safe_get_full_optimizer_state(weight, "exp_avgsq")
+    except ValueError as error:
+        errors["misspelled_state"] = str(error)
     return errors
 
 
@@ -242,3 +255,6 @@ def test_misuse_names_the_parameter_and_the_fix() -> None:
     assert "blocks.0.up.weight" in errors["wrong_shape"] and "(13, 7)" in errors["wrong_shape"]
     assert "first step" in errors["no_state_yet"]
     assert errors["frozen"] == (None, True)
+    assert errors["state_before_step"] is None
+    assert "'exp_avgsq' is not an optimizer state" in errors["misspelled_state"], errors
+    assert "exp_avg_sq" in errors["misspelled_state"]

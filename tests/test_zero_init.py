@@ -198,6 +198,22 @@ class _Buffers(nn.Module):
         self.register_buffer("ids", torch.tensor([1, 2]))
 
 
+def test_init_leaves_torch_device_contexts_working():
+    """torch caches the constructors a device context redirects the first time one is used;
+    built inside Init, the cache held Init's wrappers, and torch.device("meta") then built on
+    the CPU for the rest of the process (an OnDevice meta model, whole, in host memory)."""
+    from torch.utils import _device
+
+    _device._device_constructors.cache_clear()  # as in a process that never used one
+    try:
+        with zerotrain.zero.Init(), torch.device("cpu"):
+            torch.empty(1)
+        with torch.device("meta"):
+            assert torch.empty(3).device.type == "meta"
+    finally:
+        _device._device_constructors.cache_clear()
+
+
 def test_init_wraps_torch_constructors_through_the_served_name(monkeypatch):
     from zerotrain.runtime.zero import partition_parameters as pp
     from zerotrain.zero import init as init_module

@@ -32,6 +32,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -202,6 +203,14 @@ def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Manifest:
     newest = found.newest
     if newest is None:
         raise found.nothing_to_load()
+    if found.latest is not None and not found.single:
+        # DeepSpeed raises here; the newest complete save is loaded, but never silently (a
+        # latest pointed back to roll back, at a save since pruned, would resume the other run)
+        warnings.warn(
+            f"{found.path}: latest names {found.latest!r}, which is not a complete checkpoint "
+            f"here; loading the newest complete one, {newest.directory.name!r}",
+            stacklevel=2,
+        )
     return newest
 
 

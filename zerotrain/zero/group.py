@@ -325,11 +325,13 @@ class ShardGroup:
         bucket = self.buckets[index]
         gathered_here = self.residency.begin_access([bucket])
         try:
+            # the master first: should the model's copy then fail, the next step writes the
+            # master (the new value) over it, never the old master over a new copy
+            part, piece = self.local_piece(index, slot)
+            self.store.write_state_piece(index, "master", part.start, value.reshape(-1)[piece])
             with torch.no_grad():
                 bucket.view(bucket.require_flat_param(), slot).copy_(value.view(slot.shape))
             self.residency.take_values(bucket)  # stage 3: the shard kept between uses
-            part, piece = self.local_piece(index, slot)
-            self.store.write_state_piece(index, "master", part.start, value.reshape(-1)[piece])
             self.masters_set()
         finally:
             self.residency.end_access(gathered_here)

@@ -397,6 +397,11 @@ class Init:
         """Replace torch's tensor constructors by wrappers made by the module attribute
         ``zero_wrapper_for_fp_tensor_constructor`` as it is now (a client's override counts);
         all are made before any is installed, so a failing wrapper changes nothing."""
+        # torch's device context (with torch.device(...)) caches the set of constructors it
+        # redirects the first time it is used: built while the wrappers are in place, it would
+        # hold them, and torch.device("meta") would build on the CPU for the rest of the process
+        # (OnDevice's meta models included). Build it from torch's own functions first.
+        torch.utils._device._device_constructors()
         make = zero_wrapper_for_fp_tensor_constructor  # the module global as it is now
         wrappers = {
             name: make(original, target_fp_dtype=None, target_device=None)

@@ -424,6 +424,8 @@ class ZeroOptimizer:
         try:
             found = self._locate(param, kind)
         except ValueError:
+            if any(group.store.element_state_keys() for group in self.groups):
+                raise  # a key the optimizer does not have (a typo), not one still to come
             return None
         if found is None:
             return None
