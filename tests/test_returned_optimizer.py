@@ -114,6 +114,23 @@ def test_a_scheduler_the_client_steps_itself_sets_the_lr_of_the_next_step():
     assert _unchanged(stepped, _weights(engine))
 
 
+def test_a_failed_initialize_leaves_the_clients_optimizer_as_it_was_given():
+    """initialize adopts the client's object early; a later failure (here the scheduler
+    argument) gives it back its own groups and state (it held the failed engine's shards)."""
+    model = _model()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = [list(group["params"]) for group in client.param_groups]
+    with pytest.raises(TypeError):
+        zerotrain.initialize(model=model, optimizer=client, lr_scheduler="bad", config=_config(1))
+    assert [len(group["params"]) for group in client.param_groups] == [len(p) for p in params]
+    assert all(
+        a is b
+        for got, given in zip(client.param_groups, params, strict=True)
+        for a, b in zip(got["params"], given, strict=True)
+    )
+    assert not client.state
+
+
 def test_building_a_deepspeed_wrapper_class_is_refused_naming_initialize():
     with pytest.raises(TypeError, match=r"DeepSpeedZeroOptimizer_Stage3: .*initialize"):
         DeepSpeedZeroOptimizer_Stage3(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))

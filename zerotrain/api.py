@@ -209,42 +209,48 @@ def initialize(
         param_compression=_parameter_compression(cfg) if auto is None else auto.parameters,
         auto=auto,
     )
-    specs = _shard_groups(model, plan.groups, options, mesh)
-    zero_optimizer = ZeroOptimizer(
-        model,
-        specs,
-        plan.factory(len(specs)),  # [Note: the client's optimizer object] in optimizer_plan.py
-        loss_scaler=_loss_scaler(cfg),
-        gradient_clipping=cfg.gradient_clipping,
-    )
-    if tensor_parallel is not None and isinstance(zero_optimizer.optimizer, Lamb):
-        raise ConfigError(
-            "optimizer: LAMB's trust ratio needs each parameter's whole norm, and tensor "
-            "parallelism (tensor_parallel.autotp_size > 1) splits parameters; use Adam or AdamW"
+    try:
+        specs = _shard_groups(model, plan.groups, options, mesh)
+        zero_optimizer = ZeroOptimizer(
+            model,
+            specs,
+            # [Note: the client's optimizer object] in optimizer_plan.py
+            plan.factory(len(specs)),
+            loss_scaler=_loss_scaler(cfg),
+            gradient_clipping=cfg.gradient_clipping,
         )
-    _broadcast_untrained_state(model, mesh)
-    # Frozen parameters and buffers follow the training dtype too (trainable ones already do,
-    # and were copied into fp32 masters before the cast).
-    model.to(precision.param_dtype)
-    scheduler = scheduler_for(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
-    dataloader = _dataloader(training_data, cfg, data_parallel, collate_fn)
-    pipeline: dict[str, Any] = {}
-    if isinstance(model, PipelineModule):
-        pipeline = {"pipe_comm": mesh.axis("pp"), "schedule": cfg.pipeline.schedule}
-    engine = (PipelineEngine if pipeline else ZeroTrainEngine)(
-        model,
-        zero_optimizer,
-        scheduler,
-        cfg,
-        comm,
-        device,
-        dataloader,
-        raw_config=_raw_config(config, cfg),
-        client_optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
-        tensor_parallel=tensor_parallel,
-        expert_comm=mesh.axis("ep") if mesh.sizes["ep"] > 1 else None,
-        **pipeline,
-    )
+        if tensor_parallel is not None and isinstance(zero_optimizer.optimizer, Lamb):
+            raise ConfigError(
+                "optimizer: LAMB's trust ratio needs each parameter's whole norm, and tensor "
+                "parallelism (tensor_parallel.autotp_size > 1) splits parameters; use Adam or "
+                "AdamW"
+            )
+        _broadcast_untrained_state(model, mesh)
+        # Frozen parameters and buffers follow the training dtype too (trainable ones already
+        # do, and were copied into fp32 masters before the cast).
+        model.to(precision.param_dtype)
+        scheduler = scheduler_for(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
+        dataloader = _dataloader(training_data, cfg, data_parallel, collate_fn)
+        pipeline: dict[str, Any] = {}
+        if isinstance(model, PipelineModule):
+            pipeline = {"pipe_comm": mesh.axis("pp"), "schedule": cfg.pipeline.schedule}
+        engine = (PipelineEngine if pipeline else ZeroTrainEngine)(
+            model,
+            zero_optimizer,
+            scheduler,
+            cfg,
+            comm,
+            device,
+            dataloader,
+            raw_config=_raw_config(config, cfg),
+            client_optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
+            tensor_parallel=tensor_parallel,
+            expert_comm=mesh.axis("ep") if mesh.sizes["ep"] > 1 else None,
+            **pipeline,
+        )
+    except BaseException:
+        plan.give_back()  # the client's optimizer as it was given, not the failed engine's
+        raise
     # DeepSpeed's choice (zerotrain/optimizer_plan.py); the engine holds the ZeroOptimizer
     return engine, returned_optimizer(zero_optimizer, cfg), dataloader, scheduler
 

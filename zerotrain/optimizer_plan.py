@@ -60,6 +60,18 @@ class OptimizerPlan:
     """A new optimizer over master tensors (also the probes over stand-ins)."""
     client: torch.optim.Optimizer | None = None
     """The client's optimizer object, which the shard group steps where there is one group."""
+    _given: tuple[list[dict], dict] | None = None
+    """The client's groups and state as given, while it is adopted (see :meth:`give_back`)."""
+
+    def give_back(self) -> None:
+        """After a failed ``initialize``: the client's object holds its own groups and state
+        again, as it was given, instead of a failed engine's shards."""
+        if self.client is not None and self._given is not None:
+            groups, state = self._given
+            self.client.param_groups[:] = groups
+            self.client.state.clear()
+            self.client.state.update(state)
+            self._given = None
 
     def factory(self, shard_groups: int) -> OptimizerFactory:
         """The builder for ``shard_groups`` shard groups: with one, its real build adopts the
@@ -71,7 +83,9 @@ class OptimizerPlan:
         def make(groups: list[dict], segments: ShardSegments | None) -> torch.optim.Optimizer:
             if segments is None or not pending:  # a probe over stand-ins (OptimizerFactory)
                 return self.build(groups, segments)
-            return _on_shards(adopt(pending.pop(), groups), groups, segments)
+            client = pending.pop()
+            self._given = (list(client.param_groups), dict(client.state))
+            return _on_shards(adopt(client, groups), groups, segments)
 
         return make
 

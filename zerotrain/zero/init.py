@@ -401,7 +401,9 @@ class Init:
         # redirects the first time it is used: built while the wrappers are in place, it would
         # hold them, and torch.device("meta") would build on the CPU for the rest of the process
         # (OnDevice's meta models included). Build it from torch's own functions first.
-        torch.utils._device._device_constructors()
+        from torch.utils._device import _device_constructors  # torch's, not imported by torch
+
+        _device_constructors()
         make = zero_wrapper_for_fp_tensor_constructor  # the module global as it is now
         wrappers = {
             name: make(original, target_fp_dtype=None, target_device=None)
