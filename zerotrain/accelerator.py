@@ -238,16 +238,17 @@ def release_free_host_memory() -> None:
     so a small block that outlives large ones there keeps every page below it resident.
     ``malloc_trim`` also returns the free pages inside the heaps. See [Note: NVMe offload
     and freed host memory] in zerotrain/zero/nvme.py."""
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
 
 
 @functools.cache
-def _malloc_trim():
+def _glibc(name: str):
+    """The C library's function ``name``, None where it has none (musl, macOS)."""
     try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
         return None
 
 
@@ -263,11 +264,8 @@ def map_large_host_blocks(threshold: int = 1 << 20) -> bool:
     A heap reuses a freed block only for a request that fits in it, so blocks of changing
     sizes freed between live ones grow it step after step while the bytes in use stay the
     same. See [Note: NVMe offload and freed host memory] in zerotrain/zero/nvme.py."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = _glibc("mallopt")
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
