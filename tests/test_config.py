@@ -222,6 +222,15 @@ def test_defaults_match_deepspeed() -> None:
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_gather_16bit_weights_on_model_save": False,
+            "leaf_module": {  # DeepSpeed's: HF's MoE blocks
+                "classes": [
+                    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+                ],
+                "names": [],
+                "name_suffixes": [],
+            },
             "zero_quantized_weights": False,
             "zero_quantized_gradients": False,
             "zero_hpz_partition_size": 1,
@@ -595,7 +604,6 @@ ASKS_NOTHING = [
     ("zero_optimization.mics_shard_size", -1),
     ("zero_optimization.offload_optimizer", {"device": "none", "pin_memory": True}),
     ("zero_optimization.offload_param", {"device": None}),
-    ("zero_optimization.leaf_module", {"classes": ["MoEBlock"]}),
     ("zero_optimization.stage3_module_granularity_threshold", 100),
     ("fp16.fp16_master_weights_and_grads", False),
     ("bf16.immediate_grad_update", True),

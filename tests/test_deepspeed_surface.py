@@ -42,6 +42,13 @@ DEEPSPEED_NAMES = [
     ("utils", ["z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name"]),
     ("utils", ["set_z3_leaf_modules_by_suffix"]),
     ("utils.z3_leaf_module", ["set_z3_leaf_modules", "unset_z3_leaf_modules"]),
+    ("utils.z3_leaf_module", ["apply_zero_leaf_module_config"]),
+    (
+        "runtime.zero.leaf_module_config",
+        ["DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES"],
+    ),
+    ("runtime.zero.leaf_module_config", ["DEFAULT_LEAF_MODULE_NAME_SUFFIXES"]),
+    ("runtime.zero.leaf_module_config", ["DeepSpeedZeroLeafModuleConfig"]),
     ("", ["OnDevice"]),
     ("utils", ["OnDevice"]),
     ("runtime.zero.config", ["DeepSpeedZeroConfig", "ZeroStageEnum", "get_zero_config"]),

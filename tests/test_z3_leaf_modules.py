@@ -4,6 +4,8 @@ whose ranks route to different experts trains as one process does."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,17 +81,22 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def train_with_leaf():
+def train_with_leaf(leaf_module: dict | None):
+    """With ``leaf_module`` None the block is marked by hand, else by the config's section."""
     from zerotrain.comm import Communicator
     from zerotrain.utils import set_z3_leaf_modules
 
     comm = Communicator()
     model = _model()
-    set_z3_leaf_modules(model, [SparseMoeBlock])  # as Accelerate's transformer_moe_cls_names
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if leaf_module is None:
+        set_z3_leaf_modules(model, [SparseMoeBlock])  # as Accelerate's transformer_moe_cls_names
+    else:
+        zero["leaf_module"] = leaf_module
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": 1e-6, "weight_decay": 0}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
         "steps_per_print": 10**6,
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
@@ -109,9 +116,16 @@ def train_with_leaf():
     }
 
 
-def test_moe_block_marked_leaf_trains_as_one_process_when_ranks_use_different_experts():
+@pytest.mark.parametrize(
+    "leaf_module",
+    [None, {"classes": "SparseMoeBlock"}, {"name_suffixes": ["moe"]}],
+    ids=["set_z3_leaf_modules", "config-classes", "config-suffixes"],
+)
+def test_moe_block_marked_leaf_trains_as_one_process_when_ranks_use_different_experts(
+    leaf_module,
+):
     want = reference()
-    results = run_distributed(train_with_leaf, 2, collective_timeout_s=20)
+    results = run_distributed(train_with_leaf, 2, leaf_module, collective_timeout_s=20)
     assert [r["experts_used"] for r in results] == [[0], [1]]  # the premise: disjoint experts
     for got in results:
         assert got["units_are_the_block"]
@@ -149,3 +163,46 @@ def test_leaf_mark_chooses_the_gather_unit_and_the_api_reads_it():
     with pytest.raises(ValueError, match="Expert2"):
         set_z3_leaf_modules(model, ["Expert2"])
     assert set_z3_leaf_modules(model, ["Expert2"], raise_if_not_found=False) == []
+
+
+def test_leaf_module_config_marks_its_classes_names_and_suffixes_and_warns_on_no_match():
+    from zerotrain.config import LeafModuleConfig
+    from zerotrain.runtime.zero.leaf_module_config import (
+        DEFAULT_LEAF_MODULE_CLASSES,
+        DeepSpeedZeroLeafModuleConfig,
+    )
+    from zerotrain.utils.z3_leaf_module import apply_zero_leaf_module_config
+
+    assert DeepSpeedZeroLeafModuleConfig is LeafModuleConfig
+    assert LeafModuleConfig().classes == DEFAULT_LEAF_MODULE_CLASSES  # DeepSpeed's MoE blocks
+    assert any(c.endswith(".Qwen3MoeSparseMoeBlock") for c in DEFAULT_LEAF_MODULE_CLASSES)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults matching nothing is no news
+        assert apply_zero_leaf_module_config(model, LeafModuleConfig()) == []
+    by_name = LeafModuleConfig(names="moe.experts.0", name_suffixes=["experts.1"])
+    assert apply_zero_leaf_module_config(model, by_name) == list(model.moe.experts)
+    qualified = f"{SparseMoeBlock.__module__}.SparseMoeBlock"
+    with pytest.warns(UserWarning, match=r"\['Nope', 'no.such', 'xyz'\] match no module"):
+        found = apply_zero_leaf_module_config(
+            _model(),
+            LeafModuleConfig(classes=[qualified, "Nope"], names=["no.such"], name_suffixes=["xyz"]),
+        )
+    assert [type(m) for m in found] == [SparseMoeBlock]
+
+
+def test_leaf_module_config_is_read_at_stage_3_only():
+    from zerotrain.config import load_config
+    from zerotrain.utils import get_z3_leaf_modules
+
+    section = {"leaf_module": {"classes": ["SparseMoeBlock"]}}
+    base = {"train_micro_batch_size_per_gpu": 1}
+    loaded = load_config({**base, "zero_optimization": section}, world_size=1)
+    assert loaded.zero_optimization.leaf_module.classes == ["SparseMoeBlock"]
+    misspelled = {"leaf_module": {"clases": ["SparseMoeBlock"]}}
+    with pytest.raises(zerotrain.ConfigError, match="leaf_module.clases"):
+        load_config({**base, "zero_optimization": misspelled}, world_size=1)
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, **section}}
+    zerotrain.initialize(model=model, config=config)
+    assert get_z3_leaf_modules(model) == []  # DeepSpeed marks them at stage 3 only

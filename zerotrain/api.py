@@ -50,6 +50,7 @@ from zerotrain.zero.gather import Stage3Options
 from zerotrain.zero.group import ModelParallel
 from zerotrain.zero.init import full_shape, owner_of
 from zerotrain.zero.layout import NamedParams
+from zerotrain.zero.leaf_modules import apply_leaf_module_config
 from zerotrain.zero.offload import OffloadOptions, device_budget, local_ranks
 from zerotrain.zero.optimizer import ShardGroupSpec
 from zerotrain.zero.param_home import ParamOffload
@@ -170,6 +171,8 @@ def initialize(
             "stages cannot offload its optimizer yet; remove offload_optimizer or keep each "
             "tied key's layers on one stage"
         )
+    if cfg.zero_optimization.stage == 3:  # before the units are chosen (DeepSpeed: at stage 3)
+        apply_leaf_module_config(model, cfg.zero_optimization.leaf_module, warn=comm.rank == 0)
     plan = optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
     check_memory(model, cfg, plan.groups, plan.build, mesh, device)

@@ -39,8 +39,10 @@ from zerotrain.config.schema import (
     ZeroOptimizationConfig,
     ZeroTrainConfig,
 )
+from zerotrain.config.zero import DEFAULT_LEAF_MODULE_CLASSES, LeafModuleConfig
 
 __all__ = [
+    "DEFAULT_LEAF_MODULE_CLASSES",
     "ZERO_DEFAULTS",
     "ActivationCheckpointingConfig",
     "BF16Config",
@@ -50,6 +52,7 @@ __all__ = [
     "ConfigError",
     "FP16Config",
     "FlopsProfilerConfig",
+    "LeafModuleConfig",
     "OffloadDeviceEnum",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",

@@ -252,11 +252,6 @@ ZERO_OPTIMIZATION: dict[str, Accepted] = {
         "gathers and reductions always."
     ),
     "save_muon_momentum_buffer_in_memory": _off("Muon optimizer buffers"),
-    "leaf_module": Accepted(
-        "No effect: DeepSpeed's list of module classes and names to mark as ZeRO-3 leaves; "
-        "mark them with `deepspeed.utils.set_z3_leaf_modules` (or its `_by_name` form) "
-        "before `initialize`, which zerotrain honours."
-    ),
     "zenflow": Accepted(
         "Accepted while null or left out.", _equals(None), "ZenFlow asynchronous updates", "null"
     ),

@@ -14,7 +14,9 @@ from zerotrain.config.section import Fraction, Int, NonNegativeInt, PositiveInt,
 
 __all__ = [
     "ZERO_DEFAULTS",
+    "DEFAULT_LEAF_MODULE_CLASSES",
     "AioConfig",
+    "LeafModuleConfig",
     "OffloadDeviceEnum",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -169,6 +171,38 @@ class AioConfig(Section):
         return value
 
 
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""DeepSpeed's default ZeRO-3 leaves: HF's Mixture-of-Experts blocks, whose experts each rank
+would otherwise gather in the order its own tokens route (collectives that do not match)."""
+
+
+def _listed(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value  # DeepSpeed takes one name as a string
+
+
+NameList = Annotated[list[str], BeforeValidator(_listed)]
+
+
+class LeafModuleConfig(Section):
+    """`leaf_module`: the modules that stage 3 gathers as one unit for their whole forward and
+    backward (ZeRO-3 leaves, as `deepspeed.utils.set_z3_leaf_modules` marks them), marked by
+    `initialize` at stage 3 before it chooses the gather units. A module matching any of the
+    three lists is a leaf; a customised list that matches nothing is warned about."""
+
+    classes: NameList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """Module classes by name, plain (`MixtralSparseMoeBlock`) or with their module
+    (`transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock`). The default is
+    DeepSpeed's: the Mixture-of-Experts blocks of HF's Mixtral, Qwen2-MoE and Qwen3-MoE."""
+    names: NameList = Field(default_factory=list)
+    """Modules by their `named_modules()` name (`model.layers.0.mlp`)."""
+    name_suffixes: NameList = Field(default_factory=list)
+    """Modules whose `named_modules()` name ends with one of these (`mlp.experts`)."""
+
+
 class ZeroOptimizationConfig(Section):
     """`zero_optimization`: what ZeRO (arXiv:1910.02054) partitions across data-parallel ranks.
     Bucket sizes count elements, not bytes."""
@@ -253,6 +287,8 @@ class ZeroOptimizationConfig(Section):
     """Stage 3: let `engine.save_16bit_model` gather the full 16-bit weights and write them;
     when false it saves nothing and returns False, as in DeepSpeed (DeepSpeed's old name
     `stage3_gather_fp16_weights_on_model_save` is accepted)."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Stage 3: the modules gathered as one unit; see the leaf_module section."""
     zero_quantized_weights: bool = False
     """DeepSpeed's ZeRO++ qwZ. At stage 3 true is `comm_compression.parameters.method: int8`
     (block-quantized parameter gathers, fp32 masters exact). DeepSpeed reads it at stage 3
