@@ -421,3 +421,29 @@ def test_damaged_checkpoints_are_refused_before_anything_changes(tmp_path):
     assert kept == ["global_step2", "global_step3", "latest"]
     assert nothing == (None, None) and any("no such checkpoint directory" in w for w in warned)
     assert exported  # save_16bit_model: the bf16 weights, every key
+
+
+def test_adam_states_resume_across_fused_adam_and_torchs_adamw(tmp_path):
+    """The config's AdamW is FusedAdam; with `fused: false` it is torch's AdamW. A checkpoint of
+    one resumes the other (the same state: step, exp_avg, exp_avg_sq), each keeping its own
+    switches: FusedAdam's adam_w_mode would mark torch's groups as keeping `step` on the
+    device."""
+    fused = _block_engine(stage=1)
+    _train_block(fused, 2)
+    fused.save_checkpoint(str(tmp_path), tag="fused")
+    saved = fused.optimizer.group.store.optimizer
+    torch_adamw = {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "fused": False}}
+    plain = _block_engine(stage=1, optimizer=torch_adamw)
+    plain.load_checkpoint(str(tmp_path), tag="fused")
+    loaded = plain.optimizer.group.store.optimizer
+    assert type(saved).__name__ == "FusedAdam" and type(loaded) is torch.optim.AdamW
+    assert "adam_w_mode" not in loaded.param_groups[0] and not loaded.param_groups[0]["fused"]
+    pairs = zip(saved.param_groups[0]["params"], loaded.param_groups[0]["params"], strict=True)
+    for mine, theirs in pairs:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(saved.state[mine][key], loaded.state[theirs][key])
+    _train_block(plain, 1)
+    plain.save_checkpoint(str(tmp_path), tag="torch")
+    back = _block_engine(stage=1)
+    back.load_checkpoint(str(tmp_path), tag="torch")
+    assert back.global_steps == 3

@@ -221,7 +221,7 @@ def test_inspect_reports_complete_incomplete_and_corrupt_checkpoints(trained, tm
     assert tags == ["global_step1", "global_step2", "corrupt", "unfinished"]  # oldest first
     assert "global_step1: complete" in text and "global_step2: complete" in text
     assert "global step 2 (8 samples), world size 2, ZeRO stage 3, precision fp32" in text
-    assert "optimizer AdamW (state: exp_avg, exp_avg_sq)" in text
+    assert "optimizer FusedAdam (state: exp_avg, exp_avg_sq)" in text
     assert "dtypes: float32" in text and "committed: 20" in text
     assert "unfinished: INCOMPLETE" in text and "a save that did not finish" in text
     assert "corrupt: CORRUPT" in text and f"{rank_file}: corrupted" in text

@@ -261,7 +261,8 @@ def test_config_from_deepspeed_args(tmp_path):
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
     engine, optimizer, _, _ = zerotrain.initialize(args=args, model=nn.Linear(3, 2))
     assert engine.get_lr() == [0.5]
-    assert type(optimizer).__name__ == "AdamW"  # DeepSpeed's Adam: decoupled decay
+    # DeepSpeed's Adam: its FusedAdam, decoupled decay
+    assert type(optimizer).__name__ == "FusedAdam" and optimizer.defaults["adam_w_mode"]
     assert engine.train_batch_size() == MICRO and engine.world_size == 1
     with pytest.raises(zerotrain.ConfigError, match="given twice"):
         zerotrain.initialize(args=args, model=nn.Linear(3, 2), config=dict(BASE))

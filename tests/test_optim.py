@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from zerotrain.config import ConfigError, check_config
-from zerotrain.optim import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS, Lamb, build_optimizer
+from zerotrain.optim import (
+    DEEPSPEED_ONLY_OPTIMIZERS,
+    OPTIMIZERS,
+    FusedAdam,
+    Lamb,
+    build_optimizer,
+)
 
 # Awkward shapes, as in FSDP2's tests; the last one starts at zero (trust ratio 1 on step 1).
 SHAPES = [(7, 15), (13,), (5, 3), (4,)]
@@ -62,19 +68,23 @@ def _run(opt: torch.optim.Optimizer, params: list[Tensor], grads: list[list[Tens
     [({}, torch.optim.AdamW), ({"adam_w_mode": False}, torch.optim.Adam)],
     ids=["default_is_adamw", "adam_w_mode_false_is_l2_adam"],
 )
-def test_adam_matches_torch(options: dict[str, Any], expected_cls: type) -> None:
-    """DeepSpeed's "Adam" defaults to adam_w_mode=True: decoupled decay, torch AdamW numerics."""
+def test_adam_is_deepspeeds_fused_adam_with_torchs_fused_update(
+    options: dict[str, Any], expected_cls: type
+) -> None:
+    """DeepSpeed's "Adam" is its FusedAdam (client code checks isinstance), adam_w_mode=True
+    by default: decoupled decay; its update is torch's fused AdamW's (Adam's) bit for bit."""
     params, ref_params = _params(), _params()
     grads = _grads(5)
     opt = build_optimizer(
         "Adam", {"lr": 0.01, "weight_decay": 0.1, **options}, [{"params": params}]
     )
-    assert type(opt) is expected_cls
-    ref = expected_cls(ref_params, lr=0.01, weight_decay=0.1, foreach=False)
+    assert type(opt) is FusedAdam
+    assert opt.param_groups[0]["adam_w_mode"] is (expected_cls is torch.optim.AdamW)
+    ref = expected_cls(ref_params, lr=0.01, weight_decay=0.1, fused=True)
     _run(opt, params, grads)
     _run(ref, ref_params, grads)
     for p, r in zip(params, ref_params, strict=True):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+        assert torch.equal(p, r)
 
 
 def test_decoupled_and_l2_decay_differ() -> None:
@@ -93,6 +103,14 @@ def test_decoupled_and_l2_decay_differ() -> None:
 
 def test_adamw_is_decoupled_whatever_adam_w_mode_says() -> None:
     opt = build_optimizer("AdamW", {"adam_w_mode": False}, [{"params": _params()}])
+    assert type(opt) is FusedAdam and opt.param_groups[0]["adam_w_mode"] is True
+
+
+@pytest.mark.parametrize(
+    "params", [{"torch_adam": True}, {"amsgrad": True}, {"fused": False}, {"foreach": True}]
+)
+def test_adam_is_torchs_own_where_fused_adam_does_not_serve(params: dict[str, Any]) -> None:
+    opt = build_optimizer("AdamW", params, [{"params": _params()}])
     assert type(opt) is torch.optim.AdamW
 
 
@@ -120,7 +138,10 @@ def test_fused_kernel_chosen_for_cpu_float_tensors(optimizer_type: str) -> None:
         torch.nn.Parameter(torch.randn(3, dtype=dtype)) for dtype in (torch.float32, torch.float64)
     ]
     opt = build_optimizer(optimizer_type, {}, [{"params": params}])
-    assert opt.param_groups[0]["fused"] is True
+    if optimizer_type == "SGD":
+        assert opt.param_groups[0]["fused"] is True
+    else:  # FusedAdam, which steps with torch's fused kernel on these tensors
+        assert type(opt) is FusedAdam
 
 
 def test_fused_falls_back_when_a_tensor_is_not_floating_point() -> None:

@@ -15,6 +15,7 @@ from distributed import run_distributed
 from torch import nn
 
 import zerotrain
+from zerotrain.ops.adam import FusedAdam
 from zerotrain.runtime.base_optimizer import DeepSpeedOptimizer
 from zerotrain.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from zerotrain.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -94,6 +95,10 @@ def test_stage_0_returns_the_optimizer_a_callable_or_the_config_built_or_none():
     sgd = _config(0, optimizer={"type": "SGD", "params": {"lr": 0.1}})
     engine, returned, *_ = zerotrain.initialize(model=_model(), config=sgd)
     assert type(returned) is torch.optim.SGD and returned is engine.optimizer.optimizer
+    for name in ("Adam", "AdamW"):  # DeepSpeed builds its FusedAdam for both
+        adam = _config(0, optimizer={"type": name, "params": {"lr": 0.1}})
+        engine, returned, *_ = zerotrain.initialize(model=_model(), config=adam)
+        assert isinstance(returned, FusedAdam) and returned is engine.optimizer.optimizer
     engine, returned, *_ = zerotrain.initialize(model=_model(), config=_config(0))
     assert returned is None and isinstance(engine.optimizer, DeepSpeedOptimizer)
 

@@ -26,6 +26,7 @@ from zerotrain.checkpoint.save import (
     split_params,
     tensor_parallel_rank,
 )
+from zerotrain.optim.adam import same_state_kind
 from zerotrain.ranges import overlaps
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         )
     if options.optimizer_states and not options.module_only:
         ours_type = type(zero.group.store.optimizer).__name__
-        if manifest["optimizer"] != ours_type:
+        if not same_state_kind(manifest["optimizer"], ours_type):
             problems.append(
                 f"{where}: optimizer states are of {manifest['optimizer']}, the engine steps "
                 f"{ours_type}; pass load_optimizer_states=False to load only the weights"

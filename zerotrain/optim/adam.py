@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
 
-__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
+__all__ = ["ADAM_FAMILY", "DeepSpeedCPUAdam", "FusedAdam", "same_state_kind"]
 
 
 def keeps_step_on_device(group: dict) -> bool:
@@ -162,3 +162,16 @@ class DeepSpeedCPUAdam(FusedAdam):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
         )
+
+
+ADAM_FAMILY = (torch.optim.Adam, FusedAdam)  # torch's AdamW subclasses Adam, CPU Adam FusedAdam
+"""The optimizers whose per-element state is Adam's: ``step``, ``exp_avg``, ``exp_avg_sq``."""
+
+_ADAM_NAMES = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"})
+
+
+def same_state_kind(saved: str, ours: str) -> bool:
+    """Whether optimizer states saved by the class named ``saved`` mean the same to the class
+    named ``ours``: the same class, or two of the Adam family (a checkpoint of torch's AdamW
+    resumes a FusedAdam run and back)."""
+    return saved == ours or {saved, ours} <= _ADAM_NAMES

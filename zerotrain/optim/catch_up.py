@@ -39,14 +39,12 @@ from collections.abc import Sequence
 
 import torch
 
-from zerotrain.optim.adam import FusedAdam, keeps_step_on_device
+from zerotrain.optim.adam import ADAM_FAMILY, keeps_step_on_device
 
 __all__ = ["Arrivals", "CatchUp", "catches_up"]
 
 Arrivals = tuple[torch.Tensor, torch.Tensor]
 """Where in a master gradients arrived (flat positions), and the steps each carries."""
-
-ADAM_FAMILY = (torch.optim.Adam, FusedAdam)  # torch's AdamW subclasses Adam
 
 
 def catches_up(optimizer: torch.optim.Optimizer) -> bool:

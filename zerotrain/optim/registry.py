@@ -1,11 +1,12 @@
 """The optimizers a DeepSpeed ``optimizer`` section can name, and how each is built.
 
 ``OPTIMIZERS`` is the one list: the config accepts the names and ``params`` keys written here
-(zerotrain.config.params), and ``build_optimizer`` builds from the same entries. Adam, AdamW and
-SGD are torch's own optimizers (fused kernels where the tensors allow: torch's fused Adam runs
-on CPU at the speed of DeepSpeed's C++ CPU-Adam), except Adam without bias correction, which is
-:class:`FusedAdam` (DeepSpeed's, also ``zerotrain.ops.adam``); Lamb is :class:`Lamb`, which also
-computes per-parameter trust ratios on ZeRO shards.
+(zerotrain.config.params), and ``build_optimizer`` builds from the same entries. Adam and AdamW
+are :class:`FusedAdam` (DeepSpeed's class, also ``zerotrain.ops.adam``) where torch's fused
+kernel runs, which FusedAdam steps with (it runs on CPU at the speed of DeepSpeed's C++
+CPU-Adam), and without bias correction; otherwise (``torch_adam``, ``amsgrad``, ``fused:
+false``, ``foreach``, tensors the kernel does not take) torch's own Adam/AdamW. SGD is torch's;
+Lamb is :class:`Lamb`, which also computes per-parameter trust ratios on ZeRO shards.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def _build_adam(
                 "optimizer.params.amsgrad: not supported together with bias_correction false"
             )
         return FusedAdam(param_groups, **options, bias_correction=False, adam_w_mode=decoupled)
+    if fused and not torch_adam and not options.get("amsgrad"):
+        # DeepSpeed's class, which client code checks with isinstance; its step is torch's
+        # fused kernel, so the update is torch.optim.AdamW(fused=True)'s bit for bit
+        return FusedAdam(param_groups, **options, adam_w_mode=decoupled)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     return cls(param_groups, **options, fused=fused, foreach=foreach)
 
@@ -131,17 +136,17 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "Adam",
             _ADAM_PARAMS,
             partial(_build_adam, always_decoupled=False),
-            "DeepSpeed's Adam: `adam_w_mode` (default true) selects decoupled weight decay "
-            "(torch.optim.AdamW), false L2 regularisation (torch.optim.Adam); "
-            "`bias_correction: false` steps without bias correction, as DeepSpeed's "
-            "FusedAdam does (zerotrain.ops.adam.FusedAdam).",
+            "DeepSpeed's Adam, built as its FusedAdam (zerotrain.ops.adam.FusedAdam, stepping "
+            "with torch's fused kernel; torch.optim.Adam/AdamW with `torch_adam`, `amsgrad`, "
+            "`fused: false` or `foreach`): `adam_w_mode` (default true) selects decoupled "
+            "weight decay (AdamW), false L2 regularisation (Adam); `bias_correction: false` "
+            "steps without bias correction.",
         ),
         OptimizerSpec(
             "AdamW",
             _ADAM_PARAMS,
             partial(_build_adam, always_decoupled=True),
-            "torch.optim.AdamW: decoupled weight decay whatever `adam_w_mode` says, as in "
-            "DeepSpeed; `bias_correction` as for Adam.",
+            "As Adam, with decoupled weight decay whatever `adam_w_mode` says, as in DeepSpeed.",
         ),
         OptimizerSpec(
             "SGD",
@@ -259,9 +264,10 @@ def build_optimizer(
 
     DeepSpeed semantics (``engine._configure_basic_optimizer``):
 
-    - "Adam" with ``adam_w_mode`` true (DeepSpeed's default) decays weights decoupled, i.e. is
-      torch ``AdamW``; with ``adam_w_mode`` false it is L2-regularised torch ``Adam``. "AdamW" is
-      always decoupled, whatever ``adam_w_mode`` says.
+    - "Adam" with ``adam_w_mode`` true (DeepSpeed's default) decays weights decoupled (AdamW);
+      with ``adam_w_mode`` false it is L2-regularised Adam. "AdamW" is always decoupled,
+      whatever ``adam_w_mode`` says. Both are :class:`FusedAdam`, DeepSpeed's class, unless
+      ``torch_adam``, ``amsgrad`` or the kernel choice below asks for torch's own class.
     - Defaults are DeepSpeed's FusedAdam ones: lr 1e-3, betas (0.9, 0.999), eps 1e-8,
       weight_decay 0. With ``torch_adam`` true DeepSpeed calls torch's class directly, so a
       decoupled Adam then defaults to torch AdamW's weight_decay 0.01.

@@ -188,7 +188,9 @@ class ShardStore(ABC):
         for group, hyper, group_scalars in zip(
             self.optimizer.param_groups, hyperparameters, scalars, strict=True
         ):
-            group.update(hyper)
+            # only the settings this optimizer has: a checkpoint of another class of the same
+            # state kind (torch's AdamW, FusedAdam) carries its own switches too
+            group.update((key, value) for key, value in hyper.items() if key in group)
             on_device = keeps_step_on_device(group)
             for master in group["params"]:
                 state = self.optimizer.state[master]
