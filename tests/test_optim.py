@@ -755,3 +755,19 @@ def test_adam_without_bias_correction_steps_deepspeeds_update() -> None:
         m, v = 0.9 * m + 0.1 * grad, 0.999 * v + 0.001 * grad * grad
         w = w * (1 - 0.1 * 0.1) - 0.1 * m / (v.sqrt() + 1e-8)  # no 1 - beta**t
     assert (param.double() - w).abs().max() < 1e-6
+
+
+def test_state_bytes_are_known_by_class_before_the_first_step() -> None:
+    """The preflight and the memory formula read the table before any state exists: DeepSpeed's
+    Adam classes are Adam (they fell to the caller's guess), a subclass of SGD is SGD."""
+    from zerotrain.optim import DeepSpeedCPUAdam
+    from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element as per_element
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    assert per_element(FusedAdam(_params()), unknown=-1) == 8
+    assert per_element(DeepSpeedCPUAdam(_params()), unknown=-1) == 8
+    assert per_element(torch.optim.Adam(_params(), amsgrad=True), unknown=-1) == 12
+    assert per_element(MySGD(_params(), lr=0.1, momentum=0.9), unknown=-1) == 4
+    assert per_element(Lamb(_params()), unknown=-1) == 8
