@@ -239,3 +239,19 @@ def test_hf_trainers_own_schedule_sets_the_lr_the_engine_steps_with(tmp_path, st
     )
     assert len(got["logged"]) == 2 and got["logged"][0] > got["logged"][1]  # a linear decay
     assert got["stepped_with"] == got["scheduled"] and set(got["scheduled"]) == {0.0}
+
+
+def test_stepping_the_returned_optimizer_itself_is_refused_naming_engine_step():
+    """At stage 0 in fp32 initialize returns the torch optimizer, which has gradients only
+    inside engine.step(): a step() of its own changed nothing, silently."""
+    model = _model()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, returned, *_ = zerotrain.initialize(model=model, optimizer=client, config=_config(0))
+    x, y = torch.randn(2, 5), torch.randn(2, 3)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    before = _weights(engine)
+    with pytest.raises(RuntimeError, match=r"outside engine\.step\(\).*call engine\.step\(\)"):
+        returned.step()
+    assert _unchanged(before, _weights(engine))
+    engine.step()  # the engine's own step goes through the same optimizer
+    assert not _unchanged(before, _weights(engine))

@@ -117,7 +117,23 @@ def returned_optimizer(
         return zero_optimizer  # where DeepSpeed returns its wrapper
     if not zero_optimizer.trains:
         return None  # DeepSpeed's engine.optimizer without an optimizer at stage 0
-    return zero_optimizer.optimizer
+    optimizer = zero_optimizer.optimizer
+    if not getattr(optimizer, "_zerotrain_refuses_direct_steps", False):
+        optimizer.register_step_pre_hook(_refuse_step_without_gradients)
+        optimizer._zerotrain_refuses_direct_steps = True
+    return optimizer
+
+
+def _refuse_step_without_gradients(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """The masters hold gradients only inside ``engine.step()``, which averages them across
+    ranks first; a ``step()`` called on the optimizer itself would change nothing, silently."""
+    if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        raise RuntimeError(
+            f"zerotrain: {type(optimizer).__name__}.step() was called on the optimizer "
+            "initialize returned, outside engine.step(): the engine averages the gradients "
+            "across ranks and steps this optimizer in engine.step(); call engine.step() "
+            "instead (after engine.backward(loss) or loss.backward())"
+        )
 
 
 def _client_wins(key: str, argument: str, what: str, given: object, rank: int) -> None:
