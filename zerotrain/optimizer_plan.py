@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -118,10 +119,13 @@ def returned_optimizer(
     if not zero_optimizer.trains:
         return None  # DeepSpeed's engine.optimizer without an optimizer at stage 0
     optimizer = zero_optimizer.optimizer
-    if not getattr(optimizer, "_zerotrain_refuses_direct_steps", False):
+    if optimizer not in _REFUSING_DIRECT_STEPS:  # once per object, however many engines
         optimizer.register_step_pre_hook(_refuse_step_without_gradients)
-        optimizer._zerotrain_refuses_direct_steps = True
+        _REFUSING_DIRECT_STEPS.add(optimizer)
     return optimizer
+
+
+_REFUSING_DIRECT_STEPS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def _refuse_step_without_gradients(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
