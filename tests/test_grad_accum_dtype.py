@@ -24,7 +24,9 @@ LR, WD, EPS = 1e-2, 0.1, 1e-6
 FP32_ACCUM = PrecisionPolicy(torch.bfloat16, torch.float32)
 
 
-def _config(stage: int, grad_accum_dtype: str | None, bf16: bool = True) -> dict:
+def _config(
+    stage: int, grad_accum_dtype: str | None, bf16: bool = True, fp16: bool = False
+) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
@@ -35,7 +37,9 @@ def _config(stage: int, grad_accum_dtype: str | None, bf16: bool = True) -> dict
             "reduce_bucket_size": 60,  # stages 1-2: several buckets
             "stage3_param_persistence_threshold": 0,  # stage 3: every unit sharded
         },
-        "bf16": {"enabled": bf16},
+        "bf16": {"enabled": bf16 and not fp16},
+        # a static scale of 1: a single-process simulation computes the same fp16 gradients
+        "fp16": {"enabled": fp16, "loss_scale": 1.0},
         "data_types": {"grad_accum_dtype": grad_accum_dtype},
         "steps_per_print": 10**6,
     }
@@ -44,10 +48,11 @@ def _config(stage: int, grad_accum_dtype: str | None, bf16: bool = True) -> dict
 # -- the config ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("name", ["fp32", "float32", "float", "torch.float32"])
-def test_fp32_under_bf16_is_accepted_at_stages_1_to_3(stage, name):
-    cfg = load_config(_config(stage, name), world_size=WORLD)
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_fp32_under_bf16_or_fp16_is_accepted_at_stages_1_to_3(stage, name, half):
+    cfg = load_config(_config(stage, name, fp16=half == torch.float16), world_size=WORLD)
     assert cfg.data_types.grad_accum_dtype == "fp32"
-    assert cfg.precision_policy() == FP32_ACCUM
+    assert cfg.precision_policy() == PrecisionPolicy(half, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +70,8 @@ def test_the_training_dtype_itself_changes_nothing(grad_accum_dtype, bf16):
     ("stage", "grad_accum_dtype", "bf16", "fp16", "words"),
     [
         (0, "fp32", True, False, "fp32 under bf16 accumulates in the buffers ZeRO stages 1-3"),
-        (2, "fp32", False, True, "fp32 under fp16 training asks for a gradient accumulation"),
+        (0, "fp32", False, True, "fp32 under fp16 accumulates in the buffers ZeRO stages 1-3"),
+        (2, "bf16", False, True, "bf16 under fp16 training asks for a gradient accumulation"),
         (2, "bf16", False, False, "bf16 under fp32 training asks for a gradient accumulation"),
         (2, "fp16", True, False, "fp16 under bf16 training asks for a gradient accumulation"),
     ],
@@ -73,7 +79,7 @@ def test_the_training_dtype_itself_changes_nothing(grad_accum_dtype, bf16):
 def test_unsupported_combinations_are_refused_naming_the_key(
     stage, grad_accum_dtype, bf16, fp16, words
 ):
-    config = {**_config(stage, grad_accum_dtype, bf16), "fp16": {"enabled": fp16}}
+    config = _config(stage, grad_accum_dtype, bf16, fp16)
     with pytest.raises(ConfigError) as info:
         load_config(config, world_size=WORLD)
     message = str(info.value)
@@ -138,11 +144,12 @@ def train(runs):
 
     comm = Communicator()
     out = {}
-    for stage, accum in runs:
+    for stage, accum, *fp16 in runs:  # (stage, grad_accum_dtype[, "fp16"]): bf16 without
         torch.manual_seed(0)
         model = AwkwardModel()
+        config = _config(stage, accum, fp16=bool(fp16))
         engine, *_ = zerotrain.initialize(
-            model=model, model_parameters=param_groups(model, WD), config=_config(stage, accum)
+            model=model, model_parameters=param_groups(model, WD), config=config
         )
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         idx, tgt = make_batches(STEPS, MICRO * ACCUM * comm.world_size)
@@ -157,7 +164,7 @@ def train(runs):
                     grads.append({n: safe_get_full_grad(p) for n, p in trainable})
                 engine.step()
         group = engine.optimizer.group
-        out[(stage, accum)] = {
+        out[(stage, accum, *fp16)] = {
             "starts": starts,
             "grads": grads,
             "state": engine.consolidated_state_dict(),
@@ -168,10 +175,12 @@ def train(runs):
     return out
 
 
-def micro_grads(model: AwkwardModel, step: int) -> list[list[dict[str, torch.Tensor]]]:
-    """Per rank, per micro-step: the bf16 gradients of the loss over the accumulation steps,
-    as engine.backward computes them, of a bf16 copy of ``model``."""
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+def micro_grads(
+    model: AwkwardModel, step: int, half: torch.dtype = torch.bfloat16
+) -> list[list[dict[str, torch.Tensor]]]:
+    """Per rank, per micro-step: the ``half`` gradients of the loss over the accumulation
+    steps, as engine.backward computes them, of a ``half`` copy of ``model``."""
+    bf16 = copy.deepcopy(model).to(half)
     idx, tgt = make_batches(STEPS, MICRO * ACCUM * WORLD)
     out = []
     for rank in range(WORLD):
@@ -185,8 +194,10 @@ def micro_grads(model: AwkwardModel, step: int) -> list[list[dict[str, torch.Ten
     return out
 
 
-def reduced_grads(grads: list[list[dict[str, torch.Tensor]]], stage: int) -> dict:
-    """DeepSpeed's numerics on 2 ranks (bf16 sends, a+b rounded once, the 1/2 exact)."""
+def reduced_grads(
+    grads: list[list[dict[str, torch.Tensor]]], stage: int, half: torch.dtype = torch.bfloat16
+) -> dict:
+    """DeepSpeed's numerics on 2 ranks (``half`` sends, a+b rounded once, the 1/2 exact)."""
     out = {}
     for name in grads[0][0]:
         if stage == 1:  # each rank sums its micro-steps in fp32, rounds once, then reduces
@@ -194,7 +205,7 @@ def reduced_grads(grads: list[list[dict[str, torch.Tensor]]], stage: int) -> dic
             for rank in range(WORLD):
                 for micro in range(ACCUM):
                     sums[rank].add_(grads[rank][micro][name])
-            wire = [s.to(torch.bfloat16) * 0.5 for s in sums]
+            wire = [s.to(half) * 0.5 for s in sums]
             out[name] = (wire[0] + wire[1]).float()
         else:  # every micro-step reduced in bf16, the reduced shard summed in fp32
             total = torch.zeros_like(grads[0][0][name], dtype=torch.float32)
@@ -271,3 +282,26 @@ def test_fp32_accumulation_is_deepspeeds_and_closer_to_fp32(runs):
         # bf16's forward and backward round alike in both: the difference is the accumulation
         # (measured: stage 1 0.0241, stage 3 0.0185 against 0.0249-0.0253 in bf16)
         assert error(got) < min(bf16_errors), (stage, error(got), bf16_errors)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_accumulation_under_fp16_is_deepspeeds(stage):
+    """fp16 accumulates in fp32 buffers as bf16 does (DeepSpeed's ZeRO optimizers take any
+    gradient_accumulation_dtype): each step's reduced gradient equals, bit for bit, the
+    single-process simulation in fp16 (static loss scale 1), the buffers are fp32 and counted."""
+    (got,) = run_distributed(train, WORLD, [(stage, "fp32", "fp16")])[0].values()
+    fp16_accum = PrecisionPolicy(torch.float16, torch.float32)
+    formula = model_state_bytes(
+        got["numel_padded"],
+        world_size=WORLD,
+        policy=ZeroPolicy.for_stage(stage),
+        precision=fp16_accum,
+    )
+    assert got["breakdown"]["gradients"] == formula.gradients
+    assert got["grad_dtypes"] == {torch.float32}
+    for step, start in enumerate(got["starts"]):
+        model = AwkwardModel()
+        model.load_state_dict(start)
+        want = reduced_grads(micro_grads(model, step, torch.float16), stage, torch.float16)
+        for name, grad in want.items():
+            assert torch.equal(got["grads"][step][name], grad), (stage, step, name)

@@ -22,7 +22,7 @@ class PrecisionPolicy:
 
     Gradients are produced and communicated in ``param_dtype`` and accumulate in
     ``grad_accum_dtype`` (None: ``param_dtype``; DeepSpeed's ``data_types.grad_accum_dtype``,
-    fp32 under bf16 in zerotrain: [Note: fp32 gradient accumulation] in zerotrain/zero/reduce.py);
+    fp32 under bf16 or fp16 in zerotrain: [Note: fp32 gradient accumulation] in zerotrain/zero/reduce.py);
     the optimizer always steps an fp32 master copy. In fp32 training that master copy *is* the
     model's parameters (no copy).
     """

@@ -120,8 +120,8 @@ class DataTypesConfig(Section):
     ] = None
     """The dtype gradients are summed in over the micro-steps of a step and kept in until the
     optimizer steps; null: the training dtype. `fp32` under bf16 is DeepSpeed's usual bf16
-    setup, at ZeRO stages 1-3 (DeepSpeed refuses it at stage 0, and so does zerotrain): each
-    micro-step's bf16 gradient is added, upcast, to fp32 buffers (stage 1: before the
+    setup, and also serves fp16, at ZeRO stages 1-3 (DeepSpeed refuses it at stage 0, and so
+    does zerotrain): each micro-step's bf16 (fp16) gradient is added, upcast, to fp32 buffers (stage 1: before the
     reduction, which rounds the sum to the wire's dtype once; stages 2-3: after each
     micro-step's reduction), which the optimizer then steps from without a copy. Costs 2 more
     bytes per gradient element a rank keeps (stage 1: all of them; stages 2-3: its shard).
@@ -520,17 +520,17 @@ class ZeroTrainConfig(Section):
         wanted, training = self.data_types.grad_accum_dtype, self.precision_policy().name
         if wanted in (None, training):
             return self
-        if (wanted, training) != ("fp32", "bf16"):
+        if wanted != "fp32" or training not in ("bf16", "fp16"):
             raise fail(
                 f"data_types.grad_accum_dtype: {wanted} under {training} training asks for a "
                 "gradient accumulation zerotrain does not have (it accumulates in the training "
-                "dtype, or in fp32 under bf16); set it to null or remove it"
+                "dtype, or in fp32 under bf16 or fp16); set it to null or remove it"
             )
         if self.zero_optimization.stage == 0:
             raise fail(
-                "data_types.grad_accum_dtype: fp32 under bf16 accumulates in the buffers ZeRO "
-                "stages 1-3 keep, not at zero_optimization.stage 0 (DeepSpeed refuses this mix "
-                "at stage 0 too); set the stage to 1, 2 or 3, or remove grad_accum_dtype"
+                f"data_types.grad_accum_dtype: fp32 under {training} accumulates in the buffers "
+                "ZeRO stages 1-3 keep, not at zero_optimization.stage 0 (DeepSpeed refuses this "
+                "mix at stage 0 too); set the stage to 1, 2 or 3, or remove grad_accum_dtype"
             )
         return self
 

@@ -13,7 +13,7 @@ measured by ``memory_breakdown()`` in tests/test_estimate.py). Where it differs 
   parameters, so there the masters are a copy again (m = 4).
 - 16-bit training (bf16, fp16): parameters and gradients in the training dtype (gradients are
   reduced in it too), fp32 masters: 2 + 2 + (4 + 8) = 16, as in the paper. With
-  ``data_types.grad_accum_dtype: fp32`` (bf16) the gradient buffers are fp32, g = 4, and the
+  ``data_types.grad_accum_dtype: fp32`` (bf16, fp16) the gradient buffers are fp32, g = 4, and the
   step takes them as they are: no step transient ([Note: fp32 gradient accumulation] in
   zerotrain/zero/reduce.py).
 - Stage 3 keeps units smaller than ``stage3_param_persistence_threshold`` whole on every rank.

@@ -25,7 +25,8 @@ collective itself, the backend's or a compressed one, is the codec's
 (``comm_compression``; [Note: gradient codecs] in zerotrain/compression/codec.py).
 
 [Note: fp32 gradient accumulation]
-``data_types.grad_accum_dtype: fp32`` under bf16 (``accum_dtype``) keeps the persistent gradient
+``data_types.grad_accum_dtype: fp32`` under bf16 or fp16 (``accum_dtype``; bf16 below, fp16
+alike: tests/test_grad_accum_dtype.py checks both bit for bit) keeps the persistent gradient
 buffers in fp32, as DeepSpeed 0.19 does (its BF16_Optimizer at stage 1, ``gradient_accumulation_
 dtype`` of its ZeRO 2-3 optimizers); gradients are still produced and sent in bf16 (or
 ``communication_data_type``):
