@@ -4,6 +4,7 @@ atomicity under a killed rank, verification of damaged files, retention."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 
@@ -250,11 +251,15 @@ def _killed_mid_save(save_dir: str):
 
     engine = _block_engine(stage=3)
     _train_block(engine, 1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        # different tags on the ranks: rank 0's wins (checkpoint.tag_validation: Warn)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("zerotrain").addHandler(handler)
+    try:  # different tags on the ranks: rank 0's wins (checkpoint.tag_validation: Warn)
         engine.save_checkpoint(save_dir, tag="good" if engine.global_rank == 0 else "other")
-    warned = any("different tags" in str(w.message) for w in caught)
+    finally:
+        logging.getLogger("zerotrain").removeHandler(handler)
+    warned = any("different tags" in r.getMessage() for r in logged)
     good = engine.consolidated_state_dict()
     _train_block(engine, 1, seed=2)
     if engine.global_rank == 1:

@@ -72,3 +72,30 @@ def test_save_checkpoint_refuses_no_save_dir_and_different_tags_on_every_rank(tm
         assert is_assertion and isinstance(message, str), got["tags_differ"]  # as DeepSpeed
         assert "not consistent across all ranks" in message and "tag-1" in message, message
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == []  # nothing written anywhere
+
+
+def _warned_tags(root: str) -> dict:
+    import logging
+
+    rank = torch.distributed.get_rank()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = zerotrain.utils.logger  # deepspeed.utils.logger, where DeepSpeed warns
+    logger.addHandler(handler)
+    try:
+        engine, *_ = zerotrain.initialize(model=nn.Linear(4, 4), config=CONFIG)  # Warn
+        engine.save_checkpoint(root, tag=f"tag-{rank}")
+    finally:
+        logger.removeHandler(handler)
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    return {"warned": warned, "saved": sorted(p.name for p in Path(root).iterdir())}
+
+
+def test_tags_that_differ_under_warn_are_logged_on_every_rank_and_saved_under_rank_0s(tmp_path):
+    results = run_distributed(_warned_tags, 2, str(tmp_path), collective_timeout_s=20)
+    for rank, got in enumerate(results):
+        (message,) = [m for m in got["warned"] if "not consistent across all ranks" in m]
+        assert message.startswith(f"[rank={rank}]") and f"passed 'tag-{rank}'" in message
+        assert "saving under rank 0's tag 'tag-0'" in message, message
+        assert "tag-0" in got["saved"] and "tag-1" not in got["saved"], got["saved"]

@@ -15,6 +15,7 @@ invisible to ``load_checkpoint(tag=None)``; the survivors' collectives time out 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 import uuid
@@ -44,6 +45,8 @@ from zerotrain.checkpoint.manifest import (
 from zerotrain.checkpoint.rng import capture_rng_state
 from zerotrain.errors import ZeroTrainError
 from zerotrain.tensor_parallel.shard import TPShard, shard_of
+
+_log = logging.getLogger("zerotrain")
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
@@ -137,8 +140,11 @@ def _agreed_tag(engine: TrainingState, tag: str | None, save_dir: str | Path | N
         )
         if mode == "Fail":
             raise TagMismatch(message + " (checkpoint.tag_validation is Fail)")
-        if engine.comm.rank == 0:
-            warnings.warn(message + f"; saving under rank 0's tag {tags[0]!r}", stacklevel=3)
+        # as DeepSpeed warns: on every rank, through the logger (deepspeed.utils.logger)
+        _log.warning(
+            f"[rank={engine.comm.rank}] {message}; saving under rank 0's tag {tags[0]!r} "
+            f"(this rank passed {tags[engine.comm.rank]!r})"
+        )
     tag = tags[0]
     if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
         raise ValueError(

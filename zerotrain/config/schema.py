@@ -135,8 +135,9 @@ class CheckpointConfig(Section):
     _ACCEPTED = deepspeed_keys.CHECKPOINT
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
-    """What to do when ranks pass different tags to `save_checkpoint`: `Warn` (every rank then
-    saves under rank 0's tag), `Fail` (raise) or `Ignore` (use rank 0's tag silently). Any
+    """What to do when ranks pass different tags to `save_checkpoint`: `Warn` (every rank logs
+    a warning on the `zerotrain` logger, `deepspeed.utils.logger`, as DeepSpeed does, and saves
+    under rank 0's tag), `Fail` (raise) or `Ignore` (use rank 0's tag silently). Any
     capitalization is accepted, as in DeepSpeed."""
     keep_last: NonNegativeInt = 0
     """Keep only the newest this many complete checkpoints in the save directory; older ones
