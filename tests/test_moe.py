@@ -544,3 +544,24 @@ def test_moe_layouts_the_engine_refuses_and_frozen_experts():
     engine.backward(engine(torch.randn(MICRO, SEQ, WIDTH)))
     engine.step()
     assert all(torch.equal(v, before[k]) for k, v in experts.state_dict().items())
+
+
+def test_stepping_the_returned_grouped_optimizer_itself_is_refused():
+    """With trained experts (several shard groups) stage 0 returns their grouped optimizer:
+    its own step() outside engine.step() is refused as a single optimizer's is, and step hooks
+    registered on it run around the engine's steps."""
+    import zerotrain
+    from zerotrain.zero.optimizer import GroupedOptimizer
+
+    config = {**MOE_CONFIG, "gradient_accumulation_steps": 1}
+    engine, returned, *_ = zerotrain.initialize(model=moe_model(1), config=config)
+    assert isinstance(returned, GroupedOptimizer)
+    seen = []
+    returned.register_step_post_hook(lambda optimizer, args, kwargs: seen.append(optimizer))
+    batch = moe_batches(1)[0][:MICRO]
+    engine.backward(engine(batch))
+    with pytest.raises(RuntimeError, match=r"outside engine\.step\(\)"):
+        returned.step()
+    assert seen == []
+    engine.step()
+    assert seen == [returned]

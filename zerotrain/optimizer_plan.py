@@ -37,6 +37,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -119,19 +120,15 @@ def returned_optimizer(
     if not zero_optimizer.trains:
         return None  # DeepSpeed's engine.optimizer without an optimizer at stage 0
     optimizer = zero_optimizer.optimizer
-    if optimizer not in _REFUSING_DIRECT_STEPS:  # once per object, however many engines
-        optimizer.register_step_pre_hook(_refuse_step_without_gradients)
-        _REFUSING_DIRECT_STEPS.add(optimizer)
+    optimizer.register_step_pre_hook(partial(_refuse_direct_step, weakref.ref(zero_optimizer)))
     return optimizer
 
 
-_REFUSING_DIRECT_STEPS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-def _refuse_step_without_gradients(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """The masters hold gradients only inside ``engine.step()``, which averages them across
-    ranks first; a ``step()`` called on the optimizer itself would change nothing, silently."""
-    if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+def _refuse_direct_step(engine_optimizer: weakref.ref, optimizer, args, kwargs) -> None:
+    """The masters hold averaged gradients only inside ``engine.step()``; a ``step()`` called
+    on the optimizer itself would change nothing, silently."""
+    zero = engine_optimizer()
+    if zero is not None and not zero.stepping:
         raise RuntimeError(
             f"zerotrain: {type(optimizer).__name__}.step() was called on the optimizer "
             "initialize returned, outside engine.step(): the engine averages the gradients "

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
@@ -93,6 +95,9 @@ class ZeroOptimizer:
             for group, (opts, _, _) in zip(self.groups, specs, strict=True)
         ]
         self._trained_ids = [set(g.trained_names()) for g in self.groups]
+        self.stepping = False
+        """True while :meth:`step` steps the optimizers (a direct step is refused otherwise:
+        ``returned_optimizer`` in optimizer_plan.py)."""
         self._grouped = (
             GroupedOptimizer([g.store for g in self.groups], self._step_stores)
             if len(self.groups) > 1
@@ -324,7 +329,11 @@ class ZeroOptimizer:
             for group in self.groups:
                 group.store.scale_grads(inv_scale * clip)
             # through the grouped optimizer where there is one: an LR scheduler counts its steps
-            (self._grouped.step if self._grouped is not None else self._step_stores)()
+            self.stepping = True
+            try:
+                (self._grouped.step if self._grouped is not None else self._step_stores)()
+            finally:
+                self.stepping = False
         for group, tuner in zip(self.groups, self.tuners, strict=True):
             group.end_step(applied=not overflow, rescaled=rescaled)
             if tuner is not None:
@@ -592,6 +601,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
         self.stores = stores
         self.defaults = stores[0].optimizer.defaults
         self._step = step
+        # OrderedDicts, as torch's: RemovableHandle holds a weak reference to them
+        self._pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._post_hooks: OrderedDict[int, Callable] = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
@@ -605,7 +617,11 @@ class GroupedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("the ZeRO optimizer's step takes no closure")
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
         self._step()
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for store in self.stores:
@@ -618,10 +634,17 @@ class GroupedOptimizer(torch.optim.Optimizer):
         for store, state in zip(self.stores, state_dict["optimizers"], strict=True):
             store.load_optimizer_state_dict(state)
 
-    def register_step_pre_hook(self, hook):  # type: ignore[override]
-        raise NotImplementedError("step hooks on several shard groups' optimizer: not supported")
+    def register_step_pre_hook(self, hook) -> RemovableHandle:  # type: ignore[override]
+        """``hook(optimizer, args, kwargs)`` before each step, as torch's."""
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = hook
+        return handle
 
-    register_step_post_hook = register_step_pre_hook  # type: ignore[assignment]
+    def register_step_post_hook(self, hook) -> RemovableHandle:  # type: ignore[override]
+        """``hook(optimizer, args, kwargs)`` after each step, as torch's."""
+        handle = RemovableHandle(self._post_hooks)
+        self._post_hooks[handle.id] = hook
+        return handle
 
     def __repr__(self) -> str:
         names = ", ".join(type(store.optimizer).__name__ for store in self.stores)
