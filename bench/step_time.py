@@ -2,6 +2,7 @@
 
     python bench/step_time.py [--model demo 30m] [--systems floor ddp ...] [--rounds 3]
                               [--steps 3] [--launch once|per-round] [--deepspeed-optimizer torch]
+                              [--reference COMMIT]
 
 Trains the GPT of examples/gpt/model.py on 2 ranks (torchrun, gloo, fp32, CPU) under every system
 (`--systems`, default all): the compute floor (forward + backward on every rank, no communication,
@@ -9,7 +10,17 @@ no optimizer step), torch DDP, torch FSDP2, DeepSpeed ZeRO stages 0-3 and zerotr
 Every system starts from the same initial weights, sees the same tokens and uses the same AdamW
 with gradient clipping at 1.0, so their final losses agree in fp32; a loss more than 1e-3
 (relative) away from DDP's is flagged. Prints a table of median step times, ratios, peak RSS,
-model-state bytes and bytes sent per rank per step ([Note: bytes sent per step]), and writes
+model-state bytes and bytes sent per rank per step ([Note: the reference commit]
+`--reference COMMIT` adds zerotrain stages 0-3 at another commit (rows ref0-ref3, labelled
+`zt@<hash> stage N`) to the same interleaved run, so each stage's step time is compared with the
+reference's (column `vs ref`) and both with DeepSpeed's, under the same machine noise: the guard
+for changes that touch the step path (bench/README.md keeps a row per release against a pinned
+commit). The parent checks the commit out into a temporary git worktree, removed afterwards;
+the reference rows' ranks put it first on `sys.path` (environment `STEP_TIME_REFERENCE_TREE`)
+and refuse to run if `import zerotrain` still finds this checkout. Everything else, this script,
+the models and the data, is this checkout's, so only the library differs.
+
+[Note: bytes sent per step]), and writes
 bench/results/step_time.json. `--model` takes one GPT preset or several
 (`python bench/step_time.py --model demo 30m`): the whole benchmark runs for each model in turn,
 with one table per model and one JSON entry per model. The default is "demo" alone: "30m" takes
@@ -61,6 +72,8 @@ send 2Ψ). Everything is fp32: 4 bytes per value.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import resource
@@ -71,7 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,10 +92,24 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_TREE = os.environ.get("STEP_TIME_REFERENCE_TREE")
+"""Set in the ranks of a reference row: the worktree whose zerotrain they import."""
 sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, REFERENCE_TREE or str(ROOT))
 
-from zerotrain.fmt import MB, count, quantity  # noqa: E402
+
+def _load_fmt() -> Any:
+    """This checkout's zerotrain/fmt.py (it imports nothing), without importing the zerotrain
+    package: a reference row's ranks import the reference's, which may have no fmt."""
+    spec = importlib.util.spec_from_file_location("step_time_fmt", ROOT / "zerotrain" / "fmt.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_fmt_module = _load_fmt()
+MB, count, quantity = _fmt_module.MB, _fmt_module.count, _fmt_module.quantity
 
 # One AdamW for every system, every setting spelled out: torch's AdamW defaults to weight_decay
 # 0.01, DeepSpeed's (and so zerotrain's) config AdamW to 0.
@@ -108,6 +135,9 @@ class Spec:
     counts them."""
     overlap_param_gather: bool = False
     """zerotrain: `zero_optimization.overlap_param_gather` (stages 1-2)."""
+    reference: bool = False
+    """zerotrain at the `--reference` commit instead of this checkout ([Note: the reference
+    commit])."""
 
 
 SPECS = {
@@ -127,8 +157,13 @@ SPECS = {
             Spec(f"zt{s}o", f"zerotrain {s} +AG ovl", "zerotrain", s, overlap_param_gather=True)
             for s in (1, 2)
         ),
+        *(
+            Spec(f"ref{s}", f"reference stage {s}", "zerotrain", s, reference=True)
+            for s in range(4)
+        ),
     ]
 }
+REFERENCE_KEYS = [key for key, spec in SPECS.items() if spec.reference]
 
 
 # --- the models ---------------------------------------------------------------------------
@@ -217,15 +252,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         model_help="GPT presets of examples/gpt/model.py, or gpt2-34m (transformers' GPT-2, "
         "sequence 128); the benchmark runs for each in turn",
         launch_help="start each system's job once (resident between rounds) or anew every round",
+        default_systems=[key for key in SPECS if key not in REFERENCE_KEYS],
+    )
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="COMMIT",
+        help="also time zerotrain stages 0-3 at this git commit (rows ref0-ref3, from a "
+        "temporary worktree) in the same run: the guard against step-time regressions",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.reference and "--systems" not in (argv if argv is not None else sys.argv):
+        args.systems += REFERENCE_KEYS
+    return args
 
 
 def add_run_arguments(
-    parser: argparse.ArgumentParser, systems: list[str], *, model_help: str, launch_help: str
+    parser: argparse.ArgumentParser,
+    systems: list[str],
+    *,
+    model_help: str,
+    launch_help: str,
+    default_systems: list[str] | None = None,
 ) -> None:
-    """The options every benchmark built on this machinery takes (bench/offload.py too)."""
+    """The options every benchmark built on this machinery takes (bench/offload.py too);
+    `--systems` chooses among `systems`, by default `default_systems` (all of them)."""
     parser.add_argument(
         "--model",
         dest="models",
@@ -238,7 +290,9 @@ def add_run_arguments(
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
+    parser.add_argument(
+        "--systems", nargs="+", default=list(default_systems or systems), choices=systems
+    )
     parser.add_argument(
         "--launch",
         choices=["once", "per-round"],
@@ -373,6 +427,11 @@ def build_deepspeed(model, spec, args) -> Built:
 
 def build_zerotrain(model, spec, args) -> Built:
     import zerotrain
+
+    if spec.reference:  # measuring this checkout twice would hide any difference
+        tree = Path(REFERENCE_TREE or "-").resolve()
+        if not Path(zerotrain.__file__).resolve().is_relative_to(tree):
+            raise RuntimeError(f"reference row imported {zerotrain.__file__}, not from {tree}")
 
     config = zerotrain_config(spec.stage, args, spec.overlap_param_gather)
     engine, *_ = zerotrain.initialize(model=model, config=config)
@@ -536,11 +595,14 @@ class Job:
         # The job's own model goes last: argparse keeps the last --model.
         cmd += [*sys.argv[1:], "--model", args.model, "--worker", spec.key]
         cmd += ["--control", self.server.getsockname()]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        if getattr(spec, "reference", False):  # its ranks import the reference's zerotrain
+            env["STEP_TIME_REFERENCE_TREE"] = args.reference_tree
         with open(self.log_path, "ab") as log:
             # Own session: stop() can end the whole job (torchrun and its ranks) by group id.
             self.proc = subprocess.Popen(
                 cmd,
-                env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -647,6 +709,8 @@ def unavailable(spec: Spec, args: argparse.Namespace) -> str:
             import_deepspeed()
         except Exception as exc:  # any import-time failure: missing package, broken op setup
             return f"skipped: import deepspeed failed ({type(exc).__name__}: {exc})"
+    if getattr(spec, "reference", False):
+        return "" if args.reference else "skipped: pass --reference COMMIT"
     if spec.family == "zerotrain":
         from zerotrain import ConfigError
         from zerotrain.config import load_config
@@ -741,6 +805,7 @@ def report(
         ("median s/step", 13),
         ("vs DDP", 7),
         ("vs DS", 6),
+        ("vs ref", 6),
         ("efficiency", 10),
         ("tokens/s", 8),
         ("state MB", 8),
@@ -755,15 +820,20 @@ def report(
     flagged = by_formula_shown = False
     records = []
     for row in rows:
-        out: dict[str, Any] = {"system": row.spec.label, "key": row.spec.key}
+        label = row.spec.label
+        if row.spec.reference and args.reference_sha:
+            label = f"zt@{args.reference_sha[:7]} stage {row.spec.stage}"
+        out: dict[str, Any] = {"system": label, "key": row.spec.key}
         if not row.times_s:
             out["status"] = row.status
-            print(f"{row.spec.label:<20} {row.status}")
+            print(f"{label:<20} {row.status}")
             records.append(out)
             continue
         median = medians[row.spec.key]
-        same_stage_ds = (
-            medians.get(f"ds{row.spec.stage}") if row.spec.family == "zerotrain" else None
+        zerotrain = row.spec.family == "zerotrain"
+        same_stage_ds = medians.get(f"ds{row.spec.stage}") if zerotrain else None
+        same_stage_ref = (
+            medians.get(f"ref{row.spec.stage}") if zerotrain and not row.spec.reference else None
         )
         rel_loss = None
         if ddp_loss is not None and row.spec.key != "floor":  # the floor never steps
@@ -779,6 +849,7 @@ def report(
             times_s=row.times_s,
             vs_ddp=median / ddp if ddp else None,
             vs_deepspeed=median / same_stage_ds if same_stage_ds else None,
+            vs_reference=median / same_stage_ref if same_stage_ref else None,
             efficiency=floor / median if floor else None,
             tokens_per_s=tokens_per_step / median,
             peak_rss_bytes=row.peak_rss,
@@ -795,6 +866,7 @@ def report(
             f"{median:.4f}",
             _fmt(out["vs_ddp"], ".3f"),
             _fmt(out["vs_deepspeed"], ".3f"),
+            _fmt(out["vs_reference"], ".3f"),
             _fmt(out["efficiency"], ".3f"),
             f"{out['tokens_per_s']:.0f}",
             _fmt(row.model_state and row.model_state / MB, ".1f"),
@@ -807,7 +879,7 @@ def report(
         ]
         if row.status:  # measured, then failed in a later round
             cells[-1] += f"  ({row.status})"
-        line = f"{row.spec.label:<20} " + " ".join(
+        line = f"{label:<20} " + " ".join(
             f"{cell:>{w}}" for cell, (_, w) in zip(cells, columns[1:], strict=True)
         )
         print(line)
@@ -858,8 +930,10 @@ def footer(
         f"AdamW ({adamw}), gradient clipping {CLIP}; torch {torch.__version__}"
         + (f", DeepSpeed {v}" if (v := _deepspeed_version()) else "")
         + ".",
-        "vs DS: zerotrain's step time over DeepSpeed's at the same stage. efficiency: compute "
-        "floor / step time. Δloss/DDP: |final loss - DDP's| / DDP's.",
+        "vs DS: zerotrain's step time over DeepSpeed's at the same stage. vs ref: over "
+        "zerotrain's at the same stage at the --reference commit"
+        + (f" {args.reference_sha}" if args.reference_sha else " (not given)")
+        + ". efficiency: compute floor / step time. Δloss/DDP: |final loss - DDP's| / DDP's.",
         "peak RSS: ru_maxrss, max over ranks (each system in its own processes). state: "
         "zerotrain's engine.memory_breakdown()['total'], max over ranks; state/formula: over "
         "['formula_total'].",
@@ -897,9 +971,40 @@ def main() -> None:
         args.model = args.models[-1]  # Job passes the job's model last
         run_worker(args)
         return
-    results = [run_model(model, args) for model in args.models]
+    # a SIGTERM (timeout, kill) unwinds as an exit does: jobs stopped, the worktree removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with contextlib.ExitStack() as stack:
+        args.reference_tree = args.reference_sha = None
+        if args.reference and any(SPECS[key].reference for key in args.systems):
+            tree, args.reference_sha = stack.enter_context(reference_tree(args.reference))
+            args.reference_tree = str(tree)
+        results = [run_model(model, args) for model in args.models]
     write_json(args, results)
     progress("done")
+
+
+@contextlib.contextmanager
+def reference_tree(commit: str) -> Iterator[tuple[Path, str]]:
+    """A temporary git worktree of this repository at `commit`, and the commit's hash: the
+    zerotrain the reference rows import ([Note: the reference commit])."""
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode:
+        raise SystemExit(f"--reference {commit}: not a commit of the repository at {ROOT}")
+    sha = found.stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="step_time_reference_") as tmp:
+        tree = Path(tmp) / sha[:10]
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(tree), sha],
+            check=True,
+        )
+        try:
+            yield tree, sha
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
 
 
 def for_model(model: str, args: argparse.Namespace) -> tuple[Any, int, argparse.Namespace]:
