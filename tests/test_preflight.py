@@ -18,12 +18,7 @@ from torch import nn
 
 import zerotrain
 from zerotrain import accelerator
-from zerotrain.accelerator import (
-    HostMemoryLimit,
-    host_memory_limits,
-    keep_freed_host_blocks,
-    map_large_host_blocks,
-)
+from zerotrain.accelerator import HostMemoryLimit, host_memory_limits, map_large_host_blocks
 from zerotrain.estimate import preflight
 from zerotrain.zero import nvme
 
@@ -319,56 +314,3 @@ def test_nvme_offload_maps_large_host_blocks(tmp_path):
 def test_a_threshold_the_user_chose_is_kept(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
     assert map_large_host_blocks() is False
-
-
-FREED_BLOCKS_ON_CPU = textwrap.dedent(
-    """
-    import resource
-    import torch
-    from torch import nn
-    import zerotrain
-
-    def faults_of_steps():  # five steps' worth of large blocks, allocated, touched, freed
-        def step():
-            blocks = [torch.ones(n << 20) for n in (6, 6, 3)]  # 24, 24, 12 MiB
-            del blocks
-        for _ in range(3):
-            step()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(5):
-            step()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    default = faults_of_steps()
-    zerotrain.initialize(model=nn.Linear(8, 8), config={
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    })
-    print(default, faults_of_steps())
-    """
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_a_cpu_engine_keeps_freed_host_blocks_for_the_next_step():
-    """[Note: freed host memory kept for reuse]: glibc returns a freed heap top beyond twice
-    its threshold, so each step took a page fault per 4 KiB of its large blocks again; after
-    initialize on a CPU device the pages are reused."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-c", FREED_BLOCKS_ON_CPU],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    default, kept = map(int, done.stdout.split())
-    assert default >= 5 * (16 << 20) // 4096, done.stdout  # glibc's default: the case meant
-    assert kept < 100, done.stdout
-
-
-def test_a_trim_threshold_the_user_chose_is_kept(monkeypatch):
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
-    assert keep_freed_host_blocks() is False

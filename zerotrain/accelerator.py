@@ -27,7 +27,6 @@ __all__ = [
     "get_accelerator",
     "host_memory_limits",
     "peak_rss",
-    "keep_freed_host_blocks",
     "map_large_host_blocks",
     "release_free_host_memory",
     "set_accelerator",
@@ -253,41 +252,7 @@ def _glibc(name: str):
         return None
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-_MAX_HEAP_BLOCK = 32 << 20  # the largest mmap threshold glibc takes on 64-bit
-_KEEP_FREE_BYTES = (1 << 31) - 1  # mallopt's value is a C int
-_large_blocks_mapped = False  # map_large_host_blocks ran: NVMe offload's choice wins
-_freed_blocks_kept = False  # keep_freed_host_blocks ran
-_DEFAULT_TRIM_THRESHOLD = 128 << 10  # glibc's
-
-
-def keep_freed_host_blocks() -> bool:
-    """Have glibc keep the host memory that freed blocks of up to 32 MiB held, for the next
-    allocations, instead of returning it to the kernel (``mallopt``: the mmap threshold at its
-    32 MiB maximum, heap trimming only above 2 GiB free). False where the C library has no
-    mallopt, where the user chose with ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``,
-    or where NVMe offload mapped large blocks (:func:`map_large_host_blocks`).
-
-    [Note: freed host memory kept for reuse]
-    A training step on a CPU device allocates and frees the same large blocks every step:
-    activations, gradients, stage 3's gathered units, reduction buffers. glibc maps blocks above
-    its threshold afresh (and raises the threshold only to the largest block freed so far), and
-    returns a heap's free top beyond twice it, so the next step takes a page fault and a zeroed
-    page for each 4 KiB again: on the demo GPT at stage 3, 2,000-13,000 faults per step (8-52
-    MB), varying run to run. Kept, the next step reuses the pages: no faults (bench/README.md,
-    "Freed host memory kept", has the step times). It is what torch's caching allocator does
-    for device memory: the peak is unchanged, and the process's resident memory stays at its
-    peak instead of falling between steps. Only on a CPU device without NVMe offload, which
-    maps large blocks instead (its Note in zero/nvme.py)."""
-    global _freed_blocks_kept
-    mallopt = _glibc("mallopt")
-    chosen = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-    if mallopt is None or _large_blocks_mapped or any(name in os.environ for name in chosen):
-        return False
-    _freed_blocks_kept = True
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MAX_HEAP_BLOCK)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _KEEP_FREE_BYTES)
-    )
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 def map_large_host_blocks(threshold: int = 1 << 20) -> bool:
@@ -299,13 +264,9 @@ def map_large_host_blocks(threshold: int = 1 << 20) -> bool:
     A heap reuses a freed block only for a request that fits in it, so blocks of changing
     sizes freed between live ones grow it step after step while the bytes in use stay the
     same. See [Note: NVMe offload and freed host memory] in zerotrain/zero/nvme.py."""
-    global _large_blocks_mapped
     mallopt = _glibc("mallopt")
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or mallopt is None:
         return False
-    _large_blocks_mapped = True
-    if _freed_blocks_kept:  # a CPU engine before turned heap trimming off: trim again
-        mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zerotrain import activation_checkpointing as checkpointing
-from zerotrain.accelerator import get_accelerator, keep_freed_host_blocks, settle_host_math
+from zerotrain.accelerator import get_accelerator, settle_host_math
 from zerotrain.comm import (
     CommsLog,
     Communicator,
@@ -171,18 +171,13 @@ def initialize(
             "stages cannot offload its optimizer yet; remove offload_optimizer or keep each "
             "tied key's layers on one stage"
         )
-    zero = cfg.zero_optimization
-    if device.type == "cpu" and "nvme" not in (
-        zero.offload_optimizer.device,
-        zero.offload_param.device,
-    ):
-        keep_freed_host_blocks()  # [Note: freed host memory kept for reuse] in accelerator.py
-    if zero.stage == 3:  # before the units are chosen (DeepSpeed: at stage 3)
-        apply_leaf_module_config(model, zero.leaf_module, warn=comm.rank == 0)
+    if cfg.zero_optimization.stage == 3:  # before the units are chosen (DeepSpeed: at stage 3)
+        apply_leaf_module_config(model, cfg.zero_optimization.leaf_module, warn=comm.rank == 0)
     plan = optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
     check_memory(model, cfg, plan.groups, plan.build, mesh, device)
     precision = cfg.precision_policy()
+    zero = cfg.zero_optimization
     data_parallel = mesh.dp  # what ZeRO shards over and the data is split by
     auto = _auto_compression(cfg)
     section = cfg.comm_compression
