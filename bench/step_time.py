@@ -10,7 +10,14 @@ no optimizer step), torch DDP, torch FSDP2, DeepSpeed ZeRO stages 0-3 and zerotr
 Every system starts from the same initial weights, sees the same tokens and uses the same AdamW
 with gradient clipping at 1.0, so their final losses agree in fp32; a loss more than 1e-3
 (relative) away from DDP's is flagged. Prints a table of median step times, ratios, peak RSS,
-model-state bytes and bytes sent per rank per step ([Note: the reference commit]
+model-state bytes and bytes sent per rank per step ([Note: the warm-up round]
+Every job takes one step when it starts; the round after it was still slow on this machine
+(first-round steps 20-100% above the row's median for most systems, zerotrain stage 0's 1046
+ms against 509 ms, in a run of 14 resident systems), so a median of 16 steps moved by up to
+10% between runs. `--warmup-rounds` (default 1) runs whole rounds first, alternating as the
+timed ones do, and discards their times.
+
+[Note: the reference commit]
 `--reference COMMIT` adds zerotrain stages 0-3 at another commit (rows ref0-ref3, labelled
 `zt@<hash> stage N`) to the same interleaved run, so each stage's step time is compared with the
 reference's (column `vs ref`) and both with DeepSpeed's, under the same machine noise: the guard
@@ -288,6 +295,12 @@ def add_run_arguments(
     )
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="alternating rounds run first and not timed (see [Note: the warm-up round])",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument(
@@ -500,7 +513,7 @@ def run_worker(
 
     model = bench_models()[args.model]
     gen = torch.Generator().manual_seed(1234 + rank)
-    total = 1 + args.rounds * args.steps  # batch 0 is the warm-up step's
+    total = 1 + (args.warmup_rounds + args.rounds) * args.steps  # batch 0: the first step's
     tokens = torch.randint(
         0, model.vocab_size, (total, args.micro_batch, model.seq_len + 1), generator=gen
     )
@@ -739,9 +752,12 @@ def ready(row: Row, job: Job, launched: float) -> bool:
     return True
 
 
-def run_round(row: Row, job: Job, round_index: int) -> bool:
+def run_round(row: Row, job: Job, round_index: int, warmup_rounds: int = 0) -> bool:
+    """One round of `job`; its times count from round `warmup_rounds` on."""
     try:
-        row.add(job.run_round(round_index))
+        result = job.run_round(round_index)
+        if round_index >= warmup_rounds:
+            row.add(result)
         return True
     except LaunchError as exc:
         row.status = f"failed in round {round_index + 1}: {str(exc).splitlines()[0]}"
@@ -760,27 +776,35 @@ def measure(rows: list[Row], args: argparse.Namespace, script: str | Path = __fi
             launched = time.perf_counter()
             pending = [(row, Job(row.spec, args, logs, script)) for row in runnable]
             jobs = [(row, job) for row, job in pending if ready(row, job, launched)]
-            for round_index in range(args.rounds):
-                progress(f"round {round_index + 1}/{args.rounds}")
+            for round_index in range(args.warmup_rounds + args.rounds):
+                progress(round_name(round_index, args))
                 for row, job in jobs:
                     if not row.status:
-                        run_round(row, job, round_index)
+                        run_round(row, job, round_index, args.warmup_rounds)
             live = [job for row, job in jobs if not row.status]  # failed ones are closed
             for job in live:  # all at once: each takes seconds to wind down
                 job.stop()
             for job in live:
                 job.close()
         else:
-            for round_index in range(args.rounds):
-                progress(f"round {round_index + 1}/{args.rounds}")
+            for round_index in range(args.warmup_rounds + args.rounds):
+                progress(round_name(round_index, args))
                 for row in runnable:
                     if row.status:
                         continue
                     launched = time.perf_counter()
                     job = Job(row.spec, args, logs, script)  # appends to the same log
-                    if ready(row, job, launched) and run_round(row, job, round_index):
+                    if ready(row, job, launched) and run_round(
+                        row, job, round_index, args.warmup_rounds
+                    ):
                         job.stop()
                         job.close()
+
+
+def round_name(round_index: int, args: argparse.Namespace) -> str:
+    if round_index < args.warmup_rounds:
+        return f"warm-up round {round_index + 1}/{args.warmup_rounds}"
+    return f"round {round_index - args.warmup_rounds + 1}/{args.rounds}"
 
 
 # --- the table -----------------------------------------------------------------------------
@@ -797,7 +821,8 @@ def report(
     tokens_per_step = args.micro_batch * model.seq_len * args.nproc
     print(
         f"\n{model.family} '{args.model}' ({count(params)} params), {args.nproc} ranks, fp32, "
-        f"gloo, micro-batch {args.micro_batch}x{model.seq_len}, {args.rounds} rounds x "
+        f"gloo, micro-batch {args.micro_batch}x{model.seq_len}, {args.warmup_rounds} warm-up + "
+        f"{args.rounds} rounds x "
         f"{args.steps} steps, --launch {args.launch}; load average before the run {load:.2f}\n"
     )
     columns = [
