@@ -41,9 +41,9 @@ def test_reference_rows_join_the_default_systems_only_with_a_reference(step_time
 
 def test_the_reference_worktree_is_the_commit_and_is_removed_after(step_time):
     head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "HEAD~1"], capture_output=True, text=True
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    with step_time.reference_tree("HEAD~1") as (tree, sha):
+    with step_time.reference_tree("HEAD") as (tree, sha):  # a shallow clone has no other
         assert sha == head
         assert (tree / "zerotrain" / "__init__.py").is_file()
         listed = subprocess.run(

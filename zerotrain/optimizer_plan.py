@@ -27,7 +27,9 @@ the torch optimizer that steps where DeepSpeed returns the basic optimizer (the 
 object: [Note: the client's optimizer object]), and its :class:`ZeroOptimizer` where DeepSpeed
 returns a wrapper; that answers ``isinstance`` for the stage's DeepSpeed class
 (zerotrain/runtime/zero/stage_1_and_2.py, stage3.py). ``engine.optimizer`` is the ZeroOptimizer
-at every stage: the engine steps through it, as users do through ``engine.step()``.
+at every stage: the engine steps through it, as users do through ``engine.step()``. The returned
+torch optimizer refuses a ``step()`` of its own outside ``engine.step()``: its masters hold
+averaged gradients only there (DeepSpeed's would step the model's unaveraged gradients).
 """
 
 from __future__ import annotations
