@@ -12,6 +12,12 @@ with a record is held to it; one without is compared with the records of platfor
 when recorded, and skipped with the reason if none matches (parity tests still run).
 ``python tests/test_golden.py --add-platform``, run on a tree that moves no numerics, adds this
 platform's record.
+
+A second grid (:func:`feature_cases`, ``golden/features.json``, ``--features`` to record it)
+holds what the first leaves out: offload, codecs, the 1-bit optimizers. Its first record was
+made with zerotrain at 00078d0 (``PYTHONPATH=<worktree of 00078d0> .venv/bin/python
+tests/test_golden.py --features``; the record names the commit), so a restructuring is held to
+the code before it, not to itself.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import datetime
 import hashlib
 import json
 import platform as host
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +39,9 @@ from distributed import run_distributed
 from models import AwkwardModel, DropoutModel, make_batches, param_groups, run_steps
 
 GOLDEN = Path(__file__).parent / "golden" / "losses.json"
+FEATURES_GOLDEN = Path(__file__).parent / "golden" / "features.json"
+"""The feature grid's records (:func:`feature_cases`), first recorded with zerotrain at
+00078d0, the commit issue 41's restructuring is held to."""
 WORLD, STEPS, MICRO, ACCUM = 2, 3, 2, 2
 MODELS = {"awkward": AwkwardModel, "dropout": DropoutModel}
 PRECISIONS = {
@@ -40,17 +51,58 @@ PRECISIONS = {
 }
 
 
-def cases() -> list[tuple[str, str, int, bool]]:
-    """(model, precision, stage, overlap_param_gather): both models x fp32/bf16 x stages 0-3,
-    plus fp16 and the stages 1-2 parameter-gather overlap on the awkward model."""
-    grid = [(m, p, s, False) for m in MODELS for p in ("fp32", "bf16") for s in range(4)]
-    grid += [("awkward", "fp16", s, False) for s in (0, 2, 3)]
-    grid += [("awkward", "fp32", s, True) for s in (1, 2)]
+# A feature: the config it adds to a case's (its zero_optimization keys merged into the case's).
+FEATURES: dict[str, dict] = {
+    "overlap_param_gather": {"zero_optimization": {"overlap_param_gather": True}},
+    "offload_cpu": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+    "offload_nvme": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+    "offload_param_cpu": {"zero_optimization": {"offload_param": {"device": "cpu"}}},
+    "powersgd": {"comm_compression": {"gradients": {"method": "powersgd", "min_numel": 0}}},
+    "int8_gradients": {"comm_compression": {"gradients": {"method": "int8"}}},
+    "int8_parameters": {"comm_compression": {"parameters": {"method": "int8"}}},
+    "onebit_adam": {
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 3e-2, "eps": 1e-6, "freeze_step": 1}}
+    },
+    "local_steps": {
+        "optimizer": {
+            "type": "ZeroOneAdam",
+            "params": {"lr": 3e-2, "eps": 1e-6, "var_freeze_step": 1, "local_step_clipper": 2},
+        }
+    },
+}
+Case = tuple[str, str, int, str | None]
+"""(model, precision, ZeRO stage, feature of :data:`FEATURES` or None)."""
+
+
+def cases() -> list[Case]:
+    """Both models x fp32/bf16 x stages 0-3, plus fp16 and the stages 1-2 parameter-gather
+    overlap on the awkward model."""
+    grid: list[Case] = [(m, p, s, None) for m in MODELS for p in ("fp32", "bf16") for s in range(4)]
+    grid += [("awkward", "fp16", s, None) for s in (0, 2, 3)]
+    grid += [("awkward", "fp32", s, "overlap_param_gather") for s in (1, 2)]
     return grid
 
 
-def case_name(model: str, precision: str, stage: int, overlap: bool) -> str:
-    return f"{model}-{precision}-stage{stage}" + ("-overlap_param_gather" if overlap else "")
+def feature_cases() -> list[Case]:
+    """The features the first grid leaves out, each at a stage it serves, on the awkward model
+    in fp32: optimizer offload to CPU and NVMe, stage 3's parameter offload, a gradient codec
+    of each kind (low-rank, quantized), quantized parameter gathers, 1-bit Adam and 0/1 Adam's
+    local steps."""
+    return [
+        ("awkward", "fp32", 2, "offload_cpu"),
+        ("awkward", "fp32", 3, "offload_cpu"),
+        ("awkward", "fp32", 2, "offload_nvme"),
+        ("awkward", "fp32", 3, "offload_param_cpu"),
+        ("awkward", "fp32", 2, "powersgd"),
+        ("awkward", "fp32", 2, "int8_gradients"),
+        ("awkward", "fp32", 3, "int8_parameters"),
+        ("awkward", "fp32", 0, "onebit_adam"),
+        ("awkward", "fp32", 0, "local_steps"),
+    ]
+
+
+def case_name(model: str, precision: str, stage: int, feature: str | None) -> str:
+    return f"{model}-{precision}-stage{stage}" + (f"-{feature}" if feature else "")
 
 
 def platform() -> str:
@@ -93,17 +145,21 @@ def train_cases(grid):
     from zerotrain.comm import Communicator
 
     rank = Communicator().rank
+    nvme = Path(tempfile.mkdtemp(prefix="golden-nvme-")) if rank == 0 else None
     out = {}
-    for model_name, precision, stage, overlap in grid:
+    for model_name, precision, stage, feature in grid:
         torch.manual_seed(0)
         model = MODELS[model_name]()
+        added = dict(FEATURES[feature]) if feature else {}
         zero = {
             "stage": stage,
             "reduce_bucket_size": 60,  # several buckets
             "stage3_param_persistence_threshold": 0,  # stage 3: shard every unit
+            **added.pop("zero_optimization", {}),
         }
-        if overlap:
-            zero["overlap_param_gather"] = True
+        if zero.get("offload_optimizer", {}).get("device") == "nvme":  # one directory a node
+            (path,) = Communicator().all_gather_object(str(nvme) if nvme else None)[:1]
+            zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": path}
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": ACCUM,
@@ -112,6 +168,7 @@ def train_cases(grid):
             "zero_optimization": zero,
             "steps_per_print": 10**6,
             **PRECISIONS[precision],
+            **added,
         }
         engine, *_ = zerotrain.initialize(
             model=model, model_parameters=param_groups(model, 0.1), config=config
@@ -125,16 +182,19 @@ def train_cases(grid):
             engine.backward(loss)
 
         run_steps(engine, idx, tgt, MICRO, ACCUM, WORLD, rank, backward=backward)
-        out[case_name(model_name, precision, stage, overlap)] = {
+        out[case_name(model_name, precision, stage, feature)] = {
             "losses": losses,
             "params": state_hash(engine.consolidated_state_dict()),
         }
+    if nvme is not None:
+        shutil.rmtree(nvme, ignore_errors=True)
     return out
 
 
-def measure() -> dict:
-    """{case: {"losses": [per rank: [bits per micro-step]], "params": hash}}."""
-    per_rank = run_distributed(train_cases, WORLD, cases(), timeout=600)
+def measure(grid: list[Case] | None = None) -> dict:
+    """{case: {"losses": [per rank: [bits per micro-step]], "params": hash}} for ``grid``
+    (default :func:`cases`)."""
+    per_rank = run_distributed(train_cases, WORLD, grid or cases(), timeout=600)
     out = {}
     for name in per_rank[0]:
         hashes = {r[name]["params"] for r in per_rank}
@@ -184,6 +244,13 @@ def test_losses_and_parameters_match_golden_bits():
     assert_one_matches(held, lambda record: moved_cases(got, record["cases"]))
 
 
+def test_features_match_their_golden_bits():
+    """Offload, codecs and the 1-bit optimizers, held to their record as the first grid is."""
+    held = records_to_hold(json.loads(FEATURES_GOLDEN.read_text())["records"])
+    got = measure(feature_cases())
+    assert_one_matches(held, lambda record: moved_cases(got, record["cases"]))
+
+
 def test_a_platform_is_held_to_its_own_record_else_to_unnamed_ones(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "platform", lambda: "here")
     mine, unnamed, other = ({"platform": p} for p in ("here", None, "there"))
@@ -198,8 +265,28 @@ def test_a_platform_is_held_to_its_own_record_else_to_unnamed_ones(monkeypatch):
         assert_one_matches([unnamed], lambda r: ["moved"])
 
 
+def zerotrain_commit() -> str | None:
+    """The commit of the zerotrain these bits came from (a record may be made with another
+    commit's worktree first on ``PYTHONPATH``), None outside git."""
+    import subprocess
+
+    import zerotrain
+
+    found = subprocess.run(
+        ["git", "-C", str(Path(zerotrain.__file__).parent), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+    )
+    return found.stdout.strip() or None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Record this platform's golden bits.")
+    parser.add_argument(
+        "--features",
+        action="store_true",
+        help="record the feature grid (feature_cases, golden/features.json) instead",
+    )
     parser.add_argument(
         "--add-platform",
         action="store_true",
@@ -208,18 +295,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     here = platform()
-    records = json.loads(GOLDEN.read_text())["records"] if GOLDEN.exists() else []
+    golden, grid = (FEATURES_GOLDEN, feature_cases()) if args.features else (GOLDEN, cases())
+    records = json.loads(golden.read_text())["records"] if golden.exists() else []
     kept = [r for r in records if r["platform"] != here] if args.add_platform else []
     for dropped in records:
         if dropped not in kept and dropped["platform"] != here:
             print(f"dropped the record of {dropped['platform']}: record it there again")
-    cases = measure()
+    measured = measure(grid)
     # an unnamed platform's record with these very bits was this platform's: name it
-    kept = [r for r in kept if not (r["platform"] is None and r["cases"] == cases)]
-    record = platform_record(cases=cases)
-    GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps({"world": WORLD, "records": [*kept, record]}, indent=1) + "\n")
-    print(f"wrote {len(cases)} cases for {here} to {GOLDEN} ({len(kept)} other records)")
+    kept = [r for r in kept if not (r["platform"] is None and r["cases"] == measured)]
+    record = platform_record(cases=measured, commit=zerotrain_commit())
+    golden.parent.mkdir(exist_ok=True)
+    golden.write_text(json.dumps({"world": WORLD, "records": [*kept, record]}, indent=1) + "\n")
+    print(f"wrote {len(measured)} cases for {here} to {golden} ({len(kept)} other records)")
 
 
 if __name__ == "__main__":
