@@ -36,14 +36,25 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from models import AwkwardModel, DropoutModel, make_batches, param_groups, run_steps
+from models import SEQ, VOCAB, AwkwardModel, DropoutModel, make_batches, param_groups, run_steps
 
 GOLDEN = Path(__file__).parent / "golden" / "losses.json"
 FEATURES_GOLDEN = Path(__file__).parent / "golden" / "features.json"
 """The feature grid's records (:func:`feature_cases`), first recorded with zerotrain at
 00078d0, the commit issue 41's restructuring is held to."""
 WORLD, STEPS, MICRO, ACCUM = 2, 3, 2, 2
-MODELS = {"awkward": AwkwardModel, "dropout": DropoutModel}
+
+
+def tiny_gpt() -> torch.nn.Module:
+    """examples/gpt's GPT at the test models' vocabulary and length: 4 heads of width 6, which
+    tensor parallelism splits over 2 ranks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from gpt.model import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=24))
+
+
+MODELS = {"awkward": AwkwardModel, "dropout": DropoutModel, "gpt": tiny_gpt}
 PRECISIONS = {
     "fp32": {},
     "bf16": {"bf16": {"enabled": True}},
@@ -63,6 +74,7 @@ FEATURES: dict[str, dict] = {
     "onebit_adam": {
         "optimizer": {"type": "OneBitAdam", "params": {"lr": 3e-2, "eps": 1e-6, "freeze_step": 1}}
     },
+    "tp2": {"tensor_parallel": {"autotp_size": 2}},
     "local_steps": {
         "optimizer": {
             "type": "ZeroOneAdam",
@@ -77,7 +89,9 @@ Case = tuple[str, str, int, str | None]
 def cases() -> list[Case]:
     """Both models x fp32/bf16 x stages 0-3, plus fp16 and the stages 1-2 parameter-gather
     overlap on the awkward model."""
-    grid: list[Case] = [(m, p, s, None) for m in MODELS for p in ("fp32", "bf16") for s in range(4)]
+    grid: list[Case] = [
+        (m, p, s, None) for m in ("awkward", "dropout") for p in ("fp32", "bf16") for s in range(4)
+    ]
     grid += [("awkward", "fp16", s, None) for s in (0, 2, 3)]
     grid += [("awkward", "fp32", s, "overlap_param_gather") for s in (1, 2)]
     return grid
@@ -86,8 +100,8 @@ def cases() -> list[Case]:
 def feature_cases() -> list[Case]:
     """The features the first grid leaves out, each at a stage it serves, on the awkward model
     in fp32: optimizer offload to CPU and NVMe, stage 3's parameter offload, a gradient codec
-    of each kind (low-rank, quantized), quantized parameter gathers, 1-bit Adam and 0/1 Adam's
-    local steps."""
+    of each kind (low-rank, quantized), quantized parameter gathers, 1-bit Adam, 0/1 Adam's
+    local steps, and tensor parallelism over both ranks (the example GPT; data parallelism 1)."""
     return [
         ("awkward", "fp32", 2, "offload_cpu"),
         ("awkward", "fp32", 3, "offload_cpu"),
@@ -98,6 +112,8 @@ def feature_cases() -> list[Case]:
         ("awkward", "fp32", 3, "int8_parameters"),
         ("awkward", "fp32", 0, "onebit_adam"),
         ("awkward", "fp32", 0, "local_steps"),
+        ("gpt", "fp32", 1, "tp2"),
+        ("gpt", "fp32", 3, "tp2"),
     ]
 
 
@@ -181,7 +197,9 @@ def train_cases(grid):
             losses.append(float_bits(loss))
             engine.backward(loss)
 
-        run_steps(engine, idx, tgt, MICRO, ACCUM, WORLD, rank, backward=backward)
+        # by data-parallel rank: tensor-parallel ranks share their micro-batches
+        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+        run_steps(engine, idx, tgt, MICRO, ACCUM, dp, dp_rank, backward=backward)
         out[case_name(model_name, precision, stage, feature)] = {
             "losses": losses,
             "params": state_hash(engine.consolidated_state_dict()),
