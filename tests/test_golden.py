@@ -54,7 +54,31 @@ def tiny_gpt() -> torch.nn.Module:
     return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=24))
 
 
-MODELS = {"awkward": AwkwardModel, "dropout": DropoutModel, "gpt": tiny_gpt}
+class TinyMoE(torch.nn.Module):
+    """Tokens through one top-2 Mixture-of-Experts layer of 4 experts, spread over 2 ranks
+    (expert parallelism 2: each rank holds 2)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch import nn
+
+        from zerotrain.moe import MoE
+
+        width = 8
+        self.embed = nn.Embedding(VOCAB, width)
+        expert = nn.Sequential(nn.Linear(width, 12), nn.GELU(), nn.Linear(12, width))
+        self.moe = MoE(width, expert, 4, ep_size=2, k=2, min_capacity=0, use_rts=False)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(idx)
+        out, l_aux, _ = self.moe(hidden.reshape(-1, hidden.shape[-1]))
+        logits = self.head(out)
+        loss = torch.nn.functional.cross_entropy(logits, targets.reshape(-1))
+        return loss + 0.01 * l_aux
+
+
+MODELS = {"awkward": AwkwardModel, "dropout": DropoutModel, "gpt": tiny_gpt, "moe": TinyMoE}
 PRECISIONS = {
     "fp32": {},
     "bf16": {"bf16": {"enabled": True}},
@@ -101,7 +125,8 @@ def feature_cases() -> list[Case]:
     """The features the first grid leaves out, each at a stage it serves, on the awkward model
     in fp32: optimizer offload to CPU and NVMe, stage 3's parameter offload, a gradient codec
     of each kind (low-rank, quantized), quantized parameter gathers, 1-bit Adam, 0/1 Adam's
-    local steps, and tensor parallelism over both ranks (the example GPT; data parallelism 1)."""
+    local steps, tensor parallelism over both ranks (the example GPT; data parallelism 1), and
+    expert parallelism over both (:class:`TinyMoE`)."""
     return [
         ("awkward", "fp32", 2, "offload_cpu"),
         ("awkward", "fp32", 3, "offload_cpu"),
@@ -114,6 +139,7 @@ def feature_cases() -> list[Case]:
         ("awkward", "fp32", 0, "local_steps"),
         ("gpt", "fp32", 1, "tp2"),
         ("gpt", "fp32", 3, "tp2"),
+        ("moe", "fp32", 2, None),
     ]
 
 
