@@ -78,7 +78,37 @@ class TinyMoE(torch.nn.Module):
         return loss + 0.01 * l_aux
 
 
-MODELS = {"awkward": AwkwardModel, "dropout": DropoutModel, "gpt": tiny_gpt, "moe": TinyMoE}
+def tiny_pipeline() -> torch.nn.Module:
+    """examples/gpt's layers (an embedding, 2 blocks, a norm, the head) as a 2-stage pipeline
+    (pipeline parallelism 2: a stage a rank)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from gpt.model import Block, GPTConfig
+    from torch import nn
+
+    from zerotrain.pipe import LayerSpec, PipelineModule
+
+    config = GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=24)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    layers = [
+        LayerSpec(nn.Embedding, VOCAB, 24),
+        LayerSpec(Block, config),
+        LayerSpec(Block, config),
+        LayerSpec(nn.LayerNorm, 24),
+        LayerSpec(nn.Linear, 24, VOCAB),
+    ]
+    return PipelineModule(layers, num_stages=2, loss_fn=loss_fn, seed_layers=True)
+
+
+MODELS = {
+    "awkward": AwkwardModel,
+    "dropout": DropoutModel,
+    "gpt": tiny_gpt,
+    "moe": TinyMoE,
+    "pipeline": tiny_pipeline,
+}
 PRECISIONS = {
     "fp32": {},
     "bf16": {"bf16": {"enabled": True}},
@@ -125,8 +155,9 @@ def feature_cases() -> list[Case]:
     """The features the first grid leaves out, each at a stage it serves, on the awkward model
     in fp32: optimizer offload to CPU and NVMe, stage 3's parameter offload, a gradient codec
     of each kind (low-rank, quantized), quantized parameter gathers, 1-bit Adam, 0/1 Adam's
-    local steps, tensor parallelism over both ranks (the example GPT; data parallelism 1), and
-    expert parallelism over both (:class:`TinyMoE`)."""
+    local steps, tensor parallelism over both ranks (the example GPT; data parallelism 1),
+    expert parallelism over both (:class:`TinyMoE`), and a 2-stage pipeline (whose losses are
+    the steps' means, as ``train_batch`` returns them)."""
     return [
         ("awkward", "fp32", 2, "offload_cpu"),
         ("awkward", "fp32", 3, "offload_cpu"),
@@ -140,6 +171,7 @@ def feature_cases() -> list[Case]:
         ("gpt", "fp32", 1, "tp2"),
         ("gpt", "fp32", 3, "tp2"),
         ("moe", "fp32", 2, None),
+        ("pipeline", "fp32", 1, None),
     ]
 
 
@@ -225,7 +257,13 @@ def train_cases(grid):
 
         # by data-parallel rank: tensor-parallel ranks share their micro-batches
         dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
-        run_steps(engine, idx, tgt, MICRO, ACCUM, dp, dp_rank, backward=backward)
+        if hasattr(engine, "train_batch"):  # a pipeline: the engine runs the micro-batches
+            for step in range(STEPS):
+                chunks = [(micro * dp + dp_rank) * MICRO for micro in range(ACCUM)]
+                batch = [(idx[step][c : c + MICRO], tgt[step][c : c + MICRO]) for c in chunks]
+                losses.append(float_bits(engine.train_batch(iter(batch))))
+        else:
+            run_steps(engine, idx, tgt, MICRO, ACCUM, dp, dp_rank, backward=backward)
         out[case_name(model_name, precision, stage, feature)] = {
             "losses": losses,
             "params": state_hash(engine.consolidated_state_dict()),
