@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
@@ -601,9 +600,11 @@ class GroupedOptimizer(torch.optim.Optimizer):
         self.stores = stores
         self.defaults = stores[0].optimizer.defaults
         self._step = step
-        # OrderedDicts, as torch's: RemovableHandle holds a weak reference to them
-        self._pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        # the registries torch's register_step_pre_hook / _post_hook fill (its __init__, which
+        # makes them, is not called); step runs them, without torch's global optimizer hooks,
+        # which the member optimizers' own steps run
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
@@ -617,10 +618,10 @@ class GroupedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("the ZeRO optimizer's step takes no closure")
-        for hook in list(self._pre_hooks.values()):
+        for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         self._step()
-        for hook in list(self._post_hooks.values()):
+        for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -633,18 +634,6 @@ class GroupedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         for store, state in zip(self.stores, state_dict["optimizers"], strict=True):
             store.load_optimizer_state_dict(state)
-
-    def register_step_pre_hook(self, hook) -> RemovableHandle:  # type: ignore[override]
-        """``hook(optimizer, args, kwargs)`` before each step, as torch's."""
-        handle = RemovableHandle(self._pre_hooks)
-        self._pre_hooks[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook) -> RemovableHandle:  # type: ignore[override]
-        """``hook(optimizer, args, kwargs)`` after each step, as torch's."""
-        handle = RemovableHandle(self._post_hooks)
-        self._post_hooks[handle.id] = hook
-        return handle
 
     def __repr__(self) -> str:
         names = ", ".join(type(store.optimizer).__name__ for store in self.stores)
