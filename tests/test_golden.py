@@ -210,62 +210,84 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def build_engine(case: Case, nvme: Path | None):
+    """The engine of ``case`` with every rank's model seeded alike (``nvme``: rank 0's directory
+    for NVMe offload, None on the other ranks)."""
+    import zerotrain
+    from zerotrain.comm import Communicator
+
+    model_name, precision, stage, feature = case
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    added = dict(FEATURES[feature]) if feature else {}
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": 60,  # several buckets
+        "stage3_param_persistence_threshold": 0,  # stage 3: shard every unit
+        **added.pop("zero_optimization", {}),
+    }
+    if zero.get("offload_optimizer", {}).get("device") == "nvme":  # one directory a node
+        (path,) = Communicator().all_gather_object(str(nvme) if nvme else None)[:1]
+        zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": path}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "eps": 1e-6}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**6,
+        **PRECISIONS[precision],
+        **added,
+    }
+    engine, *_ = zerotrain.initialize(
+        model=model, model_parameters=param_groups(model, 0.1), config=config
+    )
+    return engine
+
+
+def train_steps(engine, idx: torch.Tensor, tgt: torch.Tensor) -> list[str]:
+    """Train on the global batches ``idx``/``tgt`` (one a step), this data-parallel rank's
+    micro-batches of each; the bits of every loss (a pipeline's: each step's mean)."""
+    losses = []
+
+    def backward(loss):
+        losses.append(float_bits(loss))
+        engine.backward(loss)
+
+    # by data-parallel rank: tensor-parallel ranks share their micro-batches
+    dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+    if hasattr(engine, "train_batch"):  # a pipeline: the engine runs the micro-batches
+        for step in range(len(idx)):
+            chunks = [(micro * dp + dp_rank) * MICRO for micro in range(ACCUM)]
+            batch = [(idx[step][c : c + MICRO], tgt[step][c : c + MICRO]) for c in chunks]
+            losses.append(float_bits(engine.train_batch(iter(batch))))
+    else:
+        run_steps(engine, idx, tgt, MICRO, ACCUM, dp, dp_rank, backward=backward)
+    return losses
+
+
+def nvme_directory() -> Path | None:
+    """Rank 0's temporary directory for NVMe offload (None on the other ranks)."""
+    from zerotrain.comm import Communicator
+
+    return Path(tempfile.mkdtemp(prefix="golden-nvme-")) if Communicator().rank == 0 else None
+
+
 def train_cases(grid):
     import os
 
-    import zerotrain
-
-    os.environ["ZEROTRAIN_DEBUG"] = "1"  # lifecycle checks on: they must not change a bit
     from zerotrain.comm import Communicator
 
+    os.environ["ZEROTRAIN_DEBUG"] = "1"  # lifecycle checks on: they must not change a bit
     rank = Communicator().rank
-    nvme = Path(tempfile.mkdtemp(prefix="golden-nvme-")) if rank == 0 else None
+    nvme = nvme_directory()
     out = {}
-    for model_name, precision, stage, feature in grid:
-        torch.manual_seed(0)
-        model = MODELS[model_name]()
-        added = dict(FEATURES[feature]) if feature else {}
-        zero = {
-            "stage": stage,
-            "reduce_bucket_size": 60,  # several buckets
-            "stage3_param_persistence_threshold": 0,  # stage 3: shard every unit
-            **added.pop("zero_optimization", {}),
-        }
-        if zero.get("offload_optimizer", {}).get("device") == "nvme":  # one directory a node
-            (path,) = Communicator().all_gather_object(str(nvme) if nvme else None)[:1]
-            zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": path}
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": ACCUM,
-            "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "eps": 1e-6}},
-            "zero_optimization": zero,
-            "steps_per_print": 10**6,
-            **PRECISIONS[precision],
-            **added,
-        }
-        engine, *_ = zerotrain.initialize(
-            model=model, model_parameters=param_groups(model, 0.1), config=config
-        )
+    for case in grid:
+        engine = build_engine(case, nvme)
         torch.manual_seed(100 + rank)  # each rank draws its own dropout masks
         idx, tgt = make_batches(STEPS, MICRO * ACCUM * WORLD)
-        losses = []
-
-        def backward(loss, engine=engine, losses=losses):
-            losses.append(float_bits(loss))
-            engine.backward(loss)
-
-        # by data-parallel rank: tensor-parallel ranks share their micro-batches
-        dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
-        if hasattr(engine, "train_batch"):  # a pipeline: the engine runs the micro-batches
-            for step in range(STEPS):
-                chunks = [(micro * dp + dp_rank) * MICRO for micro in range(ACCUM)]
-                batch = [(idx[step][c : c + MICRO], tgt[step][c : c + MICRO]) for c in chunks]
-                losses.append(float_bits(engine.train_batch(iter(batch))))
-        else:
-            run_steps(engine, idx, tgt, MICRO, ACCUM, dp, dp_rank, backward=backward)
-        out[case_name(model_name, precision, stage, feature)] = {
-            "losses": losses,
+        out[case_name(*case)] = {
+            "losses": train_steps(engine, idx, tgt),
             "params": state_hash(engine.consolidated_state_dict()),
         }
     if nvme is not None:
@@ -276,7 +298,12 @@ def train_cases(grid):
 def measure(grid: list[Case] | None = None) -> dict:
     """{case: {"losses": [per rank: [bits per micro-step]], "params": hash}} for ``grid``
     (default :func:`cases`)."""
-    per_rank = run_distributed(train_cases, WORLD, grid or cases(), timeout=600)
+    return agreed_cases(run_distributed(train_cases, WORLD, grid or cases(), timeout=600))
+
+
+def agreed_cases(per_rank: list[dict]) -> dict:
+    """Each rank's {case: {"losses", "params"}} as one: every rank's losses, the one hash all
+    ranks agree on."""
     out = {}
     for name in per_rank[0]:
         hashes = {r[name]["params"] for r in per_rank}

@@ -5,6 +5,13 @@ The fixture was made with ``.venv/bin/python tests/test_old_checkpoint.py`` at z
 (commit ed7a439): K steps, save, K more steps whose losses and final parameters it records.
 Never regenerate it to make the test pass: the point is that old files keep working.
 
+A second fixture (``golden/checkpoints/00078d0``) holds checkpoints of the layouts issue 41's
+restructuring touches (tensor, pipeline and expert parallelism, NVMe and parameter offload, a
+gradient codec's and 0/1 Adam's local-step state, besides the two above), written by zerotrain at
+00078d0 from the feature grid's cases (test_golden.py): ``git worktree add --detach /tmp/wt00078
+00078d0`` then ``PYTHONPATH=/tmp/wt00078 .venv/bin/python tests/test_old_checkpoint.py
+--layouts``. Each records what 00078d0 computed after its save, in the same process.
+
 The continuation's bits depend on the platform as the golden losses' do (test_golden.py), so
 ``continuation.json`` keeps one record per platform. On a new platform, record what 0.1.0 itself
 computes there from these files: ``git worktree add /tmp/v0.1.0 850ac9f`` (0.1.0 and this
@@ -20,16 +27,25 @@ import sys
 import tempfile
 from pathlib import Path
 
+import test_golden as golden
 import torch
 from distributed import run_distributed
-from models import SEQ, VOCAB, DropoutModel, param_groups
+from models import SEQ, VOCAB, DropoutModel, make_batches, param_groups
 from test_golden import (
+    Case,
+    agreed_cases,
     assert_one_matches,
+    build_engine,
+    case_name,
     float_bits,
+    moved_cases,
+    nvme_directory,
     platform,
     platform_record,
     records_to_hold,
     state_hash,
+    train_steps,
+    zerotrain_commit,
 )
 from torch.utils.data import TensorDataset
 
@@ -37,6 +53,78 @@ FIXTURE = Path(__file__).parent / "golden" / "checkpoints"
 CONTINUATION = FIXTURE / "continuation.json"
 WORLD, K, MICRO, ACCUM = 2, 2, 2, 2
 LAYOUTS = {"stage2-bf16": (2, {"bf16": {"enabled": True}}), "stage3-fp16": (3, {"fp16": {}})}
+
+
+LAYOUT_FIXTURE = FIXTURE / "00078d0"
+LAYOUT_CASES: list[Case] = [
+    ("awkward", "bf16", 2, None),
+    ("awkward", "fp16", 3, None),
+    ("awkward", "fp32", 2, "offload_nvme"),
+    ("awkward", "fp32", 3, "offload_param_cpu"),
+    ("awkward", "fp32", 2, "powersgd"),
+    ("awkward", "fp32", 0, "local_steps"),
+    ("gpt", "fp32", 1, "tp2"),
+    ("gpt", "fp32", 3, "tp2"),
+    ("moe", "fp32", 2, None),
+    ("pipeline", "fp32", 1, None),
+]
+"""The feature grid's cases whose checkpoints 00078d0 wrote (test_golden.feature_cases)."""
+HALF = 2  # optimizer steps before the save, and after it
+LAYOUT_WRITER = {"written_by": "00078d0"}
+
+
+def _layout_batches() -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batches(2 * HALF, golden.MICRO * golden.ACCUM * golden.WORLD)
+
+
+def _write_layouts(root: str) -> dict:
+    """Each case trained HALF steps, saved, and trained HALF more in the same process."""
+    from zerotrain.comm import Communicator
+
+    nvme, out = nvme_directory(), {}
+    for case in LAYOUT_CASES:
+        engine = build_engine(case, nvme)
+        torch.manual_seed(100 + Communicator().rank)  # each rank draws its own dropout masks
+        idx, tgt = _layout_batches()
+        train_steps(engine, idx[:HALF], tgt[:HALF])
+        engine.save_checkpoint(f"{root}/{case_name(*case)}", client_state=LAYOUT_WRITER)
+        losses = train_steps(engine, idx[HALF:], tgt[HALF:])
+        out[case_name(*case)] = {
+            "losses": losses,
+            "params": state_hash(engine.consolidated_state_dict()),
+        }
+    if nvme is not None:
+        shutil.rmtree(nvme, ignore_errors=True)
+    return out
+
+
+def _continue_layouts(root: str) -> dict:
+    """Each case loaded from its checkpoint (which restores every rank's generator) and
+    trained HALF steps."""
+    nvme, out = nvme_directory(), {}
+    for case in LAYOUT_CASES:
+        engine = build_engine(case, nvme)
+        path, client = engine.load_checkpoint(f"{root}/{case_name(*case)}")
+        assert path is not None and client == LAYOUT_WRITER, (path, client)
+        assert engine.global_steps == HALF
+        idx, tgt = _layout_batches()
+        losses = train_steps(engine, idx[HALF:], tgt[HALF:])
+        out[case_name(*case)] = {
+            "losses": losses,
+            "params": state_hash(engine.consolidated_state_dict()),
+        }
+    if nvme is not None:
+        shutil.rmtree(nvme, ignore_errors=True)
+    return out
+
+
+def test_checkpoints_of_00078d0_resume_every_layout_bit_for_bit(tmp_path):
+    records = json.loads((LAYOUT_FIXTURE / "continuation.json").read_text())["records"]
+    held = records_to_hold(records)
+    root = tmp_path / "old"
+    shutil.copytree(LAYOUT_FIXTURE, root)
+    got = agreed_cases(run_distributed(_continue_layouts, golden.WORLD, str(root), timeout=600))
+    assert_one_matches(held, lambda record: moved_cases(got, record["cases"]))
 
 
 def _build(layout: str):
@@ -139,12 +227,27 @@ def _write_fixture(root: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write the fixture, or record a platform's.")
     parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="write the layouts' fixture (golden/checkpoints/00078d0) with the zerotrain first "
+        "on PYTHONPATH, and what it computes after each save",
+    )
+    parser.add_argument(
         "--add-platform",
         metavar="TREE_0_1_0",
         help="a checkout of 850ac9f: record the continuation its zerotrain computes from the "
         "fixture on this platform (the fixture stays as it is)",
     )
     args = parser.parse_args()
+    if args.layouts:
+        shutil.rmtree(LAYOUT_FIXTURE, ignore_errors=True)
+        cases = agreed_cases(run_distributed(_write_layouts, golden.WORLD, str(LAYOUT_FIXTURE)))
+        record = platform_record(cases=cases, commit=zerotrain_commit())
+        (LAYOUT_FIXTURE / "continuation.json").write_text(
+            json.dumps({"records": [record]}, indent=1) + "\n"
+        )
+        print(f"wrote {len(cases)} checkpoints to {LAYOUT_FIXTURE}")
+        return
     if args.add_platform is None:  # the 0.1.0 tree itself wrote the fixture this way
         shutil.rmtree(FIXTURE, ignore_errors=True)
         per_rank = run_distributed(_write_fixture, WORLD, str(FIXTURE))
