@@ -166,8 +166,11 @@ def zerotrain_engine(model, args, tp: int, pp: int, sequence_parallel: bool):
         },
     )
     assert engine.dp_world_size == dp
-    if engine.tensor_parallel is not None and engine.tensor_parallel.comm is not engine.comm:
-        engine.tensor_parallel.comm.stats = {}  # the tensor-parallel group's traffic alone
+    if (
+        engine.layout.tensor_parallel is not None
+        and engine.layout.tensor_parallel.comm is not engine.comm
+    ):
+        engine.layout.tensor_parallel.comm.stats = {}  # the tensor-parallel group's traffic alone
     return engine
 
 
@@ -448,7 +451,11 @@ def worker(args) -> None:
     if system == "zerotrain":
         memory = engine.memory_breakdown()
         stats = engine.comm.stats
-        tp_stats = {} if engine.tensor_parallel is None else engine.tensor_parallel.comm.stats
+        tp_stats = (
+            {}
+            if engine.layout.tensor_parallel is None
+            else engine.layout.tensor_parallel.comm.stats
+        )
         blocks = [m for m in engine.module.modules() if type(m).__name__ == "Block"]
         result.update(
             ops={op: [st.calls, st.bytes] for op, st in stats.items()},
@@ -464,8 +471,8 @@ def worker(args) -> None:
             # stage 2 reduces them in each stage's backward
             reused_numel=_reused_numel(engine.module) if pp > 1 else 0,
             # sequence parallelism sums these gradients over the tensor-parallel group
-            summed_numel=sum(p.numel() for p in engine.tensor_parallel.summed)
-            if engine.tensor_parallel is not None
+            summed_numel=sum(p.numel() for p in engine.layout.tensor_parallel.summed)
+            if engine.layout.tensor_parallel is not None
             else 0,
             blocks=len(blocks),
             accum=accum,
@@ -491,7 +498,7 @@ def _reused_numel(module) -> int:
 def _counting_comms(engine) -> list:
     """The communicators whose counts the bench reads: the engine's, and the tensor-parallel
     group's when it counts alone (see zerotrain_engine)."""
-    tp = engine.tensor_parallel
+    tp = engine.layout.tensor_parallel
     return [engine.comm] + ([tp.comm] if tp is not None and tp.comm is not engine.comm else [])
 
 

@@ -1,5 +1,6 @@
 """The architecture, checked: dependencies run one way between layers, no import cycle between
-files, no file over 800 lines, and only the ZeRO policy reads what a stage partitions.
+files, no file over 800 lines, only the ZeRO policy reads what a stage partitions, and only the
+parallel layout and the parallelism packages name a parallel axis.
 
 Every import counts: at module level, inside functions, and under ``TYPE_CHECKING``.
 """
@@ -7,8 +8,10 @@ Every import counts: at module level, inside functions, and under ``TYPE_CHECKIN
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
+import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zerotrain"
@@ -36,7 +39,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("engine", ("backward", "engine_queries", "engine", "pipe")),
-    ("api", ("api", "optimizer_plan")),
+    # the parallel layout: the mesh and the model transforms, over the parallelism packages
+    ("layout", ("parallel",)),
+    ("api", ("api", "optimizer_plan", "policies")),
     # DeepSpeed's module names over the layers below (`import zerotrain as deepspeed`), and
     # the package root, which re-exports everything
     (
@@ -170,3 +175,22 @@ def test_only_the_policy_reads_what_a_stage_partitions():
         if flag.search(line)
     ]
     assert not offenders, f"ask the shard group's strategies instead: {offenders}"
+
+
+def test_engine_and_checkpoint_name_no_parallel_axis():
+    """See [Note: the parallel layout] in zerotrain/parallel/layout.py: the engine and the
+    checkpoint ask the layout (``engine.layout``) and name no parallelism, so a new parallel
+    axis touches the layout and its own package only. Identifiers count (names, attributes,
+    imported modules), comments and strings do not."""
+    checked = ["engine.py", "engine_queries.py", "backward.py", "checkpoint"]
+    forbidden = re.compile(r"tensor_parallel|expert|PipelineModule|num_stages", re.IGNORECASE)
+    offenders = [
+        f"{p.relative_to(PACKAGE)}:{token.start[0]} {token.string}"
+        for part in checked
+        for p in sorted(
+            (PACKAGE / part).rglob("*.py") if part == "checkpoint" else [PACKAGE / part]
+        )
+        for token in tokenize.generate_tokens(io.StringIO(p.read_text()).readline)
+        if token.type == tokenize.NAME and forbidden.search(token.string)
+    ]
+    assert not offenders, f"ask the parallel layout (engine.layout) instead: {offenders}"

@@ -19,16 +19,15 @@ from torch import nn
 from zerotrain.backward import BackwardState, MicroStepBackward
 from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import REQUIRE_RESUME_ENV, LoadOptions, load_checkpoint
+from zerotrain.checkpoint.protocol import ModelLayout
 from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
-from zerotrain.moe.layer import expert_tensors
 from zerotrain.observability.flops_profiler import FlopsProfiler, StepContext, measure_peak_tflops
 from zerotrain.observability.metrics import StepMetrics
 from zerotrain.observability.monitor import MonitorMaster
 from zerotrain.optim import NoOptimizer
-from zerotrain.tensor_parallel import TensorParallel
 from zerotrain.zero import ZeroOptimizer
 
 
@@ -54,10 +53,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         device: torch.device,
         training_dataloader=None,
         *,
+        layout: ModelLayout,
         raw_config: dict[str, Any] | None = None,
         client_optimizer_name: str | None = None,
-        tensor_parallel: TensorParallel | None = None,
-        expert_comm: Communicator | None = None,
     ):
         super().__init__()
         self.module = module
@@ -67,9 +65,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self.zerotrain_config = config
         self._client_optimizer_name = client_optimizer_name
         self.comm = comm
-        self.tensor_parallel = tensor_parallel  # None: no layer is split
-        # the expert-parallel group, whose ranks hold different experts (None: every rank all)
-        self.expert_comm = expert_comm
+        self.layout = layout  # which ranks hold which parameters (zerotrain/parallel)
         self.device = device
         self.training_dataloader = training_dataloader
         self.global_steps = 0
@@ -137,7 +133,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     @property
     def mp_world_size(self) -> int:
         """The tensor-parallel degree (DeepSpeed's attribute; 1 without tensor parallelism)."""
-        return 1 if self.tensor_parallel is None else self.tensor_parallel.size
+        return self.layout.split_degree
 
     @property
     def data_parallel_group(self):
@@ -507,7 +503,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         """See :meth:`consolidated_state_dict`; frozen values are kept on ``on_rank`` only (None:
         on every rank), see ``ZeroOptimizer.untrained_state``."""
         masters = self.optimizer.full_master_params()
-        if self.expert_comm is not None:  # frozen experts are exchanged below: kept on all
+        if self.layout.frozen_on_every_rank:
             on_rank = None
         untrained = self.optimizer.untrained_state(self.module, exclude_frozen, on_rank=on_rank)
         entries = self.module.state_dict(keep_vars=True)
@@ -526,21 +522,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 out[key] = tensor.to(dtype, copy=live)
             else:
                 out[key] = tensor.clone() if live else tensor
-        if self.tensor_parallel is not None:
-            out = self.tensor_parallel.full_state(out, self.module)
-        if self.expert_comm is not None:  # the other expert-parallel ranks' experts
-            of_experts = expert_tensors(self.module)
-            mine = {k: v.cpu() for k, v in out.items() if id(entries.get(k)) in of_experts}
-            for theirs in self.expert_comm.all_gather_object(mine):
-                out.update(theirs)
-        # a tied key (embedding and head) is one tensor, as in the model and DeepSpeed's gather:
-        # torch.save then writes it once and load_state_dict keeps the tie
-        first_key: dict[int, str] = {}
-        for key, value in entries.items():
-            first = first_key.setdefault(id(value), key)
-            if first != key and first in out and key in out:
-                out[key] = out[first]
-        return out
+        return self.layout.full_state(out)
 
     def module_state_dict(
         self,

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
+from zerotrain.config import ConfigError
+from zerotrain.config.schema import LoRAFAConfig
 from zerotrain.zero.init import full_shape
 
 
@@ -140,3 +143,44 @@ def _weight(module: nn.Module) -> torch.Tensor:
     weight = module.weight
     assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
     return weight
+
+
+def convert_to_lora_fa(
+    model: nn.Module, section: LoRAFAConfig, optimizer, model_parameters, rank: int
+) -> Iterable[Any] | None:
+    """The config's ``lora_fa`` section: adapt the model's target layers, freeze the rest.
+    Returns the parameters to train: ``model_parameters`` given as the model's trainable (or
+    all) parameters, as HF's Trainer passes them, become the adapters."""
+    before = [p for p in model.parameters() if p.requires_grad]
+    given = None if model_parameters is None else list(model_parameters)
+    if given is not None:  # parameters, or groups of them
+        given = [
+            p for item in given for p in (item["params"] if isinstance(item, dict) else [item])
+        ]
+    taken_before = isinstance(optimizer, torch.optim.Optimizer) or (
+        given is not None
+        and {id(p) for p in given}
+        not in ({id(p) for p in before}, {id(p) for p in model.parameters()})
+    )
+    if taken_before:
+        argument = (
+            "optimizer" if isinstance(optimizer, torch.optim.Optimizer) else "model_parameters"
+        )
+        raise ConfigError(
+            "lora_fa.enabled: initialize adapts the model's layers, but "
+            f"initialize({argument}=...) holds parameters chosen before; use the config's "
+            "optimizer section (or pass an optimizer factory), or call "
+            "zerotrain.lora.apply_lora_fa(model, ...) before building the optimizer and leave "
+            "lora_fa out of the config"
+        )
+    adapted = apply_lora_fa(model, section.target_modules, r=section.r, alpha=section.alpha)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if rank == 0:
+        total = sum(full_shape(p).numel() for p in model.parameters())  # Init chunks too
+        print(
+            f"zerotrain: lora_fa adapted {len(adapted)} layers (r {section.r}, alpha "
+            f"{section.alpha:g}): {sum(p.numel() for p in trainable):,} of {total:,} parameters "
+            "train",
+            flush=True,
+        )
+    return None if given is None else trainable

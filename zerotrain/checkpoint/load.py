@@ -24,7 +24,6 @@ from zerotrain.checkpoint.save import (
     LAYOUT_GROUP_KEYS,
     split_keys,
     split_params,
-    tensor_parallel_rank,
 )
 from zerotrain.optim.adam import same_state_kind
 from zerotrain.ranges import overlaps
@@ -149,10 +148,10 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     }
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
-    # a pipeline stage trains only its own layers, an expert-parallel rank its own experts: the
-    # others are the other ranks' (so a name in the checkpoint that no rank trains is not
+    # where ranks hold different layers (pipeline stages) or experts, the entries this rank
+    # lacks are the other ranks' (so a name in the checkpoint that no rank trains is not
     # caught here)
-    staged = getattr(engine, "num_stages", 1) > 1 or engine.expert_comm is not None
+    staged = not engine.layout.whole_model_here
     unexpected = [] if staged else [n for n in saved if n not in model]
     if missing or unexpected:
         problems.append(
@@ -250,7 +249,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     state_keys = manifest["optimizer_state_keys"] if load_optimizer else []
     reader = ShardReader(manifest)
     split = split_params(engine)
-    tp_rank = tensor_parallel_rank(engine)
+    tp_rank = engine.layout.split_rank
     try:
         for group in zero.groups:
             store = group.store

@@ -19,7 +19,7 @@
   key whose tensor is an earlier key's (a tied embedding and head) to that key, so that an
   export keeps them one tensor (checkpoints without it: the trained keys of one parameter).
 
-A parameter that tensor parallelism split (see zerotrain/tensor_parallel/shard.py) is saved as
+A parameter that tensor parallelism split (see zerotrain/comm/split.py) is saved as
 its pieces: its record's ``split`` is ``[dim, chunks, size]``, and each segment is a range of the
 flattened piece of the tensor-parallel rank ``tp_ranks[rank]`` of the file's rank. Whole
 parameters are written by tensor-parallel rank 0 alone (and a layer tied across pipeline
@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerotrain.checkpoint.files import record_of
+from zerotrain.comm.split import Split
 from zerotrain.errors import ZeroTrainError
 from zerotrain.ranges import intersect
-from zerotrain.tensor_parallel.shard import TPShard
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -75,7 +75,7 @@ class ParamRecord:
     shape: tuple[int, ...]
     group: int
     segments: tuple[tuple[int, int, int], ...]  # (rank, start, end) of the flattened parameter
-    split: TPShard | None = None  # saved as tensor-parallel pieces (segments: of a piece)
+    split: Split | None = None  # saved as tensor-parallel pieces (segments: of a piece)
 
     @property
     def numel(self) -> int:
@@ -99,7 +99,7 @@ class Manifest:
                 tuple(p["shape"]),
                 p["group"],
                 tuple(tuple(s) for s in p["segments"]),
-                TPShard(*p["split"]) if p.get("split") else None,
+                Split(*p["split"]) if p.get("split") else None,
             )
             for p in data["params"]
         }
@@ -226,7 +226,7 @@ class ShardReader:
         kind: str,
         start: int,
         end: int,
-        split: TPShard | None = None,
+        split: Split | None = None,
         tp_rank: int = 0,
     ) -> list[tuple[int, torch.Tensor]]:
         """Pieces ``(offset, values)`` covering elements ``[start, end)`` of the flattened

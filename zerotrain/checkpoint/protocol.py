@@ -11,12 +11,44 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from zerotrain.comm import Communicator
     from zerotrain.config import ZeroTrainConfig
-    from zerotrain.tensor_parallel import TensorParallel
     from zerotrain.zero import ZeroOptimizer
+
+
+class ModelLayout(Protocol):
+    """What the engine and checkpoints ask of the parallel layout (zerotrain/parallel builds
+    it, see [Note: the parallel layout] there): they never name a parallel axis."""
+
+    @property
+    def split_rank(self) -> int:
+        """Which piece of every split parameter (comm/split.py) this rank holds (0: none)."""
+        ...
+
+    @property
+    def split_degree(self) -> int:
+        """How many pieces a split parameter is cut into (1: none is split)."""
+        ...
+
+    @property
+    def whole_model_here(self) -> bool:
+        """Whether this rank holds every entry of the model's state dict (whole or a piece):
+        False where ranks hold different layers or experts, whose entries are other ranks'."""
+        ...
+
+    @property
+    def frozen_on_every_rank(self) -> bool:
+        """Whether :meth:`full_state` needs every rank's frozen values (it exchanges entries
+        only some ranks hold), not one rank's."""
+        ...
+
+    def full_state(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole model's state dict from this rank's ``own`` entries, tied keys sharing one
+        tensor (collective over every rank)."""
+        ...
 
 
 class TrainingState(Protocol):
@@ -25,8 +57,7 @@ class TrainingState(Protocol):
     comm: Communicator
     module: nn.Module
     optimizer: ZeroOptimizer  # its shard group holds the sharded state
-    tensor_parallel: TensorParallel | None  # the split parameters are saved as their pieces
-    expert_comm: Communicator | None  # ranks holding other experts (None: each holds all)
+    layout: ModelLayout  # which ranks hold which parameters, and which piece
     lr_scheduler: Any  # anything with state_dict / load_state_dict, or None
     training_dataloader: Any  # resumable when it has state_dict / load_state_dict
     zerotrain_config: ZeroTrainConfig  # the checkpoint section: tag validation, retention

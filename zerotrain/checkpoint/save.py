@@ -43,8 +43,8 @@ from zerotrain.checkpoint.manifest import (
     scan,
 )
 from zerotrain.checkpoint.rng import capture_rng_state
+from zerotrain.comm.split import Split, split_of
 from zerotrain.errors import ZeroTrainError
-from zerotrain.tensor_parallel.shard import TPShard, shard_of
 
 _log = logging.getLogger("zerotrain")
 
@@ -166,7 +166,7 @@ def _write_rank_files(
     [(param name, start, end)]}`` for the manifest."""
     rank = engine.comm.rank
     zero = engine.optimizer
-    tp_rank = tensor_parallel_rank(engine)
+    tp_rank = engine.layout.split_rank
     written = _written_params(engine, tp_rank)
     entries: list[TensorEntry] = []
     segments = []
@@ -294,16 +294,11 @@ def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> di
     }
 
 
-def tensor_parallel_rank(engine: TrainingState) -> int:
-    """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
-    return engine.tensor_parallel.comm.rank if engine.tensor_parallel is not None else 0
-
-
-def split_params(engine: TrainingState) -> dict[str, TPShard]:
+def split_params(engine: TrainingState) -> dict[str, Split]:
     """Trainable parameters by name that tensor parallelism split, with their split."""
     found = {}
     for slot in engine.optimizer.slots():
-        shard = shard_of(slot.param)
+        shard = split_of(slot.param)
         if shard is not None:
             found[slot.name] = shard
     return found
@@ -311,7 +306,7 @@ def split_params(engine: TrainingState) -> dict[str, TPShard]:
 
 def split_keys(module: torch.nn.Module) -> set[str]:
     """State-dict keys of ``module`` that tensor parallelism split."""
-    return {k for k, v in module.state_dict(keep_vars=True).items() if shard_of(v) is not None}
+    return {k for k, v in module.state_dict(keep_vars=True).items() if split_of(v) is not None}
 
 
 def _engine_state(engine: TrainingState) -> dict:

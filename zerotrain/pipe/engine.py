@@ -81,19 +81,6 @@ class PipelineEngine(ZeroTrainEngine):
     def step(self) -> None:
         raise RuntimeError("pipeline engine: the step is taken by engine.train_batch(data_iter)")
 
-    # -- state across the stages --------------------------------------------------------------
-    def _full_state(
-        self, dtype: torch.dtype, exclude_frozen: bool, on_rank: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Every stage's layers (so ``consolidated_state_dict`` and ``save_16bit_model`` give
-        the whole model), with DeepSpeed's ``PipelineModule`` keys: ``<layer index>.<name>``,
-        ``tied_modules.<key>.<name>`` (collective over all ranks)."""
-        own = super()._full_state(dtype, exclude_frozen, on_rank)
-        merged: dict[str, torch.Tensor] = {}
-        for stage_state in self.pipe_comm.all_gather_object({k: v.cpu() for k, v in own.items()}):
-            merged.update(stage_state)
-        return merged
-
     # -- the pipeline -------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches of

@@ -16,7 +16,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from zerotrain.comm import Communicator
+from zerotrain.comm import Communicator, Mesh
+from zerotrain.comm.split import Split, split_of
+from zerotrain.config import ZeroTrainConfig
 from zerotrain.config.errors import ConfigError
 from zerotrain.tensor_parallel.plan import (
     Colwise,
@@ -30,7 +32,6 @@ from zerotrain.tensor_parallel.plan import (
     resolve_plan,
     shards_sequence,
 )
-from zerotrain.tensor_parallel.shard import TPShard, shard_of
 from zerotrain.zero.init import is_init_partitioned
 
 __all__ = [
@@ -38,12 +39,12 @@ __all__ = [
     "Divide",
     "Rowwise",
     "Style",
-    "TPShard",
+    "Split",
     "TensorParallel",
     "is_split",
     "parallelize",
     "parse_style",
-    "shard_of",
+    "split_of",
 ]
 
 
@@ -71,12 +72,36 @@ class TensorParallel:
         the model's own piece and stays out)."""
         out = dict(state)
         for key, tensor in module.state_dict(keep_vars=True).items():
-            shard = shard_of(tensor)
+            shard = split_of(tensor)
             if shard is not None:
                 whole = shard.full(state.get(key, tensor.detach()), self.comm)
                 if key in state:
                     out[key] = whole
         return out
+
+
+def from_config(
+    model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh, stages: Communicator | None
+) -> TensorParallel | None:
+    """Split ``model`` over the mesh's tensor-parallel axis as the config's
+    ``tensor_parallel`` section says (None: autotp_size 1, nothing split). ``stages``: a
+    PipelineModule's pipeline stages (see :func:`parallelize`)."""
+    section = cfg.tensor_parallel
+    if section.autotp_size == 1:
+        for key in ("tp_plan", "sequence_parallel"):
+            if getattr(section, key) not in (None, False):
+                raise ConfigError(
+                    f"tensor_parallel.{key}: given, but autotp_size is 1 (nothing is split); "
+                    f"set autotp_size to the tensor-parallel degree or remove {key}"
+                )
+        return None
+    if cfg.lora_fa.enabled:
+        raise ConfigError(
+            "tensor_parallel.autotp_size: LoRA-FA adapters (lora_fa.enabled) with tensor "
+            "parallelism are not supported; use one of them"
+        )
+    options = {"sequence_parallel": section.sequence_parallel, "check_inputs": section.check_inputs}
+    return parallelize(model, mesh.axis("tp"), section.tp_plan, stages, **options)
 
 
 def parallelize(

@@ -4,7 +4,7 @@
 A plan maps module names (``fnmatch`` patterns over qualified names, as
 ``torch.distributed.tensor.parallel.parallelize_module`` takes them) to a style:
 ``"colwise"`` splits a linear layer's output features (``"colwise:3"``: a fused q/k/v, each third
-split alone, see [Note: fused blocks] in shard.py), ``"rowwise"`` its input features, and
+split alone, see [Note: fused blocks] in comm/split.py), ``"rowwise"`` its input features, and
 ``"divide:a,b"`` divides integer attributes of a module (its head count) by the degree. Torch's
 styles are accepted too (see [Note: torch's parallel styles]). Without
 a plan, the automatic one splits the attention and MLP of every block it recognises by its
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotrain.comm import Communicator
+from zerotrain.comm.split import Split, split_of, split_parameter
 from zerotrain.config.errors import ConfigError
 from zerotrain.tensor_parallel.regions import (
     copy_to_region,
@@ -37,7 +38,6 @@ from zerotrain.tensor_parallel.regions import (
     reduce_scatter_from_region,
 )
 from zerotrain.tensor_parallel.sequence import parallelize_sequence
-from zerotrain.tensor_parallel.shard import TPShard, shard_of, split_parameter
 
 _HEAD_COUNTS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads")
 
@@ -329,9 +329,9 @@ def _split_columns(
     assert weight is not None  # a linear layer (_feature_dims)
     size = weight.shape[out_dim]
     _check_divides(name, "output features", size, chunks * tp, tp)
-    split_parameter(weight, TPShard(out_dim, chunks, tp), comm.rank)
+    split_parameter(weight, Split(out_dim, chunks, tp), comm.rank)
     if bias is not None:
-        split_parameter(bias, TPShard(0, chunks, tp), comm.rank)
+        split_parameter(bias, Split(0, chunks, tp), comm.rank)
     _set_features(module, out=size // tp)
     if not sequence_parallel:  # else the module around gathers the input (sequence.py)
         module.register_forward_pre_hook(lambda _, args: (copy_to_region(args[0], comm), *args[1:]))
@@ -344,7 +344,7 @@ def _split_rows(module: nn.Module, name: str, comm: Communicator, sequence_paral
     assert weight is not None  # a linear layer (_feature_dims)
     size = weight.shape[in_dim]
     _check_divides(name, "input features", size, tp, tp)
-    split_parameter(weight, TPShard(in_dim, 1, tp), comm.rank)
+    split_parameter(weight, Split(in_dim, 1, tp), comm.rank)
     _set_features(module, in_=size // tp)
     conv1d = _is_conv1d(module)
     reduce = reduce_scatter_from_region if sequence_parallel else reduce_from_region
@@ -422,4 +422,4 @@ def _example_names(model: nn.Module) -> list[str]:
 def is_split(param: torch.Tensor) -> bool:
     """Whether ``param`` holds only this rank's piece (else every tensor-parallel peer holds it
     whole)."""
-    return shard_of(param) is not None
+    return split_of(param) is not None

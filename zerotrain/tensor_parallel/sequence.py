@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
+from zerotrain.comm.split import split_of
 from zerotrain.config.errors import ConfigError
 from zerotrain.tensor_parallel.regions import (
     check_sequence,
@@ -37,7 +38,6 @@ from zerotrain.tensor_parallel.regions import (
     gather_to_region,
     scatter_sequence,
 )
-from zerotrain.tensor_parallel.shard import shard_of
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -74,7 +74,7 @@ def parallelize_sequence(
     last.register_forward_hook(lambda _m, _a, out: _gather_output(out, comm))
     summed = []
     for name in blocks:
-        summed += [p for p in modules[name].parameters() if p.requires_grad and shard_of(p) is None]
+        summed += [p for p in modules[name].parameters() if p.requires_grad and split_of(p) is None]
     return summed
 
 

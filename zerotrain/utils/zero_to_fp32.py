@@ -98,18 +98,18 @@ def convert_zero_checkpoint_to_state_dict(
         checkpoint_dir, tag=tag, dtype=dtype, exclude_frozen_parameters=exclude_frozen_parameters
     )
     shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_of: dict[int, int] = {}  # id(tensor) -> its shard: tied keys go with their tensor
+    split_of: dict[int, int] = {}  # id(tensor) -> its shard: tied keys go with their tensor
     shard_bytes = 0
     for key, tensor in state.items():  # greedy in key order, as HuggingFace splits
-        if id(tensor) in shard_of:  # a tied key: torch.save writes the shared data once
-            shards[shard_of[id(tensor)]][key] = tensor
+        if id(tensor) in split_of:  # a tied key: torch.save writes the shared data once
+            shards[split_of[id(tensor)]][key] = tensor
             continue
         size = tensor.numel() * tensor.element_size()
         if shards[-1] and shard_bytes + size > limit:
             shards.append({})
             shard_bytes = 0
         shards[-1][key] = tensor
-        shard_of[id(tensor)] = len(shards) - 1
+        split_of[id(tensor)] = len(shards) - 1
         shard_bytes += size
     out = Path(output_dir)
     if len(shards) == 1:

@@ -1,4 +1,5 @@
-"""How a tensor-parallel parameter is split over the ranks of its group, and put back whole.
+"""How a parameter is split over the ranks of a model-parallel group (tensor parallelism's,
+zerotrain/tensor_parallel), and put back whole: what checkpoints and the full state dict read.
 
 [Note: fused blocks]
 A fused projection (GPT-2's ``c_attn``: q, k and v side by side) is split per block, not as one
@@ -16,11 +17,11 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 
-_ATTRIBUTE = "_zerotrain_tp"  # the TPShard of a split parameter
+_ATTRIBUTE = "_zerotrain_tp"  # the Split of a split parameter
 
 
 @dataclass(frozen=True)
-class TPShard:
+class Split:
     """``dim`` of the whole tensor, cut as [Note: fused blocks] says over ``size`` ranks."""
 
     dim: int
@@ -56,13 +57,13 @@ class TPShard:
         return [self.dim, self.chunks, self.size]
 
 
-def split_parameter(param: nn.Parameter, shard: TPShard, rank: int) -> None:
+def split_parameter(param: nn.Parameter, shard: Split, rank: int) -> None:
     """Keep only ``rank``'s piece of ``param``, in place (the Parameter object stays, so
     optimizer groups built before still hold it), and record how it was split."""
     param.data = shard.local(param.data, rank).contiguous()
     setattr(param, _ATTRIBUTE, shard)
 
 
-def shard_of(param: torch.Tensor) -> TPShard | None:
-    """How ``param`` is split over the tensor-parallel group; None: every peer holds it whole."""
+def split_of(param: torch.Tensor) -> Split | None:
+    """How ``param`` is split over its model-parallel group; None: every peer holds it whole."""
     return getattr(param, _ATTRIBUTE, None)

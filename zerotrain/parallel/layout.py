@@ -1,0 +1,239 @@
+"""The parallel layout: which ranks hold which part of the model and see which data, decided
+once, in one place.
+
+[Note: the parallel layout]
+``initialize`` builds one :class:`ParallelLayout` (:meth:`ParallelLayout.build`) from the
+config, the model and the world; nothing else decides parallelism. Building it makes the mesh
+(comm/mesh.py: pp, dp, ep, tp) and transforms the model, always in this order:
+1. LoRA-FA adapters replace the target layers (zerotrain/lora.py), before anything is split:
+   the adapters are what trains, and they are split and placed like any layer;
+2. MoE layers are placed over the expert-parallel axis (zerotrain/moe/placement.py);
+3. tensor parallelism splits layers over the tp axis (zerotrain/tensor_parallel);
+4. a PipelineModule's tied layers get a group over the stages holding them (zerotrain/pipe;
+   the pipeline split itself happened when each rank built only its stages' layers).
+Then the rest asks the layout: the shard groups' specs (which ranks a group is partitioned
+over, what gradients are averaged over, which tensors' gradients are summed across
+model-parallel ranks, the pipeline chunk of each parameter: :meth:`shard_group_specs`), the
+data-parallel group for the loader and the batch arithmetic (:attr:`dp`), and the whole
+model's state dict (:meth:`full_state`). The engine and the checkpoint see it through
+``checkpoint.protocol.ModelLayout`` and name no axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotrain.comm import Communicator, Mesh
+from zerotrain.config import ConfigError, ZeroTrainConfig
+from zerotrain.lora import convert_to_lora_fa
+from zerotrain.moe.layer import expert_tensors
+from zerotrain.moe.placement import expert_parallel_degree, place_experts
+from zerotrain.optim import Lamb
+from zerotrain.pipe.checks import check_tied_offload
+from zerotrain.pipe.module import PipelineModule
+from zerotrain.tensor_parallel import TensorParallel, from_config, is_split
+from zerotrain.zero import GroupOptions
+from zerotrain.zero.group import ModelParallel
+from zerotrain.zero.init import owner_of
+from zerotrain.zero.layout import NamedParams
+from zerotrain.zero.optimizer import ShardGroupSpec
+
+
+def model_stages(model: nn.Module) -> int:
+    """The pipeline stages ``model`` is cut into (1: it is not a PipelineModule): known before
+    the config, whose batch keys count the ranks over them."""
+    return model.num_stages if isinstance(model, PipelineModule) else 1
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The mesh, the model it transformed, and what follows from them (see
+    [Note: the parallel layout])."""
+
+    mesh: Mesh
+    model: nn.Module
+    tensor_parallel: TensorParallel | None  # None: no layer is split
+    # id(param) -> the group of a tied layer's copies on several pipeline stages
+    tied: dict[int, Communicator] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        cfg: ZeroTrainConfig,
+        comm: Communicator,
+        device: torch.device,
+        *,
+        optimizer: Any,
+        model_parameters: Iterable[Any] | None,
+    ) -> tuple[ParallelLayout, Iterable[Any] | None]:
+        """Transform ``model`` in place for ``cfg`` over the world ``comm`` and move it to
+        ``device``; returns the layout and the parameters to train (``model_parameters``, or
+        LoRA-FA's adapters in their place)."""
+        if cfg.lora_fa.enabled:
+            model_parameters = convert_to_lora_fa(
+                model, cfg.lora_fa, optimizer, model_parameters, comm.rank
+            )
+        model.to(device)
+        pipelined = isinstance(model, PipelineModule)
+        mesh = Mesh(
+            comm,
+            tp=cfg.tensor_parallel.autotp_size,
+            pp=model_stages(model),
+            ep=expert_parallel_degree(model, cfg, pipelined),
+        )
+        place_experts(model, cfg, mesh)
+        tensor_parallel = from_config(model, cfg, mesh, mesh.axis("pp") if pipelined else None)
+        tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}
+        check_tied_offload(cfg, tied)
+        return cls(mesh, model, tensor_parallel, tied), model_parameters
+
+    # -- what the loader, the batch arithmetic and DeepSpeed's queries ask -------------------
+    @property
+    def dp(self) -> Communicator:
+        """The data-parallel group: what the data is split by and dense parameters sharded
+        over."""
+        return self.mesh.dp
+
+    @property
+    def stages(self) -> Communicator | None:
+        """The pipeline stages (rank i runs stage i); None without a PipelineModule."""
+        return self.mesh.axis("pp") if isinstance(self.model, PipelineModule) else None
+
+    @property
+    def split_rank(self) -> int:
+        return 0 if self.tensor_parallel is None else self.tensor_parallel.comm.rank
+
+    @property
+    def split_degree(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.size
+
+    @property
+    def whole_model_here(self) -> bool:
+        return self.mesh.sizes["pp"] == 1 and self.mesh.sizes["ep"] == 1
+
+    @property
+    def frozen_on_every_rank(self) -> bool:
+        return self.mesh.sizes["ep"] > 1  # experts are exchanged in full_state
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """That ``optimizer`` can step this layout's parameters."""
+        if self.tensor_parallel is not None and isinstance(optimizer, Lamb):
+            raise ConfigError(
+                "optimizer: LAMB's trust ratio needs each parameter's whole norm, and tensor "
+                "parallelism (tensor_parallel.autotp_size > 1) splits parameters; use Adam or "
+                "AdamW"
+            )
+
+    # -- the shard groups ---------------------------------------------------------------------
+    def shard_group_specs(
+        self, groups: list[tuple[dict, NamedParams]], options: GroupOptions
+    ) -> list[ShardGroupSpec]:
+        """The dense parameters, partitioned over the data-parallel group, and the experts',
+        over the ranks holding the same experts (see [Note: several shard groups] in
+        zero/optimizer.py): their gradients are averaged over every data-parallel rank, and
+        the norm sums over the ranks holding other experts. ``options``: the config's, for
+        this layout's groups to refine."""
+        model, mesh = self.model, self.mesh
+        options = replace(
+            options,
+            model_parallel=self._model_parallel(),
+            summed={**self.tied, **self._sequence_summed()},
+            chunks=model.chunks_of() if isinstance(model, PipelineModule) else {},
+        )
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        of_experts = expert_tensors(model)
+
+        def part(expert: bool) -> tuple[list[tuple[dict, NamedParams]], NamedParams]:
+            mine = [
+                (hyper, [(n, p) for n, p in named if (id(p) in of_experts) == expert])
+                for hyper, named in groups
+            ]
+            return mine, [(n, p) for n, p in frozen if (id(p) in of_experts) == expert]
+
+        dense, dense_frozen = part(expert=False)
+        experts, experts_frozen = part(expert=True)
+        if not any(named for _, named in experts):  # no trained expert: the dense group holds all
+            if experts_frozen and mesh.sizes["ep"] > 1:
+                raise ConfigError(
+                    "MoE: every expert parameter is frozen, with experts spread over ranks "
+                    f"(ep_size {mesh.sizes['ep']}); train some expert parameters, or use ep_size=1"
+                )
+            return [(options, dense, dense_frozen + experts_frozen)]
+        axes = [axis for axis in ("pp", "ep") if mesh.sizes[axis] > 1]
+        expert_options = replace(
+            options,
+            comm=mesh.expert_dp,
+            average_over=mesh.dp.world_size,
+            model_parallel=ModelParallel(mesh.axis(*axes), lambda _: 1) if axes else None,
+        )
+        return [(options, dense, dense_frozen), (expert_options, experts, experts_frozen)]
+
+    def _model_parallel(self) -> ModelParallel | None:
+        """The group the gradient norm sums over beyond the data-parallel one: the pipeline
+        stages and tensor-parallel peers. A parameter counts once: one whole on every
+        tensor-parallel peer (or a tied layer's copy on several stages) counts 1/peers on
+        each."""
+        mesh, tied = self.mesh, self.tied
+        axes = [axis for axis in ("pp", "tp") if mesh.sizes[axis] > 1]
+        if not axes:
+            return None
+        tp = mesh.sizes["tp"]
+
+        def replicas(param: nn.Parameter) -> int:
+            copies = tied[id(param)].world_size if id(param) in tied else 1
+            return copies * (1 if is_split(param) else tp)
+
+        return ModelParallel(mesh.axis(*axes), replicas)
+
+    def _sequence_summed(self) -> dict[int, Communicator]:
+        """Sequence parallelism's parameters: their gradients are summed over the tp group."""
+        if self.tensor_parallel is None:
+            return {}
+        return {id(p): self.tensor_parallel.comm for p in self.tensor_parallel.summed}
+
+    # -- the model's state ---------------------------------------------------------------------
+    def broadcast_untrained_state(self) -> None:
+        """The frozen parameters and buffers of the data-parallel group's first rank to its
+        other ranks, an expert's over the ranks holding that expert (trainable ones and frozen
+        ones that stage 3 partitions, which the engine owns, are broadcast as their buckets are
+        built), so all replicas start identical even without a shared seed."""
+        model, mesh = self.model, self.mesh
+        of_experts = expert_tensors(model)
+        frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]
+        for tensor in frozen + list(model.buffers()):
+            comm = mesh.expert_dp if id(tensor) in of_experts else mesh.dp
+            comm.broadcast(tensor.data, src=comm.root)
+
+    def full_state(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """See ``ModelLayout.full_state``: split tensors made whole, the other expert-parallel
+        ranks' experts and the other stages' layers added (a PipelineModule's keys are
+        DeepSpeed's: ``<layer index>.<name>``, ``tied_modules.<key>.<name>``)."""
+        entries = self.model.state_dict(keep_vars=True)
+        out = own
+        if self.tensor_parallel is not None:
+            out = self.tensor_parallel.full_state(out, self.model)
+        if self.mesh.sizes["ep"] > 1:  # the other expert-parallel ranks' experts
+            of_experts = expert_tensors(self.model)
+            mine = {k: v.cpu() for k, v in out.items() if id(entries.get(k)) in of_experts}
+            for theirs in self.mesh.axis("ep").all_gather_object(mine):
+                out.update(theirs)
+        # a tied key (embedding and head) is one tensor, as in the model and DeepSpeed's
+        # gather: torch.save then writes it once and load_state_dict keeps the tie
+        first_key: dict[int, str] = {}
+        for key, value in entries.items():
+            first = first_key.setdefault(id(value), key)
+            if first != key and first in out and key in out:
+                out[key] = out[first]
+        stages = self.stages
+        if stages is None:
+            return out
+        merged: dict[str, torch.Tensor] = {}
+        for stage_state in stages.all_gather_object({k: v.cpu() for k, v in out.items()}):
+            merged.update(stage_state)
+        return merged

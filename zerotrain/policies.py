@@ -1,0 +1,171 @@
+"""The config's sections as the options each part takes: the shard groups' (ZeRO stage,
+buckets, stage 3, offload, compression) and the loss scaler. Each is read here once;
+``initialize`` passes the results on."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import torch
+
+from zerotrain.comm import Communicator
+from zerotrain.compression import GradientCompression, ParameterCompression
+from zerotrain.compression.auto import AutoOptions, candidate_policies
+from zerotrain.config import ZeroTrainConfig
+from zerotrain.config.compression import AUTO_DEFAULT_METHOD
+from zerotrain.precision import DTYPES, LossScaler
+from zerotrain.zero import GroupOptions, ZeroPolicy
+from zerotrain.zero.gather import Stage3Options
+from zerotrain.zero.offload import OffloadOptions, device_budget, local_ranks
+from zerotrain.zero.param_home import ParamOffload
+from zerotrain.zero.swap import AioOptions
+
+
+def group_options(
+    cfg: ZeroTrainConfig, device: torch.device, dp: Communicator, world: Communicator
+) -> GroupOptions:
+    """The shard groups' options from the config, partitioned over the data-parallel group
+    ``dp`` of the ranks ``world`` (the parallel layout adds what its other axes decide: see
+    ``ParallelLayout.shard_group_specs``)."""
+    zero = cfg.zero_optimization
+    auto = _auto_compression(cfg)
+    section = cfg.comm_compression
+    asked = section.auto or {section.gradients.method, section.parameters.method} != {"none"}
+    if asked and dp.world_size == 1 and world.rank == 0:
+        taken = f" (its {world.world_size} ranks split the model)" if world.world_size > 1 else ""
+        warnings.warn(
+            "zerotrain: comm_compression acts between data-parallel ranks, and this run has "
+            f"one replica{taken}: nothing is compressed",
+            stacklevel=3,
+        )
+    return GroupOptions(
+        policy=ZeroPolicy.for_stage(zero.stage),
+        comm=dp,
+        precision=cfg.precision_policy(),
+        bucket_numel=zero.reduce_bucket_size,
+        stage3=Stage3Options(
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_numel=zero.stage3_max_reuse_distance,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            offload_param=_param_offload(cfg) if zero.stage == 3 else None,
+            ranks_per_node=_secondary_partition(cfg),
+        ),
+        overlap_param_gather=zero.overlap_param_gather,
+        comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
+        offload=_offload_options(cfg, device),
+        compression=_gradient_compression(cfg) if auto is None else None,
+        param_compression=_parameter_compression(cfg) if auto is None else auto.parameters,
+        auto=auto,
+    )
+
+
+def loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
+    fp16 = cfg.fp16
+    if not fp16.enabled:
+        return LossScaler()
+    if fp16.loss_scale:  # static
+        return LossScaler(scale=fp16.loss_scale)
+    return LossScaler(
+        scale=2.0**fp16.initial_scale_power,
+        dynamic=True,
+        scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        min_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+    )
+
+
+def _aio_options(cfg: ZeroTrainConfig) -> AioOptions:
+    return AioOptions(
+        block_size=cfg.aio.block_size,
+        queue_depth=cfg.aio.queue_depth,
+        thread_count=cfg.aio.intra_op_parallelism,
+    )
+
+
+def _param_offload(cfg: ZeroTrainConfig) -> ParamOffload:
+    """The `offload_param` section as stage 3 takes it."""
+    section = cfg.zero_optimization.offload_param
+    return ParamOffload(
+        device=section.device,
+        pin_memory=section.pin_memory,
+        nvme_path=section.nvme_path,
+        buffer_count=section.buffer_count,
+        buffer_size=section.buffer_size,
+        aio=_aio_options(cfg),
+    )
+
+
+def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptions | None:
+    """The `offload_optimizer` section as the shard group takes it (None: not offloaded)."""
+    zero = cfg.zero_optimization
+    section = zero.offload_optimizer
+    if section.device == "none":
+        return None
+    return OffloadOptions(
+        device=section.device,
+        ratio=section.ratio,
+        pin_memory=section.pin_memory,
+        buffer_count=section.buffer_count,
+        nvme_path=section.nvme_path,
+        sub_group_size=zero.sub_group_size,
+        device_budget=lambda: device_budget(device),
+        aio=_aio_options(cfg),
+    )
+
+
+def _ranks_per_node(cfg: ZeroTrainConfig) -> int:
+    """The ranks of a node for hpZ and the gradients' hierarchy: as configured, or torchrun's."""
+    return cfg.comm_compression.hierarchical_partition_size or local_ranks()
+
+
+def _secondary_partition(cfg: ZeroTrainConfig) -> int:
+    """The ranks of each hpZ partition (0: no hpZ)."""
+    return _ranks_per_node(cfg) if cfg.comm_compression.hierarchical_partition else 0
+
+
+def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
+    """The `comm_compression.gradients` section as the reductions take it (None: off). A
+    1-bit optimizer adds its exact steps (zerotrain/zero/group.py, from the optimizer built)."""
+    section = cfg.comm_compression.gradients
+    return None if section.method == "none" else _gradient_options(cfg)
+
+
+def _gradient_options(cfg: ZeroTrainConfig) -> GradientCompression:
+    """`comm_compression.gradients` as a policy, with ``hierarchical``'s ranks per node."""
+    options = cfg.comm_compression.gradients.model_dump()
+    ranks_per_node = _ranks_per_node(cfg) if options.pop("hierarchical") else 0
+    return GradientCompression(**options, ranks_per_node=ranks_per_node)
+
+
+def _parameter_compression(cfg: ZeroTrainConfig) -> ParameterCompression | None:
+    """The `comm_compression.parameters` section as the parameter gathers take it."""
+    section = cfg.comm_compression.parameters
+    if section.method == "none":
+        return None
+    return ParameterCompression(**section.model_dump())
+
+
+def _auto_compression(cfg: ZeroTrainConfig) -> AutoOptions | None:
+    """`comm_compression.auto`: the policies to choose among (None: auto is off). The
+    configured methods, each on or off; with none configured, the stage's defaults (see the
+    `auto` key's docs)."""
+    section = cfg.comm_compression
+    if not section.auto:
+        return None
+    gradients, parameters = _gradient_compression(cfg), _parameter_compression(cfg)
+    if gradients is None and parameters is None:
+        stage = cfg.zero_optimization.stage
+        # int8, not PowerSGD, whose rank 4 ended the demo GPT 12.1% above uncompressed
+        # under AdamW (docs/compression.md): auto changes the speed, not how well it trains
+        gradients = replace(_gradient_options(cfg), method=AUTO_DEFAULT_METHOD)
+        if stage > 0:
+            parameters = replace(
+                ParameterCompression(**section.parameters.model_dump()), method=AUTO_DEFAULT_METHOD
+            )
+    return AutoOptions(
+        policies=candidate_policies(gradients, parameters),
+        recheck_steps=section.auto_recheck_steps,
+    )
