@@ -13,6 +13,7 @@ from test_parity import ACCUM, BETAS, CLIP, EPS, LR, MICRO, STEPS, WD, reference
 from test_precision import train_fp16_with_overflow
 
 import zerotrain
+import zerotrain.policies
 from zerotrain.accelerator import HostMemoryLimit
 from zerotrain.config import ConfigError
 from zerotrain.estimate import preflight
@@ -309,10 +310,10 @@ def test_ratio_auto_keeps_on_the_device_what_fits(monkeypatch):
         per_bucket.append(device)
         return 0  # a full device: everything goes to the host
 
-    monkeypatch.setattr(zerotrain.api, "device_budget", budget)
+    monkeypatch.setattr(zerotrain.policies, "device_budget", budget)
     engine = _engine(2, {"device": "cpu", "ratio": "auto"})
     assert per_bucket and all(engine.optimizer.group.store.on_host)
-    monkeypatch.setattr(zerotrain.api, "device_budget", lambda device: 10**12)
+    monkeypatch.setattr(zerotrain.policies, "device_budget", lambda device: 10**12)
     assert not any(_engine(2, {"device": "cpu", "ratio": "auto"}).optimizer.group.store.on_host)
 
 
