@@ -340,7 +340,7 @@ def _trainer(spec: dict, model) -> Trainer:
         return sum(s.calls for s in comm.stats.values())
 
     def decisions() -> list[str]:
-        tuner = engine.optimizer.tuners[0]
+        tuner = engine.optimizer.group.extensions.get("auto")
         return [d.line(engine.world_size) for d in tuner.decisions] if tuner else []
 
     @torch.no_grad()

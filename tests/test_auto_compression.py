@@ -219,7 +219,7 @@ def resumed(tmp: str, tag: str, section: dict, seconds: dict, saved_at: int, the
     runs = {}
     for run in ("straight", "resumed"):
         engine = auto_engine(1, section)
-        tuner = engine.optimizer.tuners[0]
+        tuner = engine.optimizer.group.extensions["auto"]
         clock = SimulatedClock(tuner, seconds)
         tuner.clock, tuner.probe = clock, lambda comm: SLOW
         if run == "straight":
@@ -256,7 +256,7 @@ def tuner_runs(tmp: str) -> dict:
     for name, stage, section, links, compressed in scenarios:
         recheck = 6 if len(links) > 1 else 0
         engine = auto_engine(stage, section, recheck)
-        tuner = engine.optimizer.tuners[0]
+        tuner = engine.optimizer.group.extensions["auto"]
         seconds = {p: 1.0 if p == "uncompressed" else compressed for p in tuner.policy_names}
         clock = SimulatedClock(tuner, seconds)
         probed = iter(links)
@@ -290,13 +290,13 @@ def tuner_runs(tmp: str) -> dict:
     out["counts arrivals"] = {}
     for optimizer in ("Adam", "SGD"):
         engine = auto_engine(1, {"gradients": {"method": "topk"}}, optimizer=optimizer)
-        tuner = engine.optimizer.tuners[0]
+        tuner = engine.optimizer.group.extensions["auto"]
         tuner.use(next(p for p in tuner.options.policies if p.name == "topk"))
         out["counts arrivals"][optimizer] = engine.optimizer.group.reduction.codec.counting
     # the real clock and probe on this machine's loopback: a decision with its numbers
     engine = auto_engine(1, {})
     train(engine, 8, torch.Generator().manual_seed(rank))
-    decision = engine.optimizer.tuners[0].decisions[0]
+    decision = engine.optimizer.group.extensions["auto"].decisions[0]
     out["real"] = (decision.step, decision.link, decision.predicted, decision.sent)
     return out
 

@@ -206,8 +206,9 @@ def train_case(stage: int, grads: dict) -> tuple:
     )[0]
     group = engine.optimizer.group
     counts: list = []
-    catch_up = group.catch_up
-    if catch_up is not None:
+    extension = group.extensions.get("catch_up")
+    if extension is not None:
+        catch_up = extension.catch_up
         arrive, masters = catch_up.arrive, group.store.master_shards()
 
         def record(arrivals: list) -> None:
@@ -223,7 +224,7 @@ def train_case(stage: int, grads: dict) -> tuple:
         engine.step()
         steps.append((before, moments(group.store)))
         states.append(engine.consolidated_state_dict())
-    return states, steps, counts, catch_up is not None
+    return states, steps, counts, extension is not None
 
 
 @pytest.fixture(scope="module")
@@ -286,13 +287,14 @@ def train_tied_copies() -> tuple:
     groups = engine.optimizer.groups
     caught_up: list[set[int]] = [set() for _ in groups]
     for group, buckets in zip(groups, caught_up, strict=True):
-        arrive = group.catch_up.arrive
+        catch_up = group.extensions["catch_up"].catch_up
+        arrive = catch_up.arrive
 
         def record(arrivals: list, arrive=arrive, buckets=buckets) -> None:
             buckets.update(i for i, a in enumerate(arrivals) if a is not None)
             arrive(arrivals)
 
-        group.catch_up.arrive = record
+        catch_up.arrive = record
     pipe.pipeline_trained(engine)
     copies = {
         g.buckets[i].slots[0].name: g.buckets[i].slots[0].param.detach().clone()

@@ -513,7 +513,9 @@ def test_another_world_size_goes_on_from_the_last_synchronization(runs, checkpoi
     engine = engine_with(PARAMS, exact=False)
     engine.load_checkpoint(checkpoint, tag="window", load_optimizer_states=False)
     assert all(torch.equal(p, saved[n]) for n, p in engine.module.named_parameters())
-    assert engine.optimizer.groups[0].local_steps.steps == 0  # as the optimizer's own count
+    assert (
+        engine.optimizer.groups[0].extensions["local_steps"].local_steps.steps == 0
+    )  # as the optimizer's own count
 
 
 def test_parameters_set_from_outside_are_the_next_windows_start(checkpoint):
@@ -521,7 +523,7 @@ def test_parameters_set_from_outside_are_the_next_windows_start(checkpoint):
     rank's parameters alike: the window is dropped, so the next step starts from them, not
     from the window's; local steps then read the optimizer's new groups (lr, betas)."""
     engine = engine_with(PARAMS, exact=False)
-    local = engine.optimizer.groups[0].local_steps
+    local = engine.optimizer.groups[0].extensions["local_steps"].local_steps
     train(engine, 1, SAVED_AT)  # one process: steps 9 and 10 are local too
     assert local.open_window(0)
     engine.load_checkpoint(checkpoint, tag="window", load_module_only=True)

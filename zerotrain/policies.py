@@ -37,7 +37,7 @@ def group_options(
         warnings.warn(
             "zerotrain: comm_compression acts between data-parallel ranks, and this run has "
             f"one replica{taken}: nothing is compressed",
-            stacklevel=3,
+            stacklevel=4,  # initialize's caller (initialize -> _zero_optimizer -> here)
         )
     return GroupOptions(
         policy=ZeroPolicy.for_stage(zero.stage),

@@ -27,9 +27,11 @@ from zerotrain.checkpoint.save import (
 )
 from zerotrain.optim.adam import same_state_kind
 from zerotrain.ranges import overlaps
+from zerotrain.zero.extension import Resume
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
+    from zerotrain.zero import ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -292,10 +294,8 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     rank_state: dict[str, Any] = loaded.rank_state or {}
     if "python" in rank_state:  # written before the codecs' state: the generators alone
         rank_state = {"rng": rank_state}
-    if not options.module_only:  # before the gathers below: the policy may quantize them
-        _resume_tuners(engine, rank_state.get("compression_policy"))
-    zero.publish_params()
     if options.module_only:
+        zero.publish_params()
         for group in zero.groups:  # the loaded parameters, every rank's alike, are the new start
             group.masters_set()
         return
@@ -305,6 +305,19 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     engine.restore_training_counters(
         state, loss_scaler=zero.loss_scaler.dynamic and manifest["precision"] == "fp16"
     )
+    # each group's codec and step extensions, before the gathers below (auto's policy may
+    # quantize them); without the optimizer's state its step count starts again, and so do
+    # the compression's (a warm-up, a 1-bit optimizer's exact steps) and the local steps
+    resume = Resume(
+        steps=engine.global_steps if load_optimizer else 0,
+        saved_world_size=manifest["world_size"],
+        world_size=engine.world_size,
+        optimizer_loaded=load_optimizer,
+    )
+    for group, group_state in zip(zero.groups, _group_states(rank_state, zero), strict=True):
+        for warning in group.load_state_dict(group_state, resume):
+            warnings.warn(f"load_checkpoint: {warning}", stacklevel=4)
+    zero.publish_params()
     scheduler_state = state["lr_scheduler"]
     if options.lr_scheduler_states and engine.lr_scheduler is not None and scheduler_state:
         engine.lr_scheduler.load_state_dict(scheduler_state)
@@ -318,82 +331,28 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         loader.load_state_dict(state["dataloader"])
     if "rng" in rank_state:
         restore_rng_state(rank_state["rng"])
-    # without the optimizer's state its step count starts again, and so do the compression's
-    # (a warm-up, a 1-bit optimizer's exact steps) and the local steps
-    steps = engine.global_steps if load_optimizer else 0
-    saved_codecs = rank_state.get("compression") if load_optimizer else None
-    _restore_codecs(engine, manifest, saved_codecs, steps, quiet=not load_optimizer)
-    saved_windows = rank_state.get("local_steps") if load_optimizer else None
-    _restore_local_steps(engine, manifest, saved_windows, steps)
 
 
-def _restore_local_steps(
-    engine: TrainingState, manifest: Manifest, saved: list | None, steps: int
-) -> None:
-    """0/1 Adam's local-step windows from this rank's state (None: not loaded), each replica
-    rebuilt from its window; the checkpoint's parameters are the last synchronization's.
-    Another world size or layout starts afresh from them at ``steps``, with a warning when a
-    window was open, which a run without local steps gives too."""
-    groups = engine.optimizer.groups
-    if saved is None or len(saved) != len(groups):
-        saved = [None] * len(groups)
-    same_world = manifest["world_size"] == engine.world_size
-    rebuilt = False
-    for group, state in zip(groups, saved, strict=True):
-        local = group.local_steps
-        if local is None:
-            lost = state is not None and any(w is not None for w in state["windows"])
-        else:
-            lost = local.load_state_dict(state, steps, same_world)
-            rebuilt = rebuilt or any(local.open_window(i) for i in range(len(local.masters)))
-        if lost:
-            warnings.warn(
-                "load_checkpoint: 0/1 Adam's ranks were stepping alone when it was saved (local "
-                f"steps, at world size {manifest['world_size']}), and this run cannot take "
-                "their steps since the last synchronization over (another world size, layout "
-                "or no local steps): it goes on from that synchronization",
-                stacklevel=4,
-            )
-    if rebuilt:
-        engine.optimizer.publish_params()
+def _group_states(rank_state: dict[str, Any], zero: ZeroOptimizer) -> list[dict | None]:
+    """Each shard group's own state (``ShardGroup.state_dict``) from this rank's file; before
+    2026-12 it was kept under one key per part, each a list over the groups: ``compression``
+    (the codecs), ``compression_policy`` (auto's tuners), ``local_steps``. A list for another
+    number of groups is not this run's."""
+    count = len(zero.groups)
+    if "groups" in rank_state:
+        saved = rank_state["groups"]
+        return saved if len(saved) == count else [None] * count
 
+    def per_group(key: str) -> list:
+        values = rank_state.get(key)
+        return values if values is not None and len(values) == count else [None] * count
 
-def _resume_tuners(engine: TrainingState, saved: list | None) -> None:
-    """comm_compression.auto: each group's tuner continues from where it stood (its policy,
-    its step count, its next decision or a switch yet to check), as saved."""
-    tuners = engine.optimizer.tuners
-    if saved is None or len(saved) != len(tuners):
-        saved = [None] * len(tuners)
-    for tuner, state in zip(tuners, saved, strict=True):
-        if tuner is not None and state is not None and not tuner.load_state_dict(state):
-            warnings.warn(
-                f"load_checkpoint: comm_compression.auto had chosen among policies that are "
-                f"not all among this run's {tuner.policy_names} ({state}); it decides afresh",
-                stacklevel=4,
-            )
-
-
-def _restore_codecs(
-    engine: TrainingState, manifest: Manifest, saved: list | None, steps: int, quiet: bool
-) -> None:
-    """Each shard group's gradient codec from this rank's state when the checkpoint has the
-    same world size (its buckets are laid out alike), else started afresh at ``steps``, with a
-    warning when that drops error feedback or factors (unless ``quiet``: the optimizer's state
-    was not loaded either)."""
-    groups = engine.optimizer.groups
-    resharded = manifest["world_size"] != engine.world_size
-    if resharded or saved is None or len(saved) != len(groups):
-        saved = [None] * len(groups)
-    for group, state in zip(groups, saved, strict=True):
-        problem = group.reduction.codec.load_state_dict(state, steps=steps)
-        if problem is not None and not quiet:
-            if resharded:
-                problem = (
-                    f"the checkpoint was saved at world size {manifest['world_size']}, this "
-                    f"run has {engine.world_size}"
-                )
-            warnings.warn(
-                "load_checkpoint: comm_compression's kept state (error feedback, low-rank "
-                f"factors) starts afresh: {problem}",
-                stacklevel=4,
-            )
+    return [
+        {"codec": codec, "extensions": {"auto": tuner, "local_steps": window}}
+        for codec, tuner, window in zip(
+            per_group("compression"),
+            per_group("compression_policy"),
+            per_group("local_steps"),
+            strict=True,
+        )
+    ]

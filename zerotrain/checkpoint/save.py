@@ -215,12 +215,8 @@ def _write_rank_files(
     put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
     rank_state = {
         "rng": capture_rng_state(),
-        # each shard group's gradient codec: error feedback, factors (exact resume)
-        "compression": [group.reduction.codec.state_dict() for group in zero.groups],
-        # comm_compression.auto: where each group's tuner stands (its policy, its schedule)
-        "compression_policy": [t.state_dict() if t else None for t in zero.tuners],
-        # 0/1 Adam's local steps: this rank's window since the last synchronization
-        "local_steps": [g.local_steps and g.local_steps.state_dict() for g in zero.groups],
+        # each shard group's codec (error feedback, factors) and step extensions (exact resume)
+        "groups": [group.state_dict() for group in zero.groups],
     }
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, rank_state))
     if rank == 0:

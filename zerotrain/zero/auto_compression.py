@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -33,7 +34,9 @@ from zerotrain.compression.auto import (
     policy_costs,
     predict,
 )
-from zerotrain.zero.group import ShardGroup
+from zerotrain.zero.extension import Resume, StepExtension
+from zerotrain.zero.gather import ParamResidency
+from zerotrain.zero.reduce import GradientReduction
 
 
 @dataclass(frozen=True)
@@ -65,23 +68,34 @@ class Decision:
         )
 
 
-class CompressionTuner:
-    """Chooses ``group``'s compression among ``options.policies`` as it trains (see the module
-    docstring). ``clock`` and ``probe`` are the time and link measurements (tests replace
-    them)."""
+class CompressionTuner(StepExtension):
+    """Chooses a shard group's compression among ``options.policies`` as it trains (see the
+    module docstring): the codec of its ``reduction`` and whether its ``residency`` quantizes
+    gathers; ``dtype``: its parameters'. ``counts_arrivals``: an Adam catching up reads the
+    counts a sparse codec keeps. ``clock`` and ``probe`` are the time and link measurements
+    (tests replace them). A step extension: it times the group's steps."""
+
+    name = "auto"
 
     def __init__(
         self,
-        group: ShardGroup,
+        reduction: GradientReduction,
+        residency: ParamResidency,
+        dtype: torch.dtype,
         options: AutoOptions,
+        *,
+        counts_arrivals: bool,
         clock: Callable[[], float] = time.perf_counter,
         probe: Callable[[Communicator], Link] = probe_link,
     ):
-        self.group = group
+        self.reduction = reduction
+        self.residency = residency
+        self.dtype = dtype
         self.options = options
+        self.counts_arrivals = counts_arrivals
         self.clock = clock
         self.probe = probe
-        self.comm = group.reduction.comm
+        self.comm = reduction.comm
         self.decisions: list[Decision] = []
         self.steps = 0
         self._durations: list[float] = []
@@ -95,7 +109,7 @@ class CompressionTuner:
         self._due: float = max(options.window + 1, warmup)
         # uncompressed, as the group was built; its gathers are built able to quantize
         self.policy = options.policies[0]
-        group.residency.param_gather.quantize(False)
+        residency.param_gather.quantize(False)
 
     @property
     def policy_names(self) -> list[str]:
@@ -104,14 +118,14 @@ class CompressionTuner:
     def use(self, policy: Policy) -> None:
         """Send with ``policy`` from the next step on (every rank of the group calls it at the
         same step). The gradient codec starts afresh: what it kept is dropped."""
-        reduction = self.group.reduction
+        reduction = self.reduction
         steps = reduction.codec.steps
         gradients = policy.gradients
-        if gradients is not None and self.group.catch_up is None:  # nothing reads the counts
+        if gradients is not None and not self.counts_arrivals:  # nothing reads the counts
             gradients = replace(gradients, catch_up=False)
         reduction.codec = make_codec(gradients, reduction.comm, reduction.shapes)
         reduction.codec.steps = steps
-        self.group.residency.param_gather.quantize(policy.parameters is not None)
+        self.residency.param_gather.quantize(policy.parameters is not None)
         self.policy = policy
         self._durations.clear()
         self._skip = 1
@@ -120,7 +134,7 @@ class CompressionTuner:
 
     def _counts(self) -> tuple[list[int], dict[int, int]]:
         """The reductions per bucket and gathers per shard size so far."""
-        return list(self.group.reduction.launches), dict(self.group.residency.param_gather.gathered)
+        return list(self.reduction.launches), dict(self.residency.param_gather.gathered)
 
     def state_dict(self) -> dict:
         """Where the tuner stands, for a checkpoint: its policy, its steps, when it decides
@@ -129,7 +143,17 @@ class CompressionTuner:
         before = None if self._before is None else [self._before[0].name, self._before[1]]
         return {"policy": self.policy.name, "steps": self.steps, "due": self._due, "before": before}
 
-    def load_state_dict(self, state: dict | str) -> bool:
+    def load_state_dict(self, state: Any, *, resume: Resume) -> str | None:
+        """Continue from ``state``, the optimizer's state loaded or not (a step extension's
+        load)."""
+        if state is None or self.resume(state):
+            return None
+        return (
+            "comm_compression.auto had chosen among policies that are not all among this run's "
+            f"{self.policy_names} ({state}); it decides afresh"
+        )
+
+    def resume(self, state: dict | str) -> bool:
         """Continue from ``state`` (:meth:`state_dict`'s, or a policy's name alone, as
         checkpoints before 2026-11-25 kept it: deciding again after ``recheck_steps``); False
         if a policy it names is not among this run's."""
@@ -148,8 +172,8 @@ class CompressionTuner:
         self._before = None if before is None else (policies[before[0]], before[1])
         return True
 
-    def end_step(self) -> None:
-        """After each optimizer step (taken or skipped) of the group."""
+    def step_ended(self, applied: bool) -> None:
+        """After each optimizer step of the group, taken or skipped."""
         now = self.clock()
         self.steps += 1
         if self._last is not None:
@@ -175,8 +199,8 @@ class CompressionTuner:
     def _traffic(self) -> Traffic:
         launches, gathered = self._counted
         steps = max(1, self.steps - self._counted_at)
-        now_launches = self.group.reduction.launches
-        now_gathered = self.group.residency.param_gather.gathered
+        now_launches = self.reduction.launches
+        now_gathered = self.residency.param_gather.gathered
         reductions = {
             i: (n - launches[i]) / steps for i, n in enumerate(now_launches) if n > launches[i]
         }
@@ -185,8 +209,7 @@ class CompressionTuner:
             for numel, n in now_gathered.items()
             if n > gathered.get(numel, 0)
         }
-        reduction = self.group.reduction
-        dtype = self.group.buckets[0].dtype if self.group.buckets else torch.float32
+        reduction, dtype = self.reduction, self.dtype
         return Traffic(
             reduction.collective, reductions, gathers, reduction.comm_dtype or dtype, dtype
         )
@@ -202,7 +225,7 @@ class CompressionTuner:
         started = time.perf_counter()
         link = self.probe(self.comm)
         traffic = self._traffic()
-        costs = policy_costs(policies, traffic, self.comm, self.group.reduction.shapes)
+        costs = policy_costs(policies, traffic, self.comm, self.reduction.shapes)
         step, *computes = self._slowest(
             [statistics.median(self._durations)] + [c.compute for c in costs]
         )

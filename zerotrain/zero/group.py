@@ -6,7 +6,8 @@ once from the ZeRO policy (see [Note: the stage is read once] in policy.py):
 * which part of each bucket this rank's optimizer steps (``partition``),
 * how gradients are reduced (``reduction``, zerotrain/zero/reduce.py),
 * how parameters are made whole for use (``residency``, zerotrain/zero/gather.py),
-* where the fp32 masters and optimizer state live and are stepped (``store``, store.py).
+* where the fp32 masters and optimizer state live and are stepped (``store``, store.py);
+and the step extensions the optimizer and the compression need (``extensions``, extension.py).
 Its lifecycle is explicit (:class:`GroupState`) and checked when ``ZEROTRAIN_DEBUG=1``.
 """
 
@@ -24,9 +25,15 @@ from zerotrain.comm import Communicator
 from zerotrain.compression import GradientCompression, ParameterCompression
 from zerotrain.compression.auto import AutoOptions
 from zerotrain.optim.catch_up import Arrivals, CatchUp, catches_up
-from zerotrain.optim.local_steps import LocalSteps
 from zerotrain.optim.onebit import ExactSteps
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.auto_compression import CompressionTuner
+from zerotrain.zero.extension import (
+    CatchUpExtension,
+    LocalStepsExtension,
+    Resume,
+    StepExtension,
+)
 from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
 from zerotrain.zero.init import ParamOwner, take_ownership
 from zerotrain.zero.layout import (
@@ -39,7 +46,7 @@ from zerotrain.zero.layout import (
 from zerotrain.zero.offload import OffloadOptions
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
-from zerotrain.zero.store import DeviceShardStore, InMemoryShardStore, ShardStore
+from zerotrain.zero.store import ShardStore
 
 
 def debug_checks() -> bool:
@@ -112,6 +119,7 @@ class ShardGroup:
         store: ShardStore,
         model_parallel: ModelParallel | None = None,
         summed: list[tuple[int, Communicator]] | None = None,
+        extensions: list[StepExtension] | None = None,
     ):
         self.buckets = buckets
         self.comm = comm
@@ -121,10 +129,9 @@ class ShardGroup:
         self.store = store
         self.model_parallel = model_parallel
         self.summed = summed or []  # (bucket index, group), in the parameters' name order
-        # 0/1 Adam's local steps, bound to this group's buckets (zerotrain/optim/local_steps.py)
-        self.local_steps: LocalSteps | None = None
-        # an Adam catching up on sparse gradients (zerotrain/optim/catch_up.py)
-        self.catch_up: CatchUp | None = None
+        # by name, in the order chosen (see [Note: step extensions] in extension.py)
+        self.extensions = {e.name: e for e in extensions or []}
+        reduction.extensions = list(self.extensions.values())
         self.num_params = sum(b.numel for b in buckets)
         self.state = GroupState.IDLE
         self._deferred: dict[int, Callable[[], None]] = {}  # bucket -> its deferred step
@@ -165,8 +172,8 @@ class ShardGroup:
         for index, group in self.summed:  # a tied layer's copies take the sum of their gradients
             group.all_reduce(reduced[index])
         self.store.attach_grads(reduced)
-        if self.catch_up is not None:
-            self.catch_up.arrive([self._arrivals(i) for i in range(len(self.buckets))])
+        for extension in self.extensions.values():
+            extension.grads_attached(self._arrivals)
 
     def _arrivals(self, index: int) -> Arrivals | None:
         """Where in this rank's part of bucket ``index`` gradients arrived this step, and the
@@ -209,12 +216,19 @@ class ShardGroup:
         if rescaled != 1.0:
             self.reduction.codec.rescale(rescaled)
         self._enter(GroupState.IDLE)
+        for extension in self.extensions.values():
+            extension.step_ended(applied)
 
     def masters_set(self) -> None:
-        """The masters were set from outside a step, alike on every rank (a load, a broadcast):
-        0/1 Adam's local steps take them as the last synchronization."""
-        if self.local_steps is not None:
-            self.local_steps.forget()
+        """The masters were set from outside a step, alike on every rank (a load, a
+        broadcast)."""
+        for extension in self.extensions.values():
+            extension.masters_set()
+
+    def shares_overflow(self) -> bool:
+        """Whether this step's ranks hold different gradients (an extension's), so that a
+        non-finite norm on one must reach the others."""
+        return any(extension.shares_overflow() for extension in self.extensions.values())
 
     def publish(self) -> None:
         """After the masters changed outside a step (a checkpoint load): update the model's
@@ -224,11 +238,58 @@ class ShardGroup:
 
     # -- views of the state --------------------------------------------------------------------
     def shared_master(self, index: int) -> torch.Tensor:
-        """Bucket ``index``'s master as every rank holds it alike, which is what is saved: with
-        0/1 Adam's local steps, the last synchronization's."""
-        if self.local_steps is not None:
-            return self.local_steps.synced_master(index)
+        """Bucket ``index``'s master as every rank holds it alike, which is what is saved: an
+        extension's where one keeps it (0/1 Adam's local steps: the last synchronization's)."""
+        for extension in self.extensions.values():
+            shared = extension.shared_master(index)
+            if shared is not None:
+                return shared
         return self.store.state_tensor(index, "master")
+
+    def extension_tensors(self) -> list[torch.Tensor]:
+        """What the step extensions keep (for memory accounting)."""
+        return [t for extension in self.extensions.values() for t in extension.tensors()]
+
+    # -- this rank's state besides the masters and the optimizer's -----------------------------
+    def state_dict(self) -> dict:
+        """The gradient codec's state (error feedback, factors) and each step extension's, by
+        name: what a checkpoint keeps per rank (exact resume)."""
+        return {
+            "codec": self.reduction.codec.state_dict(),
+            "extensions": {name: e.state_dict() for name, e in self.extensions.items()},
+        }
+
+    def load_state_dict(self, state: dict | None, resume: Resume) -> list[str]:
+        """Continue from ``state`` (:meth:`state_dict`'s; None: not saved): the extensions
+        first, in their order (``auto``'s tuner may choose the codec), then the codec, which
+        continues only on the same bucket layout (the same world size) with the optimizer's
+        state. Returns warnings for what started afresh and lost kept state."""
+        state = state or {}
+        saved = dict(state.get("extensions") or {})
+        warnings = [
+            extension.load_state_dict(saved.pop(name, None), resume=resume)
+            for name, extension in self.extensions.items()
+        ]
+        warnings += [
+            EXTENSIONS[name].orphaned(value, resume)
+            for name, value in saved.items()
+            if name in EXTENSIONS  # a later version's: nothing here could take it
+        ]
+        kept = resume.optimizer_loaded and resume.same_world
+        problem = self.reduction.codec.load_state_dict(
+            state.get("codec") if kept else None, steps=resume.steps
+        )
+        if problem is not None and resume.optimizer_loaded:
+            if not resume.same_world:
+                problem = (
+                    f"the checkpoint was saved at world size {resume.saved_world_size}, this "
+                    f"run has {resume.world_size}"
+                )
+            warnings.append(
+                "comm_compression's kept state (error feedback, low-rank factors) starts "
+                f"afresh: {problem}"
+            )
+        return [w for w in warnings if w is not None]
 
     def grad_sum_of_squares(self) -> torch.Tensor:
         """The squared global gradient norm (0-d fp32), over every rank's shard and, with model
@@ -399,11 +460,13 @@ def build_shard_group(
     *,
     owner: ParamOwner,
     frozen: NamedParams,
+    loss_scale: Callable[[], float] = lambda: 1.0,
 ) -> ShardGroup:
     """Lay out ``groups``' parameters in buckets, choose the strategies for the policy and
     build the group's state; ``make_optimizer`` builds the torch optimizer over the masters.
     ``frozen``: the frozen parameters the group holds (stage 3 partitions them too). ``owner``
-    is recorded on each parameter (zerotrain.zero.init.take_ownership)."""
+    is recorded on each parameter (zerotrain.zero.init.take_ownership). ``loss_scale``: the
+    scale in this step's gradients (fp16's)."""
     comm, precision = options.comm, options.precision
     strategies = choose_strategies(options.policy, comm, options.offload)
     residency = strategies.residency(
@@ -488,21 +551,62 @@ def build_shard_group(
             if id(b.slots[0].param) in options.summed
         )
     ]
-    local_steps = getattr(store.optimizer, "local_steps", None)  # 0/1 Adam's (config: stage 0)
-    if local_steps is not None:
-        whole = isinstance(store, DeviceShardStore) and not partition.sharded
-        _check_local_steps(whole)
-        assert isinstance(store, DeviceShardStore)
-        sums = (options.average_over or reduce_comm.world_size) // reduce_comm.world_size
-        local_steps.bind(store.master_shards(), {i: g.world_size for i, g in summed}, sums)
-        reduction.local_steps = local_steps
-    shard_group = ShardGroup(
-        buckets, comm, partition, residency, reduction, store, options.model_parallel, summed
+    extensions = _step_extensions(
+        options, store, partition, reduction, residency, summed, catch_up, loss_scale
     )
-    shard_group.local_steps = local_steps
-    shard_group.catch_up = catch_up
+    shard_group = ShardGroup(
+        buckets,
+        comm,
+        partition,
+        residency,
+        reduction,
+        store,
+        options.model_parallel,
+        summed,
+        extensions,
+    )
     return shard_group
 
+
+def _step_extensions(
+    options: GroupOptions,
+    store: ShardStore,
+    partition: OptimizerPartition,
+    reduction: GradientReduction,
+    residency: ParamResidency,
+    summed: list[tuple[int, Communicator]],
+    catch_up: CatchUp | None,
+    loss_scale: Callable[[], float],
+) -> list[StepExtension]:
+    """The group's step extensions, in the order their hooks run (see [Note: step extensions]
+    in extension.py), from what the optimizer, the store and the options declare. A new
+    extension is chosen here, and named in :data:`EXTENSIONS`."""
+    chosen: list[StepExtension] = []
+    comm = reduction.comm
+    local_steps = getattr(store.optimizer, "local_steps", None)  # 0/1 Adam's (config: stage 0)
+    if local_steps is not None:
+        _check_local_steps(store.on_device and not partition.sharded)
+        masters = store.master_shards()
+        assert masters is not None  # on the device
+        sums = (options.average_over or comm.world_size) // comm.world_size
+        local_steps.bind(masters, {i: g.world_size for i, g in summed}, sums)
+        local_steps.loss_scale = loss_scale  # a message's carry, unscaled, takes it too
+        chosen.append(LocalStepsExtension(local_steps))
+    if catch_up is not None:
+        chosen.append(CatchUpExtension(catch_up, len(reduction.buckets)))
+    if options.auto is not None and comm.world_size > 1:
+        dtype = options.precision.param_dtype if reduction.buckets else torch.float32
+        counts = catch_up is not None
+        chosen.append(
+            CompressionTuner(reduction, residency, dtype, options.auto, counts_arrivals=counts)
+        )
+    return chosen
+
+
+# every step extension by name: what a checkpoint's saved state is matched against
+EXTENSIONS: dict[str, type[StepExtension]] = {
+    e.name: e for e in (LocalStepsExtension, CatchUpExtension, CompressionTuner)
+}
 
 # 1-bit Adam's signs: one fp32 scale per this many (1.6% more bytes than signs alone)
 ONEBIT_BLOCK = 2048
@@ -546,13 +650,14 @@ def _catch_up(
         return None, compression
     if not catches_up(store.optimizer):  # its update takes the sparse gradients as they are
         return None, None if compression is None else replace(compression, catch_up=False)
-    if not isinstance(store, InMemoryShardStore):
+    masters = store.master_shards()
+    if masters is None:
         raise ValueError(
             "comm_compression.gradients.catch_up: an Adam catching up on sparse gradients steps "
             "the masters in memory (the device's or the host's), not swapped from NVMe; set "
             "catch_up to false or offload_optimizer.device to cpu"
         )
-    return CatchUp(store.optimizer, store.master_shards()), compression
+    return CatchUp(store.optimizer, masters), compression
 
 
 def _check_local_steps(whole_on_each_rank: bool) -> None:

@@ -172,7 +172,7 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "frozen": frozen,
         "compression": nbytes(group.reduction.codec.state_tensors())
         + nbytes(group.residency.secondary_tensors())
-        + nbytes(group.local_steps.tensors() if group.local_steps else []),
+        + nbytes(group.extension_tensors()),
         "staging": store.staging_bytes(),
         "disk": store.disk_bytes() + group.residency.home.disk_bytes(),
     }

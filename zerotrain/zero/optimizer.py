@@ -29,7 +29,6 @@ from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import LossScaler
-from zerotrain.zero.auto_compression import CompressionTuner
 from zerotrain.zero.group import (
     GroupOptions,
     OptimizerFactory,
@@ -80,18 +79,16 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         self.overflow = False  # the last step was skipped for a non-finite gradient
         self.groups: list[ShardGroup] = [
-            build_shard_group(model, groups, make_optimizer, opts, owner=self, frozen=frozen)
+            build_shard_group(
+                model,
+                groups,
+                make_optimizer,
+                opts,
+                owner=self,
+                frozen=frozen,
+                loss_scale=lambda: self.loss_scaler.scale,
+            )
             for opts, groups, frozen in specs
-        ]
-        for group in self.groups:  # 0/1 Adam's local steps scale a message as its gradient
-            if group.local_steps is not None:
-                group.local_steps.loss_scale = lambda: self.loss_scaler.scale
-        # comm_compression.auto: a tuner per group of several ranks (see auto_compression.py)
-        self.tuners = [
-            CompressionTuner(group, opts.auto)
-            if opts.auto is not None and group.reduction.comm.world_size > 1
-            else None
-            for group, (opts, _, _) in zip(self.groups, specs, strict=True)
         ]
         self._trained_ids = [set(g.trained_names()) for g in self.groups]
         self.stepping = False
@@ -333,16 +330,14 @@ class ZeroOptimizer:
                 (self._grouped.step if self._grouped is not None else self._step_stores)()
             finally:
                 self.stepping = False
-        for group, tuner in zip(self.groups, self.tuners, strict=True):
+        for group in self.groups:
             group.end_step(applied=not overflow, rescaled=rescaled)
-            if tuner is not None:
-                tuner.end_step()
         return not overflow
 
     def _any_rank_overflows(self, overflow: bool) -> bool:
-        """``overflow`` on any rank. Every rank decides the same from averaged gradients; on
-        0/1 Adam's local steps each has only its own, so they share it (one element)."""
-        if not any(g.local_steps is not None and g.local_steps.keeps_local() for g in self.groups):
+        """``overflow`` on any rank. Every rank decides the same from averaged gradients; where
+        an extension keeps them apart (0/1 Adam's local steps) they share it (one element)."""
+        if not any(g.shares_overflow() for g in self.groups):
             return overflow
         flag = torch.tensor([float(overflow)], device=self.groups[0].buckets[0].device)
         self.comm.all_reduce(flag, "max", name="overflow_flag")

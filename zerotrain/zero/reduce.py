@@ -57,7 +57,7 @@ import torch
 from zerotrain.comm import Communicator
 from zerotrain.compression import BucketShape, GradientCompression, make_codec
 from zerotrain.compression.codec import Chain, Pending
-from zerotrain.optim.local_steps import LocalSteps
+from zerotrain.zero.extension import StepExtension
 from zerotrain.zero.layout import FlatBucket, ParamSlot, point_grads_at
 
 
@@ -137,8 +137,9 @@ class GradientReduction(ABC):
         # (see backward.py).
         self.on_stray_grad: Callable[[str], None] = _refuse_stray_grad
         self._grad_factor = 1.0  # on this backward's gradients (see begin_backward)
-        # 0/1 Adam's local steps, where a replica steps alone (stage 0's reduction honours them)
-        self.local_steps: LocalSteps | None = None
+        # the group's step extensions (extension.py), which may keep a bucket's gradient on
+        # this rank or rewrite it as it is sent (stage 0's reduction honours them)
+        self.extensions: list[StepExtension] = []
         for bucket in buckets:
             self._allocate(bucket)
         self._hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # id(param) -> its hook
@@ -376,16 +377,14 @@ class _InPlaceReduction(GradientReduction):
             if slot.index not in self._arrived[index]:
                 self._settle_grad(bucket, slot)
         wire = bucket.require_flat_grad()
-        local = self.local_steps  # 0/1 Adam's local steps (zerotrain/optim/local_steps.py)
-        if local is not None and local.keeps_local():  # this rank's gradient is its step's
-            local.own_estimate(wire)
+        if any(e.keeps_gradient(index, wire) for e in self.extensions):  # this rank's step's
             self._pending.append(Chain([], self._arrived[index].clear))
             return
         if (self.comm_dtype or bucket.dtype) != wire.dtype:
             # summed in that dtype (an fp32 accumulation: rounded once), stored back after
             wire = wire.to(self.comm_dtype or bucket.dtype)
-        if local is not None:
-            local.message(index, wire)
+        for extension in self.extensions:
+            extension.sending(index, wire)
         wire.mul_(self._inv_world)
         op = self._reduce(index, wire)
         self._pending.append(op.then(lambda: self._store_reduced(index, wire)))

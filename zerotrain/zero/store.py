@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +60,13 @@ class ShardStore(ABC):
     """The optimizer's view of this rank's partition: master tensors, their grads, one step."""
 
     optimizer: torch.optim.Optimizer  # the torch optimizer that steps the masters
+    on_device: ClassVar[bool] = False  # the masters and their state live on the device
+
+    def master_shards(self) -> list[torch.Tensor] | None:
+        """The fp32 master tensors, one per bucket, in bucket order, where they stay in memory
+        for the store's life (a step extension may step them in place); None where they do
+        not (swapped from NVMe)."""
+        return None
 
     @abstractmethod
     def master_numels(self) -> list[int]:
@@ -207,7 +215,6 @@ class InMemoryShardStore(ShardStore):
     _masters: list[torch.Tensor]
 
     def master_shards(self) -> list[torch.Tensor]:
-        """The fp32 master tensors, one per bucket, in bucket order."""
         self._settle()
         return self._masters
 
@@ -293,6 +300,8 @@ class DeviceShardStore(InMemoryShardStore):
     With ``masters_alias_params`` (fp32 training) the masters are the model's own shards, so
     there is no second copy and :meth:`write_params` has nothing to do.
     """
+
+    on_device = True
 
     def __init__(
         self,
