@@ -29,6 +29,8 @@ from zerotrain.observability.metrics import StepMetrics
 from zerotrain.observability.monitor import MonitorMaster
 from zerotrain.optim import NoOptimizer
 from zerotrain.zero import ZeroOptimizer
+from zerotrain.zero.memory import memory_breakdown
+from zerotrain.zero.model_state import frozen_keys, full_masters, untrained_state
 
 
 class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
@@ -484,7 +486,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
     # -- state ---------------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, float]:
         """Model-state bytes this rank holds, measured, and the ZeRO formula's figure."""
-        return self.optimizer.memory_breakdown()
+        zero = self.optimizer
+        return memory_breakdown(zero.groups, zero.policy, zero.precision)
 
     def consolidated_state_dict(
         self, dtype: torch.dtype = torch.float32
@@ -501,11 +504,12 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self, dtype: torch.dtype, exclude_frozen: bool, on_rank: int | None = None
     ) -> dict[str, torch.Tensor]:
         """See :meth:`consolidated_state_dict`; frozen values are kept on ``on_rank`` only (None:
-        on every rank), see ``ZeroOptimizer.untrained_state``."""
-        masters = self.optimizer.full_master_params()
+        on every rank), see ``zero.model_state.untrained_state``."""
+        groups = self.optimizer.groups
+        masters = full_masters(groups)
         if self.layout.frozen_on_every_rank:
             on_rank = None
-        untrained = self.optimizer.untrained_state(self.module, exclude_frozen, on_rank=on_rank)
+        untrained = untrained_state(groups, self.module, exclude_frozen, on_rank=on_rank)
         entries = self.module.state_dict(keep_vars=True)
         out = {}
         for key, value in entries.items():
@@ -540,7 +544,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 destination=destination, prefix=prefix, keep_vars=keep_vars
             )
         if exclude_frozen_parameters:
-            for key in self.optimizer.frozen_keys(self.module):
+            for key in frozen_keys(self.optimizer.groups, self.module):
                 state.pop(prefix + key, None)
         return state
 

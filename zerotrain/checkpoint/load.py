@@ -28,6 +28,7 @@ from zerotrain.checkpoint.save import (
 from zerotrain.optim.adam import same_state_kind
 from zerotrain.ranges import overlaps
 from zerotrain.zero.extension import Resume
+from zerotrain.zero.model_state import load_untrained, untrained_keys
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
@@ -174,7 +175,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     saved_untrained = set(manifest["module_keys"]) - set(manifest["trained_keys"])
     # frozen parameters left out by exclude_frozen_parameters keep the model's own values
     excluded = set(manifest.data.get("frozen_keys", ())) - set(manifest["module_keys"])
-    ours = zero.untrained_keys(engine.module) - excluded
+    ours = untrained_keys(zero.groups, engine.module) - excluded
     unexpected = set() if staged else saved_untrained - ours
     if options.module_strict and (ours - saved_untrained or unexpected):
         problems.append(
@@ -274,8 +275,10 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
                             flat[start : start + values.numel()].copy_(values)
                     store.write_state(master, kind, flat)
         saved = set(manifest["module_keys"])
-        zero.load_untrained(
-            engine.module, lambda key: reader.module_tensor(key) if key in saved else None
+        load_untrained(
+            zero.groups,
+            engine.module,
+            lambda key: reader.module_tensor(key) if key in saved else None,
         )
     finally:
         reader.close()

@@ -45,6 +45,7 @@ from zerotrain.checkpoint.manifest import (
 from zerotrain.checkpoint.rng import capture_rng_state
 from zerotrain.comm.split import Split, split_of
 from zerotrain.errors import ZeroTrainError
+from zerotrain.zero.model_state import frozen_keys, untrained_state
 
 _log = logging.getLogger("zerotrain")
 
@@ -189,7 +190,7 @@ def _write_rank_files(
         entries += [entry(piece, key) for piece in pieces for key in keys]
         segments += [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
     # collective where stage 3 partitions frozen parameters: their values gather to rank 0
-    untrained = zero.untrained_state(engine.module, exclude_frozen, on_rank=0)
+    untrained = untrained_state(zero.groups, engine.module, exclude_frozen, on_rank=0)
     split_frozen = sorted(set(untrained) & split_keys(engine.module))
     if split_frozen:
         raise CheckpointError(
@@ -270,7 +271,7 @@ def _written_params(engine: TrainingState, tp_rank: int) -> dict[str, dict]:
 def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> dict:
     """This stage's module keys for the manifest (see [Note: checkpoint layout])."""
     zero = engine.optimizer
-    frozen = zero.frozen_keys(engine.module)
+    frozen = frozen_keys(zero.groups, engine.module)
     trained = zero.trained_names()
     keys = [
         (key, value)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
+from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES, optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -176,3 +176,42 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "staging": store.staging_bytes(),
         "disk": store.disk_bytes() + group.residency.home.disk_bytes(),
     }
+
+
+def memory_breakdown(
+    groups: list[ShardGroup], policy: ZeroPolicy, precision: PrecisionPolicy
+) -> dict[str, float]:
+    """Bytes of model states this rank holds in ``groups``, measured from the allocated
+    tensors: ``parameters``/``gradients``/``optimizer_states`` (fp32 masters that are separate
+    copies plus the optimizer's state) and their ``total``; ``formula_total`` is the ZeRO
+    paper's figure for the same job (arXiv:1910.02054 §5: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N in mixed
+    precision with Adam), each group over its own ranks (stage 3 keeps units below the
+    persistence threshold whole: those count p·Ψ_persistent)."""
+    measured: dict[str, float] = {}
+    for group in groups:
+        for key, value in measured_model_states(group).items():
+            measured[key] = measured.get(key, 0) + value
+    formulas = [_formula(group, policy, precision) for group in groups]
+    return {
+        **measured,
+        "formula_total": sum(f.total for f in formulas),
+        "formula_offloaded": sum(f.offloaded for f in formulas),
+    }
+
+
+def _formula(group: ShardGroup, policy: ZeroPolicy, precision: PrecisionPolicy) -> ModelStateBytes:
+    """:func:`model_state_bytes` for ``group`` over its own ranks."""
+    store = group.store
+    numels = store.master_numels()
+    return model_state_bytes(
+        group.num_params,
+        world_size=group.comm.world_size,
+        policy=policy,
+        precision=precision,
+        optimizer_state_bytes=optimizer_state_bytes_per_element(store.optimizer),
+        persistent_numel=group.residency.persistent_numel,
+        offload=store.offloaded_numel() / max(1, sum(numels)),
+        offload_params=group.residency.home.on_host,
+        # quantized parameter gathers keep exact masters apart (compression/gather.py)
+        master_copy=precision.has_master_copy or group.residency.in_flight.gather.lossy,
+    )

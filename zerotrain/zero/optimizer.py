@@ -27,7 +27,6 @@ from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
-from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import LossScaler
 from zerotrain.zero.group import (
     GroupOptions,
@@ -35,12 +34,8 @@ from zerotrain.zero.group import (
     ShardGroup,
     build_shard_group,
 )
-from zerotrain.zero.layout import FlatBucket, NamedParams, ParamSlot
-from zerotrain.zero.memory import (
-    ModelStateBytes,
-    measured_model_states,
-    model_state_bytes,
-)
+from zerotrain.zero.layout import NamedParams, ParamSlot
+from zerotrain.zero.param_access import ParamAccess
 from zerotrain.zero.store import ShardStore
 
 __all__ = ["GroupedOptimizer", "ShardGroupSpec", "ZeroOptimizer"]
@@ -78,18 +73,21 @@ class ZeroOptimizer:
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
         self.overflow = False  # the last step was skipped for a non-finite gradient
+        # what every parameter's owner offers (safe_get/set, GatheredParameters)
+        self.access = ParamAccess(self.comm, lambda: self.loss_scaler.scale)
         self.groups: list[ShardGroup] = [
             build_shard_group(
                 model,
                 groups,
                 make_optimizer,
                 opts,
-                owner=self,
+                owner=self.access,
                 frozen=frozen,
                 loss_scale=lambda: self.loss_scaler.scale,
             )
             for opts, groups, frozen in specs
         ]
+        self.access.groups = self.groups
         self._trained_ids = [set(g.trained_names()) for g in self.groups]
         self.stepping = False
         """True while :meth:`step` steps the optimizers (a direct step is refused otherwise:
@@ -143,11 +141,6 @@ class ZeroOptimizer:
     def trained_names(self) -> dict[int, str]:
         """``id(param) -> name`` of every trained parameter (tied ones under one name)."""
         return {id(s.param): s.name for s in self.slots()}
-
-    def holds_whole_during_step(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` is whole throughout forward and backward (at stage 3 only the
-        root unit's and persistent units'; always below)."""
-        return all(g.residency.holds_whole(param) for g in self.groups)
 
     def on_stray_grad(self, handler: Callable[[str], None]) -> None:
         """Call ``handler(name)`` when a gradient arrives while no backward is open."""
@@ -360,229 +353,7 @@ class ZeroOptimizer:
         for group in self.groups:
             group.residency.wait()
 
-    # -- full access to parameters outside forward (GatheredParameters) -------------------------
-    def begin_access(self, params: list[nn.Parameter]) -> list[tuple[list[FlatBucket], list]]:
-        """Make ``params`` whole (collective); returns what :meth:`end_access` needs."""
-        wanted = {id(p) for p in params}
-        out = []
-        for group in self.groups:
-            residency = group.residency
-            buckets = [
-                b
-                for b in group.buckets + residency.frozen_buckets
-                if any(id(s.param) in wanted for s in b.slots)
-            ]
-            out.append((buckets, residency.begin_access(buckets)))
-        return out
-
-    def end_access(self, access, modifier_rank: int | None) -> None:
-        """Finish :meth:`begin_access`; with ``modifier_rank``, that rank's (possibly changed)
-        values become every rank's parameters, master weights included. ``modifier_rank`` is a
-        rank of the data-parallel group (the world's, without model parallelism); a group over
-        fewer ranks (experts') takes them from its rank at the same data-parallel position."""
-        for group, (buckets, gathered_here) in zip(self.groups, access, strict=True):
-            if modifier_rank is not None:
-                source = group.comm.global_rank_of(
-                    modifier_rank * group.comm.world_size // self.comm.world_size
-                )
-                for bucket in buckets:
-                    group.comm.broadcast(bucket.flat_param, src=source)
-                    group.residency.take_values(bucket)
-                # the masters too (a no-op where they are the model's own fp32 shards)
-                for index, bucket in enumerate(group.buckets):
-                    if bucket in buckets:
-                        part = group.partition.part(bucket, bucket.require_flat_param())
-                        group.store.write_state(index, "master", part)
-                group.masters_set()  # every rank holds the modifier's values
-            group.residency.end_access(gathered_here)
-
     # -- state views ---------------------------------------------------------------------------
-    def full_master_params(self) -> dict[int, torch.Tensor]:
-        """``id(param) -> full fp32 master value``, gathered from every rank's part."""
-        return {k: v for g in self.groups for k, v in g.full_master_params().items()}
-
-    def _locate(self, param: nn.Parameter, kind: str) -> tuple[ShardGroup, int, ParamSlot] | None:
-        """The group, bucket index and slot of a parameter this optimizer trains (None for
-        another); ``kind`` checked: ``"grad"``, ``"master"`` or an optimizer state key."""
-        for group in self.groups:
-            found = group.locate(param)
-            if found is None:
-                continue
-            keys = [] if kind in ("grad", "master") else group.store.element_state_keys()
-            if kind not in ("grad", "master", *keys):
-                raise ValueError(
-                    f"{kind!r} is not an optimizer state of {found[1].name!r}: its states are "
-                    f"{keys or 'none yet (the optimizer makes them at its first step)'}"
-                )
-            index, slot = found
-            return group, index, slot
-        return None
-
-    def full_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None:
-        """One parameter's full fp32 value of ``kind`` (collective where it is partitioned:
-        every rank calls it for the same parameter): ``"master"`` (the fp32 master weight),
-        ``"grad"`` (the gradient reduced so far, unscaled: the average after the boundary's
-        backward), or an optimizer state key such as ``"exp_avg"`` (None before the optimizer
-        created it). None for a parameter this optimizer does not train."""
-        try:
-            found = self._locate(param, kind)
-        except ValueError:
-            if any(group.store.element_state_keys() for group in self.groups):
-                raise  # a key the optimizer does not have (a typo), not one still to come
-            return None
-        if found is None:
-            return None
-        group, index, slot = found
-        bucket = group.buckets[index]
-        local = group.part_of(index, kind).float()
-        if kind == "grad":
-            local = local / self.loss_scaler.scale
-        return bucket.view(group.partition.full(bucket, local), slot).float().clone()
-
-    def set_full_value(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> bool:
-        """Set one parameter's ``kind`` (see :meth:`full_value`) from its whole ``value``; every
-        rank calls it with the same value. A master is set in the model's parameter too (in its
-        dtype), so the next forward and step go on from it. False for a parameter this
-        optimizer does not train."""
-        found = self._locate(param, kind)
-        if found is None:
-            return False
-        group, index, slot = found
-        flat = _checked(value, slot.numel, f"the value for {slot.name!r}", tuple(slot.shape))
-        if kind == "master":
-            group.set_param(index, slot, flat)
-        else:
-            _, piece = group.local_piece(index, slot)
-            group.set_local_value(index, slot, kind, self._scaled(flat[piece], kind))
-        return True
-
-    def local_value(self, param: nn.Parameter, kind: str) -> torch.Tensor | None:
-        """This rank's elements of one parameter's ``kind`` (see :meth:`full_value`): the run of
-        the flattened parameter in this rank's partition, 1-D fp32 (the whole parameter at
-        stage 0; empty where this rank holds none of it). Not a collective."""
-        found = self._locate(param, kind)
-        if found is None:
-            return None
-        group, index, slot = found
-        local = group.local_value(index, slot, kind)
-        return local / self.loss_scaler.scale if kind == "grad" else local
-
-    def set_local_value(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> bool:
-        """Set what :meth:`local_value` returns (a master takes effect at the next step, which
-        trains from it). Not a collective. False for a parameter this optimizer does not
-        train."""
-        found = self._locate(param, kind)
-        if found is None:
-            return False
-        group, index, slot = found
-        part, _ = group.local_piece(index, slot)
-        numel = part.stop - part.start
-        flat = _checked(value, numel, f"the local value for {slot.name!r} on this rank", (numel,))
-        group.set_local_value(index, slot, kind, self._scaled(flat, kind))
-        return True
-
-    def _scaled(self, values: torch.Tensor, kind: str) -> torch.Tensor:
-        """Gradients are held times the loss scale (fp16)."""
-        return values * self.loss_scaler.scale if kind == "grad" else values
-
-    # -- the model's state dict entries no group trains (frozen parameters, buffers) -----------
-    def _untrained_entries(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        trained = self.trained_names()
-        return {
-            key: value
-            for key, value in module.state_dict(keep_vars=True).items()
-            if id(value) not in trained
-        }
-
-    def frozen_keys(self, module: nn.Module) -> set[str]:
-        """State-dict keys of ``module``'s parameters no group trains."""
-        entries = self._untrained_entries(module)
-        return {key for key, value in entries.items() if isinstance(value, nn.Parameter)}
-
-    def untrained_state(
-        self, module: nn.Module, exclude_frozen: bool = False, *, on_rank: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``module``'s state-dict entries that no group trains: frozen parameters (unless
-        ``exclude_frozen``) and buffers. Frozen parameters that stage 3 partitions are gathered
-        (collective: every rank calls it) and kept, as host copies, on rank ``on_rank`` (None:
-        every rank); elsewhere they are placeholders."""
-        entries = self._untrained_entries(module)
-        if exclude_frozen:
-            return {k: v.detach() for k, v in entries.items() if not isinstance(v, nn.Parameter)}
-        keep = on_rank in (None, self.comm.rank)
-        frozen = {k: v for g in self.groups for k, v in g.residency.frozen_values(keep).items()}
-        return {key: frozen.get(id(value), value.detach()) for key, value in entries.items()}
-
-    def untrained_keys(self, module: nn.Module) -> set[str]:
-        """The keys of :meth:`untrained_state` (nothing is gathered)."""
-        return set(self._untrained_entries(module))
-
-    def load_untrained(self, module: nn.Module, read: Callable[[str], torch.Tensor | None]) -> None:
-        """Set the untrained entries of ``module``'s state dict to ``read(key)`` (None: keep
-        the value); collective where stage 3 partitions frozen parameters."""
-        partitioned = {
-            id(s.param) for g in self.groups for b in g.residency.frozen_buckets for s in b.slots
-        }
-        key_of: dict[int, str] = {}
-        for key, value in self._untrained_entries(module).items():
-            key_of.setdefault(id(value), key)
-            if id(value) not in partitioned:
-                loaded = read(key)
-                if loaded is not None:
-                    value.detach().copy_(loaded)
-        for group in self.groups:
-            group.residency.load_frozen(lambda param: read(key_of[id(param)]))
-
-    # -- memory --------------------------------------------------------------------------------
-    def memory_breakdown(self) -> dict[str, float]:
-        """Bytes of model states this rank holds, measured from the allocated tensors.
-
-        ``parameters``/``gradients``/``optimizer_states`` (fp32 masters that are separate copies
-        plus the optimizer's state) and their ``total``; ``formula_total`` is the ZeRO paper's
-        figure for the same job (arXiv:1910.02054 §5: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N in mixed
-        precision with Adam), each group over its own ranks.
-        """
-        measured: dict[str, float] = {}
-        for group in self.groups:
-            for key, value in measured_model_states(group).items():
-                measured[key] = measured.get(key, 0) + value
-        formulas = self._formulas()
-        return {
-            **measured,
-            "formula_total": sum(f.total for f in formulas),
-            "formula_offloaded": sum(f.offloaded for f in formulas),
-        }
-
-    def formula_bytes(self) -> float:
-        """The ZeRO formula for this job: p·Ψ/N_p + g·Ψ/N_g + (m + s)·Ψ/N_o
-        (:func:`zerotrain.zero.memory.model_state_bytes`, which ``zerotrain estimate`` prints),
-        summed over the groups, each over its own ranks.
-
-        Stage 3 keeps units below the persistence threshold whole: those count p·Ψ_persistent.
-        """
-        return sum(f.total for f in self._formulas())
-
-    def _formulas(self) -> list[ModelStateBytes]:
-        out = []
-        for group in self.groups:
-            store = group.store
-            numels = store.master_numels()
-            out.append(
-                model_state_bytes(
-                    group.num_params,
-                    world_size=group.comm.world_size,
-                    policy=self.policy,
-                    precision=self.precision,
-                    optimizer_state_bytes=optimizer_state_bytes_per_element(store.optimizer),
-                    persistent_numel=group.residency.persistent_numel,
-                    offload=store.offloaded_numel() / max(1, sum(numels)),
-                    offload_params=group.residency.home.on_host,
-                    # quantized parameter gathers keep exact masters apart (compression/gather.py)
-                    master_copy=self.precision.has_master_copy
-                    or group.residency.in_flight.gather.lossy,
-                )
-            )
-        return out
 
 
 class GroupedOptimizer(torch.optim.Optimizer):
@@ -633,15 +404,3 @@ class GroupedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         names = ", ".join(type(store.optimizer).__name__ for store in self.stores)
         return f"GroupedOptimizer({names})"
-
-
-def _checked(value: torch.Tensor, numel: int, what: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``value`` flattened, in fp32, checked to hold ``numel`` elements."""
-    if not torch.is_tensor(value):
-        raise TypeError(f"{what} must be a tensor, got {type(value).__name__}")
-    if value.numel() != numel:
-        raise ValueError(
-            f"{what} has {value.numel()} elements (shape {tuple(value.shape)}); it needs "
-            f"{numel} (shape {shape})"
-        )
-    return value.detach().reshape(-1).float()
