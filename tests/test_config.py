@@ -902,7 +902,7 @@ def test_nvme_path_that_cannot_hold_working_files_is_refused(section: str, tmp_p
 
 
 def test_nvme_directory_that_cannot_be_written_is_a_config_error(tmp_path: Path) -> None:
-    from zerotrain.zero.nvme import prepare_directory
+    from zerotrain.zero.host import prepare_directory
 
     a_file = tmp_path / "a_file"
     a_file.write_text("")

@@ -17,12 +17,12 @@ import zerotrain.policies
 from zerotrain.accelerator import HostMemoryLimit
 from zerotrain.config import ConfigError
 from zerotrain.estimate import preflight
+from zerotrain.zero.host import host_cores_for_rank
 from zerotrain.zero.offload import (
     HostBytes,
     choose_host_buckets,
     fit_on_device,
     host_bytes,
-    host_cores_for_rank,
 )
 
 # offload_optimizer sections; "none" is the in-memory run the others must equal bit for bit.
@@ -336,7 +336,7 @@ def test_preflight_refuses_what_the_host_cannot_hold(monkeypatch):
 
 
 def test_nvme_preflight_and_refusals(tmp_path, monkeypatch):
-    from zerotrain.zero import nvme
+    from zerotrain.zero import host
 
     nvme_config = {"device": "nvme", "nvme_path": str(tmp_path)}
     # a file left by a process killed with -9 (pid 2**22 + 1 is above Linux's pid_max)
@@ -346,7 +346,7 @@ def test_nvme_preflight_and_refusals(tmp_path, monkeypatch):
     assert not stale.exists()
     assert len(list(tmp_path.glob("zerotrain-*.swap"))) == 1  # this engine's
     del engine
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())
+    monkeypatch.setattr(host.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())
     with pytest.raises(ConfigError) as error:
         _engine(2, nvme_config)
     assert str(error.value).startswith(
@@ -362,7 +362,7 @@ def test_nvme_preflight_and_refusals(tmp_path, monkeypatch):
 
 
 def test_parameters_on_nvme_preflight(tmp_path, monkeypatch):
-    from zerotrain.zero import nvme
+    from zerotrain.zero import host
 
     params_on_nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
     stale = tmp_path / f"zerotrain-{2**22 + 1}-params-1.swap"  # a killed process's
@@ -383,7 +383,7 @@ def test_parameters_on_nvme_preflight(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="offload_param's NVMe buffers"):
         _engine(3, VARIANTS["none"], params_on_nvme)
     monkeypatch.undo()
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())
+    monkeypatch.setattr(host.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 100})())
     with pytest.raises(ConfigError) as error:
         _engine(3, VARIANTS["none"], params_on_nvme)
     assert str(error.value).startswith(

@@ -36,7 +36,7 @@ from torch import nn
 import zerotrain
 from zerotrain.accelerator import current_rss
 from zerotrain.zero import nvme, swap
-from zerotrain.zero.offload import gib
+from zerotrain.zero.host import gib
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "offload_memory.py"

@@ -25,6 +25,7 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import test_golden as golden
@@ -77,45 +78,46 @@ def _layout_batches() -> tuple[torch.Tensor, torch.Tensor]:
     return make_batches(2 * HALF, golden.MICRO * golden.ACCUM * golden.WORLD)
 
 
-def _write_layouts(root: str) -> dict:
-    """Each case trained HALF steps, saved, and trained HALF more in the same process."""
-    from zerotrain.comm import Communicator
-
+def _each_layout(start: Callable[[object, str], None]) -> dict:
+    """Each case's engine through ``start(engine, name)`` (which brings it to step HALF), then
+    trained HALF more steps: the losses and the final parameters' hash."""
     nvme, out = nvme_directory(), {}
     for case in LAYOUT_CASES:
         engine = build_engine(case, nvme)
+        start(engine, case_name(*case))
+        idx, tgt = _layout_batches()
+        out[case_name(*case)] = {
+            "losses": train_steps(engine, idx[HALF:], tgt[HALF:]),
+            "params": state_hash(engine.consolidated_state_dict()),
+        }
+    if nvme is not None:
+        shutil.rmtree(nvme, ignore_errors=True)
+    return out
+
+
+def _write_layouts(root: str) -> dict:
+    """Each case trained HALF steps and saved, then trained on in the same process."""
+    from zerotrain.comm import Communicator
+
+    def train_and_save(engine, name: str) -> None:
         torch.manual_seed(100 + Communicator().rank)  # each rank draws its own dropout masks
         idx, tgt = _layout_batches()
         train_steps(engine, idx[:HALF], tgt[:HALF])
-        engine.save_checkpoint(f"{root}/{case_name(*case)}", client_state=LAYOUT_WRITER)
-        losses = train_steps(engine, idx[HALF:], tgt[HALF:])
-        out[case_name(*case)] = {
-            "losses": losses,
-            "params": state_hash(engine.consolidated_state_dict()),
-        }
-    if nvme is not None:
-        shutil.rmtree(nvme, ignore_errors=True)
-    return out
+        engine.save_checkpoint(f"{root}/{name}", client_state=LAYOUT_WRITER)
+
+    return _each_layout(train_and_save)
 
 
 def _continue_layouts(root: str) -> dict:
-    """Each case loaded from its checkpoint (which restores every rank's generator) and
-    trained HALF steps."""
-    nvme, out = nvme_directory(), {}
-    for case in LAYOUT_CASES:
-        engine = build_engine(case, nvme)
-        path, client = engine.load_checkpoint(f"{root}/{case_name(*case)}")
+    """Each case loaded from its checkpoint (which restores every rank's generator), then
+    trained on."""
+
+    def load(engine, name: str) -> None:
+        path, client = engine.load_checkpoint(f"{root}/{name}")
         assert path is not None and client == LAYOUT_WRITER, (path, client)
         assert engine.global_steps == HALF
-        idx, tgt = _layout_batches()
-        losses = train_steps(engine, idx[HALF:], tgt[HALF:])
-        out[case_name(*case)] = {
-            "losses": losses,
-            "params": state_hash(engine.consolidated_state_dict()),
-        }
-    if nvme is not None:
-        shutil.rmtree(nvme, ignore_errors=True)
-    return out
+
+    return _each_layout(load)
 
 
 def test_checkpoints_of_00078d0_resume_every_layout_bit_for_bit(tmp_path):

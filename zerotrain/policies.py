@@ -16,8 +16,9 @@ from zerotrain.config import ZeroTrainConfig
 from zerotrain.config.compression import AUTO_DEFAULT_METHOD
 from zerotrain.precision import DTYPES, LossScaler
 from zerotrain.zero import GroupOptions, ZeroPolicy
-from zerotrain.zero.gather import Stage3Options
-from zerotrain.zero.offload import OffloadOptions, device_budget, local_ranks
+from zerotrain.zero.gather import GatherForUseOptions
+from zerotrain.zero.host import local_ranks
+from zerotrain.zero.offload import OffloadOptions, device_budget
 from zerotrain.zero.param_home import ParamOffload
 from zerotrain.zero.swap import AioOptions
 
@@ -44,7 +45,7 @@ def group_options(
         comm=dp,
         precision=cfg.precision_policy(),
         bucket_numel=zero.reduce_bucket_size,
-        stage3=Stage3Options(
+        gather_for_use=GatherForUseOptions(
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_numel=zero.stage3_max_reuse_distance,

@@ -13,7 +13,7 @@ arXiv:2306.08881, found this often). ``comm_compression.auto`` decides from meas
   policy's own compute, timed, and the bytes and collectives it would send.
 A policy's predicted step is the measured step less the policy in use's cost, plus its own
 (:func:`predict`): compute that does not change stays, the wire and codec time are replaced.
-The tuner (zerotrain/zero/auto_compression.py) switches only for a predicted gain of at least
+The tuner (zerotrain/zero/compression_tuner.py) switches only for a predicted gain of at least
 ``margin``, then measures the new policy's steps and goes back if they are slower than the old
 ones by more than ``tolerance``: the prediction proposes, the measurement decides.
 """

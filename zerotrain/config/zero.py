@@ -27,7 +27,7 @@ __all__ = [
 
 def _check_nvme_path(key: str, path: str) -> None:
     # what can be told without writing: the directory's creation and a write are checked where
-    # the working files are made (zero/nvme.py, prepare_directory)
+    # the working files are made (zero/host.py, prepare_directory)
     resolved = Path(path).expanduser().resolve()
     if resolved.exists() and not resolved.is_dir():
         raise fail(f"{key}: {path} is a file; give a directory for the working files")
@@ -371,5 +371,5 @@ class ZeroOptimizationConfig(Section):
 
 ZERO_DEFAULTS = ZeroOptimizationConfig()
 """`zero_optimization` with every key at its default: code outside the config reads DeepSpeed's
-defaults here (the stage-3 knobs of zerotrain.zero.optimizer.Stage3Options, `zerotrain
+defaults here (the stage-3 knobs of zerotrain.zero.gather.GatherForUseOptions, `zerotrain
 estimate`), so that the schema above is the one place they are written."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from zerotrain.zero.offload import gib
+from zerotrain.zero.host import gib
 
 __all__ = ["Limit", "Need", "Option", "RankMemory", "gib", "shortfall"]
 

@@ -4,7 +4,7 @@
 ``ZeroParamStatus`` are DeepSpeed's stage-3 helpers under the same names.
 """
 
-from zerotrain.zero.gathered import GatheredParameters
+from zerotrain.zero.gathered_parameters import GatheredParameters
 from zerotrain.zero.group import GroupOptions, GroupState, ShardGroup, ShardSegments
 from zerotrain.zero.init import (
     Init,

@@ -46,8 +46,10 @@ from zerotrain.zero.units import assign_units, find_unit_modules
 
 
 @dataclass(frozen=True)
-class Stage3Options:
-    """Stage-3 knobs, in elements (DeepSpeed's ``stage3_*`` keys)."""
+class GatherForUseOptions:
+    """How :class:`GatheredForUse` gathers (the ``stage3_*`` keys, in elements), where the shards
+    live between uses, and hpZ's ranks per node; named for the residency, not the stage (only
+    the policy reads stages)."""
 
     prefetch_numel: int = ZERO_DEFAULTS.stage3_prefetch_bucket_size
     max_live_numel: int = ZERO_DEFAULTS.stage3_max_live_parameters
@@ -75,17 +77,17 @@ class ParamResidency:
         comm: Communicator,
         partition: OptimizerPartition,
         *,
-        stage3: Stage3Options,
+        gather_for_use: GatherForUseOptions,
         overlap_param_gather: bool,
         param_compression: ParameterCompression | None = None,
     ):
         self.model = model
         self.comm = comm
         self.partition = partition
-        self.stage3 = stage3
+        self.gather_options = gather_for_use
         self.overlap_param_gather = overlap_param_gather
         # where stage 3 keeps the shards between uses (the other stages keep whole parameters)
-        self.home = shard_home(stage3.offload_param) if self.shards_params else ShardHome()
+        self.home = shard_home(gather_for_use.offload_param) if self.shards_params else ShardHome()
         self.in_flight = BucketGathers(comm, self.home, ParameterGather(comm, param_compression))
         self.buckets: list[FlatBucket] = []
         self.frozen_params: list[nn.Parameter] = []  # floating-point ones (take_frozen)
@@ -262,8 +264,8 @@ class GatheredForUse(ParamResidency):
 
     def __init__(self, model: nn.Module, comm: Communicator, partition, **options):
         super().__init__(model, comm, partition, **options)
-        if self.stage3.ranks_per_node:
-            self.in_flight.secondary = _secondary_shards(comm, self.stage3.ranks_per_node)
+        if self.gather_options.ranks_per_node:
+            self.in_flight.secondary = _secondary_shards(comm, self.gather_options.ranks_per_node)
         self.unit_modules = find_unit_modules(model)
         self._gatherer: ParameterGatherer | None = None  # made by start()
         self._persistent: set[int] = set()
@@ -313,7 +315,7 @@ class GatheredForUse(ParamResidency):
         unit_numel: dict[int, int] = {}
         for bucket in every:
             unit_numel[bucket.unit] = unit_numel.get(bucket.unit, 0) + bucket.numel
-        threshold = self.stage3.persistence_threshold
+        threshold = self.gather_options.persistence_threshold
         self._persistent = {u for u, numel in unit_numel.items() if numel < threshold}
         self.home.check([b for b in every if b.unit not in self._persistent])
         for bucket in self.frozen_buckets:
@@ -345,9 +347,9 @@ class GatheredForUse(ParamResidency):
             units,
             self.comm,
             self.in_flight,
-            prefetch_numel=self.stage3.prefetch_numel,
-            max_live_numel=self.stage3.max_live_numel,
-            max_reuse_numel=self.stage3.max_reuse_numel,
+            prefetch_numel=self.gather_options.prefetch_numel,
+            max_live_numel=self.gather_options.max_live_numel,
+            max_reuse_numel=self.gather_options.max_reuse_numel,
         )
 
     @property

@@ -27,14 +27,14 @@ from zerotrain.compression.auto import AutoOptions
 from zerotrain.optim.catch_up import Arrivals, CatchUp, catches_up
 from zerotrain.optim.onebit import ExactSteps
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero.auto_compression import CompressionTuner
+from zerotrain.zero.compression_tuner import CompressionTuner
 from zerotrain.zero.extension import (
     CatchUpExtension,
     LocalStepsExtension,
     Resume,
     StepExtension,
 )
-from zerotrain.zero.gather import ParamResidency, Runs, Stage3Options
+from zerotrain.zero.gather import GatherForUseOptions, ParamResidency, Runs
 from zerotrain.zero.init import ParamOwner, take_ownership
 from zerotrain.zero.layout import (
     FlatBucket,
@@ -428,7 +428,7 @@ class GroupOptions:
     comm: Communicator
     precision: PrecisionPolicy
     bucket_numel: int = 500_000_000  # reduce_bucket_size
-    stage3: Stage3Options = field(default_factory=Stage3Options)
+    gather_for_use: GatherForUseOptions = field(default_factory=GatherForUseOptions)
     overlap_param_gather: bool = False
     comm_dtype: torch.dtype | None = None  # communication_data_type (None: the training dtype)
     offload: OffloadOptions | None = None  # offload_optimizer (None: masters on the device)
@@ -473,7 +473,7 @@ def build_shard_group(
         model,
         comm,
         strategies.partition,
-        stage3=options.stage3,
+        gather_for_use=options.gather_for_use,
         overlap_param_gather=options.overlap_param_gather,
         param_compression=options.param_compression,
     )

@@ -52,8 +52,6 @@ Checkpoints read and write the state through :meth:`NvmeShardStore.state_tensor`
 from __future__ import annotations
 
 import atexit
-import os
-import shutil
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -66,15 +64,14 @@ from zerotrain.accelerator import map_large_host_blocks, release_free_host_memor
 from zerotrain.config import ConfigError
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.progress import progress
+from zerotrain.zero.host import check_disk, local_ranks, remove_stale_files, working_file
 from zerotrain.zero.offload import (
     BucketNorms,
     HostBytes,
     HostPlacement,
     OffloadOptions,
     Ring,
-    gib,
     host_bytes,
-    local_ranks,
     needs_whole_parameters,
     quiesce_device,
     ring_numel,
@@ -200,64 +197,6 @@ def disk_bytes_needed(numel: int, state_bytes: int) -> int:
     """Bytes of working file for ``numel`` offloaded elements with ``state_bytes`` of element
     state each, besides the fp32 master (before slot padding)."""
     return numel * (4 + state_bytes)
-
-
-def prepare_directory(directory: Path, *, key: str = "offload_optimizer") -> None:
-    """Make ``directory`` (the ``key`` section's nvme_path) ready for working files, or refuse
-    it with a ConfigError naming the key: a path that is a file, or where this process cannot
-    create and write a file, fails here rather than as a raw OSError in the middle of a build."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".zerotrain-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(
-            f"zero_optimization.{key}.nvme_path: cannot write working files in {directory} "
-            f"({error.strerror or error}); give a writable directory on a local disk"
-        ) from None
-
-
-def check_disk(
-    directory: Path, needed: int, local_ranks: int, *, key: str = "offload_optimizer"
-) -> None:
-    """Preflight: refuse, before writing, what the disk under ``directory`` cannot hold (for
-    the working file of the ``key`` section)."""
-    prepare_directory(directory, key=key)
-    free = shutil.disk_usage(directory).free
-    total = needed * local_ranks
-    if total > free:
-        what, lower = (
-            ("stage-3 parameter shards", 'offload_param.device: "cpu"')
-            if key == "offload_param"
-            else (
-                "fp32 masters and optimizer state",
-                "a lower ratio (keeps more of the optimizer state on the device)",
-            )
-        )
-        raise ConfigError(
-            f"zero_optimization.{key}.nvme_path: {directory} has {gib(free)} free, but each "
-            f"rank's working file needs {gib(needed)} ({what}), x {local_ranks} rank(s) on this "
-            f"node = {gib(total)}. Options: a path on a larger disk, {lower}, or more nodes"
-        )
-
-
-def working_file(directory: Path, kind: str) -> Path:
-    """A new working file's path: its name carries the pid (see :func:`remove_stale_files`)."""
-    global _files
-    _files += 1
-    return directory / f"zerotrain-{os.getpid()}-{kind}-{_files}.swap"
-
-
-def remove_stale_files(directory: Path) -> None:
-    """Remove working files left by processes of this node that no longer run (a kill -9)."""
-    for path in directory.glob("zerotrain-*.swap"):
-        try:
-            pid = int(path.name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
-            path.unlink(missing_ok=True)
 
 
 class NvmeShardStore(ShardStore):
@@ -516,9 +455,6 @@ class NvmeShardStore(ShardStore):
 
     def disk_bytes(self) -> int:
         return self.swap.nbytes
-
-
-_files = 0  # working files this process created (their names must differ)
 
 
 class NvmePlacement(HostPlacement):

@@ -25,17 +25,15 @@ left on the critical path is the device's (:func:`choose_host_buckets`).
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from zerotrain.accelerator import available_host_memory
-from zerotrain.fmt import quantity
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.host import configure_host_threads, host_tensor
 from zerotrain.zero.store import (
     InMemoryShardStore,
     OptimizerOver,
@@ -90,23 +88,6 @@ def fit_on_device(numels: list[int], bytes_per_element: float, budget: int) -> l
         on_host[index] = False
         used += need
     return on_host
-
-
-def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """A 1-D host tensor; page-locked when ``pin`` and CUDA is there (pageable, with a warning,
-    when the host refuses: pinned memory is a speed-up, not a requirement)."""
-    if pin and torch.cuda.is_available():
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
-        except RuntimeError as error:
-            size = gib(numel * dtype.itemsize)
-            warnings.warn(
-                f"zerotrain offload: could not pin {size} of host memory ({error}); using "
-                "pageable memory (slower copies). Set "
-                "offload_optimizer.pin_memory: false to silence this.",
-                stacklevel=2,
-            )
-    return torch.empty(numel, dtype=dtype)
 
 
 RING_CHUNK = 1 << 24
@@ -365,10 +346,6 @@ class OffloadedShardStore(InMemoryShardStore):
         return self._ring.nbytes() if self._ring is not None else 0
 
 
-def gib(nbytes: float) -> str:
-    return quantity(nbytes, "B", binary=True)
-
-
 @dataclass(frozen=True)
 class HostBytes:
     """Host memory one rank's optimizer offload allocates (see [Note: the offload hand-off])."""
@@ -411,33 +388,6 @@ def device_budget(device: torch.device) -> int | None:
             return None
         total = free
     return max(0, int(free - AUTO_HEADROOM * total))
-
-
-def host_cores_for_rank(cores: list[int], local_rank: int, ranks: int) -> list[int]:
-    """The cores a rank's host optimizer step runs on: its equal share of ``cores`` (all of
-    them when there are fewer than two per rank: pinning would then only hurt)."""
-    share = len(cores) // max(1, ranks)
-    if ranks <= 1 or share < 2:
-        return cores
-    return cores[local_rank * share : (local_rank + 1) * share]
-
-
-def configure_host_threads() -> int:
-    """CUDA-only: give the host step this rank's share of the cores (torchrun sets
-    OMP_NUM_THREADS=1 per rank, which would run the step on one core) and pin the rank to
-    them when there are enough. ``ZEROTRAIN_HOST_THREADS`` overrides the count. Returns it."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    mine = host_cores_for_rank(cores, int(os.environ.get("LOCAL_RANK", "0")), local_ranks())
-    if mine and mine != cores:
-        os.sched_setaffinity(0, mine)
-    threads = int(os.environ.get("ZEROTRAIN_HOST_THREADS", "0")) or max(1, len(mine))
-    torch.set_num_threads(threads)
-    return threads
-
-
-def local_ranks() -> int:
-    """Ranks sharing this node's host memory (torchrun's LOCAL_WORLD_SIZE)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 class HostPlacement(Placement):

@@ -28,9 +28,14 @@ from pathlib import Path
 import torch
 
 from zerotrain.config import ConfigError
+from zerotrain.zero.host import (
+    check_disk,
+    host_tensor,
+    local_ranks,
+    remove_stale_files,
+    working_file,
+)
 from zerotrain.zero.layout import FlatBucket
-from zerotrain.zero.nvme import check_disk, remove_stale_files, working_file
-from zerotrain.zero.offload import host_tensor, local_ranks
 from zerotrain.zero.store import ParamShards
 from zerotrain.zero.swap import AioOptions, SwapFile, aligned_empty
 
