@@ -20,19 +20,23 @@ import torch
 from zerotrain.checkpoint.locate import NoCheckpoint, resolve
 from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader
 from zerotrain.checkpoint.rng import restore_rng_state
-from zerotrain.checkpoint.save import (
-    LAYOUT_GROUP_KEYS,
-    split_keys,
-    split_params,
-)
+from zerotrain.checkpoint.save import split_keys
 from zerotrain.optim.adam import same_state_kind
 from zerotrain.ranges import overlaps
 from zerotrain.zero.extension import Resume
 from zerotrain.zero.model_state import load_untrained, untrained_keys
+from zerotrain.zero.sharded_state import (
+    held_ranges,
+    load_group_states,
+    load_optimizer_groups,
+    load_tensors,
+    optimizer_name,
+    split_params,
+    trained_shapes,
+)
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
-    from zerotrain.zero import ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -144,11 +148,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
     where = manifest.path
     zero = engine.optimizer
     problems = []
-    split = split_params(engine)
-    model = {
-        s.name: tuple(split[s.name].whole_shape(s.shape) if s.name in split else s.shape)
-        for s in zero.slots()
-    }
+    model = trained_shapes(zero)
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
     # where ranks hold different layers (pipeline stages) or experts, the entries this rank
@@ -184,7 +184,7 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
             f"{sorted(unexpected)[:5]} (load_module_strict=False loads the common ones)"
         )
     if options.optimizer_states and not options.module_only:
-        ours_type = type(zero.group.store.optimizer).__name__
+        ours_type = optimizer_name(zero)
         if not same_state_kind(manifest["optimizer"], ours_type):
             problems.append(
                 f"{where}: optimizer states are of {manifest['optimizer']}, the engine steps "
@@ -205,15 +205,15 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
             "cannot be loaded yet; let them train (requires_grad), or load into the model "
             "without tensor parallelism"
         )
+    split = split_params(zero)
     ranks = {
         seg[0]
-        for group in zero.groups
-        for piece in group.master_pieces(own_shard_only=False)
-        for seg in manifest.params[piece.name].segments
+        for name, start, end in held_ranges(zero)
+        for seg in manifest.params[name].segments
         # a split parameter, here or there, is read whole (see [Note: checkpoint layout])
-        if piece.name in split
-        or manifest.params[piece.name].split is not None
-        or overlaps(piece.param_start, piece.param_start + piece.numel, seg[1], seg[2])
+        if name in split
+        or manifest.params[name].split is not None
+        or overlaps(start, end, *seg[1:])
     }
     ranks |= {manifest.module_ranks[k] for k in ours if k in manifest.module_ranks}
     files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
@@ -249,31 +249,16 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Load
 def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: LoadOptions):
     zero = engine.optimizer
     load_optimizer = options.optimizer_states and not options.module_only
-    state_keys = manifest["optimizer_state_keys"] if load_optimizer else []
     reader = ShardReader(manifest)
-    split = split_params(engine)
+    split = split_params(zero)
     tp_rank = engine.layout.split_rank
+
+    def read(name: str, kind: str, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        return reader.read(name, kind, start, end, split.get(name), tp_rank)
+
     try:
-        for group in zero.groups:
-            store = group.store
-            if load_optimizer:  # the checkpoint's state replaces the engine's (it may have none)
-                store.reset_element_state(state_keys)
-            by_master: dict[int, list] = {}
-            for piece in group.master_pieces(own_shard_only=False):
-                by_master.setdefault(piece.master, []).append(piece)
-            for master, pieces in by_master.items():
-                for kind in ["master", *state_keys]:
-                    # read and written once per master: a store that swaps to disk copies it
-                    flat = store.state_tensor(master, kind).view(-1)
-                    for piece in pieces:
-                        end = piece.param_start + piece.numel
-                        pieces_read = reader.read(
-                            piece.name, kind, piece.param_start, end, split.get(piece.name), tp_rank
-                        )
-                        for offset, values in pieces_read:
-                            start = piece.master_start + offset - piece.param_start
-                            flat[start : start + values.numel()].copy_(values)
-                    store.write_state(master, kind, flat)
+        # the checkpoint's per-element state replaces the engine's (it may have none)
+        load_tensors(zero, read, manifest["optimizer_state_keys"] if load_optimizer else None)
         saved = set(manifest["module_keys"])
         load_untrained(
             zero.groups,
@@ -285,15 +270,7 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
     zero.zero_grad()
     if load_optimizer:  # hyperparameters (lr) too when there is no per-element state (SGD)
         state = loaded.engine()
-        hyper = [
-            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
-            for g in state["optimizer_groups"]
-        ]
-        scalars = state["optimizer_scalar_state"]
-        for group in zero.groups:  # each shard group's optimizer groups, in order
-            count = len(group.store.param_groups)
-            group.store.load_scalar_state(hyper[:count], scalars[:count])
-            hyper, scalars = hyper[count:], scalars[count:]
+        load_optimizer_groups(zero, state["optimizer_groups"], state["optimizer_scalar_state"])
     rank_state: dict[str, Any] = loaded.rank_state or {}
     if "python" in rank_state:  # written before the codecs' state: the generators alone
         rank_state = {"rng": rank_state}
@@ -317,9 +294,8 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         world_size=engine.world_size,
         optimizer_loaded=load_optimizer,
     )
-    for group, group_state in zip(zero.groups, _group_states(rank_state, zero), strict=True):
-        for warning in group.load_state_dict(group_state, resume):
-            warnings.warn(f"load_checkpoint: {warning}", stacklevel=4)
+    for warning in load_group_states(zero, _group_states(rank_state, len(zero.groups)), resume):
+        warnings.warn(f"load_checkpoint: {warning}", stacklevel=4)
     zero.publish_params()
     scheduler_state = state["lr_scheduler"]
     if options.lr_scheduler_states and engine.lr_scheduler is not None and scheduler_state:
@@ -336,12 +312,11 @@ def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: 
         restore_rng_state(rank_state["rng"])
 
 
-def _group_states(rank_state: dict[str, Any], zero: ZeroOptimizer) -> list[dict | None]:
+def _group_states(rank_state: dict[str, Any], count: int) -> list[dict | None]:
     """Each shard group's own state (``ShardGroup.state_dict``) from this rank's file; before
     2026-12 it was kept under one key per part, each a list over the groups: ``compression``
     (the codecs), ``compression_policy`` (auto's tuners), ``local_steps``. A list for another
     number of groups is not this run's."""
-    count = len(zero.groups)
     if "groups" in rank_state:
         saved = rank_state["groups"]
         return saved if len(saved) == count else [None] * count

@@ -1,9 +1,11 @@
 """What checkpoints need from a training state: the engine provides it; checkpoint/ never
 imports the engine (dependencies run one way: zero -> checkpoint -> engine).
 
-The sharded state itself is read and written piecewise through the shard group: which
-elements of which parameter each master tensor holds (``group.master_pieces``), and the
-tensors behind them (``group.store.state_tensor``).
+The checkpoint sees named parts: the shard groups' state through zero/sharded_state.py (the
+pieces of masters and per-element optimizer state by parameter name and range, the optimizer's
+groups and scalars, each group's codec and step extensions), the model's untrained entries
+through zero/model_state.py, the counters, scheduler, loader and RNG, and of parallelism only
+the :class:`ModelLayout`.
 """
 
 from __future__ import annotations

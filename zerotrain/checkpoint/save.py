@@ -43,9 +43,18 @@ from zerotrain.checkpoint.manifest import (
     scan,
 )
 from zerotrain.checkpoint.rng import capture_rng_state
-from zerotrain.comm.split import Split, split_of
+from zerotrain.comm.split import split_of
 from zerotrain.errors import ZeroTrainError
-from zerotrain.zero.model_state import frozen_keys, untrained_state
+from zerotrain.zero.model_state import frozen_keys, trained_names, untrained_comm, untrained_state
+from zerotrain.zero.sharded_state import (
+    group_states,
+    optimizer_groups,
+    optimizer_name,
+    parameter_records,
+    saved_tensors,
+    scalar_states,
+    state_keys,
+)
 
 _log = logging.getLogger("zerotrain")
 
@@ -53,9 +62,6 @@ if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
 
 MODULE_PREFIX = "module/"  # untrained entries of a later pipeline stage, in its shard file
-
-# Optimizer param-group entries that describe the layout of this rank's shards, not training.
-LAYOUT_GROUP_KEYS = frozenset({"params", "segment_ranges", "num_segments"})
 
 
 def save_checkpoint(
@@ -168,27 +174,9 @@ def _write_rank_files(
     rank = engine.comm.rank
     zero = engine.optimizer
     tp_rank = engine.layout.split_rank
-    written = _written_params(engine, tp_rank)
-    entries: list[TensorEntry] = []
-    segments = []
-    for group in zero.groups:
-        pieces = [p for p in group.master_pieces(own_shard_only=True) if p.name in written]
-        tensors: dict[tuple[int, str], torch.Tensor] = {}  # each read once: a store may swap
-
-        def entry(piece, key: str, group=group, tensors=tensors) -> TensorEntry:
-            tensor = tensors.get((piece.master, key))
-            if tensor is None:
-                tensor = tensors[piece.master, key] = (
-                    group.shared_master(piece.master)
-                    if key == "master"
-                    else group.store.state_tensor(piece.master, key)
-                )
-            part = tensor.view(-1)[piece.master_start : piece.master_start + piece.numel]
-            return tensor_entry(f"{piece.name}/{key}", part)
-
-        keys = ["master", *group.store.element_state_keys()]
-        entries += [entry(piece, key) for piece in pieces for key in keys]
-        segments += [(p.name, p.param_start, p.param_start + p.numel) for p in pieces]
+    written = parameter_records(zero, tp_rank)
+    tensors, segments = saved_tensors(zero, written)
+    entries: list[TensorEntry] = [tensor_entry(key, values) for key, values in tensors]
     # collective where stage 3 partitions frozen parameters: their values gather to rank 0
     untrained = untrained_state(zero.groups, engine.module, exclude_frozen, on_rank=0)
     split_frozen = sorted(set(untrained) & split_keys(engine.module))
@@ -200,7 +188,7 @@ def _write_rank_files(
     # the buffers and frozen parameters of the other pipeline stages: in their first rank's
     # shard file (rank 0's, the first stage's, are module.safetensors)
     # one rank per set of module entries: a stage's, an expert-parallel rank's experts'
-    writes_module = zero.untrained_comm.rank == 0 and tp_rank == 0
+    writes_module = untrained_comm(zero.groups).rank == 0 and tp_rank == 0
     stage_module = writes_module and rank != 0
     if stage_module:
         entries += [tensor_entry(f"{MODULE_PREFIX}{key}", t) for key, t in untrained.items()]
@@ -217,7 +205,7 @@ def _write_rank_files(
     rank_state = {
         "rng": capture_rng_state(),
         # each shard group's codec (error feedback, factors) and step extensions (exact resume)
-        "groups": [group.state_dict() for group in zero.groups],
+        "groups": group_states(zero),
     }
     put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, rank_state))
     if rank == 0:
@@ -240,39 +228,11 @@ def _write_rank_files(
     }
 
 
-def _written_params(engine: TrainingState, tp_rank: int) -> dict[str, dict]:
-    """The manifest records of the parameters this rank writes: each parameter is written by
-    one copy (a whole one by tensor-parallel rank 0; a tied layer's by its first stage), split
-    ones by every tensor-parallel rank (their pieces)."""
-    split = split_params(engine)
-    records = {}
-    first_group = 0  # the index of the shard group's first optimizer group among all
-    for group in engine.optimizer.groups:
-        tied = {group.buckets[index].slots[0].name: comm for index, comm in group.summed}
-        for bucket in group.buckets:
-            for slot in bucket.slots:
-                if slot.name in tied and tied[slot.name].rank != 0:
-                    continue
-                if tp_rank != 0 and slot.name not in split:
-                    continue
-                shard = split.get(slot.name)
-                record = {
-                    "name": slot.name,
-                    "shape": list(shard.whole_shape(slot.shape) if shard else slot.shape),
-                    "group": first_group + bucket.group_index,
-                }
-                if shard is not None:
-                    record["split"] = shard.to_list()
-                records[slot.name] = record
-        first_group += len(group.store.param_groups)
-    return records
-
-
 def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> dict:
     """This stage's module keys for the manifest (see [Note: checkpoint layout])."""
     zero = engine.optimizer
     frozen = frozen_keys(zero.groups, engine.module)
-    trained = zero.trained_names()
+    trained = trained_names(zero.groups)
     keys = [
         (key, value)
         for key, value in engine.module.state_dict(keep_vars=True).items()
@@ -291,35 +251,19 @@ def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> di
     }
 
 
-def split_params(engine: TrainingState) -> dict[str, Split]:
-    """Trainable parameters by name that tensor parallelism split, with their split."""
-    found = {}
-    for slot in engine.optimizer.slots():
-        shard = split_of(slot.param)
-        if shard is not None:
-            found[slot.name] = shard
-    return found
-
-
 def split_keys(module: torch.nn.Module) -> set[str]:
     """State-dict keys of ``module`` that tensor parallelism split."""
     return {k for k, v in module.state_dict(keep_vars=True).items() if split_of(v) is not None}
 
 
 def _engine_state(engine: TrainingState) -> dict:
-    stores = [group.store for group in engine.optimizer.groups]
     loader = engine.training_dataloader
     return {
         **engine.training_counters(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "dataloader": loader.state_dict() if hasattr(loader, "state_dict") else None,
-        # every shard group's optimizer groups, in order (see ZeroOptimizer.param_groups)
-        "optimizer_groups": [
-            {k: v for k, v in g.items() if k not in LAYOUT_GROUP_KEYS}
-            for store in stores
-            for g in store.param_groups
-        ],
-        "optimizer_scalar_state": [state for store in stores for state in store.scalar_state()],
+        "optimizer_groups": optimizer_groups(engine.optimizer),
+        "optimizer_scalar_state": scalar_states(engine.optimizer),
     }
 
 
@@ -333,7 +277,6 @@ def _commit(
     latest: bool,
 ):
     zero = engine.optimizer
-    store = zero.group.store  # the groups step one kind of optimizer
     segments: dict[str, list[list[int]]] = {}
     for rank, report in enumerate(written):
         for name, start, end in report["segments"]:
@@ -370,8 +313,8 @@ def _commit(
         "world_size": engine.world_size,
         "stage": zero.policy.stage,
         "precision": zero.precision.name,
-        "optimizer": type(store.optimizer).__name__,
-        "optimizer_state_keys": zero.element_state_keys(),
+        "optimizer": optimizer_name(zero),  # the groups step one kind of optimizer
+        "optimizer_state_keys": state_keys(zero),
         "optimizer_groups": len(zero.param_groups),  # empty ones too
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,

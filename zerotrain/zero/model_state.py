@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zerotrain.comm import Communicator
 from zerotrain.zero.group import ShardGroup
 
 
@@ -18,8 +19,19 @@ def full_masters(groups: list[ShardGroup]) -> dict[int, torch.Tensor]:
     return {k: v for g in groups for k, v in g.full_master_params().items()}
 
 
+def trained_names(groups: list[ShardGroup]) -> dict[int, str]:
+    """``id(param) -> name`` of every trained parameter (tied ones under one name)."""
+    return {id(s.param): s.name for g in groups for b in g.buckets for s in b.slots}
+
+
+def untrained_comm(groups: list[ShardGroup]) -> Communicator:
+    """The ranks holding the same frozen parameters and buffers as this one: the narrowest
+    group's (the experts', whose ranks hold other experts' buffers)."""
+    return min((g.comm for g in groups), key=lambda comm: comm.world_size)
+
+
 def _untrained_entries(groups: list[ShardGroup], module: nn.Module) -> dict[str, torch.Tensor]:
-    trained = {id(s.param) for g in groups for b in g.buckets for s in b.slots}
+    trained = trained_names(groups)
     return {
         key: value
         for key, value in module.state_dict(keep_vars=True).items()

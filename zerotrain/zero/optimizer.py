@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zerotrain.comm import Communicator
 from zerotrain.optim import NoOptimizer
 from zerotrain.precision import LossScaler
 from zerotrain.zero.group import (
@@ -106,17 +105,6 @@ class ZeroOptimizer:
         return self.groups[0]
 
     @property
-    def untrained_comm(self) -> Communicator:
-        """The ranks holding the same frozen parameters and buffers as this one: the narrowest
-        group's (the experts', whose ranks hold other experts' buffers)."""
-        return min((g.comm for g in self.groups), key=lambda comm: comm.world_size)
-
-    def element_state_keys(self) -> list[str]:
-        """The optimizer's per-element state keys (Adam's moments) over every group, once
-        any group has stepped."""
-        return list(dict.fromkeys(k for g in self.groups for k in g.store.element_state_keys()))
-
-    @property
     def num_params(self) -> int:
         return sum(g.num_params for g in self.groups)
 
@@ -137,10 +125,6 @@ class ZeroOptimizer:
     def trained_params(self) -> list[nn.Parameter]:
         """The parameters the groups train, each once."""
         return [s.param for s in self.slots()]
-
-    def trained_names(self) -> dict[int, str]:
-        """``id(param) -> name`` of every trained parameter (tied ones under one name)."""
-        return {id(s.param): s.name for s in self.slots()}
 
     def on_stray_grad(self, handler: Callable[[str], None]) -> None:
         """Call ``handler(name)`` when a gradient arrives while no backward is open."""
