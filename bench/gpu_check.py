@@ -199,6 +199,8 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
         "offload-nvme",
         "stage3-offload-cpu",
     ),
+    # pinned host tensors and the host step's cores, for the offloaded stores and the homes
+    "zerotrain/zero/host.py": ("offload-cpu", "offload-nvme", "stage3-param-offload-cpu"),
     "zerotrain/zero/param_home.py": ("stage3-param-offload-cpu", "stage3-param-offload-nvme"),
     "zerotrain/zero/swap.py": ("offload-nvme", "stage3-param-offload-nvme"),
     "zerotrain/zero/init.py": ("stage3-zero-init",),

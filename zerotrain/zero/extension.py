@@ -9,8 +9,10 @@ on the rank and rewrite the message of a synchronization; an Adam catching up on
 gradients needs the counts that arrived; ``comm_compression.auto``'s tuner times each step and
 switches codecs. Each is a :class:`StepExtension`: the hooks below, every one a no-op unless it
 overrides it, and its own state, which the group saves under the extension's name. They are
-chosen once, in :func:`step_extensions`, from what the optimizer, the store and the options
-declare; nothing else asks which are present. A new one is a class here and a line there.
+chosen once, in ``_step_extensions`` (group.py), from what the optimizer, the store and the
+options declare; nothing else asks which are present. A new one is a class (here, or beside
+its feature, as the tuner in compression_tuner.py) and its choice there, with its name in
+``EXTENSIONS``.
 """
 
 from __future__ import annotations
