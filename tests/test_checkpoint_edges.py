@@ -554,6 +554,60 @@ def test_parameters_smaller_than_the_world(tmp_path):
         assert not _mismatches(masters, loaded) and math.isfinite(probe_after_step), name
 
 
+# -- a load racing another job's retention -------------------------------------------------------
+def _load_while_files_go(root: str) -> dict:
+    """Loads of one checkpoint: untouched, and with every shard file deleted after the ranks
+    verified it (an evaluation job loading while training's keep_last removes it). Each then
+    takes one step; their parameters and Adam moments."""
+    from zerotrain.checkpoint import load as load_module
+
+    engine = _engine(_fresh())
+    _train(engine, 2, seed=1)
+    engine.save_checkpoint(root, tag="t")
+    apply = load_module._apply
+
+    def files_deleted_first(engine, manifest, *args):
+        engine.comm.barrier()  # every rank has verified what it reads
+        if engine.comm.rank == 0:
+            for shard in manifest.directory.glob("*.safetensors"):
+                shard.unlink()
+        engine.comm.barrier()
+        return apply(engine, manifest, *args)
+
+    out = {}
+    for race in (False, True):
+        fresh = _engine(_fresh())
+        load_module._apply = files_deleted_first if race else apply
+        try:
+            path, _ = fresh.load_checkpoint(root, tag="t")
+        finally:
+            load_module._apply = apply
+        assert path is not None
+        _train(fresh, 1, seed=2)
+        out[race] = (
+            fresh.consolidated_state_dict(),
+            [
+                value.clone()
+                for state in fresh.optimizer.state.values()
+                for value in state.values()
+                if torch.is_tensor(value) and value.dim()
+            ],
+        )
+    return out
+
+
+def test_a_load_reads_what_it_verified_while_another_job_deletes_it(tmp_path):
+    """Issue 42: a load racing another job's keep_last retention failed with a raw
+    FileNotFoundError after zeroing Adam's moments. It now reads every file through the
+    handle it verified, so the files going away after the check change nothing."""
+    for rank in run_distributed(_load_while_files_go, 2, str(tmp_path)):
+        (params, moments), (raced_params, raced_moments) = rank[False], rank[True]
+        assert not _mismatches(params, raced_params)
+        assert len(moments) == len(raced_moments) > 0
+        assert all(torch.equal(a, b) for a, b in zip(moments, raced_moments, strict=True))
+        assert all(m.abs().sum() > 0 for m in raced_moments)
+
+
 # -- the data position when the world size does not divide the epoch -----------------------------
 def test_resumed_epoch_pads_like_an_uninterrupted_one():
     """An epoch of 7 or 11 samples at world 2 ends with a batch padded by repeating the epoch's

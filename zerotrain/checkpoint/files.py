@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -144,11 +145,19 @@ def write_state_dict(path: Path, state: dict[str, torch.Tensor]) -> None:
 
 def record_of(path: Path) -> FileRecord:
     """Size and SHA-256 of an existing file."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return FileRecord(path.stat().st_size, digest.hexdigest())
+        return record_of_open(f)
+
+
+def record_of_open(f: BinaryIO) -> FileRecord:
+    """Size and SHA-256 of an open file, read from its start."""
+    f.seek(0)
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_HASH_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return FileRecord(size, digest.hexdigest())
 
 
 def commit_text(path: Path, text: str) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerotrain.checkpoint.locate import NoCheckpoint, resolve
-from zerotrain.checkpoint.manifest import CheckpointError, Manifest, ShardReader
+from zerotrain.checkpoint.manifest import CheckpointError, HeldFiles, Manifest, ShardReader
 from zerotrain.checkpoint.rng import restore_rng_state
 from zerotrain.checkpoint.save import split_keys
 from zerotrain.optim.adam import same_state_kind
@@ -97,23 +97,30 @@ def load_checkpoint(
 
     directory = Path(value)
     loaded, problems, manifest = _Loaded(), [], None
+    # every file this rank reads, opened and verified before anything changes, and read
+    # through these handles: another job's retention deleting it meanwhile takes nothing
+    held = HeldFiles(directory)
     try:
-        manifest = Manifest.read(directory)
-        problems = _check(engine, manifest, options)
-        if not problems:
-            loaded = _read_small_files(engine, manifest, options)
-    except CheckpointError as exc:
-        problems = [str(exc)]
-    except Exception as exc:  # unreadable small files: report, like any other problem
-        problems = [f"{directory}: {type(exc).__name__}: {exc}"]
-    everyone = comm.all_gather_object(problems)
-    merged = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
-    if merged:
-        raise CheckpointError(
-            f"cannot load checkpoint {directory} (nothing was changed):\n  " + "\n  ".join(merged)
-        )
-    assert manifest is not None  # else reading it was a problem, raised above
-    _apply(engine, manifest, loaded, options)
+        try:
+            manifest = Manifest.read(directory)
+            problems = _check(engine, manifest, options, held)
+            if not problems:
+                loaded = _read_small_files(engine, manifest, options, held)
+        except CheckpointError as exc:
+            problems = [str(exc)]
+        except Exception as exc:  # unreadable small files: report, like any other problem
+            problems = [f"{directory}: {type(exc).__name__}: {exc}"]
+        everyone = comm.all_gather_object(problems)
+        merged = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
+        if merged:
+            raise CheckpointError(
+                f"cannot load checkpoint {directory} (nothing was changed):\n  "
+                + "\n  ".join(merged)
+            )
+        assert manifest is not None  # else reading it was a problem, raised above
+        _apply(engine, manifest, loaded, options, held)
+    finally:
+        held.close()
     return str(manifest.directory), loaded.client_state if loaded.client_state is not None else {}
 
 
@@ -144,7 +151,9 @@ def _choose(load_dir: Path, tag: str | None, require: bool) -> tuple[str, str]:
 
 
 # -- checks (nothing changes yet) ----------------------------------------------------------------
-def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> list[str]:
+def _check(
+    engine: TrainingState, manifest: Manifest, options: LoadOptions, held: HeldFiles
+) -> list[str]:
     where = manifest.path
     zero = engine.optimizer
     problems = []
@@ -224,16 +233,16 @@ def _check(engine: TrainingState, manifest: Manifest, options: LoadOptions) -> l
         client_state = manifest.optional_file("client_state")
         if client_state:
             files.append(client_state)
-    return problems + manifest.verify(files)
+    return problems + manifest.hold(files, held)
 
 
-def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Loaded:
+def _read_small_files(engine, manifest: Manifest, options: LoadOptions, held: HeldFiles) -> _Loaded:
     loaded = _Loaded()
     if options.module_only:
         return loaded
 
     def read(name: str, weights_only: bool = True):
-        return torch.load(manifest.directory / name, map_location="cpu", weights_only=weights_only)
+        return torch.load(held.path(name), map_location="cpu", weights_only=weights_only)
 
     loaded.engine_state = read(manifest.file("engine"))
     if engine.comm.rank < manifest["world_size"]:
@@ -246,10 +255,16 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions) -> _Load
 
 
 # -- applying ------------------------------------------------------------------------------------
-def _apply(engine: TrainingState, manifest: Manifest, loaded: _Loaded, options: LoadOptions):
+def _apply(
+    engine: TrainingState,
+    manifest: Manifest,
+    loaded: _Loaded,
+    options: LoadOptions,
+    held: HeldFiles,
+):
     zero = engine.optimizer
     load_optimizer = options.optimizer_states and not options.module_only
-    reader = ShardReader(manifest)
+    reader = ShardReader(manifest, held)
     split = split_params(zero)
     tp_rank = engine.layout.split_rank
 

@@ -43,11 +43,11 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
-from zerotrain.checkpoint.files import record_of
+from zerotrain.checkpoint.files import FileRecord, record_of_open
 from zerotrain.comm.split import Split
 from zerotrain.errors import ZeroTrainError
 from zerotrain.ranges import intersect
@@ -186,38 +186,82 @@ class Manifest:
 
     def verify(self, names: list[str]) -> list[str]:
         """Check each named file's size and SHA-256 against the manifest; the problems found."""
+        held = HeldFiles(self.directory)
+        try:
+            return self.hold(names, held)
+        finally:
+            held.close()
+
+    def hold(self, names: list[str], held: HeldFiles) -> list[str]:
+        """Open each named file into ``held`` and check its size and SHA-256 through that
+        handle, so what is read later is what was checked; the problems found."""
         problems = []
         for name in names:
-            expected = self.data["files"][name]
             path = self.directory / name
-            if not path.exists():
+            expected = self.data["files"][name]
+            try:
+                record = held.open(name)
+            except FileNotFoundError:
                 problems.append(f"{path}: missing (the manifest lists it)")
                 continue
-            size = path.stat().st_size
-            if size != expected["bytes"]:
+            if record.bytes != expected["bytes"]:
                 problems.append(
-                    f"{path}: truncated or overwritten, {size} bytes where the manifest "
+                    f"{path}: truncated or overwritten, {record.bytes} bytes where the manifest "
                     f"records {expected['bytes']}"
                 )
-                continue
-            if record_of(path).sha256 != expected["sha256"]:
+            elif record.sha256 != expected["sha256"]:
                 problems.append(f"{path}: corrupted, its SHA-256 differs from the manifest's")
         return problems
+
+
+# Linux names an open file by its descriptor, and the name opens the same file after it was
+# deleted or replaced (elsewhere a held file is reopened by its own name)
+_PROC_FD = Path("/proc/self/fd")
+
+
+class HeldFiles:
+    """A checkpoint's files, each opened once: a load verifies and reads through these handles,
+    so another job deleting the checkpoint meanwhile (its ``keep_last`` retention) cannot take
+    the bytes from under it, and a file replaced after the check is not read instead."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._files: dict[str, BinaryIO] = {}
+
+    def open(self, name: str) -> FileRecord:
+        """Open ``name`` (kept until :meth:`close`); its size and SHA-256."""
+        if name not in self._files:
+            self._files[name] = open(self.directory / name, "rb")  # noqa: SIM115 (held open)
+        return record_of_open(self._files[name])
+
+    def path(self, name: str) -> Path:
+        """A path that opens ``name`` as held (by descriptor where the platform allows)."""
+        held = self._files.get(name)
+        if held is not None and _PROC_FD.is_dir():
+            return _PROC_FD / str(held.fileno())
+        return self.directory / name
+
+    def close(self) -> None:
+        for held in self._files.values():
+            held.close()
+        self._files.clear()
 
 
 class ShardReader:
     """Reads element ranges of parameters from a checkpoint's rank files, lazily: only the
     bytes asked for are read (``safetensors`` slices over a memory map)."""
 
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, held: HeldFiles | None = None):
         self.manifest = manifest
+        self.held = held  # files opened (and verified) before: read through them
         self._open: dict[str, safe_open] = {}
 
     def _handle(self, name: str) -> safe_open:
         if name not in self._open:
             from safetensors import safe_open
 
-            self._open[name] = safe_open(str(self.manifest.directory / name), framework="pt")
+            path = self.held.path(name) if self.held else self.manifest.directory / name
+            self._open[name] = safe_open(str(path), framework="pt")
         return self._open[name]
 
     def read(
