@@ -388,6 +388,8 @@ def test_damaged_checkpoints_are_refused_before_anything_changes(tmp_path):
     import json
     import shutil
 
+    from zerotrain.checkpoint.manifest import manifest_checksum
+
     intact = tmp_path / "cases" / "intact"
     run_distributed(_save_intact, 2, str(intact))
     manifest = json.loads((intact / "t" / "manifest.json").read_text())
@@ -409,7 +411,10 @@ def test_damaged_checkpoints_are_refused_before_anything_changes(tmp_path):
     gap = variant("gap") / "manifest.json"  # a rank's segment of a parameter went missing
     edited = json.loads(gap.read_text())
     edited["params"][0]["segments"].pop()
+    edited["checksum"] = manifest_checksum(edited)  # as a faulty writer would commit it
     gap.write_text(json.dumps(edited))
+    retouched = variant("edited") / "manifest.json"  # edited by hand after the commit
+    retouched.write_text(json.dumps({**json.loads(retouched.read_text()), "global_steps": 99}))
 
     messages, unchanged, kept, nothing, warned, exported = run_distributed(
         _damaged_loads, 1, str(tmp_path / "cases")
@@ -421,9 +426,10 @@ def test_damaged_checkpoints_are_refused_before_anything_changes(tmp_path):
     assert shard1 in messages["missing"] and "missing" in messages["missing"]
     assert "incomplete" in messages["unfinished"]
     assert f"{manifest['params'][0]['name']}: its segments do not cover it" in messages["gap"]
+    assert "manifest.json: edited or corrupted" in messages["edited"]
     assert "another model" in messages["awkward"] and "'up.weight'" in messages["awkward"]
     assert "blocks.0.up.weight" in messages["narrow"] and "[13, 7]" in messages["narrow"]
-    assert kept == ["global_step2", "global_step3", "latest"]
+    assert kept == ["global_step2", "global_step3", "latest", "zerotrain.lock"]  # the job's claim
     assert nothing == (None, None) and any("no such checkpoint directory" in w for w in warned)
     assert exported  # save_16bit_model: the bf16 weights, every key
 

@@ -416,7 +416,7 @@ def test_save_twice_latest_tag_validation_and_failed_write(tmp_path):
     load_checkpoint does, not the newer commit); different
     tags under tag_validation Fail raise on every rank, also when one rank's tag is not a valid
     name; a write that fails on rank 1 makes every rank raise a CheckpointError naming rank 1,
-    commits nothing, and leaves the previous checkpoints loadable."""
+    commits nothing, removes what it wrote, and leaves the previous checkpoints loadable."""
     import json
 
     from zerotrain.checkpoint import scan
@@ -442,7 +442,12 @@ def test_save_twice_latest_tag_validation_and_failed_write(tmp_path):
             assert "rank 1: OSError" in message and "No space left" in message, (rank, message)
             assert "rank 0" not in message, message  # rank 0 wrote its files
     status = {s.tag: s for s in scan(root)}
-    assert status["t"].complete and status["u"].complete and not status["broken"].complete
+    assert status["t"].complete and status["u"].complete
+    # the failed saves took their files with them (issue 42: a full disk stays full otherwise):
+    # the new tag's directory is gone, the committed tag holds its own files only
+    assert "broken" not in status and not (root / "broken").exists()
+    listed = sorted(["manifest.json", *manifest["files"]])
+    assert sorted(p.name for p in (root / "t").iterdir()) == listed
     assert json.loads((root / "t" / "manifest.json").read_text())["save_id"] == manifest["save_id"]
 
     loaded = results[0]["loaded"]

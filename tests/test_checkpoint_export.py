@@ -27,6 +27,7 @@ from zerotrain.checkpoint import (
     inspect_checkpoints,
     load_consolidated,
 )
+from zerotrain.checkpoint.manifest import manifest_checksum
 from zerotrain.cli.arguments import size_argument
 
 WORLD, STAGE, MICRO = 2, 3, 2
@@ -204,6 +205,7 @@ def _damaged_copy(save_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     shutil.copytree(copy / "global_step2", corrupt)
     manifest = json.loads((corrupt / "manifest.json").read_text())
     manifest["commit_time"] += 1  # the newest commit; latest still names global_step2
+    manifest["checksum"] = manifest_checksum(manifest)  # as its save committed it
     (corrupt / "manifest.json").write_text(json.dumps(manifest))
     rank_file = corrupt / manifest["roles"]["shard"][1]
     data = bytearray(rank_file.read_bytes())

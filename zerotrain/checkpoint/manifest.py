@@ -39,6 +39,7 @@ plain containers and are loaded with ``weights_only=True``; ``client_state.pt`` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -132,6 +133,12 @@ class Manifest:
                 f"{path}: checkpoint format version {data.get('version')}, this zerotrain reads "
                 f"versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
+        if "checksum" in data and data["checksum"] != manifest_checksum(data):
+            raise CheckpointError(
+                f"{path}: edited or corrupted, its checksum does not match its contents (a "
+                "manifest is written once, by the save that commits it); load another tag, or "
+                "restore the file"
+            )
         try:
             return cls(data, path)
         except (KeyError, TypeError, ValueError) as exc:
@@ -217,6 +224,14 @@ class Manifest:
 # Linux names an open file by its descriptor, and the name opens the same file after it was
 # deleted or replaced (elsewhere a held file is reopened by its own name)
 _PROC_FD = Path("/proc/self/fd")
+
+
+def manifest_checksum(data: dict) -> str:
+    """The SHA-256 of a manifest's contents besides its own ``checksum`` (canonical JSON):
+    written with it, checked when it is read (manifests without one, before 2026-12, are
+    read unchecked)."""
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 class HeldFiles:

@@ -1,7 +1,8 @@
 """``engine.save_checkpoint``: every rank writes its shard in parallel, rank 0 commits.
 
 The sequence (see [Note: checkpoint layout] in manifest.py):
-1. ranks agree on the tag and a fresh save id (one collective);
+1. ranks agree on the tag and a fresh save id, and rank 0 claims the directory for this job
+   (see [Note: one job per save directory] in owner.py; one collective);
 2. each rank writes and fsyncs its files, hashing them as they are written;
 3. the ranks exchange what they wrote, or the error that stopped them (one collective): if any
    rank failed, every rank raises and nothing is committed;
@@ -14,6 +15,7 @@ invisible to ``load_checkpoint(tag=None)``; the survivors' collectives time out 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -40,8 +42,10 @@ from zerotrain.checkpoint.manifest import (
     MANIFEST,
     VERSION,
     CheckpointError,
+    manifest_checksum,
     scan,
 )
+from zerotrain.checkpoint.owner import claim
 from zerotrain.checkpoint.rng import capture_rng_state
 from zerotrain.comm.split import split_of
 from zerotrain.errors import ZeroTrainError
@@ -83,8 +87,14 @@ def save_checkpoint(
             "boundary)",
             stacklevel=3,
         )
-    save_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
     directory = Path(save_dir) / tag
+    # one job per save directory: rank 0 claims it ([Note: one job per save directory]), and
+    # says whether the tag's directory is new (a failed save removes it again)
+    refused = claim(Path(save_dir)) if comm.rank == 0 else None
+    ours = (uuid.uuid4().hex[:12], refused, not directory.exists())
+    save_id, refused, new_directory = comm.all_gather_object(ours)[0]
+    if refused is not None:
+        raise CheckpointError(f"save_checkpoint: {refused}; nothing was saved")
 
     error, written = None, {}
     try:
@@ -97,6 +107,8 @@ def save_checkpoint(
     reports = comm.all_gather_object((error, written))
     failures = [e for e, _ in reports if e is not None]
     if failures:
+        if comm.rank == 0:
+            _remove_partial(directory, save_id, new_directory)
         raise _not_saved(directory, failures)
 
     outcome = None
@@ -107,8 +119,28 @@ def save_checkpoint(
             outcome = f"rank 0 could not commit: {type(exc).__name__}: {exc}"
     outcome = comm.all_gather_object(outcome)[0]
     if outcome is not None:
+        if comm.rank == 0 and _committed_id(directory) != save_id:
+            _remove_partial(directory, save_id, new_directory)
         raise _not_saved(directory, [outcome])
     return directory
+
+
+def _remove_partial(directory: Path, save_id: str, new_directory: bool) -> None:
+    """A failed save's files (and its directory, if the save made it), so that a disk it
+    filled does not stay full; an earlier save of the tag keeps its own."""
+    for path in directory.glob(f"{save_id}-*"):
+        path.unlink(missing_ok=True)
+    if new_directory:
+        with contextlib.suppress(OSError):  # not empty: something else is in it
+            directory.rmdir()
+
+
+def _committed_id(directory: Path) -> str | None:
+    """The save id of the manifest in ``directory`` (None: none is readable)."""
+    try:
+        return json.loads((directory / MANIFEST).read_text())["save_id"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _not_saved(directory: Path, problems: list[str]) -> CheckpointError:
@@ -338,6 +370,7 @@ def _commit(
             for name, rec in w["files"].items()
         },
     }
+    manifest["checksum"] = manifest_checksum(manifest)  # an edited manifest is detected
     fsync_dir(directory)
     commit_text(directory / MANIFEST, json.dumps(manifest, indent=1))
     if latest:
