@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from zerotrain.checkpoint.owner import LOCK, Owner, _release, _start_time, claim, this_process
+from zerotrain.accelerator import process_start_time
+from zerotrain.checkpoint.owner import LOCK, Owner, _release, claim, this_process
 
 DEAD_PID = 2**22 + 1  # above Linux's pid_max: no process has it
 
@@ -62,7 +63,7 @@ def test_a_stale_claim_or_this_jobs_is_taken_over(tmp_path):
     # a reused pid: alive, but a process started at another time
     reused = _owner(started="1", job="old")
     (tmp_path / LOCK).write_text(json.dumps(dataclasses.asdict(reused)))
-    assert _start_time(os.getpid()) != "1"
+    assert process_start_time(os.getpid()) != "1"
     assert claim(tmp_path, me) is None
     # an elastic restart: new processes of the same job
     restarted = _owner(job="new", pid=DEAD_PID, host="elsewhere")

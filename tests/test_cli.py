@@ -35,6 +35,7 @@ def test_single_node_defaults_to_standalone_and_one_process_without_cuda():
         "--standalone",
         "--nproc-per-node",
         "1",
+        "--",  # the end of torchrun's options: what follows is the script's
         "train.py",
         "--steps",
         "3",
@@ -87,7 +88,7 @@ def test_multi_node_options_pass_through_in_order_without_standalone():
     ]
     script = ["train.py", "--lr", "-1", "--nnodes", "5"]
     launch = plan(["--nproc-per-node", "8", *launcher, *script], cuda_devices=8)
-    assert launch.argv == [*TORCHRUN, "--nproc-per-node", "8", *launcher, *script]
+    assert launch.argv == [*TORCHRUN, "--nproc-per-node", "8", *launcher, "--", *script]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +103,7 @@ def test_multi_node_options_pass_through_in_order_without_standalone():
 def test_rendezvous_options_replace_standalone(launcher):
     launch = plan([*launcher, "train.py"])
     assert launch.argv.count("--standalone") == launcher.count("--standalone")
-    assert launch.argv[len(TORCHRUN) + 2 :] == [*launcher, "train.py"]
+    assert launch.argv[len(TORCHRUN) + 2 :] == [*launcher, "--", "train.py"]
 
 
 def test_torchrun_environment_variables_count_as_options():
@@ -114,7 +115,20 @@ def test_torchrun_environment_variables_count_as_options():
 def test_nproc_spellings():
     for launcher in (["--nproc_per_node", "3"], ["--nproc-per-node=3"], ["--nproc_per_node=3"]):
         launch = plan([*launcher, "train.py"])
-        assert launch.argv == [*TORCHRUN, "--standalone", "--nproc-per-node", "3", "train.py"]
+        assert launch.argv == [*TORCHRUN, "--standalone", "--nproc-per-node", "3", "--", "train.py"]
+
+
+def test_a_script_argument_abbreviating_torchrun_options_stays_the_scripts():
+    """Issue 42: `--log` abbreviates torchrun's --log-dir and --logs-specs, and torchrun's
+    parser stopped on it; the script's arguments now follow a `--`."""
+    from torch.distributed.run import parse_args
+
+    launch = plan(["train.py", "--log", "run.txt"])
+    parsed = parse_args(launch.torchrun_argv)
+    assert (parsed.training_script, parsed.training_script_args) == (
+        "train.py",
+        ["--log", "run.txt"],
+    )
 
 
 def test_arguments_after_the_script_belong_to_the_script():
@@ -130,6 +144,7 @@ def test_double_dash_ends_the_launcher_options():
         "--standalone",
         "--nproc-per-node",
         "2",
+        "--",
         "train.py",
         "--x",
     ]
@@ -142,6 +157,7 @@ def test_module_mode_passes_through():
         "--nproc-per-node",
         "1",
         "-m",
+        "--",
         "my_package.train",
         "--epochs",
         "1",
@@ -181,7 +197,7 @@ def test_dry_run_prints_the_command_with_its_environment(monkeypatch, capsys):
     assert status == 0
     assert capsys.readouterr().out == (
         f"OMP_NUM_THREADS=2 {sys.executable} -m torch.distributed.run --standalone "
-        "--nproc-per-node 2 train.py --name 'a b'\n"
+        "--nproc-per-node 2 -- train.py --name 'a b'\n"
     )
 
 
@@ -189,6 +205,7 @@ def test_deepspeed_compat_starts_each_rank_through_the_alias():
     launch = plan(["--deepspeed-compat", "--nproc-per-node", "2", "train.py", "--lr", "1"])
     assert launch.argv[len(TORCHRUN) + 3 :] == [
         "-m",
+        "--",
         "zerotrain.compat",
         "train.py",
         "--lr",
@@ -197,6 +214,7 @@ def test_deepspeed_compat_starts_each_rank_through_the_alias():
     shadow = plan(["--deepspeed-compat=shadow", "train.py"])
     assert shadow.argv[len(TORCHRUN) + 3 :] == [
         "-m",
+        "--",
         "zerotrain.compat",
         "--shadow-deepspeed",
         "train.py",
@@ -211,7 +229,7 @@ def test_require_resume_reaches_the_engine_through_its_environment_variable():
 
     required = plan(["--require-resume", "--nproc-per-node", "1", "train.py", "--resume"])
     assert required.env_overrides == {REQUIRE_RESUME_ENV: "1"}
-    assert required.argv[-3:] == ["1", "train.py", "--resume"]  # not passed to torchrun
+    assert required.argv[-4:] == ["1", "--", "train.py", "--resume"]  # not passed to torchrun
     assert REQUIRE_RESUME_ENV not in plan(["train.py"]).env_overrides
 
 

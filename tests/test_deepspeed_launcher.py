@@ -15,7 +15,7 @@ from zerotrain.cli import LaunchError
 from zerotrain.launcher import constants, runner
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-RANK_RUNNER = ["-m", "zerotrain.compat", "--local-rank-arg"]
+RANK_RUNNER = ["-m", "--", "zerotrain.compat", "--local-rank-arg"]
 
 
 @pytest.fixture(autouse=True)
@@ -88,10 +88,10 @@ def test_master_port_is_a_static_rendezvous_on_this_node():
 def test_module_no_local_rank_and_rank_logs():
     launch = plan(["--module", "--no_local_rank", "--enable_each_rank_log", "logs", "pkg.train"])
     tail = launch.torchrun_argv[launch.torchrun_argv.index("--log-dir") :]
-    expected = ["--log-dir", "logs", "--redirects", "3", "--module", *RANK_RUNNER[:2]]
+    expected = ["--log-dir", "logs", "--redirects", "3", "--module", *RANK_RUNNER[:3]]
     assert tail == [*expected, "-m", "pkg.train"]  # the runner imports the module
     program = plan(["--no_python", "--no_local_rank", "/bin/echo", "hi"])
-    assert program.argv[-3:] == ["--no-python", "/bin/echo", "hi"]  # no alias in a program
+    assert program.argv[-4:] == ["--no-python", "--", "/bin/echo", "hi"]  # no alias in a program
 
 
 def test_a_one_host_hostfile_runs_here_with_its_slots(tmp_path):
@@ -170,7 +170,7 @@ def test_without_cuda_include_is_refused_and_the_command_reaches_the_cli(capsys)
     assert cli.main(["deepspeed", "-H", "none", "--num_gpus", "2", "--dry-run", "train.py"]) == 0
     printed = capsys.readouterr().out
     assert "torch.distributed.run --standalone --nproc-per-node 2" in printed
-    assert "-m zerotrain.compat --local-rank-arg train.py" in printed
+    assert "-m -- zerotrain.compat --local-rank-arg train.py" in printed
     assert cli.main(["deepspeed", "-H", "none", "--autotuning", "run", "train.py"]) == 2
     assert "--autotuning is not supported" in capsys.readouterr().err
 
@@ -189,7 +189,7 @@ def test_compat_runner_passes_local_rank_and_runs_modules(tmp_path):
         "import sys, deepspeed; print(sys.argv[1:], deepspeed.__name__)"
     )
     done = subprocess.run(
-        [sys.executable, *RANK_RUNNER, "-m", "show", "--x", "1"],
+        [sys.executable, "-m", *RANK_RUNNER[2:], "-m", "show", "--x", "1"],  # as a rank runs it
         capture_output=True,
         text=True,
         timeout=120,

@@ -427,6 +427,26 @@ def test_dataloader_drop_last() -> None:
         assert [len(batch[0]) for batch in loader] == sizes
 
 
+def test_a_dataset_that_yields_no_batch_is_named() -> None:
+    """Issue 42: an empty dataset (or one smaller than a batch, with drop_last) was accepted
+    without a word, and a training loop over it did nothing."""
+    for samples, drop_last in ((0, False), (1, True)):
+        data = TensorDataset(torch.arange(float(samples)))
+        with pytest.warns(UserWarning, match=f"training_data has {samples} samples, so the") as got:
+            zerotrain.initialize(
+                model=nn.Linear(1, 1),
+                training_data=data,
+                config=_config(0, dataloader_drop_last=drop_last),
+            )
+        assert got[0].filename == __file__  # points at the caller's initialize
+        assert ("dataloader_drop_last" in str(got[0].message)) == drop_last
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dataset with a batch: not a word
+        zerotrain.initialize(
+            model=nn.Linear(1, 1), training_data=TensorDataset(torch.arange(2.0)), config=_config(0)
+        )
+
+
 def offload_on_cpu_and_comm_dtype():
     out = {}
     for key, extra in {

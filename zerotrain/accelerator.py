@@ -548,3 +548,14 @@ def set_accelerator(accelerator: Accelerator) -> None:
     """Use ``accelerator`` from now on (DeepSpeed's name; e.g. the CPU on a GPU machine)."""
     global _accelerator
     _accelerator = accelerator
+
+
+def process_start_time(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks since boot (None: no such process, or no
+    /proc): with the pid it names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # field 22; the name before may hold spaces

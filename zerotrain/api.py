@@ -313,7 +313,7 @@ def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate
     sampler = ResumableDistributedSampler(
         training_data, comm.world_size, comm.rank, shuffle=True, seed=seed
     )
-    return ResumableDataLoader(
+    loader = ResumableDataLoader(
         training_data,
         batch_size=cfg.train_micro_batch_size_per_gpu,
         sampler=sampler,
@@ -323,3 +323,15 @@ def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate
         # generator, which a resumed run must find where the checkpoint left it (dropout)
         generator=torch.Generator().manual_seed(seed),
     )
+    if hasattr(training_data, "__len__") and len(loader) == 0 and comm.rank == 0:
+        dropped = (
+            ", the last partial batch dropped (dataloader_drop_last)" * cfg.dataloader_drop_last
+        )
+        warnings.warn(
+            f"initialize: training_data has {len(training_data)} samples, so the dataloader "
+            f"yields no batch (micro-batch {cfg.train_micro_batch_size_per_gpu} on each of "
+            f"{comm.world_size} data-parallel ranks{dropped}): a training loop over it does "
+            "nothing; check the dataset",
+            stacklevel=3,  # initialize's caller
+        )
+    return loader

@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from zerotrain.accelerator import process_start_time
+
 LOCK = "zerotrain.lock"
 JOB_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")  # the first set names the job
 
@@ -44,7 +46,7 @@ class Owner:
 
     def gone(self) -> bool:
         """Whether its process has ended (only known on this host)."""
-        return self.host == socket.gethostname() and _start_time(self.pid) != self.started
+        return self.host == socket.gethostname() and process_start_time(self.pid) != self.started
 
     def describe(self) -> str:
         job = f"job {self.job}, " if self.job else ""
@@ -55,7 +57,7 @@ class Owner:
 def this_process() -> Owner:
     job = next((os.environ[k] for k in JOB_ENV if os.environ.get(k, "none") != "none"), None)
     pid = os.getpid()
-    return Owner(socket.gethostname(), pid, _start_time(pid), job, time.time())
+    return Owner(socket.gethostname(), pid, process_start_time(pid), job, time.time())
 
 
 def claim(save_dir: Path, me: Owner | None = None) -> str | None:
@@ -104,13 +106,3 @@ def _release(lock: Path, me: Owner) -> None:
     owner = _read(lock)
     if owner is not None and (owner.host, owner.pid) == (me.host, me.pid):
         lock.unlink(missing_ok=True)
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (None: no such process, or no
-    /proc): with the pid, it names one process even after the pid is reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]  # field 22; the name before may hold spaces

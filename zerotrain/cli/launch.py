@@ -10,7 +10,9 @@ it would take ``2`` as the script), so the ``run`` arguments are split by hand: 
 the first positional that is not an option's value is a launcher option, the first positional is
 the script, and everything after it belongs to the script. Which options take a value is read
 from torchrun's own parser, so options that torchrun adds later pass through as well. The
-launcher options we do not own are then validated by torchrun's parser and forwarded unchanged.
+launcher options we do not own are then validated by torchrun's parser and forwarded unchanged,
+followed by ``--`` and the script: torchrun's parser would otherwise read a script argument that
+abbreviates several of its options (``--log``) as its own, and stop.
 """
 
 from __future__ import annotations
@@ -348,12 +350,16 @@ def plan_launch(
         raise LaunchError(
             f"zerotrain run: {_COMPAT} runs SCRIPT in Python; --no-python runs a program"
         )
+    if not own.compat and local_rank_argument:
+        raise LaunchError(f"zerotrain run: --local_rank=N is passed only with {_COMPAT}")
+    argv += ["-m"] * bool(own.compat)  # each rank runs the module zerotrain.compat
+    # the end of torchrun's options: a script argument that abbreviates several of them
+    # (--log: --log-dir or --logs-specs) would otherwise stop torchrun's parser
+    argv.append("--")
     if own.compat:  # each rank: python -m zerotrain.compat SCRIPT (activates, then runs it)
-        argv += ["-m", "zerotrain.compat", *(["--shadow-deepspeed"] * (own.compat == "shadow"))]
+        argv += ["zerotrain.compat", *(["--shadow-deepspeed"] * (own.compat == "shadow"))]
         argv += ["--local-rank-arg"] * local_rank_argument
         argv += ["-m"] * bool(parsed.module)  # SCRIPT is a module: the runner imports it
-    elif local_rank_argument:
-        raise LaunchError(f"zerotrain run: --local_rank=N is passed only with {_COMPAT}")
     argv += [script, *script_args]
     endpoint = None
     if has_rendezvous:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import warnings
 from pathlib import Path
 
 import torch
 
+from zerotrain.accelerator import process_start_time
 from zerotrain.config import ConfigError
 from zerotrain.fmt import quantity
 
@@ -99,29 +102,96 @@ def check_disk(
                 "a lower ratio (keeps more of the optimizer state on the device)",
             )
         )
+        held = others_files(directory)
+        others = (
+            f" Working files of other running processes are there: {'; '.join(held)}."
+            if held
+            else ""
+        )
         raise ConfigError(
             f"zero_optimization.{key}.nvme_path: {directory} has {gib(free)} free, but each "
             f"rank's working file needs {gib(needed)} ({what}), x {local_ranks} rank(s) on this "
-            f"node = {gib(total)}. Options: a path on a larger disk, {lower}, or more nodes"
+            f"node = {gib(total)}.{others} Options: a path on a larger disk, {lower}, or more "
+            "nodes"
         )
 
 
 _files = 0  # working files this process created (their names must differ)
+_working: set[Path] = set()  # their paths, removed on SIGTERM (see _remove_on_sigterm)
 
 
 def working_file(directory: Path, kind: str) -> Path:
-    """A new working file's path: its name carries the pid (see :func:`remove_stale_files`)."""
+    """A new working file's path: its name carries the pid and the process's start time, which
+    together name this process even after its pid is reused (see :func:`remove_stale_files`).
+    The file is removed if the process is ended by SIGTERM (a scheduler's cancel)."""
     global _files
     _files += 1
-    return directory / f"zerotrain-{os.getpid()}-{kind}-{_files}.swap"
+    pid = os.getpid()
+    path = directory / f"zerotrain-{pid}-{process_start_time(pid) or 0}-{kind}-{_files}.swap"
+    _working.add(path)
+    _remove_on_sigterm()
+    return path
+
+
+def _remove_on_sigterm() -> None:
+    """SIGTERM's default ends the process without exit hooks, leaving the working files to
+    fill the disk for the next job: remove them first. A handler the program installed itself
+    is left alone (it decides how the process ends, and its exit runs the hooks)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may install handlers
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    for path in _working:
+        path.unlink(missing_ok=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # ended by the signal, as it would have been
 
 
 def remove_stale_files(directory: Path) -> None:
-    """Remove working files left by processes of this node that no longer run (a kill -9)."""
+    """Remove working files left by processes of this node that no longer run (a kill -9): a
+    name's pid with another start time is another process."""
     for path in directory.glob("zerotrain-*.swap"):
-        try:
-            pid = int(path.name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+        owner = _owner_of(path)
+        if owner is not None and owner[0] != os.getpid() and not _running(*owner):
             path.unlink(missing_ok=True)
+
+
+def _owner_of(path: Path) -> tuple[int, str | None] | None:
+    """The pid and start time a working file's name carries (start time None: a name from
+    before 2026-12, the pid alone); None: not a working file's name."""
+    parts = path.name.split("-")
+    try:
+        pid = int(parts[1])
+    except (IndexError, ValueError):
+        return None
+    start = parts[2] if len(parts) > 4 and parts[2].isdigit() else None
+    return pid, start
+
+
+def _running(pid: int, start: str | None) -> bool:
+    """Whether the process a working file names still runs (without /proc: assumed so)."""
+    if not os.path.isdir("/proc/self"):
+        return True
+    started = process_start_time(pid)
+    if started is None:
+        return False
+    return start in (None, "0") or started == start  # "0": its start time was unknown
+
+
+def others_files(directory: Path) -> list[str]:
+    """The working files under ``directory`` that other running processes hold, each as
+    "path (size, pid N)": what a refusal for lack of space names."""
+    found = []
+    for path in sorted(directory.glob("zerotrain-*.swap")):
+        owner = _owner_of(path)
+        if owner is None or owner[0] == os.getpid():
+            continue
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        found.append(f"{path} ({gib(size)}, pid {owner[0]})")
+    return found
