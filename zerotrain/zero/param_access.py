@@ -2,8 +2,8 @@
 shard groups keep them. DeepSpeed's ``safe_get_full_fp32_param`` family
 (zerotrain/utils/tensor_fragment.py) reads and writes one parameter's master, gradient or
 optimizer state, whole (collective) or this rank's elements; ``GatheredParameters``
-(zero/gathered_parameters.py) makes parameters whole outside a forward and takes a modifier's values
-back. A ZeroOptimizer records one :class:`ParamAccess` on each parameter it trains.
+(zero/gathered_parameters.py) makes parameters whole outside a forward and takes a modifier's
+values back. A ZeroOptimizer records one :class:`ParamAccess` on each parameter it trains.
 """
 
 from __future__ import annotations
