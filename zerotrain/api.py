@@ -324,9 +324,9 @@ def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate
         generator=torch.Generator().manual_seed(seed),
     )
     if hasattr(training_data, "__len__") and len(loader) == 0 and comm.rank == 0:
-        dropped = (
-            ", the last partial batch dropped (dataloader_drop_last)" * cfg.dataloader_drop_last
-        )
+        dropped = ""
+        if cfg.dataloader_drop_last:
+            dropped = ", the last partial batch dropped (dataloader_drop_last)"
         warnings.warn(
             f"initialize: training_data has {len(training_data)} samples, so the dataloader "
             f"yields no batch (micro-batch {cfg.train_micro_batch_size_per_gpu} on each of "

@@ -157,7 +157,8 @@ def _check(
     where = manifest.path
     zero = engine.optimizer
     problems = []
-    model = trained_shapes(zero)
+    split = split_params(zero)
+    model = trained_shapes(zero, split)
     saved = {name: record.shape for name, record in manifest.params.items()}
     missing = [n for n in model if n not in saved]
     # where ranks hold different layers (pipeline stages) or experts, the entries this rank
@@ -214,7 +215,6 @@ def _check(
             "cannot be loaded yet; let them train (requires_grad), or load into the model "
             "without tensor parallelism"
         )
-    split = split_params(zero)
     ranks = {
         seg[0]
         for name, start, end in held_ranges(zero)

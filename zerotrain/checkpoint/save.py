@@ -44,6 +44,7 @@ from zerotrain.checkpoint.manifest import (
     CheckpointError,
     manifest_checksum,
     scan,
+    status_of,
 )
 from zerotrain.checkpoint.owner import claim
 from zerotrain.checkpoint.rng import capture_rng_state
@@ -119,7 +120,7 @@ def save_checkpoint(
             outcome = f"rank 0 could not commit: {type(exc).__name__}: {exc}"
     outcome = comm.all_gather_object(outcome)[0]
     if outcome is not None:
-        if comm.rank == 0 and _committed_id(directory) != save_id:
+        if comm.rank == 0 and not _committed(directory, save_id):
             _remove_partial(directory, save_id, new_directory)
         raise _not_saved(directory, [outcome])
     return directory
@@ -135,12 +136,10 @@ def _remove_partial(directory: Path, save_id: str, new_directory: bool) -> None:
             directory.rmdir()
 
 
-def _committed_id(directory: Path) -> str | None:
-    """The save id of the manifest in ``directory`` (None: none is readable)."""
-    try:
-        return json.loads((directory / MANIFEST).read_text())["save_id"]
-    except (OSError, ValueError, KeyError):
-        return None
+def _committed(directory: Path, save_id: str) -> bool:
+    """Whether ``directory``'s manifest is the save ``save_id``'s (its commit happened)."""
+    manifest = status_of(directory).manifest
+    return manifest is not None and manifest["save_id"] == save_id
 
 
 def _not_saved(directory: Path, problems: list[str]) -> CheckpointError:

@@ -21,7 +21,7 @@ def full_masters(groups: list[ShardGroup]) -> dict[int, torch.Tensor]:
 
 def trained_names(groups: list[ShardGroup]) -> dict[int, str]:
     """``id(param) -> name`` of every trained parameter (tied ones under one name)."""
-    return {id(s.param): s.name for g in groups for b in g.buckets for s in b.slots}
+    return {k: v for g in groups for k, v in g.trained_names().items()}
 
 
 def untrained_comm(groups: list[ShardGroup]) -> Communicator:

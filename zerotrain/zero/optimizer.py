@@ -72,8 +72,12 @@ class ZeroOptimizer:
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
         self.overflow = False  # the last step was skipped for a non-finite gradient
+
+        def loss_scale() -> float:  # read at each use: dynamic fp16 scaling changes it
+            return self.loss_scaler.scale
+
         # what every parameter's owner offers (safe_get/set, GatheredParameters)
-        self.access = ParamAccess(self.comm, lambda: self.loss_scaler.scale)
+        self.access = ParamAccess(self.comm, loss_scale)
         self.groups: list[ShardGroup] = [
             build_shard_group(
                 model,
@@ -82,7 +86,7 @@ class ZeroOptimizer:
                 opts,
                 owner=self.access,
                 frozen=frozen,
-                loss_scale=lambda: self.loss_scaler.scale,
+                loss_scale=loss_scale,
             )
             for opts, groups, frozen in specs
         ]

@@ -28,9 +28,9 @@ def split_params(zero: ZeroOptimizer) -> dict[str, Split]:
     return {s.name: split for s in zero.slots() if (split := split_of(s.param)) is not None}
 
 
-def trained_shapes(zero: ZeroOptimizer) -> dict[str, tuple[int, ...]]:
-    """Every trained parameter's whole shape, by name (a split one's before the split)."""
-    split = split_params(zero)
+def trained_shapes(zero: ZeroOptimizer, split: dict[str, Split]) -> dict[str, tuple[int, ...]]:
+    """Every trained parameter's whole shape, by name (a parameter of ``split``, from
+    :func:`split_params`: before the split)."""
     return {
         s.name: tuple(split[s.name].whole_shape(s.shape) if s.name in split else s.shape)
         for s in zero.slots()
