@@ -291,7 +291,15 @@ def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
         "f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} threads "
         "{os.environ['OMP_NUM_THREADS']} args {sys.argv[1:]}\")\n"
         "if '--config-error' in sys.argv:\n"
-        "    import zerotrain\n"
+        "    import time, zerotrain\n"
+        # both ranks raise together: one that is still importing when the other has
+        # failed is stopped by torchrun, and the report then names only the first
+        "    here = pathlib.Path(__file__).with_name('imported' + os.environ['RANK'])\n"
+        "    here.touch()\n"
+        "    other = here.with_name('imported' + str(1 - int(os.environ['RANK'])))\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not other.exists() and time.monotonic() < deadline:\n"
+        "        time.sleep(0.001)\n"
         "    raise zerotrain.ConfigError('zero_optimization.stage: must be between 0 and 3')\n"
         "sys.exit(3 if '--fail' in sys.argv and os.environ['RANK'] == '1' else 0)\n"
     )
