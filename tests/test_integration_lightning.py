@@ -366,3 +366,57 @@ def gpt2_trainer_export(root: str) -> dict:
 def test_lightning_trainer_gpt2_at_zero3_exports_a_plain_model(tmp_path):
     for got in run_distributed(gpt2_trainer_export, 2, str(tmp_path), timeout=300):
         assert got["stage"] == 3 and got["moved"] and got["equal"]
+
+
+def test_both_strategies_wait_zerotrain_s_timeout_for_a_stalled_rank(monkeypatch):
+    from datetime import timedelta
+
+    from zerotrain.comm import DEFAULT_TIMEOUT
+    from zerotrain.integrations.lightning.fabric import ZeroTrainStrategy as FabricStrategy
+    from zerotrain.integrations.lightning.trainer import ZeroTrainStrategy as TrainerStrategy
+
+    for strategy in (FabricStrategy, TrainerStrategy):
+        assert strategy(stage=1)._timeout == DEFAULT_TIMEOUT < timedelta(minutes=30)
+        assert strategy(stage=1, timeout=timedelta(hours=2))._timeout == timedelta(hours=2)
+    monkeypatch.setenv("ZEROTRAIN_TIMEOUT", "0.1")
+    assert FabricStrategy(stage=1)._timeout == timedelta(seconds=6)
+
+
+STALLED_SCRIPT = """
+import os, time, torch
+from lightning.fabric import Fabric
+from zerotrain.integrations.lightning.fabric import ZeroTrainStrategy
+
+fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroTrainStrategy(stage=2))
+fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+if fabric.global_rank == 1:
+    time.sleep(120)  # stalls: never joins the gradient reduction
+loss = model(torch.ones(2, 8)).sum()
+fabric.backward(loss)
+"""
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_under_fabric_fails_the_others_after_zerotrain_s_timeout(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED_SCRIPT)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), ZEROTRAIN_TIMEOUT="0.1")  # 6 seconds
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,  # Lightning's own 30 minutes would end it here
+    )
+    assert run.returncode != 0 and time.monotonic() - started < 100
+    assert "rank 0" in run.stderr and "timed out" in run.stderr.lower(), run.stderr[-3000:]

@@ -47,6 +47,7 @@ from zerotrain.comm.log import CommsLog
 from zerotrain.comm.mesh import Mesh
 from zerotrain.comm.setup import (
     DEFAULT_TIMEOUT,
+    default_timeout,
     destroy_distributed,
     init_distributed,
     is_initialized,
@@ -72,6 +73,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object_list",
+    "default_timeout",
     "destroy_distributed",
     "destroy_process_group",
     "gather",

@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from zerotrain.accelerator import get_accelerator, usable_cpus
 
-DEFAULT_TIMEOUT = timedelta(minutes=30)
-"""DeepSpeed's default. Every collective zerotrain issues fails after this long, naming itself."""
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""How long a collective waits for a silent peer before it fails, naming itself. Torch's NCCL
+default; DeepSpeed and Lightning wait 30 minutes, which a stalled rank costs every other rank.
+``ZEROTRAIN_TIMEOUT`` (minutes; else DeepSpeed's ``DEEPSPEED_TIMEOUT``) overrides it."""
 
 # Where each launcher leaves rank, world size and local rank. torchrun first: it is what
 # `zerotrain run` uses; SLURM's srun and MPI launchers (Open MPI, MPICH/Intel MPI) follow.
@@ -47,6 +49,22 @@ _exit_hook_registered = False
 # (garbage collection differs between ranks) while ending a group concerns every rank: one rank
 # closing early would leave its peers waiting out the collective timeout. A script that wants it
 # gone sooner calls zerotrain.comm.destroy_process_group() on every rank.
+
+
+def default_timeout() -> timedelta:
+    """:data:`DEFAULT_TIMEOUT`, or the minutes ``ZEROTRAIN_TIMEOUT`` / ``DEEPSPEED_TIMEOUT`` set."""
+    for name in ("ZEROTRAIN_TIMEOUT", "DEEPSPEED_TIMEOUT"):
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        try:
+            minutes = float(value)
+        except ValueError:
+            minutes = -1.0
+        if not minutes > 0:
+            raise ValueError(f"{name}={value!r}: expected a positive number of minutes")
+        return timedelta(minutes=minutes)
+    return DEFAULT_TIMEOUT
 
 
 def collective_timeout() -> timedelta | None:
@@ -81,7 +99,7 @@ def init_distributed(
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
     verbose: bool = True,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config: Any = None,
@@ -94,8 +112,8 @@ def init_distributed(
     names one. Rank and world size come from the arguments, else from the launcher's
     environment (torchrun, SLURM, MPI), else a single process on this machine; under SLURM or
     MPI with ``MASTER_ADDR`` set and no ``MASTER_PORT``, ``distributed_port`` is the port.
-    ``timeout`` bounds every collective: a rank that dies or stalls makes the others raise an
-    error naming the operation instead of hanging. ``dist_init_required=False`` only checks
+    ``timeout`` bounds every collective (default :func:`default_timeout`): a rank that dies or
+    stalls makes the others raise an error naming the operation instead of hanging. ``dist_init_required=False`` only checks
     that a group exists. ``auto_mpi_discovery`` is accepted: MPI variables are always read.
     ``config`` is accepted for DeepSpeed's signature: zerotrain applies a config's
     `comms_logger` section per engine, in ``initialize``. ``verbose``: rank 0 prints a line.
@@ -141,6 +159,7 @@ def init_distributed(
     if backend == "nccl":  # CUDA only: bind this process to its GPU before NCCL starts
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     global _timeout, _made_group, _exit_hook_registered
+    timeout = timeout or default_timeout()
     dist.init_process_group(
         backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import zerotrain
+from zerotrain.comm import default_timeout
 from zerotrain.config import ConfigError
 
 CHECKPOINT_TAG = "checkpoint"  # the tag of the checkpoint inside a Lightning checkpoint path
@@ -100,7 +101,10 @@ class Configured:
         **ddp_options: Any,
     ):
         """``config``: a zerotrain (DeepSpeed-style) config dict or JSON path; ``stage`` and the
-        offload switches fill in its ``zero_optimization`` where the config leaves them out."""
+        offload switches fill in its ``zero_optimization`` where the config leaves them out.
+        The collective timeout is zerotrain's (:func:`zerotrain.comm.default_timeout`), not
+        Lightning's 30 minutes, unless ``timeout=`` is passed."""
+        ddp_options.setdefault("timeout", default_timeout())
         super().__init__(**ddp_options)
         self.config = strategy_config(config, stage, offload_optimizer, offload_parameters)
 
