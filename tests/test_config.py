@@ -238,6 +238,8 @@ def test_defaults_match_deepspeed() -> None:
         "checkpoint": {
             "tag_validation": "Warn",
             "keep_last": 0,
+            "async_save": False,  # zerotrain's
+            "async_save_pending": "wait",  # zerotrain's
             "require_resume": False,  # zerotrain's
             "load_universal": False,
             "use_node_local_storage": False,

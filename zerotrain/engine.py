@@ -17,10 +17,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from zerotrain.backward import BackwardState, MicroStepBackward
+from zerotrain.checkpoint.background import CheckpointWriter
 from zerotrain.checkpoint.files import write_state_dict
 from zerotrain.checkpoint.load import REQUIRE_RESUME_ENV, LoadOptions, load_checkpoint
 from zerotrain.checkpoint.protocol import ModelLayout
-from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
 from zerotrain.engine_queries import DeepSpeedQueries
@@ -93,6 +93,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self._profiling_step = False  # the current step's forward was profiled
         self._profiled = False  # once per run
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._checkpoints = CheckpointWriter(comm)  # and the asynchronous save in flight
         self._backward = MicroStepBackward(
             optimizer,
             optimizer.trained_params(),
@@ -590,9 +591,10 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
-    ) -> Path:
+        async_save: bool | None = None,
+    ) -> Path | None:
         """Save the whole training state under ``save_dir/tag`` (collective: every rank calls
-        it, and writes its own shard in parallel).
+        it, and writes its own shard in parallel); returns the checkpoint's directory.
 
         Saved: model weights (fp32 masters), optimizer states, LR scheduler, loss scaler,
         engine counters, every rank's RNG states and the position of the engine's dataloader.
@@ -604,10 +606,33 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         failed to write (nothing is committed then). ``exclude_frozen_parameters`` leaves the
         frozen parameters out (a LoRA checkpoint then holds only what trains); loading such a
         checkpoint keeps the model's own frozen values.
+
+        ``async_save`` (default: the config's ``checkpoint.async_save``) returns once the state
+        is copied into host memory; a background thread writes and commits it, and the next
+        save, a load or :meth:`wait_for_checkpoint` waits for it and raises its error, if any.
+        With ``checkpoint.async_save_pending: skip`` a save while the previous one is still
+        being written is skipped (returns None). See docs/checkpoints.md.
         """
-        return save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        if async_save is None:
+            async_save = self.zerotrain_config.checkpoint.async_save
+        return self._checkpoints.save(
+            self,
+            save_dir,
+            tag,
+            client_state,
+            save_latest,
+            exclude_frozen_parameters,
+            async_save,
         )
+
+    def checkpoint_pending(self) -> bool:
+        """Whether an asynchronous save is still being written or committed on this rank."""
+        return self._checkpoints.pending()
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait until the asynchronous save in flight is committed; its directory (None when
+        there was none). Raises its ``CheckpointError`` if it failed."""
+        return self._checkpoints.wait()
 
     def load_checkpoint(
         self,
@@ -651,6 +676,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             require_resume=self.zerotrain_config.checkpoint.require_resume
             or os.environ.get(REQUIRE_RESUME_ENV, "") not in ("", "0"),
         )
+        self._checkpoints.wait()  # a save of this engine in flight is committed first
         return load_checkpoint(self, load_dir, tag, options)
 
     def training_counters(self) -> dict[str, Any]:

@@ -127,6 +127,15 @@ def write_torch(path: Path, obj: object) -> FileRecord:
     return record_of(path)
 
 
+def write_bytes(path: Path, data: bytes) -> FileRecord:
+    """``data`` to ``path``, fsynced; return the file's record."""
+    with open(path, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    return FileRecord(len(data), hashlib.sha256(data).hexdigest())
+
+
 def write_state_dict(path: Path, state: dict[str, torch.Tensor]) -> None:
     """A state dict to ``path`` (safetensors for a ``.safetensors`` name, else ``torch.save``),
     written under a temporary name, fsynced and renamed: never a half-written model file."""

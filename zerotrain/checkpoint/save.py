@@ -22,6 +22,7 @@ import shutil
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from zerotrain.checkpoint.files import (
     commit_text,
     fsync_dir,
     tensor_entry,
+    write_bytes,
     write_safetensors,
     write_torch,
 )
@@ -65,8 +67,58 @@ _log = logging.getLogger("zerotrain")
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
+    from zerotrain.comm import Communicator
 
 MODULE_PREFIX = "module/"  # untrained entries of a later pipeline stage, in its shard file
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """One save as the ranks agreed on it, before anything is written."""
+
+    directory: Path
+    tag: str
+    save_id: str
+    new_directory: bool  # the save made the tag's directory (a failed one removes it again)
+    latest: bool
+    keep_last: int
+    header: dict | None  # rank 0: the manifest's fields read from the engine at the save's step
+
+
+@dataclass(frozen=True)
+class PendingFile:
+    """One file a rank saves: a safetensors file of ``tensors``, else ``torch.save(obj)``, or
+    ``data``, those bytes already serialized (a snapshot's)."""
+
+    role: str
+    suffix: str  # the file's name after the save id
+    tensors: list[TensorEntry] | None = None
+    obj: object = None
+    data: bytes | None = None
+
+    def write(self, path: Path) -> FileRecord:
+        if self.tensors is not None:
+            return write_safetensors(path, self.tensors)
+        if self.data is not None:
+            return write_bytes(path, self.data)
+        return write_torch(path, self.obj)
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """What one rank saves: its files, not yet written, and its part of the manifest."""
+
+    files: list[PendingFile]
+    report: dict
+
+    def write(self, directory: Path, save_id: str) -> dict:
+        """Write every file under ``directory``; the report the commit reads."""
+        records, roles = {}, {}
+        for file in self.files:
+            name = f"{save_id}-{file.suffix}"
+            records[name] = file.write(directory / name)
+            roles[file.role] = name
+        return {**self.report, "files": records, "roles": roles}
 
 
 def save_checkpoint(
@@ -79,6 +131,16 @@ def save_checkpoint(
 ) -> Path:
     """Save ``engine``'s full training state under ``save_dir/tag`` (collective); returns the
     checkpoint directory. See :meth:`ZeroTrainEngine.save_checkpoint`."""
+    job = begin_save(engine, save_dir, tag, save_latest)
+    error, files = rank_files(engine, client_state, exclude_frozen_parameters)
+    error, written = write_files(engine.comm.rank, job, files, error)
+    return commit_save(engine.comm, job, error, written)
+
+
+def begin_save(
+    engine: TrainingState, save_dir: str | Path, tag: str | None, save_latest: bool
+) -> SaveJob:
+    """Agree on the tag and a fresh save id, claim the directory for this job (collective)."""
     comm = engine.comm
     tag = _agreed_tag(engine, tag, save_dir)
     if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
@@ -86,7 +148,7 @@ def save_checkpoint(
             "save_checkpoint: called in the middle of a gradient accumulation; the gradients "
             "accumulated since the last step are not saved (save after engine.step() at a "
             "boundary)",
-            stacklevel=3,
+            stacklevel=4,
         )
     directory = Path(save_dir) / tag
     # one job per save directory: rank 0 claims it ([Note: one job per save directory]), and
@@ -96,44 +158,74 @@ def save_checkpoint(
     save_id, refused, new_directory = comm.all_gather_object(ours)[0]
     if refused is not None:
         raise CheckpointError(f"save_checkpoint: {refused}; nothing was saved")
+    return SaveJob(
+        directory,
+        tag,
+        save_id,
+        new_directory,
+        save_latest,
+        engine.zerotrain_config.checkpoint.keep_last,
+        _manifest_header(engine) if comm.rank == 0 else None,
+    )
 
-    error, written = None, {}
+
+def rank_files(
+    engine: TrainingState, client_state: dict | None, exclude_frozen: bool
+) -> tuple[str | None, RankFiles | None]:
+    """This rank's files (collective where stage 3 partitions frozen parameters), or the error
+    that stopped it: every rank must reach the exchange in :func:`commit_save`."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        written = _write_rank_files(
-            engine, directory, save_id, client_state, exclude_frozen_parameters
-        )
-    except Exception as exc:  # every rank must reach the exchange below, or the others hang
-        error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+        return None, _rank_files(engine, client_state, exclude_frozen)
+    except Exception as exc:
+        return f"rank {engine.comm.rank}: {type(exc).__name__}: {exc}", None
+
+
+def write_files(
+    rank: int, job: SaveJob, files: RankFiles | None, error: str | None
+) -> tuple[str | None, dict]:
+    """Write this rank's files (unless an error came first); ``(error, report)``."""
+    if error is not None:
+        return error, {}
+    assert files is not None
+    try:
+        job.directory.mkdir(parents=True, exist_ok=True)
+        return None, files.write(job.directory, job.save_id)
+    except Exception as exc:  # every rank must reach the exchange, or the others hang
+        return f"rank {rank}: {type(exc).__name__}: {exc}", {}
+
+
+def commit_save(comm: Communicator, job: SaveJob, error: str | None, written: dict) -> Path:
+    """The ranks exchange what they wrote; rank 0 commits; all return or all raise (two
+    collectives over ``comm``)."""
     reports = comm.all_gather_object((error, written))
     failures = [e for e, _ in reports if e is not None]
     if failures:
         if comm.rank == 0:
-            _remove_partial(directory, save_id, new_directory)
-        raise _not_saved(directory, failures)
+            _remove_partial(job)
+        raise _not_saved(job.directory, failures)
 
     outcome = None
     if comm.rank == 0:
         try:
-            _commit(engine, directory, tag, save_id, [w for _, w in reports], save_latest)
+            _commit(job, [w for _, w in reports])
         except Exception as exc:
             outcome = f"rank 0 could not commit: {type(exc).__name__}: {exc}"
     outcome = comm.all_gather_object(outcome)[0]
     if outcome is not None:
-        if comm.rank == 0 and not _committed(directory, save_id):
-            _remove_partial(directory, save_id, new_directory)
-        raise _not_saved(directory, [outcome])
-    return directory
+        if comm.rank == 0 and not _committed(job.directory, job.save_id):
+            _remove_partial(job)
+        raise _not_saved(job.directory, [outcome])
+    return job.directory
 
 
-def _remove_partial(directory: Path, save_id: str, new_directory: bool) -> None:
+def _remove_partial(job: SaveJob) -> None:
     """A failed save's files (and its directory, if the save made it), so that a disk it
     filled does not stay full; an earlier save of the tag keeps its own."""
-    for path in directory.glob(f"{save_id}-*"):
+    for path in job.directory.glob(f"{job.save_id}-*"):
         path.unlink(missing_ok=True)
-    if new_directory:
+    if job.new_directory:
         with contextlib.suppress(OSError):  # not empty: something else is in it
-            directory.rmdir()
+            job.directory.rmdir()
 
 
 def _committed(directory: Path, save_id: str) -> bool:
@@ -193,15 +285,11 @@ def _agreed_tag(engine: TrainingState, tag: str | None, save_dir: str | Path | N
 
 
 # -- what each rank writes -----------------------------------------------------------------------
-def _write_rank_files(
-    engine: TrainingState,
-    directory: Path,
-    save_id: str,
-    client_state: dict | None,
-    exclude_frozen: bool,
-) -> dict:
-    """Write this rank's files; returns ``{"files": {name: record}, "roles": ..., "segments":
-    [(param name, start, end)]}`` for the manifest."""
+def _rank_files(
+    engine: TrainingState, client_state: dict | None, exclude_frozen: bool
+) -> RankFiles:
+    """This rank's files and its report for the manifest (``"segments"``: [(param name,
+    start, end)], its parameter records and module keys)."""
     rank = engine.comm.rank
     zero = engine.optimizer
     tp_rank = engine.layout.split_rank
@@ -224,30 +312,24 @@ def _write_rank_files(
     if stage_module:
         entries += [tensor_entry(f"{MODULE_PREFIX}{key}", t) for key, t in untrained.items()]
 
-    files: dict[str, FileRecord] = {}
-    roles: dict[str, str] = {}
-
-    def put(role: str, suffix: str, write) -> None:
-        name = f"{save_id}-{suffix}"
-        files[name] = write(directory / name)
-        roles[role] = name
-
-    put("shard", f"rank{rank:05d}.safetensors", lambda p: write_safetensors(p, entries))
     rank_state = {
         "rng": capture_rng_state(),
         # each shard group's codec (error feedback, factors) and step extensions (exact resume)
         "groups": group_states(zero),
     }
-    put("rank_state", f"rank{rank:05d}.pt", lambda p: write_torch(p, rank_state))
+    files = [
+        PendingFile("shard", f"rank{rank:05d}.safetensors", tensors=entries),
+        PendingFile("rank_state", f"rank{rank:05d}.pt", obj=rank_state),
+    ]
     if rank == 0:
         module_entries = [tensor_entry(key, t) for key, t in untrained.items()]
-        put("module", "module.safetensors", lambda p: write_safetensors(p, module_entries))
-        put("engine", "engine.pt", lambda p: write_torch(p, _engine_state(engine)))
+        files += [
+            PendingFile("module", "module.safetensors", tensors=module_entries),
+            PendingFile("engine", "engine.pt", obj=_engine_state(engine)),
+        ]
         if client_state is not None:
-            put("client_state", "client_state.pt", lambda p: write_torch(p, client_state))
-    return {
-        "files": files,
-        "roles": roles,
+            files.append(PendingFile("client_state", "client_state.pt", obj=client_state))
+    report = {
         "segments": segments,
         "tp_rank": tp_rank,
         # what the manifest lists of this rank's part of the model (every stage's, merged)
@@ -257,6 +339,7 @@ def _write_rank_files(
         else None,
         "module_in_shard": stage_module,
     }
+    return RankFiles(files, report)
 
 
 def _module_report(engine: TrainingState, untrained: dict, excluded: bool) -> dict:
@@ -299,15 +382,25 @@ def _engine_state(engine: TrainingState) -> dict:
 
 
 # -- the commit (rank 0) -------------------------------------------------------------------------
-def _commit(
-    engine: TrainingState,
-    directory: Path,
-    tag: str,
-    save_id: str,
-    written: list[dict],
-    latest: bool,
-):
+def _manifest_header(engine: TrainingState) -> dict:
+    """The manifest's fields read from the engine: taken when the save starts (an asynchronous
+    save commits steps later)."""
     zero = engine.optimizer
+    return {
+        "world_size": engine.world_size,
+        "stage": zero.policy.stage,
+        "precision": zero.precision.name,
+        "optimizer": optimizer_name(zero),  # the groups step one kind of optimizer
+        "optimizer_state_keys": state_keys(zero),
+        "optimizer_groups": len(zero.param_groups),  # empty ones too
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+    }
+
+
+def _commit(job: SaveJob, written: list[dict]) -> None:
+    assert job.header is not None  # rank 0's
+    directory = job.directory
     segments: dict[str, list[list[int]]] = {}
     for rank, report in enumerate(written):
         for name, start, end in report["segments"]:
@@ -338,17 +431,10 @@ def _commit(
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "tag": tag,
-        "save_id": save_id,
+        "tag": job.tag,
+        "save_id": job.save_id,
         "commit_time": time.time(),
-        "world_size": engine.world_size,
-        "stage": zero.policy.stage,
-        "precision": zero.precision.name,
-        "optimizer": optimizer_name(zero),  # the groups step one kind of optimizer
-        "optimizer_state_keys": state_keys(zero),
-        "optimizer_groups": len(zero.param_groups),  # empty ones too
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
+        **job.header,
         "params": list(records.values()),
         "tp_ranks": tp_ranks,
         "module_keys": module_keys,
@@ -372,14 +458,14 @@ def _commit(
     manifest["checksum"] = manifest_checksum(manifest)  # an edited manifest is detected
     fsync_dir(directory)
     commit_text(directory / MANIFEST, json.dumps(manifest, indent=1))
-    if latest:
-        commit_text(directory.parent / LATEST, tag)
+    if job.latest:
+        commit_text(directory.parent / LATEST, job.tag)
     try:  # housekeeping: the checkpoint is committed whatever happens here
         _remove_stale_files(directory, set(manifest["files"]))
-        _apply_retention(directory, engine.zerotrain_config.checkpoint.keep_last)
+        _apply_retention(directory, job.keep_last)
     except OSError as exc:
         warnings.warn(
-            f"save_checkpoint: {directory} saved, but cleaning up failed: {exc}", stacklevel=4
+            f"save_checkpoint: {directory} saved, but cleaning up failed: {exc}", stacklevel=5
         )
 
 

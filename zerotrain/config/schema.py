@@ -142,6 +142,14 @@ class CheckpointConfig(Section):
     keep_last: NonNegativeInt = 0
     """Keep only the newest this many complete checkpoints in the save directory; older ones
     are deleted after a newer one is committed. 0 keeps all. (A zerotrain key.)"""
+    async_save: bool = False
+    """`save_checkpoint` returns once each rank's shards are copied into host memory; a
+    background thread writes and commits them (the step after a save does not wait for the
+    disk). `save_checkpoint(..., async_save=...)` decides per call. See docs/checkpoints.md.
+    (A zerotrain key.)"""
+    async_save_pending: Literal["wait", "skip"] = "wait"
+    """An asynchronous save while the previous one is still being written: `wait` for it, or
+    `skip` this save with a warning. (A zerotrain key.)"""
     require_resume: bool = False
     """`load_checkpoint` with `tag=None` raises `CheckpointError` on every rank when it finds no
     checkpoint to load (a path that does not exist, an empty folder, only incomplete saves),
