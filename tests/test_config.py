@@ -240,6 +240,12 @@ def test_defaults_match_deepspeed() -> None:
             "keep_last": 0,
             "async_save": False,  # zerotrain's
             "async_save_pending": "wait",  # zerotrain's
+            "in_memory_snapshots": {  # zerotrain's
+                "enabled": False,
+                "every_steps": 1,
+                "keep": 2,
+                "path": "/dev/shm/zerotrain",
+            },
             "require_resume": False,  # zerotrain's
             "load_universal": False,
             "use_node_local_storage": False,

@@ -19,7 +19,7 @@ from torch import nn
 from zerotrain.backward import BackwardState, MicroStepBackward
 from zerotrain.checkpoint.background import CheckpointWriter
 from zerotrain.checkpoint.files import write_state_dict
-from zerotrain.checkpoint.load import REQUIRE_RESUME_ENV, LoadOptions, load_checkpoint
+from zerotrain.checkpoint.load import REQUIRE_RESUME_ENV, LoadOptions
 from zerotrain.checkpoint.protocol import ModelLayout
 from zerotrain.comm import Communicator, get_world_group, local_rank
 from zerotrain.config import OffloadDeviceEnum, OffloadStateTypeEnum, ZeroTrainConfig
@@ -93,7 +93,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         self._profiling_step = False  # the current step's forward was profiled
         self._profiled = False  # once per run
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
-        self._checkpoints = CheckpointWriter(comm)  # and the asynchronous save in flight
+        # saves, the asynchronous one in flight, in-memory snapshots
+        self._checkpoints = CheckpointWriter(comm, config.checkpoint)
         self._backward = MicroStepBackward(
             optimizer,
             optimizer.trained_params(),
@@ -365,6 +366,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self._checkpoints.after_step(self)
             self.metrics.add_time("step", time.perf_counter() - start)
             self._end_of_step(lr)
         self.micro_steps += 1
@@ -676,8 +678,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             require_resume=self.zerotrain_config.checkpoint.require_resume
             or os.environ.get(REQUIRE_RESUME_ENV, "") not in ("", "0"),
         )
-        self._checkpoints.wait()  # a save of this engine in flight is committed first
-        return load_checkpoint(self, load_dir, tag, options)
+        return self._checkpoints.load(self, load_dir, tag, options)
 
     def training_counters(self) -> dict[str, Any]:
         """The counters a checkpoint saves (see zerotrain/checkpoint/protocol.py)."""

@@ -40,6 +40,7 @@ import torch
 
 from zerotrain.accelerator import available_host_memory
 from zerotrain.checkpoint.files import TensorEntry
+from zerotrain.checkpoint.load import LoadOptions, load_checkpoint
 from zerotrain.checkpoint.manifest import CheckpointError
 from zerotrain.checkpoint.save import (
     PendingFile,
@@ -50,20 +51,25 @@ from zerotrain.checkpoint.save import (
     rank_files,
     write_files,
 )
+from zerotrain.checkpoint.snapshots import InMemorySnapshots
 from zerotrain.comm import Communicator
 from zerotrain.zero.host import gib, local_ranks
 
 if TYPE_CHECKING:
     from zerotrain.checkpoint.protocol import TrainingState
+    from zerotrain.config.schema import CheckpointConfig
 
 _HEADROOM = 1 << 30  # host memory left free after a snapshot: the process goes on allocating
 
 
 class CheckpointWriter:
-    """An engine's saves: synchronous ones, and at most one asynchronous save in flight."""
+    """An engine's saves and loads: synchronous saves, at most one asynchronous save in flight,
+    and the in-memory snapshots (snapshots.py) when configured."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, config: CheckpointConfig):
         self._comm = comm
+        snapshots = config.in_memory_snapshots
+        self.snapshots = InMemorySnapshots(comm, snapshots) if snapshots.enabled else None
         self._own: Communicator | None = None  # the background exchange's group (made once)
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # host copies, reused
         self._thread: threading.Thread | None = None
@@ -116,6 +122,23 @@ class CheckpointWriter:
         )
         self._thread.start()
         return job.directory
+
+    def after_step(self, engine: TrainingState) -> None:
+        """At the end of each optimizer step: an in-memory snapshot when one is due."""
+        if self.snapshots is not None:
+            self.snapshots.after_step(engine)
+
+    def load(
+        self, engine: TrainingState, load_dir: str | Path, tag: str | None, options: LoadOptions
+    ) -> tuple[str | None, dict | None]:
+        """See :meth:`ZeroTrainEngine.load_checkpoint`: after the save in flight is committed,
+        from the newest in-memory snapshot where it is at least as new as ``load_dir``'s."""
+        self.wait()
+        if tag is None and self.snapshots is not None:
+            found = self.snapshots.recover(Path(load_dir))
+            if found is not None:
+                return load_checkpoint(engine, found.parent, found.name, options)
+        return load_checkpoint(engine, load_dir, tag, options)
 
     def pending(self) -> bool:
         """Whether an asynchronous save is still being written or committed on this rank."""

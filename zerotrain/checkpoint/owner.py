@@ -54,10 +54,14 @@ class Owner:
         return f"{job}pid {self.pid} on {self.host}, since {claimed}"
 
 
+def job_id() -> str | None:
+    """This job's id: torchrun's run id or SLURM's job id (the same after a restart)."""
+    return next((os.environ[k] for k in JOB_ENV if os.environ.get(k, "none") != "none"), None)
+
+
 def this_process() -> Owner:
-    job = next((os.environ[k] for k in JOB_ENV if os.environ.get(k, "none") != "none"), None)
     pid = os.getpid()
-    return Owner(socket.gethostname(), pid, process_start_time(pid), job, time.time())
+    return Owner(socket.gethostname(), pid, process_start_time(pid), job_id(), time.time())
 
 
 def claim(save_dir: Path, me: Owner | None = None) -> str | None:

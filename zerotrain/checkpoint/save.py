@@ -111,6 +111,10 @@ class RankFiles:
     files: list[PendingFile]
     report: dict
 
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(e.nbytes for f in self.files if f.tensors is not None for e in f.tensors)
+
     def write(self, directory: Path, save_id: str) -> dict:
         """Write every file under ``directory``; the report the commit reads."""
         records, roles = {}, {}
@@ -165,7 +169,7 @@ def begin_save(
         new_directory,
         save_latest,
         engine.zerotrain_config.checkpoint.keep_last,
-        _manifest_header(engine) if comm.rank == 0 else None,
+        manifest_header(engine) if comm.rank == 0 else None,
     )
 
 
@@ -382,7 +386,7 @@ def _engine_state(engine: TrainingState) -> dict:
 
 
 # -- the commit (rank 0) -------------------------------------------------------------------------
-def _manifest_header(engine: TrainingState) -> dict:
+def manifest_header(engine: TrainingState) -> dict:
     """The manifest's fields read from the engine: taken when the save starts (an asynchronous
     save commits steps later)."""
     zero = engine.optimizer
@@ -399,8 +403,24 @@ def _manifest_header(engine: TrainingState) -> dict:
 
 
 def _commit(job: SaveJob, written: list[dict]) -> None:
-    assert job.header is not None  # rank 0's
+    manifest = build_manifest(job, written)
     directory = job.directory
+    fsync_dir(directory)
+    commit_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+    if job.latest:
+        commit_text(directory.parent / LATEST, job.tag)
+    try:  # housekeeping: the checkpoint is committed whatever happens here
+        remove_stale_files(directory, set(manifest["files"]))
+        apply_retention(directory, job.keep_last)
+    except OSError as exc:
+        warnings.warn(
+            f"save_checkpoint: {directory} saved, but cleaning up failed: {exc}", stacklevel=5
+        )
+
+
+def build_manifest(job: SaveJob, written: list[dict]) -> dict[str, Any]:
+    """The manifest of a save from every rank's report (rank 0), checksummed."""
+    assert job.header is not None  # rank 0's
     segments: dict[str, list[list[int]]] = {}
     for rank, report in enumerate(written):
         for name, start, end in report["segments"]:
@@ -456,27 +476,17 @@ def _commit(job: SaveJob, written: list[dict]) -> None:
         },
     }
     manifest["checksum"] = manifest_checksum(manifest)  # an edited manifest is detected
-    fsync_dir(directory)
-    commit_text(directory / MANIFEST, json.dumps(manifest, indent=1))
-    if job.latest:
-        commit_text(directory.parent / LATEST, job.tag)
-    try:  # housekeeping: the checkpoint is committed whatever happens here
-        _remove_stale_files(directory, set(manifest["files"]))
-        _apply_retention(directory, job.keep_last)
-    except OSError as exc:
-        warnings.warn(
-            f"save_checkpoint: {directory} saved, but cleaning up failed: {exc}", stacklevel=5
-        )
+    return manifest
 
 
-def _remove_stale_files(directory: Path, keep: set[str]) -> None:
+def remove_stale_files(directory: Path, keep: set[str]) -> None:
     """Files of earlier or failed saves to this tag."""
     for stale in directory.iterdir():
         if stale.is_file() and stale.name != MANIFEST and stale.name not in keep:
             stale.unlink(missing_ok=True)
 
 
-def _apply_retention(directory: Path, keep_last: int) -> None:
+def apply_retention(directory: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints (0: keep all)."""
     if not keep_last:
         return

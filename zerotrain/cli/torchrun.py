@@ -48,6 +48,11 @@ def run_torchrun(torchrun_argv: Sequence[str], env_overrides: Mapping[str, str])
 
     os.environ.update(env_overrides)
     os.environ[LAUNCHED_ENV] = "1"  # the ranks report their ZeroTrainErrors to us
+    # A store per rendezvous round: with the agents' shared store, workers of a restarted round
+    # read the previous round's addresses when the agents' restart counts differ (the agent
+    # whose worker died counts a restart, the others a membership change), and their process
+    # group never starts (pytorch#135712; tests/test_elastic_recovery.py).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = parse_args(list(torchrun_argv))
     if not args.max_restarts:  # with restarts, the agent's lines are the only record of an attempt
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailedLines())

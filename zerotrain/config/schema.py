@@ -128,6 +128,23 @@ class DataTypesConfig(Section):
     DeepSpeed's names (`float32`, `bfloat16`, `half`...) are accepted."""
 
 
+class InMemorySnapshotsConfig(Section):
+    """`checkpoint.in_memory_snapshots`: every `every_steps` steps each rank keeps the training
+    state in host shared memory that outlives its process, and a copy of it on a rank of another
+    node; after a restart (torchrun's elastic agent, `zerotrain run --max-restarts N`),
+    `load_checkpoint` resumes from the newest complete snapshot when it is newer than the disk's
+    checkpoint, at any new world size. See docs/checkpoints.md. (A zerotrain section.)"""
+
+    enabled: bool = False
+    every_steps: PositiveInt = 1
+    """Take a snapshot at every this many optimizer steps."""
+    keep: PositiveInt = 2
+    """Snapshots kept per node: an older one is there when the newest fails its checksum."""
+    path: str = "/dev/shm/zerotrain"
+    """Where the snapshots live (a memory file system: `/dev/shm`); one folder per job below
+    it. `ZEROTRAIN_SNAPSHOT_DIR` overrides it (emulated nodes on one host each set their own)."""
+
+
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` and `engine.load_checkpoint` behave. Every
     zerotrain checkpoint loads at any world size and ZeRO stage (see docs/checkpoints.md)."""
@@ -150,6 +167,7 @@ class CheckpointConfig(Section):
     async_save_pending: Literal["wait", "skip"] = "wait"
     """An asynchronous save while the previous one is still being written: `wait` for it, or
     `skip` this save with a warning. (A zerotrain key.)"""
+    in_memory_snapshots: InMemorySnapshotsConfig = Field(default_factory=InMemorySnapshotsConfig)
     require_resume: bool = False
     """`load_checkpoint` with `tag=None` raises `CheckpointError` on every rank when it finds no
     checkpoint to load (a path that does not exist, an empty folder, only incomplete saves),
