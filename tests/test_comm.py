@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import pathlib
+import re
 import time
 
 import pytest
@@ -102,8 +104,10 @@ def test_stalled_rank_is_named_by_its_pairwise_peers():
             f"rank {rank} waited 2."
         ), got["message"]
         assert " s for rank 1 to send its piece of the pairwise all_gather: " in got["message"]
-        assert got["message"].endswith("Rank 1 probably died or stalled; check its log.")
-        assert got["seconds"] < 4.5
+        named, _, where = got["message"].partition("\n  where the ranks are")
+        assert named.endswith("Rank 1 probably died or stalled; check its log."), named
+        assert where.startswith(" that have not reached all_gather #2:\n    rank 1 ("), where
+        assert got["seconds"] < 4.5 + 1  # and up to a second reading where rank 1 is
 
 
 def dead_peer():
@@ -129,6 +133,54 @@ def test_dead_rank_gives_error_not_hang():
     assert dead == 3
     assert "all_gather of 32 bytes failed on rank 0 of 2" in survivor
     assert "Rank 1 probably died or stalled" in survivor  # the pairwise peer that died
+
+
+def silent_peers(kind: str):
+    """Ranks 0-1 all-reduce on the world (a backend collective, not a pairwise exchange) while
+    rank 2 is elsewhere: in its own code, waiting in another collective, or dead."""
+    import os
+
+    from zerotrain.comm import CollectiveError, Communicator
+
+    comm = Communicator()
+    pair = comm.split([[0], [1, 2]]) if kind == "deadlock" else None
+    comm.all_reduce(torch.ones(4))
+    if comm.rank == 2:
+        if kind == "stalled":
+            time.sleep(8)
+        elif kind == "deadlock":
+            with contextlib.suppress(CollectiveError):  # rank 1 never joins it
+                pair.broadcast(torch.ones(4), src=1)  # a rank of the default group
+            time.sleep(3)  # its end would break ranks 0-1's collective before it times out
+        else:
+            os._exit(3)
+        return "elsewhere"
+    try:
+        comm.all_reduce(torch.ones(4))
+    except CollectiveError as err:
+        time.sleep(2)  # rank 0 holds the store the other ranks read their peers' records from
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["stalled", "deadlock", "dead"])
+def test_a_backend_collective_names_where_the_silent_peer_is(kind):
+    results = run_distributed(
+        silent_peers, 3, kind, collective_timeout_s=2, timeout=60, may_die=(2,)
+    )
+    for rank in (0, 1):
+        message = results[rank]
+        assert f"all_reduce of 16 bytes failed on rank {rank} of 3" in message, message
+        head, _, where = message.partition("where the ranks are that have not reached ")
+        assert where.startswith("all_reduce #2:\n    rank 2"), message
+        assert "1 other rank(s) reached it" in where
+        if kind == "stalled":
+            assert "its last collective on this group is all_reduce #1, " in where, where
+            assert "it is in its own code, not in a collective: stalled or slow" in where
+        elif kind == "deadlock":
+            assert re.search(r"it is waiting in broadcast #1 on group \S+ for \d", where), where
+        else:
+            assert "no record since this wait began: its process is dead" in where, where
 
 
 def collectives():

@@ -13,7 +13,7 @@ from typing import Literal, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm import pairwise
+from zerotrain.comm import pairwise, progress
 from zerotrain.comm.log import CommsLog
 from zerotrain.comm.setup import collective_timeout
 from zerotrain.errors import ZeroTrainError
@@ -57,12 +57,19 @@ class PendingOp:
     """An asynchronous collective in flight; :meth:`wait` completes it (or raises)."""
 
     def __init__(
-        self, comm: Communicator, name: str, nbytes: int, work, message: tuple | None = None
+        self,
+        comm: Communicator,
+        name: str,
+        nbytes: int,
+        work,
+        message: tuple | None = None,
+        seq: int = 0,
     ):
         self._comm = comm
         self._name = name
         self._nbytes = nbytes
         self._work = work
+        self._seq = seq  # its sequence number on the group ([Note: roll call])
         self._message = message  # its comms-log line, if logged
         self._on_done: Callable[[], object] | None = None
         self._done = False
@@ -77,7 +84,7 @@ class PendingOp:
             return
         start = time.perf_counter()
         if self._work is not None:
-            self._comm._complete(self._name, self._nbytes, self._work.wait)
+            self._comm._complete(self._name, self._nbytes, self._work.wait, self._seq)
         waited = time.perf_counter() - start
         self._comm._record(self._name, 0, waited, calls=0, sent=0, message=self._message)
         self._done = True
@@ -110,6 +117,13 @@ class Communicator:
         # gloo lacks an efficient reduce-scatter / all-gather: see [Note: why pairwise exchange
         # on gloo] in pairwise.py
         self._pairwise = self.distributed and dist.get_backend(group) == "gloo"
+        # how the progress records name this group ([Note: naming the silent peer])
+        self._group_name = ""
+        if self.distributed:
+            self._group_name = (group or dist.distributed_c10d._get_default_group()).group_name
+            timeout = _group_timeout(group, default=None)
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 600.0
+            progress.watch(seconds / 4)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record(
@@ -145,7 +159,13 @@ class Communicator:
             return None
         return self.log.label(name), nbytes
 
-    def _complete(self, name: str, nbytes: int, run: Callable[[], object]) -> object:
+    def _complete(self, name: str, nbytes: int, run: Callable[[], object], seq: int) -> object:
+        """``run()``, this group's collective ``name`` #``seq`` (or its wait), recorded in the
+        progress records; a failure raised as a :class:`CollectiveError` that says where the
+        peers are that did not arrive ([Note: naming the silent peer])."""
+        record = progress.PROGRESS
+        record.wait(self._group_name, name, seq)
+        began = time.time()
         try:
             return run()
         except (RuntimeError, dist.DistBackendError) as err:
@@ -153,15 +173,21 @@ class Communicator:
                 f"{name} of {nbytes} bytes failed on rank {self.rank} of {self.world_size} "
                 f"(collective timeout {_group_timeout(self.group)})"
             )
+            ranks = dist.get_process_group_ranks(
+                self.group or dist.distributed_c10d._get_default_group()
+            )
+            where = progress.silent_peers(self._group_name, ranks, name, seq, began)
             if isinstance(err, pairwise.PeerWaitError):  # the peer is known: name it
                 raise CollectiveError(
                     f"{failed}: rank {self.rank} {err}. Rank {err.peer} probably died or "
-                    "stalled; check its log."
+                    f"stalled; check its log.{where}"
                 ) from err
             raise CollectiveError(
                 f"{failed}: {err}. A peer rank probably died or stalled; "
-                "check the other ranks' logs."
+                f"check the other ranks' logs.{where}"
             ) from err
+        finally:
+            record.done(self._group_name)
 
     @overload
     def issue(
@@ -195,12 +221,13 @@ class Communicator:
         :class:`CollectiveError`. With ``async_op`` returns its :class:`PendingOp`."""
         message = self._message(name, nbytes)
         start = time.perf_counter()
-        work = self._complete(name, nbytes, lambda: launch(async_op))
+        seq = progress.PROGRESS.issue(self._group_name, name)
+        work = self._complete(name, nbytes, lambda: launch(async_op), seq)
         self._record(
             name, nbytes, time.perf_counter() - start, sent=sent, message=message, done=not async_op
         )
         if async_op:
-            return PendingOp(self, name, nbytes, work, message)
+            return PendingOp(self, name, nbytes, work, message, seq)
         return work  # what a synchronous call returns (recv: the sender's rank)
 
     def _collective(
@@ -556,8 +583,9 @@ class Communicator:
         if self.world_size == 1:
             return [obj]
         out: list = [None] * self.world_size
+        seq = progress.PROGRESS.issue(self._group_name, "all_gather_object")
         self._complete(
-            "all_gather_object", 0, lambda: dist.all_gather_object(out, obj, group=self.group)
+            "all_gather_object", 0, lambda: dist.all_gather_object(out, obj, group=self.group), seq
         )
         self._record("all_gather_object", 0, 0.0)
         return out

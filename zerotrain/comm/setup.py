@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.accelerator import get_accelerator, usable_cpus
+from zerotrain.comm import progress
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """How long a collective waits for a silent peer before it fails, naming itself. Torch's NCCL
@@ -165,6 +166,7 @@ def init_distributed(
     )
     _timeout = timeout
     _made_group = weakref.ref(dist.group.WORLD)
+    progress.watch(timeout.total_seconds() / 4)  # a rank stalled before its first collective
     if not _exit_hook_registered:  # once per process, however often a group is made
         atexit.register(_tear_down_at_exit)
         _exit_hook_registered = True
