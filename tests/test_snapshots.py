@@ -168,7 +168,7 @@ def _resume_warned(root: str, nodes: list[int]) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _resume(root, nodes, 0)
-    got["warnings"] = [str(w.message) for w in caught if "snapshots skipped" in str(w.message)]
+    got["warnings"] = [str(w.message) for w in caught if "skipped for an older" in str(w.message)]
     return got
 
 

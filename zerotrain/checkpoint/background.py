@@ -76,6 +76,8 @@ class CheckpointWriter:
         self._job: SaveJob | None = None
         self._failure: CheckpointError | None = None  # a background save's, not yet raised
         _writers.add(self)
+        if config.async_save:  # made now, with the engine, not in the first save's time
+            self._background_comm()
 
     # -- the engine's calls ---------------------------------------------------------------------
     def save(
@@ -134,10 +136,20 @@ class CheckpointWriter:
         """See :meth:`ZeroTrainEngine.load_checkpoint`: after the save in flight is committed,
         from the newest in-memory snapshot where it is at least as new as ``load_dir``'s."""
         self.wait()
-        if tag is None and self.snapshots is not None:
-            found = self.snapshots.recover(Path(load_dir))
-            if found is not None:
+        failed: list[str] = []  # snapshots whose files failed the load's checks
+        while tag is None and self.snapshots is not None:
+            found = self.snapshots.recover(Path(load_dir), skip=failed)
+            if found is None:
+                break
+            try:  # a failed load leaves the engine as it was: an older one can be tried
                 return load_checkpoint(engine, found.parent, found.name, options)
+            except CheckpointError as error:
+                if self._comm.rank == 0:
+                    warnings.warn(
+                        f"in-memory snapshot {found.name} skipped for an older one: {error}",
+                        stacklevel=3,
+                    )
+                failed.append(found.name)
         return load_checkpoint(engine, load_dir, tag, options)
 
     def pending(self) -> bool:

@@ -18,12 +18,13 @@ job's snapshots.
 
 Recovery is ``engine.load_checkpoint(load_dir)`` with ``tag=None`` at the start of the restarted
 script (:meth:`InMemorySnapshots.recover`): the first rank of each node lists the snapshots its
-folder holds and checks every file's SHA-256 against the manifest; the ranks agree on the
-newest snapshot whose files the surviving nodes hold between them (a file that fails its
-checksum counts as missing: that snapshot is skipped, with a warning, for an older one); if it
-is at least as new as the newest complete checkpoint in ``load_dir``, the missing files travel
-to every node that lacks them (one all-to-all), and the ordinary load reads the node's folder,
-resharding to the new world size. Otherwise the disk checkpoint is loaded, as without snapshots.
+folder holds and which of their files are there at their recorded size; the ranks agree on the
+newest snapshot whose files the surviving nodes hold between them; if it is at least as new as
+the newest complete checkpoint in ``load_dir``, the missing files travel to every node that
+lacks them (one all-to-all), and the ordinary load reads the node's folder, checking every
+file's SHA-256 as it does for any checkpoint and resharding to the new world size. A load that
+fails its checks leaves the engine as it was, so the next older snapshot is tried, with a
+warning; without one, the disk checkpoint is loaded, as without snapshots.
 
 A clean exit (no exception) removes the job's folder; a killed job leaves it, and the next
 job that lacks memory for its snapshots names the folders other jobs left.
@@ -39,6 +40,7 @@ import socket
 import sys
 import uuid
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerotrain.accelerator import available_host_memory
-from zerotrain.checkpoint.files import commit_text, fsync_dir, record_of
+from zerotrain.checkpoint.files import commit_text, fsync_dir
 from zerotrain.checkpoint.manifest import MANIFEST, scan, status_of
 from zerotrain.checkpoint.owner import job_id
 from zerotrain.checkpoint.save import (
@@ -226,21 +228,21 @@ class InMemorySnapshots:
         apply_retention(newest, self.keep)
 
     # -- recovering from one --------------------------------------------------------------------
-    def recover(self, load_dir: Path) -> Path | None:
-        """The newest complete snapshot, fetched onto every node, when it is at least as new as
-        ``load_dir``'s newest complete checkpoint (collective); else None."""
+    def recover(self, load_dir: Path, skip: Collection[str] = ()) -> Path | None:
+        """The newest complete snapshot (not in ``skip``), fetched onto every node, when it is
+        at least as new as ``load_dir``'s newest complete checkpoint (collective); else None.
+        Its files are checked by the load that follows (sizes here)."""
         comm = self._comm
         self.nodes()  # collective
-        listing = self._verified() if self._leads() else None
+        listing = self._listing() if self._leads() else None
         disk = _newest_steps(load_dir) if comm.rank == 0 else None
         gathered = comm.all_gather_object((listing, disk))
         disk_steps = gathered[0][1]
         listings = {r: entry[0] for r, entry in enumerate(gathered) if entry[0] is not None}
-        chosen, skipped = _newest_complete(listings)
-        if skipped and comm.rank == 0:
+        chosen, incomplete = _newest_complete(listings, skip)
+        if incomplete and comm.rank == 0:
             warnings.warn(
-                "in-memory snapshots skipped (a file missing on every node or failing its "
-                f"checksum): {', '.join(skipped)}",
+                f"in-memory snapshots skipped (a file missing on every node): {incomplete}",
                 stacklevel=4,
             )
         if chosen is None or (disk_steps is not None and chosen["global_steps"] < disk_steps):
@@ -249,13 +251,11 @@ class InMemorySnapshots:
         # every node gets the files it lacks, each from the first node that holds it
         plan: dict[int, dict[int, list[str]]] = {}  # sender -> receiver -> names
         for leader, entry in listings.items():
-            have = set(entry["snapshots"].get(tag, {}).get("verified", []))
+            have = set(entry.get(tag, {}).get("present", []))
             for name in chosen["files"]:
                 if name not in have:
                     holder = next(
-                        r
-                        for r, e in listings.items()
-                        if name in e["snapshots"].get(tag, {}).get("verified", [])
+                        r for r, e in listings.items() if name in e.get(tag, {}).get("present", [])
                     )
                     plan.setdefault(holder, {}).setdefault(leader, []).append(name)
         directory = self.folder / tag
@@ -277,27 +277,26 @@ class InMemorySnapshots:
             )
         return directory
 
-    def _verified(self) -> dict:
-        """This node's snapshots: each one's manifest (as text) and the files whose SHA-256
-        matches it."""
+    def _listing(self) -> dict:
+        """This node's snapshots: each one's manifest (as text) and the files it holds at their
+        recorded size (their SHA-256 is the load's to check)."""
         snapshots = {}
         for status in scan(self.folder):
             if not status.complete:
                 continue
             manifest = status.manifest
             assert manifest is not None
-            verified = [
-                name
-                for name, record in manifest["files"].items()
-                if _sha256(status.path / name) == record["sha256"]
-            ]
             snapshots[status.tag] = {
                 "global_steps": manifest["global_steps"],
                 "files": sorted(manifest["files"]),
-                "verified": verified,
+                "present": [
+                    name
+                    for name, record in manifest["files"].items()
+                    if _size(status.path / name) == record["bytes"]
+                ],
                 "manifest_text": (status.path / MANIFEST).read_text(),
             }
-        return {"snapshots": snapshots}
+        return snapshots
 
     def remove_at_clean_exit(self) -> None:
         """The job ended well: its snapshots are not needed (a crash keeps them)."""
@@ -344,29 +343,24 @@ def exchange_files(
     return names
 
 
-def _newest_complete(listings: dict[int, dict]) -> tuple[dict | None, list[str]]:
-    """The newest snapshot whose every file some node holds verified, and the newer ones
-    skipped for a missing or corrupt file."""
+def _newest_complete(
+    listings: dict[int, dict], skip: Collection[str]
+) -> tuple[dict | None, list[str]]:
+    """The newest snapshot not in ``skip`` whose every file some node holds, and the newer
+    ones that lack a file on every node."""
     tags: dict[str, dict] = {}
     for entry in listings.values():
-        for tag, snap in entry["snapshots"].items():
-            merged = tags.setdefault(
-                tag,
-                {
-                    "tag": tag,
-                    "global_steps": snap["global_steps"],
-                    "files": snap["files"],
-                    "manifest_text": snap["manifest_text"],
-                    "verified": set(),
-                },
-            )
-            merged["verified"] |= set(snap["verified"])
-    skipped = []
+        for tag, snap in entry.items():
+            merged = tags.setdefault(tag, {**snap, "tag": tag, "present": set()})
+            merged["present"] |= set(snap["present"])
+    incomplete = []
     for snap in sorted(tags.values(), key=lambda s: s["global_steps"], reverse=True):
-        if set(snap["files"]) <= snap["verified"]:
-            return snap, skipped
-        skipped.append(snap["tag"])
-    return None, skipped
+        if snap["tag"] in skip:
+            continue
+        if set(snap["files"]) <= snap["present"]:
+            return snap, incomplete
+        incomplete.append(snap["tag"])
+    return None, incomplete
 
 
 def _newest_steps(load_dir: Path) -> int | None:
@@ -377,9 +371,9 @@ def _newest_steps(load_dir: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def _sha256(path: Path) -> str | None:
+def _size(path: Path) -> int | None:
     try:
-        return record_of(path).sha256
+        return path.stat().st_size
     except OSError:
         return None
 
