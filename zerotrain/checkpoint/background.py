@@ -73,10 +73,11 @@ class CheckpointWriter:
         self._own: Communicator | None = None  # the background exchange's group (made once)
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # host copies, reused
         self._thread: threading.Thread | None = None
-        self._job: SaveJob | None = None
+        self._job: SaveJob | None = None  # the last asynchronous save
+        self._saving = False  # the background job is that save (not a snapshot)
         self._failure: CheckpointError | None = None  # a background save's, not yet raised
         _writers.add(self)
-        if config.async_save:  # made now, with the engine, not in the first save's time
+        if config.async_save or self.snapshots is not None:  # now, not in the first one's time
             self._background_comm()
 
     # -- the engine's calls ---------------------------------------------------------------------
@@ -93,7 +94,7 @@ class CheckpointWriter:
         """See :meth:`ZeroTrainEngine.save_checkpoint`; None when an asynchronous save is
         skipped because the previous one is still being written."""
         if async_save and engine.zerotrain_config.checkpoint.async_save_pending == "skip":
-            busy = self._comm.all_gather_object(self.pending())
+            busy = self._comm.all_gather_object(self.pending() and self._saving)
             if any(busy):
                 warnings.warn(
                     f"save_checkpoint: skipped (tag {tag or engine.global_steps}): the previous "
@@ -115,20 +116,55 @@ class CheckpointWriter:
         written: dict = {}
         if files is not None and snapshot is None:  # did not fit: written now
             error, written = write_files(own.rank, job, files, error)
-        self._job = job
+        self._job, self._saving = job, True
+        self._start(
+            lambda: self._finish(own, job, snapshot, copies, error, written),
+            f"zerotrain-save-{job.tag}",
+        )
+        return job.directory
+
+    def _start(self, work, name: str) -> None:
+        """Run ``work`` on the background thread: one job (a save or a snapshot) at a time, in
+        the same order on every rank, so their collectives on the writer's group pair up."""
         self._thread = threading.Thread(
-            target=self._finish,
-            args=(own, job, snapshot, copies, error, written),
-            name=f"zerotrain-save-{job.tag}",
+            target=work,
+            name=name,
             daemon=True,  # finished by _finish_pending_saves, before the process group ends
         )
         self._thread.start()
-        return job.directory
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
     def after_step(self, engine: TrainingState) -> None:
-        """At the end of each optimizer step: an in-memory snapshot when one is due."""
-        if self.snapshots is not None:
-            self.snapshots.after_step(engine)
+        """At the end of each optimizer step: an in-memory snapshot when one is due, taken as
+        an asynchronous save is (the step waits for the host copy and for the background job
+        before it), written to memory and to the buddy in the background."""
+        snapshots = self.snapshots
+        if snapshots is None or not snapshots.due(engine):
+            return
+        self._join()
+        self._saving = False  # a snapshot runs now: a save in skip mode waits for it
+        job, files, error = snapshots.begin(engine)
+        own = self._background_comm()
+        copies = _SideStreamCopies()
+        snapshot = self._snapshot(files, copies) if files is not None else None
+        written: dict = {}
+        if files is not None and snapshot is None:  # the host copy did not fit: written now
+            error, written = write_files(own.rank, job, files, error)
+
+        def finish() -> None:
+            nonlocal error, written
+            try:
+                if snapshot is not None:
+                    copies.synchronize()
+                    error, written = write_files(own.rank, job, snapshot, error)
+                snapshots.finish(own, job, error, written)
+            except Exception as exc:  # a collective that failed: a peer died or stalled
+                warnings.warn(f"in-memory snapshot {job.tag} was not taken: {exc}", stacklevel=1)
+
+        self._start(finish, f"zerotrain-snapshot-{job.tag}")
 
     def load(
         self, engine: TrainingState, load_dir: str | Path, tag: str | None, options: LoadOptions
@@ -153,20 +189,20 @@ class CheckpointWriter:
         return load_checkpoint(engine, load_dir, tag, options)
 
     def pending(self) -> bool:
-        """Whether an asynchronous save is still being written or committed on this rank."""
+        """Whether an asynchronous save (or snapshot) is still being written or committed on
+        this rank."""
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> Path | None:
         """Wait for the asynchronous save in flight; its directory (None: there was none).
         Raises the ``CheckpointError`` of a background save that failed, once."""
-        thread, job = self._thread, self._job
-        if thread is not None:
-            thread.join()
-            self._thread = None
+        job, self._job = self._job, None
+        self._join()
+        self._thread = None
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
-        return job.directory if job is not None and thread is not None else None
+        return job.directory if job is not None else None
 
     # -- the snapshot ---------------------------------------------------------------------------
     def _snapshot(self, files: RankFiles, copies: _SideStreamCopies) -> RankFiles | None:

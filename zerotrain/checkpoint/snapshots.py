@@ -3,7 +3,9 @@
 [Note: in-memory snapshots]
 With ``checkpoint.in_memory_snapshots.enabled``, every ``every_steps`` optimizer steps each rank
 writes the files a checkpoint of that step holds (:func:`~zerotrain.checkpoint.save.rank_files`,
-the same bytes and checksums) into a memory file system that outlives the process
+the same bytes and checksums; taken as an asynchronous save is, the step waiting only for the
+host copy: :meth:`InMemorySnapshots.begin` in the foreground, :meth:`~InMemorySnapshots.finish`
+on the checkpoint writer's thread) into a memory file system that outlives the process
 (``/dev/shm/zerotrain/<job id>/global_step<N>/``), and sends them to its *buddy*: the rank at
 the same position on the next node (nodes in the order of their first rank, cyclically), which
 writes them into its own node's folder. Rank 0 builds the manifest from every rank's report, as
@@ -52,13 +54,13 @@ from zerotrain.checkpoint.files import commit_text, fsync_dir
 from zerotrain.checkpoint.manifest import MANIFEST, scan, status_of
 from zerotrain.checkpoint.owner import job_id
 from zerotrain.checkpoint.save import (
+    RankFiles,
     SaveJob,
     apply_retention,
     build_manifest,
     manifest_header,
     rank_files,
     remove_stale_files,
-    write_files,
 )
 from zerotrain.config import ConfigError
 from zerotrain.zero.host import gib
@@ -131,13 +133,12 @@ class InMemorySnapshots:
         return self.nodes().leaders[self._comm.rank] == self._comm.rank
 
     # -- taking one -----------------------------------------------------------------------------
-    def after_step(self, engine: TrainingState) -> None:
-        if engine.global_steps % self.every_steps == 0:
-            self.take(engine)
+    def due(self, engine: TrainingState) -> bool:
+        return engine.global_steps % self.every_steps == 0
 
-    def take(self, engine: TrainingState) -> Path | None:
-        """Snapshot the training state at this step (collective); its folder on this node, None
-        when it failed on some rank (a warning says why; training goes on)."""
+    def begin(self, engine: TrainingState) -> tuple[SaveJob, RankFiles | None, str | None]:
+        """The foreground part of a snapshot of this step (collective): the job, this rank's
+        files, or the error that stopped it (every rank still runs :meth:`finish`)."""
         comm = self._comm
         self.nodes()  # learned once, by every rank: collective
         save_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
@@ -154,8 +155,12 @@ class InMemorySnapshots:
         error, files = rank_files(engine, None, exclude_frozen=False)
         if error is None and files is not None:
             error = self._room_for(files.tensor_bytes)
-        error, written = write_files(comm.rank, job, files, error)
-        error = self._send_to_buddy(job, written, error)
+        return job, files, error
+
+    def finish(self, comm: Communicator, job: SaveJob, error: str | None, written: dict) -> None:
+        """The rest, on the writer's thread and its group (``comm``: the same ranks): the copy
+        to the buddy, the exchange of reports, the commit on every node; a failure warns."""
+        error = self._send_to_buddy(comm, job, written, error)
         reports = comm.all_gather_object((error, written))
         failures = [e for e, _ in reports if e is not None]
         manifest = None
@@ -163,21 +168,20 @@ class InMemorySnapshots:
             manifest = build_manifest(job, [w for _, w in reports])
         manifest = comm.all_gather_object(manifest)[0]
         if manifest is None:
-            for path in job.directory.glob(f"{save_id}-*"):
+            for path in job.directory.glob(f"{job.save_id}-*"):
                 path.unlink(missing_ok=True)
             if comm.rank == 0:
                 warnings.warn(
-                    f"in-memory snapshot {tag} was not taken (training goes on):\n  "
+                    f"in-memory snapshot {job.tag} was not taken (training goes on):\n  "
                     + "\n  ".join(failures),
-                    stacklevel=3,
+                    stacklevel=1,
                 )
-            return None
+            return
         if self._leads():
             fsync_dir(job.directory)
             commit_text(job.directory / MANIFEST, json.dumps(manifest, indent=1))
             remove_stale_files(job.directory, set(manifest["files"]))  # a retaken step's
             self._retire(job.directory)
-        return job.directory
 
     def _room_for(self, nbytes: int) -> str | None:
         """Why this rank's next snapshot (its files and its buddy's copy of another rank's) does
@@ -201,10 +205,12 @@ class InMemorySnapshots:
             f"{gib(available)} is available under {self.root}{left}"
         )
 
-    def _send_to_buddy(self, job: SaveJob, written: dict, error: str | None) -> str | None:
+    def _send_to_buddy(
+        self, comm: Communicator, job: SaveJob, written: dict, error: str | None
+    ) -> str | None:
         """This rank's files to its buddy, and the files of the ranks whose buddy it is into
         this node's folder (collective, unless there is one node)."""
-        rank = self._comm.rank
+        rank = comm.rank
         buddy = self.nodes().buddy[rank]
         if buddy is None:
             return error
@@ -215,7 +221,7 @@ class InMemorySnapshots:
         except OSError as exc:
             files, error_here = {}, f"rank {rank}: {type(exc).__name__}: {exc}"
         try:
-            exchange_files(self._comm, {buddy: files} if files else {}, job.directory)
+            exchange_files(comm, {buddy: files} if files else {}, job.directory)
         except OSError as exc:  # writing what it received
             error_here = f"rank {rank}: {type(exc).__name__}: {exc}"
         return error or error_here
