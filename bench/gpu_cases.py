@@ -282,6 +282,13 @@ def _save_and_load(s: Setting, engine, cfg: dict, build: str, x, y) -> dict:
     start = time.perf_counter()
     path = engine.save_checkpoint(folder)
     save_s = time.perf_counter() - start
+    # the same state saved asynchronously (pinned buffers, side-stream copies): the same files
+    start = time.perf_counter()
+    later = engine.save_checkpoint(os.path.join(s.scratch, "async"), async_save=True)
+    async_s = time.perf_counter() - start
+    engine.wait_for_checkpoint()
+    if _hashes(later) != _hashes(path):
+        raise RuntimeError(f"the asynchronous save {later} differs from the synchronous {path}")
     model = BUILDERS[build](s, cfg)
     resumed, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     start = time.perf_counter()
@@ -293,7 +300,18 @@ def _save_and_load(s: Setting, engine, cfg: dict, build: str, x, y) -> dict:
         raise RuntimeError(
             f"the loaded engine's next loss {after[1]} is not the saved one's {after[0]}"
         )
-    return {"save_s": save_s, "load_s": load_s, "checkpoint_bytes": size}
+    return {"save_s": save_s, "async_save_s": async_s, "load_s": load_s, "checkpoint_bytes": size}
+
+
+def _hashes(directory) -> list[str]:
+    """The SHA-256 of each file of a committed checkpoint, by role (names hold the save id)."""
+    manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    names = [
+        n
+        for names in manifest["roles"].values()
+        for n in (names if isinstance(names, list) else [names])
+    ]
+    return [manifest["files"][n]["sha256"] if n else "" for n in names]
 
 
 def _peaks(s: Setting) -> dict:

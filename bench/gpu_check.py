@@ -128,7 +128,10 @@ CASES = [
         config={"flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False}},
     ),
     _train(
-        "checkpoint", "stage 3 save and load on the device, the CUDA RNG state", 3, checkpoint=True
+        "checkpoint",
+        "stage 3 save (and an asynchronous one) and load on the device, the CUDA RNG state",
+        3,
+        checkpoint=True,
     ),
     _train(
         "tp1",
@@ -192,6 +195,7 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     "zerotrain/observability/flops_profiler.py": ("flops-profiler",),
     "zerotrain/activation_checkpointing.py": ("activation-offload",),
     "zerotrain/checkpoint/rng.py": ("checkpoint",),
+    "zerotrain/checkpoint/background.py": ("checkpoint",),  # pinned buffers, side-stream copies
     "zerotrain/zero/offload.py": (
         "offload-cpu",
         "offload-cpu-auto",
@@ -392,7 +396,10 @@ def _note(row: dict) -> str:
     if row.get("offloaded_bytes"):
         notes.append(f"offloaded {_mib(row['offloaded_bytes'])} MiB")
     if "save_s" in row:
-        notes.append(f"save {row['save_s']:.2f} s, load {row['load_s']:.2f} s")
+        notes.append(
+            f"save {row['save_s']:.2f} s (async {row['async_save_s']:.2f} s), "
+            f"load {row['load_s']:.2f} s"
+        )
     if "recompute_s" in row:
         notes.append(f"recompute {row['recompute_s']:.3f} s")
     return ", ".join(notes)

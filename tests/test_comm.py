@@ -147,7 +147,7 @@ def silent_peers(kind: str):
     comm.all_reduce(torch.ones(4))
     if comm.rank == 2:
         if kind == "stalled":
-            time.sleep(8)
+            time.sleep(5)  # past the others' timeout (2 s) and their reading (1 s)
         elif kind == "deadlock":
             with contextlib.suppress(CollectiveError):  # rank 1 never joins it
                 pair.broadcast(torch.ones(4), src=1)  # a rank of the default group

@@ -12,6 +12,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.models import DropoutModel, make_batches, param_groups
+from tests.test_checkpoint_async import _hashes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -71,7 +72,12 @@ def _resume_on_gpu(root: str):
         assert straight.device.type == "cuda"
         first = _train(straight, (idx[:2], tgt[:2]))
         path = straight.save_checkpoint(f"{root}/{stage}-{precision}-{optimizer['type']}")
+        # the same step saved asynchronously (side-stream copies) while the next steps run
+        later = straight.save_checkpoint(
+            f"{root}/async-{stage}-{precision}-{optimizer['type']}", async_save=True
+        )
         rest = _train(straight, (idx[2:], tgt[2:]))
+        straight.wait_for_checkpoint()
         resumed = _engine(stage, precision, optimizer=optimizer)
         resumed.load_checkpoint(f"{root}/{stage}-{precision}-{optimizer['type']}")
         again = _train(resumed, (idx[2:], tgt[2:]))
@@ -82,6 +88,7 @@ def _resume_on_gpu(root: str):
             "equal": all(torch.equal(a[k], b[k]) for k in a),
             "first": first,
             "path": str(path),
+            "async_equal": _hashes(later) == _hashes(path),
             "state_device": {
                 t.device.type for s in states for t in s.values() if torch.is_tensor(t) and t.dim()
             },
@@ -102,6 +109,7 @@ def test_checkpoint_resume_on_gpu_every_stage_and_precision(tmp_path):
     for key, got in results.items():
         rest, again = got["losses"]
         assert rest == again and got["equal"], key  # dropout RNG on the GPU resumed too
+        assert got["async_equal"], key
         assert got["state_device"] == {"cuda"}, key
         assert got["step_device"][1] == got["step_device"][0], key  # as before the checkpoint
     plain = load_consolidated(DropoutModel(), results[3, "bf16"]["path"])

@@ -171,6 +171,7 @@ def _recover(tmp_path: Path, victim: str) -> None:
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+@pytest.mark.slow  # 50 s; tests/test_snapshots.py checks the same recovery in 5 s
 def test_a_lost_node_is_survived_from_the_buddy_copies_at_2_ranks(tmp_path):
     _recover(tmp_path, "node")
 

@@ -33,6 +33,7 @@ import io
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,25 +111,38 @@ class CheckpointWriter:
         if not async_save:
             error, written = write_files(engine.comm.rank, job, files, error)
             return commit_save(engine.comm, job, error, written)
+        self._job, self._saving = job, True
+        self._in_background(job, files, error, self._commit)
+        return job.directory
+
+    def _in_background(
+        self,
+        job: SaveJob,
+        files: RankFiles | None,
+        error: str | None,
+        then: Callable[[Communicator, SaveJob, str | None, dict], None],
+    ) -> None:
+        """Copy ``files`` into host buffers (or, where they do not fit, write them now), then on
+        the background thread write the copy and run ``then(comm, job, error, written)`` over
+        the writer's group: one job (a save or a snapshot) at a time, in the same order on
+        every rank, so their collectives pair up."""
         own = self._background_comm()
         copies = _SideStreamCopies()
         snapshot = self._snapshot(files, copies) if files is not None else None
         written: dict = {}
         if files is not None and snapshot is None:  # did not fit: written now
             error, written = write_files(own.rank, job, files, error)
-        self._job, self._saving = job, True
-        self._start(
-            lambda: self._finish(own, job, snapshot, copies, error, written),
-            f"zerotrain-save-{job.tag}",
-        )
-        return job.directory
 
-    def _start(self, work, name: str) -> None:
-        """Run ``work`` on the background thread: one job (a save or a snapshot) at a time, in
-        the same order on every rank, so their collectives on the writer's group pair up."""
+        def work() -> None:
+            done_error, done = error, written
+            if snapshot is not None:
+                copies.synchronize()
+                done_error, done = write_files(own.rank, job, snapshot, error)
+            then(own, job, done_error, done)
+
         self._thread = threading.Thread(
             target=work,
-            name=name,
+            name=f"zerotrain-checkpoint-{job.tag}",
             daemon=True,  # finished by _finish_pending_saves, before the process group ends
         )
         self._thread.start()
@@ -147,24 +161,7 @@ class CheckpointWriter:
         self._join()
         self._saving = False  # a snapshot runs now: a save in skip mode waits for it
         job, files, error = snapshots.begin(engine)
-        own = self._background_comm()
-        copies = _SideStreamCopies()
-        snapshot = self._snapshot(files, copies) if files is not None else None
-        written: dict = {}
-        if files is not None and snapshot is None:  # the host copy did not fit: written now
-            error, written = write_files(own.rank, job, files, error)
-
-        def finish() -> None:
-            nonlocal error, written
-            try:
-                if snapshot is not None:
-                    copies.synchronize()
-                    error, written = write_files(own.rank, job, snapshot, error)
-                snapshots.finish(own, job, error, written)
-            except Exception as exc:  # a collective that failed: a peer died or stalled
-                warnings.warn(f"in-memory snapshot {job.tag} was not taken: {exc}", stacklevel=1)
-
-        self._start(finish, f"zerotrain-snapshot-{job.tag}")
+        self._in_background(job, files, error, snapshots.finish)
 
     def load(
         self, engine: TrainingState, load_dir: str | Path, tag: str | None, options: LoadOptions
@@ -213,10 +210,10 @@ class CheckpointWriter:
         available = available_host_memory()
         if available is not None and adding * local_ranks() + _HEADROOM > available:
             warnings.warn(
-                f"save_checkpoint(async_save=True): the snapshot needs {gib(adding)} more host "
-                f"memory on each of {local_ranks()} rank(s) of this node, "
-                f"{gib(available)} is available (less {gib(_HEADROOM)} headroom); this rank "
-                "writes its files before returning (a synchronous save's time)",
+                f"checkpoint: the host copy of an asynchronous save or snapshot needs "
+                f"{gib(adding)} more host memory on each of {local_ranks()} rank(s) of this "
+                f"node, {gib(available)} is available (less {gib(_HEADROOM)} headroom); this "
+                "rank writes its files before returning (a synchronous save's time)",
                 stacklevel=4,
             )
             return None
@@ -261,19 +258,9 @@ class CheckpointWriter:
             self._own = Communicator(made.group, device="cpu")  # its own byte counts
         return self._own
 
-    def _finish(
-        self,
-        comm: Communicator,
-        job: SaveJob,
-        snapshot: RankFiles | None,
-        copies: _SideStreamCopies,
-        error: str | None,
-        written: dict,
-    ) -> None:
+    def _commit(self, comm: Communicator, job: SaveJob, error: str | None, written: dict) -> None:
+        """A background save's exchange and commit; its failure kept for the next call."""
         try:
-            if snapshot is not None:
-                copies.synchronize()
-                error, written = write_files(comm.rank, job, snapshot, error)
             commit_save(comm, job, error, written)
         except CheckpointError as failure:
             self._failure = failure

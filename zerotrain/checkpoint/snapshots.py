@@ -160,6 +160,12 @@ class InMemorySnapshots:
     def finish(self, comm: Communicator, job: SaveJob, error: str | None, written: dict) -> None:
         """The rest, on the writer's thread and its group (``comm``: the same ranks): the copy
         to the buddy, the exchange of reports, the commit on every node; a failure warns."""
+        try:
+            self._finish(comm, job, error, written)
+        except Exception as exc:  # a collective that failed: a peer died or stalled
+            warnings.warn(f"in-memory snapshot {job.tag} was not taken: {exc}", stacklevel=1)
+
+    def _finish(self, comm: Communicator, job: SaveJob, error: str | None, written: dict) -> None:
         error = self._send_to_buddy(comm, job, written, error)
         reports = comm.all_gather_object((error, written))
         failures = [e for e, _ in reports if e is not None]
