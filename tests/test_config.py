@@ -242,7 +242,7 @@ def test_defaults_match_deepspeed() -> None:
             "async_save_pending": "wait",  # zerotrain's
             "in_memory_snapshots": {  # zerotrain's
                 "enabled": False,
-                "every_steps": 1,
+                "every_steps": 10,
                 "keep": 2,
                 "path": "/dev/shm/zerotrain",
             },

@@ -48,7 +48,9 @@ engine, *_ = zerotrain.initialize(
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": 2},
-        "checkpoint": {"in_memory_snapshots": {"enabled": snapshots == "on"}},
+        "checkpoint": {
+            "in_memory_snapshots": {"enabled": snapshots == "on", "every_steps": 1}
+        },
         "steps_per_print": 10**6,
     },
 )

@@ -136,8 +136,10 @@ class InMemorySnapshotsConfig(Section):
     checkpoint, at any new world size. See docs/checkpoints.md. (A zerotrain section.)"""
 
     enabled: bool = False
-    every_steps: PositiveInt = 1
-    """Take a snapshot at every this many optimizer steps."""
+    every_steps: PositiveInt = 10
+    """Take a snapshot at every this many optimizer steps. Writing one in the background costs
+    host CPU time (its checksums and copies): every step doubled the step time of a 2-core CPU
+    run (bench/README.md); every 10 steps costs a tenth of that."""
     keep: PositiveInt = 2
     """Snapshots kept per node: an older one is there when the newest fails its checksum."""
     path: str = "/dev/shm/zerotrain"
