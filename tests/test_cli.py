@@ -306,10 +306,10 @@ def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="5")
 
-    def run(*script_args):
+    def run(*script_args, torchrun=()):
         command = [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "2"]
         return subprocess.run(
-            [*command, str(script), *script_args],
+            [*command, *torchrun, str(script), *script_args],
             env=env,
             capture_output=True,
             text=True,
@@ -331,7 +331,9 @@ def test_run_launches_the_script_on_every_rank_and_passes_failure_on(tmp_path):
     ) or failed.stderr.endswith(f"{head}says why)\n"), failed.stderr  # rank 0 may end first
     assert "ChildFailedError" not in failed.stderr
     # zerotrain's own error: said once for both ranks, without a traceback
-    config = run("--config-error")
+    # torchrun looks at its ranks every 2 s, not 0.1: the second rank to raise has written its
+    # error before the first one's end makes torchrun stop it
+    config = run("--config-error", torchrun=("--monitor-interval", "2"))
     assert config.returncode == 1
     assert config.stderr.endswith(
         f"zerotrain run: {script} failed\n"

@@ -5,7 +5,7 @@ Two emulated nodes on this host: two torchrun agents sharing one c10d rendezvous
 ranks, node B with 1, each with its own snapshot folder (``ZEROTRAIN_SNAPSHOT_DIR``, its
 /dev/shm). The script snapshots every step, saves to disk only at step 2, and at a step chosen
 at random a worker is killed with SIGKILL:
-- a rank of node A: its agent restarts it, the job goes on at 3 ranks;
+- node A's ranks (its agent lives): the agent restarts them, the job goes on at 3 ranks;
 - node B's rank and its agent (the node is lost): node A's agent goes on alone at 2 ranks,
   rank B's state coming from node A's buddy copies.
 Either way the final parameters must equal those of a run resumed from a disk checkpoint of the
@@ -137,8 +137,8 @@ def _recover(tmp_path: Path, victim: str) -> None:
     assert a.returncode == 0, logs
     after = _reports(tmp_path)
     world = 3 if victim == "rank" else 2
-    assert len(after) == world and all(r["world"] == world for r in after), (after, logs)
-    assert all(r["start"] == kill_at for r in after)
+    assert len(after) == world and all(r["world"] == world for r in after), (kill_at, after, logs)
+    assert all(r["start"] == kill_at for r in after), (kill_at, after)
     assert "shm-" in after[0]["path"]  # from a snapshot, not the disk's step 2
     killed = float((tmp_path / "killed").read_text())
     seconds = max(r["first_step_done"] for r in after) - killed

@@ -147,7 +147,7 @@ def test_a_snapshot_is_a_checkpoint_of_its_step_and_a_restart_resumes_from_the_n
 
 def test_a_lost_node_s_state_comes_from_its_buddies_at_the_new_world_size(tmp_path):
     # 3 ranks on 2 nodes; node 1 (rank 2) is lost; 2 ranks go on from node 0's folder
-    run_distributed(_take, 3, str(tmp_path), [0, 0, 1])
+    taken = run_distributed(_take, 3, str(tmp_path), [0, 0, 1])
     node0 = tmp_path / "node0" / "test-snapshots" / "global_step3"
     assert len(list(node0.glob("*-rank00002.*"))) == 2  # rank 2's files, its buddy's copy
     shutil.rmtree(tmp_path / "node1")
@@ -159,6 +159,7 @@ def test_a_lost_node_s_state_comes_from_its_buddies_at_the_new_world_size(tmp_pa
     reference = run_distributed(_resume_from_disk, 2, str(tmp_path), "global_step3", 1)
     for got in resumed:
         assert got["path"] == str(node0)
+        assert _equal(got["resumed"], taken[0]["params"])  # step 3's state, rank 2's included
         assert _equal(got["trained"], reference[0]["trained"])
 
 

@@ -454,7 +454,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         ``destroy()`` (a script may evaluate afterwards, another engine may share the group).
         A group zerotrain made (``init_distributed``, or ``initialize`` without one) is
         destroyed at interpreter exit; one the script made is the script's to destroy. See
-        [Note: who ends the process group] in zerotrain/comm/setup.py."""
+        [Note: who ends the process group] in zerotrain/comm/setup.py. A checkpoint still
+        being written in the background is finished first."""
+        self._checkpoints.finish_pending()
         self.monitor.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -628,7 +630,8 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         )
 
     def checkpoint_pending(self) -> bool:
-        """Whether an asynchronous save is still being written or committed on this rank."""
+        """Whether an asynchronous save (or an in-memory snapshot) is still being written or
+        committed on this rank."""
         return self._checkpoints.pending()
 
     def wait_for_checkpoint(self) -> Path | None:

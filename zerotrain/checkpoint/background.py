@@ -10,16 +10,19 @@ on CUDA), every pickled object is serialized to bytes. That is all the step wait
 background thread writes the files with their checksums, then runs the synchronous save's
 exchange and commit (:func:`~zerotrain.checkpoint.save.commit_save`) over a gloo group of its
 own: collectives of the training's group and of this one are ordered independently, and every
-rank's thread issues the same two, one save at a time. So the commit protocol is the
+rank's thread issues the same ones, one job (a save, or an in-memory snapshot: snapshots.py) at
+a time; a rank's error, wherever it arises, travels to the exchange as a string rather than
+raising on that rank alone. So the commit protocol is the
 synchronous one: a crash or kill -9 before the commit leaves no manifest, and the previous
 checkpoint stays the newest complete one.
 
 One save is in flight at a time: the next save (``checkpoint.async_save_pending``: ``wait``,
 or ``skip`` it with a warning, decided by all ranks together), a load, and
 ``engine.wait_for_checkpoint()`` wait for it. A save that failed in the background warns at
-once on every rank and raises its ``CheckpointError`` at the next of those calls, on every rank
-(the outcome was exchanged, so the ranks agree); the step itself never raises for it. At
-interpreter exit a pending save is finished before the process group ends.
+once and raises its ``CheckpointError`` at the next of those calls: on every rank when the
+outcome was exchanged, on the ranks whose collective timed out when a peer died; the step
+itself never raises for it. At interpreter exit, and in ``engine.destroy()``, a pending save is
+finished before the process group ends.
 
 Where the snapshot does not fit in host memory (the buffers this save would add, times the
 node's ranks, against :func:`~zerotrain.accelerator.available_host_memory`) the rank writes its
@@ -128,17 +131,24 @@ class CheckpointWriter:
         every rank, so their collectives pair up."""
         own = self._background_comm()
         copies = _SideStreamCopies()
-        snapshot = self._snapshot(files, copies) if files is not None else None
-        written: dict = {}
-        if files is not None and snapshot is None:  # did not fit: written now
-            error, written = write_files(own.rank, job, files, error)
+        snapshot, written = None, {}
+        if files is not None and error is None:
+            try:
+                snapshot = self._snapshot(files, copies)
+                if snapshot is None:  # did not fit: written now
+                    error, written = write_files(own.rank, job, files, error)
+            except Exception as exc:  # to the exchange, as a failed write's: never alone
+                snapshot, error = None, _failed(own.rank, exc)
 
         def work() -> None:
             done_error, done = error, written
             if snapshot is not None:
-                copies.synchronize()
-                done_error, done = write_files(own.rank, job, snapshot, error)
-            then(own, job, done_error, done)
+                try:
+                    copies.synchronize()
+                    done_error, done = write_files(own.rank, job, snapshot, error)
+                except Exception as exc:
+                    done_error, done = _failed(own.rank, exc), {}
+            then(own, job, done_error, done)  # catches its own errors
 
         self._thread = threading.Thread(
             target=work,
@@ -150,6 +160,10 @@ class CheckpointWriter:
     def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
+
+    def finish_pending(self) -> None:
+        """Let the background job end (its failure stays for the next save, load or wait)."""
+        self._join()
 
     def after_step(self, engine: TrainingState) -> None:
         """At the end of each optimizer step: an in-memory snapshot when one is due, taken as
@@ -182,6 +196,7 @@ class CheckpointWriter:
                         f"in-memory snapshot {found.name} skipped for an older one: {error}",
                         stacklevel=3,
                     )
+                self.snapshots.discard(found)
                 failed.append(found.name)
         return load_checkpoint(engine, load_dir, tag, options)
 
@@ -250,12 +265,13 @@ class CheckpointWriter:
 
     # -- the background thread ------------------------------------------------------------------
     def _background_comm(self) -> Communicator:
-        """A gloo group over the engine's ranks, made at the first asynchronous save (every
-        rank saves together), its collectives ordered apart from the training's."""
+        """A gloo group over the engine's ranks, made with the engine (or at its first
+        asynchronous save), its collectives ordered apart from the training's."""
         if self._own is None:
             _finish_pending_saves_at_exit()
             made = self._comm.new_group(backend="gloo")
-            self._own = Communicator(made.group, device="cpu")  # its own byte counts
+            # its own byte counts, out of the progress records (the training's place)
+            self._own = Communicator(made.group, device="cpu", tracked=False)
         return self._own
 
     def _commit(self, comm: Communicator, job: SaveJob, error: str | None, written: dict) -> None:
@@ -276,6 +292,10 @@ class CheckpointWriter:
             warnings.warn(str(self._failure), stacklevel=1)
 
 
+def _failed(rank: int, exc: BaseException) -> str:
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
 class _SideStreamCopies:
     """Device-to-host copies on a side stream (CUDA): the training's next kernels wait for
     them, the writer thread synchronizes on them; on the CPU, plain copies."""
@@ -290,7 +310,9 @@ class _SideStreamCopies:
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
+        # after whatever made the source (a reshape's copy too), and kept alive until copied
+        self._stream.wait_stream(torch.cuda.current_stream())
+        source.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             to.copy_(source, non_blocking=True)
 
@@ -310,9 +332,9 @@ _exit_hook = False
 
 
 def _finish_pending_saves_at_exit() -> None:
-    """A script that ends right after an asynchronous save still commits it. Registered at the
-    first such save, after the process group's exit hook (init_distributed's), so it runs
-    before it (atexit runs hooks last registered first)."""
+    """A script that ends right after an asynchronous save still commits it. Registered when
+    the writer's group is made, after the process group's exit hook (init_distributed's), so it
+    runs before it (atexit runs hooks last registered first)."""
     global _exit_hook
     if not _exit_hook:
         atexit.register(_finish_pending_saves)
@@ -321,6 +343,4 @@ def _finish_pending_saves_at_exit() -> None:
 
 def _finish_pending_saves() -> None:
     for writer in list(_writers):
-        thread = writer._thread
-        if thread is not None:
-            thread.join()
+        writer.finish_pending()

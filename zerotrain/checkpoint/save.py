@@ -11,6 +11,9 @@ The sequence (see [Note: checkpoint layout] in manifest.py):
 5. the ranks learn the outcome (one collective), so all return or all raise.
 A rank that dies anywhere before step 4 leaves no manifest: the save is incomplete and
 invisible to ``load_checkpoint(tag=None)``; the survivors' collectives time out and raise.
+The parts are :func:`begin_save` (1), :func:`rank_files` and :func:`write_files` (2) and
+:func:`commit_save` (3-5); ``CheckpointWriter`` (background.py) runs them in the foreground, or
+2-5 on its thread for an asynchronous save.
 """
 
 from __future__ import annotations
@@ -123,22 +126,6 @@ class RankFiles:
             records[name] = file.write(directory / name)
             roles[file.role] = name
         return {**self.report, "files": records, "roles": roles}
-
-
-def save_checkpoint(
-    engine: TrainingState,
-    save_dir: str | Path,
-    tag: str | None = None,
-    client_state: dict | None = None,
-    save_latest: bool = True,
-    exclude_frozen_parameters: bool = False,
-) -> Path:
-    """Save ``engine``'s full training state under ``save_dir/tag`` (collective); returns the
-    checkpoint directory. See :meth:`ZeroTrainEngine.save_checkpoint`."""
-    job = begin_save(engine, save_dir, tag, save_latest)
-    error, files = rank_files(engine, client_state, exclude_frozen_parameters)
-    error, written = write_files(engine.comm.rank, job, files, error)
-    return commit_save(engine.comm, job, error, written)
 
 
 def begin_save(

@@ -51,7 +51,7 @@ import torch
 
 from zerotrain.accelerator import available_host_memory
 from zerotrain.checkpoint.files import commit_text, fsync_dir
-from zerotrain.checkpoint.manifest import MANIFEST, scan, status_of
+from zerotrain.checkpoint.manifest import MANIFEST, CheckpointError, scan, status_of
 from zerotrain.checkpoint.owner import job_id
 from zerotrain.checkpoint.save import (
     RankFiles,
@@ -166,13 +166,17 @@ class InMemorySnapshots:
             warnings.warn(f"in-memory snapshot {job.tag} was not taken: {exc}", stacklevel=1)
 
     def _finish(self, comm: Communicator, job: SaveJob, error: str | None, written: dict) -> None:
+        # every rank issues the same collectives: an error travels as a string
         error = self._send_to_buddy(comm, job, written, error)
         reports = comm.all_gather_object((error, written))
         failures = [e for e, _ in reports if e is not None]
         manifest = None
         if not failures and comm.rank == 0:
-            manifest = build_manifest(job, [w for _, w in reports])
-        manifest = comm.all_gather_object(manifest)[0]
+            try:
+                manifest = build_manifest(job, [w for _, w in reports])
+            except Exception as exc:
+                failures = [f"rank 0: {type(exc).__name__}: {exc}"]
+        manifest, failures = comm.all_gather_object((manifest, failures))[0]
         if manifest is None:
             for path in job.directory.glob(f"{job.save_id}-*"):
                 path.unlink(missing_ok=True)
@@ -224,7 +228,7 @@ class InMemorySnapshots:
             names = sorted(written["files"]) if error is None else []
             files = {name: (job.directory / name).read_bytes() for name in names}
             error_here = None
-        except OSError as exc:
+        except Exception as exc:  # the exchange below still runs, without its files
             files, error_here = {}, f"rank {rank}: {type(exc).__name__}: {exc}"
         try:
             exchange_files(comm, {buddy: files} if files else {}, job.directory)
@@ -233,11 +237,18 @@ class InMemorySnapshots:
         return error or error_here
 
     def _retire(self, newest: Path) -> None:
-        """Keep the newest ``keep`` complete snapshots; remove incomplete ones."""
+        """Keep the newest ``keep`` complete snapshots; remove incomplete older ones (not a
+        newer one: the node's other ranks may be writing the next already)."""
+        step = _step_of(newest.name)
         for status in scan(self.folder):
-            if not status.complete and status.path != newest:
+            if not status.complete and _step_of(status.tag) < step:
                 shutil.rmtree(status.path, ignore_errors=True)
         apply_retention(newest, self.keep)
+
+    def discard(self, directory: Path) -> None:
+        """A snapshot whose load failed its checks: no longer complete, on any node."""
+        if self._leads():
+            (directory / MANIFEST).unlink(missing_ok=True)
 
     # -- recovering from one --------------------------------------------------------------------
     def recover(self, load_dir: Path, skip: Collection[str] = ()) -> Path | None:
@@ -246,9 +257,19 @@ class InMemorySnapshots:
         Its files are checked by the load that follows (sizes here)."""
         comm = self._comm
         self.nodes()  # collective
-        listing = self._listing() if self._leads() else None
-        disk = _newest_steps(load_dir) if comm.rank == 0 else None
-        gathered = comm.all_gather_object((listing, disk))
+        listing, disk, problem = None, None, None
+        try:  # every rank reaches the exchange: a problem travels as a string
+            listing = self._listing() if self._leads() else None
+            disk = _newest_steps(load_dir) if comm.rank == 0 else None
+        except Exception as exc:
+            problem = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+        gathered = comm.all_gather_object((listing, disk, problem))
+        problems = [p for _, _, p in gathered if p is not None]
+        if problems:
+            raise CheckpointError(
+                "load_checkpoint: the in-memory snapshots could not be listed:\n  "
+                + "\n  ".join(problems)
+            )
         disk_steps = gathered[0][1]
         listings = {r: entry[0] for r, entry in enumerate(gathered) if entry[0] is not None}
         chosen, incomplete = _newest_complete(listings, skip)
@@ -271,10 +292,13 @@ class InMemorySnapshots:
                     )
                     plan.setdefault(holder, {}).setdefault(leader, []).append(name)
         directory = self.folder / tag
-        sends = {
-            to: {name: (directory / name).read_bytes() for name in names}
-            for to, names in plan.get(comm.rank, {}).items()
-        }
+        try:
+            sends = {
+                to: {name: (directory / name).read_bytes() for name in names}
+                for to, names in plan.get(comm.rank, {}).items()
+            }
+        except OSError:  # sent without them: the receiving node's load finds them missing
+            sends = {}
         exchange_files(comm, sends, directory)
         if self._leads():
             directory.mkdir(parents=True, exist_ok=True)
@@ -318,19 +342,12 @@ class InMemorySnapshots:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def exchange_files(
-    comm: Communicator, sends: dict[int, dict[str, bytes]], directory: Path
-) -> list[str]:
+def exchange_files(comm: Communicator, sends: dict[int, dict[str, bytes]], directory: Path) -> None:
     """Send ``sends[rank]`` (file name -> bytes) to each rank and write what this rank receives
     into ``directory`` (collective: an object exchange, then one all-to-all if any bytes
-    travel); the names received."""
+    travel)."""
     sizes = {to: [(name, len(data)) for name, data in files.items()] for to, files in sends.items()}
-    everyone = comm.all_gather_object(sizes)
-    if not any(files for plan in everyone for files in plan.values()):
-        return []
-    incoming = [everyone[src].get(comm.rank, []) for src in range(comm.world_size)]
     input_splits = [sum(n for _, n in sizes.get(to, [])) for to in range(comm.world_size)]
-    output_splits = [sum(n for _, n in files) for files in incoming]
     payload = bytearray().join(
         data for to in range(comm.world_size) for data in sends.get(to, {}).values()
     )
@@ -339,20 +356,23 @@ def exchange_files(
         if payload
         else torch.empty(0, dtype=torch.uint8)
     )
+    everyone = comm.all_gather_object(sizes)
+    if not any(files for plan in everyone for files in plan.values()):
+        return
+    incoming = [everyone[src].get(comm.rank, []) for src in range(comm.world_size)]
+    output_splits = [sum(n for _, n in files) for files in incoming]
     receive = torch.empty(sum(output_splits), dtype=torch.uint8)
     comm.all_to_all(receive, send, output_splits, input_splits, name="snapshot_files")
     directory.mkdir(parents=True, exist_ok=True)
     data = receive.numpy().data
-    names, at = [], 0
+    at = 0
     for files in incoming:
         for name, size in files:
             with open(directory / name, "wb") as out:
                 out.write(data[at : at + size])
                 out.flush()
                 os.fsync(out.fileno())
-            names.append(name)
             at += size
-    return names
 
 
 def _newest_complete(
@@ -381,6 +401,10 @@ def _newest_steps(load_dir: Path) -> int | None:
         complete = [status_of(Path(load_dir))]
     steps = [s.manifest["global_steps"] for s in complete if s.manifest is not None]
     return max(steps) if steps else None
+
+
+def _step_of(tag: str) -> int:
+    return int(tag[len(_TAG) :]) if tag[len(_TAG) :].isdigit() else -1
 
 
 def _size(path: Path) -> int | None:

@@ -105,7 +105,10 @@ class Communicator:
         device: torch.device | str = "cpu",
         stats: dict[str, OpStats] | None = None,
         log: CommsLog | None = None,
+        tracked: bool = True,
     ):
+        """``tracked=False``: its collectives stay out of the progress records (a background
+        thread's, which would stand for the training's place; see progress.py)."""
         self.group = group
         self.device = torch.device(device)  # where scalars for control collectives live (NCCL: GPU)
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -119,6 +122,7 @@ class Communicator:
         self._pairwise = self.distributed and dist.get_backend(group) == "gloo"
         # how the progress records name this group ([Note: naming the silent peer])
         self._group_name = ""
+        self._progress = progress.PROGRESS if tracked else progress.Progress()
         if self.distributed:
             self._group_name = (group or dist.distributed_c10d._get_default_group()).group_name
             timeout = _group_timeout(group, default=None)
@@ -163,7 +167,7 @@ class Communicator:
         """``run()``, this group's collective ``name`` #``seq`` (or its wait), recorded in the
         progress records; a failure raised as a :class:`CollectiveError` that says where the
         peers are that did not arrive ([Note: naming the silent peer])."""
-        record = progress.PROGRESS
+        record = self._progress
         record.wait(self._group_name, name, seq)
         began = time.time()
         try:
@@ -176,7 +180,9 @@ class Communicator:
             ranks = dist.get_process_group_ranks(
                 self.group or dist.distributed_c10d._get_default_group()
             )
-            where = progress.silent_peers(self._group_name, ranks, name, seq, began)
+            where = ""
+            if self._progress is progress.PROGRESS:
+                where = progress.silent_peers(self._group_name, ranks, name, seq, began)
             if isinstance(err, pairwise.PeerWaitError):  # the peer is known: name it
                 raise CollectiveError(
                     f"{failed}: rank {self.rank} {err}. Rank {err.peer} probably died or "
@@ -221,7 +227,7 @@ class Communicator:
         :class:`CollectiveError`. With ``async_op`` returns its :class:`PendingOp`."""
         message = self._message(name, nbytes)
         start = time.perf_counter()
-        seq = progress.PROGRESS.issue(self._group_name, name)
+        seq = self._progress.issue(self._group_name, name)
         work = self._complete(name, nbytes, lambda: launch(async_op), seq)
         self._record(
             name, nbytes, time.perf_counter() - start, sent=sent, message=message, done=not async_op
@@ -583,7 +589,7 @@ class Communicator:
         if self.world_size == 1:
             return [obj]
         out: list = [None] * self.world_size
-        seq = progress.PROGRESS.issue(self._group_name, "all_gather_object")
+        seq = self._progress.issue(self._group_name, "all_gather_object")
         self._complete(
             "all_gather_object", 0, lambda: dist.all_gather_object(out, obj, group=self.group), seq
         )

@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _PREFIX = "zerotrain/progress/"
+_POINT_TO_POINT = frozenset({"send", "recv"})
 _MAX_THRESHOLD_S = 30.0
 _READ_WAIT_S = 1.0  # how long a failed rank waits for the records of the stalled ones
 
@@ -57,11 +58,12 @@ class Progress:
         self.last_activity = time.time()  # a collective issued or finished
 
     def issue(self, group: str, op: str) -> int:
-        """A collective is issued on ``group``: its sequence number there."""
+        """A collective is issued on ``group``: its sequence number there. A point-to-point
+        message involves two of the group's ranks: it is recorded, not numbered."""
         record = self.groups.get(group)
         if record is None:
             record = self.groups[group] = _Group()
-        record.issued += 1
+        record.issued += op not in _POINT_TO_POINT
         record.last_op = op
         record.last_time = self.last_activity = time.time()
         return record.issued
@@ -111,12 +113,12 @@ def watch(threshold_s: float) -> None:
     rank = dist.get_rank()
     if address is None or _watched == (address, rank):
         return
+    _watched = (address, rank)  # tried once per group, reachable or not
     try:
         _reader, publisher = _connect(address), _connect(address)
     except (RuntimeError, OSError):  # no store to reach: errors stay as they were
         _reader = None
         return
-    _watched = (address, rank)
     threshold = min(_MAX_THRESHOLD_S, threshold_s)
     thread = threading.Thread(
         target=_publish_when_stuck,

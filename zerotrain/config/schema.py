@@ -136,6 +136,8 @@ class InMemorySnapshotsConfig(Section):
     checkpoint, at any new world size. See docs/checkpoints.md. (A zerotrain section.)"""
 
     enabled: bool = False
+    """Take in-memory snapshots (needs a job id: launch with `zerotrain run`, torchrun or
+    SLURM)."""
     every_steps: PositiveInt = 10
     """Take a snapshot at every this many optimizer steps. Writing one in the background costs
     host CPU time (its checksums and copies): every step doubled the step time of a 2-core CPU
@@ -170,6 +172,8 @@ class CheckpointConfig(Section):
     """An asynchronous save while the previous one is still being written: `wait` for it, or
     `skip` this save with a warning. (A zerotrain key.)"""
     in_memory_snapshots: InMemorySnapshotsConfig = Field(default_factory=InMemorySnapshotsConfig)
+    """Snapshots in host memory and on a buddy node, for recovery in seconds after a lost rank
+    or node (see `checkpoint.in_memory_snapshots.*` and docs/checkpoints.md)."""
     require_resume: bool = False
     """`load_checkpoint` with `tag=None` raises `CheckpointError` on every rank when it finds no
     checkpoint to load (a path that does not exist, an empty folder, only incomplete saves),
