@@ -190,3 +190,30 @@ def test_a_snapshot_failing_its_checksum_is_skipped_for_an_older_one(tmp_path):
 def test_a_clean_exit_removes_the_job_s_snapshots(tmp_path):
     run_distributed(_take, 2, str(tmp_path), [0, 0], False)
     assert (tmp_path / "node0").is_dir() and not (tmp_path / "node0" / "test-snapshots").exists()
+
+
+def test_zerotrain_run_removes_the_job_s_snapshots_when_the_job_ends(tmp_path):
+    """Also after a failure with the restarts used up: a new job cannot resume from them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, pathlib, sys\n"
+        "folder = pathlib.Path(os.environ['ZEROTRAIN_SNAPSHOT_DIR'], "
+        "os.environ['TORCHELASTIC_RUN_ID'], 'global_step1')\n"
+        "folder.mkdir(parents=True, exist_ok=True)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    env = dict(os.environ, ZEROTRAIN_SNAPSHOT_DIR=str(tmp_path / "shm"), PYTHONPATH=".")
+    for code in (0, 3):
+        command = [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "1"]
+        ended = subprocess.run(
+            [*command, str(script), str(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ended.returncode == code, ended.stderr[-2000:]
+        assert (tmp_path / "shm").is_dir() and not list((tmp_path / "shm").iterdir())

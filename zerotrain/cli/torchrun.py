@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -62,12 +63,27 @@ def run_torchrun(torchrun_argv: Sequence[str], env_overrides: Mapping[str, str])
         sys.stdout.flush()
         print(failure_report(failed.name, failed.failures), file=sys.stderr, flush=True)
         codes = [f.exitcode for f in failed.failures.values() if f.exitcode > 0]
+        _remove_snapshots(args.rdzv_id)
         return codes[0] if codes else 1
     except SignalException as stopped:  # torchrun's agent has stopped the ranks already
         name = signal.Signals(stopped.sigval).name
         print(f"zerotrain run: stopped by {name}; the ranks were stopped", file=sys.stderr)
         return 128 + stopped.sigval  # as a shell reports a process a signal ended
+    _remove_snapshots(args.rdzv_id)
     return 0
+
+
+def _remove_snapshots(job: str) -> None:
+    """This node's in-memory snapshots of ``job`` (zerotrain/checkpoint/snapshots.py), once its
+    agent is done: a job that ended, or failed with its restarts used up, cannot resume from
+    them, and they hold host memory. Kept when the agent was stopped from outside (a scheduler
+    may requeue the job under the same id). Snapshots under another configured ``path`` are
+    the workers' to remove."""
+    from zerotrain.config.schema import DEFAULT_SNAPSHOT_PATH
+
+    if job and job != "none":
+        root = os.environ.get("ZEROTRAIN_SNAPSHOT_DIR") or DEFAULT_SNAPSHOT_PATH
+        shutil.rmtree(os.path.join(root, job), ignore_errors=True)
 
 
 def failure_report(script: str, failures: Mapping[int, object]) -> str:

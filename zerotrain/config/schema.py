@@ -128,6 +128,9 @@ class DataTypesConfig(Section):
     DeepSpeed's names (`float32`, `bfloat16`, `half`...) are accepted."""
 
 
+DEFAULT_SNAPSHOT_PATH = "/dev/shm/zerotrain"  # a memory file system on Linux
+
+
 class InMemorySnapshotsConfig(Section):
     """`checkpoint.in_memory_snapshots`: every `every_steps` steps each rank keeps the training
     state in host shared memory that outlives its process, and a copy of it on a rank of another
@@ -144,7 +147,7 @@ class InMemorySnapshotsConfig(Section):
     run (bench/README.md); every 10 steps costs a tenth of that."""
     keep: PositiveInt = 2
     """Snapshots kept per node: an older one is there when the newest fails its checksum."""
-    path: str = "/dev/shm/zerotrain"
+    path: str = DEFAULT_SNAPSHOT_PATH
     """Where the snapshots live (a memory file system: `/dev/shm`); one folder per job below
     it. `ZEROTRAIN_SNAPSHOT_DIR` overrides it (emulated nodes on one host each set their own)."""
 
