@@ -372,7 +372,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpt.model import GPT, gpt_config
+from checkpoint_io import _engine  # this file, the benchmark's own engine
 
 import zerotrain
 
@@ -383,21 +383,8 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 out = Path(out)
 zerotrain.init_distributed(verbose=False)
 rank = torch.distributed.get_rank()
-torch.manual_seed(0)
-cfg = gpt_config(model_name)
-model = GPT(cfg)
-engine, *_ = zerotrain.initialize(
-    model=model,
-    config={
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": stage},
-        "checkpoint": {
-            "in_memory_snapshots": {"enabled": variant == "memory", "every_steps": 1}
-        },
-        "steps_per_print": 10**9,
-    },
-)
+snapshots = {"enabled": variant == "memory", "every_steps": 1}
+engine, cfg = _engine(model_name, stage, "fp32", {"in_memory_snapshots": snapshots})
 built = time.time()
 path, _ = engine.load_checkpoint(save_dir)
 report = {
@@ -473,7 +460,7 @@ def _recovery_job(args, model: str, variant: str, folder: Path, shm: Path) -> di
         os.environ,
         OMP_NUM_THREADS="1",
         ZEROTRAIN_SNAPSHOT_DIR=str(shm),
-        PYTHONPATH=os.pathsep.join([str(ROOT / "examples"), str(ROOT)]),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "examples"), str(ROOT), str(ROOT / "bench")]),
     )
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     cmd = [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", str(args.world)]
