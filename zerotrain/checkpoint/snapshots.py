@@ -51,7 +51,8 @@ import torch
 
 from zerotrain.accelerator import available_host_memory
 from zerotrain.checkpoint.files import commit_text, fsync_dir
-from zerotrain.checkpoint.manifest import MANIFEST, CheckpointError, scan, status_of
+from zerotrain.checkpoint.locate import find_checkpoints
+from zerotrain.checkpoint.manifest import MANIFEST, CheckpointError, scan
 from zerotrain.checkpoint.owner import job_id
 from zerotrain.checkpoint.save import (
     RankFiles,
@@ -396,10 +397,13 @@ def _newest_complete(
 
 
 def _newest_steps(load_dir: Path) -> int | None:
-    complete = [s for s in scan(Path(load_dir)) if s.complete]
-    if not complete and status_of(Path(load_dir)).complete:
-        complete = [status_of(Path(load_dir))]
-    steps = [s.manifest["global_steps"] for s in complete if s.manifest is not None]
+    """The step of the newest complete checkpoint in the folder ``load_checkpoint`` was given
+    (a save directory or one checkpoint, as every checkpoint tool reads it)."""
+    try:
+        found = find_checkpoints(load_dir)
+    except CheckpointError:  # missing, or a file: the disk load says so
+        return None
+    steps = [s.manifest["global_steps"] for s in found.checkpoints if s.manifest is not None]
     return max(steps) if steps else None
 
 
