@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "lora",
             "tensor_parallel",
             "moe",
+            "sequence",
         ),
     ),
     ("engine", ("backward", "engine_queries", "engine", "pipe")),

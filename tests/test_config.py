@@ -158,6 +158,7 @@ def test_defaults_match_deepspeed() -> None:
         "train_micro_batch_size_per_gpu": None,
         "gradient_accumulation_steps": None,
         "data_parallel_size": None,
+        "sequence_parallel_size": 1,
         "optimizer": None,
         "scheduler": None,
         "gradient_clipping": 1.0,  # DeepSpeed 0.19.8's default
@@ -251,6 +252,12 @@ def test_defaults_match_deepspeed() -> None:
             "use_node_local_storage": False,
         },
         "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
+        "tiled_compute": {  # zerotrain's
+            "mlp": False,
+            "mlp_tile_tokens": None,
+            "loss": False,
+            "loss_tile_tokens": None,
+        },
         "tensor_parallel": {  # zerotrain's
             "autotp_size": 1,
             "tp_plan": None,
@@ -596,7 +603,6 @@ ASKS_NOTHING = [
     ("memory_breakdown", True),
     ("timers", {"throughput": {"enabled": True}}),
     ("pipeline", {"stages": 2, "partition": "parameters"}),
-    ("sequence_parallel_size", 1),
     ("tensor_parallel", {"autotp_size": 1, "tp_grain_size": 64}),
     ("torch_autocast", {"enabled": False, "dtype": "bfloat16"}),
     ("compile", {"deepcompile": False}),
@@ -646,7 +652,6 @@ ASKS_FOR_MISSING = [
         "`enabled: false`",
     ),
     ("torch_autocast", {"enabled": True}, "torch.autocast mixed precision", "`enabled: false`"),
-    ("sequence_parallel_size", 2, "sequence parallelism (Ulysses)", "1"),
     ("compile", {"deepcompile": True}, "DeepCompile", "`deepcompile: false`"),
     ("managed_gradient_accumulation", False, "unmanaged gradient accumulation", "true"),
     (

@@ -74,6 +74,7 @@ __all__ = [
     "ops",
     "pipe",
     "runtime",
+    "sequence",
     "utils",
     "zero",
 ]

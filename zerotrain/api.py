@@ -36,6 +36,8 @@ from zerotrain.parallel import ParallelLayout, model_stages
 from zerotrain.pipe.checks import check_pipeline
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.policies import group_options, loss_scaler
+from zerotrain.sequence.batch import SequenceShards
+from zerotrain.sequence.transform import sequence_group_of
 from zerotrain.zero import ZeroOptimizer
 from zerotrain.zero.init import owner_of
 from zerotrain.zero.leaf_modules import apply_leaf_module_config
@@ -68,7 +70,12 @@ def initialize(
     config: dict | str | ZeroTrainConfig | None = None,
     mesh_param: Any = None,
     config_params: dict | None = None,
-) -> tuple[ZeroTrainEngine, ZeroOptimizer | torch.optim.Optimizer | None, DataLoader | None, Any]:
+) -> tuple[
+    ZeroTrainEngine,
+    ZeroOptimizer | torch.optim.Optimizer | None,
+    DataLoader | SequenceShards | None,
+    Any,
+]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     ``config`` is a dict, a JSON/YAML path or a :class:`ZeroTrainConfig` (or comes from
@@ -91,12 +98,23 @@ def initialize(
     settle_host_math()  # before the first forward pass
     config = _config_from_args(args, config if config is not None else config_params)
     comm, device = _world(dist_init_required, distributed_port)
+    sequence_group = sequence_group_of(mpu)
     # the batch keys count data-parallel ranks: the world over the stages (and over the
-    # tensor-parallel degree, which the config itself knows)
-    cfg = load_config(config, world_size=comm.world_size // model_stages(model))
+    # tensor- and sequence-parallel degrees, which the config itself knows)
+    cfg = load_config(
+        config,
+        world_size=comm.world_size // model_stages(model),
+        sequence_parallel_size=sequence_group.world_size if sequence_group else None,
+    )
     _prepare_run(cfg, model, comm)
     layout, model_parameters = ParallelLayout.build(
-        model, cfg, comm, device, optimizer=optimizer, model_parameters=model_parameters
+        model,
+        cfg,
+        comm,
+        device,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        sequence_group=sequence_group,
     )
     if cfg.zero_optimization.stage == 3:  # before the units are chosen (DeepSpeed: at stage 3)
         apply_leaf_module_config(model, cfg.zero_optimization.leaf_module, warn=comm.rank == 0)
@@ -106,7 +124,7 @@ def initialize(
     try:
         zero_optimizer = _zero_optimizer(model, cfg, layout, plan, device, comm)
         scheduler = scheduler_for(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
-        dataloader = _dataloader(training_data, cfg, layout.dp, collate_fn)
+        dataloader = _dataloader(training_data, cfg, layout, collate_fn)
         engine = _engine_class(layout, cfg)(
             *(model, zero_optimizer, scheduler, cfg, comm, device, dataloader),
             layout=layout,
@@ -165,7 +183,7 @@ def _zero_optimizer(
 ) -> ZeroOptimizer:
     """The shard groups the layout makes of the plan's optimizer groups, under one
     ZeroOptimizer; the model's untrained state made equal on the replicas and cast."""
-    specs = layout.shard_group_specs(plan.groups, group_options(cfg, device, layout.dp, comm))
+    specs = layout.shard_group_specs(plan.groups, group_options(cfg, device, layout.zero, comm))
     zero_optimizer = ZeroOptimizer(
         model,
         specs,
@@ -306,9 +324,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate_fn):
+def _dataloader(training_data, cfg: ZeroTrainConfig, layout: ParallelLayout, collate_fn):
+    """The data split over the data-parallel ranks; with sequence parallelism every batch is
+    cut along its sequence for the rank's share (zerotrain/sequence/batch.py)."""
     if training_data is None:
         return None
+    comm = layout.dp
     seed = cfg.seed or 0
     sampler = ResumableDistributedSampler(
         training_data, comm.world_size, comm.rank, shuffle=True, seed=seed
@@ -334,4 +355,6 @@ def _dataloader(training_data, cfg: ZeroTrainConfig, comm: Communicator, collate
             "nothing; check the dataset",
             stacklevel=3,  # initialize's caller
         )
+    if layout.sequence.world_size > 1:
+        return SequenceShards(loader, layout.sequence)
     return loader

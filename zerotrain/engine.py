@@ -130,9 +130,9 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        """The data-parallel ranks (DeepSpeed's attribute): the world over the tensor-parallel
-        degree and the pipeline stages."""
-        return self.optimizer.comm.world_size
+        """The data-parallel ranks (DeepSpeed's attribute): the world over the tensor- and
+        sequence-parallel degrees and the pipeline stages."""
+        return self.layout.data_parallel_size
 
     @property
     def mp_world_size(self) -> int:

@@ -36,6 +36,11 @@ class ModelLayout(Protocol):
         ...
 
     @property
+    def data_parallel_size(self) -> int:
+        """How many ranks see different data (what the batch keys count)."""
+        ...
+
+    @property
     def whole_model_here(self) -> bool:
         """Whether this rank holds every entry of the model's state dict (whole or a piece):
         False where ranks hold different layers or experts, whose entries are other ranks'."""

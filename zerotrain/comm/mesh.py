@@ -1,12 +1,16 @@
-"""The ranks as a grid of parallel axes: data, tensor, pipeline, expert.
+"""The ranks as a grid of parallel axes: data, tensor, pipeline, expert, sequence.
 
 [Note: mesh layout]
-A mesh of shape (pp, dp, ep, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
+A mesh of shape (pp, dp, ep, sp, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
 parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
-torchtitan place them. The ranks along one axis, the others fixed, form that axis's group:
-the data-parallel group is what ZeRO shards over. The tensor-parallel and pipeline axes are
+torchtitan place them; sequence-parallel peers (an all-to-all per attention layer) come next,
+consecutive ranks as DeepSpeed's Ulysses groups are. The ranks along one axis, the others
+fixed, form that axis's group: the data-parallel group is what the data is split by, and ZeRO
+shards over it and the sequence axis together (the sequence-parallel ranks hold the same
+parameters: :attr:`Mesh.zero`). The tensor-parallel and pipeline axes are
 sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe), the expert axis
-by the model's MoE layers (zerotrain/moe): it sits inside the data-parallel ranks, as
+by the model's MoE layers (zerotrain/moe), the sequence axis by the config
+(zerotrain/sequence). The expert axis sits inside the data-parallel ranks, as
 DeepSpeed's expert groups do (ranks 0-1 and 2-3 hold the experts at ep 2 of 4 ranks; 0 and 2
 hold the same ones). A group is made the first time an axis is asked for (every rank must
 ask, in the same order: making process groups is collective); an axis that spans every rank is
@@ -20,23 +24,33 @@ import math
 
 from zerotrain.comm.communicator import Communicator
 
-AXES = ("pp", "dp", "ep", "tp")  # outermost first; see [Note: mesh layout]
+AXES = ("pp", "dp", "ep", "sp", "tp")  # outermost first; see [Note: mesh layout]
 
 
 class Mesh:
     """Named parallel axes over the ranks of ``world`` (sizes default to 1; ``dp=None``: the
-    rest of the world)."""
+    rest of the world). ``given``: communicators already made for single axes (a sequence-
+    parallel group made before the engine, as DeepSpeed's Ulysses registration makes it),
+    used when their ranks are the mesh's for that axis."""
 
     def __init__(
-        self, world: Communicator, *, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1
+        self,
+        world: Communicator,
+        *,
+        dp: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        sp: int = 1,
+        given: dict[str, Communicator] | None = None,
     ):
         if world.group is not None:
             raise ValueError("mesh: build it over the default process group (Communicator())")
-        others = tp * pp * ep
+        others = tp * pp * ep * sp
         if dp is None:
             dp = world.world_size // others if world.world_size % others == 0 else 0
         self.world = world
-        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "sp": sp, "tp": tp}
         bad = {axis: size for axis, size in self.sizes.items() if size < 1}
         if bad or math.prod(self.sizes.values()) != world.world_size:
             raise ValueError(
@@ -45,6 +59,20 @@ class Mesh:
                 "world size (each at least 1)"
             )
         self._groups: dict[str, Communicator] = {}
+        for axis, comm in (given or {}).items():
+            self._adopt(axis, comm)
+
+    def _adopt(self, axis: str, comm: Communicator) -> None:
+        """Use ``comm`` as ``axis``'s group: every rank checks its members are the mesh's."""
+        theirs = [comm.global_rank_of(r) for r in range(comm.world_size)]
+        ours = next(g for g in self.axis_ranks(axis) if self.world.rank in g)
+        if theirs != ours:
+            raise ValueError(
+                f"mesh: the {axis} group given holds ranks {theirs}, but this rank's {axis} "
+                f"group in the mesh {self.sizes} is {ours}; make the group over consecutive "
+                "ranks, or let the engine make it"
+            )
+        self._groups[axis] = comm
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``rank``'s position along each axis."""
@@ -94,10 +122,16 @@ class Mesh:
 
     @property
     def dp(self) -> Communicator:
-        """The data-parallel group: the ranks that see different data and hold the same dense
-        parameters (the expert axis too: expert parallelism is carved out of data
-        parallelism); what ZeRO shards dense parameters over and the data is split by."""
+        """The data-parallel group: the ranks that see different data (the expert axis too:
+        expert parallelism is carved out of data parallelism); what the data is split by."""
         return self.axis("dp", "ep")
+
+    @property
+    def zero(self) -> Communicator:
+        """The ranks that hold the same dense parameters: the data-parallel group and the
+        sequence-parallel peers of each of its ranks; what ZeRO shards dense parameters over
+        (the data-parallel group itself without sequence parallelism)."""
+        return self.axis("dp", "ep", "sp")
 
     @property
     def expert_dp(self) -> Communicator:

@@ -128,8 +128,8 @@ TOP_LEVEL: dict[str, Accepted] = {
         "(`wall_clock_breakdown` prints them)."
     ),
     "seq_parallel_communication_data_type": Accepted(
-        "No effect: used only by sequence parallelism, which zerotrain does not have (see "
-        "`sequence_parallel_size`)."
+        "No effect: Ulysses' all-to-alls (`sequence_parallel_size`) carry the activations in "
+        "their own dtype, so the attention sees exactly what one process computes."
     ),
     "monitor_config": Accepted(
         "Not a DeepSpeed key: DeepSpeed 0.19.8 reads no `monitor_config` and ignores it "
@@ -142,9 +142,6 @@ TOP_LEVEL: dict[str, Accepted] = {
         "silently; zerotrain ignores it too, with a warning. Communication logging is the "
         "`comms_logger` section.",
         warn=True,
-    ),
-    "sequence_parallel_size": Accepted(
-        "Accepted while 1.", _equals(1), "sequence parallelism (Ulysses)", "1"
     ),
     "expert_parallel": _section_off("expert parallelism (AutoEP)"),
     "compile": Accepted(

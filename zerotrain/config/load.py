@@ -177,10 +177,14 @@ def _auto_left_by_huggingface(key_path: str, section_data: dict[Any, Any]) -> bo
 
 
 def load_config(
-    config: dict[str, Any] | str | os.PathLike[str] | ZeroTrainConfig | None, *, world_size: int
+    config: dict[str, Any] | str | os.PathLike[str] | ZeroTrainConfig | None,
+    *,
+    world_size: int,
+    sequence_parallel_size: int | None = None,
 ) -> ZeroTrainConfig:
     """Validate a DeepSpeed-style config and resolve its batch fields for ``world_size``
-    data-parallel ranks.
+    data-parallel ranks. ``sequence_parallel_size``: the degree a sequence-parallel group made
+    outside the config has (DeepSpeed's mpu); the config's key must agree or be left at 1.
 
     ``config`` is a dict, a path to a ``.json``/``.yaml``/``.yml`` file, an already typed
     ``ZeroTrainConfig`` (its batch fields are re-resolved, which checks them against this
@@ -188,7 +192,7 @@ def load_config(
     ``ConfigError`` listing every problem, one ``key.path: problem and fix`` per line.
     """
     if isinstance(config, ZeroTrainConfig):
-        return config.resolve_batch(world_size)
+        return _with_sequence_parallel(config, sequence_parallel_size).resolve_batch(world_size)
     if config is None:
         raw: Any = {}
     elif isinstance(config, (str, os.PathLike)):
@@ -199,7 +203,19 @@ def load_config(
         raise ConfigError(
             f"config: must be a dict, a path or a ZeroTrainConfig, got {type(raw).__name__}"
         )
-    return check_config(raw).resolve_batch(world_size)
+    cfg = _with_sequence_parallel(check_config(raw), sequence_parallel_size)
+    return cfg.resolve_batch(world_size)
+
+
+def _with_sequence_parallel(cfg: ZeroTrainConfig, given: int | None) -> ZeroTrainConfig:
+    if given is None or given == cfg.sequence_parallel_size:
+        return cfg
+    if cfg.sequence_parallel_size != 1:
+        raise ConfigError(
+            f"sequence_parallel_size: {cfg.sequence_parallel_size}, but the mpu passed to "
+            f"initialize has a sequence-parallel group of {given} ranks; make them agree"
+        )
+    return cfg.model_copy(update={"sequence_parallel_size": given})
 
 
 def check_config(raw: dict[str, Any], *, unfilled: bool = False) -> ZeroTrainConfig:

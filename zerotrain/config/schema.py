@@ -226,6 +226,26 @@ class LoRAFAConfig(Section):
         return self
 
 
+class TiledComputeConfig(Section):
+    """`tiled_compute` (a zerotrain section): run a transformers causal LM's MLPs and its loss
+    over tiles of the sequence, so that neither the MLPs' intermediate nor the logits
+    (sequence x vocabulary, fp32) ever exist for the whole sequence (ALST's TiledMLP and
+    TiledFusedLogitsLoss; `initialize` applies them; `zerotrain.sequence` has both for any
+    model). The numbers equal the untiled model's up to float rounding. See
+    docs/long-context.md."""
+
+    mlp: bool = False
+    """Tile every gated MLP (gate/up/down projections: Llama, Qwen, Mistral); backward
+    recomputes each tile."""
+    mlp_tile_tokens: PositiveInt | None = None
+    """Tokens per MLP tile; null: the hidden size (ALST's choice)."""
+    loss: bool = False
+    """Compute the loss from `labels` or `shift_labels` over tiles of the logits; the model then
+    returns the loss and no logits."""
+    loss_tile_tokens: PositiveInt | None = None
+    """Tokens per loss tile; null: as many as make 256 MiB of fp32 logits."""
+
+
 class TensorParallelConfig(Section):
     """`tensor_parallel`: split the attention and MLP layers of every block over groups of
     `autotp_size` ranks (Megatron-LM's column-then-row split), composed with ZeRO over the
@@ -460,7 +480,15 @@ class ZeroTrainConfig(Section):
     """Forward/backward passes whose gradients are summed before each optimizer step."""
     data_parallel_size: PositiveInt | None = None
     """DeepSpeed: the data-parallel size of a device mesh with model parallelism. When given it
-    must equal the world size over `tensor_parallel.autotp_size` and the pipeline stages."""
+    must equal the world size over `tensor_parallel.autotp_size`, `sequence_parallel_size` and
+    the pipeline stages."""
+    sequence_parallel_size: PositiveInt = 1
+    """Ulysses sequence parallelism: groups of this many consecutive ranks share each sample,
+    every rank holding 1/`sequence_parallel_size` of its tokens, and attention switches to a
+    share of the heads by an all-to-all (see docs/long-context.md). The sequence-parallel
+    ranks hold the same parameters, so ZeRO shards over them and the data-parallel ranks
+    together; the batch keys count data-parallel ranks (the world over this and
+    `tensor_parallel.autotp_size`). It must divide the world size and the attention heads."""
     optimizer: OptimizerConfig | None = None
     """Optimizer to build; leave out when passing a torch optimizer to the engine."""
     scheduler: SchedulerConfig | None = None
@@ -497,6 +525,8 @@ class ZeroTrainConfig(Section):
     section."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism composed with ZeRO; see the tensor_parallel section."""
+    tiled_compute: TiledComputeConfig = Field(default_factory=TiledComputeConfig)
+    """MLPs and loss over tiles of the sequence; see the tiled_compute section."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism of a `PipelineModule`; see the pipeline section."""
     moe: MoEConfig = Field(default_factory=MoEConfig)
@@ -592,19 +622,25 @@ class ZeroTrainConfig(Section):
 
     def resolve_batch(self, world_size: int) -> "ZeroTrainConfig":
         """A copy with all three batch fields set for the data-parallel ranks among
-        ``world_size`` (world size over the tensor-parallel degree; DeepSpeed's rules,
+        ``world_size`` (world size over the tensor- and sequence-parallel degrees; DeepSpeed's rules,
         batch.py); ``ConfigError`` showing the arithmetic when they cannot agree."""
-        tp = self.tensor_parallel.autotp_size
+        tp, sp = self.tensor_parallel.autotp_size, self.sequence_parallel_size
         if tp > 1 and world_size % tp:
             raise ConfigError(
                 f"tensor_parallel.autotp_size: {tp} does not divide the {world_size} ranks "
                 "(of one pipeline stage); choose a degree that divides them"
             )
+        if sp > 1 and world_size % (tp * sp):
+            raise ConfigError(
+                f"sequence_parallel_size: {sp} does not divide the {world_size // tp} ranks "
+                "(of one pipeline stage, over the tensor-parallel degree); choose a size that "
+                "divides them"
+            )
         sizes = resolve_batch_sizes(
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,
             self.gradient_accumulation_steps,
-            world_size=world_size // tp if tp > 1 else world_size,  # batch.py checks its type
+            world_size=world_size // (tp * sp) if tp * sp > 1 else world_size,  # batch.py checks
             data_parallel_size=self.data_parallel_size,
         )
         return self.model_copy(update=sizes._asdict())

@@ -74,7 +74,7 @@ def check_memory(
         )
 
     job = job_of(
-        model, cfg, optimizer_over, len(groups), data_parallel=mesh.dp.world_size, device=device
+        model, cfg, optimizer_over, len(groups), data_parallel=mesh.zero.world_size, device=device
     )
     comm = mesh.world
     mine = None if job is None else _rank_memory(job, model, comm.rank, device)

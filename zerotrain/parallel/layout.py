@@ -4,15 +4,17 @@ once, in one place.
 [Note: the parallel layout]
 ``initialize`` builds one :class:`ParallelLayout` (:meth:`ParallelLayout.build`) from the
 config, the model and the world; nothing else decides parallelism. Building it makes the mesh
-(comm/mesh.py: pp, dp, ep, tp) and transforms the model, always in this order:
+(comm/mesh.py: pp, dp, ep, sp, tp) and transforms the model, always in this order:
 1. LoRA-FA adapters replace the target layers (zerotrain/lora.py), before anything is split:
    the adapters are what trains, and they are split and placed like any layer;
 2. MoE layers are placed over the expert-parallel axis (zerotrain/moe/placement.py);
 3. tensor parallelism splits layers over the tp axis (zerotrain/tensor_parallel);
 4. a PipelineModule's tied layers get a group over the stages holding them (zerotrain/pipe;
-   the pipeline split itself happened when each rank built only its stages' layers).
+   the pipeline split itself happened when each rank built only its stages' layers);
+5. long sequences (zerotrain/sequence): a causal LM's attention and loss for the sp axis, and
+   the MLPs and loss tiled, over the layers as the steps before left them.
 Then the rest asks the layout: the shard groups' specs (which ranks a group is partitioned
-over, what gradients are averaged over, which tensors' gradients are summed across
+over: the data- and sequence-parallel ranks, what gradients are averaged over, which tensors' gradients are summed across
 model-parallel ranks, the pipeline chunk of each parameter: :meth:`shard_group_specs`), the
 data-parallel group for the loader and the batch arithmetic (:attr:`dp`), and the whole
 model's state dict (:meth:`full_state`). The engine and the checkpoint see it through
@@ -36,6 +38,7 @@ from zerotrain.moe.placement import expert_parallel_degree, place_experts
 from zerotrain.optim import Lamb
 from zerotrain.pipe.checks import check_tied_offload
 from zerotrain.pipe.module import PipelineModule
+from zerotrain.sequence.transform import apply_long_context, check_axes
 from zerotrain.tensor_parallel import TensorParallel, from_config, is_split
 from zerotrain.zero import GroupOptions
 from zerotrain.zero.group import ModelParallel
@@ -71,10 +74,12 @@ class ParallelLayout:
         *,
         optimizer: Any,
         model_parameters: Iterable[Any] | None,
+        sequence_group: Communicator | None = None,
     ) -> tuple[ParallelLayout, Iterable[Any] | None]:
         """Transform ``model`` in place for ``cfg`` over the world ``comm`` and move it to
         ``device``; returns the layout and the parameters to train (``model_parameters``, or
-        LoRA-FA's adapters in their place)."""
+        LoRA-FA's adapters in their place). ``sequence_group``: this rank's sequence-parallel
+        group when the caller made it (DeepSpeed's mpu), which the mesh then uses."""
         if cfg.lora_fa.enabled:
             model_parameters = convert_to_lora_fa(
                 model, cfg.lora_fa, optimizer, model_parameters, comm.rank
@@ -86,11 +91,15 @@ class ParallelLayout:
             tp=cfg.tensor_parallel.autotp_size,
             pp=model_stages(model),
             ep=expert_parallel_degree(model, cfg, pipelined),
+            sp=cfg.sequence_parallel_size,
+            given={"sp": sequence_group} if sequence_group is not None else None,
         )
+        check_axes(mesh.sizes)
         place_experts(model, cfg, mesh)
         tensor_parallel = from_config(model, cfg, mesh, mesh.axis("pp") if pipelined else None)
         tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}
         check_tied_offload(cfg, tied)
+        apply_long_context(model, cfg, mesh)
         return cls(mesh, model, tensor_parallel, tied), model_parameters
 
     # -- what the loader, the batch arithmetic and DeepSpeed's queries ask -------------------
@@ -99,6 +108,17 @@ class ParallelLayout:
         """The data-parallel group: what the data is split by and dense parameters sharded
         over."""
         return self.mesh.dp
+
+    @property
+    def sequence(self) -> Communicator:
+        """The sequence-parallel group: the ranks that hold shares of the same samples."""
+        return self.mesh.axis("sp")
+
+    @property
+    def zero(self) -> Communicator:
+        """The ranks holding the same dense parameters, which ZeRO shards them over: the
+        data-parallel group and its ranks' sequence-parallel peers."""
+        return self.mesh.zero
 
     @property
     def stages(self) -> Communicator | None:
@@ -112,6 +132,10 @@ class ParallelLayout:
     @property
     def split_degree(self) -> int:
         return 1 if self.tensor_parallel is None else self.tensor_parallel.size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.dp.world_size
 
     @property
     def whole_model_here(self) -> bool:
@@ -134,8 +158,8 @@ class ParallelLayout:
     def shard_group_specs(
         self, groups: list[tuple[dict, NamedParams]], options: GroupOptions
     ) -> list[ShardGroupSpec]:
-        """The dense parameters, partitioned over the data-parallel group, and the experts',
-        over the ranks holding the same experts (see [Note: several shard groups] in
+        """The dense parameters, partitioned over the data- and sequence-parallel ranks (given
+        in ``options``: :attr:`zero`), and the experts', over the ranks holding the same experts (see [Note: several shard groups] in
         zero/optimizer.py): their gradients are averaged over every data-parallel rank, and
         the norm sums over the ranks holding other experts. ``options``: the config's, for
         this layout's groups to refine."""
@@ -199,15 +223,15 @@ class ParallelLayout:
 
     # -- the model's state ---------------------------------------------------------------------
     def broadcast_untrained_state(self) -> None:
-        """The frozen parameters and buffers of the data-parallel group's first rank to its
-        other ranks, an expert's over the ranks holding that expert (trainable ones and frozen
+        """The frozen parameters and buffers of the first rank holding the dense parameters to
+        the others (data- and sequence-parallel), an expert's over the ranks holding that expert (trainable ones and frozen
         ones that stage 3 partitions, which the engine owns, are broadcast as their buckets are
         built), so all replicas start identical even without a shared seed."""
         model, mesh = self.model, self.mesh
         of_experts = expert_tensors(model)
         frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]
         for tensor in frozen + list(model.buffers()):
-            comm = mesh.expert_dp if id(tensor) in of_experts else mesh.dp
+            comm = mesh.expert_dp if id(tensor) in of_experts else mesh.zero
             comm.broadcast(tensor.data, src=comm.root)
 
     def full_state(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from zerotrain.runtime import (
     dataloader,
     engine,
     lr_schedules,
+    sequence_parallel,
     utils,
     zero,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "dataloader",
     "engine",
     "lr_schedules",
+    "sequence_parallel",
     "utils",
     "zero",
 ]

@@ -1,0 +1,61 @@
+"""What the parallel layout applies for long sequences: the sequence axis's checks against the
+other axes, the loss and attention of a causal LM under sequence parallelism, and the tiled
+MLPs and loss of the config's ``tiled_compute`` section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from zerotrain.comm import Communicator, Mesh
+from zerotrain.config import ConfigError, ZeroTrainConfig
+from zerotrain.sequence.groups import SequenceParallelGroups, communicator_of
+from zerotrain.sequence.hf import apply_sequence_parallel, is_causal_lm, tile_loss, tile_mlps
+
+
+def sequence_group_of(mpu: Any) -> Communicator | None:
+    """The sequence-parallel group an mpu made before the engine (DeepSpeed's
+    ``register_with_transformers`` returns one), or None."""
+    if isinstance(mpu, SequenceParallelGroups):
+        return mpu.comm
+    if mpu is None or not hasattr(mpu, "get_sequence_parallel_group"):
+        return None
+    return communicator_of(mpu.get_sequence_parallel_group())
+
+
+def check_axes(mesh_sizes: dict[str, int]) -> None:
+    """Sequence parallelism with the axes it does not compose with yet, refused with the
+    reason."""
+    if mesh_sizes["sp"] == 1:
+        return
+    refused = {
+        "pp": "pipeline stages (each stage would exchange a share of the sequence per layer; "
+        "not built yet)",
+        "ep": "expert parallelism (the experts' token exchange over a share of the sequence "
+        "is not built yet)",
+        "tp": "tensor parallelism (Ulysses would share the tensor-parallel share of the heads; "
+        "not built yet)",
+    }
+    for axis, why in refused.items():
+        if mesh_sizes[axis] > 1:
+            raise ConfigError(
+                f"sequence_parallel_size: {mesh_sizes['sp']} with {why}; use one of the two"
+            )
+
+
+def apply_long_context(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> None:
+    """Transform ``model`` in place: a causal LM's loss and attention for the sequence axis
+    (when it has more than one rank), then the tiles the config asks for."""
+    tiles = cfg.tiled_compute
+    sp = mesh.axis("sp")
+    if sp.world_size > 1 and is_causal_lm(model):
+        apply_sequence_parallel(model, sp)
+    if tiles.mlp and tile_mlps(model, tiles.mlp_tile_tokens) == 0:
+        raise ConfigError(
+            f"tiled_compute.mlp: {type(model).__name__} has no gated MLP (a module named *MLP "
+            "with gate_proj, up_proj and down_proj) to tile; tile yours with "
+            "zerotrain.sequence.TiledMLP, or set it to false"
+        )
+    if tiles.loss:
+        tile_loss(model, sp, tiles.loss_tile_tokens)
