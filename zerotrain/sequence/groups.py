@@ -3,8 +3,9 @@
 
 A group is sp consecutive ranks (DeepSpeed's ``parallel_state_sp`` places them so, and so does
 zerotrain's mesh: comm/mesh.py); the ranks holding the same parameters are the data-parallel
-ranks times these (``get_sequence_data_parallel_*``). The object is passed explicitly: nothing
-here is a process-wide singleton.
+ranks times these (``get_sequence_data_parallel_*``). zerotrain passes the object explicitly;
+only DeepSpeed's module-level lookups (``deepspeed.utils.groups._get_sequence_parallel_*``,
+which Accelerate and the HF Trainer call) read the groups made last (:func:`latest`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class SequenceParallelGroups:
             )
         ranks = range(world.world_size)
         comm = world.split([list(ranks[i : i + sp]) for i in range(0, len(ranks), sp)])
-        return cls(comm, world)
+        return remember(cls(comm, world))
 
     # -- DeepSpeed's parallel_state_sp -------------------------------------------------------
     def get_sequence_parallel_group(self) -> Any:
@@ -74,3 +75,18 @@ class SequenceParallelGroups:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
+
+
+_latest: SequenceParallelGroups | None = None
+
+
+def remember(groups: SequenceParallelGroups) -> SequenceParallelGroups:
+    """Record ``groups`` as the process's sequence-parallel groups for DeepSpeed's lookups."""
+    global _latest
+    _latest = groups
+    return groups
+
+
+def latest() -> SequenceParallelGroups | None:
+    """The groups made last (by a registration or an engine's layout), or None."""
+    return _latest

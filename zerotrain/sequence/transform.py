@@ -10,7 +10,7 @@ from torch import nn
 
 from zerotrain.comm import Communicator, Mesh
 from zerotrain.config import ConfigError, ZeroTrainConfig
-from zerotrain.sequence.groups import SequenceParallelGroups, communicator_of
+from zerotrain.sequence.groups import SequenceParallelGroups, communicator_of, remember
 from zerotrain.sequence.hf import apply_sequence_parallel, is_causal_lm, tile_loss, tile_mlps
 
 
@@ -49,8 +49,10 @@ def apply_long_context(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> No
     (when it has more than one rank), then the tiles the config asks for."""
     tiles = cfg.tiled_compute
     sp = mesh.axis("sp")
-    if sp.world_size > 1 and is_causal_lm(model):
-        apply_sequence_parallel(model, sp)
+    if sp.world_size > 1:
+        remember(SequenceParallelGroups(sp, mesh.zero))  # DeepSpeed's lookups (groups.py)
+        if is_causal_lm(model):
+            apply_sequence_parallel(model, sp)
     if tiles.mlp and tile_mlps(model, tiles.mlp_tile_tokens) == 0:
         raise ConfigError(
             f"tiled_compute.mlp: {type(model).__name__} has no gated MLP (a module named *MLP "

@@ -4,7 +4,7 @@ set by hand (``tensor_fragment``), and (in ``zerotrain.utils.zero_to_fp32``) che
 from __future__ import annotations
 
 from zerotrain.data import RepeatingLoader
-from zerotrain.utils import init_on_device, logging, tensor_fragment, zero_to_fp32
+from zerotrain.utils import groups, init_on_device, logging, tensor_fragment, zero_to_fp32
 from zerotrain.utils.init_on_device import OnDevice
 from zerotrain.utils.logging import (
     log_dist,
@@ -43,6 +43,7 @@ __all__ = [
     "OnDevice",
     "RepeatingLoader",
     "get_z3_leaf_modules",
+    "groups",
     "init_on_device",
     "log_dist",
     "log_dist_once",
