@@ -195,10 +195,14 @@ def collectives():
     comm.all_gather(gathered, gathered[2 * r : 2 * r + 2])
     shard = torch.zeros(2)
     comm.reduce_scatter(shard, torch.arange(2.0 * n))
+    rows = torch.arange(2.0 * n).view(n, 2) + 10 * r  # row p for rank p
+    exchanged = torch.empty_like(rows)
+    comm.all_to_all(exchanged, rows)  # equal pieces: pairwise on gloo
     return {
         "sum": t.tolist(),
         "gathered": gathered.tolist(),
         "shard": shard.tolist(),
+        "exchanged": exchanged.tolist(),
         "stats": {k: (v.calls, v.bytes, v.sent) for k, v in comm.stats.items()},
     }
 
@@ -208,12 +212,15 @@ def test_collectives_and_byte_counts():
         assert got["sum"] == [6.0] * 3
         assert got["gathered"] == [1, 1, 2, 2, 3, 3]
         assert got["shard"] == [3.0 * 2 * rank, 3.0 * (2 * rank + 1)]
-        # sent: (N-1)/N of the buffer for a reduce-scatter or an all-gather (the pairwise
-        # exchange on gloo sends exactly that), twice that for an all-reduce
+        # row r of every rank p, in rank order
+        assert got["exchanged"] == [[2 * rank + 10 * p, 2 * rank + 1 + 10 * p] for p in range(3)]
+        # sent: (N-1)/N of the buffer for a reduce-scatter, an all-gather or an all-to-all (the
+        # pairwise exchange on gloo sends exactly that), twice that for an all-reduce
         assert got["stats"] == {
             "all_reduce": (1, 12, 16),
             "all_gather": (1, 24, 16),
             "reduce_scatter": (1, 24, 16),
+            "all_to_all": (1, 24, 16),
         }
 
 

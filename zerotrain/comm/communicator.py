@@ -511,6 +511,10 @@ class Communicator:
             output.copy_(input)
             return PendingOp(self, name, 0, None) if async_op else None
         own = (input_splits[self.rank] if input_splits else len(input) // self.world_size) * row
+        if self._pairwise and input_splits is None and output_splits is None:
+            return self._issue_pairwise(
+                pairwise.all_to_all, output, input, async_op, name, sent=nbytes - own
+            )
 
         def launch(a: bool):
             return dist.all_to_all_single(
@@ -529,8 +533,9 @@ class Communicator:
         input: torch.Tensor,
         async_op: bool,
         name: str | None = None,
+        sent: int | None = None,
     ) -> PendingOp | None:
-        full = input if operation.__name__ == "reduce_scatter" else output
+        full = input if operation.__name__ in ("reduce_scatter", "all_to_all") else output
         name = name or operation.__name__
         nbytes = full.numel() * full.element_size()
         tag = pairwise.next_tag(self.group)
@@ -547,7 +552,7 @@ class Communicator:
                 timeout=timeout if isinstance(timeout, timedelta) else None,
             )
 
-        op = self.issue(name, nbytes, launch, async_op=True)
+        op = self.issue(name, nbytes, launch, async_op=True, sent=sent)
         pairwise.complete_if_dropped(op, op._work)
         if not async_op:
             op.wait()

@@ -1,4 +1,5 @@
-"""Reduce-scatter and all-gather by pairwise exchange, for backends without efficient ones.
+"""Reduce-scatter, all-gather and all-to-all by pairwise exchange, for backends without
+efficient ones.
 
 [Note: why pairwise exchange on gloo]
 gloo has no reduce-scatter of its own: torch runs ``reduce_scatter_tensor`` on gloo as a full
@@ -12,7 +13,10 @@ all-gather every rank sends its piece to every other rank, received straight int
 rank sends (N-1)/N of the buffer, the ring minimum (ZeRO, arXiv:1910.02054 §7), and there is no
 chain of dependent steps, so all messages are posted at once and the operation is as
 asynchronous as a native collective. The sum is taken in a fixed order (own piece, then peers by
-rank) once all pieces are in, so it does not depend on which message arrives first. NCCL keeps its native ring collectives.
+rank) once all pieces are in, so it does not depend on which message arrives first. gloo's
+all-to-all exists but measured 10-20% slower than the same exchange posted at once (8-32 MiB,
+2 and 4 ranks: 3.2 vs 2.7 ms and 32.0 vs 27.5 ms), so Ulysses' all-to-alls use it too. NCCL
+keeps its native collectives.
 
 Every message has one peer, so a message that fails or times out names the rank that did not
 send or receive it (:class:`PeerWaitError`), where a backend collective can only say that some
@@ -215,3 +219,28 @@ def all_gather(
         group, tag, receive_into=receive_into, send=dict.fromkeys(peers, pieces[rank])
     )
     return PairwiseWork("all_gather", messages, None, timeout)
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    tag: int,
+    timeout: timedelta | None,
+) -> PairwiseWork:
+    """Piece ``p`` of ``input`` (``world`` equal pieces along dimension 0) to rank ``p``, rank
+    ``p``'s piece for this rank into piece ``p`` of ``output``. Complete with ``wait()``."""
+    _complete_dropped()
+    pieces, into = input.reshape(world, -1), output.view(world, -1)
+    into[rank].copy_(pieces[rank])
+    peers = _peers(rank, world)
+    messages = _exchange(
+        group,
+        tag,
+        receive_into={p: into[p] for p in peers},
+        send={p: pieces[p].contiguous() for p in peers},
+    )
+    return PairwiseWork("all_to_all", messages, None, timeout)
