@@ -4,6 +4,7 @@ process and under the engine at every stage; dropout replayed; memory as derived
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import warnings
@@ -370,3 +371,52 @@ def test_cpu_checkpointing_moves_kept_inputs_off_the_gpu():
     assert allocated[False] - allocated[True] == pytest.approx(inputs, abs=1024)  # allocator
     for offloaded, on_gpu in zip(grads[True], grads[False], strict=True):
         torch.testing.assert_close(offloaded, on_gpu)  # the GPU attention backward may reorder
+
+
+def test_host_offload_fetches_one_region_ahead_and_changes_nothing():
+    """[Note: activation offload], its copies forced on a CPU: after the forward every region's
+    input is in host memory only; in backward, while a region recomputes, only the next
+    region's input is back ahead of use; the gradients are those without offload, bit for bit."""
+    from zerotrain.activation_checkpointing import HostOffload
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(5)]
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def loss_of(offload):
+        h = x
+        for block in blocks:
+            with offload.region() if offload else contextlib.nullcontext():
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return h.square().sum()
+
+    loss_of(None).backward()
+    reference = [t.grad.clone() for t in [x, *(p for b in blocks for p in b.parameters())]]
+    for t in [x, *(p for b in blocks for p in b.parameters())]:
+        t.grad = None
+    offload = HostOffload(torch.device("cpu"))
+    loss = loss_of(offload)
+    assert offload.resident() == 0  # every kept input is a host copy now
+    ahead = []
+    for block in blocks:  # runs again only in the recomputation
+        block.register_forward_pre_hook(lambda module, args: ahead.append(offload.resident()))
+    loss.backward()
+    assert ahead == [1, 1, 1, 1, 0]  # last block first; the next region's one input is back
+    got = [t.grad for t in [x, *(p for b in blocks for p in b.parameters())]]
+    assert_bitwise_equal(got, reference)
+
+
+def test_transformers_gradient_checkpointing_follows_the_policy():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    assert checkpointing.use_for_transformers(model) == 3  # the base model and its 2 layers
+    before = checkpointing.recompute_stats().recomputations
+    ids = torch.randint(0, 32, (1, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert checkpointing.recompute_stats().recomputations - before == 2

@@ -186,3 +186,19 @@ def test_tiling_a_causal_lm_changes_no_loss_or_gradient():
     for (name, a), b in zip(tiled.named_parameters(), plain.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
     assert tiled(input_ids=ids).logits.shape == (2, 30, 97)  # no labels: the model's forward
+
+
+def test_tiled_fused_loss_under_no_grad_computes_no_gradient():
+    """Evaluation: the loss alone (forward computes gradients only when they are wanted)."""
+    head = torch.nn.Linear(4, 11)
+    x, y = torch.randn(1, 6, 4), torch.randint(0, 11, (1, 6))
+
+    def loss_sum(module, xs, ys):
+        return F.cross_entropy(module(xs), ys, reduction="sum")
+
+    calls = []
+    head.weight.register_hook(lambda g: calls.append(g))
+    with torch.no_grad():
+        loss = TiledFusedLogitsLoss.apply(loss_sum, head, x, y, None, 3, None, "sum")
+    assert torch.allclose(loss, loss_sum(head, x[0], y[0]))
+    assert not calls and head.weight.grad is None  # no gradient computed, none accumulated

@@ -29,8 +29,18 @@ one block per call to keep stage 3's working set at one block.
 torch's non-reentrant checkpoint saves the region's tensor inputs through the saved-tensor
 hooks (outside its own hooks) and replaces every tensor saved inside the region by a
 placeholder. ``checkpoint`` passes keyword arguments to it as positional ones, so keyword
-tensors are saved the same way; ``cpu_checkpointing`` wraps the call in
-``torch.autograd.graph.save_on_cpu``, which therefore moves exactly the retained inputs.
+tensors are saved the same way; ``cpu_checkpointing`` wraps the call in :class:`HostOffload`'s
+hooks, which therefore move exactly the retained inputs.
+
+[Note: activation offload]
+With ``cpu_checkpointing`` each region's saved inputs are copied to host memory (pinned, on a
+side stream on CUDA, so the forward does not wait) and the device copies are freed once the
+copy is done. Backward runs the regions in reverse order: when it unpacks region i's inputs
+(to recompute it), the copies of region i-1's start back on the side stream, so they are on
+the device by the time its recomputation needs them. At any point of backward the device holds
+the inputs of at most two regions, the one recomputing and the next (tested with the copies
+forced on a CPU); the numbers do not change. On a CPU device they are in host memory already:
+nothing moves.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import functools
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +70,7 @@ from zerotrain.config import (
 from zerotrain.zero.units import find_unit_modules
 
 __all__ = [
+    "HostOffload",
     "RecomputeStats",
     "SavedActivations",
     "checkpoint",
@@ -68,6 +80,7 @@ __all__ = [
     "recompute_stats",
     "reset",
     "reset_stats",
+    "use_for_transformers",
     "wrap",
 ]
 
@@ -247,9 +260,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     with (
         _boundary(policy, device, "forward_seconds"),
         # [Note: what a checkpoint keeps]: only the region's inputs go through these hooks.
-        torch.autograd.graph.save_on_cpu(pin_memory=device is not None and device.type == "cuda")
-        if offload
-        else contextlib.nullcontext(),
+        _offload_for(device).region() if offload and device else contextlib.nullcontext(),
     ):
         return torch.utils.checkpoint.checkpoint(
             _call,
@@ -260,6 +271,20 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             use_reentrant=False,
             context_fn=functools.partial(_contexts, policy, device),
         )
+
+
+def use_for_transformers(model: nn.Module) -> int:
+    """Route a transformers model's gradient checkpointing (``gradient_checkpointing_enable``)
+    through :func:`checkpoint`, so the policy (``cpu_checkpointing``, timing) applies to it;
+    the layers routed."""
+    routed = 0
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(
+            module, "_gradient_checkpointing_func"
+        ):
+            module._gradient_checkpointing_func = checkpoint  # pyrefly: ignore[bad-argument-type]
+            routed += 1
+    return routed
 
 
 def _call(function: Callable[..., Any], num_args: int, names: tuple[str, ...], *inputs: Any):
@@ -363,6 +388,111 @@ def _outermost(model: nn.Module, block_type: type | tuple[type, ...]) -> list[nn
 
     visit(model)
     return list(found.values())
+
+
+# -- offload ---------------------------------------------------------------------------------
+class _Saved:
+    """One saved input of a region: its host copy, and a device copy while one is wanted."""
+
+    def __init__(self, tensor: torch.Tensor, offload: HostOffload, region: list):
+        self.offload, self.region = offload, region
+        self.device = tensor.device
+        self.host = torch.empty(
+            tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=offload.pinned
+        )
+        self.on_device: torch.Tensor | None = None
+        self.ready: Any = None  # CUDA: the event after which on_device (or host) is complete
+        stream = offload.stream
+        if stream is None:
+            self.host.copy_(tensor)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # CUDA only
+        with torch.cuda.stream(stream):
+            self.host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)  # freed only once the copy is done
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+
+    def fetch(self) -> None:
+        """Start the copy back to the device (on the side stream on CUDA)."""
+        if self.on_device is not None:
+            return
+        stream = self.offload.stream
+        if stream is None:
+            self.on_device = self.host.to(self.device, copy=True)
+            return
+        with torch.cuda.stream(stream):  # CUDA only
+            if self.ready is not None:
+                stream.wait_event(self.ready)  # the host copy is complete
+            self.on_device = self.host.to(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+
+    def take(self) -> torch.Tensor:
+        """The device copy, waited for; this object no longer holds it."""
+        self.fetch()
+        tensor, self.on_device = self.on_device, None
+        assert tensor is not None
+        if self.ready is not None and self.offload.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)  # CUDA only
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+        return tensor
+
+
+class HostOffload:
+    """The saved inputs of checkpointed regions in host memory between forward and backward,
+    fetched back one region ahead of backward (see [Note: activation offload]). ``device``:
+    where the regions compute."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._regions: list[list[weakref.ref[_Saved]]] = []  # forward order
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """One region's saved tensors go to host memory while this context is open."""
+        self._regions = [r for r in self._regions if any(ref() is not None for ref in r)]
+        handles: list[weakref.ref[_Saved]] = []
+        self._regions.append(handles)
+
+        def pack(tensor: torch.Tensor) -> _Saved:
+            saved = _Saved(tensor, self, handles)
+            handles.append(weakref.ref(saved))
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        tensor = saved.take()
+        position = next((i for i, r in enumerate(self._regions) if r is saved.region), 0)
+        for earlier in reversed(self._regions[:position]):  # the next region backward runs
+            alive = [s for ref in earlier if (s := ref()) is not None]
+            if alive:
+                for other in alive:
+                    other.fetch()
+                break
+        return tensor
+
+    def resident(self) -> int:
+        """Saved inputs whose device copy this offload holds (fetched ahead, not yet taken)."""
+        return sum(
+            1
+            for r in self._regions
+            for ref in r
+            if (s := ref()) is not None and s.on_device is not None
+        )
+
+
+_offloads: dict[torch.device, HostOffload] = {}
+
+
+def _offload_for(device: torch.device) -> HostOffload:
+    if device not in _offloads:
+        _offloads[device] = HostOffload(device)
+    return _offloads[device]
 
 
 # -- measuring -------------------------------------------------------------------------------

@@ -166,6 +166,7 @@ def _prepare_run(cfg: ZeroTrainConfig, model: nn.Module, comm: Communicator) -> 
         seed_everything(cfg.seed)
     if cfg.activation_checkpointing is not None:
         checkpointing.use_policy(cfg.activation_checkpointing)
+        checkpointing.use_for_transformers(model)  # its gradient checkpointing follows it
     if any(owner_of(p) is not None for p in model.parameters()):
         raise ValueError(
             "zerotrain.initialize: this model is already wrapped by an engine (its parameters "

@@ -243,7 +243,8 @@ class TiledComputeConfig(Section):
     """Compute the loss from `labels` or `shift_labels` over tiles of the logits; the model then
     returns the loss and no logits."""
     loss_tile_tokens: PositiveInt | None = None
-    """Tokens per loss tile; null: as many as make 256 MiB of fp32 logits."""
+    """Tokens per loss tile; null: as many as make 64 MiB of fp32 logits (a tile's logits,
+    their softmax and its gradient are live together)."""
 
 
 class TensorParallelConfig(Section):
@@ -322,8 +323,10 @@ class ActivationCheckpointingConfig(Section):
     Rank 0 warns once when it is true."""
     cpu_checkpointing: bool = False
     """Keep the inputs of every checkpointed region (what a checkpoint retains) in CPU memory,
-    pinned on CUDA, and copy them back for the recomputation (`torch.autograd.graph.save_on_cpu`);
-    the numbers do not change. On a CPU device they are in CPU memory already: nothing moves."""
+    pinned and copied on a side stream on CUDA, and copy them back one region ahead of the
+    recomputation, so the device holds at most two regions' inputs in backward; the numbers do
+    not change. Applies to `zerotrain.checkpointing` regions and to a transformers model's own
+    gradient checkpointing. On a CPU device they are in CPU memory already: nothing moves."""
     contiguous_memory_optimization: bool = False
     """Has no effect in zerotrain: DeepSpeed copies partitioned activations into one buffer of
     `number_checkpoints` slots to limit fragmentation, and zerotrain partitions none (see

@@ -33,8 +33,9 @@ from zerotrain.sequence.loss import token_mean
 from zerotrain.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 
 _MASKED_CORES = ("eager", "paged|eager")  # core attentions that read the mask they are given
-# implementation -> (the registry's entry before, None for eager, which has none; ours)
-_registered: dict[str, tuple[Callable | None, Callable]] = {}
+# implementation -> (the registry's entry before, None for eager, which has none; ours; the
+# sequence-parallel group ours exchanges over)
+_registered: dict[str, tuple[Callable | None, Callable, Communicator]] = {}
 
 
 def _model_config(model_or_path: Any) -> Any:
@@ -97,7 +98,7 @@ def register_attention(
         return ulysses(module, query, key, value, attention_mask, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = attention
-    _registered[core_attn_implementation] = (original, attention)
+    _registered[core_attn_implementation] = (original, attention, comm)
 
 
 def _model_eager(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -117,7 +118,7 @@ def unregister_attention(core_attn_implementation: str | None = None) -> None:
                 f"sequence parallelism: {name!r} is not registered; registered: "
                 f"{sorted(_registered)}"
             )
-        original, ours = _registered.pop(name)
+        original, ours, _ = _registered.pop(name)
         if ALL_ATTENTION_FUNCTIONS.get(name) is not ours:
             continue
         if original is None:
@@ -126,8 +127,14 @@ def unregister_attention(core_attn_implementation: str | None = None) -> None:
             ALL_ATTENTION_FUNCTIONS[name] = original
 
 
-def is_registered(core_attn_implementation: str) -> bool:
-    return core_attn_implementation in _registered
+def _members(comm: Communicator) -> list[int]:
+    return [comm.global_rank_of(r) for r in range(comm.world_size)]
+
+
+def registered_over(core_attn_implementation: str) -> Communicator | None:
+    """The group Ulysses is registered over for the implementation, or None."""
+    entry = _registered.get(core_attn_implementation)
+    return None if entry is None else entry[2]
 
 
 class UlyssesSPAttentionHF:
@@ -237,7 +244,11 @@ def apply_sequence_parallel(model: nn.Module, comm: Communicator) -> None:
     between them, computed from ``shift_labels`` alone too; its attention registered for
     Ulysses over ``comm`` unless the caller registered it (DeepSpeed's way)."""
     implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if not is_registered(implementation):
+    registered = registered_over(implementation)
+    if registered is not None and _members(registered) != _members(comm):
+        unregister_attention(implementation)  # an earlier engine's, over other ranks
+        registered = None
+    if registered is None:
         register_attention(model.config, implementation, comm)
     model.loss_function = sequence_parallel_loss(comm)  # pyrefly: ignore[bad-argument-type]
     model.register_forward_pre_hook(_labels_from_shift_labels, with_kwargs=True)
@@ -274,7 +285,8 @@ def tile_mlps(model: nn.Module, tile_tokens: int | None = None) -> int:
 
 def tile_loss(model: nn.Module, comm: Communicator, tile_tokens: int | None = None) -> None:
     """The causal LM's loss computed over tiles of ``tile_tokens`` tokens (None: tiles of
-    logits of at most 256 MiB in fp32) with :class:`TiledFusedLogitsLoss`, never holding the
+    logits of at most 64 MiB in fp32; a tile's logits, their softmax and its gradient are live
+    together) with :class:`TiledFusedLogitsLoss`, never holding the
     whole sequence's logits; given ``labels`` or ``shift_labels``, the model returns the loss
     and no logits. ``comm``: the sequence-parallel group the loss is averaged over."""
     if not is_causal_lm(model):
@@ -305,7 +317,7 @@ def tile_loss(model: nn.Module, comm: Communicator, tile_tokens: int | None = No
         for key in ("num_items_in_batch", "logits_to_keep", "return_dict"):
             kwargs.pop(key, None)
         hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
-        tokens = tile_tokens or max(1, (256 << 20) // (4 * vocab))
+        tokens = tile_tokens or max(1, (64 << 20) // (4 * vocab))
         shards = math.ceil(hidden.shape[0] * hidden.shape[1] / tokens)
         y = shift_labels.to(hidden.device)
         loss_sum = TiledFusedLogitsLoss.apply(

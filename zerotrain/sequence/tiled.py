@@ -41,10 +41,12 @@ def _tile_length(length: int, shards: int) -> int:
 
 
 def _add(total: list[torch.Tensor | None], grads: Iterable[torch.Tensor | None]) -> None:
+    """Add each gradient into ``total``'s (a copy first: a gradient autograd returns may alias
+    the incoming one)."""
     for i, g in enumerate(grads):
         if g is not None:
             held = total[i]
-            total[i] = g if held is None else held.add_(g)
+            total[i] = g.clone() if held is None else held.add_(g)
 
 
 class TiledMLP:
@@ -132,10 +134,10 @@ class _Tiled(torch.autograd.Function):
             part_grad = grad.narrow(ctx.out_dim, offset, out.shape[ctx.out_dim])
             offset += out.shape[ctx.out_dim]
             inputs = ([part] if wants_x else []) + params
-            grads = torch.autograd.grad(out, inputs, part_grad, allow_unused=True)
+            found = torch.autograd.grad(out, inputs, part_grad, allow_unused=True)
             if wants_x:
-                x_grads.append(grads[0] if grads[0] is not None else torch.zeros_like(part))
-            _add(param_grads, grads[1:] if wants_x else grads)
+                x_grads.append(found[0] if found[0] is not None else torch.zeros_like(part))
+            _add(param_grads, found[1:] if wants_x else found)
         by_param = iter(param_grads)
         out_params = [next(by_param) if need else None for need in needs]
         x_grad = torch.cat(x_grads, ctx.dim) if wants_x else None
@@ -146,15 +148,15 @@ class _FusedLoss(torch.autograd.Function):
     """Each tile's loss and its gradients computed in forward (see TiledFusedLogitsLoss)."""
 
     @staticmethod
-    def forward(ctx, fn, module, x, y, mask, shards, reduction, *params):
-        wants_x = x.requires_grad
+    def forward(ctx, fn, module, x, y, mask, shards, reduction, grads_wanted, *params):
+        wants_x = x.requires_grad and grads_wanted
         flat_x = x.detach().reshape(-1, *x.shape[2:])
         flat_y = y.reshape(-1, *y.shape[2:])
         flat_mask = None if mask is None else mask.reshape(-1)
         tile = _tile_length(flat_x.shape[0], shards)
         xs = flat_x.split(tile)
         scale = 1.0 / len(xs) if reduction == "mean" else 1.0
-        trained = [p for p in params if p.requires_grad]
+        trained = [p for p in params if p.requires_grad and grads_wanted]
         x_grads, losses = [], []
         param_grads: list[torch.Tensor | None] = [None] * len(trained)
         masks = flat_mask.split(tile) if flat_mask is not None else [None] * len(xs)
@@ -166,15 +168,15 @@ class _FusedLoss(torch.autograd.Function):
                 loss = fn(*args)
             inputs = ([tile_x] if wants_x else []) + trained
             if inputs and loss.requires_grad:
-                grads = torch.autograd.grad(
+                found = torch.autograd.grad(
                     loss, inputs, torch.full_like(loss, scale), allow_unused=True
                 )
                 if wants_x:
-                    x_grads.append(grads[0] if grads[0] is not None else torch.zeros_like(tile_x))
-                _add(param_grads, grads[1:] if wants_x else grads)
+                    x_grads.append(found[0] if found[0] is not None else torch.zeros_like(tile_x))
+                _add(param_grads, found[1:] if wants_x else found)
             losses.append(loss.detach())
         by_param = iter(param_grads)
-        ctx.grads = [next(by_param) if p.requires_grad else None for p in params]
+        ctx.grads = [next(by_param) if p.requires_grad and grads_wanted else None for p in params]
         ctx.x_grad = torch.cat(x_grads).view(x.shape) if x_grads else None
         total = torch.stack(losses)
         return total.mean() if reduction == "mean" else total.sum()
@@ -186,7 +188,7 @@ class _FusedLoss(torch.autograd.Function):
 
         x_grad, grads = scaled(ctx.x_grad), [scaled(g) for g in ctx.grads]
         ctx.x_grad = ctx.grads = None
-        return (None, None, x_grad, None, None, None, None, *grads)
+        return (None, None, x_grad, None, None, None, None, None, *grads)
 
 
 class TiledFusedLogitsLoss:
@@ -222,4 +224,6 @@ class TiledFusedLogitsLoss:
                 f"{tuple(x.shape[:2])}"
             )
         params = _trained(self, compute_params)
-        return _FusedLoss.apply(fn, self, x, y, mask, shards, output_reduction, *params)
+        # forward computes the gradients: none under no_grad (evaluation)
+        wanted = torch.is_grad_enabled()
+        return _FusedLoss.apply(fn, self, x, y, mask, shards, output_reduction, wanted, *params)
