@@ -3,6 +3,7 @@ memory budget per rank, at each of zerotrain's long-context features, with DeepS
 the same job; and Ulysses' all-to-all bytes and time against the formula and an all-reduce.
 
     python bench/long_context.py [--model 100m] [--budget-mib 3072] [--max-tokens 8192]
+    python bench/long_context.py --report                             # the saved run's tables
     python bench/long_context.py --rows zero3 sp2 deepspeed-sp2      # some rows
 
 Every row is one torchrun job of 2 ranks (gloo, one thread each, fp32, ZeRO stage 3, SGD, one
@@ -15,7 +16,8 @@ rank, the step's time and the process's peak resident memory during it (``VmHWM`
 device's memory would (the runtime, the model states, ZeRO-3's gathered parameters and
 gradient buckets, the activations); a row stops at the first length over ``--budget-mib`` on
 some rank. Its ``max tokens`` is the longest length that stayed within
-the budget, tokens/s that step's (all ranks' tokens over the slowest rank's time).
+the budget, tokens/s that step's (all ranks' tokens over the slowest rank's time). The sp rows
+are compared with DeepSpeed at the longest length both ran: tokens/s and peak memory, ratios.
 
 Rows, each adding to the one before (data-parallel rows: each rank trains its own sample):
 ``zero3`` a transformers model under ZeRO-3 (2 data-parallel ranks); ``+tiled-loss``
@@ -30,7 +32,8 @@ The all-to-all table: in the ``+sp2`` row at 2048 tokens, the bytes one forward'
 all-to-alls carried per layer (zerotrain's counters) against the formula (per rank, the q, k, v
 and output shares: b x s/sp x (2 h + 2 h_kv) values, h_kv the key/value width) and the time of
 one all-to-all of 8 MiB against a ring all-reduce of the same bytes on the same group (median
-of 9). Writes bench/results/long_context.json. About 15 minutes with the defaults on 2 cores.
+of 9). Writes every rank's measurements to bench/results/long_context.json. About 20 minutes
+with the defaults on 2 cores.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=int, default=3072, help="peak memory per rank")
     parser.add_argument("--max-tokens", type=int, default=8192, help="the ladder's top")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--report", action="store_true", help="print the saved run's tables")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -264,70 +268,77 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    results, skipped = run_all(
-        args.rows, lambda name: ROWS[name].system == "deepspeed", lambda name: run_row(name, args)
+    out = Path(__file__).parent / "results" / "long_context.json"
+    if not args.report:
+        results, skipped = run_all(
+            args.rows,
+            lambda name: ROWS[name].system == "deepspeed",
+            lambda name: run_row(name, args),
+        )
+        out.parent.mkdir(exist_ok=True)
+        raw = {"args": vars(args), "results": results, "skipped": skipped}
+        out.write_text(json.dumps(raw, indent=1))
+    report(json.loads(out.read_text()))
+    print(f"\n{out}")
+
+
+def _tokens_per_s(name: str, step: list[dict]) -> float:
+    """All ranks' tokens over the slowest rank's time (sp ranks share their sample's)."""
+    return step[0]["tokens"] * (WORLD // ROWS[name].sp) / max(r["seconds"] for r in step)
+
+
+def report(raw: dict) -> None:
+    """The tables of a run (``--report`` prints a saved run's again)."""
+    args, results = raw["args"], raw["results"]
+    budget, mib = args["budget_mib"] * 2**20, 2**20
+    config = MODELS[args["model"]]
+    print(
+        f"\nLlama {args['model']} ({', '.join(f'{k} {v}' for k, v in config.items())}), "
+        f"{WORLD} ranks, fp32, gloo, ZeRO-3; budget {args['budget_mib']} MiB of peak memory "
+        "per rank\n"
     )
-    budget = args.budget_mib * 2**20
-    mib = 2**20
-    table = []
+    peer = results.get("deepspeed-sp2", {}).get("steps", [])
+    peer_at = {s[0]["tokens"]: s for s in peer}
+    print(
+        "| row | max tokens | peak MiB at it | tokens/s at it | vs deepspeed-sp2 at the longest "
+        "length both ran (tokens/s, peak memory) |"
+    )
+    print("|---|---|---|---|---|")
     for name, got in results.items():
         steps = got["steps"]
         fitting = [s for s in steps if max(r["peak"] for r in s) <= budget]
         best = fitting[-1] if fitting else None
-        row = ROWS[name]
-        tokens_per_step = (best[0]["tokens"] * (WORLD // row.sp)) if best else 0
-        table.append(
-            {
-                "row": name,
-                "max_tokens": best[0]["tokens"] if best else 0,
-                "capped": bool(best) and best is steps[-1] and len(fitting) == len(steps),
-                "peak_mib": max(r["peak"] for r in best) / mib if best else None,
-                "tokens_per_s": tokens_per_step / max(r["seconds"] for r in best) if best else 0,
-                "steps": steps,
-            }
-        )
-    config = MODELS[args.model]
-    print(
-        f"\nLlama {args.model} ({', '.join(f'{k} {v}' for k, v in config.items())}), "
-        f"{WORLD} ranks, fp32, gloo, ZeRO-3; budget {args.budget_mib} MiB of peak memory per rank\n"
-    )
-    print("| row | max tokens | peak MiB at it | tokens/s at it | vs deepspeed-sp2 |")
-    print("|---|---|---|---|---|")
-    deepspeed = next((r for r in table if r["row"] == "deepspeed-sp2"), None)
-    for r in table:
+        top = " (the ladder's top)" if best is not None and len(fitting) == len(steps) else ""
+        cells = ["0", "-", "-"]
+        if best is not None:
+            peak = max(r["peak"] for r in best)
+            cells = [f"{best[0]['tokens']}{top}", f"{peak / mib:.0f}"]
+            cells.append(f"{_tokens_per_s(name, best):.0f}")
         versus = ""
-        if deepspeed and deepspeed["tokens_per_s"] and r["row"] in ("sp2", "+sp2"):
-            versus = f"{r['tokens_per_s'] / deepspeed['tokens_per_s']:.2f}x tokens/s"
-        cap = " (the ladder's top)" if r["capped"] else ""
-        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
-        print(
-            f"| {r['row']} | {r['max_tokens']}{cap} | {peak} | {r['tokens_per_s']:.0f} | {versus} |"
-        )
-    for name, why in skipped.items():
+        common = [s for s in steps if s[0]["tokens"] in peer_at]
+        if name != "deepspeed-sp2" and ROWS[name].sp > 1 and common:
+            mine, theirs = common[-1], peer_at[common[-1][0]["tokens"]]
+            speed = _tokens_per_s(name, mine) / _tokens_per_s("deepspeed-sp2", theirs)
+            memory = max(r["peak"] for r in mine) / max(r["peak"] for r in theirs)
+            versus = f"{speed:.2f}x, {memory:.2f}x at {mine[0]['tokens']}"
+        print(f"| {name} | {' | '.join(cells)} | {versus} |")
+    for name, why in raw["skipped"].items():
         print(f"| {name} | skipped: {why} | | | |")
-    exchange = _exchange_table(results.get("+sp2"), config)
-    out = Path(__file__).parent / "results" / "long_context.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": table, "exchange": exchange}, indent=1))
-    print(f"\nwrote {out}")
+    _exchange_table(results.get("+sp2"), config)
 
 
-def _exchange_table(got, config: dict) -> dict | None:
+def _exchange_table(got, config: dict) -> None:
     """Ulysses' bytes per layer at 2048 tokens against the formula, and the time table."""
     if not got:
-        return None
+        return
     at = next((s for s in got["steps"] if s[0]["tokens"] == 2048), None)
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     width = config["hidden_size"]
     kv_width = width // heads * kv
-    layers = config["num_hidden_layers"]
-    out = {"timing": got["exchange"]}
     if at is not None:
-        # per rank and layer, forward: q, k, v and the output, each of s/sp tokens; the same
-        # again in backward and in the checkpointed recomputation (forward again)
+        # per rank and layer, one pass: q, k, v and the output, each of s/sp tokens
         per_layer = 2048 // 2 * (2 * width + 2 * kv_width) * 4
-        measured = at[0]["a2a_bytes"] / layers
-        out.update(formula_per_layer=per_layer, measured_per_layer=measured)
+        measured = at[0]["a2a_bytes"] / config["num_hidden_layers"]
         print(
             f"\nall-to-all at 2048 tokens, sp 2: {measured / 2**20:.2f} MiB per layer and step "
             f"= {measured / per_layer:.2f} x the formula {per_layer / 2**20:.2f} MiB "
@@ -339,7 +350,6 @@ def _exchange_table(got, config: dict) -> dict | None:
         f"8 MiB over 2 ranks: all-to-all {timing['all_to_all'] * 1e3:.1f} ms, ring all-reduce "
         f"{timing['all_reduce'] * 1e3:.1f} ms ({timing['all_reduce'] / timing['all_to_all']:.1f}x)"
     )
-    return out
 
 
 if __name__ == "__main__":
