@@ -450,3 +450,26 @@ def test_bf16_trains_as_one_bf16_process():
         for state, losses in shared:
             assert losses == pytest.approx(alone[1], rel=2e-2), stage
             assert _close(state, alone[0]) < 2e-2, stage
+
+
+def loader_shares():
+    """initialize's own dataloader with sp 2: both ranks take the same samples, each its share
+    (the data is split over the data-parallel ranks only: here one)."""
+    import zerotrain
+
+    dataset = [{k: v[0] for k, v in sample.items()} for sample in samples(4)]  # 1-D samples
+    engine, _, loader, _ = zerotrain.initialize(
+        model=build(), config=config(0, 2), training_data=dataset
+    )
+    batches = [{k: v.tolist() for k, v in batch.items()} for batch in loader]
+    zerotrain.sequence.hf.unregister_attention()
+    return batches, len(loader), sorted(loader.state_dict())
+
+
+def test_initializes_dataloader_gives_each_rank_its_share():
+    first, second = run_distributed(loader_shares, 2)
+    assert len(first[0]) == first[1] == 4  # every sample, on both ranks
+    for a, b in zip(first[0], second[0], strict=True):
+        assert a["position_ids"][0][-1] + 1 == b["position_ids"][0][0]  # halves of one sample
+        assert len(a["input_ids"][0]) == len(b["input_ids"][0]) == (SEQ + 1) // 2
+    assert first[2]  # the resumable loader's state passes through

@@ -14,8 +14,9 @@ config, the model and the world; nothing else decides parallelism. Building it m
 5. long sequences (zerotrain/sequence): a causal LM's attention and loss for the sp axis, and
    the MLPs and loss tiled, over the layers as the steps before left them.
 Then the rest asks the layout: the shard groups' specs (which ranks a group is partitioned
-over: the data- and sequence-parallel ranks, what gradients are averaged over, which tensors' gradients are summed across
-model-parallel ranks, the pipeline chunk of each parameter: :meth:`shard_group_specs`), the
+over: the data- and sequence-parallel ranks; what gradients are averaged over, which tensors'
+gradients are summed across model-parallel ranks, the pipeline chunk of each parameter:
+:meth:`shard_group_specs`), the
 data-parallel group for the loader and the batch arithmetic (:attr:`dp`), and the whole
 model's state dict (:meth:`full_state`). The engine and the checkpoint see it through
 ``checkpoint.protocol.ModelLayout`` and name no axis.
@@ -105,8 +106,8 @@ class ParallelLayout:
     # -- what the loader, the batch arithmetic and DeepSpeed's queries ask -------------------
     @property
     def dp(self) -> Communicator:
-        """The data-parallel group: what the data is split by and dense parameters sharded
-        over."""
+        """The data-parallel group: what the data is split by (and, without sequence
+        parallelism, what dense parameters are sharded over: :attr:`zero`)."""
         return self.mesh.dp
 
     @property
