@@ -42,7 +42,8 @@ TILED = {"mlp": True, "mlp_tile_tokens": 3, "loss": True, "loss_tile_tokens": 4}
 
 def case(stage: int, attention: str = "sdpa", kv_heads: int = 2, **switches: bool) -> tuple:
     """A run: stage, core attention, key/value heads (1: repeated for sp 2), and which of
-    "tiled" (MLPs and loss), "lora" (LoRA-FA) and "offload" (to the CPU) are on."""
+    "tiled" (MLPs and loss), "lora" (LoRA-FA), "offload" (to the CPU) and "tp" (tensor
+    parallelism of degree 2) are on."""
     return (stage, attention, kv_heads, tuple(sorted(k for k, on in switches.items() if on)))
 
 
@@ -96,6 +97,8 @@ def config(stage: int, sp: int | None, switches: tuple[str, ...] = ()) -> dict:
         cfg["tiled_compute"] = TILED
     if "lora" in switches:
         cfg["lora_fa"] = LORA
+    if "tp" in switches:  # each rank 1/2 of the heads, which Ulysses then shares
+        cfg["tensor_parallel"] = {"autotp_size": 2}
     if "offload" in switches:  # the optimizer states on the CPU; at stage 3 the parameters too
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if stage == 3:
@@ -202,24 +205,29 @@ CASES = {
         case(2, offload=True),
         case(3, offload=True, tiled=True),
     ],
-    4: [*(case(stage) for stage in range(4)), case(3, tiled=True), case(2, lora=True)],
+    4: [
+        *(case(stage) for stage in range(4)),
+        case(3, tiled=True),
+        case(2, lora=True),
+        *(case(stage, tp=True) for stage in range(4)),  # tp 2 x sp 2: one data-parallel rank
+        case(3, tp=True, tiled=True),
+    ],
 }
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_zerotrain_way_equals_one_process(world):
     results = run_distributed(zerotrain_way, world, CASES[world], timeout=400)
-    dp = world // 2
-    data = samples(STEPS * ACCUM * dp)
-    order = [data[s * ACCUM * dp : (s + 1) * ACCUM * dp] for s in range(STEPS)]
     references = {}
-    for key, (state, losses, dp_world) in results[0].items():
+    for key, (state, losses, dp) in results[0].items():
         _, attention, kv_heads, switches = key
+        assert dp == world // 2 // (2 if "tp" in switches else 1)
+        data = samples(STEPS * ACCUM * dp)
+        order = [data[s * ACCUM * dp : (s + 1) * ACCUM * dp] for s in range(STEPS)]
         made = (attention, kv_heads, "lora" in switches)
-        if made not in references:
-            references[made] = reference(order, *made)
-        ref_state, ref_losses = references[made]
-        assert dp_world == dp
+        if (made, dp) not in references:
+            references[made, dp] = reference(order, *made)
+        ref_state, ref_losses = references[made, dp]
         assert _close(state, ref_state) < 1e-5, key
         per_step = [sum(step) / dp for step in losses]
         assert per_step == pytest.approx(ref_losses, rel=1e-5), key

@@ -95,7 +95,7 @@ class ParallelLayout:
             sp=cfg.sequence_parallel_size,
             given={"sp": sequence_group} if sequence_group is not None else None,
         )
-        check_axes(mesh.sizes)
+        check_axes(cfg, mesh.sizes)
         place_experts(model, cfg, mesh)
         tensor_parallel = from_config(model, cfg, mesh, mesh.axis("pp") if pipelined else None)
         tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}

@@ -5,11 +5,13 @@ tiled (tiled.py).
 
 [Note: the registration]
 As DeepSpeed does, the registration replaces the entry of the model's own attention
-implementation (``sdpa``, ``eager``, ``flash_attention_2``...) in
-``ALL_ATTENTION_FUNCTIONS``, so the model keeps every setup branch of that implementation and
-needs no new name; the replacement runs Ulysses for the attention modules of the registered
-shape (query and key/value heads, head size) and the original for any other. The original is
-kept and put back by ``unregister_from_transformers``. Eager attention gets the whole
+implementation (``sdpa``, ``eager``, ``flash_attention_2``...) in ``ALL_ATTENTION_FUNCTIONS``,
+so the model keeps every setup branch of that implementation and needs no new name; the
+replacement runs Ulysses for the attention modules of the registered shape (query and
+key/value heads, head size) and the original for any other. A module of the registered model
+(it holds the registered config object) of another shape is an error, not a silent fallback
+to attention over the rank's share alone. The original is kept and put back by
+``unregister_from_transformers``. Eager attention gets the whole
 sequence's causal mask (DeepSpeed refuses eager); every core attention gets no other mask
 (``shard_batch`` refuses masks that cannot be dropped).
 """
@@ -56,15 +58,18 @@ def register_attention(
     comm: Communicator,
     *,
     disable_in_eval: bool = False,
+    heads_split: int = 1,
 ) -> None:
     """Ulysses over ``comm`` for the attention modules of ``config``'s shape (see [Note: the
-    registration]); ``ValueError`` when the heads cannot be shared."""
+    registration]), each holding 1/``heads_split`` of the heads (tensor parallelism's share);
+    ``ValueError`` when the heads cannot be shared."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     text = _text_config(config)
     heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
     kv_heads = kv_heads or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads, kv_heads = heads // heads_split, max(1, kv_heads // heads_split)
     check_heads(heads, kv_heads, comm.world_size)
     if core_attn_implementation in _registered:
         raise RuntimeError(
@@ -87,13 +92,19 @@ def register_attention(
         layers=getattr(text, "num_hidden_layers", 1),
     )
 
+    shape = (heads, kv_heads, head_dim)
+    configs = {id(config), id(text)}  # the registered model's modules hold these
+
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        ours = (
-            query.dim() == 4
-            and (query.shape[1], key.shape[1], query.shape[-1]) == (heads, kv_heads, head_dim)
-            and not (disable_in_eval and not module.training)
-        )
-        if not ours:
+        got = (query.shape[1], key.shape[1], query.shape[-1]) if query.dim() == 4 else None
+        if id(getattr(module, "config", None)) in configs and got != shape:
+            raise ValueError(
+                f"sequence parallelism: {type(module).__name__} called attention with (query "
+                f"heads, key/value heads, head size) {got}, but Ulysses was registered for "
+                f"{shape} (the model's config over the tensor-parallel degree); a model whose "
+                "layers differ in heads is not supported yet"
+            )
+        if got != shape or (disable_in_eval and not module.training):
             return core(module, query, key, value, attention_mask, *args, **kwargs)
         return ulysses(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -239,17 +250,18 @@ def _labels_from_shift_labels(module, args, kwargs):
     return args, kwargs
 
 
-def apply_sequence_parallel(model: nn.Module, comm: Communicator) -> None:
+def apply_sequence_parallel(model: nn.Module, comm: Communicator, heads_split: int = 1) -> None:
     """A causal LM's loss averaged over the tokens of the sample that ``comm``'s ranks hold
     between them, computed from ``shift_labels`` alone too; its attention registered for
-    Ulysses over ``comm`` unless the caller registered it (DeepSpeed's way)."""
+    Ulysses over ``comm`` unless the caller registered it (DeepSpeed's way). ``heads_split``:
+    the tensor-parallel degree that split the attention's heads."""
     implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
     registered = registered_over(implementation)
     if registered is not None and _members(registered) != _members(comm):
         unregister_attention(implementation)  # an earlier engine's, over other ranks
         registered = None
     if registered is None:
-        register_attention(model.config, implementation, comm)
+        register_attention(model.config, implementation, comm, heads_split=heads_split)
     model.loss_function = sequence_parallel_loss(comm)  # pyrefly: ignore[bad-argument-type]
     model.register_forward_pre_hook(_labels_from_shift_labels, with_kwargs=True)
 

@@ -24,24 +24,27 @@ def sequence_group_of(mpu: Any) -> Communicator | None:
     return communicator_of(mpu.get_sequence_parallel_group())
 
 
-def check_axes(mesh_sizes: dict[str, int]) -> None:
+def check_axes(cfg: ZeroTrainConfig, mesh_sizes: dict[str, int]) -> None:
     """Sequence parallelism with the axes it does not compose with yet, refused with the
     reason."""
-    if mesh_sizes["sp"] == 1:
+    sp = mesh_sizes["sp"]
+    if sp == 1:
         return
     refused = {
         "pp": "pipeline stages (each stage would exchange a share of the sequence per layer; "
         "not built yet)",
         "ep": "expert parallelism (the experts' token exchange over a share of the sequence "
         "is not built yet)",
-        "tp": "tensor parallelism (Ulysses would share the tensor-parallel share of the heads; "
-        "not built yet)",
     }
     for axis, why in refused.items():
         if mesh_sizes[axis] > 1:
-            raise ConfigError(
-                f"sequence_parallel_size: {mesh_sizes['sp']} with {why}; use one of the two"
-            )
+            raise ConfigError(f"sequence_parallel_size: {sp} with {why}; use one of the two")
+    if mesh_sizes["tp"] > 1 and cfg.tensor_parallel.sequence_parallel:
+        raise ConfigError(
+            f"sequence_parallel_size: {sp} with tensor_parallel.sequence_parallel, which cuts "
+            "the sequence over the tensor-parallel ranks too; Ulysses already holds a share "
+            "of it: set tensor_parallel.sequence_parallel to false"
+        )
 
 
 def apply_long_context(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> None:
@@ -52,7 +55,8 @@ def apply_long_context(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> No
     if sp.world_size > 1:
         remember(SequenceParallelGroups(sp, mesh.zero))  # DeepSpeed's lookups (groups.py)
         if is_causal_lm(model):
-            apply_sequence_parallel(model, sp)
+            # tensor parallelism left each rank 1/tp of the heads; Ulysses shares those
+            apply_sequence_parallel(model, sp, heads_split=mesh.sizes["tp"])
     if tiles.mlp and tile_mlps(model, tiles.mlp_tile_tokens) == 0:
         raise ConfigError(
             f"tiled_compute.mlp: {type(model).__name__} has no gated MLP (a module named *MLP "
