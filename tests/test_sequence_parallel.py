@@ -17,7 +17,9 @@ STEPS, ACCUM, SEQ, VOCAB = 2, 2, 13, 61  # 13 tokens: sp 2 pads one
 LR, MOMENTUM = 0.5, 0.9
 
 
-def build(attention: str = "sdpa", kv_heads: int = 2, lora: bool = False) -> torch.nn.Module:
+def build(
+    attention: str = "sdpa", kv_heads: int = 2, lora: bool = False, peft: bool = False
+) -> torch.nn.Module:
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,6 +35,14 @@ def build(attention: str = "sdpa", kv_heads: int = 2, lora: bool = False) -> tor
     model = LlamaForCausalLM(config)
     if lora:  # as initialize applies the config's lora_fa section, with the same generator
         apply_lora_fa(model, LORA["target_modules"], r=LORA["r"])
+    if peft:  # peft's LoRA on q and v, B made non-zero so the first steps move the loss
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+        torch.manual_seed(1)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
     return model
 
 
@@ -42,8 +52,9 @@ TILED = {"mlp": True, "mlp_tile_tokens": 3, "loss": True, "loss_tile_tokens": 4}
 
 def case(stage: int, attention: str = "sdpa", kv_heads: int = 2, **switches: bool) -> tuple:
     """A run: stage, core attention, key/value heads (1: repeated for sp 2), and which of
-    "tiled" (MLPs and loss), "lora" (LoRA-FA), "offload" (to the CPU) and "tp" (tensor
-    parallelism of degree 2) are on."""
+    "tiled" (MLPs and loss), "lora" (LoRA-FA), "peft" (peft's LoRA), "offload" (to the CPU),
+    "tp" (tensor parallelism of degree 2) and "checkpointing" (transformers' gradient
+    checkpointing, with the config's cpu_checkpointing) are on."""
     return (stage, attention, kv_heads, tuple(sorted(k for k, on in switches.items() if on)))
 
 
@@ -63,10 +74,14 @@ def samples(count: int) -> list[dict[str, torch.Tensor]]:
 
 
 def reference(
-    order: list[list[dict]], attention: str = "sdpa", kv_heads: int = 2, lora: bool = False
+    order: list[list[dict]],
+    attention: str = "sdpa",
+    kv_heads: int = 2,
+    lora: bool = False,
+    peft: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: for each step, the mean over its samples of each sample's token mean."""
-    model = build(attention, kv_heads, lora)
+    model = build(attention, kv_heads, lora, peft)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trained, lr=LR, momentum=MOMENTUM)
     losses = []
@@ -97,6 +112,8 @@ def config(stage: int, sp: int | None, switches: tuple[str, ...] = ()) -> dict:
         cfg["tiled_compute"] = TILED
     if "lora" in switches:
         cfg["lora_fa"] = LORA
+    if "checkpointing" in switches:
+        cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     if "tp" in switches:  # each rank 1/2 of the heads, which Ulysses then shares
         cfg["tensor_parallel"] = {"autotp_size": 2}
     if "offload" in switches:  # the optimizer states on the CPU; at stage 3 the parameters too
@@ -114,8 +131,12 @@ def zerotrain_way(cases: list[tuple]):
 
     out = {}
     for stage, attention, kv_heads, switches in cases:
-        model = build(attention, kv_heads)
-        engine, *_ = zerotrain.initialize(model=model, config=config(stage, 2, switches))
+        model = build(attention, kv_heads, peft="peft" in switches)
+        if "checkpointing" in switches:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        trained = [p for p in model.parameters() if p.requires_grad]
+        settings = config(stage, 2, switches)
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=trained, config=settings)
         dp, dp_rank = engine.dp_world_size, engine.layout.dp.rank
         sp = engine.layout.sequence
         data = samples(STEPS * ACCUM * dp)
@@ -204,6 +225,9 @@ CASES = {
         case(3, lora=True, tiled=True),
         case(2, offload=True),
         case(3, offload=True, tiled=True),
+        case(2, peft=True),
+        case(3, peft=True, checkpointing=True),
+        case(1, checkpointing=True, tiled=True),
     ],
     4: [
         *(case(stage) for stage in range(4)),
@@ -224,7 +248,7 @@ def test_zerotrain_way_equals_one_process(world):
         assert dp == world // 2 // (2 if "tp" in switches else 1)
         data = samples(STEPS * ACCUM * dp)
         order = [data[s * ACCUM * dp : (s + 1) * ACCUM * dp] for s in range(STEPS)]
-        made = (attention, kv_heads, "lora" in switches)
+        made = (attention, kv_heads, "lora" in switches, "peft" in switches)
         if (made, dp) not in references:
             references[made, dp] = reference(order, *made)
         ref_state, ref_losses = references[made, dp]
@@ -418,14 +442,16 @@ def resume(save_dir: str, steps: list[int], save_at: int | None):
 
 def test_checkpoints_do_not_depend_on_sp(tmp_path):
     """Saved at sp 2 after step 0; resumed at sp 2 the run is the uninterrupted one bit for bit,
-    resumed at sp 1 (one process) it equals it within float rounding."""
+    resumed at sp 1 (one process) and at sp 4 it equals it within float rounding."""
     save_dir = str(tmp_path / "ckpt")
     straight = run_distributed(resume, 2, save_dir, [0, 1, 2], 0)[0]
     again = run_distributed(resume, 2, save_dir, [1, 2], None)[0]
     alone = run_distributed(resume, 1, save_dir, [1, 2], None)[0]
+    wider = run_distributed(resume, 4, save_dir, [1, 2], None)[0]  # sp 4: one head per rank
     for key, value in straight.items():
         assert torch.equal(again[key], value), key
     assert _close(alone, straight) < 1e-5
+    assert _close(wider, straight) < 1e-5
 
 
 def bf16_run(stage: int):

@@ -204,8 +204,16 @@ class UlyssesSPAttentionHF:
 
 
 # -- the model transforms -------------------------------------------------------------------
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (``get_base_model``), or ``model``."""
+    inner = getattr(model, "get_base_model", None)
+    return inner() if callable(inner) else model
+
+
 def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers causal LM: a base model under a head, a loss function to replace."""
+    """A transformers causal LM (or a peft wrapper of one): a base model under a head, a loss
+    function to replace."""
+    model = causal_lm_of(model)
     return (
         hasattr(model, "config")
         and hasattr(model, "get_output_embeddings")
@@ -255,6 +263,7 @@ def apply_sequence_parallel(model: nn.Module, comm: Communicator, heads_split: i
     between them, computed from ``shift_labels`` alone too; its attention registered for
     Ulysses over ``comm`` unless the caller registered it (DeepSpeed's way). ``heads_split``:
     the tensor-parallel degree that split the attention's heads."""
+    model = causal_lm_of(model)
     implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
     registered = registered_over(implementation)
     if registered is not None and _members(registered) != _members(comm):
@@ -306,6 +315,7 @@ def tile_loss(model: nn.Module, comm: Communicator, tile_tokens: int | None = No
             f"tiled loss: {type(model).__name__} is not a transformers causal LM (a base model "
             "under an output embedding); tile the loss yourself with TiledFusedLogitsLoss"
         )
+    model = causal_lm_of(model)
     softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
     if softcap:
         raise ValueError(
