@@ -83,6 +83,7 @@ def train_with_hf_trainer(out: str) -> dict:
     args = TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,  # the Trainer's loss scaling meets the engine's
         max_steps=STEPS,
         max_grad_norm=0.0,
         learning_rate=0.5,
@@ -135,7 +136,7 @@ def test_hf_trainer_with_ulysses_trains_as_zerotrain_called_directly(tmp_path):
         train_with_hf_trainer, 2, str(tmp_path), timeout=400, fresh_interpreter=True
     )
     first, second = results
-    assert first["train_batch_size"] == 1  # one data-parallel rank: sp 2 shares each sample
+    assert first["train_batch_size"] == 2  # one data-parallel rank (sp 2 shares each sample) x 2
     for rank in results:
         for key, value in rank["trained"].items():
             assert torch.allclose(value, rank["direct"][key], rtol=1e-5, atol=1e-6), key
@@ -143,5 +144,5 @@ def test_hf_trainer_with_ulysses_trains_as_zerotrain_called_directly(tmp_path):
     for a, b in zip(first["batches"], second["batches"], strict=True):
         assert a["position_ids"][0, -1] + 1 == b["position_ids"][0, 0]
         assert a["input_ids"].shape == b["input_ids"].shape == (1, (SEQ + 1) // 2)
-    assert len(first["batches"]) == STEPS
+    assert len(first["batches"]) == STEPS * 2
     assert torch.isfinite(torch.tensor(first["loss"]))

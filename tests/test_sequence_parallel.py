@@ -35,7 +35,7 @@ def build(
     model = LlamaForCausalLM(config)
     if lora:  # as initialize applies the config's lora_fa section, with the same generator
         apply_lora_fa(model, LORA["target_modules"], r=LORA["r"])
-    if peft:  # peft's LoRA on q and v, B made non-zero so the first steps move the loss
+    if peft:  # peft's LoRA on q, B made non-zero so the first steps move the loss
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
@@ -53,8 +53,9 @@ TILED = {"mlp": True, "mlp_tile_tokens": 3, "loss": True, "loss_tile_tokens": 4}
 def case(stage: int, attention: str = "sdpa", kv_heads: int = 2, **switches: bool) -> tuple:
     """A run: stage, core attention, key/value heads (1: repeated for sp 2), and which of
     "tiled" (MLPs and loss), "lora" (LoRA-FA), "peft" (peft's LoRA), "offload" (to the CPU),
-    "tp" (tensor parallelism of degree 2) and "checkpointing" (transformers' gradient
-    checkpointing, with the config's cpu_checkpointing) are on."""
+    "tp" (tensor parallelism of degree 2), "checkpointing" (transformers' gradient
+    checkpointing, with the config's cpu_checkpointing) and "rows2" (micro-batches of two
+    samples) are on."""
     return (stage, attention, kv_heads, tuple(sorted(k for k, on in switches.items() if on)))
 
 
@@ -71,6 +72,15 @@ def samples(count: int) -> list[dict[str, torch.Tensor]]:
             labels[:, SEQ // 2 :] = -100
         out.append({"input_ids": ids, "labels": labels})
     return out
+
+
+def batches(count: int, rows: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``count`` micro-batches of ``rows`` of the samples each."""
+    data = samples(count * rows)
+    return [
+        {k: torch.cat([d[k] for d in data[i * rows : (i + 1) * rows]]) for k in data[0]}
+        for i in range(count)
+    ]
 
 
 def reference(
@@ -116,6 +126,8 @@ def config(stage: int, sp: int | None, switches: tuple[str, ...] = ()) -> dict:
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     if "tp" in switches:  # each rank 1/2 of the heads, which Ulysses then shares
         cfg["tensor_parallel"] = {"autotp_size": 2}
+    if "rows2" in switches:
+        cfg["train_micro_batch_size_per_gpu"] = 2
     if "offload" in switches:  # the optimizer states on the CPU; at stage 3 the parameters too
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if stage == 3:
@@ -139,7 +151,7 @@ def zerotrain_way(cases: list[tuple]):
         engine, *_ = zerotrain.initialize(model=model, model_parameters=trained, config=settings)
         dp, dp_rank = engine.dp_world_size, engine.layout.dp.rank
         sp = engine.layout.sequence
-        data = samples(STEPS * ACCUM * dp)
+        data = batches(STEPS * ACCUM * dp, rows=2 if "rows2" in switches else 1)
         losses = []
         for step in range(STEPS):
             total = 0.0
@@ -228,6 +240,8 @@ CASES = {
         case(2, peft=True),
         case(3, peft=True, checkpointing=True),
         case(1, checkpointing=True, tiled=True),
+        case(3, rows2=True),  # micro-batches of 2 samples
+        case(2, rows2=True, tiled=True),
     ],
     4: [
         *(case(stage) for stage in range(4)),
@@ -246,12 +260,13 @@ def test_zerotrain_way_equals_one_process(world):
     for key, (state, losses, dp) in results[0].items():
         _, attention, kv_heads, switches = key
         assert dp == world // 2 // (2 if "tp" in switches else 1)
-        data = samples(STEPS * ACCUM * dp)
+        rows = 2 if "rows2" in switches else 1
+        data = batches(STEPS * ACCUM * dp, rows=rows)
         order = [data[s * ACCUM * dp : (s + 1) * ACCUM * dp] for s in range(STEPS)]
         made = (attention, kv_heads, "lora" in switches, "peft" in switches)
-        if (made, dp) not in references:
-            references[made, dp] = reference(order, *made)
-        ref_state, ref_losses = references[made, dp]
+        if (made, dp, rows) not in references:
+            references[made, dp, rows] = reference(order, *made)
+        ref_state, ref_losses = references[made, dp, rows]
         assert _close(state, ref_state) < 1e-5, key
         per_step = [sum(step) / dp for step in losses]
         assert per_step == pytest.approx(ref_losses, rel=1e-5), key
@@ -507,3 +522,28 @@ def test_initializes_dataloader_gives_each_rank_its_share():
         assert a["position_ids"][0][-1] + 1 == b["position_ids"][0][0]  # halves of one sample
         assert len(a["input_ids"][0]) == len(b["input_ids"][0]) == (SEQ + 1) // 2
     assert first[2]  # the resumable loader's state passes through
+
+
+def tokens_counted():
+    """The throughput line's token count of one step at sp 2."""
+    import contextlib
+    import io
+
+    import zerotrain
+    from zerotrain.sequence import shard_batch
+
+    settings = {**config(2, 2), "steps_per_print": 1}
+    engine, *_ = zerotrain.initialize(model=build(), config=settings)
+    sp = engine.layout.sequence
+    records, finish_step = [], engine.metrics.finish_step
+    engine.metrics.finish_step = lambda **kw: records.append(finish_step(**kw)) or records[-1]
+    with contextlib.redirect_stdout(io.StringIO()):
+        for sample in samples(ACCUM):
+            engine.backward(engine(**shard_batch(sample, sp.rank, sp.world_size)).loss)
+            engine.step()
+    return [r.tokens for r in records if r is not None]
+
+
+def test_the_throughput_line_counts_every_share_of_a_sample():
+    tokens = run_distributed(tokens_counted, 2)[0]
+    assert tokens == [ACCUM * (SEQ + 1)]  # each rank's input is half of 14 (13, padded)

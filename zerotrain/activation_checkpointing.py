@@ -274,9 +274,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def use_for_transformers(model: nn.Module) -> int:
-    """Route a transformers model's gradient checkpointing (``gradient_checkpointing_enable``)
-    through :func:`checkpoint`, so the policy (``cpu_checkpointing``, timing) applies to it;
-    the layers routed."""
+    """Route a transformers model's gradient checkpointing through :func:`checkpoint`, so the
+    policy (``cpu_checkpointing``, timing) applies to it: the modules whose checkpointing is on
+    now (``gradient_checkpointing_enable`` before ``initialize``); the count routed."""
     routed = 0
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(

@@ -82,6 +82,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             train_batch_size=config.batch_sizes().train_batch_size,
             micro_steps=config.batch_sizes().gradient_accumulation_steps,
             count_flops=config.count_model_flops,
+            sequence_shares=layout.sequence_shares,
         )
         self.monitor = MonitorMaster(config, comm.rank)
         profiler = config.flops_profiler

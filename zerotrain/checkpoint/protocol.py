@@ -41,6 +41,11 @@ class ModelLayout(Protocol):
         ...
 
     @property
+    def sequence_shares(self) -> int:
+        """How many ranks hold shares of each sample (1: every rank holds its whole)."""
+        ...
+
+    @property
     def whole_model_here(self) -> bool:
         """Whether this rank holds every entry of the model's state dict (whole or a piece):
         False where ranks hold different layers or experts, whose entries are other ranks'."""

@@ -361,6 +361,10 @@ class Communicator:
         the group's rank 0"."""
         return self.global_rank_of(0)
 
+    def members(self) -> list[int]:
+        """This group's ranks in the default group, in group-rank order."""
+        return [self.global_rank_of(r) for r in range(self.world_size)]
+
     def global_rank_of(self, group_rank: int) -> int:
         """The default-group rank of this group's rank ``group_rank``."""
         if not self.distributed or self.group is None:

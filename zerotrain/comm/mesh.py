@@ -64,7 +64,7 @@ class Mesh:
 
     def _adopt(self, axis: str, comm: Communicator) -> None:
         """Use ``comm`` as ``axis``'s group: every rank checks its members are the mesh's."""
-        theirs = [comm.global_rank_of(r) for r in range(comm.world_size)]
+        theirs = comm.members()
         ours = next(g for g in self.axis_ranks(axis) if self.world.rank in g)
         if theirs != ours:
             raise ValueError(

@@ -238,7 +238,8 @@ class TiledComputeConfig(Section):
     """Tile every gated MLP (gate/up/down projections: Llama, Qwen, Mistral); backward
     recomputes each tile."""
     mlp_tile_tokens: PositiveInt | None = None
-    """Tokens per MLP tile; null: the hidden size (ALST's choice)."""
+    """Positions per MLP tile, of every row of the batch; null: the hidden size (ALST's
+    choice)."""
     loss: bool = False
     """Compute the loss from `labels` or `shift_labels` over tiles of the logits; the model then
     returns the loss and no logits."""
@@ -326,7 +327,8 @@ class ActivationCheckpointingConfig(Section):
     pinned and copied on a side stream on CUDA, and copy them back one region ahead of the
     recomputation, so the device holds at most two regions' inputs in backward; the numbers do
     not change. Applies to `zerotrain.checkpointing` regions and to a transformers model's own
-    gradient checkpointing. On a CPU device they are in CPU memory already: nothing moves."""
+    gradient checkpointing when it is enabled before `initialize`. On a CPU device they are in
+    CPU memory already: nothing moves."""
     contiguous_memory_optimization: bool = False
     """Has no effect in zerotrain: DeepSpeed copies partitioned activations into one buffer of
     `number_checkpoints` slots to limit fragmentation, and zerotrain partitions none (see

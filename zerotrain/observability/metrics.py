@@ -155,8 +155,13 @@ class StepMetrics:
         train_batch_size: int,
         micro_steps: int,
         count_flops: bool = True,
+        sequence_shares: int = 1,
     ):
+        """``sequence_shares``: how many ranks hold shares of each sample (the sequence-parallel
+        degree): a forward's input is one share, the tokens of a step are that many times
+        it."""
         self.comm = comm
+        self.sequence_shares = sequence_shares
         self.device = device
         self.train_batch_size = train_batch_size
         self.micro_steps = micro_steps  # per optimizer step
@@ -227,7 +232,11 @@ class StepMetrics:
         now = time.perf_counter()
         start = now if self._step_start is None else self._step_start
         seconds = max(now - start - self._excluded, 1e-9)
-        tokens = None if self._seq_len is None else self.train_batch_size * self._seq_len
+        tokens = (
+            None
+            if self._seq_len is None
+            else self.train_batch_size * self._seq_len * self.sequence_shares
+        )
         window = self._window
         window.steps += 1
         window.seconds += seconds

@@ -139,6 +139,10 @@ class ParallelLayout:
         return self.mesh.dp.world_size
 
     @property
+    def sequence_shares(self) -> int:
+        return self.mesh.sizes["sp"]
+
+    @property
     def whole_model_here(self) -> bool:
         return self.mesh.sizes["pp"] == 1 and self.mesh.sizes["ep"] == 1
 

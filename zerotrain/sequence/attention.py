@@ -115,9 +115,17 @@ class UlyssesAttention:
             return
         rows = position_ids.reshape(-1, position_ids.shape[-1])
         ordered = bool((rows[:, 1:] - rows[:, :-1] == 1).all())
-        ends = self.comm.all_gather_object((ordered, rows[:, 0].tolist(), rows[:, -1].tolist()))
-        for rank, (ok, first, _) in enumerate(ends):
-            previous_last = [-1] * len(first) if rank == 0 else ends[rank - 1][2]
+        ends = self.comm.all_gather_object(
+            (tuple(rows.shape), ordered, rows[:, 0].tolist(), rows[:, -1].tolist())
+        )
+        if len({shape for shape, *_ in ends}) > 1:  # the exchange needs equal shares
+            raise ValueError(
+                "sequence parallelism: the sequence-parallel ranks hold shares of shapes "
+                f"{[shape for shape, *_ in ends]} (batch, tokens); every rank must hold an equal "
+                "share of the same samples (shard_batch cuts them so, padding the length)"
+            )
+        for rank, (_, ok, first, _) in enumerate(ends):
+            previous_last = [-1] * len(first) if rank == 0 else ends[rank - 1][3]
             if not ok or any(f != p + 1 for f, p in zip(first, previous_last, strict=True)):
                 raise ValueError(
                     f"sequence parallelism: the position ids of sequence-parallel rank {rank} "

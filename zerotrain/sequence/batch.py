@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -125,6 +125,8 @@ class SequenceShards:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:  # the loader's state_dict, sampler, ...
+        if name == "loader":  # not set yet (copy, unpickling): no recursion through it
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
@@ -175,10 +177,12 @@ class UlyssesSPDataLoaderAdapter:
         try:
             batch = next(self.iter)
         except StopIteration:
-            self.iter = iter(self.dl)  # the next epoch starts over
             batch = None
         batches = self.comm.all_gather_object(_to_cpu(batch))
-        if any(b is None for b in batches):  # one loader ran out: the group stops together
+        if any(b is None for b in batches):
+            # one loader ran out: the group ends the epoch together, and every rank starts
+            # the next one from the beginning (the others' last batches are dropped)
+            self.iter = iter(self.dl)
             raise StopIteration
         world, rank = self.comm.world_size, self.comm.rank
         for theirs in batches:
@@ -192,7 +196,7 @@ class UlyssesSPDataLoaderAdapter:
 
 
 def _to_cpu(batch: Any) -> Any:
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
         return {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
     return batch
 

@@ -23,12 +23,24 @@ def communicator_of(group: Any) -> Communicator:
 class SequenceParallelGroups:
     """DeepSpeed's sequence-parallel ``mpu`` over ``comm`` (this rank's sequence-parallel
     group; ``replicas``: the ranks holding the same parameters, data-parallel x sequence-
-    parallel). Its model-parallel getters answer 1: sequence parallelism splits no parameter,
-    and DeepSpeed's tensor-parallel questions must not read it as tensor parallelism."""
+    parallel). Its model-parallel getters answer the tensor-parallel degree (1 for the groups a
+    registration makes): sequence parallelism splits no parameter, so ``initialize`` must not
+    read an mpu's sequence-parallel size as tensor parallelism."""
 
-    def __init__(self, comm: Communicator, replicas: Communicator):
+    def __init__(
+        self,
+        comm: Communicator,
+        replicas: Communicator,
+        *,
+        tensor_parallel: int = 1,
+        by_engine: bool = False,
+    ):
+        """``tensor_parallel``: the degree an engine's layout split layers by (an mpu made
+        before the engine has none); ``by_engine``: made by ``initialize``, not the caller."""
         self.comm = comm
         self.replicas = replicas
+        self.tensor_parallel = tensor_parallel
+        self.by_engine = by_engine
 
     @classmethod
     def make(cls, sequence_parallel_size: int) -> SequenceParallelGroups:
@@ -43,7 +55,9 @@ class SequenceParallelGroups:
             )
         ranks = range(world.world_size)
         comm = world.split([list(ranks[i : i + sp]) for i in range(0, len(ranks), sp)])
-        return remember(cls(comm, world))
+        made = cls(comm, world)
+        remember(made)
+        return made
 
     # -- DeepSpeed's parallel_state_sp -------------------------------------------------------
     def get_sequence_parallel_group(self) -> Any:
@@ -65,13 +79,15 @@ class SequenceParallelGroups:
         return self.replicas.rank
 
     def get_data_parallel_world_size(self) -> int:
+        """The ranks that see different data: those holding the same parameters over the
+        sequence-parallel degree."""
         return self.replicas.world_size // self.comm.world_size
 
     def get_model_parallel_world_size(self) -> int:
-        return 1
+        return self.tensor_parallel
 
     def get_tensor_model_parallel_world_size(self) -> int:
-        return 1
+        return self.tensor_parallel
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
@@ -80,8 +96,9 @@ class SequenceParallelGroups:
 _latest: SequenceParallelGroups | None = None
 
 
-def remember(groups: SequenceParallelGroups) -> SequenceParallelGroups:
-    """Record ``groups`` as the process's sequence-parallel groups for DeepSpeed's lookups."""
+def remember(groups: SequenceParallelGroups | None) -> SequenceParallelGroups | None:
+    """Record ``groups`` as the process's sequence-parallel groups for DeepSpeed's lookups
+    (None: there are none)."""
     global _latest
     _latest = groups
     return groups

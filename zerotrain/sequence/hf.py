@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,9 +36,26 @@ from zerotrain.sequence.loss import token_mean
 from zerotrain.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 
 _MASKED_CORES = ("eager", "paged|eager")  # core attentions that read the mask they are given
-# implementation -> (the registry's entry before, None for eager, which has none; ours; the
-# sequence-parallel group ours exchanges over)
-_registered: dict[str, tuple[Callable | None, Callable, Communicator]] = {}
+MISSING_SHIFT_LABELS = (
+    "sequence parallelism: the loss needs `shift_labels`, the labels shifted before the sequence "
+    "was cut (labels cut first lose the target of each share's last token); cut batches with "
+    "shard_batch or UlyssesSPDataLoaderAdapter"
+)
+
+
+@dataclass
+class _Registration:
+    """Ulysses in the registry for one attention implementation."""
+
+    original: Callable | None  # the registry's entry before (None for eager, which has none)
+    ours: Callable
+    comm: Communicator  # the sequence-parallel group it exchanges over
+    shape: tuple[int, int, int]  # query heads, key/value heads, head size, per rank
+    configs: set[int]  # ids of the configs whose modules are ours: a mismatch is an error
+    by_engine: bool  # made by initialize (undone by the next engine), not by the caller
+
+
+_registered: dict[str, _Registration] = {}
 
 
 def _model_config(model_or_path: Any) -> Any:
@@ -52,6 +70,19 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def attention_shape(config: Any, sp: int, heads_split: int = 1) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) each attention call of ``config``'s model
+    sees on a rank holding 1/``heads_split`` of the heads; ``ValueError`` when ``sp`` ranks
+    cannot share them (attention.check_heads)."""
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads, kv_heads = heads // heads_split, kv_heads // heads_split
+    check_heads(heads, kv_heads, sp)
+    return heads, kv_heads, head_dim
+
+
 def register_attention(
     config: Any,
     core_attn_implementation: str,
@@ -59,18 +90,14 @@ def register_attention(
     *,
     disable_in_eval: bool = False,
     heads_split: int = 1,
+    by_engine: bool = False,
 ) -> None:
     """Ulysses over ``comm`` for the attention modules of ``config``'s shape (see [Note: the
     registration]), each holding 1/``heads_split`` of the heads (tensor parallelism's share);
     ``ValueError`` when the heads cannot be shared."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    text = _text_config(config)
-    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
-    kv_heads = kv_heads or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    heads, kv_heads = heads // heads_split, max(1, kv_heads // heads_split)
-    check_heads(heads, kv_heads, comm.world_size)
+    shape = attention_shape(config, comm.world_size, heads_split)
     if core_attn_implementation in _registered:
         raise RuntimeError(
             f"sequence parallelism: Ulysses is already registered for "
@@ -89,11 +116,9 @@ def register_attention(
         core,
         comm,
         causal_mask=core_attn_implementation in _MASKED_CORES,
-        layers=getattr(text, "num_hidden_layers", 1),
+        layers=getattr(_text_config(config), "num_hidden_layers", 1),
     )
-
-    shape = (heads, kv_heads, head_dim)
-    configs = {id(config), id(text)}  # the registered model's modules hold these
+    configs = {id(config), id(_text_config(config))}  # the registered model's modules hold these
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         got = (query.shape[1], key.shape[1], query.shape[-1]) if query.dim() == 4 else None
@@ -109,7 +134,9 @@ def register_attention(
         return ulysses(module, query, key, value, attention_mask, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = attention
-    _registered[core_attn_implementation] = (original, attention, comm)
+    _registered[core_attn_implementation] = _Registration(
+        original, attention, comm, shape, configs, by_engine
+    )
 
 
 def _model_eager(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -129,23 +156,20 @@ def unregister_attention(core_attn_implementation: str | None = None) -> None:
                 f"sequence parallelism: {name!r} is not registered; registered: "
                 f"{sorted(_registered)}"
             )
-        original, ours, _ = _registered.pop(name)
-        if ALL_ATTENTION_FUNCTIONS.get(name) is not ours:
+        entry = _registered.pop(name)
+        if ALL_ATTENTION_FUNCTIONS.get(name) is not entry.ours:
             continue
-        if original is None:
+        if entry.original is None:
             del ALL_ATTENTION_FUNCTIONS[name]
         else:
-            ALL_ATTENTION_FUNCTIONS[name] = original
+            ALL_ATTENTION_FUNCTIONS[name] = entry.original
 
 
-def _members(comm: Communicator) -> list[int]:
-    return [comm.global_rank_of(r) for r in range(comm.world_size)]
-
-
-def registered_over(core_attn_implementation: str) -> Communicator | None:
-    """The group Ulysses is registered over for the implementation, or None."""
-    entry = _registered.get(core_attn_implementation)
-    return None if entry is None else entry[2]
+def unregister_engines() -> None:
+    """Undo the registrations engines made (``initialize`` with sequence_parallel_size), not the
+    caller's own: the next engine makes its own, or has none."""
+    for name in [n for n, entry in _registered.items() if entry.by_engine]:
+        unregister_attention(name)
 
 
 class UlyssesSPAttentionHF:
@@ -189,9 +213,7 @@ class UlyssesSPAttentionHF:
                 f"{core_attn_implementation!r}, but the model's attn_implementation is "
                 f"{own!r}; make them the same, so the model calls the function registered"
             )
-        text = _text_config(config)
-        kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        check_heads(text.num_attention_heads, kv, sequence_parallel_size)
+        attention_shape(config, sequence_parallel_size)  # refused before any group is made
         groups = SequenceParallelGroups.make(sequence_parallel_size)
         register_attention(
             config, core_attn_implementation, groups.comm, disable_in_eval=disable_in_eval
@@ -237,11 +259,7 @@ def sequence_parallel_loss(comm: Communicator) -> Callable[..., torch.Tensor]:
         **kwargs: Any,
     ) -> torch.Tensor:
         if shift_labels is None:
-            raise ValueError(
-                "sequence parallelism: the loss needs `shift_labels`, the labels shifted before "
-                "the sequence was cut (labels cut first lose the target of each share's last "
-                "token); cut batches with shard_batch or UlyssesSPDataLoaderAdapter"
-            )
+            raise ValueError(MISSING_SHIFT_LABELS)
         target = shift_labels.reshape(-1).to(logits.device)
         flat = logits.float().reshape(-1, vocab_size)
         loss_sum = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
@@ -265,12 +283,22 @@ def apply_sequence_parallel(model: nn.Module, comm: Communicator, heads_split: i
     the tensor-parallel degree that split the attention's heads."""
     model = causal_lm_of(model)
     implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    registered = registered_over(implementation)
-    if registered is not None and _members(registered) != _members(comm):
-        unregister_attention(implementation)  # an earlier engine's, over other ranks
-        registered = None
-    if registered is None:
-        register_attention(model.config, implementation, comm, heads_split=heads_split)
+    entry = _registered.get(implementation)
+    if entry is None:
+        register_attention(
+            model.config, implementation, comm, heads_split=heads_split, by_engine=True
+        )
+    else:  # the caller's registration (DeepSpeed's way): it must serve this model as it is
+        shape = attention_shape(model.config, comm.world_size, heads_split)
+        if entry.comm.members() != comm.members() or entry.shape != shape:
+            raise ValueError(
+                f"sequence parallelism: Ulysses is registered for {implementation!r} over "
+                f"ranks {entry.comm.members()} with heads {entry.shape}, but this engine's "
+                f"sequence-parallel ranks are {comm.members()} and its heads {shape}; register "
+                "for this model (UlyssesSPAttentionHF.register_with_transformers) or leave the "
+                "registration to initialize"
+            )
+        entry.configs |= {id(model.config), id(_text_config(model.config))}
     model.loss_function = sequence_parallel_loss(comm)  # pyrefly: ignore[bad-argument-type]
     model.register_forward_pre_hook(_labels_from_shift_labels, with_kwargs=True)
 
@@ -283,8 +311,8 @@ def _is_mlp(module: nn.Module) -> bool:
 
 def tile_mlps(model: nn.Module, tile_tokens: int | None = None) -> int:
     """Run every gated MLP (Llama, Qwen, Mistral: gate/up/down projections) over tiles of
-    ``tile_tokens`` tokens (None: the hidden size, as ALST) with :class:`TiledMLP`; the count
-    tiled."""
+    ``tile_tokens`` positions of every row (None: the hidden size, as ALST) with
+    :class:`TiledMLP`; the count tiled."""
     tiled = 0
     for module in model.modules():
         if not _is_mlp(module) or getattr(module, "_zerotrain_tiled", False):
@@ -334,7 +362,9 @@ def tile_loss(model: nn.Module, comm: Communicator, tile_tokens: int | None = No
     def forward_with_tiled_loss(input_ids=None, labels=None, shift_labels=None, **kwargs: Any):
         if labels is None and shift_labels is None:
             return forward(input_ids=input_ids, **kwargs)
-        if shift_labels is None:  # one process, the whole sequence: shift here
+        if shift_labels is None:
+            if comm.world_size > 1:  # labels cut before shifting lost each share's last target
+                raise ValueError(MISSING_SHIFT_LABELS)
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # type: ignore[index]
         for key in ("num_items_in_batch", "logits_to_keep", "return_dict"):
             kwargs.pop(key, None)

@@ -18,6 +18,7 @@ neither would get no gradient, so name it in ``compute_params``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -104,6 +105,32 @@ def sequence_tiled_compute(
     return out.sum() if output_reduction == "sum" else out
 
 
+class _Replay:
+    """The state a recomputation must see to repeat the forward: the random number generators
+    (dropout draws the same masks; the tiles run in the same order, so they draw in the same
+    order) and autocast, as ``torch.utils.checkpoint`` restores them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = (
+            torch.is_autocast_enabled(device.type),
+            torch.get_autocast_dtype(device.type),
+        )
+
+    @contextlib.contextmanager
+    def __call__(self):
+        devices = [self.device] if self.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)  # CUDA only
+            enabled, dtype = self.autocast
+            with torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                yield
+
+
 class _Tiled(torch.autograd.Function):
     """``run(i, tile i)`` over tiles of ``tile`` elements of ``x`` along ``dim``, the outputs
     joined along ``out_dim`` (0: one scalar per tile, stacked); backward recomputes each tile
@@ -113,9 +140,9 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, run, x, dim, tile, out_dim, *params):
         ctx.run, ctx.dim, ctx.tile, ctx.out_dim, ctx.params = run, dim, tile, out_dim, params
         ctx.save_for_backward(x)
-        with torch.no_grad():
-            parts = x.split(tile, dim)
-            return torch.cat([run(i, part) for i, part in enumerate(parts)], out_dim)
+        ctx.replay = _Replay(x.device)
+        parts = x.split(tile, dim)
+        return torch.cat([run(i, part) for i, part in enumerate(parts)], out_dim)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -127,17 +154,19 @@ class _Tiled(torch.autograd.Function):
         x_grads = []
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         offset = 0
-        for i, part in enumerate(x.split(ctx.tile, ctx.dim)):
-            part = part.detach().requires_grad_(wants_x)
-            with torch.enable_grad():
-                out = ctx.run(i, part)
-            part_grad = grad.narrow(ctx.out_dim, offset, out.shape[ctx.out_dim])
-            offset += out.shape[ctx.out_dim]
-            inputs = ([part] if wants_x else []) + params
-            found = torch.autograd.grad(out, inputs, part_grad, allow_unused=True)
-            if wants_x:
-                x_grads.append(found[0] if found[0] is not None else torch.zeros_like(part))
-            _add(param_grads, found[1:] if wants_x else found)
+        # one tile at a time, under the forward's random numbers and autocast
+        with ctx.replay():
+            for i, part in enumerate(x.split(ctx.tile, ctx.dim)):
+                part = part.detach().requires_grad_(wants_x)
+                with torch.enable_grad():
+                    out = ctx.run(i, part)
+                part_grad = grad.narrow(ctx.out_dim, offset, out.shape[ctx.out_dim])
+                offset += out.shape[ctx.out_dim]
+                inputs = ([part] if wants_x else []) + params
+                found = torch.autograd.grad(out, inputs, part_grad, allow_unused=True)
+                if wants_x:
+                    x_grads.append(found[0] if found[0] is not None else torch.zeros_like(part))
+                _add(param_grads, found[1:] if wants_x else found)
         by_param = iter(param_grads)
         out_params = [next(by_param) if need else None for need in needs]
         x_grad = torch.cat(x_grads, ctx.dim) if wants_x else None

@@ -10,8 +10,19 @@ from torch import nn
 
 from zerotrain.comm import Communicator, Mesh
 from zerotrain.config import ConfigError, ZeroTrainConfig
-from zerotrain.sequence.groups import SequenceParallelGroups, communicator_of, remember
-from zerotrain.sequence.hf import apply_sequence_parallel, is_causal_lm, tile_loss, tile_mlps
+from zerotrain.sequence.groups import (
+    SequenceParallelGroups,
+    communicator_of,
+    latest,
+    remember,
+)
+from zerotrain.sequence.hf import (
+    apply_sequence_parallel,
+    is_causal_lm,
+    tile_loss,
+    tile_mlps,
+    unregister_engines,
+)
 
 
 def sequence_group_of(mpu: Any) -> Communicator | None:
@@ -52,11 +63,18 @@ def apply_long_context(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> No
     (when it has more than one rank), then the tiles the config asks for."""
     tiles = cfg.tiled_compute
     sp = mesh.axis("sp")
+    # an earlier engine's registration and groups are not this one's
+    unregister_engines()
+    earlier = latest()
+    if earlier is not None and earlier.by_engine:
+        remember(None)
     if sp.world_size > 1:
-        remember(SequenceParallelGroups(sp, mesh.zero))  # DeepSpeed's lookups (groups.py)
+        tp = mesh.sizes["tp"]
+        groups = SequenceParallelGroups(sp, mesh.zero, tensor_parallel=tp, by_engine=True)
+        remember(groups)  # DeepSpeed's lookups (utils/groups.py)
         if is_causal_lm(model):
             # tensor parallelism left each rank 1/tp of the heads; Ulysses shares those
-            apply_sequence_parallel(model, sp, heads_split=mesh.sizes["tp"])
+            apply_sequence_parallel(model, sp, heads_split=tp)
     if tiles.mlp and tile_mlps(model, tiles.mlp_tile_tokens) == 0:
         raise ConfigError(
             f"tiled_compute.mlp: {type(model).__name__} has no gated MLP (a module named *MLP "

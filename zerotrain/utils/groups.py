@@ -42,8 +42,9 @@ def _get_sequence_data_parallel_group() -> Any:
 
 
 def _get_data_parallel_world_size() -> int:
-    """The ranks that see different data: the world over the sequence-parallel degree."""
-    return get_world_size() // _get_sequence_parallel_world_size()
+    """The ranks that see different data (the world, without sequence-parallel groups)."""
+    groups = latest()
+    return get_world_size() if groups is None else groups.get_data_parallel_world_size()
 
 
 __all__ = [
