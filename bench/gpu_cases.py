@@ -423,9 +423,72 @@ def _codec_result(s: Setting, exact: torch.Tensor, out: torch.Tensor, seconds: l
     }
 
 
+def tiled_compute(s: Setting) -> dict:
+    """Long sequences' tiled compute on the device (zerotrain/sequence/tiled.py): dropout over
+    tiles (the recomputation must replay the forward's CUDA generator: the masks are checked),
+    and the fused logits loss against the whole logits: errors, time and the loss's peak
+    memory."""
+    import torch.nn.functional as F
+
+    from zerotrain.sequence import TiledFusedLogitsLoss, TiledMLP
+
+    torch.manual_seed(0)
+    # on the GPU 32K tokens of a 32K vocabulary: 4 GiB of whole fp32 logits; tiny on the CPU
+    tokens, width, vocab = (32768, 256, 32000) if s.device == "cuda" else (512, 32, 1000)
+    x = torch.randn(1, tokens, width, device=s.device, requires_grad=True)
+
+    def dropped(module, tile):  # 4 x tile where dropout kept it: the gradient shows the mask
+        return F.dropout(tile, 0.5, training=True) * 2
+
+    out = TiledMLP.apply(dropped, None, x, 8, None)
+    torch.rand(100, device=s.device)  # other draws between forward and backward
+    out.sum().backward()
+    if not torch.equal(x.grad, 4.0 * (out != 0)):
+        raise RuntimeError("the tiled recomputation drew other dropout masks than the forward")
+    head = nn.Linear(width, vocab, bias=False, device=s.device)
+    hidden = torch.randn(1, tokens, width, device=s.device, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens), device=s.device)
+
+    def loss_sum(module, xs, ys):
+        return F.cross_entropy(module(xs).float(), ys, reduction="sum")
+
+    peaks = {}
+    results = {}
+    for kind in ("whole", "tiled"):
+        hidden.grad = None
+        if s.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        begin = time.perf_counter()
+        if kind == "whole":
+            loss = loss_sum(head, hidden[0], labels[0])
+        else:
+            loss = TiledFusedLogitsLoss.apply(loss_sum, head, hidden, labels, None, 16, None, "sum")
+        loss.backward()
+        get_accelerator().synchronize()
+        results[kind] = (loss.item(), hidden.grad.clone(), time.perf_counter() - begin)
+        if s.device == "cuda":
+            peaks[kind] = torch.cuda.max_memory_allocated() - base
+    (whole, whole_grad, whole_s), (tiled, tiled_grad, tiled_s) = results["whole"], results["tiled"]
+    error = ((tiled_grad - whole_grad).norm() / whole_grad.norm()).item()
+    if not (math.isfinite(error) and error < 1e-4 and abs(tiled - whole) <= 1e-4 * abs(whole)):
+        raise RuntimeError(f"the tiled loss differs: loss {tiled} vs {whole}, grad error {error}")
+    return {
+        "relative_error": error,
+        "loss_relative_error": abs(tiled - whole) / abs(whole),
+        "step_s": tiled_s,
+        "whole_s": whole_s,
+        "whole_loss_peak_bytes": peaks.get("whole"),
+        "tiled_loss_peak_bytes": peaks.get("tiled"),
+        **_peaks(s),
+    }
+
+
 BODIES: dict[str, Callable[..., dict]] = {
     "environment": environment,
     "train": train,
     "gradient_codec": gradient_codec,
     "parameter_codec": parameter_codec,
+    "tiled_compute": tiled_compute,
 }

@@ -171,6 +171,11 @@ CASES = [
         "parameter_codec",
         {"method": "int8"},
     ),
+    Case(
+        "tiled-compute",
+        "long sequences' tiled MLP (dropout replayed on the CUDA generator) and fused loss",
+        "tiled_compute",
+    ),
     _train(
         "stage3-compiled",
         "stage 3 with model.compile() (inductor on the GPU, eager in the dry run)",
@@ -194,6 +199,7 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     "zerotrain/observability/metrics.py": ("stage0",),
     "zerotrain/observability/flops_profiler.py": ("flops-profiler",),
     "zerotrain/activation_checkpointing.py": ("activation-offload",),
+    "zerotrain/sequence/tiled.py": ("tiled-compute",),  # the CUDA generator's replay
     "zerotrain/checkpoint/rng.py": ("checkpoint",),
     "zerotrain/checkpoint/background.py": ("checkpoint",),  # pinned buffers, side-stream copies
     "zerotrain/zero/offload.py": (
