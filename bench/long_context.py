@@ -4,6 +4,7 @@ the same job; and Ulysses' all-to-all bytes and time against the formula and an 
 
     python bench/long_context.py [--model 100m] [--budget-mib 3072] [--max-tokens 8192]
     python bench/long_context.py --report                             # the saved run's tables
+    python bench/long_context.py --rows +sp2 --max-tokens 32768 --merge   # rerun some rows
     python bench/long_context.py --rows zero3 sp2 deepspeed-sp2      # some rows
 
 Every row is one torchrun job of 2 ranks (gloo, one thread each, fp32, ZeRO stage 3, SGD, one
@@ -87,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8192, help="the ladder's top")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--report", action="store_true", help="print the saved run's tables")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the saved run's other rows (rerun some rows)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -277,6 +281,11 @@ def main() -> None:
         )
         out.parent.mkdir(exist_ok=True)
         raw = {"args": vars(args), "results": results, "skipped": skipped}
+        if args.merge and out.exists():  # the saved rows, these replacing theirs
+            saved = json.loads(out.read_text())
+            raw["results"] = {**saved["results"], **results}
+            raw["skipped"] = {**saved["skipped"], **skipped}
+            raw["args"] = {**saved["args"], "merged": vars(args)}
         out.write_text(json.dumps(raw, indent=1))
     report(json.loads(out.read_text()))
     print(f"\n{out}")
