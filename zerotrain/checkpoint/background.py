@@ -52,6 +52,7 @@ from zerotrain.checkpoint.save import (
     SaveJob,
     begin_save,
     commit_save,
+    rank_failure,
     rank_files,
     write_files,
 )
@@ -138,7 +139,7 @@ class CheckpointWriter:
                 if snapshot is None:  # did not fit: written now
                     error, written = write_files(own.rank, job, files, error)
             except Exception as exc:  # to the exchange, as a failed write's: never alone
-                snapshot, error = None, _failed(own.rank, exc)
+                snapshot, error = None, rank_failure(own.rank, exc)
 
         def work() -> None:
             done_error, done = error, written
@@ -147,7 +148,7 @@ class CheckpointWriter:
                     copies.synchronize()
                     done_error, done = write_files(own.rank, job, snapshot, error)
                 except Exception as exc:
-                    done_error, done = _failed(own.rank, exc), {}
+                    done_error, done = rank_failure(own.rank, exc), {}
             then(own, job, done_error, done)  # catches its own errors
 
         self._thread = threading.Thread(
@@ -290,10 +291,6 @@ class CheckpointWriter:
                 f"checkpoint {job.directory} was not saved: {type(exc).__name__}: {exc}"
             )
             warnings.warn(str(self._failure), stacklevel=1)
-
-
-def _failed(rank: int, exc: BaseException) -> str:
-    return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
 class _SideStreamCopies:

@@ -168,7 +168,7 @@ def rank_files(
     try:
         return None, _rank_files(engine, client_state, exclude_frozen)
     except Exception as exc:
-        return f"rank {engine.comm.rank}: {type(exc).__name__}: {exc}", None
+        return rank_failure(engine.comm.rank, exc), None
 
 
 def write_files(
@@ -182,7 +182,13 @@ def write_files(
         job.directory.mkdir(parents=True, exist_ok=True)
         return None, files.write(job.directory, job.save_id)
     except Exception as exc:  # every rank must reach the exchange, or the others hang
-        return f"rank {rank}: {type(exc).__name__}: {exc}", {}
+        return rank_failure(rank, exc), {}
+
+
+def rank_failure(rank: int, exc: BaseException) -> str:
+    """A rank's failure as the text the ranks exchange (an error travels to the exchange as a
+    string, so that every rank still reaches it)."""
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
 def commit_save(comm: Communicator, job: SaveJob, error: str | None, written: dict) -> Path:

@@ -60,6 +60,7 @@ from zerotrain.checkpoint.save import (
     apply_retention,
     build_manifest,
     manifest_header,
+    rank_failure,
     rank_files,
     remove_stale_files,
 )
@@ -176,7 +177,7 @@ class InMemorySnapshots:
             try:
                 manifest = build_manifest(job, [w for _, w in reports])
             except Exception as exc:
-                failures = [f"rank 0: {type(exc).__name__}: {exc}"]
+                failures = [rank_failure(0, exc)]
         manifest, failures = comm.all_gather_object((manifest, failures))[0]
         if manifest is None:
             for path in job.directory.glob(f"{job.save_id}-*"):
@@ -230,11 +231,11 @@ class InMemorySnapshots:
             files = {name: (job.directory / name).read_bytes() for name in names}
             error_here = None
         except Exception as exc:  # the exchange below still runs, without its files
-            files, error_here = {}, f"rank {rank}: {type(exc).__name__}: {exc}"
+            files, error_here = {}, rank_failure(rank, exc)
         try:
             exchange_files(comm, {buddy: files} if files else {}, job.directory)
         except OSError as exc:  # writing what it received
-            error_here = f"rank {rank}: {type(exc).__name__}: {exc}"
+            error_here = rank_failure(rank, exc)
         return error or error_here
 
     def _retire(self, newest: Path) -> None:
@@ -263,7 +264,7 @@ class InMemorySnapshots:
             listing = self._listing() if self._leads() else None
             disk = _newest_steps(load_dir) if comm.rank == 0 else None
         except Exception as exc:
-            problem = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+            problem = rank_failure(comm.rank, exc)
         gathered = comm.all_gather_object((listing, disk, problem))
         problems = [p for _, _, p in gathered if p is not None]
         if problems:

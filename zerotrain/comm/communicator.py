@@ -331,7 +331,7 @@ class Communicator:
 
     def _on_node(self, ranks_per_node: int) -> dict[int, list[int]]:
         """Per node, this group's default-group ranks on it, ascending."""
-        members = [self.global_rank_of(r) for r in range(self.world_size)]
+        members = self.members()
         on_node: dict[int, list[int]] = {}
         for rank in sorted(members):
             on_node.setdefault(rank // ranks_per_node, []).append(rank)
