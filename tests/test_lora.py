@@ -11,6 +11,7 @@ import torch
 from distributed import run_distributed
 from torch import nn
 
+from zerotrain.checkpointing import count_saved_activations
 from zerotrain.config import ConfigError, load_config
 from zerotrain.estimate import TrainingJob, count_parameters, estimate
 from zerotrain.lora import LoRAFA, apply_lora_fa
@@ -197,18 +198,9 @@ def test_lora_fa_trains_as_lora_with_a_frozen_at_every_stage():
 
 def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the non-parameter tensors autograd keeps for backward during ``model(x)``."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with count_saved_activations(model.parameters()) as saved:
         model(x).sum().backward()
-    return sum(kept.values())
+    return saved.nbytes
 
 
 def test_lora_fa_keeps_r_wide_activations_where_lora_keeps_the_input():

@@ -377,18 +377,11 @@ def test_heads_that_cannot_be_shared_are_refused():
 def saved_activation_bytes(model: torch.nn.Module, run) -> int:
     """Bytes of the non-parameter tensors autograd keeps for backward while ``run()`` runs its
     forward (each storage once)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
+    from zerotrain.checkpointing import count_saved_activations
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with count_saved_activations(model.parameters()) as saved:
         run()
-    return sum(kept.values())
+    return saved.nbytes
 
 
 LONG = 256  # tokens: the per-token activations dwarf the per-rank constants
