@@ -554,7 +554,7 @@ def test_world_size_must_be_a_positive_integer(world_size: Any) -> None:
         ({"train_batch_size": 8, "xyzzy": 1}, "xyzzy: unknown key"),
         (
             nested("optimizer.params.momentum", 0.9),
-            "optimizer.params.momentum: not a parameter of Adam; only of SGD",
+            "optimizer.params.momentum: not a parameter of Adam; only of SGD, Muon",
         ),
         (
             {
@@ -818,17 +818,19 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
         (
             nested("optimizer.type", "adamx"),
             "optimizer.type: unknown optimizer 'adamx'; did you mean "
-            "'Adam'? zerotrain supports Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam",
+            "'Adam'? zerotrain supports Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon, OneBitAdam, "
+            "ZeroOneAdam",
         ),
         (
             nested("optimizer.type", "OneBitLamb"),
             "optimizer.type: 'OneBitLamb' is a DeepSpeed optimizer that zerotrain does not "
-            "implement yet; use one of Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam",
+            "implement yet; use one of Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon, OneBitAdam, "
+            "ZeroOneAdam",
         ),
         (
             nested("optimizer.type", 5),
-            "optimizer.type: must be one of 'Adam', 'AdamW', 'SGD', 'Lamb', 'OneBitAdam' or "
-            "'ZeroOneAdam', got 5",
+            "optimizer.type: must be one of 'Adam', 'AdamW', 'SGD', 'Lamb', 'Lion', 'Adagrad', "
+            "'Muon', 'OneBitAdam' or 'ZeroOneAdam', got 5",
         ),
         (nested("optimizer.params.lr", "x"), 'optimizer.params.lr: must be a number, got "x"'),
         # JSON's Infinity and NaN (Python's json reads both): no float key takes them

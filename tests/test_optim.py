@@ -213,7 +213,7 @@ def test_build_lamb() -> None:
 @pytest.mark.parametrize(
     ("optimizer_type", "options", "match"),
     [
-        ("Adagrad", {}, r"optimizer\.type"),
+        ("MuAdam", {}, r"optimizer\.type"),
         ("Adam", {"momentum": 0.9}, r"optimizer\.params\.momentum"),
         ("SGD", {"betas": (0.9, 0.99)}, r"optimizer\.params\.betas"),
         ("Lamb", {"torch_adam": True}, r"optimizer\.params\.torch_adam"),
@@ -256,6 +256,15 @@ PARAM_VALUES: dict[str, Any] = {
     "local_step_clipper": 1,
     "cuda_aware": False,
     "comm_backend_name": "nccl",
+    "lr_decay": 0.0,
+    "initial_accumulator_value": 0.1,
+    "muon_lr": 0.02,
+    "adam_lr": 0.01,
+    "ns_steps": 5,
+    "ns_coefficients": [3.4445, -4.7750, 2.0315],
+    "ns_dtype": "fp32",
+    "ns_eps": 1e-7,
+    "adjust_lr_fn": "match_rms_adamw",
 }
 
 

@@ -35,6 +35,7 @@ averaged gradients only there (DeepSpeed's would step the model's unaveraged gra
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -47,8 +48,11 @@ from torch import nn
 
 from zerotrain.config import ZeroTrainConfig
 from zerotrain.optim import Lamb, NoOptimizer, build_optimizer, build_scheduler, repoint_scheduler
+from zerotrain.optim.muon import Muon, muon_groups
+from zerotrain.optim.registry import find_optimizer
 from zerotrain.zero import ShardSegments, ZeroOptimizer
 from zerotrain.zero.group import OptimizerFactory
+from zerotrain.zero.init import full_shape
 from zerotrain.zero.layout import NamedParams
 
 __all__ = ["OptimizerPlan", "adopt", "optimizer_plan", "returned_optimizer", "scheduler_for"]
@@ -216,7 +220,26 @@ def optimizer_plan(
             f"initialize: trainable parameters {missing[:5]} are in no optimizer group; add them "
             "to model_parameters / the optimizer, or set requires_grad=False to freeze them"
         )
+    spec = find_optimizer(cfg.optimizer.type) if cfg.optimizer is not None else None
+    if client is None and not callable(optimizer) and spec is not None and spec.name == "Muon":
+        groups = _split_for_muon(groups, rank)
     return OptimizerPlan(groups, make, client)
+
+
+def _split_for_muon(
+    groups: list[tuple[dict, NamedParams]], rank: int
+) -> list[tuple[dict, NamedParams]]:
+    """The config's Muon: each group cut into its Muon and AdamW parts, on the parameters'
+    real shapes (``ds_shape`` under zero.Init: a placeholder's shape says nothing), said once."""
+    split, matrices = muon_groups(groups, full_shape)
+    if rank == 0:
+        others = sum(len(named) for _, named in groups) - len(matrices)
+        shown = ", ".join(matrices[:6]) + (", ..." if len(matrices) > 6 else "")
+        logging.getLogger("zerotrain").info(
+            f"zerotrain: Muon steps {len(matrices)} matrices ({shown or 'none'}); AdamW steps the "
+            f"other {others} parameters (embeddings, heads, norms, biases)"
+        )
+    return split
 
 
 def _on_shards(
@@ -233,6 +256,10 @@ def _on_shards(
             segments.num_segments,
             norm_allreduce=segments.allreduce,
         )
+    if isinstance(optimizer, Muon) and segments is not None:
+        for index, group in enumerate(optimizer.param_groups):
+            if group["use_muon"]:
+                optimizer.set_layout(index, segments.matrices(index, group["params"]))
     return optimizer
 
 

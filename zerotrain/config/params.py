@@ -107,6 +107,15 @@ _OPTIMIZER_PARAM_TYPES = {
     "local_step_clipper": PositiveInt,
     "cuda_aware": bool,
     "comm_backend_name": Literal["nccl", "mpi", "hccl", "compressed"],
+    "lr_decay": NonNegativeFloat,
+    "initial_accumulator_value": NonNegativeFloat,
+    "muon_lr": NonNegativeFloat,
+    "adam_lr": NonNegativeFloat,
+    "ns_steps": PositiveInt,
+    "ns_coefficients": tuple[float, float, float],
+    "ns_dtype": Literal["fp32", "bf16"],
+    "ns_eps": NonNegativeFloat,
+    "adjust_lr_fn": Literal["original", "match_rms_adamw"],
 }
 _WARMUP_KEYS = {
     "warmup_min_lr": LrValue,

@@ -129,7 +129,7 @@ def job_of(
     return replace(job, offload_ratio=_auto_ratio(job, device) if ratio == "auto" else ratio)
 
 
-def _optimizer_state(optimizer_over: OptimizerOver, groups: int) -> tuple[bool, int]:
+def _optimizer_state(optimizer_over: OptimizerOver, groups: int) -> tuple[bool, float]:
     """Whether the optimizer needs whole parameters (Lamb), and its bytes of state per
     element: from its class where known, else from one step over one-element stand-ins."""
     try:

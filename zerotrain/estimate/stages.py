@@ -68,7 +68,7 @@ class TrainingJob:
     """``data_types.grad_accum_dtype``: the dtype gradients accumulate in (None: ``dtype``)."""
     optimizer: str = "adam"
     """A key of :data:`OPTIMIZER_STATE_BYTES` (``lamb``: not element-wise, so no NVMe)."""
-    optimizer_state_bytes: int | None = None
+    optimizer_state_bytes: float | None = None
     """Bytes of optimizer state per element where known exactly (the preflight asks the
     optimizer it will build); None: :data:`OPTIMIZER_STATE_BYTES` of ``optimizer``."""
     offload: str | None = None
@@ -149,7 +149,7 @@ class TrainingJob:
         return self.nodes * self.gpus_per_node
 
     @property
-    def state_bytes(self) -> int:
+    def state_bytes(self) -> float:
         """Bytes of optimizer state per element."""
         if self.optimizer_state_bytes is not None:
             return self.optimizer_state_bytes

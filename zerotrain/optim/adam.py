@@ -14,15 +14,17 @@ same update with ``bc1 = bc2 = 1`` in foreach operations:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, overload
+from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
 
-__all__ = ["ADAM_FAMILY", "DeepSpeedCPUAdam", "FusedAdam", "same_state_kind"]
+from zerotrain.optim.closure_step import ClosureStep
+
+__all__ = ["ADAM_FAMILY", "DeepSpeedCPUAdam", "FusedAdam", "adam_step", "same_state_kind"]
 
 
 def keeps_step_on_device(group: dict) -> bool:
@@ -32,7 +34,7 @@ def keeps_step_on_device(group: dict) -> bool:
     return bool(group.get("fused") or group.get("capturable") or "adam_w_mode" in group)
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(ClosureStep):
     """DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` (same arguments and defaults).
 
     ``adam_w_mode`` True decays weights decoupled (AdamW), False adds ``weight_decay * w`` to
@@ -66,52 +68,67 @@ class FusedAdam(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    @overload
-    def step(self, closure: None = None) -> None: ...
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+            options = {k: group[k] for k in ("lr", "betas", "weight_decay", "eps")}
+            if group["bias_correction"]:
+                adam_step(self.state, params, decoupled=group["adam_w_mode"], **options)
+                continue
+            _init_state(self.state, params)
+            grads = [cast(Tensor, p.grad) for p in params]
             exp_avgs = [self.state[p]["exp_avg"] for p in params]
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-            steps = [self.state[p]["step"] for p in params]
-            beta1, beta2 = group["betas"]
-            if group["bias_correction"]:
-                torch_step = adamw if group["adam_w_mode"] else adam
-                torch_step(
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    [],
-                    steps,
-                    fused=all(_fused_capable(p) for p in params),
-                    amsgrad=False,
-                    beta1=beta1,
-                    beta2=beta2,
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=False,
-                )
-                continue
             _uncorrected_step(params, grads, exp_avgs, exp_avg_sqs, group)
-            torch._foreach_add_(steps, 1)
-        return loss
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1)
+
+
+def _init_state(state: dict, params: list[Tensor]) -> None:
+    """Adam's state of each of ``params`` that has none; a ``step`` on the host (a
+    checkpoint's, loaded there) moves to the parameter's device, where the kernels read it."""
+    for p in params:
+        if not state[p]:
+            state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state[p]["exp_avg"] = torch.zeros_like(p)
+            state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        elif state[p]["step"].device != p.device:
+            state[p]["step"] = state[p]["step"].to(p.device)
+
+
+def adam_step(
+    state: dict,
+    params: list[Tensor],
+    *,
+    decoupled: bool,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """One bias-corrected Adam (L2 decay) or AdamW (``decoupled``) step of ``params`` with
+    their gradients and their entries of an optimizer's ``state``: torch's own functional
+    step, with its fused kernel where the tensors allow it (the same arithmetic as
+    ``torch.optim.AdamW(fused=True)``)."""
+    _init_state(state, params)
+    torch_step = adamw if decoupled else adam
+    torch_step(
+        params,
+        [cast(Tensor, p.grad) for p in params],
+        [state[p]["exp_avg"] for p in params],
+        [state[p]["exp_avg_sq"] for p in params],
+        [],
+        [state[p]["step"] for p in params],
+        fused=all(_fused_capable(p) for p in params),
+        amsgrad=False,
+        beta1=betas[0],
+        beta2=betas[1],
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )
 
 
 def _uncorrected_step(params, grads, exp_avgs, exp_avg_sqs, group) -> None:

@@ -213,6 +213,10 @@ class Lamb(torch.optim.Optimizer):
         self.norm_allreduce = norm_allreduce
         super().__init__(params, defaults)
 
+    steps_collectively = True
+    """On shards its step sums per-parameter norms over the ranks: one step over every
+    bucket, which every rank takes (zerotrain/zero/offload.py)."""
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group, checking its ``segment_ranges``/``num_segments`` against its tensors."""
         super().add_param_group(param_group)

@@ -19,8 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zerotrain.optim.adagrad import Adagrad
 from zerotrain.optim.adam import FusedAdam
 from zerotrain.optim.lamb import Lamb
+from zerotrain.optim.lion import Lion
+from zerotrain.optim.muon import Muon
 from zerotrain.optim.onebit import OneBitAdam, ZeroOneAdam
 
 __all__ = [
@@ -89,17 +92,19 @@ def _build_adam(
     return cls(param_groups, **options, fused=fused, foreach=foreach)
 
 
-def _build_sgd(
+def _build_fusable(
+    cls: Callable[..., torch.optim.Optimizer],
     options: dict[str, Any],
     param_groups: list[dict[str, Any]],
     norm_allreduce: NormAllreduce | None,
 ) -> torch.optim.Optimizer:
+    """One of torch's optimizers with a fused kernel (SGD, Adagrad), chosen as Adam's is."""
     fused, foreach = _kernel_choice(options, _tensors(param_groups), default_auto=True)
-    return torch.optim.SGD(param_groups, **options, fused=fused, foreach=foreach)
+    return cls(param_groups, **options, fused=fused, foreach=foreach)
 
 
-def _build_one_bit(
-    cls: type[OneBitAdam],
+def _build_plain(
+    cls: type[torch.optim.Optimizer],
     options: dict[str, Any],
     param_groups: list[dict[str, Any]],
     norm_allreduce: NormAllreduce | None,
@@ -151,7 +156,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         OptimizerSpec(
             "SGD",
             ("lr", "momentum", "dampening", "weight_decay", "nesterov", "fused", "foreach"),
-            _build_sgd,
+            partial(_build_fusable, torch.optim.SGD),
             "torch.optim.SGD.",
         ),
         OptimizerSpec(
@@ -171,6 +176,59 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "DeepSpeed's FusedLamb (arXiv:1904.00962).",
         ),
         OptimizerSpec(
+            "Lion",
+            ("lr", "betas", "weight_decay"),
+            partial(_build_plain, Lion),
+            "Lion (arXiv:2302.06675), DeepSpeed's FusedLion: the sign of an interpolated "
+            "momentum, decoupled weight decay; one state per element (`exp_avg`). Defaults lr "
+            "1e-3, betas [0.9, 0.999], weight_decay 0.",
+        ),
+        OptimizerSpec(
+            "Adagrad",
+            (
+                "lr",
+                "eps",
+                "weight_decay",
+                "lr_decay",
+                "initial_accumulator_value",
+                "fused",
+                "foreach",
+            ),
+            partial(_build_fusable, Adagrad),
+            "torch.optim.Adagrad's update (its fused kernel where the tensors allow it), weight "
+            "decay as L2 on the gradient; DeepSpeed's DeepSpeedCPUAdagrad defaults lr 1e-2, eps "
+            "1e-10.",
+        ),
+        OptimizerSpec(
+            "Muon",
+            (
+                "lr",
+                "muon_lr",
+                "adam_lr",
+                "momentum",
+                "nesterov",
+                "betas",
+                "eps",
+                "weight_decay",
+                "ns_steps",
+                "ns_coefficients",
+                "ns_dtype",
+                "ns_eps",
+                "adjust_lr_fn",
+            ),
+            partial(_build_plain, Muon),
+            "Muon (Newton-Schulz orthogonalised momentum, torch.optim.Muon's update) for the 2-D "
+            "hidden weights, AdamW for the rest, as DeepSpeed's: a parameter is Muon's when its "
+            "real shape is 2-D and its name contains neither `embed` nor `lm_head`, unless it "
+            "has a `use_muon` attribute. `muon_lr` / `adam_lr` override `lr` (default 1e-3) for "
+            "each half; `momentum` 0.95 with `nesterov`; `betas` [0.9, 0.999] and `eps` 1e-8 "
+            "are AdamW's; `weight_decay` (default 0) is decoupled in both. Newton-Schulz runs "
+            '`ns_steps` 5 iterations in fp32 (`ns_dtype: "bf16"` as torch does); '
+            '`adjust_lr_fn` "original" scales by sqrt(max(1, rows/cols)), '
+            '"match_rms_adamw" by Moonlight\'s 0.2 sqrt(max(rows, cols)). On ZeRO shards each '
+            "matrix is orthogonalised by one rank (docs/precision-and-optimizers.md).",
+        ),
+        OptimizerSpec(
             "OneBitAdam",
             (
                 "lr",
@@ -184,7 +242,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "cuda_aware",
                 "comm_backend_name",
             ),
-            partial(_build_one_bit, OneBitAdam),
+            partial(_build_plain, OneBitAdam),
             "1-bit Adam (arXiv:2102.02888), DeepSpeed's update: Adam for `freeze_step` steps, "
             "then the variance frozen and the gradients sent as signs with error feedback, at "
             "ZeRO stages 0-2 (docs/compression.md).",
@@ -206,7 +264,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "cuda_aware",
                 "comm_backend_name",
             ),
-            partial(_build_one_bit, ZeroOneAdam),
+            partial(_build_plain, ZeroOneAdam),
             "0/1 Adam (arXiv:2202.06009), DeepSpeed's update: the variance updated with exactly "
             "averaged gradients every 1, 2, 4, ... steps (the interval doubling after "
             "`var_update_scaler` updates) until `var_freeze_step`, every other step's gradients "
@@ -220,7 +278,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 """The optimizers zerotrain builds, by DeepSpeed's name."""
 
-DEEPSPEED_ONLY_OPTIMIZERS = frozenset("adagrad onebitlamb lion muadam muadamw musgd muon".split())
+DEEPSPEED_ONLY_OPTIMIZERS = frozenset("onebitlamb muadam muadamw musgd".split())
 """DeepSpeed's other optimizer names (lower case, as DeepSpeed compares them), which zerotrain
 does not implement yet."""
 

@@ -7,16 +7,41 @@ import torch
 
 from zerotrain.optim.adam import ADAM_FAMILY
 from zerotrain.optim.lamb import Lamb
+from zerotrain.optim.lion import Lion
+from zerotrain.optim.muon import Muon
 
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd-momentum": 4, "sgd": 0}
-"""fp32 bytes of optimizer state per parameter element (Adam: exp_avg and exp_avg_sq)."""
+OPTIMIZER_STATE_BYTES = {
+    "adam": 8,
+    "adamw": 8,
+    "lamb": 8,
+    "sgd-momentum": 4,
+    "sgd": 0,
+    "lion": 4,
+    "adagrad": 4,
+    "muon": 4,
+}
+"""fp32 bytes of optimizer state per parameter element (Adam: exp_avg and exp_avg_sq). Muon's
+4 are its matrices' momentum; the parameters its AdamW half steps cost Adam's 8."""
 
 
-def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer, unknown: int = 0) -> int:
+def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer, unknown: int = 0) -> float:
     """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v), from
-    the estimator's table, so the two cannot disagree. Another optimizer's is measured from its
-    state once it has some, else assumed to be ``unknown``."""
+    the estimator's table, so the two cannot disagree; Muon's is the average over its groups'
+    elements (4 for matrices, 8 for AdamW's). Another optimizer's is measured from its state
+    once it has some, else assumed to be ``unknown``."""
     defaults = optimizer.defaults
+    if isinstance(optimizer, Muon):
+        sizes = [
+            (sum(p.numel() for p in group["params"]), bool(group["use_muon"]))
+            for group in optimizer.param_groups
+        ]
+        total = sum(n for n, _ in sizes)
+        per_group = [n * OPTIMIZER_STATE_BYTES["muon" if m else "adamw"] for n, m in sizes]
+        return sum(per_group) / total if total else OPTIMIZER_STATE_BYTES["muon"]
+    if isinstance(optimizer, Lion):
+        return OPTIMIZER_STATE_BYTES["lion"]
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return OPTIMIZER_STATE_BYTES["adagrad"]
     if isinstance(optimizer, ADAM_FAMILY):
         return OPTIMIZER_STATE_BYTES["adam"] + (4 if defaults.get("amsgrad") else 0)  # max v
     if isinstance(optimizer, Lamb):

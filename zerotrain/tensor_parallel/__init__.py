@@ -100,6 +100,12 @@ def from_config(
             "tensor_parallel.autotp_size: LoRA-FA adapters (lora_fa.enabled) with tensor "
             "parallelism are not supported; use one of them"
         )
+    if cfg.optimizer is not None and cfg.optimizer.type == "Muon":
+        raise ConfigError(
+            "tensor_parallel.autotp_size: Muon orthogonalises whole matrices, and tensor "
+            "parallelism splits them over ranks, which zerotrain does not gather for it yet; "
+            "use Muon with ZeRO, pipeline or expert parallelism, or another optimizer"
+        )
     options = {"sequence_parallel": section.sequence_parallel, "check_inputs": section.check_inputs}
     return parallelize(model, mesh.axis("tp"), section.tp_plan, stages, **options)
 

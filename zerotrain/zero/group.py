@@ -47,6 +47,7 @@ from zerotrain.zero.offload import OffloadOptions
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
 from zerotrain.zero.store import ShardStore
+from zerotrain.zero.whole_matrices import ShardedMatrices
 
 
 def debug_checks() -> bool:
@@ -79,12 +80,16 @@ class ShardSegments:
     Optimizers whose update needs per-parameter norms (Lamb's trust ratio) use it to compute
     them on flat shards: ``ranges[i]`` lists the ``(start, end, param_index)`` runs of the i-th
     master tensor, in order (elements in no run are padding), and ``allreduce`` sums a
-    per-parameter vector across ranks. Memory per parameter, not per element.
+    per-parameter vector across ranks. Memory per parameter, not per element. Optimizers
+    whose update needs whole matrices (Muon) get them through ``matrices(group_index,
+    tensors)``: the layout of optimizer group ``group_index``'s master tensors
+    (:class:`ShardedMatrices`).
     """
 
     ranges: list[list[tuple[int, int, int]]]
     num_segments: int
     allreduce: Callable[[torch.Tensor], None]
+    matrices: Callable[[int, list[torch.Tensor]], ShardedMatrices]
 
 
 OptimizerFactory = Callable[[list[dict], ShardSegments | None], torch.optim.Optimizer]
@@ -515,7 +520,12 @@ def build_shard_group(
         members.append([i for i, b in enumerate(buckets) if b.group_index == group_index])
         order += members[-1]
     ranges = [buckets[i].slot_ranges(*partition.range(buckets[i])) for i in order]
-    segments = ShardSegments(ranges, len(index_of), partition.sum_over_ranks)
+
+    def matrices(group_index: int, tensors: list[torch.Tensor]) -> ShardedMatrices:
+        group_buckets = [buckets[i] for i in members[group_index]]
+        return ShardedMatrices(tensors, group_buckets, partition.sharded, partition.comm)
+
+    segments = ShardSegments(ranges, len(index_of), partition.sum_over_ranks, matrices)
 
     def optimizer_over(
         masters: list[list[torch.Tensor]], probe: bool = False

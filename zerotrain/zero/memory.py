@@ -89,7 +89,7 @@ def model_state_bytes(
     world_size: int,
     policy: ZeroPolicy,
     precision: PrecisionPolicy,
-    optimizer_state_bytes: int = OPTIMIZER_STATE_BYTES["adam"],
+    optimizer_state_bytes: float = OPTIMIZER_STATE_BYTES["adam"],
     persistent_numel: float = 0,
     offload: float = 0.0,
     offload_params: bool = False,

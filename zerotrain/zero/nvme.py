@@ -173,7 +173,7 @@ def staging_host_bytes(
     largest_bucket: int,
     *,
     sub_group_size: int,
-    state_bytes: int,
+    state_bytes: float,
     param_itemsize: int,
     buffer_count: int,
 ) -> HostBytes:
@@ -193,10 +193,10 @@ def staging_host_bytes(
     )
 
 
-def disk_bytes_needed(numel: int, state_bytes: int) -> int:
+def disk_bytes_needed(numel: int, state_bytes: float) -> int:
     """Bytes of working file for ``numel`` offloaded elements with ``state_bytes`` of element
     state each, besides the fp32 master (before slot padding)."""
-    return numel * (4 + state_bytes)
+    return round(numel * (4 + state_bytes))
 
 
 class NvmeShardStore(ShardStore):
@@ -373,12 +373,12 @@ class NvmeShardStore(ShardStore):
     def _resident_masters(self) -> list[torch.Tensor]:
         return [m for m in self._device_masters if m is not None]
 
-    def element_state_keys(self) -> list[str]:
+    def element_state_keys(self, master: int | None = None) -> list[str]:
+        # one layout for every bucket (an optimizer with states per group is refused here)
         if self._has_state:
             return sorted(self.layout.keys)
-        for master in self._resident_masters():
-            state = self.optimizer.state.get(master)
-            if state:
+        for tensor in self._resident_masters():
+            if self.optimizer.state.get(tensor):
                 return sorted(self.layout.keys)
         return []
 
@@ -472,8 +472,9 @@ class NvmePlacement(HostPlacement):
         if needs_whole_parameters(probe):
             raise ConfigError(
                 f'zero_optimization.offload_optimizer.device: "nvme" steps the optimizer '
-                f"sub-group by sub-group, and {type(probe).__name__} needs whole parameters (its "
-                'trust ratio); use device "cpu", or an element-wise optimizer (Adam, AdamW, SGD)'
+                f"sub-group by sub-group, and {type(probe).__name__} needs whole parameters (Lamb's "
+                'trust ratios, Muon\'s matrices); use device "cpu", or an element-wise optimizer '
+                "(Adam, AdamW, SGD, Lion, Adagrad)"
             )
         layout = _state_layout(probe)
         numels = [m.numel() for m in masters_fp32]

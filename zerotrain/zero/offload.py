@@ -361,7 +361,7 @@ class HostBytes:
 
 
 def host_bytes(
-    numel: int, largest: int, *, state_bytes: int, param_itemsize: int, buffer_count: int
+    numel: int, largest: int, *, state_bytes: float, param_itemsize: int, buffer_count: int
 ) -> HostBytes:
     """What :class:`OffloadedShardStore` allocates for ``numel`` offloaded elements in buckets
     of at most ``largest``: fp32 masters, ``state_bytes`` of optimizer state and an fp32
@@ -369,7 +369,7 @@ def host_bytes(
     :data:`RING_CHUNK` elements) in the training dtype. The memory preflight of ``initialize``
     and ``zerotrain estimate --offload`` count with it (zerotrain/estimate/stages.py)."""
     ring = buffer_count * ring_numel(largest) * param_itemsize
-    return HostBytes(4 * numel, state_bytes * numel, 4 * numel, ring)
+    return HostBytes(4 * numel, round(state_bytes * numel), 4 * numel, ring)
 
 
 AUTO_HEADROOM = 0.25
@@ -433,7 +433,7 @@ class HostPlacement(Placement):
             configure_host_threads()
         return probe_optimizer(optimizer_over, len(masters_fp32))
 
-    def on_host(self, numels: list[int], state_bytes: int, precision: PrecisionPolicy):
+    def on_host(self, numels: list[int], state_bytes: float, precision: PrecisionPolicy):
         """Per bucket, whether it is offloaded (``ratio``, or what does not fit: ``auto``)."""
         if self.options.ratio != "auto":
             return choose_host_buckets(numels, float(self.options.ratio))
@@ -445,8 +445,9 @@ class HostPlacement(Placement):
 
 
 def needs_whole_parameters(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's update needs per-parameter norms (Lamb's trust ratio)."""
-    return hasattr(optimizer, "set_segments")
+    """Whether the optimizer's update needs whole parameters, so that its step is one
+    collective over every bucket (Lamb's trust ratios, Muon's matrices)."""
+    return bool(getattr(optimizer, "steps_collectively", False))
 
 
 def probe_optimizer(optimizer_over: OptimizerOver, buckets: int) -> torch.optim.Optimizer:
@@ -456,6 +457,6 @@ def probe_optimizer(optimizer_over: OptimizerOver, buckets: int) -> torch.optim.
     probe = optimizer_over(stand_ins, probe=True)
     for (tensor,) in stand_ins:
         tensor.grad = torch.zeros(1)
-    if not needs_whole_parameters(probe):  # Lamb's step is collective: not stepped here
+    if not needs_whole_parameters(probe):  # a collective step: not stepped here
         probe.step()
     return probe

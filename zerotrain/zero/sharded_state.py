@@ -97,9 +97,8 @@ def saved_tensors(
                 )
             return read[master, key]
 
-        keys = ["master", *group.store.element_state_keys()]
         for piece in pieces:
-            for key in keys:
+            for key in ["master", *group.store.element_state_keys(piece.master)]:
                 values = tensor(piece.master, key).view(-1)
                 part = values[piece.master_start : piece.master_start + piece.numel]
                 tensors.append((f"{piece.name}/{key}", part))
@@ -129,7 +128,9 @@ def load_tensors(zero: ZeroOptimizer, read: PieceReader, state_keys: list[str] |
         for piece in group.master_pieces(own_shard_only=False):
             by_master.setdefault(piece.master, []).append(piece)
         for master, pieces in by_master.items():
-            for kind in kinds:
+            # the keys this bucket's optimizer group keeps (Muon: other ones than AdamW's)
+            held = store.element_state_keys(master) if state_keys is not None else []
+            for kind in [k for k in kinds if k == "master" or k in held]:
                 # read and written once per master: a store that swaps to disk copies it
                 flat = store.state_tensor(master, kind).view(-1)
                 for piece in pieces:

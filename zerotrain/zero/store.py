@@ -152,10 +152,11 @@ class ShardStore(ABC):
         return self.optimizer.param_groups
 
     @abstractmethod
-    def element_state_keys(self) -> list[str]:
+    def element_state_keys(self, master: int | None = None) -> list[str]:
         """Optimizer state entries shaped like their master tensor (Adam's ``exp_avg``...):
-        sharded with it; the rest (``step``) are per-group scalars. Empty before the first
-        step."""
+        sharded with it; the rest (``step``) are per-group scalars. Those of bucket ``master``
+        (None: of any bucket; an optimizer may keep other states in other groups, as Muon
+        does). Empty before the first step."""
 
     @abstractmethod
     def state_tensor(self, master: int, key: str) -> torch.Tensor:
@@ -224,15 +225,15 @@ class InMemoryShardStore(ShardStore):
     def _resident_masters(self) -> list[torch.Tensor]:
         return self._masters
 
-    def element_state_keys(self) -> list[str]:
+    def element_state_keys(self, master: int | None = None) -> list[str]:
         self._settle()
-        for master in self._masters:
-            state = self.optimizer.state.get(master)
-            if state:
-                return sorted(
-                    k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
-                )
-        return []
+        keys: set[str] = set()
+        for tensor in self._masters if master is None else [self._masters[master]]:
+            state = self.optimizer.state.get(tensor, {})
+            keys.update(
+                k for k, v in state.items() if torch.is_tensor(v) and v.shape == tensor.shape
+            )
+        return sorted(keys)
 
     def state_tensor(self, master: int, key: str) -> torch.Tensor:
         self._settle()
@@ -274,10 +275,13 @@ def zero_element_state(
     optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], keys: list[str]
 ) -> None:
     """Replace the state of ``masters`` by zeroed ``keys`` (every key on every master,
-    padding-only ones too: a checkpoint load then writes the values)."""
+    padding-only ones too: a checkpoint load then writes the values); an optimizer that keeps
+    different states in different groups (Muon) says which keys are a master's."""
+    keys_of = getattr(optimizer, "element_state_keys_of", lambda master: keys)
     for master in masters:
         optimizer.state.pop(master, None)
-        optimizer.state[master].update({key: torch.zeros_like(master) for key in keys})
+        wanted = [key for key in keys if key in keys_of(master)]
+        optimizer.state[master].update({key: torch.zeros_like(master) for key in wanted})
 
 
 def sum_of_squares(

@@ -1,0 +1,5 @@
+"""``deepspeed.ops.adagrad``."""
+
+from zerotrain.optim.adagrad import DeepSpeedCPUAdagrad
+
+__all__ = ["DeepSpeedCPUAdagrad"]

@@ -1,0 +1,5 @@
+"""``deepspeed.ops.lion``."""
+
+from zerotrain.optim.lion import DeepSpeedCPULion, FusedLion
+
+__all__ = ["DeepSpeedCPULion", "FusedLion"]
