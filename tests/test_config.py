@@ -175,7 +175,13 @@ def test_defaults_match_deepspeed() -> None:
             "consecutive_hysteresis": False,
             "min_loss_scale": 1.0,
         },
-        "bf16": {"enabled": False, "auto_cast": False},  # auto_cast: zerotrain's
+        "bf16": {
+            "enabled": False,
+            "auto_cast": False,  # zerotrain's
+            "bf16_master_weights_and_grads": False,
+            "bf16_optimizer_states": False,
+            "stochastic_rounding": False,  # zerotrain's
+        },
         "aio": {
             "block_size": 1_048_576,
             "queue_depth": 8,
@@ -252,6 +258,7 @@ def test_defaults_match_deepspeed() -> None:
             "use_node_local_storage": False,
         },
         "lora_fa": {"enabled": False, "target_modules": [], "r": 8, "alpha": 16.0},  # zerotrain's
+        "torch_autocast": {"enabled": False, "dtype": "bf16", "lower_precision_safe_modules": None},
         "tiled_compute": {  # zerotrain's
             "mlp": False,
             "mlp_tile_tokens": None,
@@ -651,7 +658,6 @@ ASKS_FOR_MISSING = [
         "compression training",
         "`enabled: false`",
     ),
-    ("torch_autocast", {"enabled": True}, "torch.autocast mixed precision", "`enabled: false`"),
     ("compile", {"deepcompile": True}, "DeepCompile", "`deepcompile: false`"),
     ("managed_gradient_accumulation", False, "unmanaged gradient accumulation", "true"),
     (
@@ -663,7 +669,6 @@ ASKS_FOR_MISSING = [
     ("zero_optimization.mics_shard_size", 4, "MiCS sub-group sharding", "-1"),
     ("zero_optimization.zenflow", {"topk_ratio": 0.1}, "ZenFlow", "null"),
     ("fp16.fp16_master_weights_and_grads", True, "fp16 master weights and gradients", "false"),
-    ("bf16.bf16_optimizer_states", True, "bf16 optimizer states", "false"),
 ]
 
 
@@ -814,6 +819,34 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
         (nested("fp16.enabled", "maybe"), 'fp16.enabled: must be true or false, got "maybe"'),
         (nested("fp16.loss_scale_window", 0), "fp16.loss_scale_window: must be > 0, got 0"),
         (nested("fp16.loss_scale", -1), "fp16.loss_scale: must be >= 0, got -1"),
+        (
+            nested("bf16.bf16_optimizer_states", True),
+            "bf16.bf16_optimizer_states: applies to bf16 training; set bf16.enabled true or "
+            "remove it",
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "bf16": {"enabled": True, "stochastic_rounding": True},
+            },
+            "bf16.stochastic_rounding: rounds bf16 master weights; set "
+            "bf16.bf16_master_weights_and_grads true or remove it",
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": 1},
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                "data_types": {"grad_accum_dtype": "fp32"},
+            },
+            "data_types.grad_accum_dtype: fp32 gradients, and bf16.bf16_master_weights_and_grads "
+            "asks for bf16 gradients; remove one of them",
+        ),
+        (
+            nested("torch_autocast.lower_precision_safe_modules", ["torch.nn.Linearr"]),
+            "torch_autocast.lower_precision_safe_modules: 'torch.nn.Linearr' is not an "
+            "importable class ('torch.nn.Linearr' names no class)",
+        ),
         ({"train_batch_size": 8, "optimizer": {}}, "optimizer.type: required key is missing"),
         (
             nested("optimizer.type", "adamx"),

@@ -213,7 +213,23 @@ RUNS = [  # (dtype, stage, stage3_max_live_parameters, stage3_param_persistence_
     *((dtype, stage, 10**9, 0) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)),
     ("bf16", 3, 0, 0),  # nothing prefetched or kept: the root and one block at a time
     ("bf16", 3, 10**9, 100_000),  # every unit below the threshold: all kept whole
+    # bf16 masters (the parameters themselves) and/or bf16 optimizer states
+    *(
+        (dtype, stage, 10**9, 0)
+        for dtype in ("bf16+masters+states", "bf16+states")
+        for stage in (0, 3)
+    ),
 ]
+
+
+def _policy_keys(dtype: str) -> dict[str, str]:
+    """A RUNS dtype (``bf16+masters+states``) as TrainingJob's dtype fields."""
+    base, *narrow = dtype.split("+")
+    return {
+        "dtype": base,
+        "master_dtype": "bf16" if "masters" in narrow else "fp32",
+        "optimizer_state_dtype": "bf16" if "states" in narrow else "fp32",
+    }
 
 
 def measure_runs() -> dict:
@@ -231,7 +247,11 @@ def measure_runs() -> dict:
                 "stage3_param_persistence_threshold": threshold,
                 "stage3_max_live_parameters": max_live,
             },
-            "bf16": {"enabled": dtype == "bf16"},
+            "bf16": {
+                "enabled": dtype.startswith("bf16"),
+                "bf16_master_weights_and_grads": "masters" in dtype,
+                "bf16_optimizer_states": "states" in dtype,
+            },
             "steps_per_print": 10**6,
         }
         engine, *_ = zerotrain.initialize(model=model, config=config)
@@ -299,7 +319,12 @@ def test_estimate_matches_memory_breakdown_of_a_real_run():
             padding = got["numel_padded"] - got["numel"]
             assert 0 < padding < world * got["buckets"], key  # odd Ψ: some padding to cover
             policy = ZeroPolicy.for_stage(stage)
-            precision = PrecisionPolicy(DTYPES[dtype])
+            keys = _policy_keys(dtype)
+            precision = PrecisionPolicy(
+                DTYPES[keys["dtype"]],
+                master_dtype=DTYPES[keys["master_dtype"]],
+                state_dtype=DTYPES[keys["optimizer_state_dtype"]],
+            )
             exact = model_state_bytes(
                 got["numel_padded"],
                 world_size=world,
@@ -317,7 +342,7 @@ def test_estimate_matches_memory_breakdown_of_a_real_run():
             job = TrainingJob(
                 trainable_params=count.trainable,
                 frozen_params=count.frozen,
-                dtype=dtype,
+                **keys,
                 gpus_per_node=world,
                 stages=(stage,),
                 root_and_largest_block=count.root_and_largest_block,
@@ -360,6 +385,8 @@ OFFLOAD_RUNS = [  # (offload_optimizer.device, stage, dtype, buffer_count, sub_g
     ("cpu", 3, "bf16", 2, None),  # one bucket per gather unit: the ring holds the largest
     ("nvme", 2, "bf16", 3, 2048),  # sub-groups smaller than the bucket
     ("nvme", 3, "fp32", 4, 10**9),  # a sub-group is the whole bucket
+    ("cpu", 2, "bf16+masters+states", 3, None),  # bf16 masters, gradients and Adam moments
+    ("nvme", 3, "bf16+masters+states", 2, 2048),
 ]
 
 
@@ -393,7 +420,11 @@ def test_offload_estimate_is_what_the_preflight_counts(
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": zero,
-        "bf16": {"enabled": dtype == "bf16"},
+        "bf16": {
+            "enabled": dtype.startswith("bf16"),
+            "bf16_master_weights_and_grads": "masters" in dtype,
+            "bf16_optimizer_states": "states" in dtype,
+        },
         "steps_per_print": 10**6,
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
@@ -407,7 +438,7 @@ def test_offload_estimate_is_what_the_preflight_counts(
 
     job = TrainingJob(
         trainable_params=count.trainable,
-        dtype=dtype,
+        **_policy_keys(dtype),
         offload=device,
         stages=(stage,),
         max_live_numel=10**9,
@@ -767,3 +798,43 @@ def test_cli_bad_input_exits_2_without_traceback(capsys, argv, message):
         code = exit.code
     _, err = capsys.readouterr()
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def muon_run() -> dict:
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", **ODD_GPT))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Muon", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    idx = torch.randint(0, 77, (2, 8))
+    engine.backward(engine(idx, idx))
+    engine.step()
+    return engine.memory_breakdown()
+
+
+def test_muon_estimate_counts_its_matrices_and_the_rest():
+    """Muon keeps 4 bytes of momentum per element of its matrices and AdamW's 8 for the rest:
+    the estimate from --model counts both, as a real run holds them (bf16 masters: no copy)."""
+    count = count_parameters(GPT(gpt_config("tiny", **ODD_GPT)), persistence_threshold=0)
+    assert 0 < count.muon_matrices < count.trainable
+    (breakdown,) = run_distributed(muon_run, 2)[:1]
+    job = TrainingJob(
+        trainable_params=count.trainable,
+        gpus_per_node=2,
+        optimizer="muon",
+        optimizer_state_bytes=count.muon_state_bytes(),
+        master_dtype="bf16",
+        stages=(2,),
+        max_live_numel=10**9,
+    )
+    (row,) = estimate(job)
+    # Adam's step counters (4 bytes a bucket) and the padding (< 2 elements a bucket) aside
+    assert abs(breakdown["optimizer_states"] - row.states.optimizer_states) < 200
+    assert abs(breakdown["total"] - row.model_states) < 300

@@ -255,11 +255,19 @@ def train_and_refuse(cases: list[tuple]) -> tuple[list, dict]:
             zerotrain.initialize(model=model, config=settings)
         except ConfigError as error:
             errors[stage, schedule, micro, per_rank] = str(error)
+    model = PipelineModule(layer_specs(), 2, loss_fn=loss_fn)
+    autocast = {**config(1, "1f1b"), "gradient_accumulation_steps": 4}
+    try:
+        zerotrain.initialize(model=model, config={**autocast, "torch_autocast": {"enabled": True}})
+    except ConfigError as error:
+        errors["torch_autocast"] = str(error)
     return [train(*case) for case in cases], errors
 
 
 def test_pipeline_layouts_that_cannot_run_are_config_errors(multi_stage):
     (_, errors), *_ = multi_stage
+    autocast = errors.pop("torch_autocast", "")
+    assert autocast.startswith("torch_autocast.enabled: the pipeline schedules run"), autocast
     assert errors.keys() == BAD_CONFIGS.keys()
     for key, message in errors.items():
         assert re.search(BAD_CONFIGS[key], message), (key, message)

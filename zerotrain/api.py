@@ -10,6 +10,7 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from zerotrain.optimizer_plan import (
 from zerotrain.parallel import ParallelLayout, model_stages
 from zerotrain.pipe.checks import check_pipeline
 from zerotrain.pipe.engine import PipelineEngine
-from zerotrain.policies import group_options, loss_scaler
+from zerotrain.policies import autocast_comm_dtypes, group_options, loss_scaler
 from zerotrain.sequence.batch import SequenceShards
 from zerotrain.sequence.transform import sequence_group_of
 from zerotrain.zero import ZeroOptimizer
@@ -184,7 +185,11 @@ def _zero_optimizer(
 ) -> ZeroOptimizer:
     """The shard groups the layout makes of the plan's optimizer groups, under one
     ZeroOptimizer; the model's untrained state made equal on the replicas and cast."""
-    specs = layout.shard_group_specs(plan.groups, group_options(cfg, device, layout.zero, comm))
+    options = replace(
+        group_options(cfg, device, layout.zero, comm),
+        comm_dtypes=autocast_comm_dtypes(cfg, model),
+    )
+    specs = layout.shard_group_specs(plan.groups, options)
     zero_optimizer = ZeroOptimizer(
         model,
         specs,

@@ -28,6 +28,7 @@ from zerotrain.observability.flops_profiler import FlopsProfiler, StepContext, m
 from zerotrain.observability.metrics import StepMetrics
 from zerotrain.observability.monitor import MonitorMaster
 from zerotrain.optim import NoOptimizer
+from zerotrain.precision import autocast
 from zerotrain.zero import ZeroOptimizer
 from zerotrain.zero.memory import memory_breakdown
 from zerotrain.zero.model_state import frozen_keys, full_masters, untrained_state
@@ -151,14 +152,15 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
         cast = self.auto_cast_dtype()
         if cast is not None:
             args, kwargs = pytree.tree_map(functools.partial(_cast, dtype=cast), (args, kwargs))
+        precision = autocast(self.optimizer.precision, self.device)  # torch_autocast's
         if not torch.is_grad_enabled():  # evaluation: not part of a training step's metrics
-            with self._input_dtype_hint(args, kwargs):
+            with self._input_dtype_hint(args, kwargs), precision:
                 return self.module(*args, **kwargs)
         start = time.perf_counter()
         self.metrics.start_micro_step(start)
         self.optimizer.begin_forward()
         try:
-            with self._instrumented_forward(), self._input_dtype_hint(args, kwargs):
+            with self._instrumented_forward(), self._input_dtype_hint(args, kwargs), precision:
                 out = self.module(*args, **kwargs)
         finally:
             self.optimizer.end_forward()

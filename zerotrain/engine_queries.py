@@ -101,7 +101,11 @@ class DeepSpeedQueries:
         return self.optimizer.loss_scaler.dynamic
 
     def torch_autocast_enabled(self) -> bool:
-        return False  # the `torch_autocast` section is refused unless switched off
+        return self.zerotrain_config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward is autocast to (the torch_autocast section), or None."""
+        return self.optimizer.precision.autocast_dtype
 
     @property
     def communication_data_type(self) -> torch.dtype:

@@ -8,13 +8,14 @@ import warnings
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from zerotrain.comm import Communicator
 from zerotrain.compression import GradientCompression, ParameterCompression
 from zerotrain.compression.auto import AutoOptions, candidate_policies
 from zerotrain.config import ZeroTrainConfig
 from zerotrain.config.compression import AUTO_DEFAULT_METHOD
-from zerotrain.precision import DTYPES, LossScaler
+from zerotrain.precision import DTYPES, LossScaler, lower_precision_grads
 from zerotrain.zero import GroupOptions, ZeroPolicy
 from zerotrain.zero.gather import GatherForUseOptions
 from zerotrain.zero.host import local_ranks
@@ -62,9 +63,20 @@ def group_options(
     )
 
 
+def autocast_comm_dtypes(cfg: ZeroTrainConfig, model: nn.Module) -> dict[int, torch.dtype]:
+    """torch_autocast: the parameters whose gradients are reduced in its dtype."""
+    section = cfg.torch_autocast
+    if not section.enabled:
+        return {}
+    return lower_precision_grads(model, section.safe_classes(), DTYPES[section.dtype])
+
+
 def loss_scaler(cfg: ZeroTrainConfig) -> LossScaler:
+    """The fp16 section's scaler: for fp16 training, and for torch_autocast to fp16 (whose
+    products' gradients underflow as fp16 training's do)."""
     fp16 = cfg.fp16
-    if not fp16.enabled:
+    autocast = cfg.torch_autocast
+    if not fp16.enabled and not (autocast.enabled and autocast.dtype == "fp16"):
         return LossScaler()
     if fp16.loss_scale:  # static
         return LossScaler(scale=fp16.loss_scale)

@@ -22,6 +22,7 @@ from zerotrain.checkpoint.manifest import CheckpointError, HeldFiles, Manifest, 
 from zerotrain.checkpoint.rng import restore_rng_state
 from zerotrain.checkpoint.save import split_keys
 from zerotrain.optim.adam import same_state_kind
+from zerotrain.precision import DTYPES, PrecisionPolicy, dtype_name
 from zerotrain.ranges import overlaps
 from zerotrain.zero.extension import Resume
 from zerotrain.zero.model_state import load_untrained, untrained_keys
@@ -271,6 +272,8 @@ def _apply(
     def read(name: str, kind: str, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         return reader.read(name, kind, start, end, split.get(name), tp_rank)
 
+    for warning in _conversions(manifest, zero.precision, load_optimizer):
+        warnings.warn(f"load_checkpoint: {warning}", stacklevel=4)
     try:
         # the checkpoint's per-element state replaces the engine's (it may have none)
         load_tensors(zero, read, manifest["optimizer_state_keys"] if load_optimizer else None)
@@ -325,6 +328,30 @@ def _apply(
         loader.load_state_dict(state["dataloader"])
     if "rng" in rank_state:
         restore_rng_state(rank_state["rng"])
+
+
+def _conversions(manifest: Manifest, precision: PrecisionPolicy, with_state: bool) -> list[str]:
+    """What a load converts between the checkpoint's precision policy and the engine's: its
+    masters (and optimizer state) in another dtype (a checkpoint from before these fields
+    kept both in fp32)."""
+    copies = [("master weights", "master_dtype", precision.master_dtype)]
+    if with_state and manifest["optimizer_state_keys"]:
+        copies.append(("optimizer states", "optimizer_state_dtype", precision.state_dtype))
+    out = []
+    for what, key, ours in copies:
+        saved = DTYPES[manifest.data.get(key, "fp32")]
+        if saved == ours:
+            continue
+        how = (
+            "rounded to nearest"
+            if ours.itemsize < saved.itemsize
+            else "widened exactly (the bits the checkpoint did not keep stay zero)"
+        )
+        out.append(
+            f"the checkpoint's {what} are {dtype_name(saved)}, this engine keeps them in "
+            f"{dtype_name(ours)}: {how}"
+        )
+    return out
 
 
 def _group_states(rank_state: dict[str, Any], count: int) -> list[dict | None]:

@@ -55,6 +55,7 @@ from zerotrain.checkpoint.owner import claim
 from zerotrain.checkpoint.rng import capture_rng_state
 from zerotrain.comm.split import split_of
 from zerotrain.errors import ZeroTrainError
+from zerotrain.precision import dtype_name
 from zerotrain.zero.model_state import frozen_keys, trained_names, untrained_comm, untrained_state
 from zerotrain.zero.sharded_state import (
     group_states,
@@ -387,6 +388,8 @@ def manifest_header(engine: TrainingState) -> dict:
         "world_size": engine.world_size,
         "stage": zero.policy.stage,
         "precision": zero.precision.name,
+        "master_dtype": dtype_name(zero.precision.master_dtype),
+        "optimizer_state_dtype": dtype_name(zero.precision.state_dtype),
         "optimizer": optimizer_name(zero),  # the groups step one kind of optimizer
         "optimizer_state_keys": state_keys(zero),
         "optimizer_groups": len(zero.param_groups),  # empty ones too

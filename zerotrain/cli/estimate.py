@@ -136,7 +136,10 @@ def _estimate_job(args: argparse.Namespace):
         key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size", "intermediate_size")
     }
     mlp = args.mlp
-    counts = {"trainable_params": args.params, "largest_layer": args.largest_layer or 0}
+    counts: dict[str, float] = {
+        "trainable_params": args.params,
+        "largest_layer": args.largest_layer or 0,
+    }
     if args.model:
         if args.largest_layer is not None:
             raise EstimateError(
@@ -155,6 +158,8 @@ def _estimate_job(args: argparse.Namespace):
             "persistent_frozen": count.persistent_frozen,
             "largest_unit": count.largest_unit,
         }
+        if args.optimizer == "muon":  # its matrices' momentum, AdamW's moments for the rest
+            counts["optimizer_state_bytes"] = count.muon_state_bytes()
         for key, value in count.config.items():  # the model's config fills what is not given
             if shape_values[key] is None:
                 shape_values[key] = value
@@ -177,6 +182,8 @@ def _estimate_job(args: argparse.Namespace):
             gpus_per_node=args.gpus_per_node,
             dtype=args.dtype,
             grad_accum_dtype=args.grad_accum_dtype,
+            master_dtype=args.master_dtype,
+            optimizer_state_dtype=args.optimizer_state_dtype,
             optimizer=args.optimizer,
             offload=args.offload,
             stages=(args.stage,)
@@ -319,7 +326,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(OPTIMIZER_STATE_BYTES),
         default="adam",
         help="decides the optimizer state per parameter (default: adam, 8 bytes + 4 of fp32 "
-        "master in 16-bit training)",
+        "master in 16-bit training; lion and adagrad keep 4; muon 4 for its matrices and 8 for "
+        "the rest, counted from --model, else 4 for all)",
+    )
+    parser.add_argument(
+        "--master-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="the optimizer's master weights (bf16: bf16.bf16_master_weights_and_grads; under "
+        "--dtype bf16 they are then the parameters themselves, no copy)",
+    )
+    parser.add_argument(
+        "--optimizer-state-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="the optimizer's per-element state (bf16: bf16.bf16_optimizer_states, half the bytes)",
     )
     parser.add_argument(
         "--max-live-parameters",

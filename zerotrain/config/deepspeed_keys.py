@@ -151,7 +151,6 @@ TOP_LEVEL: dict[str, Accepted] = {
         "DeepCompile",
         "`deepcompile: false`",
     ),
-    "torch_autocast": _section_off("torch.autocast mixed precision"),
     "amp": _section_off("NVIDIA Apex AMP"),
     "fp8": _section_off("fp8 training"),
     "comet": _section_off("the Comet monitor"),
@@ -276,8 +275,6 @@ BF16: dict[str, Accepted] = {
     ),
     "check_grad_overflow": _off("overflow checks in bf16 training"),
     "check_overflow": _off("overflow checks in bf16 training"),
-    "bf16_master_weights_and_grads": _off("bf16 master weights and gradients"),
-    "bf16_optimizer_states": _off("bf16 optimizer states"),
 }
 
 OPTIMIZER: dict[str, Accepted] = {

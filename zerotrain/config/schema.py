@@ -2,10 +2,12 @@
 pydantic model per section, ``ZeroTrainConfig`` at the top. The field docstrings are the
 documentation (docs.py renders them into docs/config.md)."""
 
+import importlib
 import re
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+import torch
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from zerotrain.config import deepspeed_keys
 from zerotrain.config.batch import BatchSizes, resolve_batch_sizes
@@ -97,6 +99,37 @@ class BF16Config(Section):
     """Cast the floating-point tensors among the arguments of `engine(...)` to bfloat16 before
     the model's forward (integer tensors, such as token ids, are left alone), as
     `fp16.auto_cast` does for float16. (A zerotrain key.)"""
+    bf16_master_weights_and_grads: bool = False
+    """Keep the optimizer's master weights, and the gradients it reads, in bfloat16 instead of
+    fp32: the masters are then the bf16 parameters themselves (no copy), 4-6 bytes less per
+    parameter. The update is computed in fp32 and rounded back (to nearest, or
+    `stochastic_rounding`). Updates smaller than half a bf16 step of a weight are lost when
+    rounding to nearest (docs/precision-and-optimizers.md has the measured drift)."""
+    bf16_optimizer_states: bool = False
+    """Keep the optimizer's per-element state (Adam's two moments, Muon's momentum) in
+    bfloat16: half its bytes; the update is computed in fp32."""
+    stochastic_rounding: bool = False
+    """With `bf16_master_weights_and_grads`: round each updated master to bfloat16
+    stochastically (up with the probability of the remainder) instead of to nearest, so small
+    updates accumulate in expectation instead of being lost. (A zerotrain key: DeepSpeed has
+    no such option.)"""
+
+    @field_validator("bf16_master_weights_and_grads", "bf16_optimizer_states")
+    @classmethod
+    def _needs_bf16(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and not info.data.get("enabled"):
+            raise fail("applies to bf16 training; set bf16.enabled true or remove it")
+        return value
+
+    @field_validator("stochastic_rounding")
+    @classmethod
+    def _rounds_masters(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and not info.data.get("bf16_master_weights_and_grads"):
+            raise fail(
+                "rounds bf16 master weights; set bf16.bf16_master_weights_and_grads true or "
+                "remove it"
+            )
+        return value
 
 
 # DeepSpeed's names of a dtype (its DtypeEnum), as data_types takes them
@@ -224,6 +257,50 @@ class LoRAFAConfig(Section):
                 '["q_proj", "v_proj"]'
             )
         return self
+
+
+def _import_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    found = getattr(importlib.import_module(module), name, None) if module else None
+    if not isinstance(found, type):
+        raise ImportError(f"{path!r} names no class")
+    return found
+
+
+class TorchAutocastConfig(Section):
+    """`torch_autocast`: DeepSpeed's torch.autocast mixed precision. The parameters and the
+    masters stay in the training dtype (fp32 unless bf16 or fp16 is enabled too); every
+    forward through the engine runs under `torch.autocast` to `dtype`, so matrix products run
+    in it and the ops autocast keeps wide stay wide; the gradients of the parameters of
+    `lower_precision_safe_modules` are reduced over the ranks in `dtype`, the others in the
+    training dtype. With `dtype: fp16` the loss is scaled as the fp16 section says (dynamic by
+    default), as gradients of fp16 products underflow."""
+
+    enabled: bool = False
+    """Run the forward under torch.autocast."""
+    dtype: Annotated[Literal["bf16", "fp16"], BeforeValidator(_dtype_name)] = "bf16"
+    """The autocast dtype (DeepSpeed's names accepted: `bfloat16`, `torch.float16`...)."""
+    lower_precision_safe_modules: list[str] | None = None
+    """Module classes, by import path, whose parameters' gradients are reduced in `dtype`
+    (only parameters of exactly these classes, not subclasses, as DeepSpeed does); null:
+    DeepSpeed's list, `torch.nn.Linear` and `torch.nn.Conv1d/2d/3d`."""
+
+    @field_validator("lower_precision_safe_modules")
+    @classmethod
+    def _importable(cls, value: list[str] | None) -> list[str] | None:
+        for path in value or ():
+            try:
+                _import_class(path)
+            except Exception as error:  # noqa: BLE001 (any import failure: the user's path)
+                raise fail(f"{path!r} is not an importable class ({error})") from None
+        return value
+
+    def safe_classes(self) -> tuple[type, ...]:
+        """The classes of `lower_precision_safe_modules` (or DeepSpeed's default list)."""
+        paths = self.lower_precision_safe_modules
+        if paths is None:
+            paths = [f"torch.nn.{name}" for name in ("Linear", "Conv1d", "Conv2d", "Conv3d")]
+        return tuple(_import_class(path) for path in paths)
 
 
 class TiledComputeConfig(Section):
@@ -530,6 +607,9 @@ class ZeroTrainConfig(Section):
     section."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism composed with ZeRO; see the tensor_parallel section."""
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    """torch.autocast mixed precision over the training dtype's parameters; see the
+    torch_autocast section."""
     tiled_compute: TiledComputeConfig = Field(default_factory=TiledComputeConfig)
     """MLPs and loss over tiles of the sequence; see the tiled_compute section."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
@@ -589,6 +669,11 @@ class ZeroTrainConfig(Section):
     @model_validator(mode="after")
     def _grad_accum_fits(self) -> "ZeroTrainConfig":
         wanted, training = self.data_types.grad_accum_dtype, self.precision_policy().name
+        if wanted == "fp32" and self.bf16.bf16_master_weights_and_grads:
+            raise fail(
+                "data_types.grad_accum_dtype: fp32 gradients, and bf16.bf16_master_weights_and_grads "
+                "asks for bf16 gradients; remove one of them"
+            )
         if wanted in (None, training):
             return self
         if wanted != "fp32" or training not in ("bf16", "fp16"):
@@ -609,7 +694,15 @@ class ZeroTrainConfig(Section):
         """The dtypes of each copy of the model state this config trains with."""
         dtype = training_dtype(self.bf16.enabled, self.fp16.enabled)
         name = self.data_types.grad_accum_dtype
-        return PrecisionPolicy.of(dtype, None if name is None else DTYPES[name])
+        bf16, autocast = self.bf16, self.torch_autocast
+        return PrecisionPolicy.of(
+            dtype,
+            None if name is None else DTYPES[name],
+            master_dtype=torch.bfloat16 if bf16.bf16_master_weights_and_grads else torch.float32,
+            state_dtype=torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
+            stochastic_rounding=bf16.stochastic_rounding,
+            autocast_dtype=DTYPES[autocast.dtype] if autocast.enabled else None,
+        )
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,7 @@ from typing import Literal
 
 from torch import nn
 
+from zerotrain.optim.muon import uses_muon
 from zerotrain.zero.init import full_shape
 from zerotrain.zero.units import assign_units, find_unit_modules
 
@@ -38,6 +39,15 @@ class ParameterCount:
     ``.config``."""
     mlp: Literal["gelu", "swiglu"] | None = None
     """The MLP of the first block, from its matrices (:func:`mlp_kind`); None: not found."""
+    muon_matrices: int = 0
+    """Trainable elements the Muon optimizer would step (its split: zerotrain.optim.muon's
+    ``uses_muon``); the others take its AdamW half."""
+
+    def muon_state_bytes(self) -> float:
+        """Muon's fp32 bytes of state per trainable element: 4 (momentum) for its matrices, 8
+        (AdamW's moments) for the rest."""
+        muon, rest = self.muon_matrices, self.trainable - self.muon_matrices
+        return (4 * muon + 8 * rest) / max(1, self.trainable)
 
 
 # HF-like config attribute names, first match wins (GPT-2 style n_* names included).
@@ -119,4 +129,9 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         largest_unit=max(unit_numel),
         config=config,
         mlp=mlp,
+        muon_matrices=sum(
+            _numel(p)
+            for name, p in model.named_parameters()  # tied: once, by its first name
+            if p.requires_grad and uses_muon(name, full_shape(p), p)
+        ),
     )

@@ -46,10 +46,11 @@ from zerotrain.estimate.stages import (
 from zerotrain.estimate.verdict import Limit, RankMemory, shortfall
 from zerotrain.optim import NoOptimizer
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
+from zerotrain.precision import dtype_name
 from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.layout import NamedParams
-from zerotrain.zero.offload import device_budget, needs_whole_parameters, probe_optimizer
-from zerotrain.zero.store import OptimizerOver
+from zerotrain.zero.offload import device_budget, probe_optimizer
+from zerotrain.zero.store import OptimizerOver, needs_whole_parameters
 
 __all__ = ["check_memory", "job_of"]
 
@@ -109,6 +110,8 @@ def job_of(
         gpus_per_node=data_parallel,
         dtype=cfg.precision_policy().name,
         grad_accum_dtype=cfg.data_types.grad_accum_dtype,  # counted in the gradients' bytes
+        master_dtype=dtype_name(cfg.precision_policy().master_dtype),
+        optimizer_state_dtype=dtype_name(cfg.precision_policy().state_dtype),
         optimizer="lamb" if whole else "adam",
         optimizer_state_bytes=state_bytes,
         offload=None if offload == "none" else offload,

@@ -17,7 +17,6 @@ from zerotrain.estimate.stages import (
     largest_bucket,
 )
 from zerotrain.fmt import count, quantity, scaled
-from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.zero.nvme import SUB_GROUP_ALIGNMENT, sub_group_numel
 from zerotrain.zero.offload import RING_CHUNK
 from zerotrain.zero.policy import ZeroPolicy
@@ -52,13 +51,16 @@ def format_table(
     GiB per node off the device), notes. ``host_memory``: a node's available host memory, for
     the preflight's verdict."""
     n = job.world_size
-    optimizer_bytes = OPTIMIZER_STATE_BYTES[job.optimizer]
-    master = 4 if job.precision.has_master_copy else 0
+    precision = job.precision
+    optimizer_bytes = precision.stored_state_bytes(job.state_bytes)
+    master = precision.master_dtype.itemsize if precision.has_master_copy else 0
+    masters = f" with {job.master_dtype} masters" if master else ", no master copy"
+    state = f" in {job.optimizer_state_dtype}" if job.optimizer_state_dtype != "fp32" else ""
     lines = [
         f"zerotrain estimate: {count(job.trainable_params + job.frozen_params)} parameters "
         f"({count(job.trainable_params)} trainable, {count(job.frozen_params)} frozen), "
-        f"{job.dtype}, {job.optimizer} ({master + optimizer_bytes} bytes of optimizer state per "
-        f"parameter{' with fp32 masters' if master else ', no master copy'}), "
+        f"{job.dtype}, {job.optimizer} ({master + optimizer_bytes:.3g} bytes of optimizer state"
+        f"{state} per parameter{masters}), "
         f"{job.nodes} node(s) x {job.gpus_per_node} device(s) = {n} ranks",
     ]
     if job.largest_layer:
@@ -149,9 +151,14 @@ def _grads_dtype(job: TrainingJob) -> str:
 def _notes(
     job: TrainingJob, rows: list[StageEstimate], device_memory: int | None, host_memory: int | None
 ) -> list[str]:
+    masters = (
+        f"{job.master_dtype} masters (a copy: 16-bit training)"
+        if job.precision.has_master_copy
+        else "no master copy (the parameters are the masters)"
+    )
     notes = [
-        f"params: trainable and frozen, training dtype; grads: {_grads_dtype(job)}; optim: fp32 "
-        "masters (16-bit training) + optimizer state; states: their sum.",
+        f"params: trainable and frozen, training dtype; grads: {_grads_dtype(job)}; optim: "
+        f"{masters} + optimizer state in {job.optimizer_state_dtype}; states: their sum.",
         "gathered: stage 3, full units live during forward/backward, at most "
         f"max(stage3_max_live_parameters = {count(job.max_live_numel)}, root unit + largest "
         "block) elements; step: the fp32 gradient copy during a 16-bit optimizer step.",
@@ -208,7 +215,7 @@ def _offload_notes(
 ) -> list[str]:
     """What offload puts off the device, as zerotrain allocates it, and the preflight's
     verdict."""
-    s = OPTIMIZER_STATE_BYTES[job.optimizer]
+    s = job.precision.stored_state_bytes(job.state_bytes)
     p = job.precision_bytes
     stage3 = 3 in job.stages
     bucket = f"largest bucket: min(reduce_bucket_size, Ψ) = {count(largest_bucket(job, ZeroPolicy.for_stage(1)))}"

@@ -66,6 +66,11 @@ class TrainingJob:
     """``fp32``, ``bf16`` or ``fp16`` (training dtype of parameters, gradients, activations)."""
     grad_accum_dtype: str | None = None
     """``data_types.grad_accum_dtype``: the dtype gradients accumulate in (None: ``dtype``)."""
+    master_dtype: str = "fp32"
+    """The optimizer's master weights (``bf16``: ``bf16.bf16_master_weights_and_grads``,
+    which are then the bf16 parameters themselves)."""
+    optimizer_state_dtype: str = "fp32"
+    """The optimizer's per-element state (``bf16``: ``bf16.bf16_optimizer_states``)."""
     optimizer: str = "adam"
     """A key of :data:`OPTIMIZER_STATE_BYTES` (``lamb``: not element-wise, so no NVMe)."""
     optimizer_state_bytes: float | None = None
@@ -115,16 +120,23 @@ class TrainingJob:
             raise ValueError(
                 f"--grad-accum-dtype: one of {', '.join(DTYPES)}, got {self.grad_accum_dtype!r}"
             )
+        for flag, value in (
+            ("--master-dtype", self.master_dtype),
+            ("--optimizer-state-dtype", self.optimizer_state_dtype),
+        ):
+            if value not in ("fp32", "bf16"):
+                raise ValueError(f"{flag}: fp32 or bf16, got {value!r}")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
                 f"--optimizer: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}"
             )
         if self.offload not in (None, *OFFLOAD_DEVICES):
             raise ValueError(f"--offload: cpu or nvme, got {self.offload!r}")
-        if self.offload == "nvme" and self.optimizer == "lamb":
+        if self.offload == "nvme" and self.optimizer in ("lamb", "muon"):
             raise ValueError(
-                "--offload nvme steps the optimizer sub-group by sub-group, and lamb needs whole "
-                "parameters (its trust ratio); use --offload cpu, or adam, adamw or sgd"
+                f"--offload nvme steps the optimizer sub-group by sub-group, and {self.optimizer} "
+                "needs whole parameters (Lamb's trust ratios, Muon's matrices); use --offload "
+                "cpu, or adam, adamw, sgd, lion or adagrad"
             )
         if min(self.reduce_bucket_size, self.buffer_count, self.sub_group_size) < 1:
             raise ValueError(
@@ -159,7 +171,12 @@ class TrainingJob:
     def precision(self) -> PrecisionPolicy:
         """The dtypes zerotrain would train in."""
         accum = self.grad_accum_dtype
-        return PrecisionPolicy.of(DTYPES[self.dtype], None if accum is None else DTYPES[accum])
+        return PrecisionPolicy.of(
+            DTYPES[self.dtype],
+            None if accum is None else DTYPES[accum],
+            master_dtype=DTYPES[self.master_dtype],
+            state_dtype=DTYPES[self.optimizer_state_dtype],
+        )
 
     @property
     def precision_bytes(self) -> int:
@@ -273,7 +290,8 @@ def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int
     # ratio < 1: the host takes buckets until it holds at least that share (at least this)
     partition = -int(-partition * job.offload_ratio // 1)
     largest = -(-largest_bucket(job, policy) // n)
-    state_bytes = job.state_bytes
+    state_bytes = job.precision.stored_state_bytes(job.state_bytes)
+    master = job.precision.master_dtype.itemsize
     if job.offload == "nvme":
         host = staging_host_bytes(
             largest,
@@ -281,14 +299,16 @@ def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int
             state_bytes=state_bytes,
             param_itemsize=job.precision_bytes,
             buffer_count=job.buffer_count,
+            master_itemsize=master,
         )
-        return host, disk_bytes_needed(partition, state_bytes)
+        return host, disk_bytes_needed(partition, state_bytes, master)
     host = host_bytes(
         partition,
         largest,
         state_bytes=state_bytes,
         param_itemsize=job.precision_bytes,
         buffer_count=job.buffer_count,
+        master_itemsize=master,
     )
     return host, 0
 

@@ -22,6 +22,12 @@ def check_pipeline(cfg: ZeroTrainConfig, model: nn.Module) -> None:
             "states too) or gathered twice per micro-batch (several times stage 2's traffic); "
             "use stage 2 (or 0, 1)"
         )
+    if cfg.torch_autocast.enabled:
+        raise ConfigError(
+            "torch_autocast.enabled: the pipeline schedules run each stage's forward themselves, "
+            "outside the engine's autocast, which zerotrain does not carry into them yet; use "
+            "bf16.enabled (or fp16) with pipeline parallelism"
+        )
     placement = MULTI_STAGE_PLACEMENT.get(schedule)
     if placement is None and model.stages_per_rank > 1:
         raise ConfigError(

@@ -445,6 +445,9 @@ class GroupOptions:
     # runs several (interleaved 1F1B, ZBV): buckets do not mix stages, so each backward
     # reduces its own stage's buckets only (see GradientReduction.restrict)
     chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # id(param) -> the dtype its gradient is reduced in, where not the others' (torch_autocast's
+    # lower-precision-safe modules): such parameters have buckets of their own
+    comm_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
     # the ranks a gradient is averaged over (None: comm's); more for expert parameters, whose
     # gradients on one rank already sum the tokens of its whole expert-parallel group
     average_over: int | None = None
@@ -483,14 +486,21 @@ def build_shard_group(
         param_compression=options.param_compression,
     )
     runs, split = residency.layout_runs([named for _, named in groups])
-    if options.model_parallel is not None or options.summed or options.chunks:
-        # a bucket's parameters have one replica count and one set of stages; a summed one has
-        # a bucket of its own, laid out alike on every rank it is summed over
+    if (
+        options.model_parallel is not None
+        or options.summed
+        or options.chunks
+        or options.comm_dtypes
+    ):
+        # a bucket's parameters have one replica count, one set of stages and one dtype on the
+        # wire; a summed one has a bucket of its own, laid out alike on every rank it is summed
+        # over
         mp = options.model_parallel
 
-        def kind(param: nn.Parameter) -> tuple[int, tuple[int, ...]]:
+        def kind(param: nn.Parameter) -> tuple[int, tuple[int, ...], str]:
             replicas = mp.replicas(param) if mp is not None else 1
-            return replicas, options.chunks.get(id(param), ())
+            wire = options.comm_dtypes.get(id(param))
+            return replicas, options.chunks.get(id(param), ()), str(wire or "")
 
         runs = _split_runs(runs, kind, options.summed)
     index_of = {id(p): i for i, (_, p) in enumerate(n for _, g in groups for n in g)}
@@ -509,6 +519,7 @@ def build_shard_group(
             take_ownership(slot.param, owner)
     for bucket in buckets:
         bucket.dtype = precision.param_dtype  # the values stay fp32 until init_bucket
+        bucket.comm_dtype = options.comm_dtypes.get(id(bucket.slots[0].param))
     residency.adopt(buckets)
     masters_fp32 = [residency.init_bucket(bucket) for bucket in buckets]
     residency.start()
@@ -680,9 +691,7 @@ def _check_local_steps(whole_on_each_rank: bool) -> None:
         )
 
 
-def _split_runs(
-    runs: Runs, kind: Callable[[nn.Parameter], tuple[int, tuple[int, ...]]], alone: Collection[int]
-) -> Runs:
+def _split_runs(runs: Runs, kind: Callable[[nn.Parameter], tuple], alone: Collection[int]) -> Runs:
     """Each run split by the kind of its parameters, and the parameters whose ids are in
     ``alone`` each in a run of its own (all in their order: the same on every rank)."""
     out = []

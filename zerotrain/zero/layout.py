@@ -65,6 +65,7 @@ class FlatBucket:
     grad_shard: torch.Tensor | None = field(default=None, repr=False)
     unit: int = 0  # stage 3: the gather unit (a module subtree) the bucket belongs to
     dtype: torch.dtype = torch.float32  # training dtype of parameters and gradients
+    comm_dtype: torch.dtype | None = None  # its gradients' on the wire, where not the group's
 
     @property
     def device(self) -> torch.device:

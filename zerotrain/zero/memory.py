@@ -16,6 +16,11 @@ measured by ``memory_breakdown()`` in tests/test_estimate.py). Where it differs 
   ``data_types.grad_accum_dtype: fp32`` (bf16, fp16) the gradient buffers are fp32, g = 4, and the
   step takes them as they are: no step transient ([Note: fp32 gradient accumulation] in
   zerotrain/zero/reduce.py).
+- bf16 masters (``bf16.bf16_master_weights_and_grads``) and optimizer state
+  (``bf16_optimizer_states``): m is the masters' bytes, 0 where they are the bf16 parameters
+  themselves, and s is scaled to the state's dtype (Adam: 8 -> 4); with both, 2 + 2 + 4 = 8
+  bytes per parameter. The step's fp32 copies of one bucket at a time are a transient not
+  counted ([Note: low-precision masters and states] in zerotrain/zero/low_precision.py).
 - Stage 3 keeps units smaller than ``stage3_param_persistence_threshold`` whole on every rank.
 - Frozen parameters have no gradient and no state; stage 3 partitions them (p/N bytes each,
   but in persistent units), the other stages keep them whole. They are counted apart:
@@ -51,8 +56,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import torch
 
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES, optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
@@ -109,8 +112,8 @@ def model_state_bytes(
     p = precision.param_dtype.itemsize
     g = precision.grad_dtype.itemsize
     master_copy = precision.has_master_copy if master_copy is None else master_copy
-    m = 4 if master_copy else 0
-    s = optimizer_state_bytes
+    m = precision.master_dtype.itemsize if master_copy else 0
+    s = precision.stored_state_bytes(optimizer_state_bytes)
     n_p = n if policy.shard_parameters else 1
     n_g = n if policy.shard_gradients else 1
     n_o = n if policy.shard_optimizer_states else 1
@@ -119,8 +122,8 @@ def model_state_bytes(
     gradients = g * psi / n_g
     on_device = (psi / n_o) * (1.0 - offload)
     on_host = (psi / n_o) * offload
-    # The host steps fp32 masters (a copy even in fp32 training) with fp32 gradients.
-    offloaded = (4 + s + 4) * on_host
+    # The host steps masters (a copy even in fp32 training) with gradients in their dtype.
+    offloaded = (2 * precision.master_dtype.itemsize + s) * on_host
     if offload_params and policy.shard_parameters:  # shards on the host between gathers
         offloaded += p * (psi - whole) / n
         parameters = p * whole
@@ -128,8 +131,13 @@ def model_state_bytes(
         parameters=parameters,
         gradients=gradients,
         optimizer_states=(m + s) * on_device,
-        # a 16-bit gradient cast to fp32 for the step (fp32 buffers are taken as they are)
-        step_grads=4 * on_device if precision.grad_dtype != torch.float32 else 0.0,
+        # a 16-bit gradient cast to the masters' dtype for the step (buffers in it are taken
+        # as they are)
+        step_grads=(
+            precision.master_dtype.itemsize * on_device
+            if precision.grad_dtype != precision.master_dtype
+            else 0.0
+        ),
         offloaded=offloaded,
     )
 

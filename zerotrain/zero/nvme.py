@@ -65,6 +65,7 @@ from zerotrain.config import ConfigError
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.progress import progress
 from zerotrain.zero.host import check_disk, local_ranks, remove_stale_files, working_file
+from zerotrain.zero.low_precision import LowPrecisionSteps
 from zerotrain.zero.offload import (
     BucketNorms,
     HostBytes,
@@ -72,7 +73,6 @@ from zerotrain.zero.offload import (
     OffloadOptions,
     Ring,
     host_bytes,
-    needs_whole_parameters,
     quiesce_device,
     ring_numel,
 )
@@ -83,6 +83,7 @@ from zerotrain.zero.store import (
     ShardStore,
     copy_into,
     masters_alias_params,
+    needs_whole_parameters,
     write_device_params,
     zero_element_state,
 )
@@ -108,10 +109,12 @@ class SubGroup:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """What the optimizer keeps per element (from a probe step): key -> dtype."""
+    """What the optimizer keeps per element (from a probe step): key -> dtype; and the
+    masters' dtype (the precision policy's)."""
 
     keys: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
+    master_dtype: torch.dtype = torch.float32
 
     @property
     def bytes_per_element(self) -> int:
@@ -122,9 +125,9 @@ class _StagingSet:
     """Host buffers for one sub-group in flight: master, element state, gradient."""
 
     def __init__(self, numel: int, layout: StateLayout, pin: bool):
-        self.master = aligned_empty(numel, torch.float32, pin=pin)
+        self.master = aligned_empty(numel, layout.master_dtype, pin=pin)
         self.state = [aligned_empty(numel, d, pin=pin) for d in layout.dtypes]
-        self.grad = aligned_empty(numel, torch.float32, pin=pin)
+        self.grad = aligned_empty(numel, layout.master_dtype, pin=pin)
         self.io: list[Future[None]] = []  # reads or writes using these buffers
 
     def wait(self) -> None:
@@ -176,11 +179,12 @@ def staging_host_bytes(
     state_bytes: float,
     param_itemsize: int,
     buffer_count: int,
+    master_itemsize: int = 4,
 ) -> HostBytes:
     """What :class:`NvmeShardStore` allocates in host memory when its largest offloaded bucket
     has ``largest_bucket`` elements: ``buffer_count`` staging sets of the largest sub-group
-    (fp32 master, ``state_bytes`` of element state, fp32 gradient per element) and a ring of as
-    many buffers of it in the training dtype. The memory preflight of ``initialize`` and
+    (master, ``state_bytes`` of element state as stored, a gradient in the masters' dtype per
+    element) and a ring of as many buffers of it in the training dtype. The memory preflight of ``initialize`` and
     ``zerotrain estimate --offload nvme`` count with it (zerotrain/estimate/stages.py)."""
     largest = min(sub_group_numel(sub_group_size), largest_bucket)
     count = max(1, buffer_count)
@@ -190,13 +194,14 @@ def staging_host_bytes(
         state_bytes=state_bytes,
         param_itemsize=param_itemsize,
         buffer_count=count,
+        master_itemsize=master_itemsize,
     )
 
 
-def disk_bytes_needed(numel: int, state_bytes: float) -> int:
+def disk_bytes_needed(numel: int, state_bytes: float, master_itemsize: int = 4) -> int:
     """Bytes of working file for ``numel`` offloaded elements with ``state_bytes`` of element
-    state each, besides the fp32 master (before slot padding)."""
-    return round(numel * (4 + state_bytes))
+    state each (as stored), besides the master (before slot padding)."""
+    return round(numel * (master_itemsize + state_bytes))
 
 
 class NvmeShardStore(ShardStore):
@@ -213,10 +218,12 @@ class NvmeShardStore(ShardStore):
         swap: SwapFile,
         *,
         masters_alias_params: bool,
-        param_dtype: torch.dtype,
+        precision: PrecisionPolicy,
         options: OffloadOptions,
     ):
         self._device_masters = device_masters
+        self.low_precision = LowPrecisionSteps(precision)
+        param_dtype = precision.param_dtype
         self._numels = numels
         self.sub_groups = sub_groups
         self.layout = layout
@@ -273,7 +280,7 @@ class NvmeShardStore(ShardStore):
     # -- the step ---------------------------------------------------------------------------------
     def step(self, param_shards: ParamShards) -> None:
         if self._resident_masters():
-            self.optimizer.step()  # only the device masters have gradients now
+            self._step_optimizer(self._resident_masters())  # only they have gradients now
             self._write_device_params(param_shards)
             for master in self._resident_masters():  # out of the sub-groups' steps
                 master.grad = None
@@ -351,7 +358,7 @@ class NvmeShardStore(ShardStore):
         if self._has_state:
             for key, buffer in zip(self.layout.keys, staged.state, strict=True):
                 state[key] = buffer[:n]
-        self.optimizer.step()
+        self._step_optimizer([param], group.bucket)
         for key, buffer in zip(self.layout.keys, staged.state, strict=True):
             if state[key].data_ptr() != buffer.data_ptr():  # created by this first step
                 buffer[:n].copy_(state[key])
@@ -394,7 +401,7 @@ class NvmeShardStore(ShardStore):
         if device_master is not None:
             return device_master if key == "master" else self.optimizer.state[device_master][key]
         offset = self._slot_offset(key)
-        dtype = torch.float32 if key == "master" else self.layout.dtypes[offset - 1]
+        dtype = self.layout.master_dtype if key == "master" else self.layout.dtypes[offset - 1]
         out = torch.empty(self._numels[master], dtype=dtype)
         reads = [
             self.swap.read(g.slot + offset, out[g.start : g.end])
@@ -420,7 +427,8 @@ class NvmeShardStore(ShardStore):
             write.result()
 
     def reset_element_state(self, keys: list[str]) -> None:
-        zero_element_state(self.optimizer, self._resident_masters(), keys)
+        dtype = self.low_precision.precision.state_dtype
+        zero_element_state(self.optimizer, self._resident_masters(), keys, dtype)
         for group in self.sub_groups:
             self.optimizer.state.pop(group.param, None)
             self.optimizer.state[group.param].update({key: _EMPTY for key in self.layout.keys})
@@ -476,7 +484,7 @@ class NvmePlacement(HostPlacement):
                 'trust ratios, Muon\'s matrices); use device "cpu", or an element-wise optimizer '
                 "(Adam, AdamW, SGD, Lion, Adagrad)"
             )
-        layout = _state_layout(probe)
+        layout = _state_layout(probe, precision)
         numels = [m.numel() for m in masters_fp32]
         on_host = self.on_host(numels, layout.bytes_per_element, precision)
         if not any(on_host):  # nothing to swap: the device store
@@ -487,23 +495,29 @@ class NvmePlacement(HostPlacement):
         # the staging sets' host memory was checked at initialize (estimate/preflight.py)
         directory = Path(options.nvme_path or ".")
         remove_stale_files(directory)
-        needed = disk_bytes_needed(sum(host_numels), layout.bytes_per_element)
+        needed = disk_bytes_needed(
+            sum(host_numels), layout.bytes_per_element, precision.master_dtype.itemsize
+        )
         check_disk(directory, needed, local_ranks())
         slot_bytes = []
+        master_bytes = precision.master_dtype.itemsize
         for group in groups:
-            slot_bytes += [4 * group.numel, *(d.itemsize * group.numel for d in layout.dtypes)]
+            slot_bytes += [master_bytes * group.numel]
+            slot_bytes += [d.itemsize * group.numel for d in layout.dtypes]
         swap = SwapFile(working_file(directory, "optimizer"), slot_bytes, options.aio)
-        staging = aligned_empty(largest, torch.float32)
-        written = 4 * sum(group.numel for group in groups)
+        staging = aligned_empty(largest, precision.master_dtype)
+        written = master_bytes * sum(group.numel for group in groups)
         with progress("NVMe offload: initial masters written", total=written, unit="B") as advance:
             for group in groups:  # the initial masters, through one host buffer
                 part = staging[: group.numel]
                 part.copy_(masters_fp32[group.bucket][group.start : group.end])
                 swap.write(group.slot, part).result()
-                advance(4 * group.numel)
+                advance(master_bytes * group.numel)
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         device_masters: list[torch.Tensor | None] = [
-            None if host else (param_parts.tensors[index] if alias else master.clone())
+            None
+            if host
+            else (param_parts.tensors[index] if alias else master.to(precision.master_dtype))
             for index, (master, host) in enumerate(zip(masters_fp32, on_host, strict=True))
         ]
         tensors = [
@@ -518,13 +532,14 @@ class NvmePlacement(HostPlacement):
             optimizer_over(tensors),
             swap,
             masters_alias_params=alias,
-            param_dtype=precision.param_dtype,
+            precision=precision,
             options=options,
         )
 
 
-def _state_layout(probe: torch.optim.Optimizer) -> StateLayout:
-    """The per-element state keys (and dtypes) of a stepped probe optimizer."""
+def _state_layout(probe: torch.optim.Optimizer, precision: PrecisionPolicy) -> StateLayout:
+    """The per-element state keys of a stepped probe optimizer, in the policy's dtypes (the
+    probe stepped fp32 stand-ins: a state it keeps in fp32 is stored in ``state_dtype``)."""
     for group in probe.param_groups:
         for param in group["params"]:
             state = probe.state.get(param)
@@ -534,5 +549,7 @@ def _state_layout(probe: torch.optim.Optimizer) -> StateLayout:
                     for k, v in state.items()
                     if torch.is_tensor(v) and v.shape == param.shape
                 )
-                return StateLayout(tuple(k for k, _ in items), tuple(d for _, d in items))
-    return StateLayout((), ())
+                dtypes = (precision.state_dtype if d == torch.float32 else d for _, d in items)
+                keys = tuple(k for k, _ in items)
+                return StateLayout(keys, tuple(dtypes), precision.master_dtype)
+    return StateLayout((), (), precision.master_dtype)

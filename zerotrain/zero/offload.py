@@ -34,6 +34,7 @@ from zerotrain.accelerator import available_host_memory
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.host import configure_host_threads, host_tensor
+from zerotrain.zero.low_precision import LowPrecisionSteps
 from zerotrain.zero.store import (
     InMemoryShardStore,
     OptimizerOver,
@@ -41,6 +42,7 @@ from zerotrain.zero.store import (
     Placement,
     ShardStore,
     masters_alias_params,
+    needs_whole_parameters,
     sum_of_squares,
     write_device_params,
 )
@@ -188,7 +190,7 @@ class _DeferredStep:
             group.update(hyper)
         master.grad = self.grad
         try:
-            store.optimizer.step()  # only this master has a gradient
+            store._step_optimizer([master], self.index)  # only this master has a gradient
         finally:
             master.grad = None
             for group, current in zip(groups, now, strict=True):
@@ -209,17 +211,20 @@ class OffloadedShardStore(InMemoryShardStore):
         optimizer: torch.optim.Optimizer,
         *,
         masters_alias_params: bool,
-        param_dtype: torch.dtype,
+        precision: PrecisionPolicy,
         options: OffloadOptions,
     ):
         self._masters = masters
         self.on_host = on_host
         self.optimizer = optimizer
-        self.masters_alias_params = masters_alias_params  # device buckets in fp32 training
+        self.masters_alias_params = masters_alias_params  # device buckets, masters in their dtype
+        self.low_precision = LowPrecisionSteps(precision)
+        param_dtype = precision.param_dtype
         pin = options.pin_memory
-        # The host buckets' gradients, in fp32 (the "4" of ZeRO-Offload's host bytes).
+        # The host buckets' gradients, in the masters' dtype (the "4" of ZeRO-Offload's host
+        # bytes; 2 with bf16 masters and gradients).
         self._host_grads = [
-            host_tensor(m.numel(), torch.float32, pin=pin) if host else None
+            host_tensor(m.numel(), precision.master_dtype, pin=pin) if host else None
             for m, host in zip(masters, on_host, strict=True)
         ]
         host_numels = [m.numel() for m, host in zip(masters, on_host, strict=True) if host]
@@ -291,7 +296,7 @@ class OffloadedShardStore(InMemoryShardStore):
         for index in hosted:  # out of the device buckets' step
             self._masters[index].grad = None
         if len(hosted) < len(self._masters):
-            self.optimizer.step()
+            self._step_optimizer(self._masters)
             write_device_params(self._device_side(), param_shards, alias=self.masters_alias_params)
         # this step's hyperparameters: a scheduler changes them before the deferred steps run
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -361,15 +366,23 @@ class HostBytes:
 
 
 def host_bytes(
-    numel: int, largest: int, *, state_bytes: float, param_itemsize: int, buffer_count: int
+    numel: int,
+    largest: int,
+    *,
+    state_bytes: float,
+    param_itemsize: int,
+    buffer_count: int,
+    master_itemsize: int = 4,
 ) -> HostBytes:
     """What :class:`OffloadedShardStore` allocates for ``numel`` offloaded elements in buckets
-    of at most ``largest``: fp32 masters, ``state_bytes`` of optimizer state and an fp32
-    gradient per element, and ``buffer_count`` ring buffers of the largest bucket (at most
+    of at most ``largest``: masters (fp32; ``master_itemsize`` 2 for bf16 masters),
+    ``state_bytes`` of optimizer state as stored and a gradient in the masters' dtype per
+    element, and ``buffer_count`` ring buffers of the largest bucket (at most
     :data:`RING_CHUNK` elements) in the training dtype. The memory preflight of ``initialize``
     and ``zerotrain estimate --offload`` count with it (zerotrain/estimate/stages.py)."""
     ring = buffer_count * ring_numel(largest) * param_itemsize
-    return HostBytes(4 * numel, round(state_bytes * numel), 4 * numel, ring)
+    masters = master_itemsize * numel
+    return HostBytes(masters, round(state_bytes * numel), masters, ring)
 
 
 AUTO_HEADROOM = 0.25
@@ -412,16 +425,18 @@ class HostPlacement(Placement):
         masters = []
         for index, (master, host) in enumerate(zip(masters_fp32, on_host, strict=True)):
             if host:
-                masters.append(host_tensor(master.numel(), torch.float32, pin=False))
+                masters.append(host_tensor(master.numel(), precision.master_dtype, pin=False))
                 masters[-1].copy_(master)
+            elif alias:
+                masters.append(param_parts.tensors[index])
             else:
-                masters.append(param_parts.tensors[index] if alias else master.clone())
+                masters.append(master.to(precision.master_dtype, copy=True))
         return OffloadedShardStore(
             masters,
             on_host,
             optimizer_over([[m] for m in masters]),
             masters_alias_params=alias,
-            param_dtype=precision.param_dtype,
+            precision=precision,
             options=options,
         )
 
@@ -440,14 +455,11 @@ class HostPlacement(Placement):
         budget = self.options.device_budget() if self.options.device_budget else None
         if budget is None:
             return [True] * len(numels)
-        per_element = state_bytes + (8 if precision.has_master_copy else 0)
+        stored = precision.stored_state_bytes(state_bytes)
+        per_element = stored + (
+            2 * precision.master_dtype.itemsize if precision.has_master_copy else 0
+        )
         return fit_on_device(numels, per_element, budget)
-
-
-def needs_whole_parameters(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's update needs whole parameters, so that its step is one
-    collective over every bucket (Lamb's trust ratios, Muon's matrices)."""
-    return bool(getattr(optimizer, "steps_collectively", False))
 
 
 def probe_optimizer(optimizer_over: OptimizerOver, buckets: int) -> torch.optim.Optimizer:

@@ -149,6 +149,11 @@ class GradientReduction(ABC):
                 self._hooks[id(slot.param)] = hook
                 slot.param.register_post_accumulate_grad_hook(hook)
 
+    def wire_dtype(self, bucket: FlatBucket) -> torch.dtype:
+        """The dtype ``bucket``'s gradients are summed over the ranks in: its own (torch_autocast's
+        lower-precision-safe modules), else communication_data_type's, else the training dtype."""
+        return bucket.comm_dtype or self.comm_dtype or bucket.dtype
+
     # -- what a strategy decides -----------------------------------------------------------------
     @abstractmethod
     def _allocate(self, bucket: FlatBucket) -> None:
@@ -380,9 +385,9 @@ class _InPlaceReduction(GradientReduction):
         if any(e.keeps_gradient(index, wire) for e in self.extensions):  # this rank's step's
             self._pending.append(Chain([], self._arrived[index].clear))
             return
-        if (self.comm_dtype or bucket.dtype) != wire.dtype:
+        if self.wire_dtype(bucket) != wire.dtype:
             # summed in that dtype (an fp32 accumulation: rounded once), stored back after
-            wire = wire.to(self.comm_dtype or bucket.dtype)
+            wire = wire.to(self.wire_dtype(bucket))
         for extension in self.extensions:
             extension.sending(index, wire)
         wire.mul_(self._inv_world)
@@ -519,7 +524,7 @@ class ReduceScatterInBackward(GradientReduction):
         buffer = self._comm_buffers[bucket_index]
         if buffer is None:
             bucket = self.buckets[bucket_index]
-            dtype = self.comm_dtype or bucket.dtype
+            dtype = self.wire_dtype(bucket)
             buffer = torch.empty(bucket.numel_padded, dtype=dtype, device=bucket.device)
             self._comm_buffers[bucket_index] = buffer
         return buffer

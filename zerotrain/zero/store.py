@@ -16,6 +16,7 @@ import torch
 
 from zerotrain.optim.adam import keeps_step_on_device
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.low_precision import LowPrecisionSteps
 
 OptimizerOver = Callable[..., torch.optim.Optimizer]
 """``optimizer_over(masters, probe=False)`` builds the torch optimizer over the master tensors:
@@ -56,11 +57,25 @@ class ParamShards:
         return True
 
 
+def needs_whole_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's update needs whole parameters, so that its step is one
+    collective over every bucket (Lamb's trust ratios, Muon's matrices)."""
+    return bool(getattr(optimizer, "steps_collectively", False))
+
+
 class ShardStore(ABC):
     """The optimizer's view of this rank's partition: master tensors, their grads, one step."""
 
     optimizer: torch.optim.Optimizer  # the torch optimizer that steps the masters
     on_device: ClassVar[bool] = False  # the masters and their state live on the device
+    # steps masters or state stored narrower than fp32 (the precision policy's)
+    low_precision: LowPrecisionSteps = LowPrecisionSteps(PrecisionPolicy())
+
+    def _step_optimizer(self, masters: Sequence[torch.Tensor], first_index: int = 0) -> None:
+        """The torch optimizer's step over ``masters`` (those with a gradient), in fp32 over
+        narrow storage (see [Note: low-precision masters and states])."""
+        together = needs_whole_parameters(self.optimizer)
+        self.low_precision.step(self.optimizer, masters, together=together, first_index=first_index)
 
     def master_shards(self) -> list[torch.Tensor] | None:
         """The fp32 master tensors, one per bucket, in bucket order, where they stay in memory
@@ -119,7 +134,7 @@ class ShardStore(ABC):
     def step(self, param_shards: ParamShards) -> None:
         """One optimizer step over the masters, then their new values into the model's
         (possibly lower-precision) ``param_shards``: a store may interleave the two."""
-        self.optimizer.step()
+        self._step_optimizer(self._resident_masters())
         self.write_params(param_shards)
 
     def step_deferred(self, param_shards: ParamShards) -> dict[int, Callable[[], None]]:
@@ -249,7 +264,8 @@ class InMemoryShardStore(ShardStore):
 
     def reset_element_state(self, keys: list[str]) -> None:
         self._settle()
-        zero_element_state(self.optimizer, self._masters, keys)
+        dtype = self.low_precision.precision.state_dtype
+        zero_element_state(self.optimizer, self._masters, keys, dtype)
 
 
 def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -272,16 +288,24 @@ def write_device_params(
 
 
 def zero_element_state(
-    optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], keys: list[str]
+    optimizer: torch.optim.Optimizer,
+    masters: list[torch.Tensor],
+    keys: list[str],
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Replace the state of ``masters`` by zeroed ``keys`` (every key on every master,
-    padding-only ones too: a checkpoint load then writes the values); an optimizer that keeps
-    different states in different groups (Muon) says which keys are a master's."""
+    """Replace the state of ``masters`` by zeroed ``keys`` in ``dtype`` (every key on every
+    master, padding-only ones too: a checkpoint load then writes the values); an optimizer that
+    keeps different states in different groups (Muon) says which keys are a master's."""
     keys_of = getattr(optimizer, "element_state_keys_of", lambda master: keys)
     for master in masters:
         optimizer.state.pop(master, None)
         wanted = [key for key in keys if key in keys_of(master)]
-        optimizer.state[master].update({key: torch.zeros_like(master) for key in wanted})
+        state = {key: torch.zeros_like(master, dtype=dtype) for key in wanted}
+        optimizer.state[master].update(state)
+
+
+def _foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
 def sum_of_squares(
@@ -312,10 +336,12 @@ class DeviceShardStore(InMemoryShardStore):
         masters: list[torch.Tensor],
         optimizer: torch.optim.Optimizer,
         masters_alias_params: bool,
+        precision: PrecisionPolicy,
     ):
         self._masters = masters
         self.masters_alias_params = masters_alias_params
         self.optimizer = optimizer  # built over ``masters``
+        self.low_precision = LowPrecisionSteps(precision)
 
     def attach_grads(self, reduced_grads: list[torch.Tensor]) -> None:
         for master, grad in zip(self._masters, reduced_grads, strict=True):
@@ -329,7 +355,10 @@ class DeviceShardStore(InMemoryShardStore):
         norms: list[torch.Tensor | None] = [None] * len(self._masters)
         if present:
             grads = [grad for _, grad in present]
-            for (i, _), norm in zip(present, torch._foreach_norm(grads), strict=True):
+            # bf16 masters take bf16 gradients: their norms are summed in fp32
+            wide = all(g.dtype == torch.float32 for g in grads)
+            found = torch._foreach_norm(grads) if wide else _foreach_norm_fp32(grads)
+            for (i, _), norm in zip(present, found, strict=True):
                 norms[i] = norm
         return sum_of_squares(norms, weights)
 
@@ -365,22 +394,21 @@ class Placement:
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
         """The store over each bucket's optimizer part: ``masters_fp32`` its fp32 values (they
-        may alias ``param_parts``, the model's own copy, in fp32 training)."""
+        may alias ``param_parts``, the model's own copy, where the masters have its dtype)."""
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = [
-            param_parts.tensors[index] if alias else master.clone()
+            param_parts.tensors[index] if alias else master.to(precision.master_dtype, copy=True)
             for index, master in enumerate(masters_fp32)
         ]
-        return DeviceShardStore(
-            masters, optimizer_over([[m] for m in masters]), masters_alias_params=alias
-        )
+        optimizer = optimizer_over([[m] for m in masters])
+        return DeviceShardStore(masters, optimizer, masters_alias_params=alias, precision=precision)
 
 
 def masters_alias_params(
     precision: PrecisionPolicy, masters_fp32: list[torch.Tensor], param_parts: ParamShards
 ) -> bool:
-    """fp32 training: the master is the model's own copy of this rank's part, unless that copy
-    lives elsewhere (offload_param keeps stage 3's shards in host memory or on NVMe) or does
+    """Masters in the parameters' dtype (fp32 training; bf16 masters of bf16 training): the
+    master is the model's own copy of this rank's part, unless that copy lives elsewhere (offload_param keeps stage 3's shards in host memory or on NVMe) or does
     not keep exact values (a quantized parameter all-gather overwrites it)."""
     if precision.has_master_copy or not param_parts.resident or not param_parts.exact:
         return False

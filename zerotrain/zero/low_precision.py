@@ -1,0 +1,142 @@
+"""Masters and optimizer state stored narrower than fp32, stepped in fp32.
+
+[Note: low-precision masters and states]
+DeepSpeed's ``bf16_master_weights_and_grads`` keeps the masters (and the gradients the optimizer
+reads) in bf16, its ``bf16_optimizer_states`` the optimizer's per-element state (Adam's m and v).
+Where the masters are bf16 in bf16 training they are the model's own parameters: no copy. The
+update itself is computed in fp32: for one bucket at a time, the store's master, its gradient
+and its state are widened to fp32, the torch optimizer steps them, and the results are rounded
+back into the narrow storage. So any element-wise optimizer works unchanged, the transient is
+one bucket's fp32 copies, and a step is what a single process computes with the same storage
+(tests/test_precision_policies.py). An optimizer whose step is collective over every bucket
+(Lamb, Muon) is widened whole for its one step.
+
+Rounding to nearest loses an update smaller than half a bf16 step of the weight (2^-8 relative):
+late in training, with small learning rates, bf16 masters stall. Stochastic rounding (Gupta et
+al., arXiv:1502.02551; Zamirai et al., arXiv:2010.06192) rounds up with the probability of the
+remainder, so the expected stored value is the exact one. Its random bits are drawn from a
+generator seeded with a checksum of the value being rounded and the bucket's index: the same
+state gives the same rounding, so a resumed run rounds as the uninterrupted one, and nothing is
+saved for it. It applies to the masters; the state is rounded to nearest (the moments are
+averages, not sums of small increments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from zerotrain.precision import PrecisionPolicy
+
+__all__ = ["LowPrecisionSteps", "round_stochastically"]
+
+
+def round_stochastically(value: torch.Tensor, into: torch.Tensor, seed: int) -> None:
+    """``into`` (bf16) takes fp32 ``value`` rounded stochastically: up (in magnitude) with the
+    probability of the part below bf16's last bit, so the expected result is ``value``."""
+    bits = value.contiguous().view(torch.int32)
+    generator = torch.Generator(device=value.device).manual_seed(seed)
+    noise = torch.randint(
+        0, 1 << 16, bits.shape, dtype=torch.int32, device=value.device, generator=generator
+    )
+    # adding to the low bits carries into the mantissa with that probability; a value whose
+    # rounding would overflow (the largest finite ones, inf, nan) is left to nearest rounding
+    rounded = ((bits + noise) & -65536).view(torch.float32)  # -65536 = 0xFFFF0000
+    rounded = torch.where(torch.isfinite(rounded), rounded, value)
+    into.copy_(rounded.view_as(into))
+
+
+def _checksum(value: torch.Tensor) -> int:
+    return int(value.view(torch.int32).sum(dtype=torch.int64).item()) & 0x7FFFFFFF
+
+
+class LowPrecisionSteps:
+    """Steps a torch optimizer over masters whose storage (or whose state's) is narrower than
+    fp32, bucket by bucket, in fp32 (see [Note: low-precision masters and states])."""
+
+    def __init__(self, precision: PrecisionPolicy):
+        self.precision = precision
+
+    @property
+    def active(self) -> bool:
+        return self.precision.narrow_optimizer
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        *,
+        together: bool,
+        first_index: int = 0,
+    ) -> None:
+        """``optimizer.step()`` over ``masters`` (those with a gradient); ``together``: in one
+        step over all of them (a collective step), else one bucket at a time. ``first_index``:
+        the bucket index of ``masters[0]`` (it salts stochastic rounding)."""
+        if not self.active:
+            optimizer.step()
+            return
+        indexed = [(first_index + i, m) for i, m in enumerate(masters) if m.grad is not None]
+        if together:
+            with self._widened(optimizer, indexed):
+                optimizer.step()
+            return
+        grads = {id(m): m.grad for _, m in indexed}
+        for _, master in indexed:
+            master.grad = None
+        try:
+            for index, master in indexed:
+                master.grad = grads[id(master)]
+                with self._widened(optimizer, [(index, master)]):
+                    optimizer.step()
+                master.grad = None
+        finally:
+            for _, master in indexed:
+                master.grad = grads[id(master)]
+
+    @contextmanager
+    def _widened(
+        self, optimizer: torch.optim.Optimizer, masters: list[tuple[int, torch.Tensor]]
+    ) -> Iterator[None]:
+        """While inside: each master, its gradient and its state are fp32 copies; after, the
+        values are rounded back into the narrow storage (the state in ``state_dtype``)."""
+        narrow = []
+        for _, master in masters:
+            storage, grad = master.data, master.grad
+            assert grad is not None
+            master.data = storage.float()
+            master.grad = grad.float()
+            state = optimizer.state.get(master, {})
+            kept = {k: v for k, v in state.items() if _per_element(v, storage)}
+            for key, value in kept.items():
+                state[key] = value.float()
+            narrow.append((storage, grad, kept))
+        try:
+            yield
+        finally:
+            for (index, master), (storage, grad, kept) in zip(masters, narrow, strict=True):
+                self._round(master.data, storage, index)
+                master.data = storage
+                master.grad = grad
+                state = optimizer.state.get(master, {})
+                for key, value in list(state.items()):
+                    if not _per_element(value, storage):
+                        continue
+                    target = kept.get(key)
+                    if target is None or target.dtype != self.precision.state_dtype:
+                        target = torch.empty_like(storage, dtype=self.precision.state_dtype)
+                    target.copy_(value)  # to nearest
+                    state[key] = target
+
+    def _round(self, wide: torch.Tensor, storage: torch.Tensor, index: int) -> None:
+        if storage.dtype == torch.float32:
+            storage.copy_(wide)
+        elif self.precision.stochastic_rounding and storage.dtype == torch.bfloat16:
+            round_stochastically(wide, storage, _checksum(wide) ^ (index * 0x9E3779B1 & 0x7FFFFFFF))
+        else:
+            storage.copy_(wide)  # to nearest
+
+
+def _per_element(value: object, master: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == master.shape
