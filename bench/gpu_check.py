@@ -177,6 +177,20 @@ CASES = [
         "tiled_compute",
     ),
     _train(
+        "muon-bf16",
+        "Muon (Newton-Schulz batched by shape on the device) over bf16 masters and states",
+        2,
+        precision="bf16",
+        config={
+            "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02}},
+            "bf16": {
+                "enabled": True,
+                "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True,
+            },
+        },
+    ),
+    _train(
         "stage3-compiled",
         "stage 3 with model.compile() (inductor on the GPU, eager in the dry run)",
         3,
@@ -200,6 +214,7 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     "zerotrain/observability/flops_profiler.py": ("flops-profiler",),
     "zerotrain/activation_checkpointing.py": ("activation-offload",),
     "zerotrain/sequence/tiled.py": ("tiled-compute",),  # the CUDA generator's replay
+    "zerotrain/optim/muon.py": ("muon-bf16",),  # Newton-Schulz batched by shape on a GPU
     "zerotrain/checkpoint/rng.py": ("checkpoint",),
     "zerotrain/checkpoint/background.py": ("checkpoint",),  # pinned buffers, side-stream copies
     "zerotrain/zero/offload.py": (

@@ -1209,16 +1209,22 @@ def train_gpt(runs: dict[str, tuple], training: Training = Training()) -> dict:
             engine.backward(loss)
             engine.step()
             sent.append(sum(s.sent for s in comm.stats.values()) - before)
-        with torch.no_grad():  # every rank holds the same model: each evaluates all of it
-            held = [
-                engine(
-                    torch.stack([b[0] for b in held_out[i : i + EVAL_BATCH]]),
-                    torch.stack([b[1] for b in held_out[i : i + EVAL_BATCH]]),
-                ).item()
-                for i in range(0, HELD_OUT, EVAL_BATCH)
-            ]
-        out[name] = (sent, sum(held) / len(held))
+        out[name] = (sent, held_out_loss(engine, held_out))
     return out
+
+
+def held_out_loss(engine, held_out: list) -> float:
+    """The mean loss of ``engine``'s model over the held-out (input, target) sequences, in
+    batches of EVAL_BATCH (every rank holds the same model: each evaluates all of it)."""
+    with torch.no_grad():
+        losses = [
+            engine(
+                torch.stack([b[0] for b in held_out[i : i + EVAL_BATCH]]),
+                torch.stack([b[1] for b in held_out[i : i + EVAL_BATCH]]),
+            ).item()
+            for i in range(0, len(held_out), EVAL_BATCH)
+        ]
+    return sum(losses) / len(losses)
 
 
 def median_sent(sent: list[int], training: Training = Training()) -> int:

@@ -843,6 +843,17 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
             "asks for bf16 gradients; remove one of them",
         ),
         (
+            {
+                "train_batch_size": 8,
+                "optimizer": {"type": "OneBitAdam"},
+                "bf16": {"enabled": True, "bf16_optimizer_states": True},
+            },
+            "bf16: bf16 master weights or optimizer states with OneBitAdam, whose compressed "
+            "steps keep fp32 state of their own, are not supported yet; use fp32 masters and "
+            "states (remove bf16_master_weights_and_grads and bf16_optimizer_states) or another "
+            "optimizer",
+        ),
+        (
             nested("torch_autocast.lower_precision_safe_modules", ["torch.nn.Linearr"]),
             "torch_autocast.lower_precision_safe_modules: 'torch.nn.Linearr' is not an "
             "importable class ('torch.nn.Linearr' names no class)",

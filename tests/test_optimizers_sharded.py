@@ -172,6 +172,23 @@ def test_each_optimizer_at_every_stage_matches_a_single_process(world):
             _check(got, reference(name, world), (name, stage, world))
 
 
+def train_in_small_rounds(name: str, stage: int):
+    """``train`` with the matrices exchanged in rounds of at most 40 elements (each matrix a
+    round of its own here) instead of all at once."""
+    from zerotrain.zero.whole_matrices import ShardedMatrices
+
+    ShardedMatrices.round_numel = 40  # this rank's process only
+    return train(name, stage)
+
+
+def test_muon_exchanges_matrices_in_rounds():
+    cases = [("Muon", stage) for stage in (0, 2, 3)]
+    want = reference("Muon", 3)
+    for rank_results in run_cases(train_in_small_rounds, 3, cases):
+        for case, got in zip(cases, rank_results, strict=True):
+            _check(got, want, case)
+
+
 def test_accumulation_and_clipping():
     """Two micro-steps per step, gradients clipped by their global norm before the optimizer
     steps (torch's meaning, for Muon too: its orthogonalised update is not clipped)."""
@@ -379,3 +396,124 @@ def muon_with_tensor_parallelism() -> str:
 def test_muon_with_tensor_parallelism_is_refused_with_the_reason():
     for message in run_distributed(muon_with_tensor_parallelism, 2):
         assert "Muon orthogonalises whole matrices, and tensor parallelism splits" in message
+
+
+# -- with pipeline parallelism -------------------------------------------------------------------
+def muon_pipeline(stage: int):
+    """Muon on the pipeline tests' PipelineModule (pp 2 x dp 2): each stage's shard group
+    orthogonalises the matrices of its own layers."""
+    import test_pipeline as pipe
+
+    from zerotrain.pipe import PipelineModule
+
+    model = PipelineModule(
+        pipe.layer_specs(),
+        num_stages=2,
+        loss_fn=pipe.loss_fn,
+        seed_layers=True,
+        base_seed=pipe.SEED,
+        partition_method="parameters",
+    )
+    settings = pipe.config(stage, "1f1b")
+    settings["optimizer"] = {"type": "Muon", "params": {"lr": pipe.LR, **PIPELINE_MUON}}
+    engine, *_ = zerotrain.initialize(model=model, config=settings)
+    dp, dp_rank = engine.dp_world_size, engine.optimizer.comm.rank
+    for batch in pipe.batches(dp):
+        engine.train_batch(pipe.micro_batches(batch, dp, dp_rank))
+    return engine.consolidated_state_dict()
+
+
+PIPELINE_MUON = {"muon_lr": 0.02, "momentum": 0.9, "eps": 1e-5}
+
+
+def pipeline_reference(dp: int) -> dict[str, torch.Tensor]:
+    import test_pipeline as pipe
+
+    model = pipe.reference_model()
+    matrices, rest = _split(model)
+    optimizers = [
+        PlainMuon(matrices, lr=0.02, weight_decay=0.0, momentum=0.9),
+        torch.optim.AdamW(rest, lr=pipe.LR, eps=1e-5, weight_decay=0.0),
+    ]
+    for batch in pipe.batches(dp):
+        chunks = pipe.ACCUM * dp
+        for chunk in range(chunks):
+            window = batch[chunk * pipe.MICRO : (chunk + 1) * pipe.MICRO]
+            (pipe.loss_fn(model(window[:, :-1]), window[:, 1:]) / chunks).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), pipe.CLIP)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_muon_with_pipeline_parallelism_matches_a_single_process():
+    want = pipeline_reference(dp=2)
+    for rank_results in run_cases(muon_pipeline, 4, [(0,), (2,)]):
+        for got in rank_results:
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                assert relative_error(got[key], value) < 1e-5, key
+
+
+# -- with expert parallelism ---------------------------------------------------------------------
+MOE_MUON = {"type": "Muon", "params": {"lr": 1e-2, "muon_lr": 0.02, "momentum": 0.9, "eps": 1e-5}}
+
+
+def muon_moe(ep: int, stage: int):
+    """Muon on the MoE tests' model: the experts' matrices are orthogonalised in their own shard
+    group (the ranks holding the same experts)."""
+    import test_moe as moe
+
+    moe.MOE_CONFIG["optimizer"] = MOE_MUON  # this rank's process only
+    engine = moe.moe_engine(ep, stage, ranks=4)
+    moe.run_moe(engine, moe.moe_batches(engine.dp_world_size))
+    return engine.consolidated_state_dict()
+
+
+def moe_reference() -> dict[str, torch.Tensor]:
+    import test_moe as moe
+
+    model = moe.MoEModel(k=2)
+    matrices, rest = _split(model)
+    optimizers = [
+        PlainMuon(matrices, lr=0.02, weight_decay=0.0, momentum=0.9),
+        torch.optim.AdamW(rest, lr=1e-2, eps=1e-5, weight_decay=0.0),
+    ]
+    for batch in moe.moe_batches(4):
+        for chunk in range(moe.ACCUM * 4):
+            window = batch[chunk * moe.MICRO : (chunk + 1) * moe.MICRO]
+            (model(window) / (moe.ACCUM * 4)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_muon_with_expert_parallelism_matches_a_single_process():
+    want = moe_reference()
+    for rank_results in run_cases(muon_moe, 4, [(2, 1), (4, 3)]):
+        for got in rank_results:
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                assert relative_error(got[key], value) < 1e-5, key
+
+
+def test_newton_schulz_batched_by_shape_is_one_at_a_time():
+    """The GPU's path (matrices of one shape orthogonalised in one batch) computes what the
+    CPU's (one at a time) does."""
+    from zerotrain.optim.muon import NS_COEFFICIENTS, newton_schulz, orthogonalize_all
+
+    torch.manual_seed(0)
+    matrices = [torch.randn(shape) for shape in [(13, 7), (7, 13), (13, 7), (5, 7), (13, 7)]]
+
+    def fn(batch):
+        return newton_schulz(batch, 5, NS_COEFFICIENTS, 1e-7)
+
+    batched = orthogonalize_all(matrices, fn, batched=True)
+    single = orthogonalize_all(matrices, fn, batched=False)
+    for a, b, m in zip(batched, single, matrices, strict=True):
+        assert a.shape == m.shape and a.is_contiguous()
+        assert relative_error(a, b) < 1e-5
+        assert relative_error(b, plain_newton_schulz(m)) < 1e-5

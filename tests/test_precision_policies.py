@@ -267,7 +267,7 @@ def test_small_updates_stall_in_bf16_unless_rounded_stochastically():
         steps = LowPrecisionSteps(policy)
         for _ in range(1000):
             weight.grad = torch.full_like(weight, -1e-4)
-            steps.step(optimizer, [weight], together=False)
+            steps.step(optimizer, [weight])
         ends[stochastic] = weight.float().mean().item()
     assert ends[False] == 1.0
     assert ends[True] == pytest.approx(1.1, abs=0.005)

@@ -667,6 +667,19 @@ class ZeroTrainConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _narrow_optimizer_fits(self) -> "ZeroTrainConfig":
+        narrow = self.bf16.bf16_master_weights_and_grads or self.bf16.bf16_optimizer_states
+        optimizer = self.optimizer.type if self.optimizer is not None else None
+        if narrow and optimizer in ("OneBitAdam", "ZeroOneAdam"):
+            raise fail(
+                f"bf16: bf16 master weights or optimizer states with {optimizer}, whose "
+                "compressed steps keep fp32 state of their own, are not supported yet; use "
+                "fp32 masters and states (remove bf16_master_weights_and_grads and "
+                "bf16_optimizer_states) or another optimizer"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _grad_accum_fits(self) -> "ZeroTrainConfig":
         wanted, training = self.data_types.grad_accum_dtype, self.precision_policy().name
         if wanted == "fp32" and self.bf16.bf16_master_weights_and_grads:

@@ -93,6 +93,31 @@ def newton_schulz(
     return x.mT if tall else x
 
 
+def orthogonalize_all(
+    matrices: Sequence[Tensor], fn: Callable[[Tensor], Tensor], batched: bool | None = None
+) -> list[Tensor]:
+    """``fn`` (a batch of matrices of one shape -> its result) of each of ``matrices``: batched
+    by shape on a GPU (``batched`` None), where one launch per product for several matrices
+    pays; one matrix at a time elsewhere (on this CPU, 1 thread, the 56 matrices of the 100M
+    GPT took 12.10 s batched and 11.25 s one at a time: bench/precision.py --part
+    newton-schulz)."""
+    if not matrices:
+        return []
+    if batched is None:
+        batched = matrices[0].device.type == "cuda"
+    if not batched:
+        return [fn(m[None])[0].contiguous() for m in matrices]
+    by_shape: dict[torch.Size, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        by_shape.setdefault(matrix.shape, []).append(index)
+    out: list[Tensor | None] = [None] * len(matrices)
+    for indices in by_shape.values():
+        batch = fn(torch.stack([matrices[i] for i in indices]))
+        for i, result in zip(indices, batch, strict=True):
+            out[i] = result.contiguous()
+    return [t for t in out if t is not None]
+
+
 class MatrixLayout(Protocol):
     """Where the matrices a Muon group steps lie in its tensors, and how they are made whole."""
 
@@ -115,12 +140,9 @@ class WholeTensors:
         return [(0, tensor.numel(), tensor.shape)]
 
     def orthogonalize(self, updates: dict[Tensor, Tensor], fn: Callable[[Tensor], Tensor]) -> None:
-        by_shape: dict[torch.Size, list[Tensor]] = {}
-        for update in updates.values():
-            by_shape.setdefault(update.shape, []).append(update)
-        for same in by_shape.values():
-            for update, result in zip(same, fn(torch.stack(same)), strict=True):
-                update.copy_(result)
+        tensors = list(updates.values())
+        for update, result in zip(tensors, orthogonalize_all(tensors, fn), strict=True):
+            update.copy_(result)
 
 
 class Muon(ClosureStep):
@@ -180,6 +202,11 @@ class Muon(ClosureStep):
     """Its step exchanges pieces of matrices between ranks on shards: one step over every
     bucket, which every rank takes (zerotrain/zero/offload.py)."""
 
+    def collective_tensors(self) -> list[Tensor]:
+        """The tensors whose step is collective: the matrices' (exchanged whole between ranks
+        on shards); the AdamW groups step element-wise, each tensor on its own if need be."""
+        return [p for group in self.param_groups if group["use_muon"] for p in group["params"]]
+
     def element_state_keys_of(self, tensor: Tensor) -> tuple[str, ...]:
         """The per-element states of ``tensor``: Muon's momentum, or AdamW's moments."""
         group = next(g for g in self.param_groups if any(p is tensor for p in g["params"]))
@@ -207,11 +234,15 @@ class Muon(ClosureStep):
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if group["use_muon"]:
-                self._muon_step(group, params, self.layout(index))
+                # on ZeRO's shards the gradients are the engine's, consumed by this step: the
+                # update is made in their storage (no copy of every matrix)
+                self._muon_step(group, params, self.layout(index), index in self._layouts)
             elif params:
                 self._adamw_step(group, params)
 
-    def _muon_step(self, group: dict, params: list[Tensor], layout: MatrixLayout) -> None:
+    def _muon_step(
+        self, group: dict, params: list[Tensor], layout: MatrixLayout, in_place: bool
+    ) -> None:
         # the layout's exchange is collective: it runs even when this rank has no gradient
         lr = group["muon_lr"] if group["muon_lr"] is not None else group["lr"]
         mu = group["momentum"]
@@ -223,7 +254,12 @@ class Muon(ClosureStep):
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - mu)
-            updates[p] = grad.lerp(buf, mu) if group["nesterov"] else buf.clone()
+            update = grad if in_place else torch.empty_like(grad)
+            if group["nesterov"]:
+                torch.lerp(grad, buf, mu, out=update)
+            else:
+                update.copy_(buf)
+            updates[p] = update
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(group["ns_dtype"] or "")
 
         def orthogonalized(matrices: Tensor) -> Tensor:

@@ -8,8 +8,8 @@ update itself is computed in fp32: for one bucket at a time, the store's master,
 and its state are widened to fp32, the torch optimizer steps them, and the results are rounded
 back into the narrow storage. So any element-wise optimizer works unchanged, the transient is
 one bucket's fp32 copies, and a step is what a single process computes with the same storage
-(tests/test_precision_policies.py). An optimizer whose step is collective over every bucket
-(Lamb, Muon) is widened whole for its one step.
+(tests/test_precision_policies.py). The tensors an optimizer's step is collective over (Lamb's
+every bucket, Muon's matrices) are widened together for their one step.
 
 Rounding to nearest loses an update smaller than half a bf16 step of the weight (2^-8 relative):
 late in training, with small learning rates, bf16 masters stall. Stochastic rounding (Gupta et
@@ -68,29 +68,29 @@ class LowPrecisionSteps:
         optimizer: torch.optim.Optimizer,
         masters: Sequence[torch.Tensor],
         *,
-        together: bool,
         first_index: int = 0,
     ) -> None:
-        """``optimizer.step()`` over ``masters`` (those with a gradient); ``together``: in one
-        step over all of them (a collective step), else one bucket at a time. ``first_index``:
-        the bucket index of ``masters[0]`` (it salts stochastic rounding)."""
+        """``optimizer.step()`` over ``masters`` (those with a gradient): one bucket at a time,
+        but the tensors whose update is collective (:func:`stepped_together`) in one step.
+        ``first_index``: the bucket index of ``masters[0]`` (it salts stochastic rounding)."""
         if not self.active:
             optimizer.step()
             return
         indexed = [(first_index + i, m) for i, m in enumerate(masters) if m.grad is not None]
-        if together:
-            with self._widened(optimizer, indexed):
-                optimizer.step()
-            return
+        together = stepped_together(optimizer)
+        rounds = [[(i, m) for i, m in indexed if id(m) in together]]
+        rounds += [[(i, m)] for i, m in indexed if id(m) not in together]
         grads = {id(m): m.grad for _, m in indexed}
         for _, master in indexed:
             master.grad = None
         try:
-            for index, master in indexed:
-                master.grad = grads[id(master)]
-                with self._widened(optimizer, [(index, master)]):
+            for chosen in filter(None, rounds):
+                for _, master in chosen:
+                    master.grad = grads[id(master)]
+                with self._widened(optimizer, chosen):
                     optimizer.step()
-                master.grad = None
+                for _, master in chosen:
+                    master.grad = None
         finally:
             for _, master in indexed:
                 master.grad = grads[id(master)]
@@ -136,6 +136,19 @@ class LowPrecisionSteps:
             round_stochastically(wide, storage, _checksum(wide) ^ (index * 0x9E3779B1 & 0x7FFFFFFF))
         else:
             storage.copy_(wide)  # to nearest
+
+
+def stepped_together(optimizer: torch.optim.Optimizer) -> set[int]:
+    """``id`` of the tensors an optimizer must step in one step, its update being collective
+    over them: Muon's matrices (``collective_tensors``), every tensor of another optimizer that
+    ``steps_collectively`` (Lamb), none of an element-wise one."""
+    if not getattr(optimizer, "steps_collectively", False):
+        return set()
+    chosen = getattr(optimizer, "collective_tensors", None)
+    tensors = (
+        chosen() if chosen is not None else [t for g in optimizer.param_groups for t in g["params"]]
+    )
+    return {id(t) for t in tensors}
 
 
 def _per_element(value: object, master: torch.Tensor) -> bool:

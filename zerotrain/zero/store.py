@@ -74,13 +74,12 @@ class ShardStore(ABC):
     def _step_optimizer(self, masters: Sequence[torch.Tensor], first_index: int = 0) -> None:
         """The torch optimizer's step over ``masters`` (those with a gradient), in fp32 over
         narrow storage (see [Note: low-precision masters and states])."""
-        together = needs_whole_parameters(self.optimizer)
-        self.low_precision.step(self.optimizer, masters, together=together, first_index=first_index)
+        self.low_precision.step(self.optimizer, masters, first_index=first_index)
 
     def master_shards(self) -> list[torch.Tensor] | None:
-        """The fp32 master tensors, one per bucket, in bucket order, where they stay in memory
-        for the store's life (a step extension may step them in place); None where they do
-        not (swapped from NVMe)."""
+        """The master tensors (fp32; bf16 with bf16 masters), one per bucket, in bucket order,
+        where they stay in memory for the store's life (a step extension may step them in
+        place); None where they do not (swapped from NVMe)."""
         return None
 
     @abstractmethod
