@@ -120,8 +120,9 @@ def _engine(
 ):
     torch.manual_seed(0)
     zero = {"stage": stage, "reduce_bucket_size": 50}
-    if offload:
-        zero["offload_optimizer"] = {"device": offload}
+    if offload:  # "cpu-half": half of the buckets on the host, the others on the device
+        device, _, half = offload.partition("-")
+        zero["offload_optimizer"] = {"device": device, **({"ratio": 0.5} if half else {})}
     config = dict(
         BASE,
         optimizer={"type": name.split("-")[0], "params": CONFIGS[name]},
@@ -311,10 +312,11 @@ def memory_and_offload(name: str, stage: int, nvme_dir: str):
     breakdown = engine.memory_breakdown()
     in_memory = engine.consolidated_state_dict()
     on_host = _trained_engine(name, stage, "cpu").consolidated_state_dict()
+    half = _trained_engine(name, stage, "cpu-half").consolidated_state_dict()
     on_disk = None
     if name != "Muon":
         on_disk = _trained_engine(name, stage, "nvme", nvme_dir).consolidated_state_dict()
-    return breakdown, in_memory, on_host, on_disk
+    return breakdown, in_memory, on_host, half, on_disk
 
 
 def test_state_bytes_follow_the_formula_and_offload_is_bit_for_bit(tmp_path):
@@ -325,10 +327,13 @@ def test_state_bytes_follow_the_formula_and_offload_is_bit_for_bit(tmp_path):
         (name, stage, str(tmp_path)) for name in ("Lion", "Adagrad", "Muon") for stage in (1, 3)
     ]
     for rank_results in run_cases(memory_and_offload, 2, cases):
-        for case, (breakdown, in_memory, on_host, on_disk) in zip(cases, rank_results, strict=True):
+        for case, (breakdown, in_memory, on_host, half, on_disk) in zip(
+            cases, rank_results, strict=True
+        ):
             assert breakdown["total"] == pytest.approx(breakdown["formula_total"], rel=0.02), case
             for key, value in in_memory.items():
                 assert torch.equal(on_host[key], value), (case, key, "cpu")
+                assert torch.equal(half[key], value), (case, key, "cpu, ratio 0.5")
                 if on_disk is not None:
                     assert torch.equal(on_disk[key], value), (case, key, "nvme")
 
@@ -394,8 +399,12 @@ def muon_with_tensor_parallelism() -> str:
 
 
 def test_muon_with_tensor_parallelism_is_refused_with_the_reason():
+    """The config's Muon before the model is split; one the script built once the layout
+    checks the optimizer."""
     for message in run_distributed(muon_with_tensor_parallelism, 2):
         assert "Muon orthogonalises whole matrices, and tensor parallelism splits" in message
+    for message in run_distributed(client_muon_with_tensor_parallelism, 2):
+        assert "Muon orthogonalises whole matrices, and tensor parallelism" in message
 
 
 # -- with pipeline parallelism -------------------------------------------------------------------
@@ -517,3 +526,23 @@ def test_newton_schulz_batched_by_shape_is_one_at_a_time():
         assert a.shape == m.shape and a.is_contiguous()
         assert relative_error(a, b) < 1e-5
         assert relative_error(b, plain_newton_schulz(m)) < 1e-5
+
+
+def client_muon_with_tensor_parallelism() -> str:
+    from torch import nn
+
+    from zerotrain.config import ConfigError
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    matrices = [model[0].weight, model[2].weight]
+    biases = [model[0].bias, model[2].bias]
+    optimizer = Muon([{"params": matrices, "use_muon": True}, {"params": biases}])
+    plan = {"0": "colwise", "2": "rowwise"}
+    config = dict(
+        BASE, tensor_parallel={"autotp_size": 2, "tp_plan": plan}, zero_optimization={"stage": 1}
+    )
+    try:
+        zerotrain.initialize(model=model, optimizer=optimizer, config=config)
+    except ConfigError as error:
+        return str(error)
+    return "no error"

@@ -101,6 +101,10 @@ def recipe(name: str, policy: str, world: int) -> dict[str, torch.Tensor]:
     return state
 
 
+# with stochastic rounding too (not in POLICIES: the recipe above rounds to nearest)
+ALL_POLICIES = {**POLICIES, "both-sr": {**POLICIES["both"], "stochastic_rounding": True}}
+
+
 def _engine(name: str, policy: str, stage: int, offload: str | None = None, nvme: str = ""):
     torch.manual_seed(0)
     model = AwkwardModel()
@@ -111,7 +115,7 @@ def _engine(name: str, policy: str, stage: int, offload: str | None = None, nvme
         BASE,
         optimizer={"type": name, "params": OPTIMIZERS[name]},
         zero_optimization=zero,
-        bf16={"enabled": True, **POLICIES[policy]},
+        bf16={"enabled": True, **ALL_POLICIES[policy]},
     )
     engine, *_ = zerotrain.initialize(
         model=model, model_parameters=param_groups(model, 0.1), config=config
@@ -298,18 +302,24 @@ def save_then_resume(policy: str, directory: str, load_policy: str | None):
 
 
 def test_checkpoints_resume_exactly_and_convert_between_policies(tmp_path):
-    """Each policy resumes its own checkpoint to the uninterrupted run's bits; a checkpoint of
-    fp32 masters loads into bf16 masters (rounded to nearest) and back (widened), saying so."""
-    cases = [(policy, str(tmp_path), None) for policy in POLICIES]
+    """Each policy resumes its own checkpoint to the uninterrupted run's bits (stochastic
+    rounding too: its random bits come from the values rounded, nothing is saved for them); a
+    checkpoint of fp32 masters loads into bf16 masters (rounded to nearest) and back (widened),
+    saying so."""
+    cases = [(policy, str(tmp_path), None) for policy in ALL_POLICIES]
     saved = run_cases(save_then_resume, 2, cases)[0]
     uninterrupted = {c[0]: r[0] for c, r in zip(cases, saved, strict=True)}
-    resumed = [(policy, str(tmp_path), policy) for policy in POLICIES]
+    resumed = [(policy, str(tmp_path), policy) for policy in ALL_POLICIES]
     crossed = [("none", str(tmp_path), "both"), ("both", str(tmp_path), "none")]
     results = run_cases(save_then_resume, 2, resumed + crossed)[0]
     for (policy, _, _), (state, warned) in zip(resumed, results, strict=False):
         assert warned == [], (policy, warned)
         for key, value in uninterrupted[policy].items():
             assert torch.equal(state[key], value), (policy, key)
+    # stochastic rounding reached the stores: it trained other bits than rounding to nearest
+    assert any(
+        not torch.equal(uninterrupted["both-sr"][k], v) for k, v in uninterrupted["both"].items()
+    )
     (_, to_narrow), (_, to_wide) = results[len(resumed) :]
     assert any(
         "master weights are fp32, this engine keeps them in bf16: rounded" in w for w in to_narrow

@@ -45,11 +45,12 @@ from zerotrain.estimate.stages import (
 )
 from zerotrain.estimate.verdict import Limit, RankMemory, shortfall
 from zerotrain.optim import NoOptimizer
+from zerotrain.optim.muon import Muon
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import dtype_name
 from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.layout import NamedParams
-from zerotrain.zero.offload import device_budget, probe_optimizer
+from zerotrain.zero.offload import device_budget, device_bytes_per_element, probe_optimizer
 from zerotrain.zero.store import OptimizerOver, needs_whole_parameters
 
 __all__ = ["check_memory", "job_of"]
@@ -101,6 +102,9 @@ def job_of(
     if count.trainable == 0:
         return None
     whole, state_bytes = _optimizer_state(optimizer_over, groups)
+    optimizer = "lamb" if whole else "adam"  # the table's kind, where the bytes are not known
+    if state_bytes is None:  # Muon: its matrices' momentum, AdamW's moments for the rest
+        optimizer, state_bytes = "muon", count.muon_state_bytes()
     offload = zero.offload_optimizer.device
     if whole and offload == "nvme":  # NvmePlacement refuses it, naming the optimizer
         return None
@@ -112,7 +116,7 @@ def job_of(
         grad_accum_dtype=cfg.data_types.grad_accum_dtype,  # counted in the gradients' bytes
         master_dtype=dtype_name(cfg.precision_policy().master_dtype),
         optimizer_state_dtype=dtype_name(cfg.precision_policy().state_dtype),
-        optimizer="lamb" if whole else "adam",
+        optimizer=optimizer,
         optimizer_state_bytes=state_bytes,
         offload=None if offload == "none" else offload,
         offload_param=None if zero.offload_param.device == "none" else zero.offload_param.device,
@@ -132,17 +136,20 @@ def job_of(
     return replace(job, offload_ratio=_auto_ratio(job, device) if ratio == "auto" else ratio)
 
 
-def _optimizer_state(optimizer_over: OptimizerOver, groups: int) -> tuple[bool, float]:
+def _optimizer_state(optimizer_over: OptimizerOver, groups: int) -> tuple[bool, float | None]:
     """Whether the optimizer needs whole parameters (Lamb), and its bytes of state per
-    element: from its class where known, else from one step over one-element stand-ins."""
+    element: from its class where known, else from one step over one-element stand-ins;
+    None for Muon, whose figure depends on which parameters are its matrices."""
     try:
         probe = optimizer_over([[torch.zeros(1)] for _ in range(groups)], probe=True)
         if isinstance(probe, NoOptimizer):  # forward passes only
             return False, 0
-        state_bytes = optimizer_state_bytes_per_element(probe, unknown=-1)
+        if isinstance(probe, Muon):
+            return True, None
+        state_bytes = optimizer_state_bytes_per_element(probe, unknown=-1, stand_ins=True)
         if state_bytes < 0:  # an optimizer of its own: step it once to see its state
             probe = probe_optimizer(optimizer_over, groups)
-            state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
+            state_bytes = optimizer_state_bytes_per_element(probe, unknown=8, stand_ins=True)
     except Exception:  # noqa: BLE001 (a builder of the user's that wants real tensors)
         # the check goes on with Adam's figure; building the real optimizer will say what
         # is wrong with it, if anything is
@@ -156,7 +163,9 @@ def _auto_ratio(job: TrainingJob, device: torch.device) -> float:
     budget = device_budget(device)
     if budget is None:
         return 1.0
-    per_element = job.state_bytes + (8 if job.precision.has_master_copy else 0)
+    per_element = device_bytes_per_element(
+        job.precision.stored_state_bytes(job.state_bytes), job.precision
+    )
     partition = -(-job.trainable_params // job.world_size)
     return min(1.0, max(0.0, 1.0 - budget / max(1, per_element * partition)))
 

@@ -51,6 +51,11 @@ def stage3_gathered_numel(
     return max(min(float(max_live_numel), float(params)), float(root_and_largest_block))
 
 
+WHOLE_PARAMETER_OPTIMIZERS = ("lamb", "muon")
+"""Optimizers whose update needs whole parameters (Lamb's trust ratios, Muon's matrices):
+stepped in one collective step, so not on NVMe, which steps sub-group by sub-group."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingJob:
     """The inputs of an estimate: model, hardware, precision, optimizer and batch."""
@@ -126,13 +131,15 @@ class TrainingJob:
         ):
             if value not in ("fp32", "bf16"):
                 raise ValueError(f"{flag}: fp32 or bf16, got {value!r}")
+            if value == "bf16" and self.dtype != "bf16":
+                raise ValueError(f"{flag} bf16: applies to bf16 training; pass --dtype bf16")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
                 f"--optimizer: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}"
             )
         if self.offload not in (None, *OFFLOAD_DEVICES):
             raise ValueError(f"--offload: cpu or nvme, got {self.offload!r}")
-        if self.offload == "nvme" and self.optimizer in ("lamb", "muon"):
+        if self.offload == "nvme" and self.optimizer in WHOLE_PARAMETER_OPTIMIZERS:
             raise ValueError(
                 f"--offload nvme steps the optimizer sub-group by sub-group, and {self.optimizer} "
                 "needs whole parameters (Lamb's trust ratios, Muon's matrices); use --offload "
@@ -372,7 +379,8 @@ def memory_options(job: TrainingJob, stage: int, *, on_host: bool) -> list[Optio
     ``offload_param`` at stage 3, and their combinations; with offload, a lower ``ratio`` or
     ``buffer_count``, and with nvme a smaller ``sub_group_size``."""
     variants: list[tuple[tuple[str, ...], int, TrainingJob, str]] = []  # ..., family
-    devices = [job.offload, "cpu"] + (["nvme"] if job.optimizer != "lamb" else [])
+    element_wise = job.optimizer not in WHOLE_PARAMETER_OPTIMIZERS  # NVMe steps sub-groups
+    devices = [job.offload, "cpu"] + (["nvme"] if element_wise else [])
     for new_stage in range(stage, 4):
         for device in dict.fromkeys(devices):
             if device is not None and new_stage == 0:

@@ -11,7 +11,8 @@ The Muon update is ``torch.optim.Muon``'s:
 
 with ``scale`` sqrt(max(1, rows / cols)) ("original") or Moonlight's 0.2 * sqrt(max(rows, cols))
 ("match_rms_adamw"). Newton-Schulz runs in ``ns_dtype``: torch's Muon always uses bf16;
-zerotrain uses the training dtype unless told (fp32 training orthogonalises in fp32).
+zerotrain uses the update's dtype unless told, fp32 (the masters', or bf16 masters widened to
+fp32 for the step: zerotrain/zero/low_precision.py).
 
 [Note: Muon on shards]
 Every step but one is element-wise, so the momentum lives on the flat master shards like Adam's

@@ -24,12 +24,17 @@ OPTIMIZER_STATE_BYTES = {
 4 are its matrices' momentum; the parameters its AdamW half steps cost Adam's 8."""
 
 
-def optimizer_state_bytes_per_element(optimizer: torch.optim.Optimizer, unknown: int = 0) -> float:
+def optimizer_state_bytes_per_element(
+    optimizer: torch.optim.Optimizer, unknown: int = 0, stand_ins: bool = False
+) -> float:
     """fp32 bytes of state a known optimizer keeps per parameter element (Adam: m and v), from
     the estimator's table, so the two cannot disagree; Muon's is the average over its groups'
-    elements (4 for matrices, 8 for AdamW's). Another optimizer's is measured from its state
-    once it has some, else assumed to be ``unknown``."""
+    elements (4 for matrices, 8 for AdamW's), or AdamW's 8, the larger, over ``stand_ins``
+    (a probe's one-element tensors, which say nothing of the groups' sizes). Another
+    optimizer's is measured from its state once it has some, else assumed to be ``unknown``."""
     defaults = optimizer.defaults
+    if isinstance(optimizer, Muon) and stand_ins:
+        return OPTIMIZER_STATE_BYTES["adamw"]
     if isinstance(optimizer, Muon):
         sizes = [
             (sum(p.numel() for p in group["params"]), bool(group["use_muon"]))

@@ -37,6 +37,7 @@ from zerotrain.lora import convert_to_lora_fa
 from zerotrain.moe.layer import expert_tensors
 from zerotrain.moe.placement import expert_parallel_degree, place_experts
 from zerotrain.optim import Lamb
+from zerotrain.optim.muon import Muon
 from zerotrain.pipe.checks import check_tied_offload
 from zerotrain.pipe.module import PipelineModule
 from zerotrain.sequence.transform import apply_long_context, check_axes
@@ -157,6 +158,13 @@ class ParallelLayout:
                 "optimizer: LAMB's trust ratio needs each parameter's whole norm, and tensor "
                 "parallelism (tensor_parallel.autotp_size > 1) splits parameters; use Adam or "
                 "AdamW"
+            )
+        if self.tensor_parallel is not None and isinstance(optimizer, Muon):
+            # a Muon the script built (the config's is refused before the model is split)
+            raise ConfigError(
+                "optimizer: Muon orthogonalises whole matrices, and tensor parallelism "
+                "(tensor_parallel.autotp_size > 1) splits them over ranks, which zerotrain does "
+                "not gather for it yet; use Muon without tensor parallelism, or another optimizer"
             )
 
     # -- the shard groups ---------------------------------------------------------------------

@@ -68,15 +68,17 @@ class LowPrecisionSteps:
         optimizer: torch.optim.Optimizer,
         masters: Sequence[torch.Tensor],
         *,
-        first_index: int = 0,
+        indices: Sequence[int] | None = None,
     ) -> None:
         """``optimizer.step()`` over ``masters`` (those with a gradient): one bucket at a time,
         but the tensors whose update is collective (:func:`stepped_together`) in one step.
-        ``first_index``: the bucket index of ``masters[0]`` (it salts stochastic rounding)."""
+        ``indices``: each master's bucket index (default: their positions), which salts
+        stochastic rounding."""
         if not self.active:
             optimizer.step()
             return
-        indexed = [(first_index + i, m) for i, m in enumerate(masters) if m.grad is not None]
+        positions = range(len(masters)) if indices is None else indices
+        indexed = [(i, m) for i, m in zip(positions, masters, strict=True) if m.grad is not None]
         together = stepped_together(optimizer)
         rounds = [[(i, m) for i, m in indexed if id(m) in together]]
         rounds += [[(i, m)] for i, m in indexed if id(m) not in together]

@@ -280,7 +280,9 @@ class NvmeShardStore(ShardStore):
     # -- the step ---------------------------------------------------------------------------------
     def step(self, param_shards: ParamShards) -> None:
         if self._resident_masters():
-            self._step_optimizer(self._resident_masters())  # only they have gradients now
+            # only they have gradients now
+            buckets = [i for i, m in enumerate(self._device_masters) if m is not None]
+            self.step_optimizer(self._resident_masters(), buckets)
             self._write_device_params(param_shards)
             for master in self._resident_masters():  # out of the sub-groups' steps
                 master.grad = None
@@ -358,7 +360,7 @@ class NvmeShardStore(ShardStore):
         if self._has_state:
             for key, buffer in zip(self.layout.keys, staged.state, strict=True):
                 state[key] = buffer[:n]
-        self._step_optimizer([param], group.bucket)
+        self.step_optimizer([param], [group.bucket])
         for key, buffer in zip(self.layout.keys, staged.state, strict=True):
             if state[key].data_ptr() != buffer.data_ptr():  # created by this first step
                 buffer[:n].copy_(state[key])

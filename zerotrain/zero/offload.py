@@ -188,11 +188,19 @@ class _DeferredStep:
         now = [{k: g[k] for k in h} for g, h in zip(groups, self.hyper, strict=True)]
         for group, hyper in zip(groups, self.hyper, strict=True):
             group.update(hyper)
+        # It may run before this step's gradients are released (stage 3 refreshes its
+        # persistent units right after the step): only this master may have one, or the
+        # device's buckets would be stepped twice.
+        others = [(m, m.grad) for m in store._masters if m is not master and m.grad is not None]
+        for other, _ in others:
+            other.grad = None
         master.grad = self.grad
         try:
-            store._step_optimizer([master], self.index)  # only this master has a gradient
+            store.step_optimizer([master], [self.index])
         finally:
             master.grad = None
+            for other, grad in others:
+                other.grad = grad
             for group, current in zip(groups, now, strict=True):
                 group.update(current)
         assert store._ring is not None
@@ -296,7 +304,7 @@ class OffloadedShardStore(InMemoryShardStore):
         for index in hosted:  # out of the device buckets' step
             self._masters[index].grad = None
         if len(hosted) < len(self._masters):
-            self._step_optimizer(self._masters)
+            self.step_optimizer(self._masters)
             write_device_params(self._device_side(), param_shards, alias=self.masters_alias_params)
         # this step's hyperparameters: a scheduler changes them before the deferred steps run
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -418,8 +426,9 @@ class HostPlacement(Placement):
     ) -> ShardStore:
         options = self.options
         probe = self._probe(masters_fp32, optimizer_over)
-        state_bytes = optimizer_state_bytes_per_element(probe, unknown=8)
-        on_host = self.on_host([m.numel() for m in masters_fp32], state_bytes, precision)
+        state_bytes = optimizer_state_bytes_per_element(probe, unknown=8, stand_ins=True)
+        stored = precision.stored_state_bytes(state_bytes)
+        on_host = self.on_host([m.numel() for m in masters_fp32], stored, precision)
         # the host memory was checked at initialize (zerotrain/estimate/preflight.py)
         alias = masters_alias_params(precision, masters_fp32, param_parts)
         masters = []
@@ -448,18 +457,24 @@ class HostPlacement(Placement):
             configure_host_threads()
         return probe_optimizer(optimizer_over, len(masters_fp32))
 
-    def on_host(self, numels: list[int], state_bytes: float, precision: PrecisionPolicy):
-        """Per bucket, whether it is offloaded (``ratio``, or what does not fit: ``auto``)."""
+    def on_host(self, numels: list[int], stored_state_bytes: float, precision: PrecisionPolicy):
+        """Per bucket, whether it is offloaded (``ratio``, or what does not fit: ``auto``);
+        ``stored_state_bytes``: the optimizer's state per element as stored."""
         if self.options.ratio != "auto":
             return choose_host_buckets(numels, float(self.options.ratio))
         budget = self.options.device_budget() if self.options.device_budget else None
         if budget is None:
             return [True] * len(numels)
-        stored = precision.stored_state_bytes(state_bytes)
-        per_element = stored + (
-            2 * precision.master_dtype.itemsize if precision.has_master_copy else 0
-        )
+        per_element = device_bytes_per_element(stored_state_bytes, precision)
         return fit_on_device(numels, per_element, budget)
+
+
+def device_bytes_per_element(stored_state_bytes: float, precision: PrecisionPolicy) -> float:
+    """What one element of the optimizer's partition keeps on the device, which ``ratio:
+    "auto"`` weighs against the device's budget: its state as stored, and a master copy and
+    its gradient where the masters are a copy (16-bit training with fp32 masters)."""
+    copy = 2 * precision.master_dtype.itemsize if precision.has_master_copy else 0
+    return stored_state_bytes + copy
 
 
 def probe_optimizer(optimizer_over: OptimizerOver, buckets: int) -> torch.optim.Optimizer:

@@ -71,10 +71,13 @@ class ShardStore(ABC):
     # steps masters or state stored narrower than fp32 (the precision policy's)
     low_precision: LowPrecisionSteps = LowPrecisionSteps(PrecisionPolicy())
 
-    def _step_optimizer(self, masters: Sequence[torch.Tensor], first_index: int = 0) -> None:
-        """The torch optimizer's step over ``masters`` (those with a gradient), in fp32 over
-        narrow storage (see [Note: low-precision masters and states])."""
-        self.low_precision.step(self.optimizer, masters, first_index=first_index)
+    def step_optimizer(
+        self, masters: Sequence[torch.Tensor], indices: Sequence[int] | None = None
+    ) -> None:
+        """The torch optimizer's step over ``masters`` (those with a gradient; ``indices``:
+        their buckets, default their positions), in fp32 over narrow storage (see [Note:
+        low-precision masters and states])."""
+        self.low_precision.step(self.optimizer, masters, indices=indices)
 
     def master_shards(self) -> list[torch.Tensor] | None:
         """The master tensors (fp32; bf16 with bf16 masters), one per bucket, in bucket order,
@@ -133,7 +136,7 @@ class ShardStore(ABC):
     def step(self, param_shards: ParamShards) -> None:
         """One optimizer step over the masters, then their new values into the model's
         (possibly lower-precision) ``param_shards``: a store may interleave the two."""
-        self._step_optimizer(self._resident_masters())
+        self.step_optimizer(self._resident_masters())
         self.write_params(param_shards)
 
     def step_deferred(self, param_shards: ParamShards) -> dict[int, Callable[[], None]]:

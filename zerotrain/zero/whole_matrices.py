@@ -139,8 +139,11 @@ class ShardedMatrices:
         fn: Callable[[Tensor], Tensor],
         some: Tensor,
     ) -> None:
-        """Orthogonalise ``matrices`` in place in ``flats`` (every rank calls it alike)."""
+        """Orthogonalise ``matrices`` in place in ``flats`` (every rank calls it alike). The
+        whole matrices are made on the communicator's device: with CPU offload some of this
+        rank's pieces are in host memory and others on the GPU, and Newton-Schulz runs there."""
         rank, world = self._comm.rank, self._comm.world_size
+        wire = self._comm.device
 
         def local(matrix: _Matrix, lo: int, hi: int) -> Tensor:
             """This rank's update of ``matrix`` at bucket positions ``[lo, hi)``."""
@@ -163,7 +166,7 @@ class ShardedMatrices:
             from_holders = self._exchange(to_owners, expected, some)
         whole = {}
         for matrix in mine:
-            values = torch.empty(matrix.numel, dtype=some.dtype, device=some.device)
+            values = torch.empty(matrix.numel, dtype=some.dtype, device=wire)
             for q in range(world) if self._sharded else (rank,):
                 lo, hi = self._piece(matrix, q)
                 if lo < hi:
@@ -209,14 +212,15 @@ class ShardedMatrices:
     ) -> list[list[Tensor]]:
         """Send ``send[q]`` (pieces, in order) to each rank q; receive from each rank q pieces
         of the lengths ``hi - lo`` of ``receive[q]``'s non-empty ranges, returned per rank in
-        order. Every rank calls it (one collective), whatever it sends."""
+        order, on the communicator's device. Every rank calls it (one collective), whatever
+        it sends."""
         world = self._comm.world_size
         lengths = [[hi - lo for lo, hi in ranges if lo < hi] for ranges in receive]
         if world == 1:
             return [[] for _ in range(world)]
-        wire = self._comm.device  # offloaded shards: sent from the device NCCL can reach
-        empty = like.new_empty(0)
-        input = torch.cat([empty, *(p for pieces in send for p in pieces)]).to(wire)
+        wire = self._comm.device  # offloaded pieces are in host memory: NCCL sends from the GPU
+        empty = torch.empty(0, dtype=like.dtype, device=wire)
+        input = torch.cat([empty, *(p.to(wire) for pieces in send for p in pieces)])
         output = torch.empty(sum(map(sum, lengths)), dtype=like.dtype, device=wire)
         self._comm.all_to_all(
             output,
@@ -225,7 +229,6 @@ class ShardedMatrices:
             [sum(p.numel() for p in pieces) for pieces in send],
             name="muon_matrices",
         )
-        output = output.to(like.device)
         out, position = [], 0
         for sizes in lengths:
             pieces = []
