@@ -10,7 +10,6 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from zerotrain.optimizer_plan import (
 from zerotrain.parallel import ParallelLayout, model_stages
 from zerotrain.pipe.checks import check_pipeline
 from zerotrain.pipe.engine import PipelineEngine
-from zerotrain.policies import autocast_comm_dtypes, group_options, loss_scaler
+from zerotrain.policies import group_options, loss_scaler
 from zerotrain.sequence.batch import SequenceShards
 from zerotrain.sequence.transform import sequence_group_of
 from zerotrain.zero import ZeroOptimizer
@@ -185,10 +184,7 @@ def _zero_optimizer(
 ) -> ZeroOptimizer:
     """The shard groups the layout makes of the plan's optimizer groups, under one
     ZeroOptimizer; the model's untrained state made equal on the replicas and cast."""
-    options = replace(
-        group_options(cfg, device, layout.zero, comm),
-        comm_dtypes=autocast_comm_dtypes(cfg, model),
-    )
+    options = group_options(cfg, model, device, layout.zero, comm)
     specs = layout.shard_group_specs(plan.groups, options)
     zero_optimizer = ZeroOptimizer(
         model,

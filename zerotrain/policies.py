@@ -25,11 +25,15 @@ from zerotrain.zero.swap import AioOptions
 
 
 def group_options(
-    cfg: ZeroTrainConfig, device: torch.device, dp: Communicator, world: Communicator
+    cfg: ZeroTrainConfig,
+    model: nn.Module,
+    device: torch.device,
+    dp: Communicator,
+    world: Communicator,
 ) -> GroupOptions:
-    """The shard groups' options from the config, partitioned over the data-parallel group
-    ``dp`` of the ranks ``world`` (the parallel layout adds what its other axes decide: see
-    ``ParallelLayout.shard_group_specs``)."""
+    """The shard groups' options from the config, for ``model``, partitioned over the
+    data-parallel group ``dp`` of the ranks ``world`` (the parallel layout adds what its other
+    axes decide: see ``ParallelLayout.shard_group_specs``)."""
     zero = cfg.zero_optimization
     auto = _auto_compression(cfg)
     section = cfg.comm_compression
@@ -60,10 +64,11 @@ def group_options(
         compression=_gradient_compression(cfg) if auto is None else None,
         param_compression=_parameter_compression(cfg) if auto is None else auto.parameters,
         auto=auto,
+        comm_dtypes=_autocast_comm_dtypes(cfg, model),
     )
 
 
-def autocast_comm_dtypes(cfg: ZeroTrainConfig, model: nn.Module) -> dict[int, torch.dtype]:
+def _autocast_comm_dtypes(cfg: ZeroTrainConfig, model: nn.Module) -> dict[int, torch.dtype]:
     """torch_autocast: the parameters whose gradients are reduced in its dtype."""
     section = cfg.torch_autocast
     if not section.enabled:
