@@ -302,8 +302,9 @@ def muon_groups(
     parameter's real shape, ``shape_of``), empty parts dropped; and the Muon parameters' names."""
     out, matrices = [], []
     for hyper, named in groups:
-        chosen = [(n, p) for n, p in named if uses_muon(n, shape_of(p), p)]
-        rest = [(n, p) for n, p in named if not uses_muon(n, shape_of(p), p)]
+        flags = [uses_muon(n, shape_of(p), p) for n, p in named]
+        chosen = [pair for pair, flag in zip(named, flags, strict=True) if flag]
+        rest = [pair for pair, flag in zip(named, flags, strict=True) if not flag]
         matrices += [n for n, _ in chosen]
         out += [
             ({**hyper, "use_muon": flag}, part)

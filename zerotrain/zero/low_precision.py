@@ -30,7 +30,7 @@ import torch
 
 from zerotrain.precision import PrecisionPolicy
 
-__all__ = ["LowPrecisionSteps", "round_stochastically"]
+__all__ = ["LowPrecisionSteps", "gradients_only", "round_stochastically"]
 
 
 def round_stochastically(value: torch.Tensor, into: torch.Tensor, seed: int) -> None:
@@ -82,20 +82,10 @@ class LowPrecisionSteps:
         together = stepped_together(optimizer)
         rounds = [[(i, m) for i, m in indexed if id(m) in together]]
         rounds += [[(i, m)] for i, m in indexed if id(m) not in together]
-        grads = {id(m): m.grad for _, m in indexed}
-        for _, master in indexed:
-            master.grad = None
-        try:
-            for chosen in filter(None, rounds):
-                for _, master in chosen:
-                    master.grad = grads[id(master)]
-                with self._widened(optimizer, chosen):
-                    optimizer.step()
-                for _, master in chosen:
-                    master.grad = None
-        finally:
-            for _, master in indexed:
-                master.grad = grads[id(master)]
+        for chosen in filter(None, rounds):
+            stepped = [m for _, m in chosen]
+            with gradients_only(masters, stepped), self._widened(optimizer, chosen):
+                optimizer.step()
 
     @contextmanager
     def _widened(
@@ -138,6 +128,23 @@ class LowPrecisionSteps:
             round_stochastically(wide, storage, _checksum(wide) ^ (index * 0x9E3779B1 & 0x7FFFFFFF))
         else:
             storage.copy_(wide)  # to nearest
+
+
+@contextmanager
+def gradients_only(
+    masters: Sequence[torch.Tensor], stepped: Sequence[torch.Tensor]
+) -> Iterator[None]:
+    """While inside, of ``masters`` only ``stepped`` have their gradients (a torch optimizer's
+    step leaves tensors without one alone); the others' are given back after."""
+    keep = {id(m) for m in stepped}
+    held = [(m, m.grad) for m in masters if id(m) not in keep and m.grad is not None]
+    for master, _ in held:
+        master.grad = None
+    try:
+        yield
+    finally:
+        for master, grad in held:
+            master.grad = grad
 
 
 def stepped_together(optimizer: torch.optim.Optimizer) -> set[int]:

@@ -34,7 +34,7 @@ from zerotrain.accelerator import available_host_memory
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.host import configure_host_threads, host_tensor
-from zerotrain.zero.low_precision import LowPrecisionSteps
+from zerotrain.zero.low_precision import LowPrecisionSteps, gradients_only
 from zerotrain.zero.store import (
     InMemoryShardStore,
     OptimizerOver,
@@ -188,19 +188,15 @@ class _DeferredStep:
         now = [{k: g[k] for k in h} for g, h in zip(groups, self.hyper, strict=True)]
         for group, hyper in zip(groups, self.hyper, strict=True):
             group.update(hyper)
-        # It may run before this step's gradients are released (stage 3 refreshes its
-        # persistent units right after the step): only this master may have one, or the
-        # device's buckets would be stepped twice.
-        others = [(m, m.grad) for m in store._masters if m is not master and m.grad is not None]
-        for other, _ in others:
-            other.grad = None
         master.grad = self.grad
         try:
-            store.step_optimizer([master], [self.index])
+            # It may run before this step's gradients are released (stage 3 refreshes its
+            # persistent units right after the step): only this master may have one, or the
+            # device's buckets would be stepped twice.
+            with gradients_only(store._masters, [master]):
+                store.step_optimizer([master], [self.index])
         finally:
             master.grad = None
-            for other, grad in others:
-                other.grad = grad
             for group, current in zip(groups, now, strict=True):
                 group.update(current)
         assert store._ring is not None
