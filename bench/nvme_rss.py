@@ -2,13 +2,15 @@
 
     python bench/nvme_rss.py [--rounds 3] [--steps 3] [--sub-group-size 262144]
                              [--buffer-count 2] [--nvme-path DIR] [--glibc-env]
+                             [--optimizer AdamW|Muon]
 
 Trains a 58.8M-parameter MLP (7 Linear layers, 1024 -> 8192 -> 1024 ..., fp32 on the CPU) at
-ZeRO stage 2 on one rank with AdamW, ``--steps`` steps, once with the optimizer in memory and
+ZeRO stage 2 on one rank with AdamW (or Muon: its weights' momentum, AdamW's moments for the
+biases; [Note: Muon on NVMe] in zerotrain/zero/nvme.py), ``--steps`` steps, once with the optimizer in memory and
 once with ``offload_optimizer: {device: nvme}``, each in a fresh process (so that its peak RSS,
 VmHWM via ``zerotrain.accelerator.peak_rss``, is its own), ``--rounds`` times alternating.
 Prints per round the two peaks and the share of the optimizer state's bytes (Adam's exp_avg and
-exp_avg_sq, from the in-memory run's ``memory_breakdown()``) that NVMe keeps out of memory:
+exp_avg_sq, or Muon's, from the in-memory run's ``memory_breakdown()``) that NVMe keeps out of memory:
 
     saved = (in-memory peak - nvme peak) / optimizer-state bytes
 
@@ -16,7 +18,7 @@ exp_avg_sq, from the in-memory run's ``memory_breakdown()``) that NVMe keeps out
 ``--sub-group-size`` elements) are what NVMe itself holds. The processes run with glibc's
 allocator as a user has it (no ``MALLOC_*`` variable); ``--glibc-env`` adds rows with
 ``MALLOC_MMAP_THRESHOLD_=65536``, the setting tests/test_offload_faults.py once needed, for
-comparison. Writes bench/results/nvme_rss.json.
+comparison. Writes bench/results/nvme_rss.json (nvme_rss_muon.json with Muon).
 """
 
 from __future__ import annotations
@@ -46,9 +48,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--buffer-count", type=int, default=2)
     parser.add_argument("--nvme-path", default=None, help="default: a fresh directory in /tmp")
     parser.add_argument("--glibc-env", action="store_true", help="also MALLOC_MMAP_THRESHOLD_")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "nvme_rss.json"))
+    parser.add_argument("--optimizer", choices=["AdamW", "Muon"], default="AdamW")
+    parser.add_argument("--out", default=None, help="default: bench/results/nvme_rss[_muon].json")
     parser.add_argument("--child", choices=["none", "nvme"], help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.out is None:
+        suffix = "_muon" if args.optimizer == "Muon" else ""
+        args.out = str(ROOT / "bench" / "results" / f"nvme_rss{suffix}.json")
+    return args
 
 
 def child(args: argparse.Namespace) -> None:
@@ -71,7 +78,7 @@ def child(args: argparse.Namespace) -> None:
         offload["nvme_path"] = args.nvme_path
     config = {
         "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": args.optimizer, "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": 2,
             "sub_group_size": args.sub_group_size,
@@ -99,6 +106,7 @@ def run_child(args: argparse.Namespace, offload: str, env_extra: dict[str, str])
     command = [sys.executable, __file__, "--child", offload, "--steps", str(args.steps)]
     command += ["--sub-group-size", str(args.sub_group_size)]
     command += ["--buffer-count", str(args.buffer_count), "--nvme-path", args.nvme_path]
+    command += ["--optimizer", args.optimizer]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{offload} run failed ({done.returncode}):\n{done.stderr[-3000:]}")

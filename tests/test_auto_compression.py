@@ -80,22 +80,26 @@ def dry_run_checks() -> dict:
     comm = Communicator()
     out: dict = {"link": probe_link(comm)}
     gen = torch.Generator().manual_seed(comm.rank)
-    for collective, dtype in (
-        ("all_reduce", torch.float32),
-        ("reduce_scatter", torch.float32),
-        ("reduce_scatter", torch.bfloat16),
+    # the last: bucket 0 reduced in bf16 (torch_autocast's safe modules), bucket 1 in fp32
+    for collective, dtype, own in (
+        ("all_reduce", torch.float32, {}),
+        ("reduce_scatter", torch.float32, {}),
+        ("reduce_scatter", torch.bfloat16, {}),
+        ("reduce_scatter", torch.float32, {0: torch.bfloat16}),
     ):
         for gradients in GRADIENTS:
             for parameters in PARAMETERS:
                 policy = Policy(gradients, parameters)
                 # even counts: ACP-SGD sends P and Q in turn
-                traffic = Traffic(collective, {0: 2.0, 1: 4.0}, {300: 1.0, 1024: 3.0}, dtype, dtype)
+                reductions, gathers = {0: 2.0, 1: 4.0}, {300: 1.0, 1024: 3.0}
+                traffic = Traffic(collective, reductions, gathers, dtype, dtype, own)
                 codec = make_codec(gradients, comm, SHAPES)
                 gather = ParameterGather(comm, parameters)
                 comm.reset_stats()
                 for index, times in traffic.reductions.items():
                     for _ in range(int(times)):
-                        flat = torch.randn(SHAPES[index].numel_padded, generator=gen).to(dtype)
+                        wire = own.get(index, dtype)
+                        flat = torch.randn(SHAPES[index].numel_padded, generator=gen).to(wire)
                         if collective == "all_reduce":
                             codec.all_reduce(index, flat).wait()
                         else:
@@ -107,7 +111,7 @@ def dry_run_checks() -> dict:
                         gather.all_gather(piece.new_empty(2 * numel), piece).wait()
                 real = sum(s.sent for s in comm.stats.values())
                 (cost,) = policy_costs((policy,), traffic, comm, SHAPES)
-                out[collective, dtype, policy.name] = (real, cost.sent, cost.compute)
+                out[collective, dtype, bool(own), policy.name] = (real, cost.sent, cost.compute)
     return out
 
 
@@ -119,7 +123,7 @@ def dry_runs() -> list[dict]:
 def test_the_dry_run_counts_the_bytes_the_collectives_send(dry_runs):
     for rank_out in dry_runs:
         policies = [k for k in rank_out if k != "link"]
-        assert len(policies) == 3 * len(GRADIENTS) * len(PARAMETERS)
+        assert len(policies) == 4 * len(GRADIENTS) * len(PARAMETERS)
         for key in policies:
             real, counted, compute = rank_out[key]
             assert counted == real > 0, key
@@ -128,14 +132,19 @@ def test_the_dry_run_counts_the_bytes_the_collectives_send(dry_runs):
     out = dry_runs[0]
     fp32, bf16 = torch.float32, torch.bfloat16
     for collective in ("all_reduce", "reduce_scatter"):
-        plain = out[collective, fp32, "uncompressed"][1]
+        plain = out[collective, fp32, False, "uncompressed"][1]
         for name in ("powersgd", "int8", "int4 + int8 params"):
-            assert out[collective, fp32, name][1] < plain, (collective, name)
+            assert out[collective, fp32, False, name][1] < plain, (collective, name)
     # a 16-bit wire: half the uncompressed bytes; the quantized codes the same
-    half = out["reduce_scatter", bf16, "uncompressed"][1]
-    assert half == out["reduce_scatter", fp32, "uncompressed"][1] / 2
+    half = out["reduce_scatter", bf16, False, "uncompressed"][1]
+    assert half == out["reduce_scatter", fp32, False, "uncompressed"][1] / 2
     int8 = "int8 + int8 params"
-    assert out["reduce_scatter", bf16, int8][1] == out["reduce_scatter", fp32, int8][1]
+    assert (
+        out["reduce_scatter", bf16, False, int8][1] == out["reduce_scatter", fp32, False, int8][1]
+    )
+    # one bucket on a 16-bit wire: between the two
+    mixed = out["reduce_scatter", fp32, True, "uncompressed"][1]
+    assert half < mixed < 2 * half
 
 
 def test_the_probe_measures_one_link_for_every_rank(dry_runs):

@@ -379,20 +379,24 @@ def test_estimate_matches_memory_breakdown_of_a_real_run():
     )
 
 
-OFFLOAD_RUNS = [  # (offload_optimizer.device, stage, dtype, buffer_count, sub_group_size)
-    ("cpu", 1, "bf16", 3, None),
-    ("cpu", 2, "fp32", 4, None),
-    ("cpu", 3, "bf16", 2, None),  # one bucket per gather unit: the ring holds the largest
-    ("nvme", 2, "bf16", 3, 2048),  # sub-groups smaller than the bucket
-    ("nvme", 3, "fp32", 4, 10**9),  # a sub-group is the whole bucket
-    ("cpu", 2, "bf16+masters+states", 3, None),  # bf16 masters, gradients and Adam moments
-    ("nvme", 3, "bf16+masters+states", 2, 2048),
+OFFLOAD_RUNS = [  # (offload_optimizer.device, stage, dtype, buffer_count, sub_group_size, optimizer)
+    ("cpu", 1, "bf16", 3, None, "AdamW"),
+    ("cpu", 2, "fp32", 4, None, "AdamW"),
+    ("cpu", 3, "bf16", 2, None, "AdamW"),  # one bucket per gather unit: the ring holds the largest
+    ("nvme", 2, "bf16", 3, 2048, "AdamW"),  # sub-groups smaller than the bucket
+    ("nvme", 3, "fp32", 4, 10**9, "AdamW"),  # a sub-group is the whole bucket
+    ("cpu", 2, "bf16+masters+states", 3, None, "AdamW"),  # bf16 masters, gradients and moments
+    ("nvme", 3, "bf16+masters+states", 2, 2048, "AdamW"),
+    ("nvme", 2, "bf16", 3, 2048, "Muon"),  # sub-groups of Muon's momentum and AdamW's moments
+    ("nvme", 3, "bf16+masters+states", 2, 2048, "Muon"),
 ]
 
 
-@pytest.mark.parametrize(("device", "stage", "dtype", "buffer_count", "sub_group"), OFFLOAD_RUNS)
+@pytest.mark.parametrize(
+    ("device", "stage", "dtype", "buffer_count", "sub_group", "optimizer"), OFFLOAD_RUNS
+)
 def test_offload_estimate_is_what_the_preflight_counts(
-    monkeypatch, tmp_path, device, stage, dtype, buffer_count, sub_group
+    monkeypatch, tmp_path, device, stage, dtype, buffer_count, sub_group, optimizer
 ):
     """`zerotrain estimate --offload` gives, per rank, exactly the host bytes (and NVMe file
     bytes) that the memory preflight of ``initialize`` counts for the same model and settings,
@@ -418,7 +422,7 @@ def test_offload_estimate_is_what_the_preflight_counts(
     count = count_parameters(model, persistence_threshold=0)
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": optimizer, "params": {"lr": 1e-3}},
         "zero_optimization": zero,
         "bf16": {
             "enabled": dtype.startswith("bf16"),
@@ -430,15 +434,19 @@ def test_offload_estimate_is_what_the_preflight_counts(
     engine, *_ = zerotrain.initialize(model=model, config=config)
     buckets = engine.optimizer.group.buckets
     assert engine.optimizer.comm.world_size == 1
-    assert len(buckets) == (1 if stage < 3 else ODD_GPT["n_layer"] + 1)  # the case meant
+    if optimizer == "AdamW":  # (Muon's and AdamW's parameters are in buckets of their own)
+        assert len(buckets) == (1 if stage < 3 else ODD_GPT["n_layer"] + 1)  # the case meant
     idx = torch.randint(0, model.config.vocab_size, (2, 8))
     engine.backward(engine(idx, idx))
     engine.step()  # Adam's state exists from the first step
     measured = engine.memory_breakdown()
 
+    muon = optimizer == "Muon"
     job = TrainingJob(
         trainable_params=count.trainable,
         **_policy_keys(dtype),
+        optimizer=optimizer.lower(),
+        optimizer_state_bytes=count.muon_state_bytes() if muon else None,
         offload=device,
         stages=(stage,),
         max_live_numel=10**9,

@@ -330,17 +330,20 @@ def test_checkpoints_resume_exactly_and_convert_between_policies(tmp_path):
     )
 
 
-def muon_narrow(policy: str, stage: int):
+def muon_narrow(policy: str, stage: int, offload: str | None = None, nvme: str = ""):
     from zerotrain.comm import Communicator
 
     comm = Communicator()
     torch.manual_seed(0)
     model = AwkwardModel()
+    zero = {"stage": stage, "reduce_bucket_size": 50, "sub_group_size": 32}
+    if offload:
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme or None}
     config = dict(
         BASE,
         optimizer={"type": "Muon", "params": {"lr": 2e-2, "adam_lr": 1e-2}},
-        zero_optimization={"stage": stage, "reduce_bucket_size": 50},
-        bf16={"enabled": True, **POLICIES[policy]},
+        zero_optimization=zero,
+        bf16={"enabled": True, **ALL_POLICIES[policy]},
     )
     engine, *_ = zerotrain.initialize(model=model, config=config)
     idx, tgt = make_batches(STEPS, MICRO * comm.world_size)
@@ -348,7 +351,7 @@ def muon_narrow(policy: str, stage: int):
     store = engine.optimizer.group.store
     dtypes = {
         (m.dtype, k, v.dtype)
-        for m in store.master_shards()
+        for m in store.master_shards() or []
         for k, v in store.optimizer.state[m].items()
         if v.shape == m.shape
     }
@@ -379,7 +382,7 @@ def muon_recipe() -> dict[str, torch.Tensor]:
                 buf.lerp_(grad, 1 - 0.95)
                 update = newton_schulz(grad.lerp(buf, 0.95)[None], 5, NS_COEFFICIENTS, 1e-7)[0]
                 scale = math.sqrt(max(1, p.shape[0] / p.shape[1]))
-                wide.add_(update, alpha=-2e-2 * scale)  # weight decay 0
+                wide.sub_(update * (2e-2 * scale))  # weight decay 0
                 saved["buf"] = buf.to(torch.bfloat16)
             else:
                 wide.grad = grad
@@ -409,6 +412,26 @@ def test_muon_steps_bf16_masters_and_momentum_whole():
         }
         for key, value in want.items():
             assert torch.equal(got[key], value), (stage, key)
+
+
+def muon_offloaded(policy: str, stage: int, nvme: str) -> dict:
+    """Muon's state in memory, on the host and on NVMe, with NVMe's sub-groups cut at 16
+    elements (see memory_and_offload in test_optimizers_sharded.py)."""
+    from zerotrain.zero import nvme as nvme_store
+
+    nvme_store.SUB_GROUP_ALIGNMENT = 16
+    return {where: muon_narrow(policy, stage, where, nvme)[0] for where in (None, "cpu", "nvme")}
+
+
+def test_muon_offload_steps_the_narrow_storage_bit_for_bit(tmp_path):
+    """Muon over bf16 masters and momentum on the host and on NVMe trains the in-memory run's
+    bits: on NVMe its update is made whole from sub-groups ([Note: Muon on NVMe])."""
+    cases = [(policy, stage, str(tmp_path)) for policy in POLICIES for stage in (1, 3)]
+    for rank_results in run_cases(muon_offloaded, 2, cases):
+        for case, runs in zip(cases, rank_results, strict=True):
+            for where in ("cpu", "nvme"):
+                for key, value in runs[None].items():
+                    assert torch.equal(runs[where][key], value), (case, where, key)
 
 
 # -- torch_autocast ----------------------------------------------------------------------------

@@ -82,14 +82,16 @@ class AutoOptions:
 @dataclass
 class Traffic:
     """What one step sends in a shard group: how often each bucket's gradient is reduced (by
-    ``collective``, all_reduce or reduce_scatter, in ``grad_dtype``) and how often shards of
-    each size are gathered (in ``param_dtype``)."""
+    ``collective``, all_reduce or reduce_scatter, in ``grad_dtype``, or the bucket's own in
+    ``bucket_dtypes``) and how often shards of each size are gathered (in ``param_dtype``)."""
 
     collective: str
     reductions: dict[int, float] = field(default_factory=dict)  # bucket index -> per step
     gathers: dict[int, float] = field(default_factory=dict)  # shard numel -> per step
     grad_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
+    # bucket index -> its wire dtype where it has its own (torch_autocast's safe modules)
+    bucket_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,8 +135,9 @@ def policy_costs(
     by_gradients = {p.gradients: Cost(0.0, []) for p in policies}
     by_parameters = {p.parameters: Cost(0.0, []) for p in policies}
     for index, per_step in traffic.reductions.items():
+        dtype = traffic.bucket_dtypes.get(index, traffic.grad_dtype)
         for piece in _pieces(buckets[index], world):
-            flat = torch.randn(piece.numel_padded, device=comm.device).to(traffic.grad_dtype)
+            flat = torch.randn(piece.numel_padded, device=comm.device).to(dtype)
             shard = flat.new_empty(flat.numel() // world)
             for gradients in by_gradients:
                 options = replace(gradients, warmup_steps=0) if gradients else None

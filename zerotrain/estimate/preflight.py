@@ -50,7 +50,12 @@ from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import dtype_name
 from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.layout import NamedParams
-from zerotrain.zero.offload import device_budget, device_bytes_per_element, probe_optimizer
+from zerotrain.zero.offload import (
+    device_budget,
+    device_bytes_per_element,
+    probe_optimizer,
+    probe_stand_ins,
+)
 from zerotrain.zero.store import OptimizerOver, needs_whole_parameters
 
 __all__ = ["check_memory", "job_of"]
@@ -106,7 +111,7 @@ def job_of(
     if state_bytes is None:  # Muon: its matrices' momentum, AdamW's moments for the rest
         optimizer, state_bytes = "muon", count.muon_state_bytes()
     offload = zero.offload_optimizer.device
-    if whole and offload == "nvme":  # NvmePlacement refuses it, naming the optimizer
+    if optimizer == "lamb" and offload == "nvme":  # NvmePlacement refuses it, naming Lamb
         return None
     job = TrainingJob(
         trainable_params=count.trainable,
@@ -148,7 +153,7 @@ def _optimizer_state(optimizer_over: OptimizerOver, groups: int) -> tuple[bool, 
             return True, None
         state_bytes = optimizer_state_bytes_per_element(probe, unknown=-1, stand_ins=True)
         if state_bytes < 0:  # an optimizer of its own: step it once to see its state
-            probe = probe_optimizer(optimizer_over, groups)
+            probe = probe_optimizer(optimizer_over, probe_stand_ins(groups))
             state_bytes = optimizer_state_bytes_per_element(probe, unknown=8, stand_ins=True)
     except Exception:  # noqa: BLE001 (a builder of the user's that wants real tensors)
         # the check goes on with Adam's figure; building the real optimizer will say what

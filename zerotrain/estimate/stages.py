@@ -51,9 +51,10 @@ def stage3_gathered_numel(
     return max(min(float(max_live_numel), float(params)), float(root_and_largest_block))
 
 
-WHOLE_PARAMETER_OPTIMIZERS = ("lamb", "muon")
-"""Optimizers whose update needs whole parameters (Lamb's trust ratios, Muon's matrices):
-stepped in one collective step, so not on NVMe, which steps sub-group by sub-group."""
+NOT_ON_NVME = ("lamb",)
+"""Optimizers NVMe offload refuses: Lamb's trust ratios need whole parameters, and NVMe steps
+sub-group by sub-group (Muon's matrices are made whole from its sub-groups' updates:
+[Note: Muon on NVMe] in zerotrain/zero/nvme.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,11 +140,11 @@ class TrainingJob:
             )
         if self.offload not in (None, *OFFLOAD_DEVICES):
             raise ValueError(f"--offload: cpu or nvme, got {self.offload!r}")
-        if self.offload == "nvme" and self.optimizer in WHOLE_PARAMETER_OPTIMIZERS:
+        if self.offload == "nvme" and self.optimizer in NOT_ON_NVME:
             raise ValueError(
                 f"--offload nvme steps the optimizer sub-group by sub-group, and {self.optimizer} "
-                "needs whole parameters (Lamb's trust ratios, Muon's matrices); use --offload "
-                "cpu, or adam, adamw, sgd, lion or adagrad"
+                "needs whole parameters (Lamb's trust ratios); use --offload cpu, or adam, "
+                "adamw, sgd, lion, adagrad or muon"
             )
         if min(self.reduce_bucket_size, self.buffer_count, self.sub_group_size) < 1:
             raise ValueError(
@@ -300,10 +301,12 @@ def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int
     state_bytes = job.precision.stored_state_bytes(job.state_bytes)
     master = job.precision.master_dtype.itemsize
     if job.offload == "nvme":
+        # a staging set holds any sub-group's state: for Muon, its AdamW half's
+        staged = OPTIMIZER_STATE_BYTES["adamw"] if job.optimizer == "muon" else job.state_bytes
         host = staging_host_bytes(
             largest,
             sub_group_size=job.sub_group_size,
-            state_bytes=state_bytes,
+            state_bytes=job.precision.stored_state_bytes(staged),
             param_itemsize=job.precision_bytes,
             buffer_count=job.buffer_count,
             master_itemsize=master,
@@ -379,8 +382,7 @@ def memory_options(job: TrainingJob, stage: int, *, on_host: bool) -> list[Optio
     ``offload_param`` at stage 3, and their combinations; with offload, a lower ``ratio`` or
     ``buffer_count``, and with nvme a smaller ``sub_group_size``."""
     variants: list[tuple[tuple[str, ...], int, TrainingJob, str]] = []  # ..., family
-    element_wise = job.optimizer not in WHOLE_PARAMETER_OPTIMIZERS  # NVMe steps sub-groups
-    devices = [job.offload, "cpu"] + (["nvme"] if element_wise else [])
+    devices = [job.offload, "cpu"] + (["nvme"] if job.optimizer not in NOT_ON_NVME else [])
     for new_stage in range(stage, 4):
         for device in dict.fromkeys(devices):
             if device is not None and new_stage == 0:

@@ -237,30 +237,46 @@ class Muon(ClosureStep):
             if group["use_muon"]:
                 # on ZeRO's shards the gradients are the engine's, consumed by this step: the
                 # update is made in their storage (no copy of every matrix)
-                self._muon_step(group, params, self.layout(index), index in self._layouts)
+                self._muon_step(index, params, self.layout(index), index in self._layouts)
             elif params:
                 self._adamw_step(group, params)
 
     def _muon_step(
-        self, group: dict, params: list[Tensor], layout: MatrixLayout, in_place: bool
+        self, index: int, params: list[Tensor], layout: MatrixLayout, in_place: bool
     ) -> None:
         # the layout's exchange is collective: it runs even when this rank has no gradient
-        lr = group["muon_lr"] if group["muon_lr"] is not None else group["lr"]
-        mu = group["momentum"]
         updates: dict[Tensor, Tensor] = {}
         for p in params:
             grad = cast(Tensor, p.grad)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)
             update = grad if in_place else torch.empty_like(grad)
-            if group["nesterov"]:
-                torch.lerp(grad, buf, mu, out=update)
-            else:
-                update.copy_(buf)
+            self.prepare_update(index, grad, state["momentum_buffer"], update)
             updates[p] = update
+        if updates:  # ZeRO attaches a gradient to every shard: every rank exchanges
+            layout.orthogonalize(updates, self.orthogonalizer(index))
+        for p, update in updates.items():
+            self.apply_update(index, p.view(-1), update.view(-1), layout.runs(p))
+
+    # Muon's step in three parts, for a store that holds the tensors piece by piece (NVMe
+    # offload, zerotrain/zero/nvme.py): the first and last are element-wise, so a piece of a
+    # tensor steps exactly as within the whole.
+    def prepare_update(self, group_index: int, grad: Tensor, buf: Tensor, out: Tensor) -> None:
+        """The first part: the momentum ``buf`` takes ``grad``, and ``out`` (may be ``grad``)
+        the update before orthogonalisation."""
+        group = self.param_groups[group_index]
+        mu = group["momentum"]
+        buf.lerp_(grad, 1 - mu)
+        if group["nesterov"]:
+            torch.lerp(grad, buf, mu, out=out)
+        else:
+            out.copy_(buf)
+
+    def orthogonalizer(self, group_index: int) -> Callable[[Tensor], Tensor]:
+        """The second part, for a layout's ``orthogonalize``: Newton-Schulz of a batch of
+        matrices of one shape, in ``ns_dtype``, returned in their dtype."""
+        group = self.param_groups[group_index]
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(group["ns_dtype"] or "")
 
         def orthogonalized(matrices: Tensor) -> Tensor:
@@ -268,17 +284,26 @@ class Muon(ClosureStep):
             out = newton_schulz(work, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
             return out.to(matrices.dtype)
 
-        if updates:  # ZeRO attaches a gradient to every shard: every rank exchanges
-            layout.orthogonalize(updates, orthogonalized)
+        return orthogonalized
+
+    def apply_update(
+        self, group_index: int, param: Tensor, update: Tensor, runs: list[MatrixRun]
+    ) -> None:
+        """The last part: over each run of the flat ``param``, the weight decay and the scaled
+        orthogonalised ``update`` (laid out like ``param``; consumed). The update is scaled,
+        then subtracted: two correctly rounded operations, so a piece of a run (an NVMe
+        sub-group) takes the bits it takes within the whole run, whichever of a CPU kernel's
+        vector or scalar loops it meets (a multiply-add may round differently in each)."""
+        group = self.param_groups[group_index]
+        lr = group["muon_lr"] if group["muon_lr"] is not None else group["lr"]
         decay = 1 - lr * group["weight_decay"]
-        for p, update in updates.items():
-            flat_p, flat_u = p.view(-1), update.view(-1)
-            for start, end, shape in layout.runs(p):
-                piece = flat_p[start:end]
-                if decay != 1:
-                    piece.mul_(decay)
-                scale = update_scale(shape, group["adjust_lr_fn"])
-                piece.add_(flat_u[start:end], alpha=-lr * scale)
+        for start, end, shape in runs:
+            piece = param[start:end]
+            if decay != 1:
+                piece.mul_(decay)
+            step = update[start:end]
+            step.mul_(lr * update_scale(shape, group["adjust_lr_fn"]))
+            piece.sub_(step)
 
     def _adamw_step(self, group: dict, params: list[Tensor]) -> None:
         adam_step(

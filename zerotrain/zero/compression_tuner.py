@@ -210,8 +210,9 @@ class CompressionTuner(StepExtension):
             if n > gathered.get(numel, 0)
         }
         reduction, dtype = self.reduction, self.dtype
+        wire = {i: reduction.wire_dtype(reduction.buckets[i]) for i in reductions}
         return Traffic(
-            reduction.collective, reductions, gathers, reduction.comm_dtype or dtype, dtype
+            reduction.collective, reductions, gathers, reduction.comm_dtype or dtype, dtype, wire
         )
 
     def _slowest(self, values: list[float]) -> list[float]:

@@ -532,15 +532,21 @@ def build_shard_group(
         order += members[-1]
     ranges = [buckets[i].slot_ranges(*partition.range(buckets[i])) for i in order]
 
+    bucket_of: dict[int, int] = {}  # id of each optimizer tensor -> its bucket
+
     def matrices(group_index: int, tensors: list[torch.Tensor]) -> ShardedMatrices:
-        group_buckets = [buckets[i] for i in members[group_index]]
-        return ShardedMatrices(tensors, group_buckets, partition.sharded, partition.comm)
+        group_members = members[group_index]
+        positions = {id(t): group_members.index(bucket_of[id(t)]) for t in tensors}
+        group_buckets = [buckets[i] for i in group_members]
+        return ShardedMatrices(positions, group_buckets, partition.sharded, partition.comm)
 
     segments = ShardSegments(ranges, len(index_of), partition.sum_over_ranks, matrices)
 
     def optimizer_over(
         masters: list[list[torch.Tensor]], probe: bool = False
     ) -> torch.optim.Optimizer:
+        bucket_of.clear()
+        bucket_of.update((id(t), i) for i, tensors in enumerate(masters) for t in tensors)
         inner_groups = [
             {**hyper, "params": [t for i in indices for t in masters[i]]}
             for (hyper, _), indices in zip(groups, members, strict=True)

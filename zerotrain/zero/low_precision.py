@@ -28,9 +28,10 @@ from contextlib import contextmanager
 
 import torch
 
+from zerotrain.optim.muon import MatrixRun, Muon
 from zerotrain.precision import PrecisionPolicy
 
-__all__ = ["LowPrecisionSteps", "gradients_only", "round_stochastically"]
+__all__ = ["LowPrecisionSteps", "copy_into", "gradients_only", "round_stochastically"]
 
 
 def round_stochastically(value: torch.Tensor, into: torch.Tensor, seed: int) -> None:
@@ -84,8 +85,68 @@ class LowPrecisionSteps:
         rounds += [[(i, m)] for i, m in indexed if id(m) not in together]
         for chosen in filter(None, rounds):
             stepped = [m for _, m in chosen]
+            if isinstance(optimizer, Muon) and id(stepped[0]) in together:
+                self._step_muon(optimizer, chosen)
+                continue
             with gradients_only(masters, stepped), self._widened(optimizer, chosen):
                 optimizer.step()
+
+    # Muon's matrices are stepped together (their update is collective), but widening them all
+    # at once would hold 12 bytes per element in fp32 (master, gradient, momentum) for the
+    # step: its three parts (optim/muon.py) are widened tensor by tensor instead, and only the
+    # updates are fp32 together, for the exchange. The arithmetic, and so the bits, are the
+    # same. NVMe offload steps sub-groups through the same two calls (zero/nvme.py).
+    def _step_muon(self, muon: Muon, chosen: list[tuple[int, torch.Tensor]]) -> None:
+        for group_index, group in enumerate(muon.param_groups):
+            mine = {id(p) for p in group["params"]}
+            masters = [(i, m) for i, m in chosen if id(m) in mine]
+            if not group["use_muon"] or not masters:
+                continue
+            layout = muon.layout(group_index)
+            updates = {}
+            for _, master in masters:
+                state = muon.state[master]
+                if "momentum_buffer" not in state:
+                    dtype = self.precision.state_dtype
+                    state["momentum_buffer"] = torch.zeros_like(master, dtype=dtype)
+                update = torch.empty_like(master, dtype=torch.float32)
+                grad = master.grad
+                assert grad is not None
+                self.prepare_muon(muon, group_index, grad, state["momentum_buffer"], update)
+                updates[master] = update
+            layout.orthogonalize(updates, muon.orthogonalizer(group_index))
+            for index, master in masters:
+                runs = layout.runs(master)
+                self.apply_muon(
+                    muon, group_index, master.view(-1), updates[master].view(-1), runs, index
+                )
+
+    def prepare_muon(
+        self, muon: Muon, group_index: int, grad: torch.Tensor, buf: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Muon's first part in fp32: the momentum ``buf`` (as stored, rounded back to
+        nearest as the other states) takes ``grad``, and ``out`` (fp32; may be ``grad``) the
+        update."""
+        wide_buf, wide_grad = buf.float(), grad.float()
+        muon.prepare_update(group_index, wide_grad, wide_buf, wide_grad)
+        copy_into(buf, wide_buf)
+        copy_into(out, wide_grad)
+
+    def apply_muon(
+        self,
+        muon: Muon,
+        group_index: int,
+        master: torch.Tensor,
+        update: torch.Tensor,
+        runs: list[MatrixRun],
+        index: int,
+    ) -> None:
+        """Muon's last part on the flat ``master`` (bucket ``index``'s, or a piece of it) with
+        its orthogonalised fp32 ``update``, in fp32, rounded back as :meth:`round_into`."""
+        wide = master.float()
+        muon.apply_update(group_index, wide, update, runs)
+        if wide is not master:
+            self.round_into(wide, master, index)
 
     @contextmanager
     def _widened(
@@ -108,7 +169,7 @@ class LowPrecisionSteps:
             yield
         finally:
             for (index, master), (storage, grad, kept) in zip(masters, narrow, strict=True):
-                self._round(master.data, storage, index)
+                self.round_into(master.data, storage, index)
                 master.data = storage
                 master.grad = grad
                 state = optimizer.state.get(master, {})
@@ -121,7 +182,9 @@ class LowPrecisionSteps:
                     target.copy_(value)  # to nearest
                     state[key] = target
 
-    def _round(self, wide: torch.Tensor, storage: torch.Tensor, index: int) -> None:
+    def round_into(self, wide: torch.Tensor, storage: torch.Tensor, index: int) -> None:
+        """``storage`` (a master) takes the fp32 ``wide``: to nearest, or stochastically where
+        the policy says so (``index``: its bucket's, which salts the random bits)."""
         if storage.dtype == torch.float32:
             storage.copy_(wide)
         elif self.precision.stochastic_rounding and storage.dtype == torch.bfloat16:
@@ -158,6 +221,13 @@ def stepped_together(optimizer: torch.optim.Optimizer) -> set[int]:
         chosen() if chosen is not None else [t for g in optimizer.param_groups for t in g["params"]]
     )
     return {id(t) for t in tensors}
+
+
+def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target`` takes ``value`` (shaped like it); nothing to do when they share storage."""
+    if value.data_ptr() != target.data_ptr():
+        with torch.no_grad():
+            target.copy_(value.view_as(target))
 
 
 def _per_element(value: object, master: torch.Tensor) -> bool:

@@ -53,19 +53,22 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from zerotrain.accelerator import map_large_host_blocks, release_free_host_memory
 from zerotrain.config import ConfigError
+from zerotrain.optim.muon import Muon
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.progress import progress
+from zerotrain.ranges import intersect
 from zerotrain.zero.host import check_disk, local_ranks, remove_stale_files, working_file
-from zerotrain.zero.low_precision import LowPrecisionSteps
+from zerotrain.zero.low_precision import LowPrecisionSteps, copy_into
 from zerotrain.zero.offload import (
     BucketNorms,
     HostBytes,
@@ -73,6 +76,7 @@ from zerotrain.zero.offload import (
     OffloadOptions,
     Ring,
     host_bytes,
+    probe_stand_ins,
     quiesce_device,
     ring_numel,
 )
@@ -81,30 +85,15 @@ from zerotrain.zero.store import (
     ParamShards,
     Placement,
     ShardStore,
-    copy_into,
     masters_alias_params,
     needs_whole_parameters,
     write_device_params,
     zero_element_state,
 )
 from zerotrain.zero.swap import SwapFile, aligned_empty
+from zerotrain.zero.whole_matrices import ShardedMatrices
 
 _EMPTY = torch.empty(0)  # the data of a sub-group that is not in a staging set
-
-
-@dataclass(eq=False)
-class SubGroup:
-    """``[start, end)`` of bucket ``bucket``'s optimizer part, stepped as one tensor."""
-
-    bucket: int
-    start: int
-    end: int
-    slot: int  # its master's slot in the file; its element state keys follow, in key order
-    param: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -121,14 +110,44 @@ class StateLayout:
         return sum(d.itemsize for d in self.dtypes)
 
 
+@dataclass(eq=False)
+class SubGroup:
+    """``[start, end)`` of bucket ``bucket``'s optimizer part, stepped as one tensor."""
+
+    bucket: int
+    start: int
+    end: int
+    slot: int  # its master's slot in the file; its element state keys follow, in key order
+    layout: StateLayout  # its bucket's: optimizer groups may keep different states (Muon)
+    param: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
 class _StagingSet:
     """Host buffers for one sub-group in flight: master, element state, gradient."""
 
-    def __init__(self, numel: int, layout: StateLayout, pin: bool):
-        self.master = aligned_empty(numel, layout.master_dtype, pin=pin)
-        self.state = [aligned_empty(numel, d, pin=pin) for d in layout.dtypes]
-        self.grad = aligned_empty(numel, layout.master_dtype, pin=pin)
+    def __init__(self, numel: int, layouts: Sequence[StateLayout], pin: bool):
+        master_dtype = layouts[0].master_dtype
+        # sub-groups of different optimizer groups may keep different states (Muon's momentum,
+        # AdamW's moments): a buffer per key position, as wide as its widest dtype
+        keys = max(len(layout.dtypes) for layout in layouts)
+        widths = [
+            max(layout.dtypes[k].itemsize for layout in layouts if k < len(layout.dtypes))
+            for k in range(keys)
+        ]
+        self.master = aligned_empty(numel, master_dtype, pin=pin)
+        self._state = [aligned_empty(numel * width, torch.uint8, pin=pin) for width in widths]
+        self.grad = aligned_empty(numel, master_dtype, pin=pin)
         self.io: list[Future[None]] = []  # reads or writes using these buffers
+
+    def state(self, group: SubGroup) -> list[torch.Tensor]:
+        """The buffers of ``group``'s element state, in its layout's key order."""
+        dtypes = group.layout.dtypes
+        buffers = self._state[: len(dtypes)]
+        return [b[: group.numel * d.itemsize].view(d) for b, d in zip(buffers, dtypes, strict=True)]
 
     def wait(self) -> None:
         for future in self.io:
@@ -136,7 +155,7 @@ class _StagingSet:
         self.io = []
 
     def nbytes(self) -> int:
-        tensors = [self.master, self.grad, *self.state]
+        tensors = [self.master, self.grad, *self._state]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
@@ -158,17 +177,21 @@ def sub_group_numel(sub_group_size: int) -> int:
     return max(SUB_GROUP_ALIGNMENT, aligned)
 
 
-def split_sub_groups(numels: list[int], on_host: list[bool], size: int, keys: int):
-    """The sub-groups of the offloaded buckets, each with ``1 + keys`` file slots: at most
+def split_sub_groups(
+    numels: list[int], on_host: list[bool], size: int, layouts: list[StateLayout]
+) -> list[SubGroup]:
+    """The sub-groups of the offloaded buckets (bucket i's state laid out as ``layouts[i]``),
+    each with a file slot for its master and one per state key: at most
     :func:`sub_group_numel` of ``size`` elements."""
     size = sub_group_numel(size)
     groups, slot = [], 0
     for bucket, (numel, host) in enumerate(zip(numels, on_host, strict=True)):
         if not host:
             continue
+        layout = layouts[bucket]
         for start in range(0, numel, size):
-            groups.append(SubGroup(bucket, start, min(numel, start + size), slot))
-            slot += 1 + keys
+            groups.append(SubGroup(bucket, start, min(numel, start + size), slot, layout))
+            slot += 1 + len(layout.keys)
     return groups
 
 
@@ -204,6 +227,27 @@ def disk_bytes_needed(numel: int, state_bytes: float, master_itemsize: int = 4) 
     return round(numel * (master_itemsize + state_bytes))
 
 
+@dataclass(frozen=True)
+class _Visit:
+    """What a walk does with one sub-group: stage its master (and send it to the parameter
+    shard after), stage its element state (once there is one), and run ``action`` on the
+    staged buffers, after which what was staged is written back."""
+
+    master: bool
+    state: bool
+    action: Callable[[SubGroup, _StagingSet], None] | None = None
+
+
+@dataclass(frozen=True)
+class _MuonBucket:
+    """A bucket Muon steps: its optimizer group, that group's matrix layout, its position
+    there."""
+
+    group_index: int
+    layout: ShardedMatrices
+    position: int
+
+
 class NvmeShardStore(ShardStore):
     """Offloaded buckets' masters and state in a working file, stepped sub-group by sub-group;
     the other buckets' on the device (see [Note: the sub-group pipeline])."""
@@ -213,7 +257,7 @@ class NvmeShardStore(ShardStore):
         device_masters: list[torch.Tensor | None],
         numels: list[int],
         sub_groups: list[SubGroup],
-        layout: StateLayout,
+        layouts: list[StateLayout],
         optimizer: torch.optim.Optimizer,
         swap: SwapFile,
         *,
@@ -226,7 +270,7 @@ class NvmeShardStore(ShardStore):
         param_dtype = precision.param_dtype
         self._numels = numels
         self.sub_groups = sub_groups
-        self.layout = layout
+        self.layouts = layouts  # per bucket
         self.optimizer = optimizer
         self.swap = swap
         self.masters_alias_params = masters_alias_params
@@ -234,15 +278,33 @@ class NvmeShardStore(ShardStore):
         map_large_host_blocks()  # see [Note: NVMe offload and freed host memory]
         largest = max(g.numel for g in sub_groups)
         count = max(1, options.buffer_count)
-        self._sets = [_StagingSet(largest, layout, options.pin_memory) for _ in range(count)]
+        hosted = [g.layout for g in sub_groups]
+        self._sets = [_StagingSet(largest, hosted, options.pin_memory) for _ in range(count)]
         self._ring = Ring(count, ring_numel(largest), param_dtype, pin=options.pin_memory)
         self._norms = BucketNorms(len(numels))
         self._grads: list[torch.Tensor | None] = [None] * len(numels)  # the reduced, on device
+        self._muon = self._muon_buckets()
+        self._updates: dict[int, torch.Tensor] = {}  # Muon's, per bucket, during a step
         self._factor = 1.0
         self._has_state = False
         self.bytes_read = self.bytes_written = 0  # for the benchmark's GB/s
         self._finalizer = weakref.finalize(self, swap.close)
         atexit.register(self._finalizer)
+
+    def _muon_buckets(self) -> dict[int, _MuonBucket]:
+        """The buckets Muon steps (none for another optimizer)."""
+        if not isinstance(self.optimizer, Muon):
+            return {}
+        bucket_of = {id(g.param): g.bucket for g in self.sub_groups}
+        bucket_of.update((id(m), i) for i, m in enumerate(self._device_masters) if m is not None)
+        out = {}
+        for index, group in enumerate(self.optimizer.param_groups):
+            if group["use_muon"]:
+                layout = self.optimizer.layout(index)
+                assert isinstance(layout, ShardedMatrices)
+                for tensor in group["params"]:
+                    out[bucket_of[id(tensor)]] = _MuonBucket(index, layout, layout.position(tensor))
+        return out
 
     # -- gradients in ---------------------------------------------------------------------------
     def take_reduced(self, index: int, grad: torch.Tensor) -> None:
@@ -279,101 +341,222 @@ class NvmeShardStore(ShardStore):
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, param_shards: ParamShards) -> None:
-        if self._resident_masters():
-            # only they have gradients now
+        if self._muon:  # see [Note: Muon on NVMe]
+            self._muon_updates()
+        resident = self._resident_masters()
+        if resident:
+            for index in self._muon:
+                master = self._device_masters[index]
+                if master is not None:
+                    self._apply_muon(index, master, 0, self._updates[index])
+                    master.grad = None  # stepped: out of the optimizer's step below
             buckets = [i for i, m in enumerate(self._device_masters) if m is not None]
-            self.step_optimizer(self._resident_masters(), buckets)
+            self.step_optimizer(resident, buckets)
             self._write_device_params(param_shards)
-            for master in self._resident_masters():  # out of the sub-groups' steps
+            for master in resident:  # out of the sub-groups' steps
                 master.grad = None
-        self._walk(self._step_order(), param_shards, step=True)
+        applied = _Visit(master=True, state=False, action=self._apply_muon_sub_group)
+        stepped = _Visit(master=True, state=True, action=self._step_one)
+        self._walk(
+            self._step_order(),
+            param_shards,
+            lambda g: applied if g.bucket in self._muon else stepped,
+        )
+        self._updates = {}
         self._has_state = True
 
     def _step_order(self) -> list[SubGroup]:
         # the first buckets' parameters are needed last in forward: the last ones first
         return sorted(self.sub_groups, key=lambda g: (-g.bucket, g.start))
 
-    def _walk(self, order: list[SubGroup], param_shards: ParamShards, *, step: bool) -> None:
-        """Stage each sub-group of ``order`` in turn (reads ahead, writes behind), step it if
-        ``step``, and send its master to its parameter shard."""
+    def _walk(
+        self,
+        order: list[SubGroup],
+        param_shards: ParamShards,
+        visit: Callable[[SubGroup], _Visit],
+    ) -> None:
+        """Stage each sub-group of ``order`` in turn (reads ahead, writes behind) and do with
+        it what ``visit`` says; send its staged master to its parameter shard."""
         quiesce_device()
         count = len(self._sets)
+        visits = [visit(g) for g in order]
         # read k + ahead while k is stepped: into the set of k - 2 (its writes are then done)
         # where there are sets enough, else of k - 1, else (one set) no overlap at all
         ahead = min(count - 1, max(1, count - 2))
         for k in range(min(ahead, len(order))):
-            self._read(order[k], self._sets[k % count], with_state=step and self._has_state)
+            self._read(order[k], visits[k], self._sets[k % count])
         target = _EMPTY  # the open parameter shard: a bucket's sub-groups are walked in a row
-        creating = step and not self._has_state  # the first step makes the state
+        creating = not self._has_state  # the first step makes the state
         created = 0  # bytes of state made since memory was last handed back
-        for k, group in enumerate(order):
+        for k, (group, seen) in enumerate(zip(order, visits, strict=True)):
             if k + ahead < len(order):
-                upcoming = self._sets[(k + ahead) % count]
-                self._read(order[k + ahead], upcoming, with_state=step and self._has_state)
+                self._read(order[k + ahead], visits[k + ahead], self._sets[(k + ahead) % count])
             staged = self._sets[k % count]
             staged.wait()
-            master = staged.master[: group.numel]
-            if step:
-                self._step_one(group, staged)
-            if group.start == 0:
-                target = param_shards.open(group.bucket)
-            self._ring.send(master, target[group.start : group.end])
-            if group.end == self._numels[group.bucket]:
-                param_shards.close(group.bucket)
-            if step:
-                self._write(group, staged)
-            if creating:  # see [Note: NVMe offload and freed host memory]
-                created += group.numel * self.layout.bytes_per_element
-                if created >= RELEASE_EVERY:
-                    release_free_host_memory()
-                    created = 0
+            if seen.action is not None:
+                seen.action(group, staged)
+                self._write(group, seen, staged)
+                created += group.numel * group.layout.bytes_per_element
+            if seen.master:
+                if group.start == 0:
+                    target = param_shards.open(group.bucket)
+                self._ring.send(staged.master[: group.numel], target[group.start : group.end])
+                if group.end == self._numels[group.bucket]:
+                    param_shards.close(group.bucket)
+            if creating and created >= RELEASE_EVERY:  # [Note: NVMe offload and freed host memory]
+                release_free_host_memory()
+                created = 0
         for staged in self._sets:
             staged.wait()
-        if creating:
+        if creating and created:
             release_free_host_memory()
 
-    def _read(self, group: SubGroup, staged: _StagingSet, *, with_state: bool) -> None:
-        staged.wait()  # its previous sub-group's writes are done
-        n = group.numel
-        buffers = [staged.master, *(staged.state if with_state else [])]
-        for offset, buffer in enumerate(buffers):
-            staged.io.append(self.swap.read(group.slot + offset, buffer[:n]))
-            self.bytes_read += n * buffer.element_size()
+    def _staged(self, group: SubGroup, visit: _Visit, staged: _StagingSet, *, reading: bool):
+        """(file slot, buffer) of what ``visit`` stages of ``group`` (reading: the state once
+        there is one)."""
+        pairs = [(group.slot, staged.master[: group.numel])] if visit.master else []
+        if visit.state and (self._has_state or not reading):
+            pairs += [(group.slot + 1 + k, b) for k, b in enumerate(staged.state(group))]
+        return pairs
 
-    def _write(self, group: SubGroup, staged: _StagingSet) -> None:
-        n = group.numel
-        for offset, buffer in enumerate([staged.master, *staged.state]):
-            staged.io.append(self.swap.write(group.slot + offset, buffer[:n]))
-            self.bytes_written += n * buffer.element_size()
+    def _read(self, group: SubGroup, visit: _Visit, staged: _StagingSet) -> None:
+        staged.wait()  # its previous sub-group's writes are done
+        for slot, buffer in self._staged(group, visit, staged, reading=True):
+            staged.io.append(self.swap.read(slot, buffer))
+            self.bytes_read += buffer.nbytes
+
+    def _write(self, group: SubGroup, visit: _Visit, staged: _StagingSet) -> None:
+        for slot, buffer in self._staged(group, visit, staged, reading=False):
+            staged.io.append(self.swap.write(slot, buffer))
+            self.bytes_written += buffer.nbytes
+
+    def _stage_grad(self, group: SubGroup, staged: _StagingSet) -> torch.Tensor:
+        """``group``'s part of its bucket's reduced gradient, scaled, in the staging set."""
+        grad = self._grads[group.bucket]
+        assert grad is not None, "the step found no gradient of an offloaded bucket"
+        out = staged.grad[: group.numel]
+        out.copy_(grad[group.start : group.end])
+        if self._factor != 1.0:
+            out.mul_(self._factor)
+        return out
 
     def _step_one(self, group: SubGroup, staged: _StagingSet) -> None:
         n = group.numel
-        grad = self._grads[group.bucket]
-        assert grad is not None, "the step found no gradient of an offloaded bucket"
-        staged.grad[:n].copy_(grad[group.start : group.end])
-        if self._factor != 1.0:
-            staged.grad[:n].mul_(self._factor)
         param = group.param
         param.data = staged.master[:n]
-        param.grad = staged.grad[:n]
+        param.grad = self._stage_grad(group, staged)
         state = self.optimizer.state[param]
+        buffers = staged.state(group)
         if self._has_state:
-            for key, buffer in zip(self.layout.keys, staged.state, strict=True):
-                state[key] = buffer[:n]
+            for key, buffer in zip(group.layout.keys, buffers, strict=True):
+                state[key] = buffer
         self.step_optimizer([param], [group.bucket])
-        for key, buffer in zip(self.layout.keys, staged.state, strict=True):
+        for key, buffer in zip(group.layout.keys, buffers, strict=True):
             if state[key].data_ptr() != buffer.data_ptr():  # created by this first step
-                buffer[:n].copy_(state[key])
+                buffer.copy_(state[key])
             state[key] = _EMPTY
         param.grad = None
         param.data = _EMPTY
+
+    # -- Muon -----------------------------------------------------------------------------------
+    # [Note: Muon on NVMe]
+    # Muon's step is element-wise but for Newton-Schulz, which needs each matrix whole
+    # (zerotrain/zero/whole_matrices.py), while NVMe offload holds a few sub-groups in host
+    # memory at a time. So the step is cut in Muon's three parts (optim/muon.py): a first walk
+    # over Muon's sub-groups reads each one's momentum, updates it, and leaves the update
+    # before orthogonalisation in the bucket's reduced gradient on the device (which this step
+    # consumes; an fp32 buffer instead where the gradient is narrower); the layout then
+    # orthogonalises those flat updates as in memory; and the usual walk applies each
+    # sub-group's part of them to its master. The momentum is read and written once and the
+    # master once, as for Adam; the updates cost no memory beyond the gradients in fp32 training.
+    # Each part is element-wise over the same dtypes as the in-memory step, and sub-groups are
+    # cut at vector-lane boundaries (SUB_GROUP_ALIGNMENT), so the result is that step's, bit for
+    # bit (tests/test_optimizers_sharded.py).
+    def _muon_updates(self) -> None:
+        """Muon's first two parts: each bucket's momentum and update, then the update
+        orthogonalised (collective)."""
+        for index, master in enumerate(self._device_masters):
+            if master is not None and index in self._muon:
+                state = self.optimizer.state[master]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(master, dtype=self._state_dtype)
+                assert master.grad is not None
+                self._prepare_muon(
+                    index, master.grad, state["momentum_buffer"], self._update(index)
+                )
+        prepared = _Visit(master=False, state=True, action=self._prepare_muon_sub_group)
+        hosted = [g for g in self._step_order() if g.bucket in self._muon]
+        self._walk(hosted, ParamShards([]), lambda g: prepared)
+        by_group: dict[int, tuple[ShardedMatrices, dict[int, torch.Tensor]]] = {}
+        for index, bucket in self._muon.items():
+            _, flats = by_group.setdefault(bucket.group_index, (bucket.layout, {}))
+            flats[bucket.position] = self._updates[index]
+        for group_index, (layout, flats) in by_group.items():
+            layout.orthogonalize_buckets(flats, self._muon_optimizer.orthogonalizer(group_index))
+
+    @property
+    def _muon_optimizer(self) -> Muon:
+        return cast(Muon, self.optimizer)  # asked only where some bucket is Muon's
+
+    @property
+    def _state_dtype(self) -> torch.dtype:
+        return self.low_precision.precision.state_dtype
+
+    def _update(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s Muon update (fp32, on the device): its gradient itself where
+        that is fp32."""
+        if index not in self._updates:
+            master = self._device_masters[index]
+            grad = master.grad if master is not None else self._grads[index]
+            assert grad is not None, "the step found no gradient of a bucket"
+            wide = grad.dtype == torch.float32
+            self._updates[index] = grad if wide else torch.empty_like(grad, dtype=torch.float32)
+        return self._updates[index]
+
+    def _prepare_muon(
+        self, index: int, grad: torch.Tensor, buf: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        group_index = self._muon[index].group_index
+        self.low_precision.prepare_muon(self._muon_optimizer, group_index, grad, buf, out)
+
+    def _prepare_muon_sub_group(self, group: SubGroup, staged: _StagingSet) -> None:
+        (buf,) = staged.state(group)
+        if not self._has_state:
+            buf.zero_()
+        out = self._update(group.bucket)[group.start : group.end]
+        self._prepare_muon(group.bucket, self._stage_grad(group, staged), buf, out)
+
+    def _apply_muon(
+        self, index: int, master: torch.Tensor, start: int, update: torch.Tensor
+    ) -> None:
+        """Muon's last part on ``master``, elements ``[start, start + numel)`` of bucket
+        ``index``'s part, with their orthogonalised ``update`` (fp32, on ``master``'s device),
+        in fp32, rounded back as the in-memory step rounds."""
+        bucket = self._muon[index]
+        end = start + master.numel()
+        runs = [
+            (lo - start, hi - start, shape)
+            for first, last, shape in bucket.layout.bucket_runs(bucket.position)
+            for lo, hi in [intersect(first, last, start, end)]
+            if lo < hi
+        ]
+        muon = self._muon_optimizer
+        self.low_precision.apply_muon(muon, bucket.group_index, master, update, runs, index)
+
+    def _apply_muon_sub_group(self, group: SubGroup, staged: _StagingSet) -> None:
+        update = self._updates[group.bucket][group.start : group.end]
+        if update.device.type != "cpu":  # into host memory: the staging set's, where it fits
+            host = staged.grad[: group.numel]
+            update = host.copy_(update) if host.dtype == update.dtype else update.cpu()
+        self._apply_muon(group.bucket, staged.master[: group.numel], group.start, update)
 
     def _write_device_params(self, param_shards: ParamShards) -> None:
         write_device_params(self._device_masters, param_shards, alias=self.masters_alias_params)
 
     def write_params(self, param_shards: ParamShards) -> None:
         self._write_device_params(param_shards)
-        self._walk(self._step_order(), param_shards, step=False)
+        sent = _Visit(master=True, state=False)
+        self._walk(self._step_order(), param_shards, lambda g: sent)
 
     # -- state, a bucket at a time ------------------------------------------------------------
     def master_numels(self) -> list[int]:
@@ -383,27 +566,31 @@ class NvmeShardStore(ShardStore):
         return [m for m in self._device_masters if m is not None]
 
     def element_state_keys(self, master: int | None = None) -> list[str]:
-        # one layout for every bucket (an optimizer with states per group is refused here)
-        if self._has_state:
-            return sorted(self.layout.keys)
-        for tensor in self._resident_masters():
-            if self.optimizer.state.get(tensor):
-                return sorted(self.layout.keys)
-        return []
+        keys: set[str] = set()
+        for index, tensor in enumerate(self._device_masters):
+            if master in (None, index):
+                if tensor is None:
+                    keys.update(self.layouts[index].keys if self._has_state else ())
+                else:
+                    state = self.optimizer.state.get(tensor, {})
+                    keys.update(k for k in self.layouts[index].keys if k in state)
+        return sorted(keys)
 
-    def _slot_offset(self, key: str) -> int:
+    def _slot_offset(self, master: int, key: str) -> int:
         if key == "master":
             return 0
-        if key not in self.layout.keys:
-            raise KeyError(f"NVMe offload: the optimizer keeps no per-element {key!r}")
-        return 1 + self.layout.keys.index(key)
+        layout = self.layouts[master]
+        if key not in layout.keys:
+            raise KeyError(f"NVMe offload: the optimizer keeps no per-element {key!r} here")
+        return 1 + layout.keys.index(key)
 
     def state_tensor(self, master: int, key: str) -> torch.Tensor:
         device_master = self._device_masters[master]
         if device_master is not None:
             return device_master if key == "master" else self.optimizer.state[device_master][key]
-        offset = self._slot_offset(key)
-        dtype = self.layout.master_dtype if key == "master" else self.layout.dtypes[offset - 1]
+        offset = self._slot_offset(master, key)
+        layout = self.layouts[master]
+        dtype = layout.master_dtype if key == "master" else layout.dtypes[offset - 1]
         out = torch.empty(self._numels[master], dtype=dtype)
         reads = [
             self.swap.read(g.slot + offset, out[g.start : g.end])
@@ -418,7 +605,7 @@ class NvmeShardStore(ShardStore):
         if self._device_masters[master] is not None:
             copy_into(self.state_tensor(master, key), value)
             return
-        offset = self._slot_offset(key)
+        offset = self._slot_offset(master, key)
         value = value.detach().reshape(-1).cpu().contiguous()
         writes = [
             self.swap.write(g.slot + offset, value[g.start : g.end])
@@ -429,22 +616,20 @@ class NvmeShardStore(ShardStore):
             write.result()
 
     def reset_element_state(self, keys: list[str]) -> None:
-        dtype = self.low_precision.precision.state_dtype
-        zero_element_state(self.optimizer, self._resident_masters(), keys, dtype)
-        for group in self.sub_groups:
-            self.optimizer.state.pop(group.param, None)
-            self.optimizer.state[group.param].update({key: _EMPTY for key in self.layout.keys})
-        unknown = set(keys) - set(self.layout.keys)
+        unknown = set(keys) - {key for layout in self.layouts for key in layout.keys}
         if unknown:
             raise KeyError(f"NVMe offload: the optimizer keeps no per-element {sorted(unknown)}")
+        zero_element_state(self.optimizer, self._resident_masters(), keys, self._state_dtype)
+        for group in self.sub_groups:
+            self.optimizer.state.pop(group.param, None)
+            self.optimizer.state[group.param].update({key: _EMPTY for key in group.layout.keys})
         largest = max(g.numel for g in self.sub_groups)
-        zeros = torch.zeros(
-            largest * max(d.itemsize for d in self.layout.dtypes), dtype=torch.uint8
-        )
+        widest = max((d.itemsize for g in self.sub_groups for d in g.layout.dtypes), default=0)
+        zeros = torch.zeros(largest * widest, dtype=torch.uint8)
         for group in self.sub_groups:  # the padding of every key starts at zero
-            for key, dtype in zip(self.layout.keys, self.layout.dtypes, strict=True):
+            for offset, dtype in enumerate(group.layout.dtypes, start=1):
                 size = group.numel * dtype.itemsize
-                self.swap.write(group.slot + self._slot_offset(key), zeros[:size]).result()
+                self.swap.write(group.slot + offset, zeros[:size]).result()
         self._has_state = True
 
     def optimizer_state_dict(self) -> dict:
@@ -478,34 +663,32 @@ class NvmePlacement(HostPlacement):
         optimizer_over: OptimizerOver,
     ) -> ShardStore:
         options = self.options
-        probe = self._probe(masters_fp32, optimizer_over)
-        if needs_whole_parameters(probe):
+        stand_ins = probe_stand_ins(len(masters_fp32))
+        probe = self._probe(masters_fp32, optimizer_over, stand_ins)
+        if needs_whole_parameters(probe) and not isinstance(probe, Muon):
             raise ConfigError(
                 f'zero_optimization.offload_optimizer.device: "nvme" steps the optimizer '
                 f"sub-group by sub-group, and {type(probe).__name__} needs whole parameters (Lamb's "
-                'trust ratios, Muon\'s matrices); use device "cpu", or an element-wise optimizer '
-                "(Adam, AdamW, SGD, Lion, Adagrad)"
+                'trust ratios); use device "cpu", or an element-wise optimizer (Adam, AdamW, '
+                "SGD, Lion, Adagrad) or Muon"
             )
-        layout = _state_layout(probe, precision)
+        layouts = _state_layouts(probe, stand_ins, precision)
         numels = [m.numel() for m in masters_fp32]
-        on_host = self.on_host(numels, layout.bytes_per_element, precision)
+        stored = sum(n * s.bytes_per_element for n, s in zip(numels, layouts, strict=True))
+        on_host = self.on_host(numels, stored / max(1, sum(numels)), precision)
         if not any(on_host):  # nothing to swap: the device store
             return Placement().build_store(masters_fp32, param_parts, precision, optimizer_over)
-        groups = split_sub_groups(numels, on_host, options.sub_group_size, len(layout.keys))
+        groups = split_sub_groups(numels, on_host, options.sub_group_size, layouts)
         largest = max(g.numel for g in groups)
-        host_numels = [n for n, host in zip(numels, on_host, strict=True) if host]
         # the staging sets' host memory was checked at initialize (estimate/preflight.py)
         directory = Path(options.nvme_path or ".")
         remove_stale_files(directory)
-        needed = disk_bytes_needed(
-            sum(host_numels), layout.bytes_per_element, precision.master_dtype.itemsize
-        )
-        check_disk(directory, needed, local_ranks())
         slot_bytes = []
         master_bytes = precision.master_dtype.itemsize
         for group in groups:
             slot_bytes += [master_bytes * group.numel]
-            slot_bytes += [d.itemsize * group.numel for d in layout.dtypes]
+            slot_bytes += [d.itemsize * group.numel for d in group.layout.dtypes]
+        check_disk(directory, sum(slot_bytes), local_ranks())
         swap = SwapFile(working_file(directory, "optimizer"), slot_bytes, options.aio)
         staging = aligned_empty(largest, precision.master_dtype)
         written = master_bytes * sum(group.numel for group in groups)
@@ -530,7 +713,7 @@ class NvmePlacement(HostPlacement):
             device_masters,
             numels,
             groups,
-            layout,
+            layouts,
             optimizer_over(tensors),
             swap,
             masters_alias_params=alias,
@@ -539,19 +722,25 @@ class NvmePlacement(HostPlacement):
         )
 
 
-def _state_layout(probe: torch.optim.Optimizer, precision: PrecisionPolicy) -> StateLayout:
-    """The per-element state keys of a stepped probe optimizer, in the policy's dtypes (the
-    probe stepped fp32 stand-ins: a state it keeps in fp32 is stored in ``state_dtype``)."""
-    for group in probe.param_groups:
-        for param in group["params"]:
-            state = probe.state.get(param)
-            if state:
-                items = sorted(
-                    (k, v.dtype)
-                    for k, v in state.items()
-                    if torch.is_tensor(v) and v.shape == param.shape
-                )
-                dtypes = (precision.state_dtype if d == torch.float32 else d for _, d in items)
-                keys = tuple(k for k, _ in items)
-                return StateLayout(keys, tuple(dtypes), precision.master_dtype)
-    return StateLayout((), (), precision.master_dtype)
+def _state_layouts(
+    probe: torch.optim.Optimizer, stand_ins: list[list[torch.Tensor]], precision: PrecisionPolicy
+) -> list[StateLayout]:
+    """Per bucket, the per-element state keys of the probe's stand-in for it (stepped; Muon's,
+    not stepped, says its keys), in the policy's dtypes (the probe stepped fp32 stand-ins: a
+    state it keeps in fp32 is stored in ``state_dtype``)."""
+    keys_of = getattr(probe, "element_state_keys_of", None)
+    layouts = []
+    for (tensor,) in stand_ins:
+        state = probe.state.get(tensor)
+        if state:
+            items = sorted(
+                (k, v.dtype)
+                for k, v in state.items()
+                if torch.is_tensor(v) and v.shape == tensor.shape
+            )
+        else:
+            items = [(k, torch.float32) for k in sorted(keys_of(tensor))] if keys_of else []
+        dtypes = (precision.state_dtype if d == torch.float32 else d for _, d in items)
+        keys = tuple(k for k, _ in items)
+        layouts.append(StateLayout(keys, tuple(dtypes), precision.master_dtype))
+    return layouts

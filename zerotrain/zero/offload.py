@@ -446,12 +446,16 @@ class HostPlacement(Placement):
         )
 
     def _probe(
-        self, masters_fp32: list[torch.Tensor], optimizer_over: OptimizerOver
+        self,
+        masters_fp32: list[torch.Tensor],
+        optimizer_over: OptimizerOver,
+        stand_ins: list[list[torch.Tensor]] | None = None,
     ) -> torch.optim.Optimizer:
-        """Set the host step's threads, then probe the optimizer (see probe_optimizer)."""
+        """Set the host step's threads, then probe the optimizer over ``stand_ins`` (default:
+        new ones; see probe_optimizer)."""
         if masters_fp32 and masters_fp32[0].is_cuda:  # a CPU device trains on these threads
             configure_host_threads()
-        return probe_optimizer(optimizer_over, len(masters_fp32))
+        return probe_optimizer(optimizer_over, stand_ins or probe_stand_ins(len(masters_fp32)))
 
     def on_host(self, numels: list[int], stored_state_bytes: float, precision: PrecisionPolicy):
         """Per bucket, whether it is offloaded (``ratio``, or what does not fit: ``auto``);
@@ -473,10 +477,16 @@ def device_bytes_per_element(stored_state_bytes: float, precision: PrecisionPoli
     return stored_state_bytes + copy
 
 
-def probe_optimizer(optimizer_over: OptimizerOver, buckets: int) -> torch.optim.Optimizer:
-    """The optimizer over one-element stand-ins of each bucket, stepped once with zero
+def probe_stand_ins(buckets: int) -> list[list[torch.Tensor]]:
+    """One one-element stand-in per bucket, for :func:`probe_optimizer`."""
+    return [[torch.zeros(1)] for _ in range(buckets)]
+
+
+def probe_optimizer(
+    optimizer_over: OptimizerOver, stand_ins: list[list[torch.Tensor]]
+) -> torch.optim.Optimizer:
+    """The optimizer over ``stand_ins`` (:func:`probe_stand_ins`), stepped once with zero
     gradients: its state says what it keeps per element, before anything large exists."""
-    stand_ins = [[torch.zeros(1)] for _ in range(buckets)]
     probe = optimizer_over(stand_ins, probe=True)
     for (tensor,) in stand_ins:
         tensor.grad = torch.zeros(1)

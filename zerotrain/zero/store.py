@@ -16,7 +16,7 @@ import torch
 
 from zerotrain.optim.adam import keeps_step_on_device
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero.low_precision import LowPrecisionSteps
+from zerotrain.zero.low_precision import LowPrecisionSteps, copy_into
 
 OptimizerOver = Callable[..., torch.optim.Optimizer]
 """``optimizer_over(masters, probe=False)`` builds the torch optimizer over the master tensors:
@@ -68,8 +68,9 @@ class ShardStore(ABC):
 
     optimizer: torch.optim.Optimizer  # the torch optimizer that steps the masters
     on_device: ClassVar[bool] = False  # the masters and their state live on the device
-    # steps masters or state stored narrower than fp32 (the precision policy's)
-    low_precision: LowPrecisionSteps = LowPrecisionSteps(PrecisionPolicy())
+    # steps masters or state stored narrower than fp32 (the precision policy's); every store
+    # sets its own
+    low_precision: LowPrecisionSteps
 
     def step_optimizer(
         self, masters: Sequence[torch.Tensor], indices: Sequence[int] | None = None
@@ -268,13 +269,6 @@ class InMemoryShardStore(ShardStore):
         self._settle()
         dtype = self.low_precision.precision.state_dtype
         zero_element_state(self.optimizer, self._masters, keys, dtype)
-
-
-def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    """``target`` takes ``value`` (shaped like it); nothing to do when they share storage."""
-    if value.data_ptr() != target.data_ptr():
-        with torch.no_grad():
-            target.copy_(value.view_as(target))
 
 
 def write_device_params(

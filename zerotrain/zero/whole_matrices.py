@@ -59,14 +59,21 @@ class _Matrix:
 class ShardedMatrices:
     """The matrices of one optimizer group's buckets, each rank's tensors holding its part of
     every bucket (``sharded``: its shard; else the whole bucket), made whole over ``comm``
-    (see [Note: whole matrices on shards]). Implements zerotrain.optim.muon's ``MatrixLayout``."""
+    (see [Note: whole matrices on shards]). ``position_of`` maps ``id`` of each of the group's
+    tensors to its bucket's position in ``buckets``: one tensor per bucket, or several, a
+    store's sub-groups (those use :meth:`bucket_runs` and :meth:`orthogonalize_buckets`).
+    Implements zerotrain.optim.muon's ``MatrixLayout``."""
 
     round_numel: int = ROUND_NUMEL
 
     def __init__(
-        self, tensors: list[Tensor], buckets: list[FlatBucket], sharded: bool, comm: Communicator
+        self,
+        position_of: dict[int, int],
+        buckets: list[FlatBucket],
+        sharded: bool,
+        comm: Communicator,
     ):
-        self._index = {id(t): i for i, t in enumerate(tensors)}
+        self._position_of = position_of
         self._buckets = buckets
         self._sharded = sharded
         self._comm = comm
@@ -86,6 +93,10 @@ class ShardedMatrices:
                 matrices.append(_Matrix(i, slot.offset, slot.shape, owner))
         self._matrices = matrices
 
+    def position(self, tensor: Tensor) -> int:
+        """The position in the group's buckets of the bucket ``tensor`` holds (part of)."""
+        return self._position_of[id(tensor)]
+
     def _held(self, tensor: int, rank: int) -> tuple[int, int]:
         """Bucket positions ``[start, end)`` rank ``rank``'s tensor holds."""
         bucket = self._buckets[tensor]
@@ -96,22 +107,41 @@ class ShardedMatrices:
         start, end = self._held(matrix.tensor, rank)
         return intersect(matrix.offset, matrix.offset + matrix.numel, start, end)
 
-    def runs(self, tensor: Tensor) -> list[tuple[int, int, torch.Size]]:
-        index = self._index[id(tensor)]
-        base = self._held(index, self._comm.rank)[0]
+    def bucket_runs(self, position: int) -> list[tuple[int, int, torch.Size]]:
+        """The matrix runs of what this rank holds of bucket ``position``, relative to its
+        first held element."""
+        base = self._held(position, self._comm.rank)[0]
         out = []
         for matrix in self._matrices:
-            if matrix.tensor == index:
+            if matrix.tensor == position:
                 lo, hi = self._piece(matrix, self._comm.rank)
                 if lo < hi:
                     out.append((lo - base, hi - base, matrix.shape))
         return out
 
+    def runs(self, tensor: Tensor) -> list[tuple[int, int, torch.Size]]:
+        position = self.position(tensor)
+        start, end = self._held(position, self._comm.rank)
+        if tensor.numel() != end - start:
+            raise RuntimeError(
+                "ShardedMatrices.runs: the tensor is a piece of its bucket's part (a store's "
+                "sub-group); ask bucket_runs for the bucket's runs"
+            )
+        return self.bucket_runs(position)
+
     def orthogonalize(self, updates: dict[Tensor, Tensor], fn: Callable[[Tensor], Tensor]) -> None:
+        self.orthogonalize_buckets({self.position(t): u.view(-1) for t, u in updates.items()}, fn)
+
+    def orthogonalize_buckets(
+        self, flats: dict[int, Tensor], fn: Callable[[Tensor], Tensor]
+    ) -> None:
+        """``orthogonalize`` over flat updates keyed by bucket position (one at least), each
+        laid out like what this rank holds of the bucket (a missing one: a zero update). Every
+        rank of the group calls it alike."""
         rank = self._comm.rank
-        some = next(iter(updates.values()))
-        flats = {self._index[id(t)]: u.view(-1) for t, u in updates.items()}
-        for index in range(len(self._buckets)):  # a tensor without gradient: a zero update
+        flats = dict(flats)
+        some = next(iter(flats.values()))  # one at least: ZeRO gives every bucket a gradient
+        for index in range(len(self._buckets)):
             if index not in flats:
                 start, end = self._held(index, rank)
                 flats[index] = torch.zeros(end - start, dtype=some.dtype, device=some.device)
