@@ -775,6 +775,14 @@ def test_cli_model_path_that_is_not_python(capsys, tmp_path):
     assert code == 2 and "is not a Python file" in err and "NoneType" not in err
 
 
+def test_cli_model_file_with_dataclasses(capsys):
+    """A --model file is imported as a module (registered while it runs): examples/gpt's
+    GPTConfig dataclass failed with "'NoneType' object has no attribute '__dict__'"."""
+    code, out, err = run_cli(capsys, "--model", "examples/gpt/model.py:demo", "--stage", "2")
+    assert code == 0, err
+    assert "4.8" in out  # the demo GPT's 4.82M parameters
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

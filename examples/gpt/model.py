@@ -204,3 +204,25 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.l_aux = None  # taken: do not keep its graph alive
         return loss + self.config.aux_loss_coef * sum(aux) if aux else loss
+
+
+# Factories without arguments, for commands that take ``path/to/file.py:factory``
+# (``zerotrain estimate --model``, ``zerotrain plan --model``).
+def tiny() -> GPT:
+    """The "tiny" preset (0.22M parameters)."""
+    return GPT(gpt_config("tiny"))
+
+
+def demo() -> GPT:
+    """The "demo" preset (4.83M parameters)."""
+    return GPT(gpt_config("demo"))
+
+
+def gpt_30m() -> GPT:
+    """The "30m" preset (31.7M parameters)."""
+    return GPT(gpt_config("30m"))
+
+
+def gpt_100m() -> GPT:
+    """The "100m" preset (99.5M parameters)."""
+    return GPT(gpt_config("100m"))

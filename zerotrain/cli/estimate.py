@@ -10,7 +10,7 @@ import sys
 from zerotrain.cli.arguments import ParserSpec, positive_int, size_argument
 from zerotrain.errors import ZeroTrainError
 
-__all__ = ["PARSER", "EstimateError", "add_arguments"]
+__all__ = ["PARSER", "EstimateError", "add_arguments", "load_factory"]
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -59,17 +59,23 @@ def _import_target(target: str):
         if spec is None or spec.loader is None:  # not a file Python can import
             raise EstimateError(f"--model: {target!r} is not a Python file (path/to/file.py)")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        # registered before it runs, as an import would: dataclasses and pickling look a
+        # module up by name while it executes
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:  # console scripts leave it out
         sys.path.insert(0, os.getcwd())
     return importlib.import_module(target)
 
 
-def _build_on_meta(spec: str):
-    """``module.path:factory`` or ``path/to/file.py:factory`` called on the meta device: the
-    parameters have shapes and no storage, so a 70B model costs nothing to build."""
-    import torch
+def load_factory(spec: str):
+    """The model factory ``spec`` names: ``module.path:factory`` or
+    ``path/to/file.py:factory`` (EstimateError, naming ``--model``, if it cannot be found)."""
     from torch import nn
 
     target, _, name = spec.rpartition(":")
@@ -90,6 +96,16 @@ def _build_on_meta(spec: str):
         raise EstimateError(
             f"--model: {target!r} has no function or class {name!r} that builds the model"
         )
+    return factory
+
+
+def _build_on_meta(spec: str):
+    """``module.path:factory`` or ``path/to/file.py:factory`` called on the meta device: the
+    parameters have shapes and no storage, so a 70B model costs nothing to build."""
+    import torch
+    from torch import nn
+
+    factory = load_factory(spec)
     try:
         with torch.device("meta"):
             model = factory()

@@ -1,0 +1,356 @@
+"""What this machine can do, measured once and cached: the constants of the planner's cost
+model (zerotrain plan, docs/plan.md).
+
+[Note: the machine probe]
+The planner prices a candidate config from measured rates, not datasheets, so that a CPU with
+AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
+- memory: the device's (CUDA: its total; a CPU-only machine trains in host memory) and the host
+  memory this process may use (cgroup and RLIMIT_AS included, zerotrain.accelerator);
+- compute: matmul FLOP/s in the training dtype (square products of the sizes below, the best of
+  a few runs, with the threads one rank gets) and causal attention (torch's
+  scaled_dot_product_attention) FLOP/s;
+- the CPU optimizer step: torch's fused AdamW, elements per second, with one thread and with a
+  rank's threads (what CPU and NVMe offload step with);
+- host-device copies (CUDA only: pinned host to device and back);
+- disk: sequential write and read bytes per second of a working file under ``nvme_path``
+  through zerotrain's own swap file (O_DIRECT where the filesystem takes it), as NVMe offload
+  does I/O;
+- links: for each collective kind (all_reduce, reduce_scatter, all_gather, all_to_all), the
+  alpha-beta fit ([Note: the alpha-beta model] in zerotrain/comm/link.py) over a real process
+  group of the launch's ranks on this node, through zerotrain's Communicator, so gloo's own and
+  zerotrain's pairwise algorithms are priced as they run.
+A probe takes 10-30 s. It is cached under ``$ZEROTRAIN_CACHE_DIR`` (default
+``~/.cache/zerotrain``) per machine and per what it depends on (host, device, torch version,
+dtype, threads per rank, ranks, nvme_path); ``refresh`` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from zerotrain.accelerator import available_host_memory, usable_cpus
+from zerotrain.plan.jobs import job_arguments, run_local_job
+from zerotrain.precision import DTYPES
+
+__all__ = ["COLLECTIVES", "LinkFit", "Machine", "cache_dir", "probe_machine"]
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+MATMUL_SIZES = (512, 1024, 2048)
+ATTENTION_SHAPE = (1, 8, 512, 64)  # batch, heads, sequence, head size
+ADAM_ELEMENTS = 1 << 22
+DISK_BYTES = 64 << 20
+LINK_BYTES = (1 << 10, 4 << 20)  # a small message for the latency, a large for the bandwidth
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """One collective kind's cost on a group: ``hops * alpha + sent / beta`` seconds, with
+    ``sent`` the bytes a rank transmits (zerotrain.comm.link)."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, op: str, sent: int, world: int) -> float:
+        from zerotrain.comm.link import hops
+
+        return hops(op, world) * self.alpha + sent / self.beta
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The measured constants (see [Note: the machine probe])."""
+
+    key: str
+    device: str
+    """``cpu``, or the CUDA device's name."""
+    device_memory: int
+    host_memory: int
+    dtype: str
+    threads: int
+    """Threads one rank computes with."""
+    matmul_flops: float
+    attention_flops: float
+    adam_elements_per_s: dict[str, float]
+    """Threads (as a string: JSON keys) -> elements per second of fused AdamW on the CPU."""
+    copy_bytes_per_s: float | None
+    """Pinned host <-> device, CUDA only."""
+    disk_write_bytes_per_s: float | None
+    disk_read_bytes_per_s: float | None
+    links: dict[str, LinkFit] = field(default_factory=dict)
+    """Per collective kind, over ``world`` ranks of this node (none for one rank)."""
+    world: int = 1
+    probed_at: str = ""
+    probe_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Machine:
+        links = {op: LinkFit(**fit) for op, fit in data.get("links", {}).items()}
+        return replace(cls(**{k: v for k, v in data.items() if k != "links"}), links=links)
+
+
+def cache_dir() -> Path:
+    """Where probes are cached: ``$ZEROTRAIN_CACHE_DIR``, else ``~/.cache/zerotrain``."""
+    configured = os.environ.get("ZEROTRAIN_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "zerotrain"
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def _key(dtype: str, threads: int, world: int, nvme_path: str | None) -> str:
+    parts = [
+        platform.node(),
+        _device_name(),
+        torch.__version__,
+        dtype,
+        str(threads),
+        str(world),
+        str(Path(nvme_path).resolve()) if nvme_path else "",
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def probe_machine(
+    *,
+    dtype: str = "bf16",
+    world: int = 1,
+    nvme_path: str | None = None,
+    threads: int | None = None,
+    refresh: bool = False,
+    progress=None,
+) -> Machine:
+    """This machine's constants for training in ``dtype`` with ``world`` ranks on this node,
+    from the cache or measured now (``refresh``: always measured; ``progress(text)`` is told
+    each phase). ``threads``: per rank (default: the usable CPUs shared by the ranks)."""
+    threads = threads or max(1, usable_cpus() // max(1, world))
+    key = _key(dtype, threads, world, nvme_path)
+    path = cache_dir() / "machine" / f"{key}.json"
+    if path.exists() and not refresh:
+        try:
+            return Machine.from_json(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):
+            pass  # a cache of another version of this file: measure again
+    say = progress or (lambda text: None)
+    started = time.perf_counter()
+    machine = _measure(key, dtype, world, nvme_path, threads, say)
+    machine = replace(
+        machine,
+        probed_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        probe_seconds=round(time.perf_counter() - started, 2),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(machine.to_json(), indent=1))
+    partial.replace(path)  # a concurrent planner reads the old file or the new one, never half
+    return machine
+
+
+def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
+    torch_dtype = DTYPES[dtype]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    host = available_host_memory() or 0
+    device_memory = torch.cuda.get_device_properties(0).total_memory if cuda else host
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        say("matmul and attention")
+        matmul = _matmul_flops(device, torch_dtype)
+        attention = _attention_flops(device, torch_dtype)
+        say("the CPU optimizer step")
+        adam = {str(n): _adam_rate(n) for n in sorted({1, threads})}
+    finally:
+        torch.set_num_threads(kept)
+    copy = _copy_rate() if cuda else None
+    write = read = None
+    if nvme_path:
+        say(f"disk under {nvme_path}")
+        write, read = _disk_rates(Path(nvme_path))
+    links = {}
+    if world > 1:
+        say(f"links over {world} ranks")
+        fits = run_local_job("zerotrain.plan.probe", world, {}, timeout=300, what="link probe")
+        links = {op: LinkFit(**fit) for op, fit in fits.items()}
+    return Machine(
+        key=key,
+        device=_device_name(),
+        device_memory=int(device_memory),
+        host_memory=int(host),
+        dtype=dtype,
+        threads=threads,
+        matmul_flops=matmul,
+        attention_flops=attention,
+        adam_elements_per_s=adam,
+        copy_bytes_per_s=copy,
+        disk_write_bytes_per_s=write,
+        disk_read_bytes_per_s=read,
+        links=links,
+        world=world,
+    )
+
+
+def _best_seconds(run, repeats: int = 3) -> float:
+    run()  # warm: kernels chosen, memory allocated
+    times = []
+    for _ in range(repeats):
+        _settle()
+        started = time.perf_counter()
+        run()
+        _settle()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _settle() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    best = 0.0
+    for n in MATMUL_SIZES:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        best = max(best, 2 * n**3 / _best_seconds(lambda a=a, b=b: torch.mm(a, b)))
+    return best
+
+
+def _attention_flops(device: torch.device, dtype: torch.dtype) -> float:
+    import torch.nn.functional as F
+
+    batch, heads, seq, dim = ATTENTION_SHAPE
+    q, k, v = (torch.randn(batch, heads, seq, dim, device=device).to(dtype) for _ in range(3))
+    # causal: half of the two products' 2 * 2 * b * h * s^2 * d
+    flops = 2 * batch * heads * seq * seq * dim
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return flops / _best_seconds(run)
+
+
+def _adam_rate(threads: int) -> float:
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        param = torch.zeros(ADAM_ELEMENTS, requires_grad=True)
+        param.grad = torch.randn(ADAM_ELEMENTS)
+        optimizer = torch.optim.AdamW([param], lr=1e-3, fused=True)
+        return ADAM_ELEMENTS / _best_seconds(optimizer.step)
+    finally:
+        torch.set_num_threads(kept)
+
+
+def _copy_rate() -> float:  # CUDA only
+    nbytes = 64 << 20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def there_and_back() -> None:
+        device.copy_(host, non_blocking=True)
+        host.copy_(device, non_blocking=True)
+
+    return 2 * nbytes / _best_seconds(there_and_back)
+
+
+def _disk_rates(directory: Path) -> tuple[float, float]:
+    """Sequential write and read rates of a working file under ``directory``."""
+    from zerotrain.zero.swap import SwapFile, aligned_empty
+
+    directory.mkdir(parents=True, exist_ok=True)
+    slots = 8
+    size = DISK_BYTES // slots
+    path = directory / f"zerotrain-{os.getpid()}-probe.swap"
+    swap = SwapFile(path, [size] * slots)
+    try:
+        buffer = aligned_empty(size, torch.uint8)
+        buffer.random_(0, 255)
+
+        def write() -> None:
+            for future in [swap.write(slot, buffer) for slot in range(slots)]:
+                future.result()
+
+        def read() -> None:
+            for future in [swap.read(slot, buffer) for slot in range(slots)]:
+                future.result()
+
+        return DISK_BYTES / _best_seconds(write, 2), DISK_BYTES / _best_seconds(read, 2)
+    finally:
+        swap.close()
+
+
+# -- the link probe's ranks ----------------------------------------------------------------------
+def _link_fits(comm) -> dict[str, dict]:
+    """Each collective kind's alpha and beta over ``comm`` (the slowest rank's times)."""
+    from zerotrain.comm.communicator import ring_sent
+    from zerotrain.comm.link import hops, settle
+
+    world = comm.world_size
+    fits = {}
+    for op in COLLECTIVES:
+        times = []
+        for nbytes in LINK_BYTES:
+            numel = nbytes // 4 // world * world
+            whole = torch.zeros(numel, device=comm.device)
+            piece = torch.zeros(numel // world, device=comm.device)
+            output = torch.zeros_like(whole)
+
+            def run(op=op, whole=whole, piece=piece, output=output) -> None:
+                if op == "all_reduce":
+                    comm.all_reduce(whole, name="plan_probe")
+                elif op == "reduce_scatter":
+                    comm.reduce_scatter(piece, whole)
+                elif op == "all_gather":
+                    comm.all_gather(whole, piece, name="plan_probe")
+                else:
+                    comm.all_to_all(output, whole, name="plan_probe")
+
+            run()
+            runs = []
+            for _ in range(5):
+                settle(comm.device)
+                started = time.perf_counter()
+                run()
+                settle(comm.device)
+                runs.append(time.perf_counter() - started)
+            times.append(statistics.median(runs))
+        slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
+        comm.all_reduce(slowest, op="max", name="plan_probe")
+        small, large = slowest.tolist()
+        sent_small, sent_large = (
+            ring_sent(op, n // 4 // world * world * 4, world) for n in LINK_BYTES
+        )
+        beta = (sent_large - sent_small) / max(large - small, 1e-9)
+        alpha = max(0.0, small - sent_small / beta) / max(hops(op, world), 1)
+        fits[op] = {"alpha": alpha, "beta": beta}
+    return fits
+
+
+def main() -> None:
+    _, out = job_arguments()
+    import zerotrain
+    from zerotrain.comm import Communicator
+
+    zerotrain.init_distributed(verbose=False)
+    comm = Communicator()
+    fits = _link_fits(comm)
+    if comm.rank == 0:
+        out.write_text(json.dumps(fits))
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    main()

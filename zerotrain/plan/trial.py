@@ -1,0 +1,165 @@
+"""A planner's trial: one candidate config trained for a few steps on random tokens, in a
+torchrun job of its own, and measured in the terms the planner predicts (``zerotrain plan
+--verify``, tests/test_plan.py and bench/plan.py compare the two).
+
+[Note: what a trial measures]
+- ``peak_memory_bytes``: per rank, the most memory the training needed, the largest over the
+  ranks. On a GPU, ``torch.cuda.max_memory_allocated``. On a CPU-only machine the device is
+  host memory, which also holds the interpreter and its libraries: the rank's peak resident
+  memory (``VmHWM``) above its resident memory after start-up, that is once torch and the
+  modules ``initialize`` imports are loaded (90 MB on this machine, torch._dynamo's among them)
+  and the process group is up, before the model is built.
+- ``model_state_bytes``: rank 0's ``engine.memory_breakdown()["total"]`` after the steps.
+- ``step_time_s``: the median time of an optimizer step (all its micro-batches, forward,
+  backward and step) over the steps after the first, which builds the optimizer state and
+  warms the allocator; the slowest rank's.
+
+The model comes from a factory, as ``zerotrain estimate --model`` takes it: a module whose
+``forward(ids, targets)`` returns the loss (examples/gpt), or a Hugging Face causal LM
+(``forward(input_ids=..., labels=...)`` returning an output with ``.loss``). Activation
+checkpointing wraps the children of the model's outermost ``nn.ModuleList`` (its blocks;
+:func:`zerotrain.checkpointing.wrap`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from zerotrain.plan.jobs import job_arguments, run_local_job
+
+__all__ = ["Measured", "TrialSpec", "run_trial"]
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One candidate to run: the model, the ds_config, the launch shape and the batch."""
+
+    model: str
+    """``module.path:factory`` or ``path/to/file.py:factory``."""
+    config: dict
+    """The ds_config, with ``train_micro_batch_size_per_gpu`` and the accumulation steps."""
+    world: int
+    seq_len: int
+    vocab_size: int
+    activation_checkpointing: bool = False
+    steps: int = 3
+    """Optimizer steps; the first is not timed."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the ranks."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a trial measured (see [Note: what a trial measures])."""
+
+    peak_memory_bytes: int
+    model_state_bytes: int
+    step_time_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_trial(spec: TrialSpec, *, timeout: float = 900) -> Measured:
+    """Run ``spec`` as a torchrun job of ``spec.world`` local ranks (gloo on a CPU, one thread
+    each) and return what it measured; :class:`JobError` if the job failed or ran past
+    ``timeout`` seconds."""
+    result = run_local_job(
+        "zerotrain.plan.trial",
+        spec.world,
+        asdict(spec),
+        env=spec.env,
+        timeout=timeout,
+        what="trial",
+    )
+    return Measured(**result)
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+def _build(spec: TrialSpec):
+    import torch  # noqa: F401 (the factory's module may need it imported)
+
+    from zerotrain.cli.estimate import load_factory
+
+    model = load_factory(spec.model)()
+    if spec.activation_checkpointing:
+        import zerotrain.checkpointing
+
+        zerotrain.checkpointing.wrap(model)
+    return model
+
+
+def _load_runtime() -> None:
+    """Import what ``initialize`` imports: libraries, not training memory (see [Note: what a
+    trial measures])."""
+    import torch._dynamo  # noqa: F401 (pulled in by the optimizer's and DeviceMesh's code)
+
+    import zerotrain.api  # noqa: F401
+
+
+def _is_hf(model) -> bool:
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "model_type")
+
+
+def _worker(spec: TrialSpec, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.accelerator import current_rss, peak_rss
+
+    zerotrain.init_distributed(verbose=False)
+    _load_runtime()
+    cuda = torch.cuda.is_available()
+    start_rss = current_rss() or 0
+    torch.manual_seed(0)
+    model = _build(spec)
+    engine, *_ = zerotrain.initialize(model=model, config=spec.config)
+    micro = engine.train_micro_batch_size_per_gpu()
+    accumulation = engine.gradient_accumulation_steps()
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    hf = _is_hf(model)
+    times = []
+    for _ in range(spec.steps):
+        batches = [
+            torch.randint(0, spec.vocab_size, (micro, spec.seq_len), generator=generator)
+            for _ in range(accumulation)
+        ]
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for ids in batches:
+            ids = ids.to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss if hf else engine(ids, ids)
+            engine.backward(loss)
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = (peak_rss() or 0) - start_rss
+    step = statistics.median(times[1:] or times)
+    mine = torch.tensor([float(peak), step], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        total = engine.memory_breakdown()["total"]
+        measured = Measured(int(mine[0].item()), int(total), float(mine[1].item()))
+        out.write_text(json.dumps(asdict(measured)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    payload, out = job_arguments()
+    _worker(TrialSpec(**payload), out)
+
+
+if __name__ == "__main__":
+    main()
