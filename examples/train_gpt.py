@@ -17,6 +17,7 @@ per-step scalars for TensorBoard (`pip install tensorboard`).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Iterator
 
@@ -146,7 +147,16 @@ def parse_args() -> argparse.Namespace:
         default="none",
         help="quantize the parameter all-gather (ZeRO stages 1-3)",
     )
+    parser.add_argument(
+        "--plan",
+        metavar="JSON",
+        help="a ds_config written by `zerotrain plan`: its ZeRO section (stage, offload), "
+        "micro-batch, accumulation and activation checkpointing replace those flags",
+    )
     args = parser.parse_args()
+    args.zero = {"stage": args.stage}
+    if args.plan:
+        apply_plan(args, parser)
     for name in (
         "steps",
         "micro_batch",
@@ -182,6 +192,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The choices of a config written by `zerotrain plan` (docs/plan.md), in place of the
+    flags."""
+    try:
+        with open(args.plan) as file:
+            plan = json.load(file)
+        args.zero = dict(plan["zero_optimization"])
+        args.stage = args.zero["stage"]
+        args.micro_batch = plan["train_micro_batch_size_per_gpu"]
+        args.grad_accum = plan.get("gradient_accumulation_steps", 1)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--plan {args.plan}: not a config `zerotrain plan` wrote ({error!r})")
+    args.activation_checkpointing = "activation_checkpointing" in plan
+
+
 def engine_config(args: argparse.Namespace) -> dict:
     """DeepSpeed-style config for the flags."""
     warmup = max(1, min(100, args.steps // 10))
@@ -201,7 +226,7 @@ def engine_config(args: argparse.Namespace) -> dict:
             },
         },
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": args.stage},
+        "zero_optimization": args.zero,
         "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": args.sequence_parallel},
         "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
         "checkpoint": {"keep_last": KEEP_CHECKPOINTS},

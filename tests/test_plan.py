@@ -103,3 +103,122 @@ def test_a_failed_trial_says_why():
     spec = TrialSpec(model=GPT_TINY, config=config, world=1, seq_len=64, vocab_size=256)
     with pytest.raises(JobError, match="NoSuchOptimizer"):
         run_trial(spec)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def _plan_cli(capsys, tmp_path, *extra) -> tuple[int, dict | str, str]:
+    from zerotrain import cli
+
+    argv = [
+        "plan", "--model", GPT_DEMO, "--seq-len", "128", "--global-batch", "16",
+        "--nproc-per-node", "2", "--out", str(tmp_path / "chosen.json"), *extra,
+    ]  # fmt: skip
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if "--json" in extra and code == 0 else out), err
+
+
+def test_plan_prices_every_candidate_and_writes_the_fastest_that_fits(
+    capsys, tmp_path, monkeypatch
+):
+    """Every candidate of the space (stages 0-3, offload none / cpu, checkpointing, every
+    micro-batch of the 8 samples a rank takes) is in the JSON with its config and predictions;
+    each trains the global batch; the chosen one fits, is the fastest that fits, and is the
+    config written."""
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    code, plan, err = _plan_cli(capsys, tmp_path, "--json")
+    assert code == 0, err
+    candidates = plan["candidates"]
+    assert len(candidates) == 7 * 2 * 4  # (4 stages + 3 offloaded) x checkpointing x micro
+    for candidate in candidates:
+        config = candidate["config"]
+        assert config["train_batch_size"] == 16
+        assert (
+            config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 2
+            == 16
+        )
+        assert candidate["peak_memory_bytes"] > candidate["model_state_bytes"] > 0
+        assert candidate["step_time_s"] > 0
+        assert ("activation_checkpointing" in config) == candidate["activation_checkpointing"]
+    chosen = candidates[plan["chosen"]]
+    assert chosen["fits"]
+    fastest = min((c for c in candidates if c["fits"]), key=lambda c: c["step_time_s"])
+    assert chosen["step_time_s"] == fastest["step_time_s"]
+    assert json.loads((tmp_path / "chosen.json").read_text()) == chosen["config"]
+    # the table says the same, with each row's reason
+    code, table, _ = _plan_cli(capsys, tmp_path)
+    assert code == 0 and "chosen: the fastest that fits" in table
+    assert f"{len(candidates)} candidates" in table
+
+
+def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    base = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 10**6},
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+    }
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    code, plan, err = _plan_cli(capsys, tmp_path, "--json", "--config", str(tmp_path / "base.json"))
+    assert code == 0, err
+    assert len(plan["candidates"]) == 2 * 2  # offload none / cpu x checkpointing
+    for candidate in plan["candidates"]:
+        config = candidate["config"]
+        assert config["zero_optimization"]["stage"] == 2
+        assert config["zero_optimization"]["reduce_bucket_size"] == 10**6
+        assert config["train_micro_batch_size_per_gpu"] == 4
+        assert config["gradient_clipping"] == 1.0
+
+
+def test_a_model_that_fits_nowhere_names_the_nearest_config(tmp_path, monkeypatch):
+    from zerotrain.cli.estimate import _build_on_meta
+    from zerotrain.plan.planner import PlanError, make_plan, model_facts
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    machine = probe.probe_machine(dtype="fp32", world=1)
+    small = replace(machine, device_memory=50 * 10**6, host_memory=50 * 10**6)
+    facts = model_facts(_build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
+    with pytest.raises(PlanError) as error:
+        make_plan(facts, small, world=1, ranks_per_node=1, global_batch=8, base={})
+    # one rank on a CPU: no stage or offload moves memory off it; the smallest micro-batch with
+    # checkpointing comes closest
+    message = str(error.value)
+    nearest = "no config fits: the nearest, stage 0, checkpointing, micro-batch 1 x 8, needs "
+    assert message.startswith(nearest), message
+    assert "more than the 45.00 MB a rank may use (90% of 50.00 MB)" in message
+
+
+def test_verify_measures_the_top_candidate_and_refines_the_constants(capsys, tmp_path, monkeypatch):
+    from zerotrain.plan.planner import load_corrections
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    base = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 8}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    extra = ("--json", "--config", str(tmp_path / "base.json"), "--verify", "1")
+    code, plan, err = _plan_cli(capsys, tmp_path, *extra)
+    assert code == 0, err
+    chosen = plan["candidates"][plan["chosen"]]
+    measured = chosen["measured"]
+    assert measured["model_state_bytes"] == pytest.approx(chosen["model_state_bytes"], abs=64)
+    assert measured["peak_memory_bytes"] > 0 and measured["step_time_s"] > 0
+    (cached,) = (tmp_path / "cache" / "machine").glob("*.json")
+    machine = probe.Machine.from_json(json.loads(cached.read_text()))
+    corrections = load_corrections(machine)
+    assert corrections.verified == 1
+    # refined to what this trial measured: the next plan predicts it (its compute and memory)
+    predicted_memory = chosen["peak_memory_bytes"] - 40e6 + corrections.memory_overhead
+    assert predicted_memory == pytest.approx(measured["peak_memory_bytes"], rel=1e-6)
+
+
+def test_refine_moves_each_constant_to_what_was_measured():
+    from zerotrain.plan.cost import Corrections, Prediction, refine
+
+    predicted = Prediction(100, 10, step_time_s=1.5, compute_s=1.0, comm_s=0.3, optimizer_s=0.2)
+    measured = {"peak_memory_bytes": 130, "step_time_s": 2.5}
+    once = refine(Corrections(memory_overhead=40.0), [(predicted, measured)])
+    assert once.compute_scale == pytest.approx(2.0)  # 2.5 - 0.5 of compute, predicted 1.0
+    assert once.memory_overhead == pytest.approx(70.0) and once.verified == 1
+    # a second trial weighs as much as the first
+    twice = refine(once, [(predicted, {"peak_memory_bytes": 100, "step_time_s": 1.5})])
+    assert twice.compute_scale == pytest.approx((2.0 + 2.0) / 2)  # that trial: scale 1 x 2.0
+    assert twice.verified == 2

@@ -1,9 +1,10 @@
 """The ``zerotrain`` console script: ``zerotrain run``, ``zerotrain checkpoint``,
-``zerotrain config``, ``zerotrain estimate``, ``zerotrain deepspeed``.
+``zerotrain config``, ``zerotrain estimate``, ``zerotrain plan``, ``zerotrain deepspeed``.
 
 One module per command: :mod:`~zerotrain.cli.launch` (``run``, a thin wrapper of torchrun),
 :mod:`~zerotrain.cli.checkpoint` (consolidate, inspect), :mod:`~zerotrain.cli.config` (check),
-:mod:`~zerotrain.cli.estimate` and :mod:`~zerotrain.cli.deepspeed` (DeepSpeed's launcher flags);
+:mod:`~zerotrain.cli.estimate`, :mod:`~zerotrain.cli.plan` and :mod:`~zerotrain.cli.deepspeed`
+(DeepSpeed's launcher flags);
 each has ``PARSER`` (its ``add_parser`` arguments) and ``add_arguments(parser)``.
 
 [Note: `zerotrain --version` imports nothing heavy]
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from zerotrain import __version__
-from zerotrain.cli import checkpoint, config, deepspeed, estimate, launch
+from zerotrain.cli import checkpoint, config, deepspeed, estimate, launch, plan
 from zerotrain.cli.estimate import EstimateError
 from zerotrain.cli.launch import LaunchError, LaunchPlan, plan_launch
 
@@ -32,6 +33,7 @@ _COMMANDS = {
     "checkpoint": checkpoint,
     "config": config,
     "estimate": estimate,
+    "plan": plan,
     "deepspeed": deepspeed,
 }
 

@@ -156,6 +156,7 @@ def _estimate_job(args: argparse.Namespace):
         "trainable_params": args.params,
         "largest_layer": args.largest_layer or 0,
     }
+    count = None
     if args.model:
         if args.largest_layer is not None:
             raise EstimateError(
@@ -165,15 +166,7 @@ def _estimate_job(args: argparse.Namespace):
             _build_on_meta(args.model),
             persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold,
         )
-        counts = {
-            "trainable_params": count.trainable,
-            "frozen_params": count.frozen,
-            "largest_layer": count.largest_layer,
-            "root_and_largest_block": count.root_and_largest_block,
-            "persistent_numel": count.persistent,
-            "persistent_frozen": count.persistent_frozen,
-            "largest_unit": count.largest_unit,
-        }
+        counts = {}
         if args.optimizer == "muon":  # its matrices' momentum, AdamW's moments for the rest
             counts["optimizer_state_bytes"] = count.muon_state_bytes()
         for key, value in count.config.items():  # the model's config fills what is not given
@@ -191,9 +184,9 @@ def _estimate_job(args: argparse.Namespace):
         shape = TransformerShape(**shape_values, mlp=mlp or "gelu")
     offload = _offload_settings(args)
     try:
-        return TrainingJob(
-            **counts,  # pyrefly: ignore[bad-argument-type] (ints, for int fields)
-            **offload,  # pyrefly: ignore[bad-argument-type]
+        settings = dict(
+            **counts,
+            **offload,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
             dtype=args.dtype,
@@ -212,6 +205,9 @@ def _estimate_job(args: argparse.Namespace):
             attention=args.attention,
             dropout=not args.no_dropout,
         )
+        if count is not None:
+            return TrainingJob.for_model(count, **settings)
+        return TrainingJob(**settings)  # pyrefly: ignore[bad-argument-type]
     except ValueError as error:
         raise EstimateError(str(error)) from error
 

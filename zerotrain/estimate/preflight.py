@@ -113,9 +113,8 @@ def job_of(
     offload = zero.offload_optimizer.device
     if optimizer == "lamb" and offload == "nvme":  # NvmePlacement refuses it, naming Lamb
         return None
-    job = TrainingJob(
-        trainable_params=count.trainable,
-        frozen_params=count.frozen,
+    job = TrainingJob.for_model(
+        count,
         gpus_per_node=data_parallel,
         dtype=cfg.precision_policy().name,
         grad_accum_dtype=cfg.data_types.grad_accum_dtype,  # counted in the gradients' bytes
@@ -127,13 +126,8 @@ def job_of(
         offload_param=None if zero.offload_param.device == "none" else zero.offload_param.device,
         param_buffer_count=zero.offload_param.buffer_count,
         stages=(zero.stage,),
-        largest_layer=count.largest_layer,
-        root_and_largest_block=count.root_and_largest_block,
-        persistent_numel=count.persistent,
-        persistent_frozen=count.persistent_frozen,
         max_live_numel=zero.stage3_max_live_parameters,
         reduce_bucket_size=zero.reduce_bucket_size,
-        largest_unit=count.largest_unit,
         buffer_count=zero.offload_optimizer.buffer_count,
         sub_group_size=zero.sub_group_size,
     )

@@ -9,7 +9,7 @@ NVMe bytes per rank from the functions the stores allocate by. The memory prefli
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from zerotrain.config import ZERO_DEFAULTS
 from zerotrain.estimate.activations import (
@@ -18,6 +18,7 @@ from zerotrain.estimate.activations import (
     TransformerShape,
     activation_bytes,
 )
+from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.verdict import Limit, Need, Option, RankMemory, gib, shortfall
 from zerotrain.optim.state_bytes import OPTIMIZER_STATE_BYTES
 from zerotrain.precision import DTYPES, PrecisionPolicy
@@ -163,6 +164,21 @@ class TrainingJob:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be at least 1")
 
+    @classmethod
+    def for_model(cls, count: ParameterCount, **settings: Any) -> TrainingJob:
+        """The job of a model counted by :func:`~zerotrain.estimate.count_parameters`: its
+        parameter fields from ``count``, the others from ``settings``."""
+        return cls(
+            trainable_params=count.trainable,
+            frozen_params=count.frozen,
+            largest_layer=count.largest_layer,
+            root_and_largest_block=count.root_and_largest_block,
+            persistent_numel=count.persistent,
+            persistent_frozen=count.persistent_frozen,
+            largest_unit=count.largest_unit,
+            **settings,
+        )
+
     @property
     def world_size(self) -> int:
         """N: data-parallel ranks, one per device."""
@@ -231,6 +247,11 @@ class StageEstimate:
         if self.activations is not None:
             act = self.activations
             activations = act.checkpointed_peak if checkpointing else act.without_checkpointing
+        return self.peak_with(activations)
+
+    def peak_with(self, activations: float) -> float:
+        """:meth:`peak` with ``activations`` bytes at their peak (measured ones: the planner's
+        model probe)."""
         return self.model_states + max(self.gathered + activations, self.states.step_grads)
 
 

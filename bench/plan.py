@@ -1,0 +1,206 @@
+"""The planner's predictions against measurements, and its pick against exhaustive trial.
+
+    python bench/plan.py [--part predictions|pick|both] [--models demo 30m]
+
+- ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
+  nvme x activation checkpointing x micro-batch x 1-2 ranks) of the GPTs of examples/gpt, fp32
+  on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its default
+  corrections, not refined by earlier trials) and measured by a trial (zerotrain/plan/trial.py:
+  peak memory per rank above start-up, model-state bytes, median step time). Prints each
+  config's errors and their distribution.
+- ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
+  weighs (stages 0-3, offload none / cpu, checkpointing, micro-batches 2, 4, 8) run as a trial,
+  the way DeepSpeed's autotuner tries configs; the planner's choice against the fastest found,
+  and the time each way took to decide.
+
+Each trial is a torchrun job of its own, one at a time (2 ranks on this 2-core machine). Writes
+bench/results/plan.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = {
+    "demo": ("examples/gpt/model.py:demo", 128),
+    "30m": ("examples/gpt/model.py:gpt_30m", 256),
+}
+# (stage, offload, activation checkpointing, micro-batch, ranks)
+FIXED = [
+    (0, None, False, 8, 1),
+    (0, None, True, 4, 2),
+    (1, None, False, 4, 2),
+    (1, None, True, 8, 1),
+    (2, None, False, 8, 2),
+    (2, None, True, 4, 1),
+    (3, None, False, 4, 2),
+    (3, None, True, 8, 2),
+    (1, "cpu", False, 8, 2),
+    (2, "cpu", True, 4, 2),
+    (3, "cpu", False, 8, 1),
+    (3, "cpu", True, 4, 2),
+    (1, "nvme", False, 4, 2),
+    (2, "nvme", False, 8, 1),
+    (2, "nvme", True, 4, 2),
+    (3, "nvme", True, 8, 2),
+]
+BASE = {
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "steps_per_print": 10**9,
+}
+
+
+def _facts(spec: str, seq: int, machine, sizes: list[int]):
+    from zerotrain.cli.estimate import _build_on_meta, load_factory
+    from zerotrain.plan.planner import model_facts, profile_if_fits
+
+    model = _build_on_meta(spec)
+    facts = model_facts(model, seq_len=seq, dtype="fp32")
+    profile = profile_if_fits(
+        load_factory(spec), facts.count.trainable, machine, sizes=sizes, seq_len=seq, vocab=256
+    )
+    return model_facts(model, seq_len=seq, dtype="fp32", profile=profile)
+
+
+def predictions(models: list[str], nvme: str) -> list[dict]:
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.probe import probe_machine
+    from zerotrain.plan.trial import TrialSpec, run_trial
+
+    rows = []
+    for name in models:
+        spec, seq = MODELS[name]
+        for world in (1, 2):
+            machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
+            facts = _facts(spec, seq, machine, sorted({m for *_, m, _ in FIXED}))
+            for stage, offload, checkpointing, micro, ranks in FIXED:
+                if ranks != world:
+                    continue
+                candidate = Candidate(stage, offload, checkpointing, micro, 1, world)
+                config = candidate.config(BASE, nvme)
+                predicted = predict(candidate, facts, machine, Corrections(), config)
+                trial = TrialSpec(spec, config, world, seq, 256, checkpointing)
+                measured = run_trial(trial).as_dict()
+                row = {
+                    "model": name,
+                    "config": candidate.label() + f", {world} rank{'s' if world > 1 else ''}",
+                    "predicted": predicted.as_dict(),
+                    "measured": measured,
+                }
+                rows.append(row)
+                _print_row(row)
+    _print_summary(rows)
+    return rows
+
+
+def _errors(row: dict) -> tuple[float, float, float]:
+    p, m = row["predicted"], row["measured"]
+    return tuple(
+        p[key] / m[key] - 1 for key in ("peak_memory_bytes", "model_state_bytes", "step_time_s")
+    )
+
+
+def _print_row(row: dict) -> None:
+    memory, states, step = _errors(row)
+    p, m = row["predicted"], row["measured"]
+    print(
+        f"{row['model']:>5} {row['config']:<62} peak {p['peak_memory_bytes'] / 1e6:7.1f} / "
+        f"{m['peak_memory_bytes'] / 1e6:7.1f} MB ({memory:+6.1%})  states {states:+.4%}  "
+        f"step {p['step_time_s']:6.3f} / {m['step_time_s']:6.3f} s ({step:+6.1%})",
+        flush=True,
+    )
+
+
+def _print_summary(rows: list[dict]) -> None:
+    errors = [_errors(r) for r in rows]
+    for index, what, bound in (
+        (0, "peak memory", 0.05),
+        (1, "model states", 0.01),
+        (2, "step time", 0.15),
+    ):
+        values = sorted(abs(e[index]) for e in errors)
+        within = sum(v <= bound for v in values)
+        print(
+            f"{what}: |error| median {statistics.median(values):.1%}, 90th percentile "
+            f"{values[int(0.9 * (len(values) - 1))]:.1%}, worst {values[-1]:.1%}; "
+            f"{within} of {len(values)} within {bound:.0%}"
+        )
+
+
+def pick() -> dict:
+    from zerotrain.plan.cost import Corrections
+    from zerotrain.plan.planner import make_plan
+    from zerotrain.plan.probe import probe_machine
+    from zerotrain.plan.trial import TrialSpec, run_trial
+
+    spec, seq = MODELS["demo"]
+    started = time.perf_counter()
+    machine = probe_machine(dtype="fp32", world=2, threads=1)
+    facts = _facts(spec, seq, machine, [2, 4, 8])
+    plan = make_plan(
+        facts, machine, world=2, ranks_per_node=2, global_batch=16, base=BASE,
+        corrections=Corrections(),
+    )  # fmt: skip
+    planned = [p for p in plan.candidates if p.candidate.micro_batch in (2, 4, 8)]
+    planner_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    measured = {}
+    for p in planned:
+        trial = TrialSpec(spec, p.config, 2, seq, 256, p.candidate.activation_checkpointing)
+        measured[p.candidate.label()] = run_trial(trial).step_time_s
+        print(
+            f"{p.candidate.label():<52} predicted {p.predicted.step_time_s:.3f} s, "
+            f"measured {measured[p.candidate.label()]:.3f} s",
+            flush=True,
+        )
+    trial_seconds = time.perf_counter() - started
+    chosen = min(planned, key=lambda p: p.predicted.step_time_s).candidate.label()
+    fastest = min(measured, key=lambda label: measured[label])
+    ratio = measured[chosen] / measured[fastest]
+    print(
+        f"planner's pick: {chosen} ({measured[chosen]:.3f} s measured); fastest of "
+        f"{len(planned)} trials: {fastest} ({measured[fastest]:.3f} s): {ratio:.3f}x; decided in "
+        f"{planner_seconds:.0f} s against {trial_seconds:.0f} s of trials"
+    )
+    return {
+        "chosen": chosen,
+        "fastest": fastest,
+        "ratio": ratio,
+        "trials": len(planned),
+        "planner_seconds": planner_seconds,
+        "trial_seconds": trial_seconds,
+        "measured": measured,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["predictions", "pick", "both"], default="both")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["demo", "30m"])
+    args = parser.parse_args()
+    os.environ.setdefault("ZEROTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="zerotrain-bench-"))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="zerotrain-plan-nvme-") as nvme:
+        if args.part in ("predictions", "both"):
+            results["predictions"] = predictions(args.models, nvme)
+    if args.part in ("pick", "both"):
+        results["pick"] = pick()
+    out = ROOT / "bench" / "results" / "plan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""``zerotrain plan``: the config that fits and is fastest for a model on this machine, from
+the cost model (zerotrain/plan/) and a probe of the machine; ``--verify`` runs the top ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zerotrain.cli.arguments import ParserSpec, positive_int
+
+__all__ = ["PARSER", "add_arguments"]
+
+PARSER: ParserSpec = {
+    "help": "choose the ZeRO config that fits and trains fastest, from a probe of this machine",
+    "description": "Enumerates ZeRO stage, optimizer offload, activation checkpointing and "
+    "micro-batch for the model and global batch, predicts each one's peak memory per rank and "
+    "step time on this machine (measured rates, cached), drops those that do not fit, and "
+    "writes the fastest as a ds_config. See docs/plan.md.",
+}
+
+
+def _dtype(base: dict) -> str:
+    if base.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if base.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
+    from zerotrain.cli.estimate import EstimateError, _build_on_meta, load_factory
+    from zerotrain.plan.jobs import JobError
+    from zerotrain.plan.planner import (
+        PlanError,
+        load_corrections,
+        make_plan,
+        micro_batches,
+        model_facts,
+        profile_if_fits,
+    )
+    from zerotrain.plan.probe import probe_machine
+
+    def fail(message: str, code: int = 2) -> int:
+        print(f"zerotrain plan: {message}", file=sys.stderr)
+        return code
+
+    ranks = args.nproc_per_node or args.gpus_per_node or 1
+    world = ranks * args.nnodes
+    try:
+        base = json.loads(open(args.config).read()) if args.config else {}
+    except (OSError, ValueError) as error:
+        return fail(f"--config: cannot read {args.config}: {error}")
+    if not isinstance(base, dict):
+        return fail(f"--config: {args.config} holds no JSON object")
+    if args.verify and args.nnodes > 1:
+        return fail("--verify runs the trials on this node; it needs --nnodes 1")
+    try:
+        model = _build_on_meta(args.model)
+    except EstimateError as error:
+        return fail(str(error))
+    dtype = _dtype(base)
+    facts = model_facts(model, seq_len=args.seq_len, dtype=dtype)
+
+    def say(text: str) -> None:
+        print(f"zerotrain plan: probing this machine: {text}", file=sys.stderr, flush=True)
+
+    try:
+        machine = probe_machine(
+            dtype=dtype, world=ranks, nvme_path=args.nvme_path, refresh=args.reprobe, progress=say
+        )
+    except JobError as error:
+        return fail(f"the machine probe failed: {error}", 1)
+    corrections = load_corrections(machine)
+    vocab = args.vocab_size or facts.count.config.get("vocab_size")
+    sizes = micro_batches(world=world, global_batch=args.global_batch)
+    if vocab:
+        print(
+            "zerotrain plan: timing the model's forward and backward at micro-batches "
+            f"{', '.join(map(str, sizes))}",
+            file=sys.stderr,
+            flush=True,
+        )
+        profile = profile_if_fits(
+            load_factory(args.model),
+            facts.count.trainable,
+            machine,
+            sizes=sizes,
+            seq_len=args.seq_len,
+            vocab=vocab,
+        )
+        facts = model_facts(model, seq_len=args.seq_len, dtype=dtype, profile=profile)
+    try:
+        plan = make_plan(
+            facts,
+            machine,
+            world=world,
+            ranks_per_node=ranks,
+            global_batch=args.global_batch,
+            base=base,
+            nvme_path=args.nvme_path,
+            corrections=corrections,
+        )
+    except (PlanError, ValueError) as error:
+        return fail(str(error))
+    if args.verify:
+        try:
+            _verify(plan, args, facts, machine)
+        except (JobError, PlanError) as error:
+            return fail(f"--verify: {error}", 1)
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump(plan.best.config, out, indent=2)
+    if args.json:
+        print(json.dumps(plan.as_json(), indent=1))
+    else:
+        print(_table(plan, args.top))
+        if args.out:
+            print(f"wrote the chosen config to {args.out}")
+    return 0
+
+
+def _verify(plan, args: argparse.Namespace, facts, machine) -> None:
+    """Run the top ``--verify`` candidates, attach what they measured, refine the machine's
+    corrections with it."""
+    from zerotrain.plan.cost import refine
+    from zerotrain.plan.planner import PlanError, save_corrections
+    from zerotrain.plan.trial import TrialSpec, run_trial
+
+    vocab = args.vocab_size or facts.count.config.get("vocab_size")
+    if not vocab:
+        raise PlanError("--verify needs --vocab-size (the model has no config that says it)")
+    pairs = []
+    for planned in plan.ranked()[: args.verify]:
+        print(f"zerotrain plan: verifying {planned.candidate.label()} ...", file=sys.stderr)
+        spec = TrialSpec(
+            model=args.model,
+            config=planned.config,
+            world=planned.candidate.world,
+            seq_len=args.seq_len,
+            vocab_size=vocab,
+            activation_checkpointing=planned.candidate.activation_checkpointing,
+        )
+        planned.measured = run_trial(spec).as_dict()
+        pairs.append((planned.predicted, planned.measured))
+    plan.corrections = refine(plan.corrections, pairs)
+    save_corrections(machine, plan.corrections)
+
+
+def _table(plan, top: int) -> str:
+    from zerotrain.fmt import quantity
+
+    lines = [
+        f"{'':2}{'config':<52} {'peak/rank':>10} {'states':>10} {'step s':>8}  why",
+    ]
+    shown = plan.ranked()[:top]
+    losers = [p for p in plan.candidates if not p.fits]
+    if losers:
+        shown.append(min(losers, key=lambda p: p.predicted.peak_memory_bytes))
+    for planned in shown:
+        p = planned.predicted
+        mark = "*" if planned is plan.best else " "
+        lines.append(
+            f"{mark} {planned.candidate.label():<52} {quantity(p.peak_memory_bytes, 'B'):>10} "
+            f"{quantity(p.model_state_bytes, 'B'):>10} {p.step_time_s:>8.3f}  {planned.reason}"
+        )
+        if planned.measured:
+            m = planned.measured
+            lines.append(
+                f"  {'  measured':<52} {quantity(m['peak_memory_bytes'], 'B'):>10} "
+                f"{quantity(m['model_state_bytes'], 'B'):>10} {m['step_time_s']:>8.3f}"
+            )
+    fitting = len(plan.ranked())
+    lines.append(
+        f"{len(plan.candidates)} candidates, {fitting} fit in {quantity(plan.budget, 'B')} "
+        f"per rank; * chosen"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``plan``'s arguments."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="module.path:factory or path/to/file.py:factory (as zerotrain estimate takes it): "
+        "a model whose forward(ids, targets) returns the loss, or an HF causal LM",
+    )
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sample")
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        required=True,
+        help="samples per optimizer step over all ranks",
+    )
+    parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default 1)")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, help="the estimator's spelling of --nproc-per-node"
+    )
+    parser.add_argument("--nnodes", type=positive_int, default=1, help="nodes (default 1)")
+    parser.add_argument(
+        "--config",
+        metavar="BASE.json",
+        help="a ds_config whose keys stay fixed (a stage, an offload device, a micro-batch, "
+        "the precision sections...)",
+    )
+    parser.add_argument(
+        "--nvme-path", help="offers NVMe offload, with its working files here (and probes it)"
+    )
+    parser.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run a few steps of the K fastest candidates, print predicted against measured, "
+        "and refine the model's constants for the next plan on this machine",
+    )
+    parser.add_argument(
+        "--vocab-size", type=positive_int, help="--verify's token ids (default: the model's)"
+    )
+    parser.add_argument(
+        "--out",
+        default="ds_config.plan.json",
+        help="where the chosen ds_config is written ('' for nowhere; default ds_config.plan.json)",
+    )
+    parser.add_argument("--top", type=positive_int, default=5, help="rows to print (default 5)")
+    parser.add_argument("--reprobe", action="store_true", help="measure the machine again")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(handler=_plan_command)

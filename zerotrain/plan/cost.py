@@ -1,0 +1,276 @@
+"""The planner's cost model: per candidate config, the peak memory per rank, the model-state
+bytes and the time of an optimizer step, from the model's shape, the estimator
+(zerotrain/estimate/) and the machine's measured rates (zerotrain/plan/probe.py).
+
+[Note: the planner's cost model]
+Memory per rank: the estimator's peak at the candidate's stage (model states by ZeRO's formula,
+which real runs measure exactly; stage 3's gathered parameters), with the activations the
+model probe counted ([Note: the model probe]; Korthikanti et al.'s formula where the model
+cannot be built here): all of them, or with activation checkpointing the kept block inputs and
+two blocks' worth (one recomputed, its gradients); at stages 2-3 a whole bucket of gradients
+before its reduce-scatter; plus what a training process holds besides
+(``Corrections.memory_overhead``: allocator arenas, thread stacks, the communicator's
+buffers). On a CPU-only machine the device is host memory: the model is first built there in
+fp32 (its Ψ·4 bytes), and what optimizer offload moves off the device stays in it (see [Note:
+what a trial measures]). Against 64 trials of the demo and 30M GPTs here (stages 0-3, 1-2
+ranks, checkpointing, micro-batches 4 and 8): median error 4.5%, the worst 18%, where the
+host allocator keeps freed activations resident.
+
+Step time: compute, the collectives, the optimizer step, each priced on the machine:
+- compute: the model probe's forward and backward per micro-batch (with checkpointing, its
+  recomputing backward), times ``Corrections.compute_scale``, plus the engine's own work
+  (``engine_seconds_per_parameter``). Where the model cannot be built here: 2 FLOPs per
+  parameter and token forward, plus causal attention's 2·L·s·h per token, three times for
+  forward and backward, four with checkpointing, at the probed matmul rate times
+  ``FLOP_EFFICIENCY``. Against the same 64 trials: median error 2.9%, the worst 13.5%;
+- collectives: the gradient reduction every step (an all-reduce of 2Ψ(N-1)/N elements at
+  stages 0-1, a reduce-scatter of Ψ(N-1)/N at 2-3) and stage 3's parameter all-gathers (forward
+  and backward, every micro-batch), each on the probed link of its kind, not overlapped with
+  compute (gloo on CPU ranks shares their cores);
+- the optimizer step: fused AdamW over the rank's partition at the probed CPU rate (the device's
+  on a GPU is not modelled yet: the CPU rate bounds it); NVMe offload adds its working file's
+  reads and writes (master and state, each way) at the probed disk rates.
+
+``zerotrain plan --verify`` measures the top candidates and moves the two corrections toward
+what it measured (:func:`refine`), kept with the machine's probe for the next run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+from zerotrain.comm.communicator import ring_sent
+from zerotrain.estimate import TrainingJob, TransformerShape, estimate
+from zerotrain.estimate.model import ParameterCount
+from zerotrain.estimate.stages import largest_bucket
+from zerotrain.plan.candidates import Candidate
+from zerotrain.plan.model_probe import ModelProfile
+from zerotrain.plan.probe import Machine
+from zerotrain.zero.nvme import sub_group_numel
+from zerotrain.zero.offload import HostBytes
+from zerotrain.zero.policy import ZeroPolicy
+
+__all__ = ["Corrections", "ModelFacts", "Prediction", "predict", "refine"]
+
+
+FLOP_EFFICIENCY = 0.6
+"""Without a model profile: the share of the probed square-matmul rate a model's forward and
+backward reach (0.54-0.74 for the GPTs of examples/gpt on this CPU)."""
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """The cost model's constants that measurements refine (see [Note: the planner's cost
+    model])."""
+
+    compute_scale: float = 1.0
+    """Measured compute over predicted (the model probe's, or the FLOP count's)."""
+    memory_overhead: float = 40e6
+    """What a training process holds besides model states, activations and the model as
+    built: allocator arenas, thread stacks, communicator buffers (34 MB on this CPU)."""
+    engine_seconds_per_parameter: float = 5e-9
+    """The engine's own work per parameter and micro-batch (bucket copies, hooks)."""
+    verified: int = 0
+    """Trials they were refined from."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the cost model needs of the model: its parameters (``count``) and shape."""
+
+    count: ParameterCount
+    seq_len: int
+    dtype: str
+    attention: str = "flash"
+    """``flash`` (fused SDPA kernels: no s x s matrix kept) or ``eager``."""
+    dropout: bool = False
+    profile: ModelProfile | None = None
+    """Measured compute and activations, where the model could be built here."""
+
+    def shape(self, micro_batch: int) -> TransformerShape | None:
+        config = self.count.config
+        if not {"hidden_size", "layers", "heads"} <= set(config):
+            return None
+        return TransformerShape(
+            batch_size=micro_batch,
+            seq_len=self.seq_len,
+            hidden_size=config["hidden_size"],
+            layers=config["layers"],
+            heads=config["heads"],
+            vocab_size=config.get("vocab_size"),
+            intermediate_size=config.get("intermediate_size"),
+            mlp=self.count.mlp or "gelu",
+        )
+
+    def forward_flops_per_token(self) -> float:
+        config = self.count.config
+        attention = 2 * config.get("layers", 0) * self.seq_len * config.get("hidden_size", 0)
+        return 2 * self.count.trainable + attention
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate's predicted cost; ``compute_s`` + ``comm_s`` + ``optimizer_s`` is the step."""
+
+    peak_memory_bytes: int
+    model_state_bytes: int
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    optimizer_s: float
+
+    @property
+    def bound(self) -> str:
+        """What the step's time is mostly: ``compute``, ``link`` or ``optimizer``."""
+        parts = {"compute": self.compute_s, "link": self.comm_s, "optimizer": self.optimizer_s}
+        return max(parts, key=lambda k: parts[k])
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _job(candidate: Candidate, facts: ModelFacts, zero: dict) -> TrainingJob:
+    """The estimator's job for ``candidate``, with the sizes its config's ``zero`` section sets
+    (DeepSpeed's defaults otherwise)."""
+    from zerotrain.config import ZERO_DEFAULTS
+
+    count = facts.count
+    offload = zero.get("offload_optimizer", {})
+    return TrainingJob.for_model(
+        count,
+        gpus_per_node=candidate.world,
+        dtype=facts.dtype,
+        offload=candidate.offload,
+        stages=(candidate.stage,),
+        max_live_numel=zero.get(
+            "stage3_max_live_parameters", ZERO_DEFAULTS.stage3_max_live_parameters
+        ),
+        reduce_bucket_size=zero.get("reduce_bucket_size", ZERO_DEFAULTS.reduce_bucket_size),
+        sub_group_size=zero.get("sub_group_size", ZERO_DEFAULTS.sub_group_size),
+        buffer_count=offload.get("buffer_count", ZERO_DEFAULTS.offload_optimizer.buffer_count),
+        shape=facts.shape(candidate.micro_batch),
+        attention=facts.attention,  # pyrefly: ignore[bad-argument-type]
+        dropout=facts.dropout,
+    )
+
+
+def predict(
+    candidate: Candidate,
+    facts: ModelFacts,
+    machine: Machine,
+    corrections: Corrections,
+    config: dict | None = None,
+) -> Prediction:
+    """``candidate``'s cost on ``machine`` (see [Note: the planner's cost model]), with the
+    sizes its ds_config ``config`` sets."""
+    job = _job(candidate, facts, (config or {}).get("zero_optimization", {}))
+    (row,) = estimate(job)
+    psi, world = facts.count.trainable, candidate.world
+    element = 2 if facts.dtype in ("bf16", "fp16") else 4
+    checkpointing = candidate.activation_checkpointing
+    # the backward's reduction: a whole bucket of gradients before its reduce-scatter (stages
+    # 2-3), and the collective's own copy of it on more than one rank
+    bucket = largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) * element
+    reduction = bucket * (candidate.stage >= 2)
+    measured = facts.profile.micro_batches.get(candidate.micro_batch) if facts.profile else None
+    if measured is not None and facts.profile is not None:
+        if checkpointing:  # the kept inputs, and one block recomputed with its gradients
+            layer = measured.saved_bytes / max(1, facts.profile.layers)
+            activations = measured.checkpointed_saved_bytes + 2 * layer
+            per_micro = measured.checkpointed_forward_backward_s
+        else:
+            activations, per_micro = measured.saved_bytes, measured.forward_backward_s
+        memory = row.peak_with(activations + reduction)
+        compute = candidate.accumulation * per_micro
+    else:
+        memory = row.peak(checkpointing) + reduction
+        tokens = candidate.micro_batch * candidate.accumulation * facts.seq_len
+        flops = (4 if checkpointing else 3) * facts.forward_flops_per_token() * tokens
+        compute = flops / (machine.matmul_flops * FLOP_EFFICIENCY)
+    compute *= corrections.compute_scale
+    compute += candidate.accumulation * psi * corrections.engine_seconds_per_parameter
+    memory += corrections.memory_overhead
+    if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
+        memory += 4 * (psi + facts.count.frozen)  # the model as built, in fp32, before initialize
+        memory += _host_touched(row.host, job, candidate) if row.host is not None else 0
+    comm = _comm_seconds(candidate, psi, element, machine)
+    partition = psi if candidate.stage == 0 else -(-psi // world)
+    adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
+        machine.adam_elements_per_s.values()
+    )
+    optimizer = partition / adam_rate
+    if candidate.offload == "nvme" and machine.disk_read_bytes_per_s:
+        state = partition * (4 + 8)  # fp32 master and Adam's two moments
+        write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
+        optimizer += state / machine.disk_read_bytes_per_s + state / write
+    return Prediction(
+        peak_memory_bytes=int(memory),
+        model_state_bytes=int(row.model_states),
+        step_time_s=compute + comm + optimizer,
+        compute_s=compute,
+        comm_s=comm,
+        optimizer_s=optimizer,
+    )
+
+
+def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> float:
+    """The host bytes of optimizer offload that become resident: NVMe's staging sets are
+    written only as sub-groups pass through them, so with fewer sub-groups than sets the
+    others are never touched."""
+    if candidate.offload != "nvme":
+        return host.total
+    partition = -(-job.trainable_params // candidate.world)
+    size = min(
+        sub_group_numel(job.sub_group_size),
+        -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.world),
+    )
+    sets = max(1, job.buffer_count)
+    return host.total * min(sets, -(-partition // max(1, size))) / sets
+
+
+def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine) -> float:
+    world = candidate.world
+    if world == 1 or not machine.links:
+        return 0.0
+    grads = psi * element
+    op = "all_reduce" if candidate.stage < 2 else "reduce_scatter"
+    seconds = machine.links[op].seconds(op, ring_sent(op, grads, world), world)
+    if candidate.stage == 3:  # forward and backward gather every micro-batch
+        gathers = 2 * candidate.accumulation
+        sent = ring_sent("all_gather", psi * element, world)
+        seconds += gathers * machine.links["all_gather"].seconds("all_gather", sent, world)
+    return seconds
+
+
+def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:
+    """The corrections moved to what trials measured: ``pairs`` of a prediction made with
+    ``corrections`` and the trial's ``measured`` dict (peak_memory_bytes, step_time_s).
+    Each constant becomes the median of the values that would have predicted each trial
+    exactly, averaged with the old one by the trials' weight."""
+    if not pairs:
+        return corrections
+    scales, overheads = [], []
+    for predicted, measured in pairs:
+        rest = predicted.comm_s + predicted.optimizer_s
+        compute = measured["step_time_s"] - rest
+        if compute > 0 and predicted.compute_s > 0:
+            scales.append(corrections.compute_scale * compute / predicted.compute_s)
+        overheads.append(
+            corrections.memory_overhead
+            + measured["peak_memory_bytes"]
+            - predicted.peak_memory_bytes
+        )
+    old, new = corrections.verified, len(pairs)
+
+    def blend(current: float, found: list[float]) -> float:
+        if not found:
+            return current
+        return (current * old + statistics.median(found) * new) / (old + new)
+
+    return Corrections(
+        compute_scale=blend(corrections.compute_scale, scales),
+        memory_overhead=max(0.0, blend(corrections.memory_overhead, overheads)),
+        engine_seconds_per_parameter=corrections.engine_seconds_per_parameter,
+        verified=old + new,
+    )

@@ -1,0 +1,115 @@
+"""The model's own forward and backward, timed and its activations counted, at each micro-batch
+the planner weighs: what its compute and activation terms use when the model can be built on
+this machine (the FLOP count and Korthikanti's formula otherwise).
+
+[Note: the model probe]
+A FLOP count priced at the probed square matmul's rate missed this CPU's step times of the
+GPTs of examples/gpt by 26-46% (their forward and backward reach 0.54-0.74 of that rate, less
+at smaller micro-batches), and the formula's activations say nothing of a model that is not a
+textbook transformer. So where the
+model fits in this process (its parameters and gradients in fp32, twice over, within half the
+host memory available), the planner builds it for real, in the training dtype, and times a
+plain autograd forward and forward-plus-backward at each micro-batch, with the threads one rank
+gets, the best of a few after a warm-up; with activation checkpointing too (the blocks wrapped
+as a trial wraps them: the backward then includes the recomputation). The bytes autograd saves
+in the forward are counted as ``zerotrain.checkpointing.count_saved_activations`` counts them.
+A run of the real engine adds its own work per step (bucket copies, hooks, the reduction's
+bookkeeping): the cost model's ``engine_seconds_per_parameter``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["MicroBatchProfile", "ModelProfile", "profile_model"]
+
+
+@dataclass(frozen=True)
+class MicroBatchProfile:
+    """One micro-batch size, without and with activation checkpointing."""
+
+    forward_backward_s: float
+    saved_bytes: int
+    checkpointed_forward_backward_s: float
+    checkpointed_saved_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per micro-batch size, the model's measured compute and activations."""
+
+    micro_batches: dict[int, MicroBatchProfile]
+    layers: int
+    """Blocks that checkpointing wraps (one is recomputed at a time)."""
+
+
+def _is_hf(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "model_type")
+
+
+def _best(run, repeats: int = 3) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def profile_model(
+    factory,
+    *,
+    micro_batches: list[int],
+    seq_len: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    threads: int,
+) -> ModelProfile:
+    """Time and count ``factory()``'s forward and backward at each of ``micro_batches`` (see
+    [Note: the model probe])."""
+    import zerotrain.checkpointing
+    from zerotrain.activation_checkpointing import count_saved_activations
+    from zerotrain.zero.units import find_unit_modules
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profiles: dict[int, list] = {m: [] for m in micro_batches}
+        layers = 0
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            model = factory().to(device=device, dtype=dtype)
+            if checkpointing:
+                layers = len(find_unit_modules(model))
+                zerotrain.checkpointing.wrap(model)
+            hf = _is_hf(model)
+            params = list(model.parameters())
+            for micro in micro_batches:
+                ids = torch.randint(0, vocab_size, (micro, seq_len), device=device)
+                saved = [0]
+
+                def step(model=model, ids=ids, hf=hf, saved=saved, params=params) -> None:
+                    with count_saved_activations(exclude=params) as counted:
+                        out = model(input_ids=ids, labels=ids) if hf else model(ids, ids)
+                        loss = out.loss if hf else out
+                    saved[0] = counted.nbytes
+                    loss.backward()
+                    for p in params:
+                        p.grad = None
+
+                profiles[micro] += [_best(step), saved[0]]
+            del model, params
+    finally:
+        torch.set_num_threads(kept)
+    return ModelProfile({m: MicroBatchProfile(*values) for m, values in profiles.items()}, layers)

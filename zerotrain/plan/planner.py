@@ -1,0 +1,219 @@
+"""``zerotrain plan``'s decision: every candidate config priced (zerotrain/plan/cost.py), those
+that do not fit dropped, the fastest chosen, and each loser's reason.
+
+[Note: the plan's choice]
+A candidate fits when its predicted peak per rank is at most ``margin`` (0.9) of the memory a
+rank has: the device's, or on a CPU-only machine the host's shared by the node's ranks. All
+candidates train the same global batch, so the fastest step is the fastest per token. A loser
+is named by what it lost on: memory (by how much), or time, with what dominates its step
+(compute, the link, the optimizer step), against the choice's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from zerotrain.errors import ZeroTrainError
+from zerotrain.fmt import quantity
+from zerotrain.plan.candidates import Candidate, enumerate_candidates
+from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict
+from zerotrain.plan.model_probe import ModelProfile, profile_model
+from zerotrain.plan.probe import Machine, cache_dir
+
+__all__ = [
+    "Plan",
+    "PlanError",
+    "Planned",
+    "load_corrections",
+    "make_plan",
+    "micro_batches",
+    "model_facts",
+    "profile_if_fits",
+]
+
+MARGIN = 0.9
+
+
+class PlanError(ZeroTrainError, ValueError):
+    """No candidate can train the job here (the message names the nearest one)."""
+
+
+@dataclass
+class Planned:
+    """One candidate with its config, prediction and verdict."""
+
+    candidate: Candidate
+    config: dict
+    predicted: Prediction
+    fits: bool
+    reason: str = ""
+    measured: dict | None = None
+
+    def as_json(self) -> dict:
+        out = {
+            "label": self.candidate.label(),
+            "config": self.config,
+            "activation_checkpointing": self.candidate.activation_checkpointing,
+            **self.predicted.as_dict(),
+            "bound": self.predicted.bound,
+            "fits": self.fits,
+            "reason": self.reason,
+        }
+        if self.measured is not None:
+            out["measured"] = self.measured
+        return out
+
+
+@dataclass
+class Plan:
+    """Every candidate considered, losers included, and the index of the chosen one."""
+
+    candidates: list[Planned]
+    chosen: int
+    budget: int
+    """Memory per rank a candidate may use (the margin applied)."""
+    corrections: Corrections = field(default_factory=Corrections)
+
+    @property
+    def best(self) -> Planned:
+        return self.candidates[self.chosen]
+
+    def ranked(self) -> list[Planned]:
+        """The candidates that fit, fastest first."""
+        fitting = [p for p in self.candidates if p.fits]
+        return sorted(fitting, key=lambda p: p.predicted.step_time_s)
+
+    def as_json(self) -> dict:
+        return {"candidates": [p.as_json() for p in self.candidates], "chosen": self.chosen}
+
+
+def model_facts(
+    model: nn.Module, *, seq_len: int, dtype: str, profile: ModelProfile | None = None
+) -> ModelFacts:
+    """What the cost model needs of ``model`` (built on the meta device is enough), with its
+    measured ``profile`` where there is one."""
+    from zerotrain.config import ZERO_DEFAULTS
+    from zerotrain.estimate import count_parameters
+
+    count = count_parameters(
+        model, persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold
+    )
+    config = getattr(model, "config", None)
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    return ModelFacts(
+        count=count,
+        seq_len=seq_len,
+        dtype=dtype,
+        attention="eager" if eager else "flash",
+        dropout=dropout,
+        profile=profile,
+    )
+
+
+def micro_batches(*, world: int, global_batch: int) -> list[int]:
+    """The micro-batches the candidates take: every divisor of the batch per rank."""
+    per_rank = max(1, global_batch // world)
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def profile_if_fits(
+    factory, trainable: int, machine: Machine, *, sizes: list[int], seq_len: int, vocab: int
+) -> ModelProfile | None:
+    """The model probe ([Note: the model probe]) where the model, its gradients and their
+    temporaries in fp32 (16 bytes a parameter) fit in half this process's host memory; None
+    otherwise (the cost model then counts FLOPs)."""
+    from zerotrain.precision import DTYPES
+
+    if 16 * trainable > machine.host_memory // 2:
+        return None
+    return profile_model(
+        factory,
+        micro_batches=sizes,
+        seq_len=seq_len,
+        vocab_size=vocab,
+        dtype=DTYPES[machine.dtype],
+        threads=machine.threads,
+    )
+
+
+def make_plan(
+    facts: ModelFacts,
+    machine: Machine,
+    *,
+    world: int,
+    ranks_per_node: int,
+    global_batch: int,
+    base: dict,
+    nvme_path: str | None = None,
+    corrections: Corrections | None = None,
+) -> Plan:
+    """Price every candidate and choose (see [Note: the plan's choice]); :class:`PlanError`
+    when none fits."""
+    corrections = corrections or Corrections()
+    per_rank = machine.device_memory // (ranks_per_node if machine.device == "cpu" else 1)
+    budget = int(per_rank * MARGIN)
+    planned = []
+    for candidate in enumerate_candidates(
+        world=world, global_batch=global_batch, base=base, nvme=nvme_path is not None
+    ):
+        config = candidate.config(base, nvme_path)
+        prediction = predict(candidate, facts, machine, corrections, config)
+        fits = prediction.peak_memory_bytes <= budget
+        planned.append(Planned(candidate, config, prediction, fits))
+    if not planned:
+        raise PlanError("no candidate config: --config fixes keys that leave none")
+    fitting = [p for p in planned if p.fits]
+    if not fitting:
+        nearest = min(planned, key=lambda p: p.predicted.peak_memory_bytes)
+        need = nearest.predicted.peak_memory_bytes
+        raise PlanError(
+            f"no config fits: the nearest, {nearest.candidate.label()}, needs "
+            f"{_bytes(need)} per rank, {_bytes(need - budget)} more than the "
+            f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(per_rank)}); "
+            "more ranks, a shorter --seq-len or a smaller model would fit"
+        )
+    best = min(fitting, key=lambda p: p.predicted.step_time_s)
+    for p in planned:
+        p.reason = _reason(p, best, budget)
+    return Plan(planned, planned.index(best), budget, corrections)
+
+
+def _bytes(value: float) -> str:
+    return quantity(value, "B")
+
+
+def _reason(planned: Planned, best: Planned, budget: int) -> str:
+    predicted = planned.predicted
+    if planned is best:
+        return "chosen: the fastest that fits"
+    if not planned.fits:
+        over = predicted.peak_memory_bytes - budget
+        return f"does not fit: {_bytes(over)} over the budget"
+    ratio = predicted.step_time_s / best.predicted.step_time_s
+    return f"{ratio:.2f}x the chosen step, {predicted.bound}-bound"
+
+
+# -- the corrections, kept per machine ----------------------------------------------------------
+def _corrections_path(machine: Machine):
+    return cache_dir() / "corrections" / f"{machine.key}.json"
+
+
+def load_corrections(machine: Machine) -> Corrections:
+    """The corrections ``--verify`` left for this machine (defaults if none)."""
+    path = _corrections_path(machine)
+    try:
+        return Corrections(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return Corrections()
+
+
+def save_corrections(machine: Machine, corrections: Corrections) -> None:
+    path = _corrections_path(machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(asdict(corrections)))
+    partial.replace(path)
