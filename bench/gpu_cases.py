@@ -485,10 +485,50 @@ def tiled_compute(s: Setting) -> dict:
     }
 
 
+def plan(s: Setting) -> dict:
+    """`zerotrain plan` on the device (zerotrain/plan/): the machine probe (matmul and attention
+    rates, pinned copies, disk under the scratch folder), the model probe, the plan of the
+    example GPT on one rank and a trial of its choice: predicted against measured."""
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.candidates import micro_batches
+    from zerotrain.plan.planner import make_plan, model_facts, profile_if_fits
+    from zerotrain.plan.probe import probe_machine
+    from zerotrain.plan.trial import TrialSpec, run_trial
+
+    factories = {"tiny": "tiny", "demo": "demo", "30m": "gpt_30m", "100m": "gpt_100m"}
+    spec = f"{ROOT}/examples/gpt/model.py:{factories[s.model]}"
+    seq, batch = gpt_config(s.model).block_size, 2 * s.micro_batch
+    base = {"bf16": {"enabled": s.precision == "bf16"}, "fp16": {"enabled": s.precision == "fp16"}}
+    os.environ["ZEROTRAIN_CACHE_DIR"] = os.path.join(s.scratch, "cache")
+    nvme = os.path.join(s.scratch, "nvme")
+    machine = probe_machine(dtype=s.precision, world=1, nvme_path=nvme, refresh=True)
+    facts = model_facts(build_on_meta(spec), seq_len=seq, dtype=s.precision)
+    sizes = micro_batches(world=1, global_batch=batch, base=base)
+    profile = profile_if_fits(load_factory(spec), facts, machine, sizes=sizes, vocab=256)
+    facts = model_facts(build_on_meta(spec), seq_len=seq, dtype=s.precision, profile=profile)
+    chosen = make_plan(
+        facts, machine, world=1, ranks_per_node=1, global_batch=batch, base=base, nvme_path=nvme
+    ).best
+    trial = TrialSpec(spec, chosen.config, 1, seq, 256, chosen.candidate.activation_checkpointing)
+    measured = run_trial(trial, timeout=240).as_dict()
+    return {
+        "step_s": measured["step_time_s"],
+        "chosen": chosen.candidate.label(),
+        "predicted": chosen.predicted.as_dict(),
+        "measured": measured,
+        "matmul_flops": machine.matmul_flops,
+        "attention_flops": machine.attention_flops,
+        "copy_bytes_per_s": machine.copy_bytes_per_s,
+        "probe_seconds": machine.probe_seconds,
+        **_peaks(s),
+    }
+
+
 BODIES: dict[str, Callable[..., dict]] = {
     "environment": environment,
     "train": train,
     "gradient_codec": gradient_codec,
     "parameter_codec": parameter_codec,
     "tiled_compute": tiled_compute,
+    "plan": plan,
 }

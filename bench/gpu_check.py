@@ -190,6 +190,12 @@ CASES = [
             },
         },
     ),
+    Case(
+        "plan",
+        "zerotrain plan: the machine probe on the device, the model probe, a trial of the choice",
+        "plan",
+        timeout_s=300.0,
+    ),
     _train(
         "stage3-compiled",
         "stage 3 with model.compile() (inductor on the GPU, eager in the dry run)",
@@ -229,6 +235,10 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     "zerotrain/zero/param_home.py": ("stage3-param-offload-cpu", "stage3-param-offload-nvme"),
     "zerotrain/zero/swap.py": ("offload-nvme", "stage3-param-offload-nvme"),
     "zerotrain/zero/init.py": ("stage3-zero-init",),
+    # the planner's device rates, its model probe and trials (synchronized timing, peaks)
+    "zerotrain/plan/probe.py": ("plan",),
+    "zerotrain/plan/model_probe.py": ("plan",),
+    "zerotrain/plan/trial.py": ("plan",),
     "zerotrain/comm/link.py": "the link probes of comm_compression.auto run between 2+ ranks",
     "zerotrain/cli/launch.py": "counts the GPUs for --nproc-per-node: the launcher, not training",
     "zerotrain/config/params.py": "names 'nccl' among a config key's accepted values",

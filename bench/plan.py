@@ -61,14 +61,12 @@ BASE = {
 
 
 def _facts(spec: str, seq: int, machine, sizes: list[int]):
-    from zerotrain.cli.estimate import _build_on_meta, load_factory
+    from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.planner import model_facts, profile_if_fits
 
-    model = _build_on_meta(spec)
+    model = build_on_meta(spec)
     facts = model_facts(model, seq_len=seq, dtype="fp32")
-    profile = profile_if_fits(
-        load_factory(spec), facts.count.trainable, machine, sizes=sizes, seq_len=seq, vocab=256
-    )
+    profile = profile_if_fits(load_factory(spec), facts, machine, sizes=sizes, vocab=256)
     return model_facts(model, seq_len=seq, dtype="fp32", profile=profile)
 
 
@@ -152,7 +150,7 @@ def pick() -> dict:
         facts, machine, world=2, ranks_per_node=2, global_batch=16, base=BASE,
         corrections=Corrections(),
     )  # fmt: skip
-    planned = [p for p in plan.candidates if p.candidate.micro_batch in (2, 4, 8)]
+    planned = [p for p in plan.candidates if p.fits and p.candidate.micro_batch in (2, 4, 8)]
     planner_seconds = time.perf_counter() - started
     started = time.perf_counter()
     measured = {}
@@ -189,13 +187,17 @@ def main() -> None:
     parser.add_argument("--part", choices=["predictions", "pick", "both"], default="both")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["demo", "30m"])
     args = parser.parse_args()
-    os.environ.setdefault("ZEROTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="zerotrain-bench-"))
     results = {}
-    with tempfile.TemporaryDirectory(prefix="zerotrain-plan-nvme-") as nvme:
+    # a probe of its own, not a cache refined by earlier --verify runs
+    with (
+        tempfile.TemporaryDirectory(prefix="zerotrain-plan-cache-") as cache,
+        tempfile.TemporaryDirectory(prefix="zerotrain-plan-nvme-") as nvme,
+    ):
+        os.environ["ZEROTRAIN_CACHE_DIR"] = cache
         if args.part in ("predictions", "both"):
             results["predictions"] = predictions(args.models, nvme)
-    if args.part in ("pick", "both"):
-        results["pick"] = pick()
+        if args.part in ("pick", "both"):
+            results["pick"] = pick()
     out = ROOT / "bench" / "results" / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -51,6 +51,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     # frameworks: the opt-in DeepSpeed alias and native integrations, over the whole package
     ("frameworks", ("compat", "integrations")),
+    # the planner: it probes the machine and trains trial configs through the API
+    ("tools", ("plan",)),
     ("cli", ("cli", "launcher", "__main__")),
 ]
 MAX_LINES = 800

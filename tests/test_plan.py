@@ -74,14 +74,14 @@ def _config(stage: int, micro: int = 4, accumulation: int = 1) -> dict:
 def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     """A trial of 2 ranks reports the engine's model-state bytes (the ZeRO formula's), a peak
     above them and a step time; activation checkpointing lowers the peak."""
-    from zerotrain.cli.estimate import _build_on_meta
     from zerotrain.estimate import TrainingJob, count_parameters, estimate
+    from zerotrain.estimate.factory import build_on_meta
 
     spec = TrialSpec(model=GPT_DEMO, config=_config(2), world=2, seq_len=128, vocab_size=256)
     plain = run_trial(spec)
     checkpointed = run_trial(replace(spec, activation_checkpointing=True))
 
-    count = count_parameters(_build_on_meta(GPT_DEMO), persistence_threshold=0)
+    count = count_parameters(build_on_meta(GPT_DEMO), persistence_threshold=0)
     job = TrainingJob(
         trainable_params=count.trainable,
         gpus_per_node=2,
@@ -171,13 +171,13 @@ def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch):
 
 
 def test_a_model_that_fits_nowhere_names_the_nearest_config(tmp_path, monkeypatch):
-    from zerotrain.cli.estimate import _build_on_meta
+    from zerotrain.estimate.factory import build_on_meta
     from zerotrain.plan.planner import PlanError, make_plan, model_facts
 
     monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     machine = probe.probe_machine(dtype="fp32", world=1)
     small = replace(machine, device_memory=50 * 10**6, host_memory=50 * 10**6)
-    facts = model_facts(_build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
     with pytest.raises(PlanError) as error:
         make_plan(facts, small, world=1, ranks_per_node=1, global_batch=8, base={})
     # one rank on a CPU: no stage or offload moves memory off it; the smallest micro-batch with
@@ -213,12 +213,42 @@ def test_verify_measures_the_top_candidate_and_refines_the_constants(capsys, tmp
 def test_refine_moves_each_constant_to_what_was_measured():
     from zerotrain.plan.cost import Corrections, Prediction, refine
 
-    predicted = Prediction(100, 10, step_time_s=1.5, compute_s=1.0, comm_s=0.3, optimizer_s=0.2)
+    predicted = Prediction(
+        100, 10, step_time_s=1.6, compute_s=1.0, engine_s=0.1, comm_s=0.3, optimizer_s=0.2
+    )
     measured = {"peak_memory_bytes": 130, "step_time_s": 2.5}
     once = refine(Corrections(memory_overhead=40.0), [(predicted, measured)])
-    assert once.compute_scale == pytest.approx(2.0)  # 2.5 - 0.5 of compute, predicted 1.0
+    assert once.compute_scale == pytest.approx(1.9)  # 2.5 - 0.6 of compute, predicted 1.0
     assert once.memory_overhead == pytest.approx(70.0) and once.verified == 1
     # a second trial weighs as much as the first
-    twice = refine(once, [(predicted, {"peak_memory_bytes": 100, "step_time_s": 1.5})])
-    assert twice.compute_scale == pytest.approx((2.0 + 2.0) / 2)  # that trial: scale 1 x 2.0
+    twice = refine(once, [(predicted, {"peak_memory_bytes": 100, "step_time_s": 1.6})])
+    assert twice.compute_scale == pytest.approx((1.9 + 1.9) / 2)  # that trial: 1.0 x 1.9
     assert twice.verified == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "base", "message"),
+    [
+        (["--global-batch", "15"], {}, "--global-batch 15 is not a multiple of the 2"),
+        ([], {"train_batch_size": 32}, "--config sets train_batch_size 32, --global-batch 16"),
+        (
+            [],
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            "offloads to nvme without an nvme_path: give --nvme-path",
+        ),
+        (["--model", "no_such_module_xyz:build"], {}, "cannot import 'no_such_module_xyz'"),
+    ],
+)
+def test_plan_refuses_bad_input_before_probing(capsys, tmp_path, monkeypatch, argv, base, message):
+    from zerotrain import cli
+
+    def probed(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(probe, "probe_machine", probed)
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    args = ["--model", GPT_DEMO, "--seq-len", "128", "--global-batch", "16"]
+    args += ["--nproc-per-node", "2", "--config", str(tmp_path / "base.json"), *argv]
+    code = cli.main(["plan", *args])
+    _, err = capsys.readouterr()
+    assert code == 2 and message in err and "Traceback" not in err, err

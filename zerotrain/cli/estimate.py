@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from zerotrain.cli.arguments import ParserSpec, positive_int, size_argument
 from zerotrain.errors import ZeroTrainError
 
-__all__ = ["PARSER", "EstimateError", "add_arguments", "load_factory"]
+__all__ = ["PARSER", "EstimateError", "add_arguments"]
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -45,77 +44,6 @@ def _memory_size(text: str) -> int:
             "bytes (80000000000B)"
         )
     return size_argument(text)
-
-
-def _import_target(target: str):
-    import importlib
-    import importlib.util
-
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        if not os.path.isfile(target):
-            raise EstimateError(f"--model: no file {target!r}")
-        name = os.path.splitext(os.path.basename(target))[0]
-        spec = importlib.util.spec_from_file_location(f"_zerotrain_estimate_{name}", target)
-        if spec is None or spec.loader is None:  # not a file Python can import
-            raise EstimateError(f"--model: {target!r} is not a Python file (path/to/file.py)")
-        module = importlib.util.module_from_spec(spec)
-        # registered before it runs, as an import would: dataclasses and pickling look a
-        # module up by name while it executes
-        sys.modules[spec.name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[spec.name]
-            raise
-        return module
-    if os.getcwd() not in sys.path and "" not in sys.path:  # console scripts leave it out
-        sys.path.insert(0, os.getcwd())
-    return importlib.import_module(target)
-
-
-def load_factory(spec: str):
-    """The model factory ``spec`` names: ``module.path:factory`` or
-    ``path/to/file.py:factory`` (EstimateError, naming ``--model``, if it cannot be found)."""
-    from torch import nn
-
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise EstimateError(
-            f"--model: expected module.path:factory or path/to/file.py:factory, got {spec!r}"
-        )
-    try:
-        module = _import_target(target)
-    except EstimateError:
-        raise
-    except Exception as error:  # whatever the user's module raises: report it, no traceback
-        raise EstimateError(
-            f"--model: cannot import {target!r}: {type(error).__name__}: {error}"
-        ) from error
-    factory = getattr(module, name, None)
-    if not callable(factory) or isinstance(factory, nn.Module):
-        raise EstimateError(
-            f"--model: {target!r} has no function or class {name!r} that builds the model"
-        )
-    return factory
-
-
-def _build_on_meta(spec: str):
-    """``module.path:factory`` or ``path/to/file.py:factory`` called on the meta device: the
-    parameters have shapes and no storage, so a 70B model costs nothing to build."""
-    import torch
-    from torch import nn
-
-    factory = load_factory(spec)
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception as error:
-        raise EstimateError(
-            f"--model: {spec}() failed on the meta device: {type(error).__name__}: {error}"
-        ) from error
-    if not isinstance(model, nn.Module):
-        raise EstimateError(f"--model: {spec}() returned {type(model).__name__}, not an nn.Module")
-    return model
 
 
 _SHAPE_FLAGS = {
@@ -162,8 +90,14 @@ def _estimate_job(args: argparse.Namespace):
             raise EstimateError(
                 "--largest-layer: measured from --model; give it only with --params"
             )
+        from zerotrain.estimate.factory import ModelFactoryError, build_on_meta
+
+        try:
+            model = build_on_meta(args.model)
+        except ModelFactoryError as error:
+            raise EstimateError(str(error)) from error
         count = count_parameters(
-            _build_on_meta(args.model),
+            model,
             persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold,
         )
         counts = {}

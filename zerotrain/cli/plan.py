@@ -21,74 +21,108 @@ PARSER: ParserSpec = {
 
 
 def _dtype(base: dict) -> str:
-    if base.get("bf16", {}).get("enabled"):
+    from zerotrain.plan.candidates import section
+
+    if section(base, "bf16").get("enabled"):
         return "bf16"
-    if base.get("fp16", {}).get("enabled"):
+    if section(base, "fp16").get("enabled"):
         return "fp16"
     return "fp32"
 
 
+def _read_base(args: argparse.Namespace) -> dict:
+    """The --config file's ds_config, checked against the other flags (PlanError)."""
+    from zerotrain.plan.candidates import batch_per_rank, section
+    from zerotrain.plan.planner import PlanError
+
+    base: object = {}
+    if args.config:
+        try:
+            with open(args.config) as file:
+                base = json.load(file)
+        except (OSError, ValueError) as error:
+            raise PlanError(f"--config: cannot read {args.config}: {error}") from error
+        if not isinstance(base, dict):
+            raise PlanError(f"--config: {args.config} holds no JSON object")
+    assert isinstance(base, dict)
+    batch = base.get("train_batch_size")
+    if isinstance(batch, int) and batch != args.global_batch:
+        raise PlanError(
+            f"--config sets train_batch_size {batch}, --global-batch {args.global_batch}: give "
+            "one of them, or the same number"
+        )
+    offload = section(section(base, "zero_optimization"), "offload_optimizer")
+    args.nvme_path = args.nvme_path or offload.get("nvme_path")
+    if offload.get("device") == "nvme" and not args.nvme_path:
+        raise PlanError(
+            "--config offloads to nvme without an nvme_path: give --nvme-path (the probe "
+            "measures that disk)"
+        )
+    try:
+        batch_per_rank(args.global_batch, _ranks(args) * args.nnodes)
+    except ValueError as error:
+        raise PlanError(str(error)) from error
+    return base
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    return args.nproc_per_node or args.gpus_per_node or 1
+
+
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
-    from zerotrain.cli.estimate import EstimateError, _build_on_meta, load_factory
+    from zerotrain.estimate.factory import ModelFactoryError, build_on_meta, load_factory
+    from zerotrain.plan.candidates import micro_batches
     from zerotrain.plan.jobs import JobError
     from zerotrain.plan.planner import (
         PlanError,
         load_corrections,
         make_plan,
-        micro_batches,
         model_facts,
         profile_if_fits,
     )
-    from zerotrain.plan.probe import probe_machine
+    from zerotrain.plan.probe import probe_machine, with_current_memory
+    from zerotrain.zero.swap import SwapIOError
 
     def fail(message: str, code: int = 2) -> int:
         print(f"zerotrain plan: {message}", file=sys.stderr)
         return code
 
-    ranks = args.nproc_per_node or args.gpus_per_node or 1
+    def say(text: str) -> None:
+        print(f"zerotrain plan: {text}", file=sys.stderr, flush=True)
+
+    ranks = _ranks(args)
     world = ranks * args.nnodes
-    try:
-        base = json.loads(open(args.config).read()) if args.config else {}
-    except (OSError, ValueError) as error:
-        return fail(f"--config: cannot read {args.config}: {error}")
-    if not isinstance(base, dict):
-        return fail(f"--config: {args.config} holds no JSON object")
     if args.verify and args.nnodes > 1:
         return fail("--verify runs the trials on this node; it needs --nnodes 1")
     try:
-        model = _build_on_meta(args.model)
-    except EstimateError as error:
+        base = _read_base(args)
+        model = build_on_meta(args.model)
+    except (PlanError, ModelFactoryError) as error:
         return fail(str(error))
     dtype = _dtype(base)
     facts = model_facts(model, seq_len=args.seq_len, dtype=dtype)
-
-    def say(text: str) -> None:
-        print(f"zerotrain plan: probing this machine: {text}", file=sys.stderr, flush=True)
-
     try:
         machine = probe_machine(
-            dtype=dtype, world=ranks, nvme_path=args.nvme_path, refresh=args.reprobe, progress=say
+            dtype=dtype,
+            world=ranks,
+            nvme_path=args.nvme_path,
+            refresh=args.reprobe,
+            progress=lambda text: say(f"probing this machine: {text}"),
         )
-    except JobError as error:
+    except (JobError, OSError, SwapIOError) as error:
         return fail(f"the machine probe failed: {error}", 1)
-    corrections = load_corrections(machine)
+    machine = with_current_memory(machine)
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
-    sizes = micro_batches(world=world, global_batch=args.global_batch)
     if vocab:
-        print(
-            "zerotrain plan: timing the model's forward and backward at micro-batches "
-            f"{', '.join(map(str, sizes))}",
-            file=sys.stderr,
-            flush=True,
-        )
-        profile = profile_if_fits(
-            load_factory(args.model),
-            facts.count.trainable,
-            machine,
-            sizes=sizes,
-            seq_len=args.seq_len,
-            vocab=vocab,
-        )
+        sizes = micro_batches(world=world, global_batch=args.global_batch, base=base)
+        say(f"timing the model's forward and backward at micro-batches {sizes}")
+        try:
+            profile = profile_if_fits(
+                load_factory(args.model), facts, machine, sizes=sizes, vocab=vocab
+            )
+        except Exception as error:  # noqa: BLE001 (the user's model, on a real device)
+            say(f"the model probe failed ({type(error).__name__}: {error}); pricing by FLOPs")
+            profile = None
         facts = model_facts(model, seq_len=args.seq_len, dtype=dtype, profile=profile)
     try:
         plan = make_plan(
@@ -99,15 +133,12 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
             global_batch=args.global_batch,
             base=base,
             nvme_path=args.nvme_path,
-            corrections=corrections,
+            corrections=load_corrections(machine),
         )
-    except (PlanError, ValueError) as error:
+    except PlanError as error:
         return fail(str(error))
     if args.verify:
-        try:
-            _verify(plan, args, facts, machine)
-        except (JobError, PlanError) as error:
-            return fail(f"--verify: {error}", 1)
+        _verify(plan, args, facts, machine, vocab, say)
     if args.out:
         with open(args.out, "w") as out:
             json.dump(plan.best.config, out, indent=2)
@@ -120,19 +151,20 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _verify(plan, args: argparse.Namespace, facts, machine) -> None:
-    """Run the top ``--verify`` candidates, attach what they measured, refine the machine's
-    corrections with it."""
+def _verify(plan, args: argparse.Namespace, facts, machine, vocab, say) -> None:
+    """Run the top ``--verify`` candidates, attach what they measured (or why a trial failed),
+    and refine the machine's corrections with the ones that ran."""
     from zerotrain.plan.cost import refine
-    from zerotrain.plan.planner import PlanError, save_corrections
+    from zerotrain.plan.jobs import JobError
+    from zerotrain.plan.planner import save_corrections
     from zerotrain.plan.trial import TrialSpec, run_trial
 
-    vocab = args.vocab_size or facts.count.config.get("vocab_size")
     if not vocab:
-        raise PlanError("--verify needs --vocab-size (the model has no config that says it)")
+        say("--verify needs --vocab-size (the model has no config that says it): not run")
+        return
     pairs = []
     for planned in plan.ranked()[: args.verify]:
-        print(f"zerotrain plan: verifying {planned.candidate.label()} ...", file=sys.stderr)
+        say(f"verifying {planned.candidate.label()} ...")
         spec = TrialSpec(
             model=args.model,
             config=planned.config,
@@ -140,11 +172,18 @@ def _verify(plan, args: argparse.Namespace, facts, machine) -> None:
             seq_len=args.seq_len,
             vocab_size=vocab,
             activation_checkpointing=planned.candidate.activation_checkpointing,
+            env={"OMP_NUM_THREADS": str(machine.threads)},  # what the prediction assumed
         )
-        planned.measured = run_trial(spec).as_dict()
+        try:
+            planned.measured = run_trial(spec).as_dict()
+        except JobError as error:
+            say(f"the trial of {planned.candidate.label()} failed: {error}")
+            planned.measured = {"error": str(error)}
+            continue
         pairs.append((planned.predicted, planned.measured))
-    plan.corrections = refine(plan.corrections, pairs)
-    save_corrections(machine, plan.corrections)
+    if pairs:
+        plan.corrections = refine(plan.corrections, pairs)
+        save_corrections(machine, plan.corrections)
 
 
 def _table(plan, top: int) -> str:
@@ -164,7 +203,7 @@ def _table(plan, top: int) -> str:
             f"{mark} {planned.candidate.label():<52} {quantity(p.peak_memory_bytes, 'B'):>10} "
             f"{quantity(p.model_state_bytes, 'B'):>10} {p.step_time_s:>8.3f}  {planned.reason}"
         )
-        if planned.measured:
+        if planned.measured and "error" not in planned.measured:
             m = planned.measured
             lines.append(
                 f"  {'  measured':<52} {quantity(m['peak_memory_bytes'], 'B'):>10} "
@@ -176,6 +215,13 @@ def _table(plan, top: int) -> str:
         f"per rank; * chosen"
     )
     return "\n".join(lines)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verify",
-        type=int,
+        type=_count,
         default=0,
         metavar="K",
         help="run a few steps of the K fastest candidates, print predicted against measured, "

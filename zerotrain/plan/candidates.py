@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "enumerate_candidates"]
+__all__ = ["Candidate", "batch_per_rank", "enumerate_candidates", "fixed_keys", "micro_batches"]
 
 OFFLOADS = (None, "cpu", "nvme")
 
@@ -46,13 +46,13 @@ class Candidate:
         out["train_micro_batch_size_per_gpu"] = self.micro_batch
         out["gradient_accumulation_steps"] = self.accumulation
         out["train_batch_size"] = self.global_batch
-        zero = out.setdefault("zero_optimization", {})
+        zero = out["zero_optimization"] = section(out, "zero_optimization")
         zero["stage"] = self.stage
         if self.offload:
-            section = zero.setdefault("offload_optimizer", {})
-            section["device"] = self.offload
-            if self.offload == "nvme":
-                section.setdefault("nvme_path", nvme_path or "/tmp/zerotrain-nvme")
+            offload = zero["offload_optimizer"] = section(zero, "offload_optimizer")
+            offload["device"] = self.offload
+            if self.offload == "nvme" and nvme_path:  # the disk the probe measured
+                offload["nvme_path"] = nvme_path
         else:
             zero.pop("offload_optimizer", None)
         if self.activation_checkpointing:
@@ -62,21 +62,47 @@ class Candidate:
         return out
 
 
-def _fixed(base: dict) -> dict:
+def section(config: dict, key: str) -> dict:
+    """``config[key]`` where it is a section (a dict), else empty (absent, null, a flag)."""
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def fixed_keys(base: dict) -> dict:
     """What ``base`` (the user's --config) fixes, by candidate field."""
-    zero = base.get("zero_optimization", {})
+    zero = section(base, "zero_optimization")
     fixed: dict = {}
     if "stage" in zero:
         fixed["stage"] = int(zero["stage"])
-    offload = zero.get("offload_optimizer", {}).get("device")
+    offload = section(zero, "offload_optimizer").get("device")
     if offload is not None:
         fixed["offload"] = None if offload == "none" else offload
-    micro = base.get("train_micro_batch_size_per_gpu")
-    if isinstance(micro, int):
-        fixed["micro_batch"] = micro
+    for key, field in (
+        ("train_micro_batch_size_per_gpu", "micro_batch"),
+        ("gradient_accumulation_steps", "accumulation"),
+    ):
+        if isinstance(base.get(key), int):
+            fixed[field] = base[key]
     if "activation_checkpointing" in base:
         fixed["activation_checkpointing"] = True
     return fixed
+
+
+def batch_per_rank(global_batch: int, world: int) -> int:
+    """Samples per rank and step; ValueError where the ranks cannot share the batch evenly."""
+    if global_batch % world:
+        raise ValueError(
+            f"--global-batch {global_batch} is not a multiple of the {world} data-parallel ranks"
+        )
+    return global_batch // world
+
+
+def micro_batches(*, world: int, global_batch: int, base: dict) -> list[int]:
+    """The micro-batches candidates take: every divisor of the batch per rank, or the one
+    ``base`` fixes."""
+    per_rank = batch_per_rank(global_batch, world)
+    fixed = fixed_keys(base).get("micro_batch")
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0 and fixed in (None, m)]
 
 
 def enumerate_candidates(
@@ -86,20 +112,16 @@ def enumerate_candidates(
     stages 0-3, offload none / cpu / nvme (``nvme``: a path is given; offload needs stage
     1-3), checkpointing off / on, and every micro-batch that divides the batch per rank;
     what ``base`` fixes is held."""
-    if global_batch % world:
-        raise ValueError(
-            f"--global-batch {global_batch} is not a multiple of the {world} data-parallel ranks"
-        )
-    per_rank = global_batch // world
-    fixed = _fixed(base)
-    micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    per_rank = batch_per_rank(global_batch, world)
+    fixed = fixed_keys(base)
+    sizes = micro_batches(world=world, global_batch=global_batch, base=base)
     out = []
     for stage in (0, 1, 2, 3):
         for offload in OFFLOADS:
             if offload and stage == 0 or offload == "nvme" and not nvme:
                 continue
             for checkpointing in (False, True):
-                for micro in micro_batches:
+                for micro in sizes:
                     candidate = Candidate(
                         stage, offload, checkpointing, micro, per_rank // micro, world
                     )

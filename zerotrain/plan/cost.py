@@ -12,21 +12,20 @@ before its reduce-scatter; plus what a training process holds besides
 (``Corrections.memory_overhead``: allocator arenas, thread stacks, the communicator's
 buffers). On a CPU-only machine the device is host memory: the model is first built there in
 fp32 (its Ψ·4 bytes), and what optimizer offload moves off the device stays in it (see [Note:
-what a trial measures]). Against 64 trials of the demo and 30M GPTs here (stages 0-3, 1-2
-ranks, checkpointing, micro-batches 4 and 8): median error 4.5%, the worst 18%, where the
-host allocator keeps freed activations resident.
+what a trial measures]). How near these come to trials is bench/plan.py's (bench/README.md):
+the host allocator keeping freed activation memory resident is the largest error.
 
 Step time: compute, the collectives, the optimizer step, each priced on the machine:
 - compute: the model probe's forward and backward per micro-batch (with checkpointing, its
   recomputing backward), times ``Corrections.compute_scale``, plus the engine's own work
   (``engine_seconds_per_parameter``). Where the model cannot be built here: 2 FLOPs per
-  parameter and token forward, plus causal attention's 2·L·s·h per token, three times for
-  forward and backward, four with checkpointing, at the probed matmul rate times
-  ``FLOP_EFFICIENCY``. Against the same 64 trials: median error 2.9%, the worst 13.5%;
-- collectives: the gradient reduction every step (an all-reduce of 2Ψ(N-1)/N elements at
-  stages 0-1, a reduce-scatter of Ψ(N-1)/N at 2-3) and stage 3's parameter all-gathers (forward
-  and backward, every micro-batch), each on the probed link of its kind, not overlapped with
-  compute (gloo on CPU ranks shares their cores);
+  parameter and token forward at the probed matmul rate times ``FLOP_EFFICIENCY``, and causal
+  attention's 2·L·s·h per token at the probed attention rate, three times for forward and
+  backward, four with checkpointing;
+- collectives (:func:`_comm_seconds`): the gradient reduction (at the accumulation boundary at
+  stages 0-1, in every backward at 2-3) and the parameters' all-gathers (after the step at
+  stages 1-2, in every forward and backward at 3), each on the probed link of its kind, not
+  overlapped with compute (gloo on CPU ranks shares their cores);
 - the optimizer step: fused AdamW over the rank's partition at the probed CPU rate (the device's
   on a GPU is not modelled yet: the CPU rate bounds it); NVMe offload adds its working file's
   reads and writes (master and state, each way) at the probed disk rates.
@@ -103,20 +102,21 @@ class ModelFacts:
             mlp=self.count.mlp or "gelu",
         )
 
-    def forward_flops_per_token(self) -> float:
+    def attention_flops_per_token(self) -> float:
+        """Causal attention's forward FLOPs per token: 2·L·s·h (the two products, halved)."""
         config = self.count.config
-        attention = 2 * config.get("layers", 0) * self.seq_len * config.get("hidden_size", 0)
-        return 2 * self.count.trainable + attention
+        return 2 * config.get("layers", 0) * self.seq_len * config.get("hidden_size", 0)
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """A candidate's predicted cost; ``compute_s`` + ``comm_s`` + ``optimizer_s`` is the step."""
+    """A candidate's predicted cost; the step is the sum of the four ``*_s`` parts."""
 
     peak_memory_bytes: int
     model_state_bytes: int
     step_time_s: float
     compute_s: float
+    engine_s: float
     comm_s: float
     optimizer_s: float
 
@@ -169,8 +169,7 @@ def predict(
     psi, world = facts.count.trainable, candidate.world
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     checkpointing = candidate.activation_checkpointing
-    # the backward's reduction: a whole bucket of gradients before its reduce-scatter (stages
-    # 2-3), and the collective's own copy of it on more than one rank
+    # the backward's reduction: a whole bucket of gradients before its reduce-scatter (2-3)
     bucket = largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) * element
     reduction = bucket * (candidate.stage >= 2)
     measured = facts.profile.micro_batches.get(candidate.micro_batch) if facts.profile else None
@@ -186,10 +185,13 @@ def predict(
     else:
         memory = row.peak(checkpointing) + reduction
         tokens = candidate.micro_batch * candidate.accumulation * facts.seq_len
-        flops = (4 if checkpointing else 3) * facts.forward_flops_per_token() * tokens
-        compute = flops / (machine.matmul_flops * FLOP_EFFICIENCY)
+        passes = (4 if checkpointing else 3) * tokens
+        compute = passes * (
+            2 * psi / (machine.matmul_flops * FLOP_EFFICIENCY)
+            + facts.attention_flops_per_token() / machine.attention_flops
+        )
     compute *= corrections.compute_scale
-    compute += candidate.accumulation * psi * corrections.engine_seconds_per_parameter
+    engine = candidate.accumulation * psi * corrections.engine_seconds_per_parameter
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
         memory += 4 * (psi + facts.count.frozen)  # the model as built, in fp32, before initialize
@@ -207,8 +209,9 @@ def predict(
     return Prediction(
         peak_memory_bytes=int(memory),
         model_state_bytes=int(row.model_states),
-        step_time_s=compute + comm + optimizer,
+        step_time_s=compute + engine + comm + optimizer,
         compute_s=compute,
+        engine_s=engine,
         comm_s=comm,
         optimizer_s=optimizer,
     )
@@ -230,17 +233,24 @@ def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> fl
 
 
 def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine) -> float:
+    """The step's collectives on the probed links ([Note: the three reductions] in
+    zerotrain/zero/reduce.py): stage 0 all-reduces at the accumulation boundary; stage 1
+    reduce-scatters there; stages 2-3 reduce-scatter in every backward; stages 1-2 all-gather
+    the updated parameters after the step, stage 3 gathers them in every forward and backward."""
     world = candidate.world
     if world == 1 or not machine.links:
         return 0.0
-    grads = psi * element
-    op = "all_reduce" if candidate.stage < 2 else "reduce_scatter"
-    seconds = machine.links[op].seconds(op, ring_sent(op, grads, world), world)
-    if candidate.stage == 3:  # forward and backward gather every micro-batch
-        gathers = 2 * candidate.accumulation
-        sent = ring_sent("all_gather", psi * element, world)
-        seconds += gathers * machine.links["all_gather"].seconds("all_gather", sent, world)
-    return seconds
+    volume = psi * element
+    micro = candidate.accumulation
+
+    def cost(op: str) -> float:
+        return machine.links[op].seconds(op, ring_sent(op, volume, world), world)
+
+    if candidate.stage == 0:
+        return cost("all_reduce")
+    reductions = 1 if candidate.stage == 1 else micro
+    gathers = 2 * micro if candidate.stage == 3 else 1
+    return reductions * cost("reduce_scatter") + gathers * cost("all_gather")
 
 
 def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:
@@ -252,7 +262,7 @@ def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Co
         return corrections
     scales, overheads = [], []
     for predicted, measured in pairs:
-        rest = predicted.comm_s + predicted.optimizer_s
+        rest = predicted.engine_s + predicted.comm_s + predicted.optimizer_s
         compute = measured["step_time_s"] - rest
         if compute > 0 and predicted.compute_s > 0:
             scales.append(corrections.compute_scale * compute / predicted.compute_s)

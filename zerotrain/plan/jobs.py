@@ -48,12 +48,22 @@ def run_local_job(
         path = merged.get("PYTHONPATH", "")
         if os.getcwd() not in path.split(os.pathsep):
             merged["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), path]))
+        # torchrun starts its ranks in sessions of their own: on a timeout it is asked to stop
+        # them (SIGTERM), and killed only if it does not
+        launched = subprocess.Popen(
+            command, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
-            done = subprocess.run(
-                command, env=merged, capture_output=True, text=True, timeout=timeout
-            )
+            stdout, stderr = launched.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as error:
+            launched.terminate()
+            try:
+                launched.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                launched.kill()
+                launched.communicate()
             raise JobError(f"the {what} ran past {timeout:.0f} s and was stopped") from error
+        done = subprocess.CompletedProcess(command, launched.returncode, stdout, stderr)
         if done.returncode != 0 or not out.exists():
             lines = (done.stderr or done.stdout).strip().splitlines()
             # the ranks' own tracebacks, not torchrun's summary of them

@@ -9,8 +9,8 @@ at smaller micro-batches), and the formula's activations say nothing of a model 
 textbook transformer. So where the
 model fits in this process (its parameters and gradients in fp32, twice over, within half the
 host memory available), the planner builds it for real, in the training dtype, and times a
-plain autograd forward and forward-plus-backward at each micro-batch, with the threads one rank
-gets, the best of a few after a warm-up; with activation checkpointing too (the blocks wrapped
+plain autograd forward-plus-backward at each micro-batch, with the threads one rank gets, the
+best of a few after a warm-up; with activation checkpointing too (the blocks wrapped
 as a trial wraps them: the backward then includes the recomputation). The bytes autograd saves
 in the forward are counted as ``zerotrain.checkpointing.count_saved_activations`` counts them.
 A run of the real engine adds its own work per step (bucket copies, hooks, the reduction's
@@ -77,8 +77,7 @@ def profile_model(
 ) -> ModelProfile:
     """Time and count ``factory()``'s forward and backward at each of ``micro_batches`` (see
     [Note: the model probe])."""
-    import zerotrain.checkpointing
-    from zerotrain.activation_checkpointing import count_saved_activations
+    from zerotrain.activation_checkpointing import count_saved_activations, wrap
     from zerotrain.zero.units import find_unit_modules
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +91,7 @@ def profile_model(
             model = factory().to(device=device, dtype=dtype)
             if checkpointing:
                 layers = len(find_unit_modules(model))
-                zerotrain.checkpointing.wrap(model)
+                wrap(model)
             hf = _is_hf(model)
             params = list(model.parameters())
             for micro in micro_batches:

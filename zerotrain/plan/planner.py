@@ -12,6 +12,7 @@ is named by what it lost on: memory (by how much), or time, with what dominates 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -29,7 +30,6 @@ __all__ = [
     "Planned",
     "load_corrections",
     "make_plan",
-    "micro_batches",
     "model_facts",
     "profile_if_fits",
 ]
@@ -114,26 +114,31 @@ def model_facts(
     )
 
 
-def micro_batches(*, world: int, global_batch: int) -> list[int]:
-    """The micro-batches the candidates take: every divisor of the batch per rank."""
-    per_rank = max(1, global_batch // world)
-    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-
-
 def profile_if_fits(
-    factory, trainable: int, machine: Machine, *, sizes: list[int], seq_len: int, vocab: int
+    factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int
 ) -> ModelProfile | None:
-    """The model probe ([Note: the model probe]) where the model, its gradients and their
-    temporaries in fp32 (16 bytes a parameter) fit in half this process's host memory; None
-    otherwise (the cost model then counts FLOPs)."""
+    """The model probe ([Note: the model probe]) at the micro-batches of ``sizes`` where the
+    model, its gradients and their temporaries in fp32 (16 bytes a parameter) and the
+    micro-batch's activations (Korthikanti's formula, where the model's shape is known) fit in
+    half the memory it runs in; None where none does (the cost model then counts FLOPs)."""
+    from zerotrain.estimate import activation_bytes
     from zerotrain.precision import DTYPES
 
-    if 16 * trainable > machine.host_memory // 2:
+    memory = machine.host_memory if machine.device == "cpu" else machine.device_memory
+    weights = 16 * facts.count.trainable
+
+    def fits(micro: int) -> bool:
+        shape = facts.shape(micro)
+        activations = activation_bytes(shape).without_checkpointing if shape else 0
+        return weights + activations <= memory // 2
+
+    sizes = [m for m in sizes if fits(m)]
+    if not sizes:
         return None
     return profile_model(
         factory,
         micro_batches=sizes,
-        seq_len=seq_len,
+        seq_len=facts.seq_len,
         vocab_size=vocab,
         dtype=DTYPES[machine.dtype],
         threads=machine.threads,
@@ -214,6 +219,6 @@ def load_corrections(machine: Machine) -> Corrections:
 def save_corrections(machine: Machine, corrections: Corrections) -> None:
     path = _corrections_path(machine)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(asdict(corrections)))
     partial.replace(path)

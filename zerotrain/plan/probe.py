@@ -19,9 +19,10 @@ AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
   alpha-beta fit ([Note: the alpha-beta model] in zerotrain/comm/link.py) over a real process
   group of the launch's ranks on this node, through zerotrain's Communicator, so gloo's own and
   zerotrain's pairwise algorithms are priced as they run.
-A probe takes 10-30 s. It is cached under ``$ZEROTRAIN_CACHE_DIR`` (default
+A probe took about 6 s on this project's 2-core CPU. It is cached under ``$ZEROTRAIN_CACHE_DIR`` (default
 ``~/.cache/zerotrain``) per machine and per what it depends on (host, device, torch version,
-dtype, threads per rank, ranks, nvme_path); ``refresh`` measures again.
+dtype, threads per rank, ranks, nvme_path); ``refresh`` measures again. The memory figures are
+read again at each plan (:func:`with_current_memory`): what is free changes, the rates do not.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from zerotrain.accelerator import available_host_memory, usable_cpus
 from zerotrain.plan.jobs import job_arguments, run_local_job
 from zerotrain.precision import DTYPES
 
-__all__ = ["COLLECTIVES", "LinkFit", "Machine", "cache_dir", "probe_machine"]
+__all__ = [
+    "COLLECTIVES",
+    "LinkFit",
+    "Machine",
+    "cache_dir",
+    "probe_machine",
+    "with_current_memory",
+]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 MATMUL_SIZES = (512, 1024, 2048)
@@ -156,6 +164,17 @@ def probe_machine(
     partial.write_text(json.dumps(machine.to_json(), indent=1))
     partial.replace(path)  # a concurrent planner reads the old file or the new one, never half
     return machine
+
+
+def with_current_memory(machine: Machine) -> Machine:
+    """``machine`` with the memory this process may use now: a cached probe's figure is the
+    memory free when it was probed."""
+    host = available_host_memory()
+    if not host:
+        return machine
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_properties(0).total_memory if cuda else host
+    return replace(machine, host_memory=int(host), device_memory=int(device))
 
 
 def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:

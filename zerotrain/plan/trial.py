@@ -83,13 +83,13 @@ def run_trial(spec: TrialSpec, *, timeout: float = 900) -> Measured:
 def _build(spec: TrialSpec):
     import torch  # noqa: F401 (the factory's module may need it imported)
 
-    from zerotrain.cli.estimate import load_factory
+    from zerotrain.estimate.factory import load_factory
 
     model = load_factory(spec.model)()
     if spec.activation_checkpointing:
-        import zerotrain.checkpointing
+        from zerotrain.activation_checkpointing import wrap
 
-        zerotrain.checkpointing.wrap(model)
+        wrap(model)
     return model
 
 
@@ -108,12 +108,13 @@ def _is_hf(model) -> bool:
 
 def _worker(spec: TrialSpec, out: Path) -> None:
     import torch
-    import torch.distributed as dist
 
     import zerotrain
     from zerotrain.accelerator import current_rss, peak_rss
+    from zerotrain.comm import Communicator
 
     zerotrain.init_distributed(verbose=False)
+    comm = Communicator()
     _load_runtime()
     cuda = torch.cuda.is_available()
     start_rss = current_rss() or 0
@@ -122,7 +123,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     engine, *_ = zerotrain.initialize(model=model, config=spec.config)
     micro = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    generator = torch.Generator().manual_seed(comm.rank)
     hf = _is_hf(model)
     times = []
     for _ in range(spec.steps):
@@ -146,14 +147,13 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     else:
         peak = (peak_rss() or 0) - start_rss
     step = statistics.median(times[1:] or times)
-    mine = torch.tensor([float(peak), step], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
+    mine = torch.tensor([float(peak), step], dtype=torch.float64, device=comm.device)
+    comm.all_reduce(mine, op="max", name="plan_trial")
+    if comm.rank == 0:
         total = engine.memory_breakdown()["total"]
         measured = Measured(int(mine[0].item()), int(total), float(mine[1].item()))
         out.write_text(json.dumps(asdict(measured)))
-    dist.barrier()
-    dist.destroy_process_group()
+    comm.barrier()
 
 
 def main() -> None:

@@ -341,6 +341,12 @@ class NvmeShardStore(ShardStore):
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, param_shards: ParamShards) -> None:
+        try:
+            self._step(param_shards)
+        finally:
+            self._updates = {}  # Muon's: this step's only
+
+    def _step(self, param_shards: ParamShards) -> None:
         if self._muon:  # see [Note: Muon on NVMe]
             self._muon_updates()
         resident = self._resident_masters()
@@ -362,7 +368,6 @@ class NvmeShardStore(ShardStore):
             param_shards,
             lambda g: applied if g.bucket in self._muon else stepped,
         )
-        self._updates = {}
         self._has_state = True
 
     def _step_order(self) -> list[SubGroup]:
