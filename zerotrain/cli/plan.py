@@ -140,8 +140,11 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     if args.verify:
         _verify(plan, args, facts, machine, vocab, say)
     if args.out:
-        with open(args.out, "w") as out:
-            json.dump(plan.best.config, out, indent=2)
+        try:
+            with open(args.out, "w") as out:
+                json.dump(plan.best.config, out, indent=2)
+        except OSError as error:
+            return fail(f"--out: cannot write {args.out}: {error}", 1)
     if args.json:
         print(json.dumps(plan.as_json(), indent=1))
     else:
