@@ -18,7 +18,8 @@ the host allocator keeping freed activation memory resident is the largest error
 Step time: compute, the collectives, the optimizer step, each priced on the machine:
 - compute: the model probe's forward and backward per micro-batch (with checkpointing, its
   recomputing backward), times ``Corrections.compute_scale``, plus the engine's own work
-  (``engine_seconds_per_parameter``). Where the model cannot be built here: 2 FLOPs per
+  (``engine_seconds_per_parameter``: once a step at stages 0-1, whose buckets are worked at
+  the accumulation boundary; every micro-batch at 2-3, which reduce in every backward). Where the model cannot be built here: 2 FLOPs per
   parameter and token forward at the probed matmul rate times ``FLOP_EFFICIENCY``, and causal
   attention's 2·L·s·h per token at the probed attention rate, three times for forward and
   backward, four with checkpointing;
@@ -69,7 +70,8 @@ class Corrections:
     """What a training process holds besides model states, activations and the model as
     built: allocator arenas, thread stacks, communicator buffers (34 MB on this CPU)."""
     engine_seconds_per_parameter: float = 5e-9
-    """The engine's own work per parameter and micro-batch (bucket copies, hooks)."""
+    """The engine's own work per parameter and pass over the buckets (copies, hooks): once a
+    step at stages 0-1, every micro-batch at 2-3."""
     verified: int = 0
     """Trials they were refined from."""
 
@@ -191,7 +193,10 @@ def predict(
             + facts.attention_flops_per_token() / machine.attention_flops
         )
     compute *= corrections.compute_scale
-    engine = candidate.accumulation * psi * corrections.engine_seconds_per_parameter
+    # the engine's own work: once a step at stages 0-1 (the boundary's buckets), every
+    # micro-batch at 2-3 (each backward's reduce-scatter)
+    passes = 1 if candidate.stage < 2 else candidate.accumulation
+    engine = passes * psi * corrections.engine_seconds_per_parameter
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
         memory += 4 * (psi + facts.count.frozen)  # the model as built, in fp32, before initialize
