@@ -32,10 +32,19 @@ def size_argument(text: str) -> int:
 
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
+    return _at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0."""
+    return _at_least(text, 0, "an integer of 0 or more")
+
+
+def _at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from zerotrain.cli.arguments import ParserSpec, positive_int
+from zerotrain.cli.arguments import ParserSpec, non_negative_int, positive_int
 
 __all__ = ["PARSER", "add_arguments"]
 
@@ -220,13 +220,6 @@ def _table(plan, top: int) -> str:
     return "\n".join(lines)
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``plan``'s arguments."""
     parser.add_argument(
@@ -259,7 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verify",
-        type=_count,
+        type=non_negative_int,
         default=0,
         metavar="K",
         help="run a few steps of the K fastest candidates, print predicted against measured, "

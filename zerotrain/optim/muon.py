@@ -248,11 +248,8 @@ class Muon(ClosureStep):
         updates: dict[Tensor, Tensor] = {}
         for p in params:
             grad = cast(Tensor, p.grad)
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
             update = grad if in_place else torch.empty_like(grad)
-            self.prepare_update(index, grad, state["momentum_buffer"], update)
+            self.prepare_update(index, grad, self.momentum_buffer(p), update)
             updates[p] = update
         if updates:  # ZeRO attaches a gradient to every shard: every rank exchanges
             layout.orthogonalize(updates, self.orthogonalizer(index))
@@ -262,6 +259,14 @@ class Muon(ClosureStep):
     # Muon's step in three parts, for a store that holds the tensors piece by piece (NVMe
     # offload, zerotrain/zero/nvme.py): the first and last are element-wise, so a piece of a
     # tensor steps exactly as within the whole.
+    def momentum_buffer(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``tensor``'s momentum, made zero (in ``dtype``, default the tensor's) at its first
+        step."""
+        state = self.state[tensor]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(tensor, dtype=dtype)
+        return state["momentum_buffer"]
+
     def prepare_update(self, group_index: int, grad: Tensor, buf: Tensor, out: Tensor) -> None:
         """The first part: the momentum ``buf`` takes ``grad``, and ``out`` (may be ``grad``)
         the update before orthogonalisation."""

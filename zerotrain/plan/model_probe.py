@@ -19,13 +19,20 @@ bookkeeping): the cost model's ``engine_seconds_per_parameter``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["MicroBatchProfile", "ModelProfile", "profile_model"]
+from zerotrain.plan.probe import best_seconds
+
+__all__ = [
+    "MicroBatchProfile",
+    "ModelProfile",
+    "is_hf_causal_lm",
+    "loss_of",
+    "profile_model",
+]
 
 
 @dataclass(frozen=True)
@@ -47,23 +54,17 @@ class ModelProfile:
     """Blocks that checkpointing wraps (one is recomputed at a time)."""
 
 
-def _is_hf(model: nn.Module) -> bool:
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model (it has an HF config), called
+    ``model(input_ids=..., labels=...)``; the planner's other models are ``model(ids, targets)``."""
     config = getattr(model, "config", None)
     return config is not None and hasattr(config, "model_type")
 
 
-def _best(run, repeats: int = 3) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def loss_of(forward, ids: torch.Tensor, hf: bool) -> torch.Tensor:
+    """The language-model loss of ``forward`` (the model, or an engine over it) on ``ids``, as
+    its own target, in the calling convention ``hf`` says (:func:`is_hf_causal_lm`)."""
+    return forward(input_ids=ids, labels=ids).loss if hf else forward(ids, ids)
 
 
 def profile_model(
@@ -92,7 +93,7 @@ def profile_model(
             if checkpointing:
                 layers = len(find_unit_modules(model))
                 wrap(model)
-            hf = _is_hf(model)
+            hf = is_hf_causal_lm(model)
             params = list(model.parameters())
             for micro in micro_batches:
                 ids = torch.randint(0, vocab_size, (micro, seq_len), device=device)
@@ -100,14 +101,13 @@ def profile_model(
 
                 def step(model=model, ids=ids, hf=hf, saved=saved, params=params) -> None:
                     with count_saved_activations(exclude=params) as counted:
-                        out = model(input_ids=ids, labels=ids) if hf else model(ids, ids)
-                        loss = out.loss if hf else out
+                        loss = loss_of(model, ids, hf)
                     saved[0] = counted.nbytes
                     loss.backward()
                     for p in params:
                         p.grad = None
 
-                profiles[micro] += [_best(step), saved[0]]
+                profiles[micro] += [best_seconds(step), saved[0]]
             del model, params
     finally:
         torch.set_num_threads(kept)

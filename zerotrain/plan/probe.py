@@ -47,6 +47,7 @@ __all__ = [
     "LinkFit",
     "Machine",
     "cache_dir",
+    "best_seconds",
     "probe_machine",
     "with_current_memory",
 ]
@@ -221,7 +222,9 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
     )
 
 
-def _best_seconds(run, repeats: int = 3) -> float:
+def best_seconds(run, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` after an untimed one, the device's
+    queued work included."""
     run()  # warm: kernels chosen, memory allocated
     times = []
     for _ in range(repeats):
@@ -243,7 +246,7 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     for n in MATMUL_SIZES:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        best = max(best, 2 * n**3 / _best_seconds(lambda a=a, b=b: torch.mm(a, b)))
+        best = max(best, 2 * n**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b)))
     return best
 
 
@@ -258,7 +261,7 @@ def _attention_flops(device: torch.device, dtype: torch.dtype) -> float:
     def run() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    return flops / _best_seconds(run)
+    return flops / best_seconds(run)
 
 
 def _adam_rate(threads: int) -> float:
@@ -268,7 +271,7 @@ def _adam_rate(threads: int) -> float:
         param = torch.zeros(ADAM_ELEMENTS, requires_grad=True)
         param.grad = torch.randn(ADAM_ELEMENTS)
         optimizer = torch.optim.AdamW([param], lr=1e-3, fused=True)
-        return ADAM_ELEMENTS / _best_seconds(optimizer.step)
+        return ADAM_ELEMENTS / best_seconds(optimizer.step)
     finally:
         torch.set_num_threads(kept)
 
@@ -282,7 +285,7 @@ def _copy_rate() -> float:  # CUDA only
         device.copy_(host, non_blocking=True)
         host.copy_(device, non_blocking=True)
 
-    return 2 * nbytes / _best_seconds(there_and_back)
+    return 2 * nbytes / best_seconds(there_and_back)
 
 
 def _disk_rates(directory: Path) -> tuple[float, float]:
@@ -306,7 +309,7 @@ def _disk_rates(directory: Path) -> tuple[float, float]:
             for future in [swap.read(slot, buffer) for slot in range(slots)]:
                 future.result()
 
-        return DISK_BYTES / _best_seconds(write, 2), DISK_BYTES / _best_seconds(read, 2)
+        return DISK_BYTES / best_seconds(write, 2), DISK_BYTES / best_seconds(read, 2)
     finally:
         swap.close()
 

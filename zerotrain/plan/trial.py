@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zerotrain.plan.jobs import job_arguments, run_local_job
+from zerotrain.plan.model_probe import is_hf_causal_lm, loss_of
 
 __all__ = ["Measured", "TrialSpec", "run_trial"]
 
@@ -101,11 +102,6 @@ def _load_runtime() -> None:
     import zerotrain.api  # noqa: F401
 
 
-def _is_hf(model) -> bool:
-    config = getattr(model, "config", None)
-    return config is not None and hasattr(config, "model_type")
-
-
 def _worker(spec: TrialSpec, out: Path) -> None:
     import torch
 
@@ -124,7 +120,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
     generator = torch.Generator().manual_seed(comm.rank)
-    hf = _is_hf(model)
+    hf = is_hf_causal_lm(model)
     times = []
     for _ in range(spec.steps):
         batches = [
@@ -135,8 +131,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
             torch.cuda.synchronize()
         started = time.perf_counter()
         for ids in batches:
-            ids = ids.to(engine.device)
-            loss = engine(input_ids=ids, labels=ids).loss if hf else engine(ids, ids)
+            loss = loss_of(engine, ids.to(engine.device), hf)
             engine.backward(loss)
             engine.step()
         if cuda:

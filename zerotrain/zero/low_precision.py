@@ -105,14 +105,11 @@ class LowPrecisionSteps:
             layout = muon.layout(group_index)
             updates = {}
             for _, master in masters:
-                state = muon.state[master]
-                if "momentum_buffer" not in state:
-                    dtype = self.precision.state_dtype
-                    state["momentum_buffer"] = torch.zeros_like(master, dtype=dtype)
+                buf = muon.momentum_buffer(master, self.precision.state_dtype)
                 update = torch.empty_like(master, dtype=torch.float32)
                 grad = master.grad
                 assert grad is not None
-                self.prepare_muon(muon, group_index, grad, state["momentum_buffer"], update)
+                self.prepare_muon(muon, group_index, grad, buf, update)
                 updates[master] = update
             layout.orthogonalize(updates, muon.orthogonalizer(group_index))
             for index, master in masters:

@@ -482,13 +482,9 @@ class NvmeShardStore(ShardStore):
         orthogonalised (collective)."""
         for index, master in enumerate(self._device_masters):
             if master is not None and index in self._muon:
-                state = self.optimizer.state[master]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(master, dtype=self._state_dtype)
+                buf = self._muon_optimizer.momentum_buffer(master, self._state_dtype)
                 assert master.grad is not None
-                self._prepare_muon(
-                    index, master.grad, state["momentum_buffer"], self._update(index)
-                )
+                self._prepare_muon(index, master.grad, buf, self._update(index))
         prepared = _Visit(master=False, state=True, action=self._prepare_muon_sub_group)
         hosted = [g for g in self._step_order() if g.bucket in self._muon]
         self._walk(hosted, ParamShards([]), lambda g: prepared)
