@@ -505,7 +505,7 @@ def plan(s: Setting) -> dict:
     facts = model_facts(build_on_meta(spec), seq_len=seq, dtype=s.precision)
     sizes = micro_batches(world=1, global_batch=batch, base=base)
     profile = profile_if_fits(load_factory(spec), facts, machine, sizes=sizes, vocab=256)
-    facts = model_facts(build_on_meta(spec), seq_len=seq, dtype=s.precision, profile=profile)
+    facts = replace(facts, profile=profile)
     chosen = make_plan(
         facts, machine, world=1, ranks_per_node=1, global_batch=batch, base=base, nvme_path=nvme
     ).best

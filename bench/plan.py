@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def _facts(spec: str, seq: int, machine, sizes: list[int]):
     model = build_on_meta(spec)
     facts = model_facts(model, seq_len=seq, dtype="fp32")
     profile = profile_if_fits(load_factory(spec), facts, machine, sizes=sizes, vocab=256)
-    return model_facts(model, seq_len=seq, dtype="fp32", profile=profile)
+    return replace(facts, profile=profile)
 
 
 def predictions(models: list[str], nvme: str) -> list[dict]:

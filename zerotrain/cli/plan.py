@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from zerotrain.cli.arguments import ParserSpec, non_negative_int, positive_int
 
@@ -123,7 +124,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         except Exception as error:  # noqa: BLE001 (the user's model, on a real device)
             say(f"the model probe failed ({type(error).__name__}: {error}); pricing by FLOPs")
             profile = None
-        facts = model_facts(model, seq_len=args.seq_len, dtype=dtype, profile=profile)
+        facts = replace(facts, profile=profile)
     try:
         plan = make_plan(
             facts,

@@ -90,11 +90,9 @@ class Plan:
         return {"candidates": [p.as_json() for p in self.candidates], "chosen": self.chosen}
 
 
-def model_facts(
-    model: nn.Module, *, seq_len: int, dtype: str, profile: ModelProfile | None = None
-) -> ModelFacts:
-    """What the cost model needs of ``model`` (built on the meta device is enough), with its
-    measured ``profile`` where there is one."""
+def model_facts(model: nn.Module, *, seq_len: int, dtype: str) -> ModelFacts:
+    """What the cost model needs of ``model`` (built on the meta device is enough); its measured
+    profile is added with ``dataclasses.replace`` where there is one."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import count_parameters
 
@@ -110,7 +108,6 @@ def model_facts(
         dtype=dtype,
         attention="eager" if eager else "flash",
         dropout=dropout,
-        profile=profile,
     )
 
 
