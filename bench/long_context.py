@@ -154,7 +154,7 @@ def worker(args) -> None:
     # blocks of 1 MiB or more mapped and unmapped on their own, so the resident memory follows
     # the bytes in use as a device allocator's count does (glibc's heap otherwise keeps what a
     # step freed between live blocks, and the peak measures its fragments: 2x at 8K tokens)
-    map_large_host_blocks()
+    map_large_host_blocks(1 << 20)
     row = ROWS[args.worker]
     model = build_model(args, row)
     if row.system == "zerotrain":

@@ -124,7 +124,10 @@ def test_no_ssh_runs_this_nodes_share_of_a_hostfile(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--autotuning", "tune", "train.py"], "--autotuning is not supported: zerotrain has no"),
+        (
+            ["--autotuning", "tune", "train.py"],
+            "--autotuning is not supported: zerotrain's planner",
+        ),
         (["--elastic_training", "train.py"], "zerotrain run --nnodes MIN:MAX"),
         (["--bind_cores_to_rank", "train.py"], "numactl or taskset"),
         (["--save_pid", "train.py"], "--save_pid is not supported"),

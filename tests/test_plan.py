@@ -252,3 +252,134 @@ def test_plan_refuses_bad_input_before_probing(capsys, tmp_path, monkeypatch, ar
     code = cli.main(["plan", *args])
     _, err = capsys.readouterr()
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+# -- DeepSpeed's autotuning section --------------------------------------------------------------
+def test_the_autotuning_section_reads_as_deepspeed_defines_it():
+    from zerotrain.plan.autotuning import Autotuning, read_autotuning
+
+    assert read_autotuning({}) == Autotuning()
+    tuning = read_autotuning(
+        {
+            "autotuning": {
+                "enabled": True,
+                "metric": "FLOPS",
+                "fast": False,
+                "tuner_type": "model_based",
+                "min_train_micro_batch_size_per_gpu": 2,
+                "max_train_micro_batch_size_per_gpu": 4,
+                "max_train_batch_size": 64,
+                "start_profile_step": 3,
+                "end_profile_step": 5,
+                "results_dir": "tuned",
+            }
+        }
+    )
+    assert tuning.metric == "flops"
+    assert [m for m in range(1, 9) if tuning.allows_micro_batch(m)] == [2, 3, 4]
+    assert (tuning.start_profile_step, tuning.end_profile_step) == (3, 5)
+    assert tuning.results_dir == "tuned"
+    assert [note.split(":")[0] for note in tuning.notes] == [
+        "autotuning.fast",
+        "autotuning.tuner_type",
+    ]
+    tuning.check_global_batch(64)
+    with pytest.raises(ValueError, match=r"--global-batch 128 lies outside .* limits \(1\.\.64,"):
+        tuning.check_global_batch(128)
+    # fast mode (DeepSpeed's default) is what the planner does: no note
+    assert read_autotuning({"autotuning": {"fast": True}}).notes == []
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"metric": "speed"}, "autotuning.metric: must be one of throughput, latency, flops"),
+        ({"mp_size": 2}, "autotuning.mp_size: the planner does not plan tensor parallelism"),
+        ({"max_train_micro_batch_size_per_gpu": 0}, "at least 1, got 0"),
+        (
+            {"start_profile_step": 1},
+            "autotuning.start_profile_step: must be a whole number of at least 2",
+        ),
+        (
+            {"min_train_micro_batch_size_per_gpu": 8, "max_train_micro_batch_size_per_gpu": 4},
+            "min_train_micro_batch_size_per_gpu: above max",
+        ),
+        ({"max_trials": 3}, "autotuning.max_trials: not a key of DeepSpeed's autotuning section"),
+    ],
+)
+def test_a_bad_autotuning_section_is_refused_naming_the_key(section, message):
+    from zerotrain.plan.autotuning import read_autotuning
+
+    with pytest.raises(ValueError, match=message):
+        read_autotuning({"autotuning": section})
+
+
+def test_plan_serves_the_autotuning_section_and_auto_batch_keys(capsys, tmp_path, monkeypatch):
+    """A HuggingFace-style base (the batch keys "auto", train_batch_size given) with an
+    autotuning section: the micro-batches stay in its limits, the global batch comes from the
+    base, the choice is written to results_dir under DeepSpeed's name without the section,
+    the keys that do not act are named, and metric flops ranks by FLOPs a second."""
+    from zerotrain import cli
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    base = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 1},
+        "autotuning": {
+            "enabled": True,
+            "metric": "flops",
+            "tuner_num_trials": 10,
+            "min_train_micro_batch_size_per_gpu": 2,
+            "max_train_micro_batch_size_per_gpu": 4,
+            "results_dir": str(tmp_path / "tuned"),
+        },
+    }
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    argv = ["plan", "--model", GPT_DEMO, "--seq-len", "128", "--nproc-per-node", "2"]
+    code = cli.main([*argv, "--config", str(tmp_path / "base.json"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "autotuning.tuner_num_trials: no effect; the planner prices every candidate" in err
+    plan = json.loads(out)
+    candidates = plan["candidates"]
+    assert {c["config"]["train_micro_batch_size_per_gpu"] for c in candidates} == {2, 4}
+    assert len(candidates) == 2 * 2 * 2  # offload none / cpu x checkpointing x micro 2, 4
+    for candidate in candidates:
+        assert candidate["config"]["train_batch_size"] == 16
+        assert "autotuning" not in candidate["config"]
+    fitting = [c for c in candidates if c["fits"]]
+
+    def seconds_per_pass(c):  # the inverse of FLOPs a second: 4 passes with recomputation
+        return c["step_time_s"] / (4 if c["activation_checkpointing"] else 3)
+
+    chosen = candidates[plan["chosen"]]
+    assert seconds_per_pass(chosen) == min(map(seconds_per_pass, fitting))
+    written = json.loads((tmp_path / "tuned" / "ds_config_optimal.json").read_text())
+    assert written == chosen["config"]
+
+
+def test_plan_needs_a_global_batch_from_the_flag_or_the_base(capsys, tmp_path, monkeypatch):
+    from zerotrain import cli
+
+    def probed(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(probe, "probe_machine", probed)
+    base = {"train_batch_size": "auto", "autotuning": {"max_train_batch_size": 8}}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    argv = [
+        "plan",
+        "--model",
+        GPT_DEMO,
+        "--seq-len",
+        "128",
+        "--config",
+        str(tmp_path / "base.json"),
+    ]
+    assert cli.main(argv) == 2
+    assert "give --global-batch (samples per optimizer step" in capsys.readouterr().err
+    assert cli.main([*argv, "--global-batch", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--config: --global-batch 16 lies outside autotuning's train batch limits" in err

@@ -255,7 +255,7 @@ def _glibc(name: str):
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
-def map_large_host_blocks(threshold: int = 1 << 20) -> bool:
+def map_large_host_blocks(threshold: int = 4 << 20) -> bool:
     """Have glibc serve every block of ``threshold`` bytes or more from its own mapping,
     unmapped when freed, instead of from a heap (``mallopt(M_MMAP_THRESHOLD)``, which also
     stops glibc raising the threshold by itself). False where the C library has no mallopt,

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
 from zerotrain.cli.arguments import ParserSpec, non_negative_int, positive_int
 
 __all__ = ["PARSER", "add_arguments"]
+
+DEFAULT_OUT = "ds_config.plan.json"
 
 PARSER: ParserSpec = {
     "help": "choose the ZeRO config that fits and trains fastest, from a probe of this machine",
@@ -33,6 +36,7 @@ def _dtype(base: dict) -> str:
 
 def _read_base(args: argparse.Namespace) -> dict:
     """The --config file's ds_config, checked against the other flags (PlanError)."""
+    from zerotrain.plan.autotuning import read_autotuning
     from zerotrain.plan.candidates import batch_per_rank, section
     from zerotrain.plan.planner import PlanError
 
@@ -47,11 +51,27 @@ def _read_base(args: argparse.Namespace) -> dict:
             raise PlanError(f"--config: {args.config} holds no JSON object")
     assert isinstance(base, dict)
     batch = base.get("train_batch_size")
-    if isinstance(batch, int) and batch != args.global_batch:
+    batch = batch if isinstance(batch, int) else None  # "auto" and absent leave it free
+    if args.global_batch is None:
+        if batch is None:
+            raise PlanError(
+                "give --global-batch (samples per optimizer step over all ranks), or "
+                "train_batch_size in --config"
+            )
+        args.global_batch = batch
+    elif batch is not None and batch != args.global_batch:
         raise PlanError(
             f"--config sets train_batch_size {batch}, --global-batch {args.global_batch}: give "
             "one of them, or the same number"
         )
+    try:
+        args.tuning = read_autotuning(base)
+        args.tuning.check_global_batch(args.global_batch)
+    except ValueError as error:
+        raise PlanError(f"--config: {error}") from error
+    if args.out is None:
+        results = args.tuning.results_dir
+        args.out = os.path.join(results, "ds_config_optimal.json") if results else DEFAULT_OUT
     offload = section(section(base, "zero_optimization"), "offload_optimizer")
     args.nvme_path = args.nvme_path or offload.get("nvme_path")
     if offload.get("device") == "nvme" and not args.nvme_path:
@@ -100,6 +120,8 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         model = build_on_meta(args.model)
     except (PlanError, ModelFactoryError) as error:
         return fail(str(error))
+    for note in args.tuning.notes:
+        say(note)
     dtype = _dtype(base)
     facts = model_facts(model, seq_len=args.seq_len, dtype=dtype)
     try:
@@ -142,6 +164,8 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         _verify(plan, args, facts, machine, vocab, say)
     if args.out:
         try:
+            if os.path.dirname(args.out):
+                os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as out:
                 json.dump(plan.best.config, out, indent=2)
         except OSError as error:
@@ -176,6 +200,8 @@ def _verify(plan, args: argparse.Namespace, facts, machine, vocab, say) -> None:
             seq_len=args.seq_len,
             vocab_size=vocab,
             activation_checkpointing=planned.candidate.activation_checkpointing,
+            steps=args.tuning.end_profile_step,
+            first_timed=args.tuning.start_profile_step,
             env={"OMP_NUM_THREADS": str(machine.threads)},  # what the prediction assumed
         )
         try:
@@ -234,8 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--global-batch",
         type=positive_int,
-        required=True,
-        help="samples per optimizer step over all ranks",
+        help="samples per optimizer step over all ranks (default: --config's train_batch_size)",
     )
     parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default 1)")
     parser.add_argument(
@@ -246,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         metavar="BASE.json",
         help="a ds_config whose keys stay fixed (a stage, an offload device, a micro-batch, "
-        "the precision sections...)",
+        "the precision sections...); its DeepSpeed autotuning section bounds the search",
     )
     parser.add_argument(
         "--nvme-path", help="offers NVMe offload, with its working files here (and probes it)"
@@ -264,8 +289,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        default="ds_config.plan.json",
-        help="where the chosen ds_config is written ('' for nowhere; default ds_config.plan.json)",
+        help="where the chosen ds_config is written ('' for nowhere; default "
+        f"{DEFAULT_OUT}, or ds_config_optimal.json in --config's autotuning.results_dir)",
     )
     parser.add_argument("--top", type=positive_int, default=5, help="rows to print (default 5)")
     parser.add_argument("--reprobe", action="store_true", help="measure the machine again")

@@ -107,8 +107,8 @@ TOP_LEVEL: dict[str, Accepted] = {
     "prescale_gradients": Accepted(_NO_EFFECT_DIVIDE),
     "gradient_predivide_factor": Accepted(_NO_EFFECT_DIVIDE),
     "autotuning": Accepted(
-        "No effect: read only by DeepSpeed's autotuning launcher (`deepspeed --autotuning`), "
-        "which zerotrain does not have; the training engine ignores it in DeepSpeed too."
+        "No effect in training (DeepSpeed's engine ignores it too): `zerotrain plan --config` "
+        "reads it, the tuning space's limits and the metric (docs/plan.md)."
     ),
     "cuda_visible_devices": Accepted(
         "No effect: read only by DeepSpeed's launcher; with `zerotrain run` (torchrun) set "

@@ -68,8 +68,9 @@ _MULTI_NODE_FIX = (
 )
 # dest -> (the flag, what to use instead); refused whenever it differs from its default
 _REFUSED = {
-    "autotuning": ("--autotuning", "zerotrain has no autotuner; size the job with `zerotrain "
-                   "estimate` and `zerotrain config check`"),
+    "autotuning": ("--autotuning", "zerotrain's planner prices the configs instead of running "
+                   "your script once per experiment: `zerotrain plan --model MODULE:FACTORY "
+                   "--config ds_config.json` reads its autotuning section (docs/plan.md)"),
     "elastic_training": ("--elastic_training", "use `zerotrain run --nnodes MIN:MAX "
                          "--rdzv-backend c10d --rdzv-endpoint HOST:PORT` (torchrun's elastic "
                          "rendezvous) on each node"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from zerotrain.plan.autotuning import read_autotuning
+
 __all__ = ["Candidate", "batch_per_rank", "enumerate_candidates", "fixed_keys", "micro_batches"]
 
 OFFLOADS = (None, "cpu", "nvme")
@@ -40,6 +42,7 @@ class Candidate:
     def config(self, base: dict, nvme_path: str | None = None) -> dict:
         """The ds_config: ``base`` (the user's, kept) with this candidate's keys."""
         out = copy.deepcopy(base)
+        out.pop("autotuning", None)  # the plan is the tuning's result: training never reads it
         # the cost model prices Adam's state: a base without an optimizer gets DeepSpeed's
         # usual one (a script that passes its own optimizer to initialize overrides it)
         out.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
@@ -98,11 +101,16 @@ def batch_per_rank(global_batch: int, world: int) -> int:
 
 
 def micro_batches(*, world: int, global_batch: int, base: dict) -> list[int]:
-    """The micro-batches candidates take: every divisor of the batch per rank, or the one
-    ``base`` fixes."""
+    """The micro-batches candidates take: every divisor of the batch per rank within the
+    ``autotuning`` section's limits, or the one ``base`` fixes."""
     per_rank = batch_per_rank(global_batch, world)
     fixed = fixed_keys(base).get("micro_batch")
-    return [m for m in range(1, per_rank + 1) if per_rank % m == 0 and fixed in (None, m)]
+    limits = read_autotuning(base)
+    return [
+        m
+        for m in range(1, per_rank + 1)
+        if per_rank % m == 0 and fixed in (None, m) and limits.allows_micro_batch(m)
+    ]
 
 
 def enumerate_candidates(

@@ -4,7 +4,9 @@ that do not fit dropped, the fastest chosen, and each loser's reason.
 [Note: the plan's choice]
 A candidate fits when its predicted peak per rank is at most ``margin`` (0.9) of the memory a
 rank has: the device's, or on a CPU-only machine the host's shared by the node's ranks. All
-candidates train the same global batch, so the fastest step is the fastest per token. A loser
+candidates train the same global batch, so the fastest step is the fastest per token (an
+``autotuning`` section's ``metric: flops`` ranks by FLOPs a second instead, recomputation
+included: [Note: DeepSpeed's autotuning section] in zerotrain/plan/autotuning.py). A loser
 is named by what it lost on: memory (by how much), or time, with what dominates its step
 (compute, the link, the optimizer step), against the choice's.
 """
@@ -19,6 +21,7 @@ from torch import nn
 
 from zerotrain.errors import ZeroTrainError
 from zerotrain.fmt import quantity
+from zerotrain.plan.autotuning import read_autotuning
 from zerotrain.plan.candidates import Candidate, enumerate_candidates
 from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict
 from zerotrain.plan.model_probe import ModelProfile, profile_model
@@ -76,6 +79,8 @@ class Plan:
     budget: int
     """Memory per rank a candidate may use (the margin applied)."""
     corrections: Corrections = field(default_factory=Corrections)
+    metric: str = "throughput"
+    """What "fastest" means: an ``autotuning`` section's metric."""
 
     @property
     def best(self) -> Planned:
@@ -84,7 +89,7 @@ class Plan:
     def ranked(self) -> list[Planned]:
         """The candidates that fit, fastest first."""
         fitting = [p for p in self.candidates if p.fits]
-        return sorted(fitting, key=lambda p: p.predicted.step_time_s)
+        return sorted(fitting, key=lambda p: _cost(p, self.metric))
 
     def as_json(self) -> dict:
         return {"candidates": [p.as_json() for p in self.candidates], "chosen": self.chosen}
@@ -156,6 +161,10 @@ def make_plan(
     """Price every candidate and choose (see [Note: the plan's choice]); :class:`PlanError`
     when none fits."""
     corrections = corrections or Corrections()
+    try:
+        metric = read_autotuning(base).metric
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     per_rank = machine.device_memory // (ranks_per_node if machine.device == "cpu" else 1)
     budget = int(per_rank * MARGIN)
     planned = []
@@ -167,7 +176,10 @@ def make_plan(
         fits = prediction.peak_memory_bytes <= budget
         planned.append(Planned(candidate, config, prediction, fits))
     if not planned:
-        raise PlanError("no candidate config: --config fixes keys that leave none")
+        raise PlanError(
+            "no candidate config: --config fixes keys (or its autotuning section limits the "
+            "micro-batch so) that leave none"
+        )
     fitting = [p for p in planned if p.fits]
     if not fitting:
         nearest = min(planned, key=lambda p: p.predicted.peak_memory_bytes)
@@ -178,23 +190,36 @@ def make_plan(
             f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(per_rank)}); "
             "more ranks, a shorter --seq-len or a smaller model would fit"
         )
-    best = min(fitting, key=lambda p: p.predicted.step_time_s)
+    best = min(fitting, key=lambda p: _cost(p, metric))
     for p in planned:
-        p.reason = _reason(p, best, budget)
-    return Plan(planned, planned.index(best), budget, corrections)
+        p.reason = _reason(p, best, budget, metric)
+    return Plan(planned, planned.index(best), budget, corrections, metric)
+
+
+def _cost(planned: Planned, metric: str) -> float:
+    """What the choice minimises: the step time, or with ``metric: flops`` the step time per
+    pass over the model (a checkpointed step does a forward more: 4 passes, not 3), the
+    inverse of the FLOPs a second."""
+    step = planned.predicted.step_time_s
+    if metric != "flops":
+        return step
+    return step / (4 if planned.candidate.activation_checkpointing else 3)
 
 
 def _bytes(value: float) -> str:
     return quantity(value, "B")
 
 
-def _reason(planned: Planned, best: Planned, budget: int) -> str:
+def _reason(planned: Planned, best: Planned, budget: int, metric: str) -> str:
     predicted = planned.predicted
     if planned is best:
         return "chosen: the fastest that fits"
     if not planned.fits:
         over = predicted.peak_memory_bytes - budget
         return f"does not fit: {_bytes(over)} over the budget"
+    if metric == "flops":
+        rate = _cost(best, metric) / _cost(planned, metric)
+        return f"{rate:.2f}x the chosen FLOPs a second, {predicted.bound}-bound"
     ratio = predicted.step_time_s / best.predicted.step_time_s
     return f"{ratio:.2f}x the chosen step, {predicted.bound}-bound"
 

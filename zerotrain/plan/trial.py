@@ -11,8 +11,8 @@ torchrun job of its own, and measured in the terms the planner predicts (``zerot
   and the process group is up, before the model is built.
 - ``model_state_bytes``: rank 0's ``engine.memory_breakdown()["total"]`` after the steps.
 - ``step_time_s``: the median time of an optimizer step (all its micro-batches, forward,
-  backward and step) over the steps after the first, which builds the optimizer state and
-  warms the allocator; the slowest rank's.
+  backward and step) over the steps from ``first_timed`` on (the first step builds the
+  optimizer state and warms the allocator); the slowest rank's.
 
 The model comes from a factory, as ``zerotrain estimate --model`` takes it: a module whose
 ``forward(ids, targets)`` returns the loss (examples/gpt), or a Hugging Face causal LM
@@ -48,7 +48,10 @@ class TrialSpec:
     vocab_size: int
     activation_checkpointing: bool = False
     steps: int = 3
-    """Optimizer steps; the first is not timed."""
+    """Optimizer steps."""
+    first_timed: int = 2
+    """The first step timed (1-based): the first builds the optimizer state and warms the
+    allocator (an ``autotuning`` section's ``start_profile_step``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the ranks."""
 
@@ -141,7 +144,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = (peak_rss() or 0) - start_rss
-    step = statistics.median(times[1:] or times)
+    step = statistics.median(times[spec.first_timed - 1 :] or times)
     mine = torch.tensor([float(peak), step], dtype=torch.float64, device=comm.device)
     comm.all_reduce(mine, op="max", name="plan_trial")
     if comm.rank == 0:

@@ -36,12 +36,17 @@ Later steps create no state, but on a CPU device the model's own gradients and t
 every step, and a heap reuses a freed block only for a request that fits in it: with glibc's
 threshold raised, that heap grew by 16-32 MiB on some steps and not others, the bytes in use
 unchanged (119 MiB), and peak RSS fell by 0.53 of the optimizer state in one CI run, 0.5-1.0
-here. The store therefore fixes the threshold at 1 MiB when it is built
+here. The store therefore fixes the threshold at 4 MiB when it is built
 (:func:`zerotrain.accelerator.map_large_host_blocks`; a user's ``MALLOC_MMAP_THRESHOLD_`` is
-kept): larger blocks are mapped and unmapped, and peak RSS held at 556-567 MiB in five runs,
-the in-memory run's less its state. Its cost, a page fault per 4 KiB of such blocks, did not
-show in NVMe step times (1.33-1.45 s against 1.41-1.59 s at the default); it is not applied
-without NVMe offload, where an fp32 CPU step of the same MLP took 10% longer with it.
+kept): larger blocks are mapped and unmapped, and peak RSS is the in-memory run's less its
+state (tests/test_offload_faults.py's 0.8 held in each of 3 runs at 4 MiB, as at 1 MiB). Its cost falls on a CPU device only, where the activations and temporaries
+are host blocks too: each mapped one's pages are faulted in anew every time it is allocated.
+``python bench/host_allocator.py`` (a GPT of examples/gpt trained without offload, fp32, one
+thread, 3 rounds) measured the forward and backward against glibc's default at 1.31x and
+1.27x with a 1 MiB threshold (the demo GPT, width 256; the 30M GPT: 1.16x and 1.16x), and at
+0.96x and 0.93x with 4 MiB (the 30M GPT, whose MLP blocks of 8 MiB are mapped: 1.12x and
+1.02x). With 1 MiB, the planner's NVMe trials of the demo GPT ran 30-80% slower than the
+same config in memory. It is not applied without NVMe offload.
 
 The working file is not a checkpoint: it is removed at exit, and a file left by a process that
 was killed is removed by the next run on the same node (its name carries the dead pid).
