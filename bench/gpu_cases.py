@@ -493,7 +493,7 @@ def plan(s: Setting) -> dict:
     from zerotrain.plan.candidates import micro_batches
     from zerotrain.plan.planner import make_plan, model_facts, profile_if_fits
     from zerotrain.plan.probe import probe_machine
-    from zerotrain.plan.trial import TrialSpec, run_trial
+    from zerotrain.plan_trial import TrialSpec, run_trial
 
     factories = {"tiny": "tiny", "demo": "demo", "30m": "gpt_30m", "100m": "gpt_100m"}
     spec = f"{ROOT}/examples/gpt/model.py:{factories[s.model]}"

@@ -238,7 +238,7 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     # the planner's device rates, its model probe and trials (synchronized timing, peaks)
     "zerotrain/plan/probe.py": ("plan",),
     "zerotrain/plan/model_probe.py": ("plan",),
-    "zerotrain/plan/trial.py": ("plan",),
+    "zerotrain/plan_trial.py": ("plan",),
     "zerotrain/comm/link.py": "the link probes of comm_compression.auto run between 2+ ranks",
     "zerotrain/cli/launch.py": "counts the GPUs for --nproc-per-node: the launcher, not training",
     "zerotrain/config/params.py": "names 'nccl' among a config key's accepted values",

@@ -5,7 +5,7 @@
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks) of the GPTs of examples/gpt, fp32
   on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its default
-  corrections, not refined by earlier trials) and measured by a trial (zerotrain/plan/trial.py:
+  corrections, not refined by earlier trials) and measured by a trial (zerotrain/plan_trial.py:
   peak memory per rank above start-up, model-state bytes, median step time). Prints each
   config's errors and their distribution.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
@@ -75,7 +75,7 @@ def predictions(models: list[str], nvme: str) -> list[dict]:
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
     from zerotrain.plan.probe import probe_machine
-    from zerotrain.plan.trial import TrialSpec, run_trial
+    from zerotrain.plan_trial import TrialSpec, run_trial
 
     rows = []
     for name in models:
@@ -141,7 +141,7 @@ def pick() -> dict:
     from zerotrain.plan.cost import Corrections
     from zerotrain.plan.planner import make_plan
     from zerotrain.plan.probe import probe_machine
-    from zerotrain.plan.trial import TrialSpec, run_trial
+    from zerotrain.plan_trial import TrialSpec, run_trial
 
     spec, seq = MODELS["demo"]
     started = time.perf_counter()

@@ -42,6 +42,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("backward", "engine_queries", "engine", "pipe")),
     # the parallel layout: the mesh and the model transforms, over the parallelism packages
     ("layout", ("parallel",)),
+    # the planner's probes and cost model, which initialize's advice asks
+    ("planning", ("plan",)),
     ("api", ("api", "optimizer_plan", "policies")),
     # DeepSpeed's module names over the layers below (`import zerotrain as deepspeed`), and
     # the package root, which re-exports everything
@@ -51,8 +53,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     # frameworks: the opt-in DeepSpeed alias and native integrations, over the whole package
     ("frameworks", ("compat", "integrations")),
-    # the planner: it probes the machine and trains trial configs through the API
-    ("tools", ("plan",)),
+    # the planner's trials: candidate configs trained through the API
+    ("tools", ("plan_trial",)),
     ("cli", ("cli", "launcher", "__main__")),
 ]
 MAX_LINES = 800

@@ -10,7 +10,7 @@ import pytest
 
 from zerotrain.plan import probe
 from zerotrain.plan.jobs import JobError
-from zerotrain.plan.trial import TrialSpec, run_trial
+from zerotrain.plan_trial import TrialSpec, run_trial
 
 GPT_TINY = "examples/gpt/model.py:tiny"
 GPT_DEMO = "examples/gpt/model.py:demo"

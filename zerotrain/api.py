@@ -35,6 +35,7 @@ from zerotrain.optimizer_plan import (
 from zerotrain.parallel import ParallelLayout, model_stages
 from zerotrain.pipe.checks import check_pipeline
 from zerotrain.pipe.engine import PipelineEngine
+from zerotrain.plan.advice import advise_on_first_forward, prepare_advice
 from zerotrain.policies import group_options, loss_scaler
 from zerotrain.sequence.batch import SequenceShards
 from zerotrain.sequence.transform import sequence_group_of
@@ -121,6 +122,7 @@ def initialize(
     plan = optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
     check_memory(model, cfg, plan.groups, plan.build, layout.mesh, device)
+    advice = _advice(model, cfg, config, optimizer, layout) if comm.rank == 0 else None
     try:
         zero_optimizer = _zero_optimizer(model, cfg, layout, plan, device, comm)
         scheduler = scheduler_for(lr_scheduler, cfg, zero_optimizer.optimizer, comm.rank)
@@ -134,6 +136,8 @@ def initialize(
     except BaseException:
         plan.give_back()  # the client's optimizer as it was given, not the failed engine's
         raise
+    if advice is not None:  # [Note: initialize's advice] in zerotrain/plan/advice.py
+        advise_on_first_forward(engine.module, advice)
     # DeepSpeed's choice (zerotrain/optimizer_plan.py); the engine holds the ZeroOptimizer
     return engine, returned_optimizer(zero_optimizer, cfg), dataloader, scheduler
 
@@ -275,6 +279,26 @@ def check_mpu(mpu, caller: str = "initialize") -> None:
             f"{caller}(mpu=...): tensor and pipeline model parallelism ({shown}) are not "
             "supported yet; train with model-parallel size 1"
         )
+
+
+def _advice(model: nn.Module, cfg: ZeroTrainConfig, config, optimizer, layout: ParallelLayout):
+    """What the first forward checks the config against (None: nothing the planner plans),
+    taken before the model is wrapped: stage 3 partitions its parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer_type = type(optimizer).__name__
+    elif optimizer is None and cfg.optimizer is not None:
+        optimizer_type = cfg.optimizer.type
+    else:
+        optimizer_type = None  # a callable builds it: its state is not known here
+    return prepare_advice(
+        model,
+        cfg,
+        _raw_config(config, cfg),
+        optimizer_type=optimizer_type,
+        world=layout.data_parallel_size,
+        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        parallel_sizes=layout.mesh.sizes,
+    )
 
 
 def _raw_config(config, cfg: ZeroTrainConfig) -> dict:

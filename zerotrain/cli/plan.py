@@ -24,16 +24,6 @@ PARSER: ParserSpec = {
 }
 
 
-def _dtype(base: dict) -> str:
-    from zerotrain.plan.candidates import section
-
-    if section(base, "bf16").get("enabled"):
-        return "bf16"
-    if section(base, "fp16").get("enabled"):
-        return "fp16"
-    return "fp32"
-
-
 def _read_base(args: argparse.Namespace) -> dict:
     """The --config file's ds_config, checked against the other flags (PlanError)."""
     from zerotrain.plan.autotuning import read_autotuning
@@ -92,7 +82,7 @@ def _ranks(args: argparse.Namespace) -> int:
 
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     from zerotrain.estimate.factory import ModelFactoryError, build_on_meta, load_factory
-    from zerotrain.plan.candidates import micro_batches
+    from zerotrain.plan.candidates import micro_batches, training_dtype
     from zerotrain.plan.jobs import JobError
     from zerotrain.plan.planner import (
         PlanError,
@@ -122,7 +112,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         return fail(str(error))
     for note in args.tuning.notes:
         say(note)
-    dtype = _dtype(base)
+    dtype = training_dtype(base)
     facts = model_facts(model, seq_len=args.seq_len, dtype=dtype)
     try:
         machine = probe_machine(
@@ -185,7 +175,7 @@ def _verify(plan, args: argparse.Namespace, facts, machine, vocab, say) -> None:
     from zerotrain.plan.cost import refine
     from zerotrain.plan.jobs import JobError
     from zerotrain.plan.planner import save_corrections
-    from zerotrain.plan.trial import TrialSpec, run_trial
+    from zerotrain.plan_trial import TrialSpec, run_trial
 
     if not vocab:
         say("--verify needs --vocab-size (the model has no config that says it): not run")

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 from zerotrain.plan.autotuning import read_autotuning
 
-__all__ = ["Candidate", "batch_per_rank", "enumerate_candidates", "fixed_keys", "micro_batches"]
+__all__ = [
+    "Candidate",
+    "batch_per_rank",
+    "enumerate_candidates",
+    "fixed_keys",
+    "micro_batches",
+    "training_dtype",
+    "without_choices",
+]
 
 OFFLOADS = (None, "cpu", "nvme")
 
@@ -89,6 +97,29 @@ def fixed_keys(base: dict) -> dict:
     if "activation_checkpointing" in base:
         fixed["activation_checkpointing"] = True
     return fixed
+
+
+def without_choices(config: dict) -> dict:
+    """``config`` without the keys a candidate chooses (the stage, the offload device, the
+    micro-batch, the accumulation steps, activation checkpointing): the base a plan for the
+    same job weighs every candidate over, the config's other keys kept."""
+    out = copy.deepcopy(config)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        out.pop(key, None)
+    out.pop("activation_checkpointing", None)
+    zero = section(out, "zero_optimization")
+    zero.pop("stage", None)
+    section(zero, "offload_optimizer").pop("device", None)
+    return out
+
+
+def training_dtype(config: dict) -> str:
+    """The dtype ``config``'s precision sections train in: ``bf16``, ``fp16`` or ``fp32``."""
+    if section(config, "bf16").get("enabled"):
+        return "bf16"
+    if section(config, "fp16").get("enabled"):
+        return "fp16"
+    return "fp32"
 
 
 def batch_per_rank(global_batch: int, world: int) -> int:

@@ -1,5 +1,5 @@
 """A short torchrun job on this machine that writes one JSON result: how the planner runs its
-link probe (zerotrain/plan/probe.py) and its trials (zerotrain/plan/trial.py) over a real
+link probe (zerotrain/plan/probe.py) and its trials (zerotrain/plan_trial.py) over a real
 process group of the launch's ranks."""
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class Plan:
     def ranked(self) -> list[Planned]:
         """The candidates that fit, fastest first."""
         fitting = [p for p in self.candidates if p.fits]
-        return sorted(fitting, key=lambda p: _cost(p, self.metric))
+        return sorted(fitting, key=lambda p: _rank(p, self.metric))
 
     def as_json(self) -> dict:
         return {"candidates": [p.as_json() for p in self.candidates], "chosen": self.chosen}
@@ -188,12 +188,18 @@ def make_plan(
             f"no config fits: the nearest, {nearest.candidate.label()}, needs "
             f"{_bytes(need)} per rank, {_bytes(need - budget)} more than the "
             f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(per_rank)}); "
-            "more ranks, a shorter --seq-len or a smaller model would fit"
+            "more ranks, shorter sequences or a smaller model would fit"
         )
-    best = min(fitting, key=lambda p: _cost(p, metric))
+    best = min(fitting, key=lambda p: _rank(p, metric))
     for p in planned:
         p.reason = _reason(p, best, budget, metric)
     return Plan(planned, planned.index(best), budget, corrections, metric)
+
+
+def _rank(planned: Planned, metric: str) -> tuple[float, int]:
+    """The choice's order: the cost, then fewer micro-batches a step (priced by FLOPs alone,
+    every micro-batch of the same step costs the same; a larger one is not slower)."""
+    return _cost(planned, metric), planned.candidate.accumulation
 
 
 def _cost(planned: Planned, metric: str) -> float:

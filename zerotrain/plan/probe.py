@@ -46,8 +46,9 @@ __all__ = [
     "COLLECTIVES",
     "LinkFit",
     "Machine",
-    "cache_dir",
     "best_seconds",
+    "cache_dir",
+    "cached_machine",
     "probe_machine",
     "with_current_memory",
 ]
@@ -146,12 +147,10 @@ def probe_machine(
     each phase). ``threads``: per rank (default: the usable CPUs shared by the ranks)."""
     threads = threads or max(1, usable_cpus() // max(1, world))
     key = _key(dtype, threads, world, nvme_path)
-    path = cache_dir() / "machine" / f"{key}.json"
-    if path.exists() and not refresh:
-        try:
-            return Machine.from_json(json.loads(path.read_text()))
-        except (ValueError, TypeError, KeyError):
-            pass  # a cache of another version of this file: measure again
+    path = _cache_path(key)
+    cached = None if refresh else _read_cache(path)
+    if cached is not None:
+        return cached
     say = progress or (lambda text: None)
     started = time.perf_counter()
     machine = _measure(key, dtype, world, nvme_path, threads, say)
@@ -165,6 +164,26 @@ def probe_machine(
     partial.write_text(json.dumps(machine.to_json(), indent=1))
     partial.replace(path)  # a concurrent planner reads the old file or the new one, never half
     return machine
+
+
+def cached_machine(
+    *, dtype: str, world: int, nvme_path: str | None = None, threads: int | None = None
+) -> Machine | None:
+    """What :func:`probe_machine` would return from its cache, without measuring anything:
+    None where this machine was not probed for these arguments."""
+    threads = threads or max(1, usable_cpus() // max(1, world))
+    return _read_cache(_cache_path(_key(dtype, threads, world, nvme_path)))
+
+
+def _cache_path(key: str) -> Path:
+    return cache_dir() / "machine" / f"{key}.json"
+
+
+def _read_cache(path: Path) -> Machine | None:
+    try:
+        return Machine.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # none yet, or a cache of another version of this file: measure again
 
 
 def with_current_memory(machine: Machine) -> Machine:
@@ -363,10 +382,10 @@ def _link_fits(comm) -> dict[str, dict]:
 
 def main() -> None:
     _, out = job_arguments()
-    import zerotrain
     from zerotrain.comm import Communicator
+    from zerotrain.comm.setup import init_distributed
 
-    zerotrain.init_distributed(verbose=False)
+    init_distributed(verbose=False)
     comm = Communicator()
     fits = _link_fits(comm)
     if comm.rank == 0:

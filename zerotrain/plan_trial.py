@@ -73,7 +73,7 @@ def run_trial(spec: TrialSpec, *, timeout: float = 900) -> Measured:
     each) and return what it measured; :class:`JobError` if the job failed or ran past
     ``timeout`` seconds."""
     result = run_local_job(
-        "zerotrain.plan.trial",
+        "zerotrain.plan_trial",
         spec.world,
         asdict(spec),
         env=spec.env,
