@@ -36,6 +36,7 @@ from zerotrain.parallel import ParallelLayout, model_stages
 from zerotrain.pipe.checks import check_pipeline
 from zerotrain.pipe.engine import PipelineEngine
 from zerotrain.plan.advice import advise_on_first_forward, prepare_advice
+from zerotrain.plan.auto_batch import choose_micro_batch, sequence_length, wants_auto_micro_batch
 from zerotrain.policies import group_options, loss_scaler
 from zerotrain.sequence.batch import SequenceShards
 from zerotrain.sequence.transform import sequence_group_of
@@ -99,6 +100,7 @@ def initialize(
     settle_host_math()  # before the first forward pass
     config = _config_from_args(args, config if config is not None else config_params)
     comm, device = _world(dist_init_required, distributed_port)
+    config = _choose_micro_batch(config, model, training_data, comm)
     sequence_group = sequence_group_of(mpu)
     # the batch keys count data-parallel ranks: the world over the stages (and over the
     # tensor- and sequence-parallel degrees, which the config itself knows)
@@ -281,6 +283,35 @@ def check_mpu(mpu, caller: str = "initialize") -> None:
         )
 
 
+def _choose_micro_batch(config, model: nn.Module, training_data, comm: Communicator):
+    """``config`` with a ``"auto"`` micro-batch chosen by the planner ([Note: "auto"
+    micro-batches] in zerotrain/plan/auto_batch.py): rank 0 chooses, every rank takes its
+    choice, or raises its error."""
+    raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+    if not wants_auto_micro_batch(raw):
+        return config
+    decision: tuple[dict, str] | str = ""  # rank 0's is the one taken
+    if comm.rank == 0:
+        try:
+            decision = choose_micro_batch(
+                raw,
+                model,
+                world=comm.world_size // model_stages(model),
+                ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                seq_len=sequence_length(model, training_data),
+                pipelined=model_stages(model) > 1,
+            )
+        except ConfigError as error:
+            decision = str(error)
+    decision = comm.all_gather_object(decision)[0]
+    if isinstance(decision, str):
+        raise ConfigError(decision)
+    resolved, line = decision
+    if comm.rank == 0:  # a choice made for the user: said where the step lines go
+        print(line, flush=True)
+    return resolved
+
+
 def _advice(model: nn.Module, cfg: ZeroTrainConfig, config, optimizer, layout: ParallelLayout):
     """What the first forward checks the config against (None: nothing the planner plans),
     taken before the model is wrapped: stage 3 partitions its parameters."""
@@ -295,7 +326,7 @@ def _advice(model: nn.Module, cfg: ZeroTrainConfig, config, optimizer, layout: P
         cfg,
         _raw_config(config, cfg),
         optimizer_type=optimizer_type,
-        world=layout.data_parallel_size,
+        world=layout.mesh.sizes["dp"],  # not mesh.dp: its group is made on first use, by all
         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         parallel_sizes=layout.mesh.sizes,
     )

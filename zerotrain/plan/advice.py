@@ -32,7 +32,13 @@ from zerotrain.config import ZeroTrainConfig
 from zerotrain.fmt import quantity
 from zerotrain.plan.candidates import Candidate, training_dtype, without_choices
 from zerotrain.plan.cost import ModelFacts, predict
-from zerotrain.plan.planner import MARGIN, PlanError, load_corrections, make_plan, model_facts
+from zerotrain.plan.planner import (
+    PlanError,
+    load_corrections,
+    make_plan,
+    model_facts,
+    rank_budget,
+)
 from zerotrain.plan.probe import cached_machine, with_current_memory
 
 __all__ = ["SLOWER", "Advice", "advise_on_first_forward", "prepare_advice"]
@@ -94,7 +100,7 @@ class Advice:
                 corrections=corrections,
             )
         except PlanError as error:
-            if predicted.peak_memory_bytes > _budget(machine, self.ranks_per_node):
+            if predicted.peak_memory_bytes > rank_budget(machine, self.ranks_per_node):
                 return f"zerotrain: this config is predicted not to fit, nor is any: {error}"
             return None
         best = plan.best
@@ -121,11 +127,6 @@ class Advice:
 
 def _bytes(value: float) -> str:
     return quantity(value, "B")
-
-
-def _budget(machine, ranks_per_node: int) -> float:
-    per_rank = machine.device_memory // (ranks_per_node if machine.device == "cpu" else 1)
-    return per_rank * MARGIN
 
 
 def prepare_advice(

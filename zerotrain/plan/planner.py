@@ -35,6 +35,7 @@ __all__ = [
     "make_plan",
     "model_facts",
     "profile_if_fits",
+    "rank_budget",
 ]
 
 MARGIN = 0.9
@@ -165,8 +166,7 @@ def make_plan(
         metric = read_autotuning(base).metric
     except ValueError as error:
         raise PlanError(str(error)) from error
-    per_rank = machine.device_memory // (ranks_per_node if machine.device == "cpu" else 1)
-    budget = int(per_rank * MARGIN)
+    budget = rank_budget(machine, ranks_per_node)
     planned = []
     for candidate in enumerate_candidates(
         world=world, global_batch=global_batch, base=base, nvme=nvme_path is not None
@@ -187,7 +187,7 @@ def make_plan(
         raise PlanError(
             f"no config fits: the nearest, {nearest.candidate.label()}, needs "
             f"{_bytes(need)} per rank, {_bytes(need - budget)} more than the "
-            f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(per_rank)}); "
+            f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(_rank_memory(machine, ranks_per_node))}); "
             "more ranks, shorter sequences or a smaller model would fit"
         )
     best = min(fitting, key=lambda p: _rank(p, metric))
@@ -210,6 +210,16 @@ def _cost(planned: Planned, metric: str) -> float:
     if metric != "flops":
         return step
     return step / (4 if planned.candidate.activation_checkpointing else 3)
+
+
+def rank_budget(machine: Machine, ranks_per_node: int) -> int:
+    """The memory a candidate may use on a rank: :data:`MARGIN` of what the rank has."""
+    return int(_rank_memory(machine, ranks_per_node) * MARGIN)
+
+
+def _rank_memory(machine: Machine, ranks_per_node: int) -> int:
+    """The device's memory, or on a CPU-only machine the host's share of each of its ranks."""
+    return machine.device_memory // (ranks_per_node if machine.device == "cpu" else 1)
 
 
 def _bytes(value: float) -> str:

@@ -49,6 +49,7 @@ __all__ = [
     "best_seconds",
     "cache_dir",
     "cached_machine",
+    "memory_only_machine",
     "probe_machine",
     "with_current_memory",
 ]
@@ -173,6 +174,29 @@ def cached_machine(
     None where this machine was not probed for these arguments."""
     threads = threads or max(1, usable_cpus() // max(1, world))
     return _read_cache(_cache_path(_key(dtype, threads, world, nvme_path)))
+
+
+def memory_only_machine(*, dtype: str, world: int) -> Machine:
+    """This machine with only its memory known (now), every rate NaN: what a prediction of
+    memory alone needs where no probe is cached (its times are NaN)."""
+    threads = max(1, usable_cpus() // max(1, world))
+    nan = float("nan")
+    blank = Machine(
+        key=_key(dtype, threads, world, None),
+        device=_device_name(),
+        device_memory=0,
+        host_memory=0,
+        dtype=dtype,
+        threads=threads,
+        matmul_flops=nan,
+        attention_flops=nan,
+        adam_elements_per_s={str(threads): nan},
+        copy_bytes_per_s=None,
+        disk_write_bytes_per_s=None,
+        disk_read_bytes_per_s=None,
+        world=world,
+    )
+    return with_current_memory(blank)
 
 
 def _cache_path(key: str) -> Path:
