@@ -288,6 +288,9 @@ def test_the_autotuning_section_reads_as_deepspeed_defines_it():
         tuning.check_global_batch(128)
     # fast mode (DeepSpeed's default) is what the planner does: no note
     assert read_autotuning({"autotuning": {"fast": True}}).notes == []
+    # one profile key given: DeepSpeed's default for the other (steps 3-5)
+    only_end = read_autotuning({"autotuning": {"end_profile_step": 4}})
+    assert (only_end.start_profile_step, only_end.end_profile_step) == (3, 4)
 
 
 @pytest.mark.parametrize(

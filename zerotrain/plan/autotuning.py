@@ -115,8 +115,10 @@ def read_autotuning(base: dict) -> Autotuning:
             "autotuning.mp_size: the planner does not plan tensor parallelism yet; "
             "remove mp_size or set it to 1"
         )
-    start = _count(raw, "start_profile_step", 3, low=2)
-    end = _count(raw, "end_profile_step", max(start, 5), low=start)
+    # DeepSpeed's defaults (steps 3-5) where the section says either, else the trial's own (2-3)
+    profiling = bool({"start_profile_step", "end_profile_step"} & set(raw))
+    start = _count(raw, "start_profile_step", 3 if profiling else 2, low=2)
+    end = _count(raw, "end_profile_step", max(start, 5) if profiling else 3, low=start)
     results = raw.get("results_dir")
     notes = [f"autotuning.{key}: no effect; {_NOTES[key]}" for key in raw if key in _NOTES]
     if raw.get("fast", True) is not False:  # fast mode is what the planner does
@@ -127,8 +129,8 @@ def read_autotuning(base: dict) -> Autotuning:
         max_micro_batch=_count(raw, "max_train_micro_batch_size_per_gpu", 1024, low=1),
         min_global_batch=_count(raw, "min_train_batch_size", 1, low=1),
         max_global_batch=_count(raw, "max_train_batch_size", None, low=1),
-        start_profile_step=start if "start_profile_step" in raw else 2,
-        end_profile_step=end if {"start_profile_step", "end_profile_step"} & set(raw) else 3,
+        start_profile_step=start,
+        end_profile_step=end,
         results_dir=str(results) if results is not None else None,
         notes=notes,
     )

@@ -184,10 +184,11 @@ def make_plan(
     if not fitting:
         nearest = min(planned, key=lambda p: p.predicted.peak_memory_bytes)
         need = nearest.predicted.peak_memory_bytes
+        per_rank = _rank_memory(machine, ranks_per_node)
         raise PlanError(
             f"no config fits: the nearest, {nearest.candidate.label()}, needs "
             f"{_bytes(need)} per rank, {_bytes(need - budget)} more than the "
-            f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(_rank_memory(machine, ranks_per_node))}); "
+            f"{_bytes(budget)} a rank may use ({MARGIN:.0%} of {_bytes(per_rank)}); "
             "more ranks, shorter sequences or a smaller model would fit"
         )
     best = min(fitting, key=lambda p: _rank(p, metric))
