@@ -1,6 +1,6 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
-    python bench/plan.py [--part predictions|pick|both] [--models demo 30m]
+    python bench/plan.py [--part predictions|pick|deepspeed|both] [--models demo 30m]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks) of the GPTs of examples/gpt, fp32
@@ -12,6 +12,13 @@
   weighs (stages 0-3, offload none / cpu, checkpointing, micro-batches 2, 4, 8) run as a trial,
   the way DeepSpeed's autotuner tries configs; the planner's choice against the fastest found,
   and the time each way took to decide.
+- ``deepspeed``: DeepSpeed 0.19.8's own autotuner (``deepspeed --autotuning tune``, fast mode:
+  ZeRO stage and micro-batch) on the same job, a DeepSpeed script training the demo GPT on
+  its CPU accelerator (``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=2`` for its 2 "devices"): its
+  experiments and wall time to a decision, and its choice trained as a zerotrain trial beside
+  the planner's. Needs ``pip install -r requirements-bench.txt tabulate`` (uninstall
+  DeepSpeed before the tests); its clean-up calls ``pdsh``, which this machine lacks (the error
+  is logged and the tuning goes on).
 
 Each trial is a torchrun job of its own, one at a time (2 ranks on this 2-core machine). Writes
 bench/results/plan.json.
@@ -183,9 +190,105 @@ def pick() -> dict:
     }
 
 
+DS_SCRIPT = """
+import argparse, sys
+import torch
+import deepspeed
+sys.path.insert(0, {examples!r})
+from gpt.model import demo
+
+parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+torch.manual_seed(0)
+model = demo()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+engine, *_ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
+generator = torch.Generator().manual_seed(engine.global_rank)
+micro = engine.train_micro_batch_size_per_gpu()
+for _ in range(6 * engine.gradient_accumulation_steps()):
+    ids = torch.randint(0, 256, (micro, {seq} + 1), generator=generator)
+    engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+    engine.step()
+"""
+
+
+def deepspeed_autotuning() -> dict:
+    """DeepSpeed's autotuner on the pick's job; its choice and the planner's, each measured
+    as a zerotrain trial."""
+    import subprocess
+
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.planner import make_plan
+    from zerotrain.plan.probe import probe_machine
+    from zerotrain.plan_trial import TrialSpec, run_trial
+
+    spec, seq = MODELS["demo"]
+    tuned = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": "auto",
+        "zero_allow_untested_optimizer": True,
+        "autotuning": {"enabled": True, "fast": True, "max_train_micro_batch_size_per_gpu": 8},
+    }
+    with tempfile.TemporaryDirectory(prefix="zerotrain-dsat-") as work:
+        Path(work, "ds_train.py").write_text(
+            DS_SCRIPT.format(examples=str(ROOT / "examples"), seq=seq)
+        )
+        Path(work, "ds_config.json").write_text(json.dumps(tuned))
+        bin_dir = str(Path(sys.executable).parent)
+        env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1")
+        env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+        command = [str(Path(bin_dir) / "deepspeed"), "--autotuning", "tune", "--num_gpus", "2"]
+        command += ["ds_train.py", "--deepspeed", "--deepspeed_config", "ds_config.json"]
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+        ds_seconds = time.perf_counter() - started
+        optimal = Path(work, "autotuning_results", "ds_config_optimal.json")
+        if done.returncode != 0 or not optimal.exists():
+            raise SystemExit(
+                f"DeepSpeed's autotuner failed:\n{(done.stdout + done.stderr)[-3000:]}"
+            )
+        chosen = json.loads(optimal.read_text())
+        experiments = [
+            d for d in Path(work, "autotuning_results").iterdir()
+            if d.is_dir() and d.name != "profile_model_info" and (d / "metrics.json").exists()
+        ]  # fmt: skip
+    stage = chosen.get("zero_optimization", {}).get("stage", 0)
+    micro = chosen["train_micro_batch_size_per_gpu"]
+    ds_candidate = Candidate(stage, None, False, micro, 8 // micro, 2)
+    started = time.perf_counter()
+    machine = probe_machine(dtype="fp32", world=2, threads=1)
+    facts = _facts(spec, seq, machine, [1, 2, 4, 8])
+    plan = make_plan(facts, machine, world=2, ranks_per_node=2, global_batch=16, base=BASE)
+    planner_seconds = time.perf_counter() - started
+    measured = {}
+    for who, candidate in (
+        ("DeepSpeed's autotuner", ds_candidate),
+        ("zerotrain plan", plan.best.candidate),
+    ):
+        trial = TrialSpec(
+            spec, candidate.config(BASE), 2, seq, 256, candidate.activation_checkpointing
+        )
+        measured[who] = (candidate.label(), run_trial(trial).step_time_s)
+    for who, (label, step) in measured.items():
+        print(f"{who:<22} chose {label:<40} measured {step:.3f} s a step (zerotrain trial)")
+    print(
+        f"DeepSpeed's autotuner: {len(experiments)} experiments, {ds_seconds:.0f} s to decide; "
+        f"zerotrain plan: {planner_seconds:.0f} s, no trial"
+    )
+    return {
+        "deepspeed": {"chosen": measured["DeepSpeed's autotuner"][0], "experiments": len(experiments),
+                      "seconds": ds_seconds, "step_time_s": measured["DeepSpeed's autotuner"][1]},
+        "planner": {"chosen": measured["zerotrain plan"][0], "seconds": planner_seconds,
+                    "step_time_s": measured["zerotrain plan"][1]},
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["predictions", "pick", "both"], default="both")
+    parser.add_argument(
+        "--part", choices=["predictions", "pick", "deepspeed", "both"], default="both"
+    )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["demo", "30m"])
     args = parser.parse_args()
     results = {}
@@ -199,6 +302,8 @@ def main() -> None:
             results["predictions"] = predictions(args.models, nvme)
         if args.part in ("pick", "both"):
             results["pick"] = pick()
+        if args.part == "deepspeed":
+            results["deepspeed"] = deepspeed_autotuning()
     out = ROOT / "bench" / "results" / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
