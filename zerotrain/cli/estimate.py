@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from zerotrain.cli.arguments import ParserSpec, positive_int, size_argument
 from zerotrain.errors import ZeroTrainError
@@ -80,7 +81,7 @@ def _estimate_job(args: argparse.Namespace):
         key: getattr(args, key) for key in (*_SHAPE_FLAGS, "vocab_size", "intermediate_size")
     }
     mlp = args.mlp
-    counts: dict[str, float] = {
+    counts: dict[str, Any] = {  # --params; a --model's count replaces them
         "trainable_params": args.params,
         "largest_layer": args.largest_layer or 0,
     }
@@ -118,7 +119,7 @@ def _estimate_job(args: argparse.Namespace):
         shape = TransformerShape(**shape_values, mlp=mlp or "gelu")
     offload = _offload_settings(args)
     try:
-        settings = dict(
+        settings: dict[str, Any] = dict(
             **counts,
             **offload,
             nodes=args.nodes,
@@ -141,7 +142,7 @@ def _estimate_job(args: argparse.Namespace):
         )
         if count is not None:
             return TrainingJob.for_model(count, **settings)
-        return TrainingJob(**settings)  # pyrefly: ignore[bad-argument-type]
+        return TrainingJob(**settings)
     except ValueError as error:
         raise EstimateError(str(error)) from error
 
