@@ -106,6 +106,13 @@ def test_a_failed_trial_says_why():
 
 
 # -- the plan ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> str:
+    """One probe cache for the plans below that neither refine nor inspect it (a probe costs
+    seconds: it starts a 2-rank job to measure the links)."""
+    return str(tmp_path_factory.mktemp("plan-cache"))
+
+
 def _plan_cli(capsys, tmp_path, *extra) -> tuple[int, dict | str, str]:
     from zerotrain import cli
 
@@ -119,13 +126,13 @@ def _plan_cli(capsys, tmp_path, *extra) -> tuple[int, dict | str, str]:
 
 
 def test_plan_prices_every_candidate_and_writes_the_fastest_that_fits(
-    capsys, tmp_path, monkeypatch
+    capsys, tmp_path, monkeypatch, shared_cache
 ):
     """Every candidate of the space (stages 0-3, offload none / cpu, checkpointing, every
     micro-batch of the 8 samples a rank takes) is in the JSON with its config and predictions;
     each trains the global batch; the chosen one fits, is the fastest that fits, and is the
     config written."""
-    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
     code, plan, err = _plan_cli(capsys, tmp_path, "--json")
     assert code == 0, err
     candidates = plan["candidates"]
@@ -151,8 +158,8 @@ def test_plan_prices_every_candidate_and_writes_the_fastest_that_fits(
     assert f"{len(candidates)} candidates" in table
 
 
-def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch, shared_cache):
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
     base = {
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 10**6},
         "train_micro_batch_size_per_gpu": 4,
@@ -317,14 +324,16 @@ def test_a_bad_autotuning_section_is_refused_naming_the_key(section, message):
         read_autotuning({"autotuning": section})
 
 
-def test_plan_serves_the_autotuning_section_and_auto_batch_keys(capsys, tmp_path, monkeypatch):
+def test_plan_serves_the_autotuning_section_and_auto_batch_keys(
+    capsys, tmp_path, monkeypatch, shared_cache
+):
     """A HuggingFace-style base (the batch keys "auto", train_batch_size given) with an
     autotuning section: the micro-batches stay in its limits, the global batch comes from the
     base, the choice is written to results_dir under DeepSpeed's name without the section,
     the keys that do not act are named, and metric flops ranks by FLOPs a second."""
     from zerotrain import cli
 
-    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
     base = {
         "train_batch_size": 16,
         "train_micro_batch_size_per_gpu": "auto",
