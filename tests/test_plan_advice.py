@@ -213,6 +213,7 @@ def test_an_auto_micro_batch_takes_the_sequence_length_of_the_training_data():
         ({"train_batch_size": "auto"}, "needs train_batch_size (samples per optimizer step"),
         ({"train_batch_size": 15, "gradient_accumulation_steps": 4}, "does not divide"),
         ({"sequence_parallel_size": 2}, '"auto" is chosen for data parallelism only'),
+        ({"autotuning": {"metric": "speed"}}, "autotuning.metric: must be one of"),
     ],
 )
 def test_an_auto_micro_batch_that_cannot_be_chosen_says_why(tmp_path, monkeypatch, keys, message):
@@ -249,3 +250,21 @@ def choose_on_two_ranks(cache: str) -> tuple[int, int]:
 def test_every_rank_takes_rank_0_s_auto_micro_batch(tmp_path):
     first, second = run_distributed(choose_on_two_ranks, 2, str(tmp_path))
     assert first == second and first[0] < 16 and first[0] * first[1] == 16
+
+
+def refuse_on_two_ranks(cache: str) -> str:
+    patch = pytest.MonkeyPatch()
+    _cache_machine(patch, Path(cache) / str(torch.distributed.get_rank()))
+    try:
+        zerotrain.initialize(model=tiny(), config=_auto_config(train_batch_size="auto"))
+    except zerotrain.ConfigError as error:
+        return str(error)
+    return "chosen"
+
+
+def test_every_rank_refuses_when_rank_0_cannot_choose(tmp_path):
+    """Rank 0 raises its own error; the others say it was rank 0's (none waits for it)."""
+    first, second = run_distributed(refuse_on_two_ranks, 2, str(tmp_path))
+    assert '"auto" chooses how a rank\'s share of the global batch is split' in first
+    assert second.startswith('rank 0 could not choose the "auto" micro-batch: ')
+    assert first in second

@@ -291,6 +291,7 @@ def _choose_micro_batch(config, model: nn.Module, training_data, comm: Communica
     if not wants_auto_micro_batch(raw):
         return config
     decision: tuple[dict, str] | str = ""  # rank 0's is the one taken
+    failed: Exception | None = None
     if comm.rank == 0:
         try:
             decision = choose_micro_batch(
@@ -301,11 +302,14 @@ def _choose_micro_batch(config, model: nn.Module, training_data, comm: Communica
                 seq_len=sequence_length(model, training_data),
                 pipelined=model_stages(model) > 1,
             )
-        except ConfigError as error:
-            decision = str(error)
+        except Exception as error:  # noqa: BLE001 (told to every rank, raised as it is here)
+            failed = error
+            decision = str(error) if isinstance(error, ConfigError) else repr(error)
     decision = comm.all_gather_object(decision)[0]
+    if failed is not None:
+        raise failed
     if isinstance(decision, str):
-        raise ConfigError(decision)
+        raise ConfigError(f'rank 0 could not choose the "auto" micro-batch: {decision}')
     resolved, line = decision
     if comm.rank == 0:  # a choice made for the user: said where the step lines go
         print(line, flush=True)

@@ -131,7 +131,10 @@ def choose_micro_batch(
         )
     accumulation = config.get("gradient_accumulation_steps")
     free = {k: v for k, v in config.items() if k not in (KEY, "gradient_accumulation_steps")}
-    sizes = micro_batches(world=world, global_batch=global_batch, base=free)
+    try:
+        sizes = micro_batches(world=world, global_batch=global_batch, base=free)
+    except ValueError as error:  # the autotuning section's limits
+        raise ConfigError(str(error)) from None
     if isinstance(accumulation, int) and not isinstance(accumulation, bool):
         sizes = [m for m in sizes if m * accumulation == per_rank]  # the config fixes it
     needs = []
