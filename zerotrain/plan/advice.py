@@ -10,7 +10,7 @@ numbers and changes nothing, so training is the same with or without it. It pric
 config with the planner's cost model (zerotrain/plan/cost.py), its compute by the model's
 FLOPs (a model probe would run the user's model), on this machine's cached probe and
 corrections: no probe runs inside a training job, so without a cache (``zerotrain plan``
-makes one) the advice says so once at INFO and stays silent. Against the plan for the same
+makes one) ``initialize`` says so once at INFO, counts nothing and adds no hook. Against the plan for the same
 global batch over the same ranks, with the config's other keys kept, it warns:
 - when the config's predicted peak per rank is above what a rank may use (the plan's margin),
   naming the plan's choice, or the plan's refusal when nothing fits;
@@ -39,7 +39,7 @@ from zerotrain.plan.planner import (
     model_facts,
     rank_budget,
 )
-from zerotrain.plan.probe import cached_machine, with_current_memory
+from zerotrain.plan.probe import Machine, cached_machine, with_current_memory
 
 __all__ = ["SLOWER", "Advice", "advise_on_first_forward", "prepare_advice"]
 
@@ -56,6 +56,8 @@ class Advice:
     facts: ModelFacts
     config: ZeroTrainConfig
     raw: dict
+    machine: Machine
+    """This machine's cached probe (its memory is read again in :meth:`check`)."""
     world: int
     """Data-parallel ranks."""
     ranks_per_node: int
@@ -64,18 +66,8 @@ class Advice:
         """The warning for a first batch of ``seq_len`` tokens a sample (None: nothing to say)."""
         cfg = self.config
         offload = cfg.zero_optimization.offload_optimizer
-        nvme_path = str(offload.nvme_path) if offload.device == "nvme" else None
-        dtype = training_dtype(self.raw)
-        machine = cached_machine(dtype=dtype, world=self.ranks_per_node, nvme_path=nvme_path)
-        if machine is None:
-            logger.info(
-                "zerotrain: no advice on this config: this machine has no probe cached for "
-                "%s on %d rank(s) a node (`zerotrain plan` makes one)",
-                dtype,
-                self.ranks_per_node,
-            )
-            return None
-        machine = with_current_memory(machine)
+        nvme_path = _nvme_path(cfg)
+        machine = with_current_memory(self.machine)
         facts = replace(self.facts, seq_len=seq_len)
         corrections = load_corrections(machine)
         batch = cfg.batch_sizes()
@@ -145,10 +137,26 @@ def prepare_advice(
         return None
     if (optimizer_type or "").replace("_", "").lower() not in _ADAM:
         return None
-    facts = model_facts(model, seq_len=1, dtype=training_dtype(raw))
+    dtype = training_dtype(raw)
+    machine = cached_machine(dtype=dtype, world=ranks_per_node, nvme_path=_nvme_path(cfg))
+    if machine is None:
+        logger.info(
+            "zerotrain: no advice on this config: this machine has no probe cached for "
+            "%s on %d rank(s) a node (`zerotrain plan` makes one)",
+            dtype,
+            ranks_per_node,
+        )
+        return None
+    facts = model_facts(model, seq_len=1, dtype=dtype)
     if facts.shape(1) is None:
         return None
-    return Advice(facts, cfg, raw, world, ranks_per_node)
+    return Advice(facts, cfg, raw, machine, world, ranks_per_node)
+
+
+def _nvme_path(cfg: ZeroTrainConfig) -> str | None:
+    """The working directory of NVMe offload, which keys the machine's probe."""
+    offload = cfg.zero_optimization.offload_optimizer
+    return str(offload.nvme_path) if offload.device == "nvme" else None
 
 
 def advise_on_first_forward(module: nn.Module, advice: Advice) -> None:

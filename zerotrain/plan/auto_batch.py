@@ -30,6 +30,7 @@ from zerotrain.fmt import quantity
 from zerotrain.plan.candidates import (
     Candidate,
     batch_per_rank,
+    fixed_keys,
     micro_batches,
     section,
     training_dtype,
@@ -116,10 +117,10 @@ def choose_micro_batch(
             f'{KEY}: "auto" is chosen for transformers whose shape the estimator knows '
             "(hidden size, layers, heads); set a number, or choose one with `zerotrain plan`"
         )
+    fixed = fixed_keys(config)  # the stage, offload and checkpointing the config sets
+    offload = fixed.get("offload")
     zero = section(config, "zero_optimization")
-    offload = section(zero, "offload_optimizer")
-    device = offload.get("device", "none")
-    nvme_path = offload.get("nvme_path") if device == "nvme" else None
+    nvme_path = section(zero, "offload_optimizer").get("nvme_path") if offload == "nvme" else None
     machine = cached_machine(dtype=dtype, world=ranks_per_node, nvme_path=nvme_path)
     machine = machine or memory_only_machine(dtype=dtype, world=ranks_per_node)
     corrections = load_corrections(machine)
@@ -140,9 +141,9 @@ def choose_micro_batch(
     needs = []
     for micro in sorted(sizes, reverse=True):
         candidate = Candidate(
-            stage=int(zero.get("stage", 0)),
-            offload=None if device == "none" else device,
-            activation_checkpointing="activation_checkpointing" in config,
+            stage=fixed.get("stage", 0),
+            offload=offload,
+            activation_checkpointing=fixed.get("activation_checkpointing", False),
             micro_batch=micro,
             accumulation=per_rank // micro,
             world=world,

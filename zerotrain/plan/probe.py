@@ -146,7 +146,7 @@ def probe_machine(
     """This machine's constants for training in ``dtype`` with ``world`` ranks on this node,
     from the cache or measured now (``refresh``: always measured; ``progress(text)`` is told
     each phase). ``threads``: per rank (default: the usable CPUs shared by the ranks)."""
-    threads = threads or max(1, usable_cpus() // max(1, world))
+    threads = _threads(world, threads)
     key = _key(dtype, threads, world, nvme_path)
     path = _cache_path(key)
     cached = None if refresh else _read_cache(path)
@@ -172,14 +172,13 @@ def cached_machine(
 ) -> Machine | None:
     """What :func:`probe_machine` would return from its cache, without measuring anything:
     None where this machine was not probed for these arguments."""
-    threads = threads or max(1, usable_cpus() // max(1, world))
-    return _read_cache(_cache_path(_key(dtype, threads, world, nvme_path)))
+    return _read_cache(_cache_path(_key(dtype, _threads(world, threads), world, nvme_path)))
 
 
 def memory_only_machine(*, dtype: str, world: int) -> Machine:
     """This machine with only its memory known (now), every rate NaN: what a prediction of
     memory alone needs where no probe is cached (its times are NaN)."""
-    threads = max(1, usable_cpus() // max(1, world))
+    threads = _threads(world)
     nan = float("nan")
     blank = Machine(
         key=_key(dtype, threads, world, None),
@@ -197,6 +196,11 @@ def memory_only_machine(*, dtype: str, world: int) -> Machine:
         world=world,
     )
     return with_current_memory(blank)
+
+
+def _threads(world: int, threads: int | None = None) -> int:
+    """Threads a rank computes with: ``threads``, else the usable CPUs shared by the ranks."""
+    return threads or max(1, usable_cpus() // max(1, world))
 
 
 def _cache_path(key: str) -> Path:
