@@ -96,7 +96,7 @@ def predictions(models: list[str], nvme: str) -> list[dict]:
                 candidate = Candidate(stage, offload, checkpointing, micro, 1, world)
                 config = candidate.config(BASE, nvme)
                 predicted = predict(candidate, facts, machine, Corrections(), config)
-                trial = TrialSpec(spec, config, world, seq, 256, checkpointing)
+                trial = TrialSpec(spec, config, world, seq, 256, checkpointing, steps=5)
                 measured = run_trial(trial).as_dict()
                 row = {
                     "model": name,

@@ -8,7 +8,13 @@ torchrun job of its own, and measured in the terms the planner predicts (``zerot
   host memory, which also holds the interpreter and its libraries: the rank's peak resident
   memory (``VmHWM``) above its resident memory after start-up, that is once torch and the
   modules ``initialize`` imports are loaded (90 MB on this machine, torch._dynamo's among them)
-  and the process group is up, before the model is built.
+  and the process group is up, before the model is built. Measured in a job of its own (the
+  first two steps, or ``first_timed``) with every host block of 256 KiB or more mapped on its
+  own (``MALLOC_MMAP_THRESHOLD_``), so that resident memory follows the bytes in use as a GPU's
+  allocated bytes do: with glibc's default (and still with 1 MiB, below which the demo GPT's
+  activation blocks lie), freed activation blocks stay in the heap, which then grows toward the
+  peak for several steps in a way no byte count predicts; and that setting slows a step by up
+  to 1.3x (bench/host_allocator.py), so the time is the other job's, under the default.
 - ``model_state_bytes``: rank 0's ``engine.memory_breakdown()["total"]`` after the steps.
 - ``step_time_s``: the median time of an optimizer step (all its micro-batches, forward,
   backward and step) over the steps from ``first_timed`` on (the first step builds the
@@ -26,13 +32,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from zerotrain.plan.jobs import job_arguments, run_local_job
 from zerotrain.plan.model_probe import is_hf_causal_lm, loss_of
 
-__all__ = ["Measured", "TrialSpec", "run_trial"]
+__all__ = ["Measured", "TrialSpec", "measure_memory", "run_trial"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,34 @@ class Measured:
         return asdict(self)
 
 
+MAPPED_BLOCK_BYTES = 1 << 18
+"""On a CPU-only machine, the memory job maps every host block this large or larger (see
+[Note: what a trial measures])."""
+
+
 def run_trial(spec: TrialSpec, *, timeout: float = 900) -> Measured:
     """Run ``spec`` as a torchrun job of ``spec.world`` local ranks (gloo on a CPU, one thread
     each) and return what it measured; :class:`JobError` if the job failed or ran past
-    ``timeout`` seconds."""
+    ``timeout`` seconds. On a CPU-only machine, two jobs: one for the time, one for the
+    memory (:func:`measure_memory`; see [Note: what a trial measures])."""
+    timed = _job(spec, timeout)
+    if _has_cuda():
+        return timed
+    return replace(timed, peak_memory_bytes=measure_memory(spec, timeout=timeout))
+
+
+def measure_memory(spec: TrialSpec, *, timeout: float = 900) -> int:
+    """``spec``'s peak memory per rank, in a job of the first two steps (or ``first_timed``);
+    on a CPU-only machine with host blocks of :data:`MAPPED_BLOCK_BYTES` or more mapped on
+    their own (see [Note: what a trial measures])."""
+    steps = min(spec.steps, max(2, spec.first_timed))  # the second has state and activations
+    env = (
+        spec.env if _has_cuda() else {"MALLOC_MMAP_THRESHOLD_": str(MAPPED_BLOCK_BYTES), **spec.env}
+    )
+    return _job(replace(spec, steps=steps, env=env), timeout).peak_memory_bytes
+
+
+def _job(spec: TrialSpec, timeout: float) -> Measured:
     result = run_local_job(
         "zerotrain.plan_trial",
         spec.world,
@@ -81,6 +111,12 @@ def run_trial(spec: TrialSpec, *, timeout: float = 900) -> Measured:
         what="trial",
     )
     return Measured(**result)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # -- the ranks ---------------------------------------------------------------------------------

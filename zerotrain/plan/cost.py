@@ -3,17 +3,22 @@ bytes and the time of an optimizer step, from the model's shape, the estimator
 (zerotrain/estimate/) and the machine's measured rates (zerotrain/plan/probe.py).
 
 [Note: the planner's cost model]
-Memory per rank: the estimator's peak at the candidate's stage (model states by ZeRO's formula,
-which real runs measure exactly; stage 3's gathered parameters), with the activations the
-model probe counted ([Note: the model probe]; Korthikanti et al.'s formula where the model
-cannot be built here): all of them, or with activation checkpointing the kept block inputs and
-two blocks' worth (one recomputed, its gradients); at stages 2-3 a whole bucket of gradients
-before its reduce-scatter; plus what a training process holds besides
-(``Corrections.memory_overhead``: allocator arenas, thread stacks, the communicator's
-buffers). On a CPU-only machine the device is host memory: the model is first built there in
-fp32 (its Ψ·4 bytes), and what optimizer offload moves off the device stays in it (see [Note:
-what a trial measures]). How near these come to trials is bench/plan.py's (bench/README.md):
-the host allocator keeping freed activation memory resident is the largest error.
+Memory per rank: the estimator's model states at the candidate's stage (ZeRO's formula, which
+real runs measure exactly) and stage 3's gathered parameters, plus the larger of two transient
+phases (:func:`_transient_bytes`), from the activations the model probe counted ([Note: the
+model probe]; Korthikanti et al.'s formula where the model cannot be built here):
+- the end of the forward: every block's saved activations, or with checkpointing the kept
+  block inputs and one block's worth, recomputed in the backward;
+- at stages 2-3, the backward's reduction: the buckets in flight (the one filling and the one
+  before it on the wire: the whole partitioned gradient at stage 2 with DeepSpeed's 5e8-element
+  buckets, two gather units at stage 3) beside a block's activations (and the kept inputs).
+Plus what a training process holds besides (``Corrections.memory_overhead``: the allocator's
+arenas, thread stacks, the communicator's buffers). On a CPU-only machine the device is host
+memory, so what optimizer offload moves off the device stays in it, less what is allocated
+and never touched (:func:`_host_touched`); the model as built is not counted: ``initialize``
+adopts or frees its tensors, and building peaks below training (see [Note: what a trial
+measures]). Over the fixed configs of bench/plan.py these come within 5% of trials
+(bench/README.md).
 
 Step time: compute, the collectives, the optimizer step, each priced on the machine:
 - compute: the model probe's forward and backward per micro-batch (with checkpointing, its
@@ -66,9 +71,10 @@ class Corrections:
 
     compute_scale: float = 1.0
     """Measured compute over predicted (the model probe's, or the FLOP count's)."""
-    memory_overhead: float = 40e6
-    """What a training process holds besides model states, activations and the model as
-    built: allocator arenas, thread stacks, communicator buffers (34 MB on this CPU)."""
+    memory_overhead: float = 32e6
+    """What a training process holds besides model states and activations: the allocator's
+    arenas, thread stacks, the communicator's buffers (29-35 MB for the demo GPT on this CPU,
+    43-51 MB for the 30M GPT: bench/README.md)."""
     engine_seconds_per_parameter: float = 5e-9
     """The engine's own work per parameter and pass over the buckets (copies, hooks): once a
     step at stages 0-1, every micro-batch at 2-3."""
@@ -171,27 +177,27 @@ def predict(
     psi, world = facts.count.trainable, candidate.world
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     checkpointing = candidate.activation_checkpointing
-    # the backward's reduction: a whole bucket of gradients before its reduce-scatter (2-3)
-    bucket = largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) * element
-    reduction = bucket * (candidate.stage >= 2)
     measured = facts.profile.micro_batches.get(candidate.micro_batch) if facts.profile else None
     if measured is not None and facts.profile is not None:
-        if checkpointing:  # the kept inputs, and one block recomputed with its gradients
-            layer = measured.saved_bytes / max(1, facts.profile.layers)
-            activations = measured.checkpointed_saved_bytes + 2 * layer
-            per_micro = measured.checkpointed_forward_backward_s
-        else:
-            activations, per_micro = measured.saved_bytes, measured.forward_backward_s
-        memory = row.peak_with(activations + reduction)
+        kept = measured.checkpointed_saved_bytes if checkpointing else measured.saved_bytes
+        layer = measured.saved_bytes / max(1, facts.profile.layers)
+        per_micro = (
+            measured.checkpointed_forward_backward_s
+            if checkpointing
+            else measured.forward_backward_s
+        )
         compute = candidate.accumulation * per_micro
     else:
-        memory = row.peak(checkpointing) + reduction
+        act = row.activations
+        kept = (act.checkpointed_kept if checkpointing else act.without_checkpointing) if act else 0
+        layer = act.per_layer if act else 0
         tokens = candidate.micro_batch * candidate.accumulation * facts.seq_len
         passes = (4 if checkpointing else 3) * tokens
         compute = passes * (
             2 * psi / (machine.matmul_flops * FLOP_EFFICIENCY)
             + facts.attention_flops_per_token() / machine.attention_flops
         )
+    memory = row.peak_with(_transient_bytes(candidate, job, kept, layer, element))
     compute *= corrections.compute_scale
     # the engine's own work: once a step at stages 0-1 (the boundary's buckets), every
     # micro-batch at 2-3 (each backward's reduce-scatter)
@@ -199,7 +205,6 @@ def predict(
     engine = passes * psi * corrections.engine_seconds_per_parameter
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
-        memory += 4 * (psi + facts.count.frozen)  # the model as built, in fp32, before initialize
         memory += _host_touched(row.host, job, candidate) if row.host is not None else 0
     comm = _comm_seconds(candidate, psi, element, machine)
     partition = psi if candidate.stage == 0 else -(-psi // world)
@@ -222,19 +227,39 @@ def predict(
     )
 
 
+def _transient_bytes(
+    candidate: Candidate, job: TrainingJob, kept: float, layer: float, element: int
+) -> float:
+    """The larger of a step's two transient phases above the model states (and stage 3's
+    gathered parameters): the end of the forward, with ``kept`` activation bytes (with
+    checkpointing, the block inputs, and one block's ``layer`` bytes being recomputed); and,
+    at stages 2-3, the backward's reduction, with the buckets in flight (the one filling, the
+    one before it on the wire) while a block is recomputed."""
+    checkpointing = candidate.activation_checkpointing
+    forward = kept + layer if checkpointing else kept
+    if candidate.stage < 2:
+        return forward
+    policy = ZeroPolicy.for_stage(candidate.stage)
+    bucket = largest_bucket(job, policy)
+    in_flight = min(2, -(-job.trainable_params // max(1, bucket))) * bucket * element
+    backward = (kept if checkpointing else 0) + layer + in_flight
+    return max(forward, backward)
+
+
 def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> float:
-    """The host bytes of optimizer offload that become resident: NVMe's staging sets are
-    written only as sub-groups pass through them, so with fewer sub-groups than sets the
-    others are never touched."""
+    """The host bytes of optimizer offload that become resident on a CPU device: not the
+    transfer ring (copies to a CPU device skip it), and of NVMe's staging sets only those that
+    sub-groups pass through (with fewer sub-groups than sets, the others are never touched)."""
+    held = host.total - host.staging
     if candidate.offload != "nvme":
-        return host.total
+        return held
     partition = -(-job.trainable_params // candidate.world)
     size = min(
         sub_group_numel(job.sub_group_size),
         -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.world),
     )
     sets = max(1, job.buffer_count)
-    return host.total * min(sets, -(-partition // max(1, size))) / sets
+    return held * min(sets, -(-partition // max(1, size))) / sets
 
 
 def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine) -> float:

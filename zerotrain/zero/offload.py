@@ -104,8 +104,9 @@ def ring_numel(largest: int) -> int:
 
 class Ring:
     """``count`` host buffers of ``numel`` elements, reused in turn to send updated parameters
-    to the device; a buffer is reused once the copy out of it has completed (CUDA events; on a
-    CPU device the copy is synchronous)."""
+    to the device; a buffer is reused once the copy out of it has completed (CUDA events). To a
+    CPU device the copy is synchronous and goes straight to the target: the buffers, allocated
+    for the estimator's count, are never touched, so they take no resident memory."""
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, *, pin: bool):
         self.buffers = [host_tensor(numel, dtype, pin=pin) for _ in range(count)]
@@ -121,6 +122,9 @@ class Ring:
             self._send_piece(source[start:end], target[start:end])
 
     def _send_piece(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        if not target.is_cuda:  # a synchronous copy needs no staging: the buffers stay untouched
+            target.copy_(source)  # the same rounding as through a buffer of target's dtype
+            return
         index = self._next
         self._next = (index + 1) % len(self.buffers)
         event = self._events[index]
@@ -128,13 +132,10 @@ class Ring:
             event.synchronize()  # its previous copy to the device is done: reusable
         staged = self.buffers[index][: source.numel()]
         staged.copy_(source)
-        if target.is_cuda:  # CUDA-only: asynchronous copy out of pinned memory
-            target.copy_(staged, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._events[index] = event
-        else:
-            target.copy_(staged)
+        target.copy_(staged, non_blocking=True)  # CUDA-only: asynchronous out of pinned memory
+        event = torch.cuda.Event()
+        event.record()
+        self._events[index] = event
 
     def nbytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in self.buffers)
