@@ -91,8 +91,9 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     )
     (row,) = estimate(job)
     assert plain.model_state_bytes == pytest.approx(row.model_states, abs=64)  # padding
+    assert checkpointed.model_state_bytes == plain.model_state_bytes
     assert plain.peak_memory_bytes > plain.model_state_bytes
-    assert checkpointed < plain.peak_memory_bytes
+    assert checkpointed.peak_memory_bytes < plain.peak_memory_bytes
     assert 0 < plain.step_time_s < 60
 
 
@@ -149,8 +150,11 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypa
     errors = []
     for world in (1, 2):
         machine = probe.probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
-        profile = profile_if_fits(load_factory(GPT_DEMO), facts, machine, sizes=[4, 8], vocab=256)
-        facts = replace(facts, profile=profile)
+        if facts.profile is None:  # one process's forward and backward: the same at any world
+            profile = profile_if_fits(
+                load_factory(GPT_DEMO), facts, machine, sizes=[4, 8], vocab=256
+            )
+            facts = replace(facts, profile=profile)
         for stage, offload, checkpointing, micro, ranks in MEMORY_CONFIGS:
             if ranks != world:
                 continue
@@ -158,7 +162,7 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypa
             config = candidate.config(base, nvme)
             predicted = predict(candidate, facts, machine, Corrections(), config)
             spec = TrialSpec(GPT_DEMO, config, world, 128, 256, checkpointing)
-            measured = measure_memory(spec)
+            measured = measure_memory(spec).peak_memory_bytes
             errors.append(
                 (f"{candidate.label()}, {world} ranks", predicted.peak_memory_bytes / measured - 1)
             )

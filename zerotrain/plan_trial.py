@@ -87,18 +87,19 @@ def run_trial(spec: TrialSpec, *, timeout: float = 900) -> Measured:
     timed = _job(spec, timeout)
     if _has_cuda():
         return timed
-    return replace(timed, peak_memory_bytes=measure_memory(spec, timeout=timeout))
+    memory = measure_memory(spec, timeout=timeout)
+    return replace(timed, peak_memory_bytes=memory.peak_memory_bytes)
 
 
-def measure_memory(spec: TrialSpec, *, timeout: float = 900) -> int:
-    """``spec``'s peak memory per rank, in a job of the first two steps (or ``first_timed``);
-    on a CPU-only machine with host blocks of :data:`MAPPED_BLOCK_BYTES` or more mapped on
-    their own (see [Note: what a trial measures])."""
+def measure_memory(spec: TrialSpec, *, timeout: float = 900) -> Measured:
+    """``spec`` run for its first two steps (or ``first_timed``), for its memory: on a CPU-only
+    machine with host blocks of :data:`MAPPED_BLOCK_BYTES` or more mapped on their own, which
+    slows the step (see [Note: what a trial measures])."""
     steps = min(spec.steps, max(2, spec.first_timed))  # the second has state and activations
     env = (
         spec.env if _has_cuda() else {"MALLOC_MMAP_THRESHOLD_": str(MAPPED_BLOCK_BYTES), **spec.env}
     )
-    return _job(replace(spec, steps=steps, env=env), timeout).peak_memory_bytes
+    return _job(replace(spec, steps=steps, env=env), timeout)
 
 
 def _job(spec: TrialSpec, timeout: float) -> Measured:
