@@ -3,7 +3,8 @@
     python bench/plan.py [--part predictions|pick|deepspeed|both] [--models demo 30m]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
-  nvme x activation checkpointing x micro-batch x 1-2 ranks) of the GPTs of examples/gpt, fp32
+  nvme x activation checkpointing x micro-batch x 1-2 ranks, and tensor-parallel degree 2 on 2
+  ranks) of the GPTs of examples/gpt, fp32
   on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its default
   corrections, not refined by earlier trials) and measured by a trial (zerotrain/plan_trial.py:
   peak memory per rank above start-up, model-state bytes, median step time). Prints each
@@ -33,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,24 +43,28 @@ MODELS = {
     "demo": ("examples/gpt/model.py:demo", 128),
     "30m": ("examples/gpt/model.py:gpt_30m", 256),
 }
-# (stage, offload, activation checkpointing, micro-batch, ranks)
+# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree)
 FIXED = [
-    (0, None, False, 8, 1),
-    (0, None, True, 4, 2),
-    (1, None, False, 4, 2),
-    (1, None, True, 8, 1),
-    (2, None, False, 8, 2),
-    (2, None, True, 4, 1),
-    (3, None, False, 4, 2),
-    (3, None, True, 8, 2),
-    (1, "cpu", False, 8, 2),
-    (2, "cpu", True, 4, 2),
-    (3, "cpu", False, 8, 1),
-    (3, "cpu", True, 4, 2),
-    (1, "nvme", False, 4, 2),
-    (2, "nvme", False, 8, 1),
-    (2, "nvme", True, 4, 2),
-    (3, "nvme", True, 8, 2),
+    (0, None, False, 8, 1, 1),
+    (0, None, True, 4, 2, 1),
+    (1, None, False, 4, 2, 1),
+    (1, None, True, 8, 1, 1),
+    (2, None, False, 8, 2, 1),
+    (2, None, True, 4, 1, 1),
+    (3, None, False, 4, 2, 1),
+    (3, None, True, 8, 2, 1),
+    (1, "cpu", False, 8, 2, 1),
+    (2, "cpu", True, 4, 2, 1),
+    (3, "cpu", False, 8, 1, 1),
+    (3, "cpu", True, 4, 2, 1),
+    (1, "nvme", False, 4, 2, 1),
+    (2, "nvme", False, 8, 1, 1),
+    (2, "nvme", True, 4, 2, 1),
+    (3, "nvme", True, 8, 2, 1),
+    (0, None, False, 8, 2, 2),
+    (1, None, False, 4, 2, 2),
+    (2, None, True, 4, 2, 2),
+    (3, "cpu", False, 8, 2, 2),
 ]
 BASE = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -68,14 +72,13 @@ BASE = {
 }
 
 
-def _facts(spec: str, seq: int, machine, sizes: list[int]):
+def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=()):
     from zerotrain.estimate.factory import build_on_meta, load_factory
-    from zerotrain.plan.planner import model_facts, profile_if_fits
+    from zerotrain.plan.planner import model_facts, with_profiles
 
     model = build_on_meta(spec)
-    facts = model_facts(model, seq_len=seq, dtype="fp32")
-    profile = profile_if_fits(load_factory(spec), facts, machine, sizes=sizes, vocab=256)
-    return replace(facts, profile=profile)
+    facts = model_facts(model, seq_len=seq, dtype="fp32", tp_degrees=tp_degrees)
+    return with_profiles(load_factory(spec), facts, machine, sizes=lambda tp: sizes, vocab=256)
 
 
 def predictions(models: list[str], nvme: str) -> list[dict]:
@@ -89,11 +92,12 @@ def predictions(models: list[str], nvme: str) -> list[dict]:
         spec, seq = MODELS[name]
         for world in (1, 2):
             machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
-            facts = _facts(spec, seq, machine, sorted({m for *_, m, _ in FIXED}))
-            for stage, offload, checkpointing, micro, ranks in FIXED:
+            sizes = sorted({row[3] for row in FIXED})
+            facts = _facts(spec, seq, machine, sizes, tuple({row[5] for row in FIXED}))
+            for stage, offload, checkpointing, micro, ranks, tp in FIXED:
                 if ranks != world:
                     continue
-                candidate = Candidate(stage, offload, checkpointing, micro, 1, world)
+                candidate = Candidate(stage, offload, checkpointing, micro, 1, world, tp)
                 config = candidate.config(BASE, nvme)
                 predicted = predict(candidate, facts, machine, Corrections(), config)
                 trial = TrialSpec(spec, config, world, seq, 256, checkpointing, steps=5)

@@ -202,7 +202,8 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         args.stage = args.zero["stage"]
         args.micro_batch = plan["train_micro_batch_size_per_gpu"]
         args.grad_accum = plan.get("gradient_accumulation_steps", 1)
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        args.tp = plan.get("tensor_parallel", {}).get("autotp_size", 1)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         parser.error(f"--plan {args.plan}: not a config `zerotrain plan` wrote ({error!r})")
     args.activation_checkpointing = "activation_checkpointing" in plan
 

@@ -155,20 +155,22 @@ def test_train_gpt_on_two_pipeline_stages_validates_whole_steps():
 
 
 def test_train_gpt_trains_the_config_zerotrain_plan_wrote(tmp_path):
-    """`--plan` takes the stage, offload, micro-batch, accumulation and checkpointing of a config
-    `zerotrain plan` writes (docs/plan.md)."""
+    """`--plan` takes the tensor-parallel degree, stage, offload, micro-batch, accumulation and
+    checkpointing of a config `zerotrain plan` writes (docs/plan.md)."""
     plan = {
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "activation_checkpointing": {},
+        "tensor_parallel": {"autotp_size": 2},
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     flags = ["--model", "tiny", "--plan", str(tmp_path / "plan.json"), "--val-batches", "1"]
     result = zerotrain_run("--nproc-per-node", "2", "examples/train_gpt.py", *flags, "--steps", "2")
     assert result.returncode == 0, result.stdout
     assert re.search(r"ZeRO stage\s+3", result.stdout), result.stdout
-    assert "| 8 windows x 64 tokens per step |" in result.stdout  # 2 x 2 on each of 2 ranks
+    assert "| 4 windows x 64 tokens per step |" in result.stdout  # 2 x 2 on 1 data-parallel rank
+    assert "tp 2" in result.stdout
     assert "optimizer states 0.0 (ZeRO formula" in result.stdout  # offloaded to the host
     assert "activation checkpointing        every 1 of 4 blocks" in result.stdout
 

@@ -78,7 +78,8 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     from zerotrain.estimate.factory import build_on_meta
 
     spec = TrialSpec(model=GPT_DEMO, config=_config(2), world=2, seq_len=128, vocab_size=256)
-    plain = run_trial(spec)
+    # the memory job alone (the verify test below runs the timed one too, through the CLI)
+    plain = measure_memory(spec)
     checkpointed = measure_memory(replace(spec, activation_checkpointing=True))
 
     count = count_parameters(build_on_meta(GPT_DEMO), persistence_threshold=0)
@@ -105,67 +106,70 @@ def test_a_failed_trial_says_why():
         run_trial(spec)
 
 
-# (stage, offload, activation checkpointing, micro-batch, ranks): every stage, offload tier,
-# checkpointing, two micro-batches and 1-2 ranks, on the demo GPT
+# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree): every
+# stage, offload tier, checkpointing, two micro-batches, 1-2 ranks and tp 2, on the demo GPT
 MEMORY_CONFIGS = [
-    (0, None, False, 8, 1),
-    (0, None, True, 4, 1),
-    (1, None, True, 8, 1),
-    (2, None, False, 4, 1),
-    (2, None, True, 4, 1),
-    (3, None, False, 8, 1),
-    (1, "cpu", True, 4, 1),
-    (3, "cpu", False, 8, 1),
-    (2, "nvme", False, 8, 1),
-    (3, "nvme", True, 4, 1),
-    (0, None, False, 8, 2),
-    (0, None, True, 4, 2),
-    (1, None, False, 4, 2),
-    (2, None, False, 8, 2),
-    (3, None, False, 4, 2),
-    (3, None, True, 8, 2),
-    (1, "cpu", False, 8, 2),
-    (2, "cpu", True, 4, 2),
-    (3, "cpu", True, 4, 2),
-    (1, "nvme", False, 4, 2),
-    (2, "nvme", True, 4, 2),
-    (3, "nvme", True, 8, 2),
+    (0, None, False, 8, 1, 1),
+    (0, None, True, 4, 1, 1),
+    (1, None, True, 8, 1, 1),
+    (2, None, False, 4, 1, 1),
+    (2, None, True, 4, 1, 1),
+    (3, None, False, 8, 1, 1),
+    (1, "cpu", True, 4, 1, 1),
+    (3, "cpu", False, 8, 1, 1),
+    (2, "nvme", False, 8, 1, 1),
+    (3, "nvme", True, 4, 1, 1),
+    (0, None, False, 8, 2, 1),
+    (0, None, True, 4, 2, 1),
+    (1, None, False, 4, 2, 1),
+    (2, None, False, 8, 2, 1),
+    (3, None, False, 4, 2, 1),
+    (3, None, True, 8, 2, 1),
+    (1, "cpu", False, 8, 2, 1),
+    (2, "cpu", True, 4, 2, 1),
+    (3, "cpu", True, 4, 2, 1),
+    (1, "nvme", False, 4, 2, 1),
+    (2, "nvme", True, 4, 2, 1),
+    (3, "nvme", True, 8, 2, 1),
+    (0, None, False, 8, 2, 2),
+    (2, None, True, 4, 2, 2),
+    (3, "cpu", False, 8, 2, 2),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 22 jobs of 2 steps, each a torchrun start
+@pytest.mark.timeout(1500)  # 25 jobs of 2 steps, each a torchrun start
 def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypatch):
     """The cost model's peak memory per rank against a trial's, over a fixed list of configs
     (bench/plan.py also times them, and adds a larger GPT)."""
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
-    from zerotrain.plan.planner import model_facts, profile_if_fits
+    from zerotrain.plan.planner import model_facts, with_profiles
 
     monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     nvme = str(tmp_path / "nvme")
     base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
-    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32", tp_degrees=(2,))
     errors = []
     for world in (1, 2):
         machine = probe.probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
         if facts.profile is None:  # one process's forward and backward: the same at any world
-            profile = profile_if_fits(
-                load_factory(GPT_DEMO), facts, machine, sizes=[4, 8], vocab=256
+            facts = with_profiles(
+                load_factory(GPT_DEMO), facts, machine, sizes=lambda tp: [4, 8], vocab=256
             )
-            facts = replace(facts, profile=profile)
-        for stage, offload, checkpointing, micro, ranks in MEMORY_CONFIGS:
+        for stage, offload, checkpointing, micro, ranks, tp in MEMORY_CONFIGS:
             if ranks != world:
                 continue
-            candidate = Candidate(stage, offload, checkpointing, micro, 1, world)
+            candidate = Candidate(stage, offload, checkpointing, micro, 1, world, tp)
             config = candidate.config(base, nvme)
             predicted = predict(candidate, facts, machine, Corrections(), config)
             spec = TrialSpec(GPT_DEMO, config, world, 128, 256, checkpointing)
-            measured = measure_memory(spec).peak_memory_bytes
-            errors.append(
-                (f"{candidate.label()}, {world} ranks", predicted.peak_memory_bytes / measured - 1)
-            )
+            measured = measure_memory(spec)
+            label = f"{candidate.label()}, {world} ranks"
+            # the model states exactly (the ZeRO formula over a rank's share), within padding
+            assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
+            errors.append((label, predicted.peak_memory_bytes / measured.peak_memory_bytes - 1))
     assert len(errors) == len(MEMORY_CONFIGS)
     off = [f"{label}: {error:+.1%}" for label, error in errors if abs(error) > 0.05]
     assert not off, off
@@ -194,21 +198,28 @@ def _plan_cli(capsys, tmp_path, *extra) -> tuple[int, dict | str, str]:
 def test_plan_prices_every_candidate_and_writes_the_fastest_that_fits(
     capsys, tmp_path, monkeypatch, shared_cache
 ):
-    """Every candidate of the space (stages 0-3, offload none / cpu, checkpointing, every
-    micro-batch of the 8 samples a rank takes) is in the JSON with its config and predictions;
-    each trains the global batch; the chosen one fits, is the fastest that fits, and is the
-    config written."""
+    """Every candidate of the space (tensor-parallel degree 1 and 2, stages 0-3, offload none /
+    cpu, checkpointing, every micro-batch of the samples a data-parallel rank takes) is in the
+    JSON with its config and predictions; each trains the global batch; the chosen one fits,
+    is the fastest that fits, and is the config written."""
     monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
-    code, plan, err = _plan_cli(capsys, tmp_path, "--json")
+    batch = ("--global-batch", "8")  # fewer micro-batches for the model probe to time
+    code, plan, err = _plan_cli(capsys, tmp_path, "--json", *batch)
     assert code == 0, err
     candidates = plan["candidates"]
-    assert len(candidates) == 7 * 2 * 4  # (4 stages + 3 offloaded) x checkpointing x micro
+    # (4 stages + 3 offloaded) x checkpointing x micro-batch: 3 of the 4 samples of each of
+    # 2 data-parallel ranks, 4 of the 8 of one at tensor-parallel degree 2
+    assert len(candidates) == 7 * 2 * 3 + 7 * 2 * 4
     for candidate in candidates:
         config = candidate["config"]
-        assert config["train_batch_size"] == 16
+        assert config["train_batch_size"] == 8
+        tp = config.get("tensor_parallel", {}).get("autotp_size", 1)
+        assert candidate["label"].startswith("tp 2, ") == (tp == 2)
         assert (
-            config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 2
-            == 16
+            config["train_micro_batch_size_per_gpu"]
+            * config["gradient_accumulation_steps"]
+            * (2 // tp)
+            == 8
         )
         assert candidate["peak_memory_bytes"] > candidate["model_state_bytes"] > 0
         assert candidate["step_time_s"] > 0
@@ -219,7 +230,7 @@ def test_plan_prices_every_candidate_and_writes_the_fastest_that_fits(
     assert chosen["step_time_s"] == fastest["step_time_s"]
     assert json.loads((tmp_path / "chosen.json").read_text()) == chosen["config"]
     # the table says the same, with each row's reason
-    code, table, _ = _plan_cli(capsys, tmp_path)
+    code, table, _ = _plan_cli(capsys, tmp_path, *batch)
     assert code == 0 and "chosen: the fastest that fits" in table
     assert f"{len(candidates)} candidates" in table
 
@@ -234,7 +245,7 @@ def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch, sh
     (tmp_path / "base.json").write_text(json.dumps(base))
     code, plan, err = _plan_cli(capsys, tmp_path, "--json", "--config", str(tmp_path / "base.json"))
     assert code == 0, err
-    assert len(plan["candidates"]) == 2 * 2  # offload none / cpu x checkpointing
+    assert len(plan["candidates"]) == 2 * 2 * 2  # tp 1 / 2 x offload none / cpu x checkpointing
     for candidate in plan["candidates"]:
         config = candidate["config"]
         assert config["zero_optimization"]["stage"] == 2
@@ -261,17 +272,30 @@ def test_a_model_that_fits_nowhere_names_the_nearest_config(tmp_path, monkeypatc
     assert "more than the 45.00 MB a rank may use (90% of 50.00 MB)" in message
 
 
-def test_verify_measures_the_top_candidate_and_refines_the_constants(capsys, tmp_path, monkeypatch):
+def test_verify_measures_the_top_candidate_and_refines_the_constants(
+    capsys, tmp_path, monkeypatch, shared_cache
+):
+    """A trial of the chosen config, tensor-parallel over the 2 ranks, measures the model-state
+    bytes predicted for a rank's share, and refines the constants kept with the probe."""
+    import shutil
+
     from zerotrain.plan.cost import Corrections
     from zerotrain.plan.planner import load_corrections
 
+    # the shared probe (when an earlier test made it), not the corrections this test writes
+    shutil.copytree(shared_cache, tmp_path / "cache")
     monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    base = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 8}
+    base = {
+        "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": 8,
+        "tensor_parallel": {"autotp_size": 2},
+    }
     (tmp_path / "base.json").write_text(json.dumps(base))
     extra = ("--json", "--config", str(tmp_path / "base.json"), "--verify", "1")
     code, plan, err = _plan_cli(capsys, tmp_path, *extra)
     assert code == 0, err
     chosen = plan["candidates"][plan["chosen"]]
+    assert chosen["label"].startswith("tp 2, stage 1")
     measured = chosen["measured"]
     assert measured["model_state_bytes"] == pytest.approx(chosen["model_state_bytes"], abs=64)
     assert measured["peak_memory_bytes"] > 0 and measured["step_time_s"] > 0
@@ -300,6 +324,51 @@ def test_refine_moves_each_constant_to_what_was_measured():
     twice = refine(once, [(predicted, {"peak_memory_bytes": 100, "step_time_s": 1.6})])
     assert twice.compute_scale == pytest.approx((1.9 + 1.9) / 2)  # that trial: 1.0 x 1.9
     assert twice.verified == 2
+
+
+def test_a_tensor_parallel_share_holds_a_rank_s_piece_of_each_split_layer():
+    """Rank 0's share of the demo GPT at tp 2, counted on the meta device: half of each
+    attention and MLP matrix (and of the column-wise layers' biases), the rest whole; per block
+    two all-reduces of the residual width each way."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.tensor_share import tensor_shares
+
+    model = build_on_meta(GPT_DEMO)
+    split = ("attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight")
+    split += ("mlp.fc.bias", "mlp.proj.weight")
+    halved = sum(p.numel() for n, p in model.named_parameters() if n.endswith(split))
+    whole = sum(p.numel() for p in model.parameters())  # the head is tied: once
+    layers, width = model.config.n_layer, model.config.n_embd
+    shares = tensor_shares(model, [2, 3])
+    assert list(shares) == [2]  # 3 does not divide the 8 heads
+    share = shares[2]
+    assert share.count.trainable == whole - halved // 2
+    assert (share.forward_calls, share.forward_elements) == (2 * layers, 2 * layers * width)
+    assert (share.backward_calls, share.backward_elements) == (2 * layers, 2 * layers * width)
+    assert sum(p.numel() for p in model.parameters()) == whole  # the model given is untouched
+
+
+def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():
+    from zerotrain.plan.candidates import enumerate_candidates, without_choices
+
+    both = enumerate_candidates(world=4, global_batch=8, base={}, nvme=False, tp_degrees=(1, 2))
+    pairs = {(c.tp, c.dp) for c in both}
+    assert pairs == {(1, 4), (2, 2)}
+    for candidate in both:
+        config = candidate.config({})
+        assert candidate.global_batch == config["train_batch_size"] == 8
+        assert config.get("tensor_parallel", {}).get("autotp_size", 1) == candidate.tp
+    for base in ({"tensor_parallel": {"autotp_size": 2}}, {"autotuning": {"mp_size": 2}}):
+        fixed = enumerate_candidates(
+            world=4, global_batch=8, base=base, nvme=False, tp_degrees=(1, 2)
+        )
+        assert fixed and {c.tp for c in fixed} == {2}
+        assert fixed[0].config(base)["tensor_parallel"] == {"autotp_size": 2}
+    # a batch the data-parallel ranks cannot share leaves that degree out
+    odd = enumerate_candidates(world=4, global_batch=6, base={}, nvme=False, tp_degrees=(1, 2))
+    assert {c.tp for c in odd} == {2}
+    kept = without_choices({"tensor_parallel": {"autotp_size": 2, "sequence_parallel": False}})
+    assert kept == {"tensor_parallel": {"sequence_parallel": False}}
 
 
 @pytest.mark.parametrize(
@@ -373,7 +442,7 @@ def test_the_autotuning_section_reads_as_deepspeed_defines_it():
     ("section", "message"),
     [
         ({"metric": "speed"}, "autotuning.metric: must be one of throughput, latency, flops"),
-        ({"mp_size": 2}, "autotuning.mp_size: the planner does not plan tensor parallelism"),
+        ({"mp_size": 0}, "autotuning.mp_size: must be a whole number of at least 1, got 0"),
         ({"max_train_micro_batch_size_per_gpu": 0}, "at least 1, got 0"),
         (
             {"start_profile_step": 1},
@@ -426,7 +495,8 @@ def test_plan_serves_the_autotuning_section_and_auto_batch_keys(
     plan = json.loads(out)
     candidates = plan["candidates"]
     assert {c["config"]["train_micro_batch_size_per_gpu"] for c in candidates} == {2, 4}
-    assert len(candidates) == 2 * 2 * 2  # offload none / cpu x checkpointing x micro 2, 4
+    # tp 1 / 2 x offload none / cpu x checkpointing x micro 2, 4
+    assert len(candidates) == 2 * 2 * 2 * 2
     for candidate in candidates:
         assert candidate["config"]["train_batch_size"] == 16
         assert "autotuning" not in candidate["config"]

@@ -159,7 +159,8 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     engine, *_ = zerotrain.initialize(model=model, config=spec.config)
     micro = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
-    generator = torch.Generator().manual_seed(comm.rank)
+    # tensor-parallel peers (neighbouring ranks) read the same samples
+    generator = torch.Generator().manual_seed(comm.rank // engine.mp_world_size)
     hf = is_hf_causal_lm(model)
     times = []
     for _ in range(spec.steps):

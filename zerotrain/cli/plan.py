@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 
 from zerotrain.cli.arguments import ParserSpec, non_negative_int, positive_int
 
@@ -17,10 +16,10 @@ DEFAULT_OUT = "ds_config.plan.json"
 
 PARSER: ParserSpec = {
     "help": "choose the ZeRO config that fits and trains fastest, from a probe of this machine",
-    "description": "Enumerates ZeRO stage, optimizer offload, activation checkpointing and "
-    "micro-batch for the model and global batch, predicts each one's peak memory per rank and "
-    "step time on this machine (measured rates, cached), drops those that do not fit, and "
-    "writes the fastest as a ds_config. See docs/plan.md.",
+    "description": "Enumerates tensor-parallel degree, ZeRO stage, optimizer offload, "
+    "activation checkpointing and micro-batch for the model and global batch, predicts each "
+    "one's peak memory per rank and step time on this machine (measured rates, cached), drops "
+    "those that do not fit, and writes the fastest as a ds_config. See docs/plan.md.",
 }
 
 
@@ -89,7 +88,8 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         load_corrections,
         make_plan,
         model_facts,
-        profile_if_fits,
+        tensor_degrees,
+        with_profiles,
     )
     from zerotrain.plan.probe import probe_machine, with_current_memory
     from zerotrain.zero.swap import SwapIOError
@@ -113,7 +113,9 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     for note in args.tuning.notes:
         say(note)
     dtype = training_dtype(base)
-    facts = model_facts(model, seq_len=args.seq_len, dtype=dtype)
+    # the degrees whose data-parallel ranks can share the batch
+    degrees = tuple(d for d in tensor_degrees(ranks) if args.global_batch % (world // d) == 0)
+    facts = model_facts(model, seq_len=args.seq_len, dtype=dtype, tp_degrees=degrees)
     try:
         machine = probe_machine(
             dtype=dtype,
@@ -127,16 +129,20 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     machine = with_current_memory(machine)
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
     if vocab:
-        sizes = micro_batches(world=world, global_batch=args.global_batch, base=base)
-        say(f"timing the model's forward and backward at micro-batches {sizes}")
+        shares = "".join(f" and its tensor-parallel share at {tp}" for tp in sorted(facts.shares))
+        say(f"timing the model's forward and backward{shares}")
         try:
-            profile = profile_if_fits(
-                load_factory(args.model), facts, machine, sizes=sizes, vocab=vocab
+            facts = with_profiles(
+                load_factory(args.model),
+                facts,
+                machine,
+                sizes=lambda tp: micro_batches(
+                    world=world // tp, global_batch=args.global_batch, base=base
+                ),
+                vocab=vocab,
             )
         except Exception as error:  # noqa: BLE001 (the user's model, on a real device)
             say(f"the model probe failed ({type(error).__name__}: {error}); pricing by FLOPs")
-            profile = None
-        facts = replace(facts, profile=profile)
     try:
         plan = make_plan(
             facts,

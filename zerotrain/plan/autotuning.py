@@ -18,7 +18,8 @@ the planner does in their place:
   steps and times those from ``start_profile_step`` on.
 - ``results_dir``: where the chosen config is written (``ds_config_optimal.json``, DeepSpeed's
   name) when ``--out`` is not given.
-- ``mp_size`` above 1 (tensor parallelism) is refused: the planner does not plan it yet.
+- ``mp_size``: the tensor-parallel degree the model trains at, held in every candidate (as a
+  ``tensor_parallel.autotp_size`` of the base would be).
 - ``fast: false`` also tunes DeepSpeed's bucket sizes and overlap switches, which the planner
   leaves at zerotrain's defaults; the tuner's own keys (``tuner_*``, ``num_tuning_micro_batch_sizes``),
   ``exps_dir``, ``overwrite``, ``arg_mappings``, ``metric_path`` and ``model_info*`` steer
@@ -110,11 +111,7 @@ def read_autotuning(base: dict) -> Autotuning:
     metric = str(raw.get("metric", "throughput")).lower()
     if metric not in METRICS:
         raise ValueError(f"autotuning.metric: must be one of {', '.join(METRICS)}; got {metric!r}")
-    if _count(raw, "mp_size", 1, low=1) > 1:
-        raise ValueError(
-            "autotuning.mp_size: the planner does not plan tensor parallelism yet; "
-            "remove mp_size or set it to 1"
-        )
+    _count(raw, "mp_size", 1, low=1)  # held as a fixed key (candidates.fixed_keys)
     # DeepSpeed's defaults (steps 3-5) where the section says either, else the trial's own (2-3)
     profiling = bool({"start_profile_step", "end_profile_step"} & set(raw))
     start = _count(raw, "start_profile_step", 3 if profiling else 2, low=2)

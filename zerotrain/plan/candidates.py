@@ -1,6 +1,6 @@
-"""The configs the planner weighs: each a ZeRO stage, an offload device, activation
-checkpointing on or off and a micro-batch, over the launch's data-parallel ranks; the keys a
-user fixed in ``--config`` hold in every one."""
+"""The configs the planner weighs: each a tensor-parallel degree, a ZeRO stage, an offload
+device, activation checkpointing on or off and a micro-batch, over the launch's ranks; the keys
+a user fixed in ``--config`` hold in every one."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ OFFLOADS = (None, "cpu", "nvme")
 
 @dataclass(frozen=True)
 class Candidate:
-    """One config: ``micro_batch`` samples per rank and ``accumulation`` micro-batches per
-    optimizer step, over ``world`` data-parallel ranks."""
+    """One config: ``micro_batch`` samples per data-parallel rank and ``accumulation``
+    micro-batches per optimizer step, over ``world`` ranks in groups of ``tp`` tensor-parallel
+    peers (neighbours), which read the same samples."""
 
     stage: int
     offload: str | None
@@ -33,13 +34,20 @@ class Candidate:
     micro_batch: int
     accumulation: int
     world: int
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: what ZeRO shards over and the batch is split over."""
+        return self.world // self.tp
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.accumulation * self.world
+        return self.micro_batch * self.accumulation * self.dp
 
     def label(self) -> str:
-        parts = [f"stage {self.stage}"]
+        parts = [f"tp {self.tp}"] if self.tp > 1 else []
+        parts.append(f"stage {self.stage}")
         if self.offload:
             parts.append(f"offload {self.offload}")
         if self.activation_checkpointing:
@@ -70,6 +78,9 @@ class Candidate:
             out.setdefault("activation_checkpointing", {})
         else:
             out.pop("activation_checkpointing", None)
+        tensor = section(out, "tensor_parallel")
+        if self.tp > 1 or "autotp_size" in tensor:
+            out["tensor_parallel"] = {**tensor, "autotp_size": self.tp}
         return out
 
 
@@ -96,13 +107,21 @@ def fixed_keys(base: dict) -> dict:
             fixed[field] = base[key]
     if "activation_checkpointing" in base:
         fixed["activation_checkpointing"] = True
+    # the tensor-parallel degree: the section's, else DeepSpeed autotuning's mp_size
+    for degree in (
+        section(base, "tensor_parallel").get("autotp_size"),
+        section(base, "autotuning").get("mp_size"),
+    ):
+        if isinstance(degree, int) and not isinstance(degree, bool):
+            fixed["tp"] = degree
+            break
     return fixed
 
 
 def without_choices(config: dict) -> dict:
-    """``config`` without the keys a candidate chooses (the stage, the offload device, the
-    micro-batch, the accumulation steps, activation checkpointing): the base a plan for the
-    same job weighs every candidate over, the config's other keys kept."""
+    """``config`` without the keys a candidate chooses (the tensor-parallel degree, the stage,
+    the offload device, the micro-batch, the accumulation steps, activation checkpointing): the
+    base a plan for the same job weighs every candidate over, the config's other keys kept."""
     out = copy.deepcopy(config)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         out.pop(key, None)
@@ -110,6 +129,7 @@ def without_choices(config: dict) -> dict:
     zero = section(out, "zero_optimization")
     zero.pop("stage", None)
     section(zero, "offload_optimizer").pop("device", None)
+    section(out, "tensor_parallel").pop("autotp_size", None)
     return out
 
 
@@ -145,25 +165,30 @@ def micro_batches(*, world: int, global_batch: int, base: dict) -> list[int]:
 
 
 def enumerate_candidates(
-    *, world: int, global_batch: int, base: dict, nvme: bool
+    *, world: int, global_batch: int, base: dict, nvme: bool, tp_degrees: tuple[int, ...] = (1,)
 ) -> list[Candidate]:
-    """Every candidate over ``world`` ranks that trains ``global_batch`` samples a step:
+    """Every candidate over ``world`` ranks that trains ``global_batch`` samples a step: each
+    tensor-parallel degree of ``tp_degrees`` whose data-parallel ranks share the batch evenly,
     stages 0-3, offload none / cpu / nvme (``nvme``: a path is given; offload needs stage
-    1-3), checkpointing off / on, and every micro-batch that divides the batch per rank;
-    what ``base`` fixes is held."""
-    per_rank = batch_per_rank(global_batch, world)
+    1-3), checkpointing off / on, and every micro-batch that divides the batch per
+    data-parallel rank; what ``base`` fixes is held."""
     fixed = fixed_keys(base)
-    sizes = micro_batches(world=world, global_batch=global_batch, base=base)
     out = []
-    for stage in (0, 1, 2, 3):
-        for offload in OFFLOADS:
-            if offload and stage == 0 or offload == "nvme" and not nvme:
-                continue
-            for checkpointing in (False, True):
-                for micro in sizes:
-                    candidate = Candidate(
-                        stage, offload, checkpointing, micro, per_rank // micro, world
-                    )
-                    if all(getattr(candidate, key) == value for key, value in fixed.items()):
-                        out.append(candidate)
+    for tp in tp_degrees:
+        dp = world // tp
+        if world % tp or global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        sizes = micro_batches(world=dp, global_batch=global_batch, base=base)
+        for stage in (0, 1, 2, 3):
+            for offload in OFFLOADS:
+                if offload and stage == 0 or offload == "nvme" and not nvme:
+                    continue
+                for checkpointing in (False, True):
+                    for micro in sizes:
+                        candidate = Candidate(
+                            stage, offload, checkpointing, micro, per_rank // micro, world, tp
+                        )
+                        if all(getattr(candidate, k) == v for k, v in fixed.items()):
+                            out.append(candidate)
     return out

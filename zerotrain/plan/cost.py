@@ -36,6 +36,12 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
   on a GPU is not modelled yet: the CPU rate bounds it); NVMe offload adds its working file's
   reads and writes (master and state, each way) at the probed disk rates.
 
+Tensor parallelism at degree t: a rank's share of the model ([Note: a tensor-parallel rank's
+share] in zerotrain/plan/tensor_share.py) stands for the model in every term above (its
+parameters, its measured compute and activations), ZeRO and its collectives run over the
+world / t data-parallel ranks, and the share's all-reduces of activations are added to the
+collectives (:func:`_tensor_parallel_seconds`).
+
 ``zerotrain plan --verify`` measures the top candidates and moves the two corrections toward
 what it measured (:func:`refine`), kept with the machine's probe for the next run.
 """
@@ -43,7 +49,7 @@ what it measured (:func:`refine`), kept with the machine's probe for the next ru
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from zerotrain.comm.communicator import ring_sent
 from zerotrain.estimate import TrainingJob, TransformerShape, estimate
@@ -52,6 +58,7 @@ from zerotrain.estimate.stages import largest_bucket
 from zerotrain.plan.candidates import Candidate
 from zerotrain.plan.model_probe import ModelProfile
 from zerotrain.plan.probe import Machine
+from zerotrain.plan.tensor_share import TensorShare
 from zerotrain.zero.nvme import sub_group_numel
 from zerotrain.zero.offload import HostBytes
 from zerotrain.zero.policy import ZeroPolicy
@@ -94,21 +101,34 @@ class ModelFacts:
     dropout: bool = False
     profile: ModelProfile | None = None
     """Measured compute and activations, where the model could be built here."""
+    shares: dict[int, TensorShare] = field(default_factory=dict)
+    """Tensor-parallel degree (> 1) -> rank 0's share of the model, for each that splits it."""
 
-    def shape(self, micro_batch: int) -> TransformerShape | None:
+    def shape(self, micro_batch: int, tp: int = 1) -> TransformerShape | None:
+        """The shape Korthikanti's formula takes; at tensor-parallel degree ``tp`` a rank's
+        heads and MLP width (its attention and MLP tensors split; the rest counted whole, which
+        over-counts the few that are split too)."""
         config = self.count.config
         if not {"hidden_size", "layers", "heads"} <= set(config):
             return None
+        hidden = config["hidden_size"]
         return TransformerShape(
             batch_size=micro_batch,
             seq_len=self.seq_len,
-            hidden_size=config["hidden_size"],
+            hidden_size=hidden,
             layers=config["layers"],
-            heads=config["heads"],
+            heads=max(1, config["heads"] // tp),
             vocab_size=config.get("vocab_size"),
-            intermediate_size=config.get("intermediate_size"),
+            intermediate_size=config.get("intermediate_size", 4 * hidden) // tp,
             mlp=self.count.mlp or "gelu",
         )
+
+    def share(self, tp: int) -> tuple[ParameterCount, ModelProfile | None]:
+        """A rank's parameters and measured profile at tensor-parallel degree ``tp``."""
+        if tp == 1:
+            return self.count, self.profile
+        share = self.shares[tp]
+        return share.count, share.profile
 
     def attention_flops_per_token(self) -> float:
         """Causal attention's forward FLOPs per token: 2·L·s·h (the two products, halved)."""
@@ -139,15 +159,16 @@ class Prediction:
 
 
 def _job(candidate: Candidate, facts: ModelFacts, zero: dict) -> TrainingJob:
-    """The estimator's job for ``candidate``, with the sizes its config's ``zero`` section sets
-    (DeepSpeed's defaults otherwise)."""
+    """The estimator's job for ``candidate``: a rank's share of the model over the
+    data-parallel ranks, with the sizes its config's ``zero`` section sets (DeepSpeed's
+    defaults otherwise)."""
     from zerotrain.config import ZERO_DEFAULTS
 
-    count = facts.count
+    count, _ = facts.share(candidate.tp)
     offload = zero.get("offload_optimizer", {})
     return TrainingJob.for_model(
         count,
-        gpus_per_node=candidate.world,
+        gpus_per_node=candidate.dp,
         dtype=facts.dtype,
         offload=candidate.offload,
         stages=(candidate.stage,),
@@ -157,7 +178,7 @@ def _job(candidate: Candidate, facts: ModelFacts, zero: dict) -> TrainingJob:
         reduce_bucket_size=zero.get("reduce_bucket_size", ZERO_DEFAULTS.reduce_bucket_size),
         sub_group_size=zero.get("sub_group_size", ZERO_DEFAULTS.sub_group_size),
         buffer_count=offload.get("buffer_count", ZERO_DEFAULTS.offload_optimizer.buffer_count),
-        shape=facts.shape(candidate.micro_batch),
+        shape=facts.shape(candidate.micro_batch, candidate.tp),
         attention=facts.attention,  # pyrefly: ignore[bad-argument-type]
         dropout=facts.dropout,
     )
@@ -174,13 +195,14 @@ def predict(
     sizes its ds_config ``config`` sets."""
     job = _job(candidate, facts, (config or {}).get("zero_optimization", {}))
     (row,) = estimate(job)
-    psi, world = facts.count.trainable, candidate.world
+    count, profile = facts.share(candidate.tp)
+    psi, dp = count.trainable, candidate.dp
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     checkpointing = candidate.activation_checkpointing
-    measured = facts.profile.micro_batches.get(candidate.micro_batch) if facts.profile else None
-    if measured is not None and facts.profile is not None:
+    measured = profile.micro_batches.get(candidate.micro_batch) if profile else None
+    if measured is not None and profile is not None:
         kept = measured.checkpointed_saved_bytes if checkpointing else measured.saved_bytes
-        layer = measured.saved_bytes / max(1, facts.profile.layers)
+        layer = measured.saved_bytes / max(1, profile.layers)
         per_micro = (
             measured.checkpointed_forward_backward_s
             if checkpointing
@@ -195,9 +217,10 @@ def predict(
         passes = (4 if checkpointing else 3) * tokens
         compute = passes * (
             2 * psi / (machine.matmul_flops * FLOP_EFFICIENCY)
-            + facts.attention_flops_per_token() / machine.attention_flops
+            + facts.attention_flops_per_token() / candidate.tp / machine.attention_flops
         )
-    memory = row.peak_with(_transient_bytes(candidate, job, kept, layer, element))
+    transient = _transient_bytes(candidate, job, kept, layer, element, machine.device == "cpu")
+    memory = row.peak_with(transient)
     compute *= corrections.compute_scale
     # the engine's own work: once a step at stages 0-1 (the boundary's buckets), every
     # micro-batch at 2-3 (each backward's reduce-scatter)
@@ -207,7 +230,9 @@ def predict(
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
         memory += _host_touched(row.host, job, candidate) if row.host is not None else 0
     comm = _comm_seconds(candidate, psi, element, machine)
-    partition = psi if candidate.stage == 0 else -(-psi // world)
+    if candidate.tp > 1:
+        comm += _tensor_parallel_seconds(candidate, facts, element, machine)
+    partition = psi if candidate.stage == 0 else -(-psi // dp)
     adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
         machine.adam_elements_per_s.values()
     )
@@ -228,13 +253,22 @@ def predict(
 
 
 def _transient_bytes(
-    candidate: Candidate, job: TrainingJob, kept: float, layer: float, element: int
+    candidate: Candidate,
+    job: TrainingJob,
+    kept: float,
+    layer: float,
+    element: int,
+    host_device: bool,
 ) -> float:
     """The larger of a step's two transient phases above the model states (and stage 3's
     gathered parameters): the end of the forward, with ``kept`` activation bytes (with
     checkpointing, the block inputs, and one block's ``layer`` bytes being recomputed); and,
     at stages 2-3, the backward's reduction, with the buckets in flight (the one filling, the
-    one before it on the wire) while a block is recomputed."""
+    one before it on the wire) while a block is recomputed. With one data-parallel rank on a
+    CPU (``host_device``) the kept inputs are gone by then: a bucket's buffer, left
+    uninitialised, becomes resident page by page as its gradients are written, while the
+    recomputation frees the inputs, and its reduction is a copy at the backward's end (with
+    more ranks trials measured the inputs there: the collective's own buffers)."""
     checkpointing = candidate.activation_checkpointing
     forward = kept + layer if checkpointing else kept
     if candidate.stage < 2:
@@ -242,7 +276,8 @@ def _transient_bytes(
     policy = ZeroPolicy.for_stage(candidate.stage)
     bucket = largest_bucket(job, policy)
     in_flight = min(2, -(-job.trainable_params // max(1, bucket))) * bucket * element
-    backward = (kept if checkpointing else 0) + layer + in_flight
+    inputs = kept if checkpointing and not (host_device and candidate.dp == 1) else 0
+    backward = inputs + layer + in_flight
     return max(forward, backward)
 
 
@@ -253,21 +288,22 @@ def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> fl
     held = host.total - host.staging
     if candidate.offload != "nvme":
         return held
-    partition = -(-job.trainable_params // candidate.world)
+    partition = -(-job.trainable_params // candidate.dp)
     size = min(
         sub_group_numel(job.sub_group_size),
-        -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.world),
+        -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.dp),
     )
     sets = max(1, job.buffer_count)
     return held * min(sets, -(-partition // max(1, size))) / sets
 
 
 def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine) -> float:
-    """The step's collectives on the probed links ([Note: the three reductions] in
-    zerotrain/zero/reduce.py): stage 0 all-reduces at the accumulation boundary; stage 1
-    reduce-scatters there; stages 2-3 reduce-scatter in every backward; stages 1-2 all-gather
-    the updated parameters after the step, stage 3 gathers them in every forward and backward."""
-    world = candidate.world
+    """The step's collectives over the data-parallel ranks, on the probed links ([Note: the
+    three reductions] in zerotrain/zero/reduce.py): stage 0 all-reduces at the accumulation
+    boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every backward;
+    stages 1-2 all-gather the updated parameters after the step, stage 3 gathers them in every
+    forward and backward."""
+    world = candidate.dp
     if world == 1 or not machine.links:
         return 0.0
     volume = psi * element
@@ -281,6 +317,30 @@ def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine
     reductions = 1 if candidate.stage == 1 else micro
     gathers = 2 * micro if candidate.stage == 3 else 1
     return reductions * cost("reduce_scatter") + gathers * cost("all_gather")
+
+
+def _tensor_parallel_seconds(
+    candidate: Candidate, facts: ModelFacts, element: int, machine: Machine
+) -> float:
+    """The tensor-parallel all-reduces of a step ([Note: a tensor-parallel rank's share] in
+    zerotrain/plan/tensor_share.py): per micro-batch the row-wise layers' in the forward (and
+    in a checkpointed backward's recomputation), the column-wise layers' in the backward, on
+    the probed all-reduce link over the ``tp`` peers."""
+    link = machine.links.get("all_reduce")
+    if link is None:
+        return 0.0
+    share, tp = facts.shares[candidate.tp], candidate.tp
+    tokens = candidate.micro_batch * facts.seq_len
+
+    def seconds(calls: int, elements: int) -> float:
+        sent = ring_sent("all_reduce", tokens * elements * element, tp)
+        return calls * link.seconds("all_reduce", 0, tp) + sent / link.beta
+
+    forwards = 2 if candidate.activation_checkpointing else 1
+    micro = forwards * seconds(share.forward_calls, share.forward_elements) + seconds(
+        share.backward_calls, share.backward_elements
+    )
+    return candidate.accumulation * micro
 
 
 def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:

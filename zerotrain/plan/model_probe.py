@@ -19,6 +19,7 @@ bookkeeping): the cost model's ``engine_seconds_per_parameter``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,9 +76,12 @@ def profile_model(
     vocab_size: int,
     dtype: torch.dtype,
     threads: int,
+    prepare: Callable[[nn.Module], object] | None = None,
 ) -> ModelProfile:
     """Time and count ``factory()``'s forward and backward at each of ``micro_batches`` (see
-    [Note: the model probe])."""
+    [Note: the model probe]), the model first passed to ``prepare`` (which splits it into one
+    tensor-parallel rank's share: [Note: a tensor-parallel rank's share] in
+    zerotrain/plan/tensor_share.py)."""
     from zerotrain.activation_checkpointing import count_saved_activations, wrap
     from zerotrain.zero.units import find_unit_modules
 
@@ -90,6 +94,8 @@ def profile_model(
         for checkpointing in (False, True):
             torch.manual_seed(0)
             model = factory().to(device=device, dtype=dtype)
+            if prepare is not None:
+                prepare(model)
             if checkpointing:
                 layers = len(find_unit_modules(model))
                 wrap(model)

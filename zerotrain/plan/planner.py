@@ -13,16 +13,18 @@ is named by what it lost on: memory (by how much), or time, with what dominates 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
 from zerotrain.errors import ZeroTrainError
 from zerotrain.fmt import quantity
 from zerotrain.plan.autotuning import read_autotuning
-from zerotrain.plan.candidates import Candidate, enumerate_candidates
+from zerotrain.plan.candidates import Candidate, enumerate_candidates, fixed_keys
 from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict
 from zerotrain.plan.model_probe import ModelProfile, profile_model
 from zerotrain.plan.probe import Machine, cache_dir
@@ -36,6 +38,8 @@ __all__ = [
     "model_facts",
     "profile_if_fits",
     "rank_budget",
+    "tensor_degrees",
+    "with_profiles",
 ]
 
 MARGIN = 0.9
@@ -96,11 +100,15 @@ class Plan:
         return {"candidates": [p.as_json() for p in self.candidates], "chosen": self.chosen}
 
 
-def model_facts(model: nn.Module, *, seq_len: int, dtype: str) -> ModelFacts:
-    """What the cost model needs of ``model`` (built on the meta device is enough); its measured
-    profile is added with ``dataclasses.replace`` where there is one."""
+def model_facts(
+    model: nn.Module, *, seq_len: int, dtype: str, tp_degrees: tuple[int, ...] = ()
+) -> ModelFacts:
+    """What the cost model needs of ``model`` (built on the meta device is enough), with rank
+    0's share at each tensor-parallel degree of ``tp_degrees`` that splits it; measured
+    profiles are added by :func:`with_profiles`."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import count_parameters
+    from zerotrain.plan.tensor_share import tensor_shares
 
     count = count_parameters(
         model, persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold
@@ -114,16 +122,41 @@ def model_facts(model: nn.Module, *, seq_len: int, dtype: str) -> ModelFacts:
         dtype=dtype,
         attention="eager" if eager else "flash",
         dropout=dropout,
+        shares=tensor_shares(model, [d for d in tp_degrees if d > 1]),
     )
 
 
+def tensor_degrees(ranks_per_node: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees the planner weighs: those that divide a node's ranks (its
+    peers exchange activations every layer: they stay on one node)."""
+    return tuple(d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0)
+
+
+def with_profiles(
+    factory, facts: ModelFacts, machine: Machine, *, sizes: Callable[[int], list[int]], vocab: int
+) -> ModelFacts:
+    """``facts`` with the model probe's profile ([Note: the model probe]) of the whole model
+    and of each tensor-parallel share, at the micro-batches ``sizes(degree)``."""
+    from zerotrain.plan.tensor_share import split_alone
+
+    def profile(tp: int) -> ModelProfile | None:
+        prepare = functools.partial(split_alone, degree=tp) if tp > 1 else None
+        return profile_if_fits(
+            factory, facts, machine, sizes=sizes(tp), vocab=vocab, prepare=prepare
+        )
+
+    shares = {tp: replace(share, profile=profile(tp)) for tp, share in facts.shares.items()}
+    return replace(facts, profile=profile(1), shares=shares)
+
+
 def profile_if_fits(
-    factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int
+    factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int, prepare=None
 ) -> ModelProfile | None:
     """The model probe ([Note: the model probe]) at the micro-batches of ``sizes`` where the
     model, its gradients and their temporaries in fp32 (16 bytes a parameter) and the
     micro-batch's activations (Korthikanti's formula, where the model's shape is known) fit in
-    half the memory it runs in; None where none does (the cost model then counts FLOPs)."""
+    half the memory it runs in; None where none does (the cost model then counts FLOPs).
+    ``prepare``: as :func:`profile_model` takes it."""
     from zerotrain.estimate import activation_bytes
     from zerotrain.precision import DTYPES
 
@@ -145,6 +178,7 @@ def profile_if_fits(
         vocab_size=vocab,
         dtype=DTYPES[machine.dtype],
         threads=machine.threads,
+        prepare=prepare,
     )
 
 
@@ -168,8 +202,19 @@ def make_plan(
         raise PlanError(str(error)) from error
     budget = rank_budget(machine, ranks_per_node)
     planned = []
+    degrees = (1, *sorted(facts.shares))
+    fixed_tp = fixed_keys(base).get("tp", 1)
+    if fixed_tp not in degrees:
+        raise PlanError(
+            f"--config: tensor_parallel.autotp_size {fixed_tp} cannot split this model over "
+            f"{world} ranks by the automatic plan (degrees that can: {list(degrees)})"
+        )
     for candidate in enumerate_candidates(
-        world=world, global_batch=global_batch, base=base, nvme=nvme_path is not None
+        world=world,
+        global_batch=global_batch,
+        base=base,
+        nvme=nvme_path is not None,
+        tp_degrees=degrees,
     ):
         config = candidate.config(base, nvme_path)
         prediction = predict(candidate, facts, machine, corrections, config)
