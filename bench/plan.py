@@ -4,22 +4,22 @@
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, and tensor-parallel degree 2 on 2
-  ranks) of the GPTs of examples/gpt, fp32
-  on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its default
-  corrections, not refined by earlier trials) and measured by a trial (zerotrain/plan_trial.py:
-  peak memory per rank above start-up, model-state bytes, median step time). Prints each
-  config's errors and their distribution.
+  ranks) of the GPTs of examples/gpt, fp32 on this machine: each predicted by the cost model
+  (zerotrain/plan/cost.py, with its default corrections, not refined by earlier trials) and
+  measured by a trial (zerotrain/plan_trial.py: peak memory per rank above start-up,
+  model-state bytes, median step time). Prints each config's errors and their distribution.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
-  weighs (stages 0-3, offload none / cpu, checkpointing, micro-batches 2, 4, 8) run as a trial,
-  the way DeepSpeed's autotuner tries configs; the planner's choice against the fastest found,
-  and the time each way took to decide.
+  weighs (tensor-parallel degree 1 or 2, stages 0-3, offload none / cpu, checkpointing,
+  micro-batches 2, 4, 8) run as a trial, the way DeepSpeed's autotuner tries configs; the
+  planner's choice against the fastest found, and the time each way took to decide.
 - ``deepspeed``: DeepSpeed 0.19.8's own autotuner (``deepspeed --autotuning tune``, fast mode:
-  ZeRO stage and micro-batch) on the same job, a DeepSpeed script training the demo GPT on
-  its CPU accelerator (``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=2`` for its 2 "devices"): its
-  experiments and wall time to a decision, and its choice trained as a zerotrain trial beside
-  the planner's. Needs ``pip install -r requirements-bench.txt tabulate`` (uninstall
-  DeepSpeed before the tests); its clean-up calls ``pdsh``, which this machine lacks (the error
-  is logged and the tuning goes on).
+  ZeRO stage and micro-batch; the planner's side weighs the same, without tensor parallelism)
+  on the same job, a DeepSpeed script training the demo GPT on its CPU accelerator
+  (``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=2`` for its 2 "devices"): its experiments and wall time
+  to a decision, and its choice trained as a zerotrain trial beside the planner's. Needs
+  ``pip install -r requirements-bench.txt tabulate`` (uninstall DeepSpeed before the tests);
+  its clean-up calls ``pdsh``, which this machine lacks (the error is logged and the tuning
+  goes on).
 
 Each trial is a torchrun job of its own, one at a time (2 ranks on this 2-core machine). Writes
 bench/results/plan.json.
@@ -43,8 +43,13 @@ MODELS = {
     "demo": ("examples/gpt/model.py:demo", 128),
     "30m": ("examples/gpt/model.py:gpt_30m", 256),
 }
-# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree)
+# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree); the
+# tensor-parallel rows first
 FIXED = [
+    (0, None, False, 8, 2, 2),
+    (1, None, False, 4, 2, 2),
+    (2, None, True, 4, 2, 2),
+    (3, "cpu", False, 8, 2, 2),
     (0, None, False, 8, 1, 1),
     (0, None, True, 4, 2, 1),
     (1, None, False, 4, 2, 1),
@@ -61,10 +66,6 @@ FIXED = [
     (2, "nvme", False, 8, 1, 1),
     (2, "nvme", True, 4, 2, 1),
     (3, "nvme", True, 8, 2, 1),
-    (0, None, False, 8, 2, 2),
-    (1, None, False, 4, 2, 2),
-    (2, None, True, 4, 2, 2),
-    (3, "cpu", False, 8, 2, 2),
 ]
 BASE = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -93,7 +94,8 @@ def predictions(models: list[str], nvme: str) -> list[dict]:
         for world in (1, 2):
             machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
             sizes = sorted({row[3] for row in FIXED})
-            facts = _facts(spec, seq, machine, sizes, tuple({row[5] for row in FIXED}))
+            degrees = tuple({row[5] for row in FIXED if row[4] == world})
+            facts = _facts(spec, seq, machine, sizes, degrees)
             for stage, offload, checkpointing, micro, ranks, tp in FIXED:
                 if ranks != world:
                     continue
@@ -157,7 +159,7 @@ def pick() -> dict:
     spec, seq = MODELS["demo"]
     started = time.perf_counter()
     machine = probe_machine(dtype="fp32", world=2, threads=1)
-    facts = _facts(spec, seq, machine, [2, 4, 8])
+    facts = _facts(spec, seq, machine, [2, 4, 8], (2,))
     plan = make_plan(
         facts, machine, world=2, ranks_per_node=2, global_batch=16, base=BASE,
         corrections=Corrections(),

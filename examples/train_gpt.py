@@ -151,7 +151,8 @@ def parse_args() -> argparse.Namespace:
         "--plan",
         metavar="JSON",
         help="a ds_config written by `zerotrain plan`: its ZeRO section (stage, offload), "
-        "micro-batch, accumulation and activation checkpointing replace those flags",
+        "micro-batch, accumulation, activation checkpointing and tensor-parallel degree replace "
+        "those flags",
     )
     args = parser.parse_args()
     args.zero = {"stage": args.stage}

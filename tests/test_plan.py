@@ -339,8 +339,11 @@ def test_a_tensor_parallel_share_holds_a_rank_s_piece_of_each_split_layer():
     halved = sum(p.numel() for n, p in model.named_parameters() if n.endswith(split))
     whole = sum(p.numel() for p in model.parameters())  # the head is tied: once
     layers, width = model.config.n_layer, model.config.n_embd
-    shares = tensor_shares(model, [2, 3])
-    assert list(shares) == [2]  # 3 does not divide the 8 heads
+    skipped = []
+    shares = tensor_shares(model, [2, 3], lambda tp, why: skipped.append((tp, why)))
+    assert list(shares) == [2]
+    ((degree, why),) = skipped
+    assert degree == 3 and "has 768 output features, which tp degree 3" in why, why
     share = shares[2]
     assert share.count.trainable == whole - halved // 2
     assert (share.forward_calls, share.forward_elements) == (2 * layers, 2 * layers * width)
@@ -374,7 +377,22 @@ def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():
 @pytest.mark.parametrize(
     ("argv", "base", "message"),
     [
-        (["--global-batch", "15"], {}, "--global-batch 15 is not a multiple of the 2"),
+        (
+            ["--global-batch", "15"],
+            {"tensor_parallel": {"autotp_size": 1}},
+            "--global-batch 15 is not a multiple of the 2 data-parallel ranks",
+        ),
+        (
+            [],
+            {"autotuning": {"mp_size": 4}},
+            "--config fixes tensor-parallel degree 4 (tensor_parallel.autotp_size or "
+            "autotuning.mp_size); the planner weighs degrees [1, 2] here",
+        ),
+        (
+            [],
+            {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
+            "remove tensor_parallel.tp_plan and sequence_parallel to plan",
+        ),
         ([], {"train_batch_size": 32}, "--config sets train_batch_size 32, --global-batch 16"),
         (
             [],

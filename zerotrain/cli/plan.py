@@ -26,7 +26,7 @@ PARSER: ParserSpec = {
 def _read_base(args: argparse.Namespace) -> dict:
     """The --config file's ds_config, checked against the other flags (PlanError)."""
     from zerotrain.plan.autotuning import read_autotuning
-    from zerotrain.plan.candidates import batch_per_rank, section
+    from zerotrain.plan.candidates import section
     from zerotrain.plan.planner import PlanError
 
     base: object = {}
@@ -68,11 +68,44 @@ def _read_base(args: argparse.Namespace) -> dict:
             "--config offloads to nvme without an nvme_path: give --nvme-path (the probe "
             "measures that disk)"
         )
-    try:
-        batch_per_rank(args.global_batch, _ranks(args) * args.nnodes)
-    except ValueError as error:
-        raise PlanError(str(error)) from error
+    args.tp_degrees = _tensor_degrees(args, base)
     return base
+
+
+def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
+    """The tensor-parallel degrees to weigh: within a node, the one ``base`` fixes if it does,
+    and only those whose data-parallel ranks share the global batch (PlanError if none)."""
+    from zerotrain.plan.candidates import fixed_keys, section
+    from zerotrain.plan.planner import PlanError, tensor_degrees
+
+    ranks = _ranks(args)
+    world = ranks * args.nnodes
+    tensor = section(base, "tensor_parallel")
+    if tensor.get("tp_plan") is not None or tensor.get("sequence_parallel"):
+        raise PlanError(
+            "--config: the planner prices tensor parallelism by the automatic plan without "
+            "sequence parallelism; remove tensor_parallel.tp_plan and sequence_parallel to plan"
+        )
+    degrees = tensor_degrees(ranks)
+    # initialize refuses tensor parallelism with these (zerotrain/tensor_parallel)
+    if section(base, "optimizer").get("type") == "Muon" or section(base, "lora_fa").get("enabled"):
+        degrees = (1,)
+    fixed = fixed_keys(base).get("tp")
+    if fixed is not None:
+        if fixed not in degrees:
+            raise PlanError(
+                f"--config fixes tensor-parallel degree {fixed} (tensor_parallel.autotp_size or "
+                f"autotuning.mp_size); the planner weighs degrees {list(degrees)} here (peers on "
+                f"one node of {ranks} ranks; none above 1 with Muon or LoRA-FA)"
+            )
+        degrees = (fixed,)
+    shared = tuple(d for d in degrees if args.global_batch % (world // d) == 0)
+    if not shared:
+        raise PlanError(
+            f"--global-batch {args.global_batch} is not a multiple of the "
+            f"{' or '.join(str(world // d) for d in degrees)} data-parallel ranks"
+        )
+    return shared
 
 
 def _ranks(args: argparse.Namespace) -> int:
@@ -88,7 +121,6 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         load_corrections,
         make_plan,
         model_facts,
-        tensor_degrees,
         with_profiles,
     )
     from zerotrain.plan.probe import probe_machine, with_current_memory
@@ -113,9 +145,13 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     for note in args.tuning.notes:
         say(note)
     dtype = training_dtype(base)
-    # the degrees whose data-parallel ranks can share the batch
-    degrees = tuple(d for d in tensor_degrees(ranks) if args.global_batch % (world // d) == 0)
-    facts = model_facts(model, seq_len=args.seq_len, dtype=dtype, tp_degrees=degrees)
+    facts = model_facts(
+        model,
+        seq_len=args.seq_len,
+        dtype=dtype,
+        tp_degrees=args.tp_degrees,
+        skipped=lambda tp, why: say(f"tensor parallelism at degree {tp} not planned: {why}"),
+    )
     try:
         machine = probe_machine(
             dtype=dtype,
@@ -131,18 +167,23 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     if vocab:
         shares = "".join(f" and its tensor-parallel share at {tp}" for tp in sorted(facts.shares))
         say(f"timing the model's forward and backward{shares}")
-        try:
-            facts = with_profiles(
-                load_factory(args.model),
-                facts,
-                machine,
-                sizes=lambda tp: micro_batches(
-                    world=world // tp, global_batch=args.global_batch, base=base
-                ),
-                vocab=vocab,
-            )
-        except Exception as error:  # noqa: BLE001 (the user's model, on a real device)
-            say(f"the model probe failed ({type(error).__name__}: {error}); pricing by FLOPs")
+
+        def failed(tp: int, why: str) -> None:
+            if tp == 1:
+                say(f"the model probe failed ({why}); pricing by FLOPs")
+            else:
+                say(f"tensor parallelism at degree {tp} not planned: its probe failed ({why})")
+
+        facts = with_profiles(
+            load_factory(args.model),
+            facts,
+            machine,
+            sizes=lambda tp: micro_batches(
+                world=world // tp, global_batch=args.global_batch, base=base
+            ),
+            vocab=vocab,
+            failed=failed,
+        )
     try:
         plan = make_plan(
             facts,

@@ -15,9 +15,10 @@ global batch over the same ranks, with the config's other keys kept, it warns:
 - when the config's predicted peak per rank is above what a rank may use (the plan's margin),
   naming the plan's choice, or the plan's refusal when nothing fits;
 - when its predicted step is :data:`SLOWER` times the choice's or more.
-It advises only what the planner plans: data parallelism with ZeRO 0-3 and optimizer offload
-(no tensor, pipeline, sequence or expert parallelism), Adam's or AdamW's state, and a model
-whose transformer shape the estimator recognises; for anything else it stays silent.
+It advises on data parallelism with ZeRO 0-3 and optimizer offload (not on a config with
+tensor, pipeline, sequence or expert parallelism, and it weighs none of them), Adam's or
+AdamW's state, and a model whose transformer shape the estimator recognises; for anything
+else it stays silent.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def prepare_advice(
     ranks_per_node: int,
     parallel_sizes: dict[str, int],
 ) -> Advice | None:
-    """The advice for this run, or None where the planner does not plan it (see [Note:
+    """The advice for this run, or None where it gives none (see [Note:
     initialize's advice])."""
     if any(size > 1 for axis, size in parallel_sizes.items() if axis != "dp"):
         return None

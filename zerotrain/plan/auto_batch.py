@@ -88,8 +88,9 @@ def choose_micro_batch(
     tensor_parallel = section(config, "tensor_parallel").get("autotp_size", 1)
     if pipelined or tensor_parallel != 1 or config.get("sequence_parallel_size", 1) != 1:
         raise ConfigError(
-            f'{KEY}: "auto" is chosen for data parallelism only (the planner does not plan '
-            "pipeline, tensor or sequence parallelism yet); set a number"
+            f'{KEY}: "auto" is chosen for data parallelism only (pipeline, tensor and sequence '
+            "parallelism need a number; `zerotrain plan` weighs tensor-parallel degrees); set a "
+            "number"
         )
     global_batch = config.get("train_batch_size")
     if not isinstance(global_batch, int) or isinstance(global_batch, bool):

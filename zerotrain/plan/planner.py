@@ -101,11 +101,17 @@ class Plan:
 
 
 def model_facts(
-    model: nn.Module, *, seq_len: int, dtype: str, tp_degrees: tuple[int, ...] = ()
+    model: nn.Module,
+    *,
+    seq_len: int,
+    dtype: str,
+    tp_degrees: tuple[int, ...] = (),
+    skipped: Callable[[int, str], object] | None = None,
 ) -> ModelFacts:
     """What the cost model needs of ``model`` (built on the meta device is enough), with rank
-    0's share at each tensor-parallel degree of ``tp_degrees`` that splits it; measured
-    profiles are added by :func:`with_profiles`."""
+    0's share at each tensor-parallel degree of ``tp_degrees`` that splits it (``skipped``
+    hears of the others, with the reason); measured profiles are added by
+    :func:`with_profiles`."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import count_parameters
     from zerotrain.plan.tensor_share import tensor_shares
@@ -122,7 +128,7 @@ def model_facts(
         dtype=dtype,
         attention="eager" if eager else "flash",
         dropout=dropout,
-        shares=tensor_shares(model, [d for d in tp_degrees if d > 1]),
+        shares=tensor_shares(model, [d for d in tp_degrees if d > 1], skipped),
     )
 
 
@@ -133,38 +139,54 @@ def tensor_degrees(ranks_per_node: int) -> tuple[int, ...]:
 
 
 def with_profiles(
-    factory, facts: ModelFacts, machine: Machine, *, sizes: Callable[[int], list[int]], vocab: int
+    factory,
+    facts: ModelFacts,
+    machine: Machine,
+    *,
+    sizes: Callable[[int], list[int]],
+    vocab: int,
+    failed: Callable[[int, str], object] | None = None,
 ) -> ModelFacts:
     """``facts`` with the model probe's profile ([Note: the model probe]) of the whole model
-    and of each tensor-parallel share, at the micro-batches ``sizes(degree)``."""
-    from zerotrain.plan.tensor_share import split_alone
+    and of each tensor-parallel share, at the micro-batches ``sizes(degree)``. Where the probe
+    of a degree raises (the user's model), ``failed`` hears why: the whole model is then priced
+    by its FLOPs, and a share is dropped (training would split it the same way)."""
 
-    def profile(tp: int) -> ModelProfile | None:
-        prepare = functools.partial(split_alone, degree=tp) if tp > 1 else None
-        return profile_if_fits(
-            factory, facts, machine, sizes=sizes(tp), vocab=vocab, prepare=prepare
-        )
+    def probe(tp: int) -> tuple[ModelProfile | None, bool]:
+        try:
+            measured = profile_if_fits(factory, facts, machine, sizes=sizes(tp), vocab=vocab, tp=tp)
+        except Exception as error:  # noqa: BLE001 (the user's model, on a real device)
+            if failed is not None:
+                failed(tp, f"{type(error).__name__}: {error}")
+            return None, False
+        return measured, True
 
-    shares = {tp: replace(share, profile=profile(tp)) for tp, share in facts.shares.items()}
-    return replace(facts, profile=profile(1), shares=shares)
+    whole, _ = probe(1)
+    shares = {}
+    for tp, share in facts.shares.items():
+        measured, ran = probe(tp)
+        if ran:
+            shares[tp] = replace(share, profile=measured)
+    return replace(facts, profile=whole, shares=shares)
 
 
 def profile_if_fits(
-    factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int, prepare=None
+    factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int, tp: int = 1
 ) -> ModelProfile | None:
     """The model probe ([Note: the model probe]) at the micro-batches of ``sizes`` where the
-    model, its gradients and their temporaries in fp32 (16 bytes a parameter) and the
-    micro-batch's activations (Korthikanti's formula, where the model's shape is known) fit in
-    half the memory it runs in; None where none does (the cost model then counts FLOPs).
-    ``prepare``: as :func:`profile_model` takes it."""
+    model, its gradients and their temporaries in fp32 (16 bytes a parameter: it is built whole,
+    then split to a tensor-parallel rank's share at degree ``tp``) and the micro-batch's
+    activations (Korthikanti's formula, where the model's shape is known) fit in half the
+    memory it runs in; None where none does (the cost model then counts FLOPs)."""
     from zerotrain.estimate import activation_bytes
+    from zerotrain.plan.tensor_share import split_alone
     from zerotrain.precision import DTYPES
 
     memory = machine.host_memory if machine.device == "cpu" else machine.device_memory
     weights = 16 * facts.count.trainable
 
     def fits(micro: int) -> bool:
-        shape = facts.shape(micro)
+        shape = facts.shape(micro, tp)
         activations = activation_bytes(shape).without_checkpointing if shape else 0
         return weights + activations <= memory // 2
 
@@ -178,7 +200,7 @@ def profile_if_fits(
         vocab_size=vocab,
         dtype=DTYPES[machine.dtype],
         threads=machine.threads,
-        prepare=prepare,
+        prepare=functools.partial(split_alone, degree=tp) if tp > 1 else None,
     )
 
 
@@ -202,12 +224,14 @@ def make_plan(
         raise PlanError(str(error)) from error
     budget = rank_budget(machine, ranks_per_node)
     planned = []
-    degrees = (1, *sorted(facts.shares))
+    # tensor-parallel peers stay on one node
+    degrees = (1, *sorted(d for d in facts.shares if ranks_per_node % d == 0))
     fixed_tp = fixed_keys(base).get("tp", 1)
     if fixed_tp not in degrees:
         raise PlanError(
-            f"--config: tensor_parallel.autotp_size {fixed_tp} cannot split this model over "
-            f"{world} ranks by the automatic plan (degrees that can: {list(degrees)})"
+            f"tensor-parallel degree {fixed_tp} (tensor_parallel.autotp_size or "
+            "autotuning.mp_size): the automatic plan does not split this model into that "
+            f"many pieces on a node of {ranks_per_node} ranks (degrees it can: {list(degrees)})"
         )
     for candidate in enumerate_candidates(
         world=world,

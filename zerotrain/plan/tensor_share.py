@@ -17,6 +17,7 @@ in the backward (Megatron-LM's ``g`` and ``f``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,25 +89,34 @@ def split_alone(model: nn.Module, degree: int) -> tuple[int, int, int, int]:
 
 def _features(module: nn.Module, side: str) -> int:
     """A linear layer's (or transformers' Conv1D's) input or output features, whole."""
+    from zerotrain.tensor_parallel.plan import feature_dims
+
     weight = module.weight
-    assert isinstance(weight, torch.Tensor)  # a linear layer (the plan matched it)
-    rows, columns = weight.shape
-    out, in_ = (rows, columns) if isinstance(module, nn.Linear) else (columns, rows)
-    return int(out if side == "out" else in_)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{type(module).__name__} has no weight matrix to split")
+    out_dim, in_dim = feature_dims(module, "weight")
+    return int(weight.shape[out_dim if side == "out" else in_dim])
 
 
-def tensor_shares(meta_model: nn.Module, degrees: list[int]) -> dict[int, TensorShare]:
+def tensor_shares(
+    meta_model: nn.Module,
+    degrees: list[int],
+    skipped: Callable[[int, str], object] | None = None,
+) -> dict[int, TensorShare]:
     """For each degree of ``degrees`` that can split ``meta_model`` (built on the meta device),
-    rank 0's share; the others are left out."""
+    rank 0's share; each other degree is passed to ``skipped`` with the reason."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import count_parameters
 
     shares = {}
     for degree in degrees:
-        model = copy.deepcopy(meta_model)
         try:
+            model = copy.deepcopy(meta_model)
             calls = split_alone(model, degree)
-        except ValueError:
+        except Exception as error:  # noqa: BLE001 (the user's model: that degree is not planned)
+            if skipped is not None:  # the model's shape, or the model failing to split
+                plain = isinstance(error, ValueError)
+                skipped(degree, str(error) if plain else f"{type(error).__name__}: {error}")
             continue
         count = count_parameters(
             model, persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold

@@ -294,7 +294,7 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _feature_dims(module: nn.Module, name: str) -> tuple[int, int]:
+def feature_dims(module: nn.Module, name: str) -> tuple[int, int]:
     """(output, input) dimension of a linear layer's weight."""
     if isinstance(module, nn.Linear):
         return 0, 1
@@ -323,10 +323,10 @@ def _param(module: nn.Module, name: str) -> nn.Parameter | None:
 def _split_columns(
     module: nn.Module, name: str, chunks: int, comm: Communicator, sequence_parallel: bool
 ) -> None:
-    out_dim, _ = _feature_dims(module, name)
+    out_dim, _ = feature_dims(module, name)
     tp = comm.world_size
     weight, bias = _param(module, "weight"), _param(module, "bias")
-    assert weight is not None  # a linear layer (_feature_dims)
+    assert weight is not None  # a linear layer (feature_dims)
     size = weight.shape[out_dim]
     _check_divides(name, "output features", size, chunks * tp, tp)
     split_parameter(weight, Split(out_dim, chunks, tp), comm.rank)
@@ -338,10 +338,10 @@ def _split_columns(
 
 
 def _split_rows(module: nn.Module, name: str, comm: Communicator, sequence_parallel: bool) -> None:
-    _, in_dim = _feature_dims(module, name)
+    _, in_dim = feature_dims(module, name)
     tp = comm.world_size
     weight = _param(module, "weight")
-    assert weight is not None  # a linear layer (_feature_dims)
+    assert weight is not None  # a linear layer (feature_dims)
     size = weight.shape[in_dim]
     _check_divides(name, "input features", size, tp, tp)
     split_parameter(weight, Split(in_dim, 1, tp), comm.rank)
@@ -402,9 +402,9 @@ def _check_head_counts(model: nn.Module, plan: dict[str, Style], tp: int) -> Non
         for child_name, child in module.named_children():
             style = plan.get(prefix + child_name)
             if isinstance(head_dim, int) and isinstance(style, Colwise):
-                out_dim, _ = _feature_dims(child, prefix + child_name)
+                out_dim, _ = feature_dims(child, prefix + child_name)
                 weight = _param(child, "weight")
-                assert weight is not None  # a linear layer (_feature_dims)
+                assert weight is not None  # a linear layer (feature_dims)
                 width = weight.shape[out_dim] // style.chunks  # split already: a piece
                 if width % head_dim:
                     raise ConfigError(
