@@ -98,6 +98,19 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     assert 0 < plain.step_time_s < 60
 
 
+def test_a_trial_reports_the_cpu_time_the_hypervisor_took(monkeypatch):
+    """The steal of /proc/stat over the timed steps: its share of the CPU time they took."""
+    from zerotrain import plan_trial
+
+    start = [10, 0, 5, 80, 0, 0, 0, 5]  # user, nice, system, idle, iowait, irq, softirq, steal
+    monkeypatch.setattr(plan_trial, "_cpu_times", lambda: [20, 0, 10, 160, 0, 0, 0, 10])
+    assert plan_trial._steal_since(start) == pytest.approx(5 / 100)
+    assert plan_trial._steal_since(None) == 0.0  # unknown where /proc/stat cannot be read
+    monkeypatch.undo()
+    now = plan_trial._cpu_times()
+    assert now is None or (len(now) == 8 and all(v >= 0 for v in now))
+
+
 def test_a_failed_trial_says_why():
     config = _config(2)
     config["optimizer"] = {"type": "NoSuchOptimizer"}

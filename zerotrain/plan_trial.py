@@ -19,6 +19,11 @@ torchrun job of its own, and measured in the terms the planner predicts (``zerot
 - ``step_time_s``: the median time of an optimizer step (all its micro-batches, forward,
   backward and step) over the steps from ``first_timed`` on (the first step builds the
   optimizer state and warms the allocator); the slowest rank's.
+- ``steal_fraction``: on Linux, the share of the machine's CPU time its hypervisor gave to
+  other guests while those steps ran (``/proc/stat``'s steal). A shared virtual machine took
+  20-24% at times on this project's 2-core CPU and the same trials then ran up to 2.7x slower:
+  above a few percent a step time says more about the neighbours than about the config, so
+  bench/plan.py reports it beside each time.
 
 The model comes from a factory, as ``zerotrain estimate --model`` takes it: a module whose
 ``forward(ids, targets)`` returns the loss (examples/gpt), or a Hugging Face causal LM
@@ -69,6 +74,7 @@ class Measured:
     peak_memory_bytes: int
     model_state_bytes: int
     step_time_s: float
+    steal_fraction: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -163,7 +169,10 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     generator = torch.Generator().manual_seed(comm.rank // engine.mp_world_size)
     hf = is_hf_causal_lm(model)
     times = []
-    for _ in range(spec.steps):
+    cpu_at_start = None
+    for index in range(spec.steps):
+        if index == spec.first_timed - 1:
+            cpu_at_start = _cpu_times()
         batches = [
             torch.randint(0, spec.vocab_size, (micro, spec.seq_len), generator=generator)
             for _ in range(accumulation)
@@ -183,13 +192,38 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     else:
         peak = (peak_rss() or 0) - start_rss
     step = statistics.median(times[spec.first_timed - 1 :] or times)
-    mine = torch.tensor([float(peak), step], dtype=torch.float64, device=comm.device)
+    steal = _steal_since(cpu_at_start)
+    mine = torch.tensor([float(peak), step, steal], dtype=torch.float64, device=comm.device)
     comm.all_reduce(mine, op="max", name="plan_trial")
     if comm.rank == 0:
         total = engine.memory_breakdown()["total"]
-        measured = Measured(int(mine[0].item()), int(total), float(mine[1].item()))
+        slowest = mine.tolist()  # the largest peak, step and steal over the ranks
+        measured = Measured(int(slowest[0]), int(total), slowest[1], slowest[2])
         out.write_text(json.dumps(asdict(measured)))
     comm.barrier()
+
+
+def _cpu_times() -> list[int] | None:
+    """The machine's CPU time so far by kind (``/proc/stat``'s first line: user, nice, system,
+    idle, iowait, irq, softirq, steal, in clock ticks); None where it cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return [int(value) for value in fields[1:9]]
+
+
+def _steal_since(start: list[int] | None) -> float:
+    """The share of the CPU time since ``start`` (:func:`_cpu_times`) that was stolen (0.0
+    where unknown)."""
+    end = _cpu_times()
+    if start is None or end is None:
+        return 0.0
+    spent = [b - a for a, b in zip(start, end, strict=True)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else 0.0
 
 
 def main() -> None:
