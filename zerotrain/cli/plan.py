@@ -75,7 +75,7 @@ def _read_base(args: argparse.Namespace) -> dict:
 def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
     """The tensor-parallel degrees to weigh: within a node, the one ``base`` fixes if it does,
     and only those whose data-parallel ranks share the global batch (PlanError if none)."""
-    from zerotrain.plan.candidates import fixed_keys, section
+    from zerotrain.plan.candidates import batch_sharing_degrees, fixed_keys, section
     from zerotrain.plan.planner import PlanError, tensor_degrees
 
     ranks = _ranks(args)
@@ -99,7 +99,7 @@ def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
                 f"one node of {ranks} ranks; none above 1 with Muon or LoRA-FA)"
             )
         degrees = (fixed,)
-    shared = tuple(d for d in degrees if args.global_batch % (world // d) == 0)
+    shared = batch_sharing_degrees(degrees, world=world, global_batch=args.global_batch)
     if not shared:
         raise PlanError(
             f"--global-batch {args.global_batch} is not a multiple of the "
@@ -165,8 +165,11 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     machine = with_current_memory(machine)
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
     if vocab:
-        shares = "".join(f" and its tensor-parallel share at {tp}" for tp in sorted(facts.shares))
-        say(f"timing the model's forward and backward{shares}")
+        whole = 1 in args.tp_degrees  # a fixed degree above 1 leaves the whole model unused
+        timed = ["whole"] * whole + [
+            f"tensor-parallel share at {tp}" for tp in sorted(facts.shares)
+        ]
+        say(f"timing the model's forward and backward: {', '.join(timed)}")
 
         def failed(tp: int, why: str) -> None:
             if tp == 1:
@@ -183,6 +186,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
             ),
             vocab=vocab,
             failed=failed,
+            whole=whole,
         )
     try:
         plan = make_plan(

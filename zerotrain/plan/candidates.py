@@ -12,6 +12,7 @@ from zerotrain.plan.autotuning import read_autotuning
 __all__ = [
     "Candidate",
     "batch_per_rank",
+    "batch_sharing_degrees",
     "enumerate_candidates",
     "fixed_keys",
     "micro_batches",
@@ -164,6 +165,14 @@ def micro_batches(*, world: int, global_batch: int, base: dict) -> list[int]:
     ]
 
 
+def batch_sharing_degrees(
+    degrees: tuple[int, ...], *, world: int, global_batch: int
+) -> tuple[int, ...]:
+    """The tensor-parallel degrees of ``degrees`` that divide ``world`` and whose data-parallel
+    ranks (``world`` / degree) share ``global_batch`` evenly."""
+    return tuple(d for d in degrees if world % d == 0 and global_batch % (world // d) == 0)
+
+
 def enumerate_candidates(
     *, world: int, global_batch: int, base: dict, nvme: bool, tp_degrees: tuple[int, ...] = (1,)
 ) -> list[Candidate]:
@@ -174,10 +183,8 @@ def enumerate_candidates(
     data-parallel rank; what ``base`` fixes is held."""
     fixed = fixed_keys(base)
     out = []
-    for tp in tp_degrees:
+    for tp in batch_sharing_degrees(tp_degrees, world=world, global_batch=global_batch):
         dp = world // tp
-        if world % tp or global_batch % dp:
-            continue
         per_rank = global_batch // dp
         sizes = micro_batches(world=dp, global_batch=global_batch, base=base)
         for stage in (0, 1, 2, 3):

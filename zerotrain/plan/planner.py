@@ -146,9 +146,11 @@ def with_profiles(
     sizes: Callable[[int], list[int]],
     vocab: int,
     failed: Callable[[int, str], object] | None = None,
+    whole: bool = True,
 ) -> ModelFacts:
     """``facts`` with the model probe's profile ([Note: the model probe]) of the whole model
-    and of each tensor-parallel share, at the micro-batches ``sizes(degree)``. Where the probe
+    (unless not ``whole``: no candidate trains it undivided) and of each tensor-parallel share,
+    at the micro-batches ``sizes(degree)``. Where the probe
     of a degree raises (the user's model), ``failed`` hears why: the whole model is then priced
     by its FLOPs, and a share is dropped (training would split it the same way)."""
 
@@ -161,13 +163,13 @@ def with_profiles(
             return None, False
         return measured, True
 
-    whole, _ = probe(1)
+    profile, _ = probe(1) if whole else (None, False)
     shares = {}
     for tp, share in facts.shares.items():
         measured, ran = probe(tp)
         if ran:
             shares[tp] = replace(share, profile=measured)
-    return replace(facts, profile=whole, shares=shares)
+    return replace(facts, profile=profile, shares=shares)
 
 
 def profile_if_fits(
