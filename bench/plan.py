@@ -3,14 +3,15 @@
     python bench/plan.py [--part predictions|pick|deepspeed|both] [--models demo 30m]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
-  nvme x activation checkpointing x micro-batch x 1-2 ranks, and tensor-parallel degree 2 on 2
-  ranks) of the GPTs of examples/gpt, fp32 on this machine: each predicted by the cost model
+  nvme x activation checkpointing x micro-batch x 1-2 ranks, and tensor-parallel or pipeline
+  degree 2 on 2 ranks) of the GPTs of examples/gpt, fp32 on this machine: each predicted by the cost model
   (zerotrain/plan/cost.py, with its default corrections, not refined by earlier trials) and
   measured by a trial (zerotrain/plan_trial.py: peak memory per rank above start-up,
   model-state bytes, median step time). Prints each config's errors and their distribution.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
   weighs (tensor-parallel degree 1 or 2, stages 0-3, offload none / cpu, checkpointing,
-  micro-batches 2, 4, 8) run as a trial, the way DeepSpeed's autotuner tries configs; the
+  micro-batches 2, 4, 8; pipeline degree 2 at stages 0-2, as ``--pipeline`` weighs it) run as
+  a trial, the way DeepSpeed's autotuner tries configs; the
   planner's choice against the fastest found, and the time each way took to decide.
 - ``deepspeed``: DeepSpeed 0.19.8's own autotuner (``deepspeed --autotuning tune``, fast mode:
   ZeRO stage and micro-batch; the planner's side weighs the same, without tensor parallelism)
@@ -43,29 +44,31 @@ MODELS = {
     "demo": ("examples/gpt/model.py:demo", 128),
     "30m": ("examples/gpt/model.py:gpt_30m", 256),
 }
-# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree); the
-# tensor-parallel rows first
+# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree, pipeline
+# degree; a pipeline runs 2 micro-batches a step); the pipeline and tensor-parallel rows first
 FIXED = [
-    (0, None, False, 8, 2, 2),
-    (1, None, False, 4, 2, 2),
-    (2, None, True, 4, 2, 2),
-    (3, "cpu", False, 8, 2, 2),
-    (0, None, False, 8, 1, 1),
-    (0, None, True, 4, 2, 1),
-    (1, None, False, 4, 2, 1),
-    (1, None, True, 8, 1, 1),
-    (2, None, False, 8, 2, 1),
-    (2, None, True, 4, 1, 1),
-    (3, None, False, 4, 2, 1),
-    (3, None, True, 8, 2, 1),
-    (1, "cpu", False, 8, 2, 1),
-    (2, "cpu", True, 4, 2, 1),
-    (3, "cpu", False, 8, 1, 1),
-    (3, "cpu", True, 4, 2, 1),
-    (1, "nvme", False, 4, 2, 1),
-    (2, "nvme", False, 8, 1, 1),
-    (2, "nvme", True, 4, 2, 1),
-    (3, "nvme", True, 8, 2, 1),
+    (1, None, False, 4, 2, 1, 2),
+    (2, None, False, 8, 2, 1, 2),
+    (0, None, False, 8, 2, 2, 1),
+    (1, None, False, 4, 2, 2, 1),
+    (2, None, True, 4, 2, 2, 1),
+    (3, "cpu", False, 8, 2, 2, 1),
+    (0, None, False, 8, 1, 1, 1),
+    (0, None, True, 4, 2, 1, 1),
+    (1, None, False, 4, 2, 1, 1),
+    (1, None, True, 8, 1, 1, 1),
+    (2, None, False, 8, 2, 1, 1),
+    (2, None, True, 4, 1, 1, 1),
+    (3, None, False, 4, 2, 1, 1),
+    (3, None, True, 8, 2, 1, 1),
+    (1, "cpu", False, 8, 2, 1, 1),
+    (2, "cpu", True, 4, 2, 1, 1),
+    (3, "cpu", False, 8, 1, 1, 1),
+    (3, "cpu", True, 4, 2, 1, 1),
+    (1, "nvme", False, 4, 2, 1, 1),
+    (2, "nvme", False, 8, 1, 1, 1),
+    (2, "nvme", True, 4, 2, 1, 1),
+    (3, "nvme", True, 8, 2, 1, 1),
 ]
 BASE = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -73,13 +76,20 @@ BASE = {
 }
 
 
-def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=()):
+def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_degrees=()):
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.planner import model_facts, with_profiles
 
     model = build_on_meta(spec)
     facts = model_facts(model, seq_len=seq, dtype="fp32", tp_degrees=tp_degrees)
-    return with_profiles(load_factory(spec), facts, machine, sizes=lambda tp: sizes, vocab=256)
+    return with_profiles(
+        load_factory(spec),
+        facts,
+        machine,
+        sizes=lambda tp, pp: sizes,
+        vocab=256,
+        pipeline_degrees=pp_degrees,
+    )
 
 
 def predictions(models: list[str], nvme: str) -> list[dict]:
@@ -95,14 +105,18 @@ def predictions(models: list[str], nvme: str) -> list[dict]:
             machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
             sizes = sorted({row[3] for row in FIXED})
             degrees = tuple({row[5] for row in FIXED if row[4] == world})
-            facts = _facts(spec, seq, machine, sizes, degrees)
-            for stage, offload, checkpointing, micro, ranks, tp in FIXED:
+            pipelines = tuple({row[6] for row in FIXED if row[4] == world and row[6] > 1})
+            facts = _facts(spec, seq, machine, sizes, degrees, pipelines)
+            for stage, offload, checkpointing, micro, ranks, tp, pp in FIXED:
                 if ranks != world:
                     continue
-                candidate = Candidate(stage, offload, checkpointing, micro, 1, world, tp)
+                points = facts.pipelines[pp].split_points if pp > 1 else ()
+                candidate = Candidate(
+                    stage, offload, checkpointing, micro, pp, world, tp, pp, points
+                )
                 config = candidate.config(BASE, nvme)
                 predicted = predict(candidate, facts, machine, Corrections(), config)
-                trial = TrialSpec(spec, config, world, seq, 256, checkpointing, steps=5)
+                trial = TrialSpec(spec, config, world, seq, 256, checkpointing, points, steps=5)
                 measured = run_trial(trial).as_dict()
                 row = {
                     "model": name,
@@ -169,7 +183,7 @@ def pick() -> dict:
     spec, seq = MODELS["demo"]
     started = time.perf_counter()
     machine = probe_machine(dtype="fp32", world=2, threads=1)
-    facts = _facts(spec, seq, machine, [2, 4, 8], (2,))
+    facts = _facts(spec, seq, machine, [2, 4, 8], (2,), (2,))
     plan = make_plan(
         facts, machine, world=2, ranks_per_node=2, global_batch=16, base=BASE,
         corrections=Corrections(),
@@ -179,7 +193,8 @@ def pick() -> dict:
     started = time.perf_counter()
     measured = {}
     for p in planned:
-        trial = TrialSpec(spec, p.config, 2, seq, 256, p.candidate.activation_checkpointing)
+        c = p.candidate
+        trial = TrialSpec(spec, p.config, 2, seq, 256, c.activation_checkpointing, c.split_points)
         measured[p.candidate.label()] = run_trial(trial).step_time_s
         print(
             f"{p.candidate.label():<52} predicted {p.predicted.step_time_s:.3f} s, "

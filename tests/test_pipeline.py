@@ -4,8 +4,10 @@ same layers as one nn.Sequential accumulating the same micro-batches."""
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -630,8 +632,19 @@ def split_untied(runs: list[tuple[int, str, list[str]]]):
     for stage, schedule, points in runs:
         torch.manual_seed(SEED)
         example = batches(1)[0][:MICRO, :-1]
-        model = split_model(Untied(), (example,), points, loss_fn, **stage_options(schedule))
-        out[stage, schedule] = pipeline_trained(pipeline_engine(model, stage, schedule))
+        whole = Untied()
+        every = [weakref.ref(p) for p in whole.parameters()]
+        gc.disable()  # what initialize collects, not a collection that happened to run
+        try:
+            model = split_model(whole, (example,), points, loss_fn, **stage_options(schedule))
+            del whole
+            engine = pipeline_engine(model, stage, schedule)
+        finally:
+            gc.enable()
+        # the other ranks' layers are freed: a rank holds its stages' parameters alone
+        kept = {id(p) for p in model.parameters()}
+        assert {id(r()) for r in every if r() is not None} == kept
+        out[stage, schedule] = pipeline_trained(engine)
     return out
 
 

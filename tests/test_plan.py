@@ -73,15 +73,17 @@ def _config(stage: int, micro: int = 4, accumulation: int = 1) -> dict:
 
 def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     """A trial of 2 ranks reports the engine's model-state bytes (the ZeRO formula's), a peak
-    above them and a step time; activation checkpointing lowers the peak."""
+    above them and a step time; a pipeline's trial (the tiny GPT cut in 2, as the planner
+    cuts it) the largest stage's model states, as the cost model predicts them."""
     from zerotrain.estimate import TrainingJob, count_parameters, estimate
-    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts, with_profiles
 
     spec = TrialSpec(model=GPT_DEMO, config=_config(2), world=2, seq_len=128, vocab_size=256)
     # the memory job alone (the verify test below runs the timed one too, through the CLI)
     plain = measure_memory(spec)
-    checkpointed = measure_memory(replace(spec, activation_checkpointing=True))
-
     count = count_parameters(build_on_meta(GPT_DEMO), persistence_threshold=0)
     job = TrainingJob(
         trainable_params=count.trainable,
@@ -92,10 +94,26 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     )
     (row,) = estimate(job)
     assert plain.model_state_bytes == pytest.approx(row.model_states, abs=64)  # padding
-    assert checkpointed.model_state_bytes == plain.model_state_bytes
     assert plain.peak_memory_bytes > plain.model_state_bytes
-    assert checkpointed.peak_memory_bytes < plain.peak_memory_bytes
     assert 0 < plain.step_time_s < 60
+
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    facts = model_facts(build_on_meta(GPT_TINY), seq_len=64, dtype="fp32")
+    facts = with_profiles(
+        load_factory(GPT_TINY),
+        facts,
+        machine,
+        sizes=lambda tp, pp: [2],
+        vocab=256,
+        whole=False,
+        pipeline_degrees=(2,),
+    )
+    candidate = Candidate(1, None, False, 2, 2, 2, pp=2, split_points=("blocks.2",))
+    config = candidate.config({"steps_per_print": 10**9})
+    predicted = predict(candidate, facts, machine, Corrections(), config)
+    piped = measure_memory(TrialSpec(GPT_TINY, config, 2, 64, 256, split_points=("blocks.2",)))
+    assert piped.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
+    assert piped.peak_memory_bytes > piped.model_state_bytes
 
 
 def test_a_trial_reports_the_cpu_time_the_hypervisor_took(monkeypatch):
@@ -119,39 +137,42 @@ def test_a_failed_trial_says_why():
         run_trial(spec)
 
 
-# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree): every
-# stage, offload tier, checkpointing, two micro-batches, 1-2 ranks and tp 2, on the demo GPT
+# (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree,
+# pipeline degree): every stage, offload tier, checkpointing, two micro-batches, 1-2 ranks, tp 2
+# and pp 2 (its micro-batches a step: 2), on the demo GPT
 MEMORY_CONFIGS = [
-    (0, None, False, 8, 1, 1),
-    (0, None, True, 4, 1, 1),
-    (1, None, True, 8, 1, 1),
-    (2, None, False, 4, 1, 1),
-    (2, None, True, 4, 1, 1),
-    (3, None, False, 8, 1, 1),
-    (1, "cpu", True, 4, 1, 1),
-    (3, "cpu", False, 8, 1, 1),
-    (2, "nvme", False, 8, 1, 1),
-    (3, "nvme", True, 4, 1, 1),
-    (0, None, False, 8, 2, 1),
-    (0, None, True, 4, 2, 1),
-    (1, None, False, 4, 2, 1),
-    (2, None, False, 8, 2, 1),
-    (3, None, False, 4, 2, 1),
-    (3, None, True, 8, 2, 1),
-    (1, "cpu", False, 8, 2, 1),
-    (2, "cpu", True, 4, 2, 1),
-    (3, "cpu", True, 4, 2, 1),
-    (1, "nvme", False, 4, 2, 1),
-    (2, "nvme", True, 4, 2, 1),
-    (3, "nvme", True, 8, 2, 1),
-    (0, None, False, 8, 2, 2),
-    (2, None, True, 4, 2, 2),
-    (3, "cpu", False, 8, 2, 2),
+    (0, None, False, 8, 1, 1, 1),
+    (0, None, True, 4, 1, 1, 1),
+    (1, None, True, 8, 1, 1, 1),
+    (2, None, False, 4, 1, 1, 1),
+    (2, None, True, 4, 1, 1, 1),
+    (3, None, False, 8, 1, 1, 1),
+    (1, "cpu", True, 4, 1, 1, 1),
+    (3, "cpu", False, 8, 1, 1, 1),
+    (2, "nvme", False, 8, 1, 1, 1),
+    (3, "nvme", True, 4, 1, 1, 1),
+    (0, None, False, 8, 2, 1, 1),
+    (0, None, True, 4, 2, 1, 1),
+    (1, None, False, 4, 2, 1, 1),
+    (2, None, False, 8, 2, 1, 1),
+    (3, None, False, 4, 2, 1, 1),
+    (3, None, True, 8, 2, 1, 1),
+    (1, "cpu", False, 8, 2, 1, 1),
+    (2, "cpu", True, 4, 2, 1, 1),
+    (3, "cpu", True, 4, 2, 1, 1),
+    (1, "nvme", False, 4, 2, 1, 1),
+    (2, "nvme", True, 4, 2, 1, 1),
+    (3, "nvme", True, 8, 2, 1, 1),
+    (0, None, False, 8, 2, 2, 1),
+    (2, None, True, 4, 2, 2, 1),
+    (3, "cpu", False, 8, 2, 2, 1),
+    (1, None, False, 4, 2, 1, 2),
+    (2, None, False, 8, 2, 1, 2),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 25 jobs of 2 steps, each a torchrun start
+@pytest.mark.timeout(1500)  # 27 jobs of 2 steps, each a torchrun start
 def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypatch):
     """The cost model's peak memory per rank against a trial's, over a fixed list of configs
     (bench/plan.py also times them, and adds a larger GPT)."""
@@ -169,15 +190,21 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypa
         machine = probe.probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
         if facts.profile is None:  # one process's forward and backward: the same at any world
             facts = with_profiles(
-                load_factory(GPT_DEMO), facts, machine, sizes=lambda tp: [4, 8], vocab=256
+                load_factory(GPT_DEMO),
+                facts,
+                machine,
+                sizes=lambda tp, pp: [4, 8],
+                vocab=256,
+                pipeline_degrees=(2,),
             )
-        for stage, offload, checkpointing, micro, ranks, tp in MEMORY_CONFIGS:
+        for stage, offload, checkpointing, micro, ranks, tp, pp in MEMORY_CONFIGS:
             if ranks != world:
                 continue
-            candidate = Candidate(stage, offload, checkpointing, micro, 1, world, tp)
+            points = facts.pipelines[pp].split_points if pp > 1 else ()
+            candidate = Candidate(stage, offload, checkpointing, micro, pp, world, tp, pp, points)
             config = candidate.config(base, nvme)
             predicted = predict(candidate, facts, machine, Corrections(), config)
-            spec = TrialSpec(GPT_DEMO, config, world, 128, 256, checkpointing)
+            spec = TrialSpec(GPT_DEMO, config, world, 128, 256, checkpointing, points)
             measured = measure_memory(spec)
             label = f"{candidate.label()}, {world} ranks"
             # the model states exactly (the ZeRO formula over a rank's share), within padding
@@ -200,7 +227,7 @@ def _plan_cli(capsys, tmp_path, *extra) -> tuple[int, dict | str, str]:
     from zerotrain import cli
 
     argv = [
-        "plan", "--model", GPT_DEMO, "--seq-len", "128", "--global-batch", "16",
+        "plan", "--model", GPT_TINY, "--seq-len", "64", "--global-batch", "16",
         "--nproc-per-node", "2", "--out", str(tmp_path / "chosen.json"), *extra,
     ]  # fmt: skip
     code = cli.main(argv)
@@ -246,6 +273,28 @@ def test_plan_prices_every_candidate_and_writes_the_fastest_that_fits(
     code, table, _ = _plan_cli(capsys, tmp_path, *batch)
     assert code == 0 and "chosen: the fastest that fits" in table
     assert f"{len(candidates)} candidates" in table
+
+
+def test_plan_with_pipeline_weighs_the_model_cut_into_stages(
+    capsys, tmp_path, monkeypatch, shared_cache
+):
+    """``--pipeline``: the tiny GPT cut in 2 at its blocks is a candidate of its own (the
+    stages it runs on, where it is cut, its predictions), beside the undivided model's."""
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
+    code, plan, err = _plan_cli(capsys, tmp_path, "--json", "--pipeline", "--global-batch", "4")
+    assert code == 0, err
+    assert "cut into 2 pipeline stages" in err
+    candidates = plan["candidates"]
+    piped = [c for c in candidates if c["pipeline"]]
+    # stages 0-2 x micro-batches 1 and 2 (2 or more a step); its stages share the tied embedding
+    assert len(piped) == 3 * 2
+    for candidate in piped:
+        assert candidate["pipeline"] == {"stages": 2, "split_points": ["blocks.2"]}
+        assert candidate["config"]["pipeline"] == {"schedule": "1f1b"}
+        assert candidate["config"]["train_batch_size"] == 4
+        assert candidate["peak_memory_bytes"] > candidate["model_state_bytes"] > 0
+        assert candidate["step_time_s"] > 0
+    assert all(c["pipeline"] is None for c in candidates if not c["label"].startswith("pp "))
 
 
 def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch, shared_cache):
@@ -387,6 +436,66 @@ def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():
     assert kept == {"tensor_parallel": {"sequence_parallel": False}}
 
 
+def test_a_pipeline_cut_counts_each_stage_and_times_its_share():
+    """The tiny GPT (4 blocks, its head tied to its embedding) cut in 2 before blocks.2: each
+    stage holds its layers, both the tied embedding; the stages' saved bytes add up to the
+    whole model's (the model probe's count); the residual stream crosses the cut."""
+    import torch
+
+    from zerotrain.estimate.factory import load_factory
+    from zerotrain.plan.model_probe import profile_model
+    from zerotrain.plan.pipeline_share import cut_points, pipeline_share
+
+    tiny = load_factory(GPT_TINY)
+    model = tiny()
+    assert cut_points(model, 2) == (("blocks.2",), 4)
+    assert cut_points(model, 3) == (("blocks.1", "blocks.2"), 4)
+    with pytest.raises(ValueError, match="its 4 blocks .blocks. are fewer than 5 stages"):
+        cut_points(model, 5)
+    with pytest.raises(ValueError, match="no list of blocks"):
+        cut_points(torch.nn.Linear(2, 2), 2)
+    options = {"seq_len": 32, "vocab_size": 256, "dtype": torch.float32, "threads": 1}
+    share = pipeline_share(tiny, 2, micro_batches=[1, 2], **options)
+    embedding = model.token_embedding.weight.numel()
+    whole = sum(p.numel() for p in model.parameters())  # the tied head once
+    assert share.split_points == ("blocks.2",) and share.blocks == 4
+    assert share.shared_elements == embedding
+    assert sum(c.trainable for c in share.counts) == whole + embedding  # held by both stages
+    assert share.boundary_elements == model.config.n_embd
+    whole_profile = profile_model(tiny, micro_batches=[1, 2], **options)
+    for micro in (1, 2):
+        stages = share.stages[micro]
+        assert len(stages) == 2 and all(s.forward_s > 0 and s.backward_s > 0 for s in stages)
+        saved = sum(s.saved_bytes for s in stages)
+        assert saved == whole_profile.micro_batches[micro].saved_bytes
+
+
+def test_pipeline_candidates_run_1f1b_over_stages_0_to_2():
+    """A pipeline of 2 over 2 ranks: one data-parallel rank per stage, stages 0-2 (the engine
+    refuses 3), no offload (its stages share the tied embedding), no checkpointing, and at
+    least 2 micro-batches a step; its config asks for 1F1B."""
+    from zerotrain.plan.candidates import enumerate_candidates
+    from zerotrain.plan.pipeline_share import PipelineShare, StageProfile
+
+    stage = StageProfile(1.0, 2.0, 10)
+    share = PipelineShare(2, ("blocks.2",), (), 64, 8, 4, {m: (stage, stage) for m in (1, 2, 4)})
+    found = enumerate_candidates(world=2, global_batch=4, base={}, nvme=True, pipelines={2: share})
+    piped = [c for c in found if c.pp == 2]
+    assert {(c.stage, c.micro_batch, c.accumulation) for c in piped} == {
+        (stage, micro, 4 // micro) for stage in (0, 1, 2) for micro in (1, 2)
+    }
+    assert not any(c.offload or c.activation_checkpointing for c in piped)
+    for candidate in piped:
+        assert candidate.dp == 1 and candidate.split_points == ("blocks.2",)
+        assert candidate.label().startswith("pp 2, stage ")
+        assert candidate.config({})["pipeline"] == {"schedule": "1f1b"}
+    untied = replace(share, shared_elements=0)
+    found = enumerate_candidates(
+        world=2, global_batch=4, base={}, nvme=False, pipelines={2: untied}
+    )
+    assert {c.offload for c in found if c.pp == 2} == {None, "cpu"}
+
+
 @pytest.mark.parametrize(
     ("argv", "base", "message"),
     [
@@ -518,7 +627,7 @@ def test_plan_serves_the_autotuning_section_and_auto_batch_keys(
         },
     }
     (tmp_path / "base.json").write_text(json.dumps(base))
-    argv = ["plan", "--model", GPT_DEMO, "--seq-len", "128", "--nproc-per-node", "2"]
+    argv = ["plan", "--model", GPT_TINY, "--seq-len", "64", "--nproc-per-node", "2"]
     code = cli.main([*argv, "--config", str(tmp_path / "base.json"), "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import random
@@ -121,6 +122,10 @@ def initialize(
     )
     if cfg.zero_optimization.stage == 3:  # before the units are chosen (DeepSpeed: at stage 3)
         apply_leaf_module_config(model, cfg.zero_optimization.leaf_module, warn=comm.rank == 0)
+    if model_stages(model) > 1:
+        # split_model's trace leaves the whole model in reference cycles: free the other
+        # stages' layers before the preflight counts memory and the engine allocates
+        gc.collect()
     plan = optimizer_plan(model, optimizer, model_parameters, cfg, comm.rank)
     # every rank agrees, before any bucket, master or store: [Note: the memory preflight]
     check_memory(model, cfg, plan.groups, plan.build, layout.mesh, device)

@@ -15,7 +15,8 @@ torchrun job of its own, and measured in the terms the planner predicts (``zerot
   activation blocks lie), freed activation blocks stay in the heap, which then grows toward the
   peak for several steps in a way no byte count predicts; and that setting slows a step by up
   to 1.3x (bench/host_allocator.py), so the time is the other job's, under the default.
-- ``model_state_bytes``: rank 0's ``engine.memory_breakdown()["total"]`` after the steps.
+- ``model_state_bytes``: ``engine.memory_breakdown()["total"]`` after the steps, the largest
+  over the ranks (a pipeline's stages hold different layers).
 - ``step_time_s``: the median time of an optimizer step (all its micro-batches, forward,
   backward and step) over the steps from ``first_timed`` on (the first step builds the
   optimizer state and warms the allocator); the slowest rank's.
@@ -58,6 +59,10 @@ class TrialSpec:
     seq_len: int
     vocab_size: int
     activation_checkpointing: bool = False
+    split_points: tuple[str, ...] = ()
+    """A pipeline's cuts: the model is trained as ``split_model(model, ..., split_points)``
+    with ``train_batch`` (see [Note: a pipeline stage's share] in
+    zerotrain/plan/pipeline_share.py)."""
     steps: int = 3
     """Optimizer steps."""
     first_timed: int = 2
@@ -128,7 +133,7 @@ def _has_cuda() -> bool:
 
 # -- the ranks ---------------------------------------------------------------------------------
 def _build(spec: TrialSpec):
-    import torch  # noqa: F401 (the factory's module may need it imported)
+    import torch
 
     from zerotrain.estimate.factory import load_factory
 
@@ -137,15 +142,43 @@ def _build(spec: TrialSpec):
         from zerotrain.activation_checkpointing import wrap
 
         wrap(model)
+    if spec.split_points:
+        from zerotrain.pipe import split_model
+
+        micro = spec.config["train_micro_batch_size_per_gpu"]
+        example = torch.randint(0, spec.vocab_size, (micro, spec.seq_len))
+        return split_model(model, (example,), list(spec.split_points), _pipeline_loss)
     return model
 
 
-def _load_runtime() -> None:
-    """Import what ``initialize`` imports: libraries, not training memory (see [Note: what a
-    trial measures])."""
+def _pipeline_loss(logits, labels):
+    """The loss a pipeline's last stage takes of the model's logits: the language-model loss
+    of ``model(ids, ids)`` (the examples' GPT's, which forward then computes itself)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def _load_runtime(spec: TrialSpec) -> None:
+    """Import what ``initialize`` imports (and for a pipeline, what cutting the model loads:
+    torch.export's modules and state for the model's operators, cut once and dropped):
+    libraries, not training memory (see [Note: what a trial measures])."""
+    import gc
+
+    import torch
     import torch._dynamo  # noqa: F401 (pulled in by the optimizer's and DeviceMesh's code)
 
     import zerotrain.api  # noqa: F401
+    from zerotrain.accelerator import release_free_host_memory
+    from zerotrain.estimate.factory import load_factory
+    from zerotrain.pipe.split import cut_model
+
+    if spec.split_points:
+        example = torch.zeros(1, spec.seq_len, dtype=torch.long)
+        cut_model(load_factory(spec.model)(), (example,), list(spec.split_points))
+        torch._dynamo.reset()  # its caches would keep that model, and the next cut's, alive
+        gc.collect()
+        release_free_host_memory()  # the model it built: not a heap the training then reuses
 
 
 def _worker(spec: TrialSpec, out: Path) -> None:
@@ -154,10 +187,11 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     import zerotrain
     from zerotrain.accelerator import current_rss, peak_rss
     from zerotrain.comm import Communicator
+    from zerotrain.pipe.engine import PipelineEngine
 
     zerotrain.init_distributed(verbose=False)
     comm = Communicator()
-    _load_runtime()
+    _load_runtime(spec)
     cuda = torch.cuda.is_available()
     start_rss = current_rss() or 0
     torch.manual_seed(0)
@@ -180,10 +214,13 @@ def _worker(spec: TrialSpec, out: Path) -> None:
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        for ids in batches:
-            loss = loss_of(engine, ids.to(engine.device), hf)
-            engine.backward(loss)
-            engine.step()
+        if isinstance(engine, PipelineEngine):  # the first stage reads the inputs, the last
+            engine.train_batch(iter([(ids, ids) for ids in batches]))  # the labels
+        else:
+            for ids in batches:
+                loss = loss_of(engine, ids.to(engine.device), hf)
+                engine.backward(loss)
+                engine.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
@@ -193,12 +230,14 @@ def _worker(spec: TrialSpec, out: Path) -> None:
         peak = (peak_rss() or 0) - start_rss
     step = statistics.median(times[spec.first_timed - 1 :] or times)
     steal = _steal_since(cpu_at_start)
-    mine = torch.tensor([float(peak), step, steal], dtype=torch.float64, device=comm.device)
+    states = engine.memory_breakdown()["total"]
+    mine = torch.tensor(
+        [float(peak), float(states), step, steal], dtype=torch.float64, device=comm.device
+    )
     comm.all_reduce(mine, op="max", name="plan_trial")
     if comm.rank == 0:
-        total = engine.memory_breakdown()["total"]
-        slowest = mine.tolist()  # the largest peak, step and steal over the ranks
-        measured = Measured(int(slowest[0]), int(total), slowest[1], slowest[2])
+        largest = mine.tolist()  # the largest peak, model states, step and steal over the ranks
+        measured = Measured(int(largest[0]), int(largest[1]), largest[2], largest[3])
         out.write_text(json.dumps(asdict(measured)))
     comm.barrier()
 

@@ -16,7 +16,8 @@ DEFAULT_OUT = "ds_config.plan.json"
 
 PARSER: ParserSpec = {
     "help": "choose the ZeRO config that fits and trains fastest, from a probe of this machine",
-    "description": "Enumerates tensor-parallel degree, ZeRO stage, optimizer offload, "
+    "description": "Enumerates tensor-parallel degree (and with --pipeline the pipeline "
+    "degree), ZeRO stage, optimizer offload, "
     "activation checkpointing and micro-batch for the model and global batch, predicts each "
     "one's peak memory per rank and step time on this machine (measured rates, cached), drops "
     "those that do not fit, and writes the fastest as a ds_config. See docs/plan.md.",
@@ -108,6 +109,18 @@ def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
     return shared
 
 
+def _pipeline_degrees(args: argparse.Namespace, world: int) -> tuple[int, ...]:
+    """The pipeline degrees ``--pipeline`` weighs: those above 1 that divide the ranks and
+    leave data-parallel ranks that share the global batch."""
+    from zerotrain.plan.candidates import shares_batch
+
+    return tuple(
+        d
+        for d in range(2, world + 1)
+        if shares_batch(d, world=world, global_batch=args.global_batch)
+    )
+
+
 def _ranks(args: argparse.Namespace) -> int:
     return args.nproc_per_node or args.gpus_per_node or 1
 
@@ -164,29 +177,39 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         return fail(f"the machine probe failed: {error}", 1)
     machine = with_current_memory(machine)
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
+    pipelines = _pipeline_degrees(args, world) if args.pipeline else ()
+    if args.pipeline and not vocab:
+        say("--pipeline needs --vocab-size (the model has no config that says it): not planned")
     if vocab:
         whole = 1 in args.tp_degrees  # a fixed degree above 1 leaves the whole model unused
         timed = ["whole"] * whole + [
             f"tensor-parallel share at {tp}" for tp in sorted(facts.shares)
         ]
+        timed += [f"cut into {pp} pipeline stages" for pp in pipelines]
         say(f"timing the model's forward and backward: {', '.join(timed)}")
 
-        def failed(tp: int, why: str) -> None:
-            if tp == 1:
+        def failed(what: str, why: str) -> None:
+            if what == "the whole model":
                 say(f"the model probe failed ({why}); pricing by FLOPs")
             else:
-                say(f"tensor parallelism at degree {tp} not planned: its probe failed ({why})")
+                say(f"{what} not planned: {why}")
+
+        def sizes(tp: int, pp: int) -> list[int]:
+            dp = world // (tp * pp)
+            per_rank = args.global_batch // dp
+            # a pipeline runs at least as many micro-batches a step as it has stages
+            found = micro_batches(world=dp, global_batch=args.global_batch, base=base)
+            return [m for m in found if per_rank // m >= pp]
 
         facts = with_profiles(
             load_factory(args.model),
             facts,
             machine,
-            sizes=lambda tp: micro_batches(
-                world=world // tp, global_batch=args.global_batch, base=base
-            ),
+            sizes=sizes,
             vocab=vocab,
             failed=failed,
             whole=whole,
+            pipeline_degrees=pipelines,
         )
     try:
         plan = make_plan(
@@ -217,6 +240,14 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         print(_table(plan, args.top))
         if args.out:
             print(f"wrote the chosen config to {args.out}")
+        pipeline = plan.best.pipeline()
+        if pipeline:
+            print(
+                f"the chosen config trains the model as a pipeline of {pipeline['stages']} "
+                f"stages: zerotrain.pipe.split_model(model, (one micro-batch of ids,), "
+                f"{pipeline['split_points']}, loss_fn), trained with engine.train_batch "
+                "(docs/parallelism.md)"
+            )
     return 0
 
 
@@ -241,6 +272,7 @@ def _verify(plan, args: argparse.Namespace, facts, machine, vocab, say) -> None:
             seq_len=args.seq_len,
             vocab_size=vocab,
             activation_checkpointing=planned.candidate.activation_checkpointing,
+            split_points=planned.candidate.split_points,
             steps=args.tuning.end_profile_step,
             first_timed=args.tuning.start_profile_step,
             env={"OMP_NUM_THREADS": str(machine.threads)},  # what the prediction assumed
@@ -326,7 +358,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and refine the model's constants for the next plan on this machine",
     )
     parser.add_argument(
-        "--vocab-size", type=positive_int, help="--verify's token ids (default: the model's)"
+        "--vocab-size",
+        type=positive_int,
+        help="the token ids of --verify and of the model probe (default: the model's)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="weigh pipeline parallelism too: the model cut into stages at its blocks (it must "
+        "trace as one graph and return logits from model(ids)); the script then trains it as "
+        "zerotrain.pipe.split_model(...) with engine.train_batch",
     )
     parser.add_argument(
         "--out",

@@ -170,11 +170,12 @@ class PipelineModule(nn.Module):
         # accepted: every message between stages carries its shapes, as DeepSpeed's
         # dynamic_shape=True sends them (see comm/stage_messages.py)
         self.dynamic_shape = dynamic_shape
-        self._specs = list(layers)
-        self.parts = partition(self._specs, num_stages * stages_per_rank, partition_method)
+        # not kept: layers given as modules would keep every stage's parameters alive
+        specs = list(layers)
+        self.parts = partition(specs, num_stages * stages_per_rank, partition_method)
         self.tied_modules = nn.ModuleDict()
         self._stages_of_key: dict[str, set[int]] = {}  # tied key -> the stages using it
-        for index, spec in enumerate(self._specs):
+        for index, spec in enumerate(specs):
             if isinstance(spec, TiedLayerSpec):
                 self._stages_of_key.setdefault(spec.key, set()).add(stage_of(self.parts, index))
         self._runs: list[list[Callable[[Any], Any]]] = []  # per chunk
@@ -183,7 +184,7 @@ class PipelineModule(nn.Module):
             for index in self.stage_layers(stage):
                 if seed_layers:
                     torch.manual_seed(base_seed + index)
-                runs.append(self._build(index, self._specs[index]))
+                runs.append(self._build(index, specs[index]))
             self._runs.append(runs)
 
     def _build(self, index: int, spec: Any) -> Callable[[Any], Any]:

@@ -46,6 +46,32 @@ def split_model(
     ``PipelineModule`` (``options`` go to it: the stage placement, the activation
     checkpoint interval, ...). ``example_inputs``: one micro-batch's inputs, as ``model`` takes
     them (see [Note: splitting a model by module names])."""
+    total = len(split_points) + 1
+    if total % stages_per_rank:
+        raise ConfigError(
+            f"split_model: {total} stages ({len(split_points)} split points) do not divide "
+            f"into {stages_per_rank} stages per rank"
+        )
+    stages = cut_model(model, example_inputs, split_points)
+    pipe = PipelineModule(
+        stages,
+        num_stages=total // stages_per_rank,
+        loss_fn=loss_fn,
+        partition_method="uniform",
+        stages_per_rank=stages_per_rank,
+        **options,
+    )
+    for name, (param, used_by) in shared_parameters(stages).items():
+        pipe.tie_parameter(name, param, used_by)
+    return pipe
+
+
+def cut_model(
+    model: nn.Module, example_inputs: tuple, split_points: Sequence[str]
+) -> list[nn.Module]:
+    """``model`` traced with ``example_inputs`` and cut before each module of ``split_points``:
+    one graph module per stage, holding ``model``'s own parameters and buffers (ConfigError
+    where it cannot be: see [Note: splitting a model by module names])."""
     # torch.distributed.pipelining: imported by the models that are split (see pipe/engine.py)
     from zerotrain.comm.pipeline import stage_inputs, trace_stages
 
@@ -58,11 +84,6 @@ def split_model(
             f"{[n for n, _ in model.named_children()][:3]}"
         )
     total = len(split_points) + 1
-    if total % stages_per_rank:
-        raise ConfigError(
-            f"split_model: {total} stages ({len(split_points)} split points) do not divide "
-            f"into {stages_per_rank} stages per rank"
-        )
     try:
         stages = trace_stages(model, tuple(example_inputs), split_points)
     except Exception as error:
@@ -85,17 +106,7 @@ def split_model(
                 "one: move the split point where one tensor flows"
             )
     _use_model_tensors(stages, model)
-    pipe = PipelineModule(
-        stages,
-        num_stages=total // stages_per_rank,
-        loss_fn=loss_fn,
-        partition_method="uniform",
-        stages_per_rank=stages_per_rank,
-        **options,
-    )
-    for name, (param, used_by) in _shared(stages).items():
-        pipe.tie_parameter(name, param, used_by)
-    return pipe
+    return stages
 
 
 def _use_model_tensors(stages: list[nn.Module], model: nn.Module) -> None:
@@ -119,7 +130,7 @@ def _use_model_tensors(stages: list[nn.Module], model: nn.Module) -> None:
                     owner.register_buffer(attribute, original, persistent=kept)
 
 
-def _shared(stages: list[nn.Module]) -> dict[str, tuple[nn.Parameter, set[int]]]:
+def shared_parameters(stages: list[nn.Module]) -> dict[str, tuple[nn.Parameter, set[int]]]:
     """Parameters several stages use (an output projection tied to the input embedding), by
     their name in the first stage that uses them, with the stages using them."""
     first: dict[int, str] = {}

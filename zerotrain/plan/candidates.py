@@ -1,13 +1,15 @@
-"""The configs the planner weighs: each a tensor-parallel degree, a ZeRO stage, an offload
-device, activation checkpointing on or off and a micro-batch, over the launch's ranks; the keys
-a user fixed in ``--config`` hold in every one."""
+"""The configs the planner weighs: each a tensor- or pipeline-parallel degree, a ZeRO stage, an
+offload device, activation checkpointing on or off and a micro-batch, over the launch's ranks;
+the keys a user fixed in ``--config`` hold in every one."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zerotrain.plan.autotuning import read_autotuning
+from zerotrain.plan.pipeline_share import PipelineShare
 
 __all__ = [
     "Candidate",
@@ -27,7 +29,8 @@ OFFLOADS = (None, "cpu", "nvme")
 class Candidate:
     """One config: ``micro_batch`` samples per data-parallel rank and ``accumulation``
     micro-batches per optimizer step, over ``world`` ranks in groups of ``tp`` tensor-parallel
-    peers (neighbours), which read the same samples."""
+    peers (neighbours), which read the same samples, and ``pp`` pipeline stages (the model cut
+    by ``split_points``, run under 1F1B: each stage's ranks train its share)."""
 
     stage: int
     offload: str | None
@@ -36,11 +39,14 @@ class Candidate:
     accumulation: int
     world: int
     tp: int = 1
+    pp: int = 1
+    split_points: tuple[str, ...] = ()
+    """Where the pipeline's stages after the first start (modules of the model)."""
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: what ZeRO shards over and the batch is split over."""
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     @property
     def global_batch(self) -> int:
@@ -48,6 +54,7 @@ class Candidate:
 
     def label(self) -> str:
         parts = [f"tp {self.tp}"] if self.tp > 1 else []
+        parts += [f"pp {self.pp}"] if self.pp > 1 else []
         parts.append(f"stage {self.stage}")
         if self.offload:
             parts.append(f"offload {self.offload}")
@@ -82,6 +89,8 @@ class Candidate:
         tensor = section(out, "tensor_parallel")
         if self.tp > 1 or "autotp_size" in tensor:
             out["tensor_parallel"] = {**tensor, "autotp_size": self.tp}
+        if self.pp > 1:  # the schedule the cost model prices; the stages are the model's
+            out["pipeline"] = {**section(out, "pipeline"), "schedule": "1f1b"}
         return out
 
 
@@ -168,33 +177,66 @@ def micro_batches(*, world: int, global_batch: int, base: dict) -> list[int]:
 def batch_sharing_degrees(
     degrees: tuple[int, ...], *, world: int, global_batch: int
 ) -> tuple[int, ...]:
-    """The tensor-parallel degrees of ``degrees`` that divide ``world`` and whose data-parallel
-    ranks (``world`` / degree) share ``global_batch`` evenly."""
-    return tuple(d for d in degrees if world % d == 0 and global_batch % (world // d) == 0)
+    """The tensor-parallel degrees of ``degrees`` whose data-parallel ranks share
+    ``global_batch`` (:func:`shares_batch`)."""
+    return tuple(d for d in degrees if shares_batch(d, world=world, global_batch=global_batch))
+
+
+def shares_batch(model_parallel: int, *, world: int, global_batch: int) -> bool:
+    """Whether ``model_parallel`` ranks (the tensor- times the pipeline-parallel degree) divide
+    ``world``, and the data-parallel ranks left (``world`` / it) share ``global_batch``
+    evenly."""
+    return world % model_parallel == 0 and global_batch % (world // model_parallel) == 0
 
 
 def enumerate_candidates(
-    *, world: int, global_batch: int, base: dict, nvme: bool, tp_degrees: tuple[int, ...] = (1,)
+    *,
+    world: int,
+    global_batch: int,
+    base: dict,
+    nvme: bool,
+    tp_degrees: tuple[int, ...] = (1,),
+    pipelines: Mapping[int, PipelineShare] | None = None,
 ) -> list[Candidate]:
     """Every candidate over ``world`` ranks that trains ``global_batch`` samples a step: each
-    tensor-parallel degree of ``tp_degrees`` whose data-parallel ranks share the batch evenly,
-    stages 0-3, offload none / cpu / nvme (``nvme``: a path is given; offload needs stage
-    1-3), checkpointing off / on, and every micro-batch that divides the batch per
-    data-parallel rank; what ``base`` fixes is held."""
+    tensor-parallel degree of ``tp_degrees`` and each pipeline of ``pipelines`` (by degree)
+    whose data-parallel ranks share the batch evenly, stages 0-3 (0-2 in a pipeline, which
+    refuses 3), offload none / cpu / nvme (``nvme``: a path is given; offload needs stage 1-3,
+    and a pipeline whose stages share no parameter), checkpointing off / on (off in a
+    pipeline: not priced yet), and every micro-batch that divides the batch per
+    data-parallel rank (in a pipeline, one its stages were timed at, in at least as many
+    micro-batches as stages, as 1F1B needs); what ``base`` fixes is held."""
     fixed = fixed_keys(base)
+    layouts = [(tp, None) for tp in tp_degrees]
+    layouts += [(1, share) for _, share in sorted((pipelines or {}).items())]
     out = []
-    for tp in batch_sharing_degrees(tp_degrees, world=world, global_batch=global_batch):
-        dp = world // tp
+    for tp, share in layouts:
+        pp = share.degree if share is not None else 1
+        if not shares_batch(tp * pp, world=world, global_batch=global_batch):
+            continue
+        dp = world // (tp * pp)
         per_rank = global_batch // dp
         sizes = micro_batches(world=dp, global_batch=global_batch, base=base)
-        for stage in (0, 1, 2, 3):
+        for stage in (0, 1, 2) if share else (0, 1, 2, 3):
             for offload in OFFLOADS:
-                if offload and stage == 0 or offload == "nvme" and not nvme:
+                if offload and (stage == 0 or share and share.shared_elements):
                     continue
-                for checkpointing in (False, True):
+                if offload == "nvme" and not nvme:
+                    continue
+                for checkpointing in (False,) if share else (False, True):
                     for micro in sizes:
+                        if per_rank // micro < pp or share and micro not in share.stages:
+                            continue
                         candidate = Candidate(
-                            stage, offload, checkpointing, micro, per_rank // micro, world, tp
+                            stage,
+                            offload,
+                            checkpointing,
+                            micro,
+                            per_rank // micro,
+                            world,
+                            tp,
+                            pp,
+                            share.split_points if share else (),
                         )
                         if all(getattr(candidate, k) == v for k, v in fixed.items()):
                             out.append(candidate)

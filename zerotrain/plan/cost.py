@@ -57,6 +57,7 @@ from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.stages import largest_bucket
 from zerotrain.plan.candidates import Candidate
 from zerotrain.plan.model_probe import ModelProfile
+from zerotrain.plan.pipeline_share import PipelineShare
 from zerotrain.plan.probe import Machine
 from zerotrain.plan.tensor_share import TensorShare
 from zerotrain.zero.nvme import sub_group_numel
@@ -103,6 +104,9 @@ class ModelFacts:
     """Measured compute and activations, where the model could be built here."""
     shares: dict[int, TensorShare] = field(default_factory=dict)
     """Tensor-parallel degree (> 1) -> rank 0's share of the model, for each that splits it."""
+    pipelines: dict[int, PipelineShare] = field(default_factory=dict)
+    """Pipeline degree (> 1) -> the model cut into that many stages, where it was cut and
+    profiled here."""
 
     def shape(self, micro_batch: int, tp: int = 1) -> TransformerShape | None:
         """The shape Korthikanti's formula takes; at tensor-parallel degree ``tp`` a rank's
@@ -158,13 +162,12 @@ class Prediction:
         return asdict(self)
 
 
-def _job(candidate: Candidate, facts: ModelFacts, zero: dict) -> TrainingJob:
-    """The estimator's job for ``candidate``: a rank's share of the model over the
-    data-parallel ranks, with the sizes its config's ``zero`` section sets (DeepSpeed's
-    defaults otherwise)."""
+def _job(candidate: Candidate, facts: ModelFacts, zero: dict, count: ParameterCount) -> TrainingJob:
+    """The estimator's job for ``candidate``: a rank's share of the model (``count``: its
+    tensor-parallel share, or its pipeline stage's) over the data-parallel ranks, with the
+    sizes its config's ``zero`` section sets (DeepSpeed's defaults otherwise)."""
     from zerotrain.config import ZERO_DEFAULTS
 
-    count, _ = facts.share(candidate.tp)
     offload = zero.get("offload_optimizer", {})
     return TrainingJob.for_model(
         count,
@@ -193,10 +196,13 @@ def predict(
 ) -> Prediction:
     """``candidate``'s cost on ``machine`` (see [Note: the planner's cost model]), with the
     sizes its ds_config ``config`` sets."""
-    job = _job(candidate, facts, (config or {}).get("zero_optimization", {}))
-    (row,) = estimate(job)
+    zero = (config or {}).get("zero_optimization", {})
+    if candidate.pp > 1:
+        return _predict_pipeline(candidate, facts, machine, corrections, zero)
     count, profile = facts.share(candidate.tp)
-    psi, dp = count.trainable, candidate.dp
+    job = _job(candidate, facts, zero, count)
+    (row,) = estimate(job)
+    psi = count.trainable
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     checkpointing = candidate.activation_checkpointing
     measured = profile.micro_batches.get(candidate.micro_batch) if profile else None
@@ -232,15 +238,7 @@ def predict(
     comm = _comm_seconds(candidate, psi, element, machine)
     if candidate.tp > 1:
         comm += _tensor_parallel_seconds(candidate, facts, element, machine)
-    partition = psi if candidate.stage == 0 else -(-psi // dp)
-    adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
-        machine.adam_elements_per_s.values()
-    )
-    optimizer = partition / adam_rate
-    if candidate.offload == "nvme" and machine.disk_read_bytes_per_s:
-        state = partition * (4 + 8)  # fp32 master and Adam's two moments
-        write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
-        optimizer += state / machine.disk_read_bytes_per_s + state / write
+    optimizer = _optimizer_seconds(candidate, psi, machine)
     return Prediction(
         peak_memory_bytes=int(memory),
         model_state_bytes=int(row.model_states),
@@ -250,6 +248,84 @@ def predict(
         comm_s=comm,
         optimizer_s=optimizer,
     )
+
+
+def _optimizer_seconds(candidate: Candidate, psi: int, machine: Machine) -> float:
+    """The optimizer step over a rank's partition of ``psi`` elements: fused AdamW at the
+    probed CPU rate, and with NVMe offload its working file read and written."""
+    partition = psi if candidate.stage == 0 else -(-psi // candidate.dp)
+    adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
+        machine.adam_elements_per_s.values()
+    )
+    seconds = partition / adam_rate
+    if candidate.offload == "nvme" and machine.disk_read_bytes_per_s:
+        state = partition * (4 + 8)  # fp32 master and Adam's two moments
+        write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
+        seconds += state / machine.disk_read_bytes_per_s + state / write
+    return seconds
+
+
+def _predict_pipeline(
+    candidate: Candidate,
+    facts: ModelFacts,
+    machine: Machine,
+    corrections: Corrections,
+    zero: dict,
+) -> Prediction:
+    """A pipeline candidate's cost (:func:`predict` per stage, run under 1F1B: see [Note: the
+    planner's cost model]): the largest stage's memory and model states, and the step of the
+    schedule over the stages' measured shares."""
+    share = facts.pipelines[candidate.pp]
+    stages = share.stages[candidate.micro_batch]
+    element = 2 if facts.dtype in ("bf16", "fp16") else 4
+    micro, p = candidate.accumulation, candidate.pp
+    crossing = candidate.micro_batch * facts.seq_len * share.boundary_elements * element
+    memory = states = engine = comm = optimizer = 0.0
+    work = []  # per stage, a micro-batch's forward and backward
+    for index, (count, stage) in enumerate(zip(share.counts, stages, strict=True)):
+        job = _job(candidate, facts, zero, count)
+        (row,) = estimate(job)
+        # 1F1B: stage k holds the activations of up to p - k micro-batches, and (but the last)
+        # the output it sent for each, until its gradient comes back
+        sent = crossing if index < p - 1 else 0
+        kept = min(p - index, micro) * (stage.saved_bytes + sent)
+        layer = stage.saved_bytes / max(1, share.blocks // p)
+        cpu = machine.device == "cpu"
+        held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu))
+        if cpu and row.host is not None:
+            held += _host_touched(row.host, job, candidate)
+        memory = max(memory, held + corrections.memory_overhead)
+        states = max(states, row.model_states)
+        psi = count.trainable
+        passes = 1 if candidate.stage < 2 else micro
+        engine = max(engine, passes * psi * corrections.engine_seconds_per_parameter)
+        comm = max(comm, _comm_seconds(candidate, psi, element, machine))
+        optimizer = max(optimizer, _optimizer_seconds(candidate, psi, machine))
+        work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
+    # fill and drain once through every stage, then the slowest stage sets the pace
+    compute = sum(work) + (micro - 1) * max(work)
+    messages = 2 * (micro + p - 2)  # each micro-batch's activation and its gradient, on the way
+    comm += messages * _point_to_point_seconds(crossing, machine)
+    if share.shared_elements:  # a parameter several stages hold: its gradient summed over them
+        link = machine.links.get("all_reduce")
+        if link is not None:
+            volume = share.shared_elements * element
+            comm += link.seconds("all_reduce", ring_sent("all_reduce", volume, 2), 2)
+    return Prediction(
+        peak_memory_bytes=int(memory),
+        model_state_bytes=int(states),
+        step_time_s=compute + engine + comm + optimizer,
+        compute_s=compute,
+        engine_s=engine,
+        comm_s=comm,
+        optimizer_s=optimizer,
+    )
+
+
+def _point_to_point_seconds(nbytes: float, machine: Machine) -> float:
+    """A message from one rank to a neighbour: one hop of the probed all-gather's link."""
+    link = machine.links.get("all_gather")
+    return link.seconds("all_gather", int(nbytes), 2) if link is not None else 0.0
 
 
 def _transient_bytes(

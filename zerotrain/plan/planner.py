@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypeVar
 
 from torch import nn
 
@@ -27,7 +28,9 @@ from zerotrain.plan.autotuning import read_autotuning
 from zerotrain.plan.candidates import Candidate, enumerate_candidates, fixed_keys
 from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict
 from zerotrain.plan.model_probe import ModelProfile, profile_model
+from zerotrain.plan.pipeline_share import pipeline_share
 from zerotrain.plan.probe import Machine, cache_dir
+from zerotrain.precision import DTYPES
 
 __all__ = [
     "Plan",
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 MARGIN = 0.9
+_T = TypeVar("_T")
 
 
 class PlanError(ZeroTrainError, ValueError):
@@ -65,6 +69,7 @@ class Planned:
             "label": self.candidate.label(),
             "config": self.config,
             "activation_checkpointing": self.candidate.activation_checkpointing,
+            "pipeline": self.pipeline(),
             **self.predicted.as_dict(),
             "bound": self.predicted.bound,
             "fits": self.fits,
@@ -73,6 +78,13 @@ class Planned:
         if self.measured is not None:
             out["measured"] = self.measured
         return out
+
+    def pipeline(self) -> dict | None:
+        """How a pipeline candidate's model is cut (``split_model``'s split points), or None."""
+        candidate = self.candidate
+        if candidate.pp == 1:
+            return None
+        return {"stages": candidate.pp, "split_points": list(candidate.split_points)}
 
 
 @dataclass
@@ -143,33 +155,64 @@ def with_profiles(
     facts: ModelFacts,
     machine: Machine,
     *,
-    sizes: Callable[[int], list[int]],
+    sizes: Callable[[int, int], list[int]],
     vocab: int,
-    failed: Callable[[int, str], object] | None = None,
+    failed: Callable[[str, str], object] | None = None,
     whole: bool = True,
+    pipeline_degrees: tuple[int, ...] = (),
 ) -> ModelFacts:
     """``facts`` with the model probe's profile ([Note: the model probe]) of the whole model
-    (unless not ``whole``: no candidate trains it undivided) and of each tensor-parallel share,
-    at the micro-batches ``sizes(degree)``. Where the probe
-    of a degree raises (the user's model), ``failed`` hears why: the whole model is then priced
-    by its FLOPs, and a share is dropped (training would split it the same way)."""
+    (unless not ``whole``: no candidate trains it undivided), of each tensor-parallel share,
+    and of the model cut into each of ``pipeline_degrees`` stages ([Note: a pipeline stage's
+    share]), at the micro-batches ``sizes(tp, pp)``. Where the probe of a layout raises (the
+    user's model), ``failed`` hears its name and why: the whole model is then priced by its
+    FLOPs, and a tensor-parallel share or a pipeline is dropped (training would split it the
+    same way)."""
 
-    def probe(tp: int) -> tuple[ModelProfile | None, bool]:
+    def probe(what: str, run: Callable[[], _T]) -> tuple[_T | None, bool]:
         try:
-            measured = profile_if_fits(factory, facts, machine, sizes=sizes(tp), vocab=vocab, tp=tp)
+            return run(), True
         except Exception as error:  # noqa: BLE001 (the user's model, on a real device)
             if failed is not None:
-                failed(tp, f"{type(error).__name__}: {error}")
+                plain = isinstance(error, ValueError)
+                failed(what, str(error) if plain else f"{type(error).__name__}: {error}")
             return None, False
-        return measured, True
 
-    profile, _ = probe(1) if whole else (None, False)
+    def profiled(tp: int) -> Callable[[], ModelProfile | None]:
+        return lambda: profile_if_fits(
+            factory, facts, machine, sizes=sizes(tp, 1), vocab=vocab, tp=tp
+        )
+
+    profile, _ = probe("the whole model", profiled(1)) if whole else (None, False)
     shares = {}
     for tp, share in facts.shares.items():
-        measured, ran = probe(tp)
+        measured, ran = probe(f"tensor parallelism at degree {tp}", profiled(tp))
         if ran:
             shares[tp] = replace(share, profile=measured)
-    return replace(facts, profile=profile, shares=shares)
+    pipelines = {}
+    for pp in pipeline_degrees:
+        what = f"pipeline parallelism at degree {pp}"
+        buildable = buildable_sizes(facts, machine, sizes(1, pp))
+        if not buildable:
+            if failed is not None:
+                failed(what, "the model is too large to cut and time here")
+            continue
+        cut, _ = probe(
+            what,
+            functools.partial(
+                pipeline_share,
+                factory,
+                pp,
+                micro_batches=buildable,
+                seq_len=facts.seq_len,
+                vocab_size=vocab,
+                dtype=DTYPES[machine.dtype],
+                threads=machine.threads,
+            ),
+        )
+        if cut is not None:
+            pipelines[pp] = cut
+    return replace(facts, profile=profile, shares=shares, pipelines=pipelines)
 
 
 def profile_if_fits(
@@ -180,19 +223,9 @@ def profile_if_fits(
     then split to a tensor-parallel rank's share at degree ``tp``) and the micro-batch's
     activations (Korthikanti's formula, where the model's shape is known) fit in half the
     memory it runs in; None where none does (the cost model then counts FLOPs)."""
-    from zerotrain.estimate import activation_bytes
     from zerotrain.plan.tensor_share import split_alone
-    from zerotrain.precision import DTYPES
 
-    memory = machine.host_memory if machine.device == "cpu" else machine.device_memory
-    weights = 16 * facts.count.trainable
-
-    def fits(micro: int) -> bool:
-        shape = facts.shape(micro, tp)
-        activations = activation_bytes(shape).without_checkpointing if shape else 0
-        return weights + activations <= memory // 2
-
-    sizes = [m for m in sizes if fits(m)]
+    sizes = buildable_sizes(facts, machine, sizes, tp)
     if not sizes:
         return None
     return profile_model(
@@ -204,6 +237,27 @@ def profile_if_fits(
         threads=machine.threads,
         prepare=functools.partial(split_alone, degree=tp) if tp > 1 else None,
     )
+
+
+def buildable_sizes(
+    facts: ModelFacts, machine: Machine, sizes: list[int], tp: int = 1
+) -> list[int]:
+    """The micro-batches of ``sizes`` at which the model probe can run the model here: the
+    model, its gradients and their temporaries in fp32 (16 bytes a parameter: it is built whole,
+    then split to a tensor-parallel rank's share at degree ``tp``) and the micro-batch's
+    activations (Korthikanti's formula, where the model's shape is known) within half the
+    memory it runs in."""
+    from zerotrain.estimate import activation_bytes
+
+    memory = machine.host_memory if machine.device == "cpu" else machine.device_memory
+    weights = 16 * facts.count.trainable
+
+    def fits(micro: int) -> bool:
+        shape = facts.shape(micro, tp)
+        activations = activation_bytes(shape).without_checkpointing if shape else 0
+        return weights + activations <= memory // 2
+
+    return [m for m in sizes if fits(m)]
 
 
 def make_plan(
@@ -241,6 +295,7 @@ def make_plan(
         base=base,
         nvme=nvme_path is not None,
         tp_degrees=degrees,
+        pipelines=facts.pipelines,
     ):
         config = candidate.config(base, nvme_path)
         prediction = predict(candidate, facts, machine, corrections, config)
