@@ -1,6 +1,7 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
     python bench/plan.py [--part predictions|pick|deepspeed|both] [--models demo 30m]
+                         [--pipeline-only]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, and tensor-parallel or pipeline
@@ -88,26 +89,32 @@ def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_deg
         machine,
         sizes=lambda tp, pp: sizes,
         vocab=256,
+        failed=_failed,
         pipeline_degrees=pp_degrees,
     )
 
 
-def predictions(models: list[str], nvme: str) -> list[dict]:
+def _failed(what: str, why: str):
+    raise SystemExit(f"bench/plan.py: the model probe of {what} failed: {why}")
+
+
+def predictions(models: list[str], nvme: str, pipeline_only: bool = False) -> list[dict]:
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
     from zerotrain.plan.probe import probe_machine
     from zerotrain.plan_trial import TrialSpec, run_trial
 
+    fixed = [row for row in FIXED if row[6] > 1] if pipeline_only else FIXED
     rows = []
     for name in models:
         spec, seq = MODELS[name]
-        for world in (1, 2):
+        for world in sorted({row[4] for row in fixed}):
             machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
-            sizes = sorted({row[3] for row in FIXED})
-            degrees = tuple({row[5] for row in FIXED if row[4] == world})
-            pipelines = tuple({row[6] for row in FIXED if row[4] == world and row[6] > 1})
+            sizes = sorted({row[3] for row in fixed})
+            degrees = tuple({row[5] for row in fixed if row[4] == world})
+            pipelines = tuple({row[6] for row in fixed if row[4] == world and row[6] > 1})
             facts = _facts(spec, seq, machine, sizes, degrees, pipelines)
-            for stage, offload, checkpointing, micro, ranks, tp, pp in FIXED:
+            for stage, offload, checkpointing, micro, ranks, tp, pp in fixed:
                 if ranks != world:
                     continue
                 points = facts.pipelines[pp].split_points if pp > 1 else ()
@@ -321,6 +328,9 @@ def main() -> None:
         "--part", choices=["predictions", "pick", "deepspeed", "both"], default="both"
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["demo", "30m"])
+    parser.add_argument(
+        "--pipeline-only", action="store_true", help="predictions: the pipeline rows alone"
+    )
     args = parser.parse_args()
     results = {}
     # a probe of its own, not a cache refined by earlier --verify runs
@@ -330,7 +340,7 @@ def main() -> None:
     ):
         os.environ["ZEROTRAIN_CACHE_DIR"] = cache
         if args.part in ("predictions", "both"):
-            results["predictions"] = predictions(args.models, nvme)
+            results["predictions"] = predictions(args.models, nvme, args.pipeline_only)
         if args.part in ("pick", "both"):
             results["pick"] = pick()
         if args.part == "deepspeed":

@@ -110,6 +110,7 @@ def test_train_gpt_help_shows_the_defaults():
     assert "the newest 2 are kept, older ones deleted (checkpoint.keep_last)" in text
 
 
+@pytest.mark.slow  # 12 s; tests/test_moe.py trains expert parallelism against one process
 def test_train_gpt_with_experts_spread_over_two_processes():
     """The example GPT with MoE layers of 4 experts in every other block, 2 on each rank."""
     moe = ["examples/train_gpt.py", "--model", "tiny", "--experts", "4", "--ep", "2"]

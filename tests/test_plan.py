@@ -61,6 +61,10 @@ def test_the_probe_measures_this_machine_once_and_caches_it(tmp_path, monkeypatc
     assert probe._key("fp32", 1, 1, None) != probe._key("fp32", 1, 2, None)
 
 
+def _raise(what: str, why: str):
+    raise AssertionError(f"{what}: {why}")
+
+
 def _config(stage: int, micro: int = 4, accumulation: int = 1) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
@@ -105,6 +109,7 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
         machine,
         sizes=lambda tp, pp: [2],
         vocab=256,
+        failed=_raise,
         whole=False,
         pipeline_degrees=(2,),
     )
@@ -195,6 +200,7 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypa
                 machine,
                 sizes=lambda tp, pp: [4, 8],
                 vocab=256,
+                failed=_raise,
                 pipeline_degrees=(2,),
             )
         for stage, offload, checkpointing, micro, ranks, tp, pp in MEMORY_CONFIGS:
@@ -295,6 +301,13 @@ def test_plan_with_pipeline_weighs_the_model_cut_into_stages(
         assert candidate["peak_memory_bytes"] > candidate["model_state_bytes"] > 0
         assert candidate["step_time_s"] > 0
     assert all(c["pipeline"] is None for c in candidates if not c["label"].startswith("pp "))
+    # a base whose fixed keys no pipeline candidate has is told so, before any model is cut
+    (tmp_path / "base.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    extra = ("--json", "--pipeline", "--config", str(tmp_path / "base.json"))
+    code, plan, err = _plan_cli(capsys, tmp_path, *extra)
+    assert code == 0, err
+    assert "pipelines not planned: --config fixes ZeRO stage 3, which a pipeline refuses" in err
+    assert "pipeline stages" not in err and not any(c["pipeline"] for c in plan["candidates"])
 
 
 def test_plan_keeps_what_the_base_config_fixes(capsys, tmp_path, monkeypatch, shared_cache):

@@ -199,8 +199,10 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     engine, *_ = zerotrain.initialize(model=model, config=spec.config)
     micro = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
-    # tensor-parallel peers (neighbouring ranks) read the same samples
-    generator = torch.Generator().manual_seed(comm.rank // engine.mp_world_size)
+    # by data-parallel index: tensor-parallel peers (neighbours) and a pipeline's stages (the
+    # outermost axis) read the same samples
+    data_index = (comm.rank // engine.mp_world_size) % engine.dp_world_size
+    generator = torch.Generator().manual_seed(data_index)
     hf = is_hf_causal_lm(model)
     times = []
     cpu_at_start = None

@@ -109,11 +109,28 @@ def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
     return shared
 
 
-def _pipeline_degrees(args: argparse.Namespace, world: int) -> tuple[int, ...]:
+def _pipeline_degrees(args: argparse.Namespace, base: dict, world: int, say) -> tuple[int, ...]:
     """The pipeline degrees ``--pipeline`` weighs: those above 1 that divide the ranks and
-    leave data-parallel ranks that share the global batch."""
-    from zerotrain.plan.candidates import shares_batch
+    leave data-parallel ranks that share the global batch; none (``say`` tells why) where
+    ``base`` fixes what no pipeline candidate is (see docs/plan.md, "Pipelines")."""
+    from zerotrain.plan.candidates import fixed_keys, section, shares_batch
 
+    fixed = fixed_keys(base)
+    schedule = section(base, "pipeline").get("schedule", "1f1b")
+    why = None
+    if fixed.get("stage") == 3:
+        why = "--config fixes ZeRO stage 3, which a pipeline refuses"
+    elif fixed.get("activation_checkpointing"):
+        why = "--config checkpoints activations, which the planner does not price in a pipeline"
+    elif fixed.get("tp", 1) > 1:
+        why = "--config fixes tensor parallelism, which the planner does not combine with one"
+    elif section(base, "torch_autocast").get("enabled"):
+        why = "--config enables torch_autocast, which a pipeline refuses"
+    elif schedule != "1f1b":
+        why = f"--config asks for pipeline.schedule {schedule}; the planner prices 1f1b"
+    if why:
+        say(f"pipelines not planned: {why}")
+        return ()
     return tuple(
         d
         for d in range(2, world + 1)
@@ -130,6 +147,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     from zerotrain.plan.candidates import micro_batches, training_dtype
     from zerotrain.plan.jobs import JobError
     from zerotrain.plan.planner import (
+        WHOLE_MODEL,
         PlanError,
         load_corrections,
         make_plan,
@@ -177,7 +195,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         return fail(f"the machine probe failed: {error}", 1)
     machine = with_current_memory(machine)
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
-    pipelines = _pipeline_degrees(args, world) if args.pipeline else ()
+    pipelines = _pipeline_degrees(args, base, world, say) if args.pipeline else ()
     if args.pipeline and not vocab:
         say("--pipeline needs --vocab-size (the model has no config that says it): not planned")
     if vocab:
@@ -189,7 +207,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         say(f"timing the model's forward and backward: {', '.join(timed)}")
 
         def failed(what: str, why: str) -> None:
-            if what == "the whole model":
+            if what == WHOLE_MODEL:
                 say(f"the model probe failed ({why}); pricing by FLOPs")
             else:
                 say(f"{what} not planned: {why}")

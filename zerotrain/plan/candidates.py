@@ -7,9 +7,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zerotrain.plan.autotuning import read_autotuning
-from zerotrain.plan.pipeline_share import PipelineShare
+
+if TYPE_CHECKING:
+    from zerotrain.plan.pipeline_share import PipelineShare
 
 __all__ = [
     "Candidate",

@@ -42,6 +42,16 @@ parameters, its measured compute and activations), ZeRO and its collectives run 
 world / t data-parallel ranks, and the share's all-reduces of activations are added to the
 collectives (:func:`_tensor_parallel_seconds`).
 
+A pipeline of p stages ([Note: a pipeline stage's share] in zerotrain/plan/pipeline_share.py):
+each stage's parameters stand for the model in the memory terms, with the activations of the
+micro-batches 1F1B keeps in flight on it (p on the first stage, one fewer on each next, and
+for each the output it sent, until its gradient returns); the peak and the model states are
+the largest stage's. The step is 1F1B's over the stages' measured shares: every stage once
+(fill and drain), then the slowest stage for each further micro-batch; each micro-batch's
+activation and gradient crossing a cut, one hop of the probed all-gather link; the largest
+stage's data-parallel collectives, engine work and optimizer step; and the gradient
+all-reduce of the parameters two stages hold (a tied embedding).
+
 ``zerotrain plan --verify`` measures the top candidates and moves the two corrections toward
 what it measured (:func:`refine`), kept with the machine's probe for the next run.
 """
@@ -228,10 +238,7 @@ def predict(
     transient = _transient_bytes(candidate, job, kept, layer, element, machine.device == "cpu")
     memory = row.peak_with(transient)
     compute *= corrections.compute_scale
-    # the engine's own work: once a step at stages 0-1 (the boundary's buckets), every
-    # micro-batch at 2-3 (each backward's reduce-scatter)
-    passes = 1 if candidate.stage < 2 else candidate.accumulation
-    engine = passes * psi * corrections.engine_seconds_per_parameter
+    engine = _engine_seconds(candidate, psi, corrections)
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
         memory += _host_touched(row.host, job, candidate) if row.host is not None else 0
@@ -248,6 +255,13 @@ def predict(
         comm_s=comm,
         optimizer_s=optimizer,
     )
+
+
+def _engine_seconds(candidate: Candidate, psi: int, corrections: Corrections) -> float:
+    """The engine's own work over a rank's ``psi`` parameters: once a step at stages 0-1 (the
+    boundary's buckets), every micro-batch at 2-3 (each backward's reduce-scatter)."""
+    passes = 1 if candidate.stage < 2 else candidate.accumulation
+    return passes * psi * corrections.engine_seconds_per_parameter
 
 
 def _optimizer_seconds(candidate: Candidate, psi: int, machine: Machine) -> float:
@@ -278,7 +292,7 @@ def _predict_pipeline(
     share = facts.pipelines[candidate.pp]
     stages = share.stages[candidate.micro_batch]
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
-    micro, p = candidate.accumulation, candidate.pp
+    micro_batches, p = candidate.accumulation, candidate.pp
     crossing = candidate.micro_batch * facts.seq_len * share.boundary_elements * element
     memory = states = engine = comm = optimizer = 0.0
     work = []  # per stage, a micro-batch's forward and backward
@@ -288,7 +302,7 @@ def _predict_pipeline(
         # 1F1B: stage k holds the activations of up to p - k micro-batches, and (but the last)
         # the output it sent for each, until its gradient comes back
         sent = crossing if index < p - 1 else 0
-        kept = min(p - index, micro) * (stage.saved_bytes + sent)
+        kept = min(p - index, micro_batches) * (stage.saved_bytes + sent)
         layer = stage.saved_bytes / max(1, share.blocks // p)
         cpu = machine.device == "cpu"
         held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu))
@@ -297,14 +311,14 @@ def _predict_pipeline(
         memory = max(memory, held + corrections.memory_overhead)
         states = max(states, row.model_states)
         psi = count.trainable
-        passes = 1 if candidate.stage < 2 else micro
-        engine = max(engine, passes * psi * corrections.engine_seconds_per_parameter)
+        engine = max(engine, _engine_seconds(candidate, psi, corrections))
         comm = max(comm, _comm_seconds(candidate, psi, element, machine))
         optimizer = max(optimizer, _optimizer_seconds(candidate, psi, machine))
         work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
     # fill and drain once through every stage, then the slowest stage sets the pace
-    compute = sum(work) + (micro - 1) * max(work)
-    messages = 2 * (micro + p - 2)  # each micro-batch's activation and its gradient, on the way
+    compute = sum(work) + (micro_batches - 1) * max(work)
+    # each micro-batch's activation and its gradient on the way
+    messages = 2 * (micro_batches + p - 2)
     comm += messages * _point_to_point_seconds(crossing, machine)
     if share.shared_elements:  # a parameter several stages hold: its gradient summed over them
         link = machine.links.get("all_reduce")

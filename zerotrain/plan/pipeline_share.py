@@ -20,6 +20,7 @@ trace), and it is built here for real.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ def pipeline_share(
     counts = tuple(count_parameters(s, persistence_threshold=threshold) for s in stages)
     shared = sum(param.numel() for param, _ in shared_parameters(stages).values())
     del stages, model
+    torch._dynamo.reset()  # the trace's caches and reference cycles hold the model: free it
+    gc.collect()
     profiles, boundary = _profile(
         factory, points, micro_batches, seq_len, vocab_size, dtype, threads
     )
@@ -148,7 +151,6 @@ def _profile(
     modules = dict(model.named_modules())
     cuts = _Cuts(device)
     handles = [modules[p].register_forward_pre_hook(cuts.reached) for p in points]
-    hf = is_hf_causal_lm(model)
     crossing = 0
     try:
         out: dict[int, tuple[StageProfile, ...]] = {}
@@ -160,7 +162,7 @@ def _profile(
                 started = _now(device)
                 with count_saved_activations(exclude=params) as saved:
                     cuts.saved = saved
-                    loss = loss_of(model, ids, hf)
+                    loss = loss_of(model, ids, hf=False)  # HF models were refused
                     forward_end = (_now(device), saved.nbytes)
                 cuts.saved = None
                 loss.backward()

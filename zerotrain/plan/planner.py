@@ -36,6 +36,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "Planned",
+    "WHOLE_MODEL",
+    "buildable_sizes",
     "load_corrections",
     "make_plan",
     "model_facts",
@@ -46,6 +48,8 @@ __all__ = [
 ]
 
 MARGIN = 0.9
+WHOLE_MODEL = "the whole model"
+"""What :func:`with_profiles` tells ``failed`` when the undivided model's probe fails."""
 _T = TypeVar("_T")
 
 
@@ -183,7 +187,7 @@ def with_profiles(
             factory, facts, machine, sizes=sizes(tp, 1), vocab=vocab, tp=tp
         )
 
-    profile, _ = probe("the whole model", profiled(1)) if whole else (None, False)
+    profile, _ = probe(WHOLE_MODEL, profiled(1)) if whole else (None, False)
     shares = {}
     for tp, share in facts.shares.items():
         measured, ran = probe(f"tensor parallelism at degree {tp}", profiled(tp))
@@ -193,9 +197,14 @@ def with_profiles(
     for pp in pipeline_degrees:
         what = f"pipeline parallelism at degree {pp}"
         buildable = buildable_sizes(facts, machine, sizes(1, pp))
+        if not buildable and failed is not None:
+            failed(
+                what,
+                "the model is too large to cut and time here"
+                if sizes(1, pp)
+                else f"no micro-batch leaves {pp} or more micro-batches a step, as 1F1B needs",
+            )
         if not buildable:
-            if failed is not None:
-                failed(what, "the model is too large to cut and time here")
             continue
         cut, _ = probe(
             what,
@@ -218,11 +227,9 @@ def with_profiles(
 def profile_if_fits(
     factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int, tp: int = 1
 ) -> ModelProfile | None:
-    """The model probe ([Note: the model probe]) at the micro-batches of ``sizes`` where the
-    model, its gradients and their temporaries in fp32 (16 bytes a parameter: it is built whole,
-    then split to a tensor-parallel rank's share at degree ``tp``) and the micro-batch's
-    activations (Korthikanti's formula, where the model's shape is known) fit in half the
-    memory it runs in; None where none does (the cost model then counts FLOPs)."""
+    """The model probe ([Note: the model probe]), split to a tensor-parallel rank's share at
+    degree ``tp``, at the micro-batches of ``sizes`` it can run at here
+    (:func:`buildable_sizes`); None where it can at none (the cost model then counts FLOPs)."""
     from zerotrain.plan.tensor_share import split_alone
 
     sizes = buildable_sizes(facts, machine, sizes, tp)
