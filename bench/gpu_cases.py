@@ -488,12 +488,15 @@ def tiled_compute(s: Setting) -> dict:
 def plan(s: Setting) -> dict:
     """`zerotrain plan` on the device (zerotrain/plan/): the machine probe (matmul and attention
     rates, pinned copies, disk under the scratch folder), the model probe, the plan of the
-    example GPT on one rank and a trial of its choice: predicted against measured."""
+    example GPT on one rank and a trial of its choice: predicted against measured; and the
+    model cut into 2 pipeline stages, each stage's share timed."""
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.candidates import micro_batches
+    from zerotrain.plan.pipeline_share import pipeline_share
     from zerotrain.plan.planner import make_plan, model_facts, profile_if_fits
     from zerotrain.plan.probe import probe_machine
     from zerotrain.plan_trial import TrialSpec, run_trial
+    from zerotrain.precision import DTYPES
 
     factories = {"tiny": "tiny", "demo": "demo", "30m": "gpt_30m", "100m": "gpt_100m"}
     spec = f"{ROOT}/examples/gpt/model.py:{factories[s.model]}"
@@ -511,6 +514,16 @@ def plan(s: Setting) -> dict:
     ).best
     trial = TrialSpec(spec, chosen.config, 1, seq, 256, chosen.candidate.activation_checkpointing)
     measured = run_trial(trial, timeout=240).as_dict()
+    # a pipeline of 2 cut and timed by stage on the device (one process: its trial needs 2)
+    cut = pipeline_share(
+        load_factory(spec),
+        2,
+        micro_batches=sizes[:1],
+        seq_len=seq,
+        vocab_size=256,
+        dtype=DTYPES[s.precision],
+        threads=machine.threads,
+    )
     return {
         "step_s": measured["step_time_s"],
         "chosen": chosen.candidate.label(),
@@ -520,6 +533,7 @@ def plan(s: Setting) -> dict:
         "attention_flops": machine.attention_flops,
         "copy_bytes_per_s": machine.copy_bytes_per_s,
         "probe_seconds": machine.probe_seconds,
+        "pipeline_stage_s": [st.forward_s + st.backward_s for st in cut.stages[sizes[0]]],
         **_peaks(s),
     }
 

@@ -192,7 +192,8 @@ CASES = [
     ),
     Case(
         "plan",
-        "zerotrain plan: the machine probe on the device, the model probe, a trial of the choice",
+        "zerotrain plan: the machine probe on the device, the model probe, a trial of the "
+        "choice, a pipeline cut timed by stage",
         "plan",
         timeout_s=300.0,
     ),
@@ -238,6 +239,7 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     # the planner's device rates, its model probe and trials (synchronized timing, peaks)
     "zerotrain/plan/probe.py": ("plan",),
     "zerotrain/plan/model_probe.py": ("plan",),
+    "zerotrain/plan/pipeline_share.py": ("plan",),
     "zerotrain/plan_trial.py": ("plan",),
     "zerotrain/comm/link.py": "the link probes of comm_compression.auto run between 2+ ranks",
     "zerotrain/cli/launch.py": "counts the GPUs for --nproc-per-node: the launcher, not training",

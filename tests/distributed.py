@@ -68,7 +68,9 @@ def _context(fresh_interpreter: bool):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # a module that fails to import is skipped (multiprocessing's forkserver)
-    ctx.set_forkserver_preload(["torch", "zerotrain.api", "transformers.models.gpt2.modeling_gpt2"])
+    preload = ["torch", "zerotrain.api", "transformers.models.gpt2.modeling_gpt2"]
+    # last: freezes what they made (a module the server finds from the repository root, its cwd)
+    ctx.set_forkserver_preload([*preload, "tests.frozen_heap"])
     return ctx
 
 

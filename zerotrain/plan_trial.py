@@ -176,8 +176,7 @@ def _load_runtime(spec: TrialSpec) -> None:
     if spec.split_points:
         example = torch.zeros(1, spec.seq_len, dtype=torch.long)
         cut_model(load_factory(spec.model)(), (example,), list(spec.split_points))
-        torch._dynamo.reset()  # its caches would keep that model, and the next cut's, alive
-        gc.collect()
+        gc.collect()  # its stages and the tracer's objects are reference cycles
         release_free_host_memory()  # the model it built: not a heap the training then reuses
 
 

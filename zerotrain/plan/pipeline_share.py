@@ -106,8 +106,7 @@ def pipeline_share(
     counts = tuple(count_parameters(s, persistence_threshold=threshold) for s in stages)
     shared = sum(param.numel() for param, _ in shared_parameters(stages).values())
     del stages, model
-    torch._dynamo.reset()  # the trace's caches and reference cycles hold the model: free it
-    gc.collect()
+    gc.collect()  # the stages and the tracer's objects are reference cycles holding the model
     profiles, boundary = _profile(
         factory, points, micro_batches, seq_len, vocab_size, dtype, threads
     )
