@@ -63,7 +63,8 @@ def _context(fresh_interpreter: bool):
     view of whether ``deepspeed`` is importable, fixed when transformers imported it (tests
     of ``zerotrain.compat.deepspeed.activate()`` under accelerate need a process that has not
     imported it yet). ``fresh_interpreter`` spawns for those. (zerotrain reads its environment
-    variables as it runs, not as it is imported, so each rank still sees the parent's.)"""
+    variables as it runs, not as it is imported, so each rank still sees the parent's.) What the
+    server imported is frozen out of the garbage collector's reach (tests/frozen_heap.py)."""
     if fresh_interpreter:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
