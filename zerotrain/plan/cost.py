@@ -47,9 +47,10 @@ each stage's parameters stand for the model in the memory terms, with the activa
 micro-batches 1F1B keeps in flight on it (p on the first stage, one fewer on each next, and
 for each the output it sent, until its gradient returns); the peak and the model states are
 the largest stage's. The step is 1F1B's over the stages' measured shares: every stage once
-(fill and drain), then the slowest stage for each further micro-batch; each micro-batch's
-activation and gradient crossing a cut, one hop of the probed all-gather link; the largest
-stage's data-parallel collectives, engine work and optimizer step; and the gradient
+(fill and drain), then the slowest stage for each further micro-batch, the engine's own work
+inside each backward (a pipeline's engine divides every gradient as it takes it, at any stage);
+each micro-batch's activation and gradient crossing a cut, one hop of the probed all-gather
+link; the largest stage's data-parallel collectives and optimizer step; and the gradient
 all-reduce of the parameters two stages hold (a tied embedding).
 
 ``zerotrain plan --verify`` measures the top candidates and moves the two corrections toward
@@ -294,8 +295,9 @@ def _predict_pipeline(
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     micro_batches, p = candidate.accumulation, candidate.pp
     crossing = candidate.micro_batch * facts.seq_len * share.boundary_elements * element
-    memory = states = engine = comm = optimizer = 0.0
+    memory = states = comm = optimizer = 0.0
     work = []  # per stage, a micro-batch's forward and backward
+    own = []  # per stage, the engine's work in each of them (every gradient divided as taken)
     for index, (count, stage) in enumerate(zip(share.counts, stages, strict=True)):
         job = _job(candidate, facts, zero, count)
         (row,) = estimate(job)
@@ -311,12 +313,13 @@ def _predict_pipeline(
         memory = max(memory, held + corrections.memory_overhead)
         states = max(states, row.model_states)
         psi = count.trainable
-        engine = max(engine, _engine_seconds(candidate, psi, corrections))
+        own.append(psi * corrections.engine_seconds_per_parameter)
         comm = max(comm, _comm_seconds(candidate, psi, element, machine))
         optimizer = max(optimizer, _optimizer_seconds(candidate, psi, machine))
         work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
-    # fill and drain once through every stage, then the slowest stage sets the pace
-    compute = sum(work) + (micro_batches - 1) * max(work)
+    compute = _one_f_one_b(work, micro_batches)
+    # the engine's work sits in each stage's backward, on the schedule's path
+    engine = _one_f_one_b([w + e for w, e in zip(work, own, strict=True)], micro_batches) - compute
     # each micro-batch's activation and its gradient on the way
     messages = 2 * (micro_batches + p - 2)
     comm += messages * _point_to_point_seconds(crossing, machine)
@@ -334,6 +337,12 @@ def _predict_pipeline(
         comm_s=comm,
         optimizer_s=optimizer,
     )
+
+
+def _one_f_one_b(work: list[float], micro_batches: int) -> float:
+    """1F1B's span over stages that each take ``work[k]`` a micro-batch: every stage once (fill
+    and drain), then the slowest stage for each further micro-batch."""
+    return sum(work) + (micro_batches - 1) * max(work)
 
 
 def _point_to_point_seconds(nbytes: float, machine: Machine) -> float:
