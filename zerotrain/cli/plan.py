@@ -214,10 +214,9 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
 
         def sizes(tp: int, pp: int) -> list[int]:
             dp = world // (tp * pp)
-            per_rank = args.global_batch // dp
-            # a pipeline runs at least as many micro-batches a step as it has stages
-            found = micro_batches(world=dp, global_batch=args.global_batch, base=base)
-            return [m for m in found if per_rank // m >= pp]
+            return micro_batches(
+                world=dp, global_batch=args.global_batch, base=base, pipeline_stages=pp
+            )
 
         facts = with_profiles(
             load_factory(args.model),

@@ -164,16 +164,23 @@ def batch_per_rank(global_batch: int, world: int) -> int:
     return global_batch // world
 
 
-def micro_batches(*, world: int, global_batch: int, base: dict) -> list[int]:
+def micro_batches(
+    *, world: int, global_batch: int, base: dict, pipeline_stages: int = 1
+) -> list[int]:
     """The micro-batches candidates take: every divisor of the batch per rank within the
-    ``autotuning`` section's limits, or the one ``base`` fixes."""
+    ``autotuning`` section's limits, or the one ``base`` fixes; in a pipeline of
+    ``pipeline_stages``, those that leave at least as many micro-batches a step, as 1F1B
+    needs."""
     per_rank = batch_per_rank(global_batch, world)
     fixed = fixed_keys(base).get("micro_batch")
     limits = read_autotuning(base)
     return [
         m
         for m in range(1, per_rank + 1)
-        if per_rank % m == 0 and fixed in (None, m) and limits.allows_micro_batch(m)
+        if per_rank % m == 0
+        and per_rank // m >= pipeline_stages
+        and fixed in (None, m)
+        and limits.allows_micro_batch(m)
     ]
 
 
@@ -219,7 +226,7 @@ def enumerate_candidates(
             continue
         dp = world // (tp * pp)
         per_rank = global_batch // dp
-        sizes = micro_batches(world=dp, global_batch=global_batch, base=base)
+        sizes = micro_batches(world=dp, global_batch=global_batch, base=base, pipeline_stages=pp)
         for stage in (0, 1, 2) if share else (0, 1, 2, 3):
             for offload in OFFLOADS:
                 if offload and (stage == 0 or share and share.shared_elements):
@@ -228,7 +235,7 @@ def enumerate_candidates(
                     continue
                 for checkpointing in (False,) if share else (False, True):
                     for micro in sizes:
-                        if per_rank // micro < pp or share and micro not in share.stages:
+                        if share and micro not in share.stages:
                             continue
                         candidate = Candidate(
                             stage,
