@@ -1,14 +1,16 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
     python bench/plan.py [--part predictions|pick|deepspeed|both] [--models demo 30m]
-                         [--pipeline-only]
+                         [--only pipeline|optimizers]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
-  nvme x activation checkpointing x micro-batch x 1-2 ranks, and tensor-parallel or pipeline
-  degree 2 on 2 ranks) of the GPTs of examples/gpt, fp32 on this machine: each predicted by the cost model
-  (zerotrain/plan/cost.py, with its default corrections, not refined by earlier trials) and
-  measured by a trial (zerotrain/plan_trial.py: peak memory per rank above start-up,
-  model-state bytes, median step time). Prints each config's errors and their distribution.
+  nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
+  degree 2 on 2 ranks, and SGD, Lion and Muon in place of AdamW) of the GPTs of examples/gpt,
+  fp32 on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its
+  default corrections, not refined by earlier trials) and measured by a trial
+  (zerotrain/plan_trial.py: peak memory per rank above start-up, model-state bytes, median
+  step time). Prints each config's errors and their distribution. ``--only pipeline`` or
+  ``--only optimizers`` runs those rows alone.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
   weighs (tensor-parallel degree 1 or 2, stages 0-3, offload none / cpu, checkpointing,
   micro-batches 2, 4, 8; pipeline degree 2 at stages 0-2, as ``--pipeline`` weighs it) run as
@@ -75,6 +77,22 @@ BASE = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "steps_per_print": 10**9,
 }
+# rows of another optimizer (the row's eighth field names it): AdamW's fields, then the name
+OPTIMIZERS = {
+    "SGD": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+    "Lion": {"type": "Lion", "params": {"lr": 1e-4}},
+    "Muon": {"type": "Muon", "params": {"lr": 0.02}},
+}
+FIXED += [
+    (1, None, False, 8, 2, 1, 1, "SGD"),
+    (0, None, False, 8, 1, 1, 1, "Lion"),
+    (2, None, False, 8, 2, 1, 1, "Muon"),
+    (1, "cpu", False, 4, 1, 1, 1, "Muon"),
+]
+ONLY = {
+    "pipeline": lambda row: row[6] > 1,
+    "optimizers": lambda row: len(row) > 7,
+}
 
 
 def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_degrees=()):
@@ -98,13 +116,14 @@ def _failed(what: str, why: str):
     raise SystemExit(f"bench/plan.py: the model probe of {what} failed: {why}")
 
 
-def predictions(models: list[str], nvme: str, pipeline_only: bool = False) -> list[dict]:
+def predictions(models: list[str], nvme: str, only: str | None = None) -> list[dict]:
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import with_optimizer
     from zerotrain.plan.probe import probe_machine
     from zerotrain.plan_trial import TrialSpec, run_trial
 
-    fixed = [row for row in FIXED if row[6] > 1] if pipeline_only else FIXED
+    fixed = [row for row in FIXED if ONLY[only](row)] if only else FIXED
     rows = []
     for name in models:
         spec, seq = MODELS[name]
@@ -114,20 +133,24 @@ def predictions(models: list[str], nvme: str, pipeline_only: bool = False) -> li
             degrees = tuple({row[5] for row in fixed if row[4] == world})
             pipelines = tuple({row[6] for row in fixed if row[4] == world and row[6] > 1})
             facts = _facts(spec, seq, machine, sizes, degrees, pipelines)
-            for stage, offload, checkpointing, micro, ranks, tp, pp in fixed:
+            for stage, offload, checkpointing, micro, ranks, tp, pp, *optimizer in fixed:
                 if ranks != world:
                     continue
                 points = facts.pipelines[pp].split_points if pp > 1 else ()
                 candidate = Candidate(
                     stage, offload, checkpointing, micro, pp, world, tp, pp, points
                 )
-                config = candidate.config(BASE, nvme)
-                predicted = predict(candidate, facts, machine, Corrections(), config)
+                base = {**BASE, "optimizer": OPTIMIZERS[optimizer[0]]} if optimizer else BASE
+                config = candidate.config(base, nvme)
+                priced = with_optimizer(facts, base, machine.threads)
+                predicted = predict(candidate, priced, machine, Corrections(), config)
                 trial = TrialSpec(spec, config, world, seq, 256, checkpointing, points, steps=5)
                 measured = run_trial(trial).as_dict()
                 row = {
                     "model": name,
-                    "config": candidate.label() + f", {world} rank{'s' if world > 1 else ''}",
+                    "config": candidate.label()
+                    + f", {world} rank{'s' if world > 1 else ''}"
+                    + (f", {optimizer[0]}" if optimizer else ""),
                     "predicted": predicted.as_dict(),
                     "measured": measured,
                 }
@@ -329,7 +352,9 @@ def main() -> None:
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["demo", "30m"])
     parser.add_argument(
-        "--pipeline-only", action="store_true", help="predictions: the pipeline rows alone"
+        "--only",
+        choices=list(ONLY),
+        help="predictions: the pipeline rows, or the other optimizers'",
     )
     args = parser.parse_args()
     results = {}
@@ -340,7 +365,7 @@ def main() -> None:
     ):
         os.environ["ZEROTRAIN_CACHE_DIR"] = cache
         if args.part in ("predictions", "both"):
-            results["predictions"] = predictions(args.models, nvme, args.pipeline_only)
+            results["predictions"] = predictions(args.models, nvme, args.only)
         if args.part in ("pick", "both"):
             results["pick"] = pick()
         if args.part == "deepspeed":

@@ -4,13 +4,20 @@ measures a candidate config."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
+from distributed import run_distributed
 
 from zerotrain.plan import probe
 from zerotrain.plan.jobs import JobError
 from zerotrain.plan_trial import TrialSpec, measure_memory, run_trial
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt.model import tiny  # noqa: E402
 
 GPT_TINY = "examples/gpt/model.py:tiny"
 GPT_DEMO = "examples/gpt/model.py:demo"
@@ -119,6 +126,90 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
     piped = measure_memory(TrialSpec(GPT_TINY, config, 2, 64, 256, split_points=("blocks.2",)))
     assert piped.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
     assert piped.peak_memory_bytes > piped.model_state_bytes
+
+
+# bases whose model states hang on more than the stage: the optimizer, the precision policy,
+# the offloaded share (with the stage each is tried at)
+PRICED_BASES = {
+    "SGD with momentum": (
+        1,
+        {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}},
+    ),
+    "Muon": (2, {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}}),
+    "Adagrad": (1, {"optimizer": {"type": "Adagrad", "params": {"lr": 1e-2}}}),
+    "bf16 optimizer states": (2, {"bf16": {"enabled": True, "bf16_optimizer_states": True}}),
+    "bf16 masters": (1, {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),
+    "fp32 gradient accumulation": (
+        3,
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+    ),
+    "half the optimizer offloaded": (
+        2,
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+    ),
+}
+
+
+def _priced_configs() -> dict[str, dict]:
+    from zerotrain.plan.candidates import Candidate
+
+    out = {}
+    for name, (stage, base) in PRICED_BASES.items():
+        offload = "cpu" if "offload" in name else None
+        candidate = Candidate(stage, offload, False, 2, 1, 2)
+        out[name] = candidate.config({**base, "steps_per_print": 10**9})
+    return out
+
+
+def _measured_states(configs: dict[str, dict]) -> dict[str, float]:
+    import torch
+
+    import zerotrain
+
+    out = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=tiny(), config=config)
+        ids = torch.randint(0, 256, (2, 16))
+        engine.backward(engine(ids, ids))
+        engine.step()  # the optimizer's state exists after its first step
+        out[name] = engine.memory_breakdown()["total"]
+    return out
+
+
+def test_the_planner_prices_the_config_s_optimizer_precision_and_offloaded_share():
+    """The model states the cost model predicts for a config are what the engine holds, for
+    optimizers other than AdamW, narrower masters or optimizer states, fp32 gradient
+    accumulation and a share of the optimizer offloaded: the planner reads a config as
+    ``initialize``'s memory preflight does."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts, with_optimizer
+
+    configs = _priced_configs()
+    measured = run_distributed(_measured_states, 2, configs)[0]
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    predicted = {}
+    for name, config in configs.items():
+        stage, base = PRICED_BASES[name]
+        dtype = "bf16" if "bf16" in base else "fp32"
+        facts = model_facts(build_on_meta(GPT_TINY), seq_len=16, dtype=dtype)
+        facts = with_optimizer(facts, config, threads=None)
+        offload = config["zero_optimization"].get("offload_optimizer", {}).get("device")
+        candidate = Candidate(stage, offload, False, 2, 1, 2)
+        predicted[name] = predict(candidate, facts, machine, Corrections(), config)
+    for name, states in measured.items():
+        assert predicted[name].model_state_bytes == pytest.approx(states, abs=64), name
+    # each changes the bytes from AdamW's in the training dtype: none is priced as the default
+    for name, (stage, base) in PRICED_BASES.items():
+        dtype = "bf16" if "bf16" in base else "fp32"
+        facts = model_facts(build_on_meta(GPT_TINY), seq_len=16, dtype=dtype)
+        candidate = Candidate(stage, None, False, 2, 1, 2)
+        plain = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
+        config = candidate.config({**plain, "steps_per_print": 10**9})
+        default = predict(candidate, facts, machine, Corrections(), config)
+        assert predicted[name].model_state_bytes != default.model_state_bytes, name
 
 
 def test_a_trial_reports_the_cpu_time_the_hypervisor_took(monkeypatch):
@@ -449,6 +540,89 @@ def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():
     assert kept == {"tensor_parallel": {"sequence_parallel": False}}
 
 
+def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, monkeypatch):
+    """Each feature of a base config the cost model leaves out is named with its key, in the
+    plan (and its JSON); a base without any names none."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.moe.layer import MoE
+    from zerotrain.plan.planner import make_plan, model_facts, with_optimizer
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    machine = probe.memory_only_machine(dtype="fp32", world=1)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, matmul_flops=1e10)
+    machine = replace(machine, attention_flops=1e9, threads=1)
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
+    bases = {
+        "comm_compression": {"comm_compression": {"gradients": {"method": "int8"}}},
+        "OneBitAdam": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
+        "cpu_checkpointing": {"activation_checkpointing": {"cpu_checkpointing": True}},
+        "tiled_compute": {"tiled_compute": {"mlp": True}},
+        "lora_fa": {"lora_fa": {"enabled": True, "target_modules": ["fc"]}},
+        "torch_autocast": {"torch_autocast": {"enabled": True}},
+    }
+    options = {"world": 1, "ranks_per_node": 1, "global_batch": 8}
+    for key, base in bases.items():
+        plan = make_plan(with_optimizer(facts, base, threads=1), machine, base=base, **options)
+        (what,) = plan.unpriced
+        assert key in what and what in plan.as_json()["unpriced"], (key, what)
+        if key == "OneBitAdam":  # which initialize refuses at stage 3: left out, and said
+            assert {p.candidate.stage for p in plan.candidates} == {0, 1, 2}
+            refused = plan.as_json()["refused"]
+            assert refused and all(r["label"].startswith("stage 3") for r in refused)
+            assert "OneBitAdam compresses" in refused[0]["reason"]
+    assert make_plan(facts, machine, base={}, **options).unpriced == []
+    with_experts = replace(facts, experts=True)
+    (what,) = make_plan(with_experts, machine, base={}, **options).unpriced
+    assert what.startswith("expert parallelism"), what
+    moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
+    assert model_facts(moe, seq_len=4, dtype="fp32").experts
+
+
+def test_lamb_is_not_offered_nvme_offload_and_sgd_steps_faster_than_adamw(tmp_path):
+    """An optimizer that needs whole parameters (Lamb) gets no NVMe candidate, which its store
+    refuses; SGD with momentum is priced at its own step time, measured against AdamW's."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.planner import make_plan, model_facts, with_optimizer
+
+    machine = probe.memory_only_machine(dtype="fp32", world=1)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, matmul_flops=1e10)
+    machine = replace(machine, attention_flops=1e9, threads=1)
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
+    options = {"world": 1, "ranks_per_node": 1, "global_batch": 8, "nvme_path": str(tmp_path)}
+    adamw = make_plan(facts, machine, base={}, **options)
+    assert any(p.candidate.offload == "nvme" for p in adamw.candidates)
+    lamb = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    plan = make_plan(with_optimizer(facts, lamb, threads=1), machine, base=lamb, **options)
+    assert {p.candidate.offload for p in plan.candidates} == {None, "cpu"}
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    priced = with_optimizer(facts, sgd, threads=1)
+    assert priced.optimizer.name == "SGD" and priced.optimizer.state_bytes == 4
+    relative = priced.optimizer.relative_time  # timed here (bench/plan.py checks the price)
+    assert 0 < relative < float("inf")
+    plan = make_plan(priced, machine, base=sgd, **options)
+    by_label = {p.candidate.label(): p.predicted for p in adamw.candidates}
+    for p in plan.candidates:
+        adamw_s = by_label[p.candidate.label()].optimizer_s
+        assert p.predicted.optimizer_s == pytest.approx(adamw_s * relative)
+
+
+def test_muon_s_step_counts_its_newton_schulz_products():
+    """Muon's step: its matrices orthogonalised, ns_steps iterations of products whose FLOPs
+    the model's shapes give (m x n, m <= n: 4·m²·n + 2·m³ each), shared by the ranks."""
+    from zerotrain.estimate import count_parameters
+    from zerotrain.plan.optimizer_cost import optimizer_cost
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=False))
+    count = count_parameters(model, persistence_threshold=0)
+    assert count.muon_iteration_flops == (4 * 8**2 * 16 + 2 * 8**3) + (4 * 4**2 * 16 + 2 * 4**3)
+    muon = optimizer_cost({"type": "Muon", "params": {"ns_steps": 3}}, count, threads=None)
+    assert (muon.kind, muon.ns_steps) == ("muon", 3)
+    one_rank = muon.step_seconds(0, count=count, adam_rate=1.0, matmul_flops=1e3, ranks=1)
+    assert one_rank == pytest.approx(3 * count.muon_iteration_flops / 1e3)
+    two = muon.step_seconds(0, count=count, adam_rate=1.0, matmul_flops=1e3, ranks=2)
+    assert two == pytest.approx(one_rank / 2)
+
+
 def test_a_pipeline_cut_counts_each_stage_and_times_its_share():
     """The tiny GPT (4 blocks, its head tied to its embedding) cut in 2 before blocks.2: each
     stage holds its layers, both the tied embedding; the stages' saved bytes add up to the
@@ -535,6 +709,17 @@ def test_pipeline_candidates_run_1f1b_over_stages_0_to_2():
             "offloads to nvme without an nvme_path: give --nvme-path",
         ),
         (["--model", "no_such_module_xyz:build"], {}, "cannot import 'no_such_module_xyz'"),
+        ([], {"zero_optimization": {"stage": 7}}, "--config: zero_optimization.stage"),
+        (
+            [],
+            {"optimizer": {"type": "NoSuchOptimizer"}},
+            "optimizer.type: unknown optimizer 'NoSuchOptimizer'",
+        ),
+        (
+            [],
+            {"sequence_parallel_size": 2},
+            "--config sets sequence_parallel_size 2: the planner does not price sequence",
+        ),
     ],
 )
 def test_plan_refuses_bad_input_before_probing(capsys, tmp_path, monkeypatch, argv, base, message):

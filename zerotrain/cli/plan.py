@@ -27,8 +27,8 @@ PARSER: ParserSpec = {
 def _read_base(args: argparse.Namespace) -> dict:
     """The --config file's ds_config, checked against the other flags (PlanError)."""
     from zerotrain.plan.autotuning import read_autotuning
-    from zerotrain.plan.candidates import section
-    from zerotrain.plan.planner import PlanError
+    from zerotrain.plan.candidates import enumerate_candidates, section
+    from zerotrain.plan.planner import PlanError, check_candidates
 
     base: object = {}
     if args.config:
@@ -70,6 +70,15 @@ def _read_base(args: argparse.Namespace) -> dict:
             "measures that disk)"
         )
     args.tp_degrees = _tensor_degrees(args, base)
+    # initialize's config check over the candidates, before anything is probed
+    candidates = enumerate_candidates(
+        world=_ranks(args) * args.nnodes,
+        global_batch=args.global_batch,
+        base=base,
+        nvme=args.nvme_path is not None,
+        tp_degrees=args.tp_degrees,
+    )
+    check_candidates(candidates, base, args.nvme_path)
     return base
 
 
@@ -152,6 +161,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         load_corrections,
         make_plan,
         model_facts,
+        with_optimizer,
         with_profiles,
     )
     from zerotrain.plan.probe import probe_machine, with_current_memory
@@ -194,6 +204,10 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     except (JobError, OSError, SwapIOError) as error:
         return fail(f"the machine probe failed: {error}", 1)
     machine = with_current_memory(machine)
+    try:
+        facts = with_optimizer(facts, base, machine.threads)
+    except ValueError as error:
+        return fail(f"--config: {error}")
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
     pipelines = _pipeline_degrees(args, base, world, say) if args.pipeline else ()
     if args.pipeline and not vocab:
@@ -241,6 +255,14 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         )
     except PlanError as error:
         return fail(str(error))
+    for what in plan.unpriced:
+        say(f"not priced: {what}")
+    if plan.refused:
+        label, why = plan.refused[0]
+        say(
+            f"{len(plan.refused)} candidate config(s) left out, which initialize would refuse "
+            f"(--json lists them); {label}: {why.splitlines()[0]}"
+        )
     if args.verify:
         _verify(plan, args, facts, machine, vocab, say)
     if args.out:

@@ -4,6 +4,7 @@ stage 3's gather units and the kind of MLP (for its activations), counted on any
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +43,10 @@ class ParameterCount:
     muon_matrices: int = 0
     """Trainable elements the Muon optimizer would step (its split: zerotrain.optim.muon's
     ``uses_muon``); the others take its AdamW half."""
+    muon_iteration_flops: float = 0.0
+    """FLOPs of one Newton-Schulz iteration over each of those matrices, every one whole: for
+    m x n with m <= n, the Gram matrix (2·m²·n), its square (2·m³) and the product back
+    (2·m²·n), as zerotrain.optim.muon's ``newton_schulz`` computes them."""
 
     def muon_state_bytes(self) -> float:
         """Muon's fp32 bytes of state per trainable element: 4 (momentum) for its matrices, 8
@@ -119,6 +124,11 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         mlp = mlp_kind(
             blocks[0] if blocks else model, hidden, config.get("intermediate_size", 4 * hidden)
         )
+    muon_shapes = [
+        tuple(full_shape(p))
+        for name, p in model.named_parameters()  # tied: once, by its first name
+        if p.requires_grad and uses_muon(name, full_shape(p), p)
+    ]
     return ParameterCount(
         trainable=sum(_numel(p) for p in trainable),
         frozen=sum(_numel(p) for p in params if not p.requires_grad),
@@ -129,9 +139,8 @@ def count_parameters(model: nn.Module, *, persistence_threshold: int) -> Paramet
         largest_unit=max(unit_numel),
         config=config,
         mlp=mlp,
-        muon_matrices=sum(
-            _numel(p)
-            for name, p in model.named_parameters()  # tied: once, by its first name
-            if p.requires_grad and uses_muon(name, full_shape(p), p)
+        muon_matrices=sum(math.prod(shape) for shape in muon_shapes),
+        muon_iteration_flops=sum(
+            4 * min(shape) ** 2 * max(shape) + 2 * min(shape) ** 3 for shape in muon_shapes
         ),
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,8 +36,9 @@ from torch import nn
 from zerotrain.accelerator import host_memory_limits
 from zerotrain.comm import Mesh
 from zerotrain.config import ConfigError, ZeroTrainConfig
-from zerotrain.estimate.model import count_parameters
+from zerotrain.estimate.model import ParameterCount, count_parameters
 from zerotrain.estimate.stages import (
+    NOT_ON_NVME,
     TrainingJob,
     estimate,
     memory_options,
@@ -58,7 +60,7 @@ from zerotrain.zero.offload import (
 )
 from zerotrain.zero.store import OptimizerOver, needs_whole_parameters
 
-__all__ = ["check_memory", "job_of"]
+__all__ = ["check_memory", "config_job", "job_of", "optimizer_state"]
 
 
 def check_memory(
@@ -106,21 +108,50 @@ def job_of(
     count = count_parameters(model, persistence_threshold=zero.stage3_param_persistence_threshold)
     if count.trainable == 0:
         return None
+    optimizer = optimizer_state(optimizer_over, groups, count)
+    return config_job(count, cfg, optimizer=optimizer, data_parallel=data_parallel, device=device)
+
+
+def optimizer_state(
+    optimizer_over: OptimizerOver, groups: int, count: ParameterCount
+) -> tuple[str, float]:
+    """The optimizer ``optimizer_over`` builds, as the estimator prices it: its kind (a key of
+    OPTIMIZER_STATE_BYTES: ``lamb`` where it needs whole parameters, ``muon``, else ``adam``)
+    and its bytes of state per element of ``count``'s trainable parameters."""
     whole, state_bytes = _optimizer_state(optimizer_over, groups)
-    optimizer = "lamb" if whole else "adam"  # the table's kind, where the bytes are not known
     if state_bytes is None:  # Muon: its matrices' momentum, AdamW's moments for the rest
-        optimizer, state_bytes = "muon", count.muon_state_bytes()
+        return "muon", count.muon_state_bytes()
+    return ("lamb" if whole else "adam"), state_bytes
+
+
+def config_job(
+    count: ParameterCount,
+    cfg: ZeroTrainConfig,
+    *,
+    optimizer: tuple[str, float],
+    data_parallel: int,
+    device: torch.device,
+    **settings: Any,
+) -> TrainingJob | None:
+    """The estimator's job for ``count``'s parameters trained as ``cfg`` says (its stage,
+    precision policy, optimizer and parameter offload and their sizes) over ``data_parallel``
+    ranks, with ``optimizer`` (:func:`optimizer_state`) stepping them and the estimator's other
+    fields from ``settings`` (the activations' shape); None where the stores refuse the
+    combination (an optimizer that needs whole parameters on NVMe)."""
+    zero = cfg.zero_optimization
+    kind, state_bytes = optimizer
     offload = zero.offload_optimizer.device
-    if optimizer == "lamb" and offload == "nvme":  # NvmePlacement refuses it, naming Lamb
+    if kind in NOT_ON_NVME and offload == "nvme":  # NvmePlacement refuses it, naming Lamb
         return None
+    policy = cfg.precision_policy()
     job = TrainingJob.for_model(
         count,
         gpus_per_node=data_parallel,
-        dtype=cfg.precision_policy().name,
+        dtype=policy.name,
         grad_accum_dtype=cfg.data_types.grad_accum_dtype,  # counted in the gradients' bytes
-        master_dtype=dtype_name(cfg.precision_policy().master_dtype),
-        optimizer_state_dtype=dtype_name(cfg.precision_policy().state_dtype),
-        optimizer=optimizer,
+        master_dtype=dtype_name(policy.master_dtype),
+        optimizer_state_dtype=dtype_name(policy.state_dtype),
+        optimizer=kind,
         optimizer_state_bytes=state_bytes,
         offload=None if offload == "none" else offload,
         offload_param=None if zero.offload_param.device == "none" else zero.offload_param.device,
@@ -130,6 +161,7 @@ def job_of(
         reduce_bucket_size=zero.reduce_bucket_size,
         buffer_count=zero.offload_optimizer.buffer_count,
         sub_group_size=zero.sub_group_size,
+        **settings,
     )
     ratio = zero.offload_optimizer.ratio
     return replace(job, offload_ratio=_auto_ratio(job, device) if ratio == "auto" else ratio)

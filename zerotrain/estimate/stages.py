@@ -271,7 +271,7 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
             precision=precision,
             optimizer_state_bytes=job.state_bytes,
             persistent_numel=job.persistent_numel,
-            offload=job.offload_ratio if job.offload else 0.0,
+            offload=host_share(job, policy) if job.offload else 0.0,
             offload_params=params_off,
         )
         gathered, frozen = 0.0, float(job.frozen_params)
@@ -311,13 +311,25 @@ def largest_bucket(job: TrainingJob, policy: ZeroPolicy) -> int:
     return min(job.reduce_bucket_size, job.trainable_params)
 
 
+def host_share(job: TrainingJob, policy: ZeroPolicy) -> float:
+    """The share of the optimizer partition that offload puts on the host: ``offload_ratio``
+    rounded up to whole buckets, as the store takes them from the front until the host holds
+    at least that share (zerotrain/zero/offload.py's ``choose_host_buckets``), every bucket
+    taken at the largest's size (they close between parameters: where those do not fill them
+    evenly, an approximation)."""
+    ratio, total = job.offload_ratio, job.trainable_params
+    if ratio >= 1 or ratio <= 0 or total == 0:
+        return min(1.0, max(0.0, ratio))
+    bucket = max(1, largest_bucket(job, policy))
+    return min(total, -(-ratio * total // bucket) * bucket) / total
+
+
 def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int]:
     """One rank's host memory and working-file bytes with the whole optimizer partition
     offloaded, from the functions the preflight of ``initialize`` calls."""
     n = job.world_size
     partition = -(-job.trainable_params // n)  # stages 1-3: ⌈Ψ/N⌉ (buckets pad to N)
-    # ratio < 1: the host takes buckets until it holds at least that share (at least this)
-    partition = -int(-partition * job.offload_ratio // 1)
+    partition = -int(-partition * host_share(job, policy) // 1)
     largest = -(-largest_bucket(job, policy) // n)
     state_bytes = job.precision.stored_state_bytes(job.state_bytes)
     master = job.precision.master_dtype.itemsize

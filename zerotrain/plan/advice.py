@@ -39,6 +39,7 @@ from zerotrain.plan.planner import (
     make_plan,
     model_facts,
     rank_budget,
+    with_optimizer,
 )
 from zerotrain.plan.probe import Machine, cached_machine, with_current_memory
 
@@ -151,6 +152,7 @@ def prepare_advice(
     facts = model_facts(model, seq_len=1, dtype=dtype)
     if facts.shape(1) is None:
         return None
+    facts = with_optimizer(facts, raw, machine.threads)  # Adam's: nothing timed
     return Advice(facts, cfg, raw, machine, world, ranks_per_node)
 
 

@@ -36,7 +36,7 @@ from zerotrain.plan.candidates import (
     training_dtype,
 )
 from zerotrain.plan.cost import predict
-from zerotrain.plan.planner import load_corrections, model_facts, rank_budget
+from zerotrain.plan.planner import load_corrections, model_facts, rank_budget, with_optimizer
 from zerotrain.plan.probe import cached_machine, memory_only_machine
 
 __all__ = ["choose_micro_batch", "sequence_length", "wants_auto_micro_batch"]
@@ -118,6 +118,7 @@ def choose_micro_batch(
             f'{KEY}: "auto" is chosen for transformers whose shape the estimator knows '
             "(hidden size, layers, heads); set a number, or choose one with `zerotrain plan`"
         )
+    facts = with_optimizer(facts, config, threads=None)  # its state's bytes; no step timed
     fixed = fixed_keys(config)  # the stage, offload and checkpointing the config sets
     offload = fixed.get("offload")
     zero = section(config, "zero_optimization")

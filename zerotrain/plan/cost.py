@@ -62,12 +62,18 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from zerotrain.comm.communicator import ring_sent
+from zerotrain.config import ZeroTrainConfig, check_config
 from zerotrain.estimate import TrainingJob, TransformerShape, estimate
 from zerotrain.estimate.model import ParameterCount
+from zerotrain.estimate.preflight import config_job
 from zerotrain.estimate.stages import largest_bucket
+from zerotrain.optim.registry import find_optimizer
 from zerotrain.plan.candidates import Candidate
 from zerotrain.plan.model_probe import ModelProfile
+from zerotrain.plan.optimizer_cost import ADAMW, OptimizerCost
 from zerotrain.plan.pipeline_share import PipelineShare
 from zerotrain.plan.probe import Machine
 from zerotrain.plan.tensor_share import TensorShare
@@ -75,7 +81,15 @@ from zerotrain.zero.nvme import sub_group_numel
 from zerotrain.zero.offload import HostBytes
 from zerotrain.zero.policy import ZeroPolicy
 
-__all__ = ["Corrections", "ModelFacts", "Prediction", "predict", "refine"]
+__all__ = [
+    "Corrections",
+    "ModelFacts",
+    "Prediction",
+    "predict",
+    "refine",
+    "typed_config",
+    "unpriced",
+]
 
 
 FLOP_EFFICIENCY = 0.6
@@ -118,6 +132,10 @@ class ModelFacts:
     pipelines: dict[int, PipelineShare] = field(default_factory=dict)
     """Pipeline degree (> 1) -> the model cut into that many stages, where it was cut and
     profiled here."""
+    optimizer: OptimizerCost = ADAMW
+    """The optimizer the planned configs train with (their ``optimizer`` section)."""
+    experts: bool = False
+    """Whether the model holds zerotrain.moe experts (not priced: :func:`unpriced`)."""
 
     def shape(self, micro_batch: int, tp: int = 1) -> TransformerShape | None:
         """The shape Korthikanti's formula takes; at tensor-parallel degree ``tp`` a rank's
@@ -173,29 +191,88 @@ class Prediction:
         return asdict(self)
 
 
-def _job(candidate: Candidate, facts: ModelFacts, zero: dict, count: ParameterCount) -> TrainingJob:
+def _job(
+    candidate: Candidate,
+    facts: ModelFacts,
+    cfg: ZeroTrainConfig,
+    count: ParameterCount,
+    machine: Machine,
+) -> TrainingJob:
     """The estimator's job for ``candidate``: a rank's share of the model (``count``: its
-    tensor-parallel share, or its pipeline stage's) over the data-parallel ranks, with the
-    sizes its config's ``zero`` section sets (DeepSpeed's defaults otherwise)."""
-    from zerotrain.config import ZERO_DEFAULTS
-
-    offload = zero.get("offload_optimizer", {})
-    return TrainingJob.for_model(
+    tensor-parallel share, or its pipeline stage's) over the data-parallel ranks, trained as
+    its config ``cfg`` says (precision, optimizer, offload and their sizes), as ``initialize``'s
+    memory preflight reads a config (zerotrain/estimate/preflight.py)."""
+    optimizer = facts.optimizer
+    job = config_job(
         count,
-        gpus_per_node=candidate.dp,
-        dtype=facts.dtype,
-        offload=candidate.offload,
-        stages=(candidate.stage,),
-        max_live_numel=zero.get(
-            "stage3_max_live_parameters", ZERO_DEFAULTS.stage3_max_live_parameters
-        ),
-        reduce_bucket_size=zero.get("reduce_bucket_size", ZERO_DEFAULTS.reduce_bucket_size),
-        sub_group_size=zero.get("sub_group_size", ZERO_DEFAULTS.sub_group_size),
-        buffer_count=offload.get("buffer_count", ZERO_DEFAULTS.offload_optimizer.buffer_count),
+        cfg,
+        optimizer=(optimizer.kind, optimizer.state_bytes_of(count)),
+        data_parallel=candidate.dp,
+        device=torch.device(machine.device),
         shape=facts.shape(candidate.micro_batch, candidate.tp),
-        attention=facts.attention,  # pyrefly: ignore[bad-argument-type]
+        attention=facts.attention,
         dropout=facts.dropout,
     )
+    if job is None:
+        raise ValueError(
+            f"{candidate.label()}: {optimizer.name} cannot be offloaded to NVMe "
+            "(it needs whole parameters); no candidate should offer it"
+        )
+    return job
+
+
+COMPRESSING_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam")
+"""Optimizers that compress their own exchange of gradients (zerotrain/optim/onebit.py)."""
+
+
+def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts) -> list[str]:
+    """What ``cfg`` (a plan's base config) and the model of ``facts`` turn on that the cost
+    model leaves out, each with its key and how it is priced instead (docs/plan.md, "What the
+    plan prices")."""
+    out = []
+    compression = cfg.comm_compression
+    if (
+        compression.gradients.method != "none"
+        or compression.parameters.method != "none"
+        or compression.auto
+        or compression.hierarchical_partition
+    ):
+        out.append("comm_compression: the collectives are priced at full width")
+    spec = find_optimizer(cfg.optimizer.type) if cfg.optimizer is not None else None
+    if spec is not None and spec.name in COMPRESSING_OPTIMIZERS:
+        out.append(f"{spec.name}'s compressed exchange: priced as the uncompressed collectives")
+    if facts.experts:
+        out.append(
+            "expert parallelism (the model's zerotrain.moe experts): their token exchange is "
+            "left out, their state counted as if sharded over every data-parallel rank"
+        )
+    checkpointing = cfg.activation_checkpointing
+    if checkpointing is not None and checkpointing.cpu_checkpointing:
+        out.append(
+            "activation_checkpointing.cpu_checkpointing: the kept inputs are priced on the device"
+        )
+    if cfg.tiled_compute.mlp or cfg.tiled_compute.loss:
+        out.append("tiled_compute: the MLPs and the loss are priced untiled")
+    if cfg.lora_fa.enabled:
+        out.append("lora_fa: every parameter is priced as trained (no adapters)")
+    if cfg.torch_autocast.enabled:
+        out.append("torch_autocast: compute and activations are priced in the parameters' dtype")
+    return out
+
+
+def typed_config(config: dict, facts: ModelFacts) -> ZeroTrainConfig:
+    """A candidate's ds_config, checked and typed as ``initialize`` reads it (HF's "auto"
+    values left out); ValueError where its optimizer is not the one ``facts`` price
+    (:func:`zerotrain.plan.planner.with_optimizer` reads it)."""
+    cfg = check_config(config, unfilled=True)
+    named = cfg.optimizer.type if cfg.optimizer is not None else None
+    spec = find_optimizer(named) if named else None
+    if spec is not None and spec.name != facts.optimizer.name:
+        raise ValueError(
+            f"the config's optimizer is {spec.name}, the model facts price "
+            f"{facts.optimizer.name}: read it with zerotrain.plan.planner.with_optimizer"
+        )
+    return cfg
 
 
 def predict(
@@ -203,15 +280,15 @@ def predict(
     facts: ModelFacts,
     machine: Machine,
     corrections: Corrections,
-    config: dict | None = None,
+    config: dict,
 ) -> Prediction:
-    """``candidate``'s cost on ``machine`` (see [Note: the planner's cost model]), with the
-    sizes its ds_config ``config`` sets."""
-    zero = (config or {}).get("zero_optimization", {})
+    """``candidate``'s cost on ``machine`` (see [Note: the planner's cost model]), trained as
+    its ds_config ``config`` says (:func:`typed_config`)."""
+    cfg = typed_config(config, facts)
     if candidate.pp > 1:
-        return _predict_pipeline(candidate, facts, machine, corrections, zero)
+        return _predict_pipeline(candidate, facts, machine, corrections, cfg)
     count, profile = facts.share(candidate.tp)
-    job = _job(candidate, facts, zero, count)
+    job = _job(candidate, facts, cfg, count, machine)
     (row,) = estimate(job)
     psi = count.trainable
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
@@ -246,7 +323,7 @@ def predict(
     comm = _comm_seconds(candidate, psi, element, machine)
     if candidate.tp > 1:
         comm += _tensor_parallel_seconds(candidate, facts, element, machine)
-    optimizer = _optimizer_seconds(candidate, psi, machine)
+    optimizer = _optimizer_seconds(candidate, job, count, facts, machine)
     return Prediction(
         peak_memory_bytes=int(memory),
         model_state_bytes=int(row.model_states),
@@ -265,16 +342,36 @@ def _engine_seconds(candidate: Candidate, psi: int, corrections: Corrections) ->
     return passes * psi * corrections.engine_seconds_per_parameter
 
 
-def _optimizer_seconds(candidate: Candidate, psi: int, machine: Machine) -> float:
-    """The optimizer step over a rank's partition of ``psi`` elements: fused AdamW at the
-    probed CPU rate, and with NVMe offload its working file read and written."""
+def _optimizer_seconds(
+    candidate: Candidate,
+    job: TrainingJob,
+    count: ParameterCount,
+    facts: ModelFacts,
+    machine: Machine,
+) -> float:
+    """The optimizer step over a rank's partition of ``job``'s trainable elements (``count``'s
+    parameters: the model's, a tensor-parallel share's or a stage's): the config's
+    optimizer at the probed fused-AdamW rate, scaled ([Note: the optimizer's cost] in
+    zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
+    and the state of the offloaded share) read and written."""
+    psi = job.trainable_params
     partition = psi if candidate.stage == 0 else -(-psi // candidate.dp)
     adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
         machine.adam_elements_per_s.values()
     )
-    seconds = partition / adam_rate
+    seconds = facts.optimizer.step_seconds(
+        partition,
+        count=count,
+        adam_rate=adam_rate,
+        matmul_flops=machine.matmul_flops,
+        ranks=1 if candidate.stage == 0 else candidate.dp,
+    )
     if candidate.offload == "nvme" and machine.disk_read_bytes_per_s:
-        state = partition * (4 + 8)  # fp32 master and Adam's two moments
+        precision = job.precision
+        per_element = precision.master_dtype.itemsize + precision.stored_state_bytes(
+            job.state_bytes
+        )
+        state = partition * job.offload_ratio * per_element
         write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
         seconds += state / machine.disk_read_bytes_per_s + state / write
     return seconds
@@ -285,7 +382,7 @@ def _predict_pipeline(
     facts: ModelFacts,
     machine: Machine,
     corrections: Corrections,
-    zero: dict,
+    cfg: ZeroTrainConfig,
 ) -> Prediction:
     """A pipeline candidate's cost (:func:`predict` per stage, run under 1F1B: see [Note: the
     planner's cost model]): the largest stage's memory and model states, and the step of the
@@ -299,7 +396,7 @@ def _predict_pipeline(
     work = []  # per stage, a micro-batch's forward and backward
     own = []  # per stage, the engine's work in each of them (every gradient divided as taken)
     for index, (count, stage) in enumerate(zip(share.counts, stages, strict=True)):
-        job = _job(candidate, facts, zero, count)
+        job = _job(candidate, facts, cfg, count, machine)
         (row,) = estimate(job)
         # 1F1B: stage k holds the activations of up to p - k micro-batches, and (but the last)
         # the output it sent for each, until its gradient comes back
@@ -315,7 +412,7 @@ def _predict_pipeline(
         psi = count.trainable
         own.append(psi * corrections.engine_seconds_per_parameter)
         comm = max(comm, _comm_seconds(candidate, psi, element, machine))
-        optimizer = max(optimizer, _optimizer_seconds(candidate, psi, machine))
+        optimizer = max(optimizer, _optimizer_seconds(candidate, job, count, facts, machine))
         work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
     compute = _one_f_one_b(work, micro_batches)
     # the engine's work sits in each stage's backward, on the schedule's path

@@ -22,12 +22,16 @@ from typing import TypeVar
 
 from torch import nn
 
+from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
 from zerotrain.errors import ZeroTrainError
+from zerotrain.estimate.stages import NOT_ON_NVME
 from zerotrain.fmt import quantity
+from zerotrain.moe.layer import Experts
 from zerotrain.plan.autotuning import read_autotuning
 from zerotrain.plan.candidates import Candidate, enumerate_candidates, fixed_keys
-from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict
+from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict, unpriced
 from zerotrain.plan.model_probe import ModelProfile, profile_model
+from zerotrain.plan.optimizer_cost import ADAMW, optimizer_cost
 from zerotrain.plan.pipeline_share import pipeline_share
 from zerotrain.plan.probe import Machine, cache_dir
 from zerotrain.precision import DTYPES
@@ -38,12 +42,15 @@ __all__ = [
     "Planned",
     "WHOLE_MODEL",
     "buildable_sizes",
+    "Checked",
+    "check_candidates",
     "load_corrections",
     "make_plan",
     "model_facts",
     "profile_if_fits",
     "rank_budget",
     "tensor_degrees",
+    "with_optimizer",
     "with_profiles",
 ]
 
@@ -102,6 +109,10 @@ class Plan:
     corrections: Corrections = field(default_factory=Corrections)
     metric: str = "throughput"
     """What "fastest" means: an ``autotuning`` section's metric."""
+    unpriced: list[str] = field(default_factory=list)
+    """What the base config turns on that the predictions leave out (cost.unpriced)."""
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """Candidates left out, which ``initialize`` would refuse: their labels and why."""
 
     @property
     def best(self) -> Planned:
@@ -113,7 +124,12 @@ class Plan:
         return sorted(fitting, key=lambda p: _rank(p, self.metric))
 
     def as_json(self) -> dict:
-        return {"candidates": [p.as_json() for p in self.candidates], "chosen": self.chosen}
+        return {
+            "candidates": [p.as_json() for p in self.candidates],
+            "chosen": self.chosen,
+            "unpriced": self.unpriced,
+            "refused": [{"label": label, "reason": why} for label, why in self.refused],
+        }
 
 
 def model_facts(
@@ -139,6 +155,7 @@ def model_facts(
     eager = getattr(config, "_attn_implementation", None) == "eager"
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
     return ModelFacts(
+        experts=any(isinstance(m, Experts) for m in model.modules()),
         count=count,
         seq_len=seq_len,
         dtype=dtype,
@@ -146,6 +163,18 @@ def model_facts(
         dropout=dropout,
         shares=tensor_shares(model, [d for d in tp_degrees if d > 1], skipped),
     )
+
+
+def with_optimizer(facts: ModelFacts, base: dict, threads: int | None) -> ModelFacts:
+    """``facts`` pricing the optimizer the configs planned over ``base`` (a ds_config) train
+    with: its ``optimizer`` section's, else AdamW, which a candidate's config then names ([Note:
+    the optimizer's cost] in zerotrain/plan/optimizer_cost.py), its step timed against AdamW's
+    on ``threads`` threads (None: not timed; memory alone). ValueError where the section names
+    no optimizer zerotrain builds."""
+    section = base.get("optimizer")
+    if not isinstance(section, dict):
+        return replace(facts, optimizer=ADAMW)
+    return replace(facts, optimizer=optimizer_cost(section, facts.count, threads))
 
 
 def tensor_degrees(ranks_per_node: int) -> tuple[int, ...]:
@@ -267,6 +296,55 @@ def buildable_sizes(
     return [m for m in sizes if fits(m)]
 
 
+@dataclass
+class Checked:
+    """Candidates' configs as ``initialize``'s config check reads them."""
+
+    accepted: list[tuple[Candidate, dict]]
+    """Each candidate it accepts, with its config."""
+    refused: list[tuple[Candidate, str]]
+    """Each candidate it refuses, with its message (a key a base fixes may rule out a stage,
+    an offload device: OneBitAdam at stage 3)."""
+    typed: ZeroTrainConfig
+    """The first accepted config, typed: the base's keys as training reads them."""
+
+
+def check_candidates(candidates: list[Candidate], base: dict, nvme_path: str | None) -> Checked:
+    """Each of ``candidates``' configs over ``base`` checked as ``initialize`` checks a config
+    (HF's "auto" values left to be filled); PlanError where none is left, or the base turns on
+    what the planner cannot plan around (sequence parallelism)."""
+    accepted, refused, typed = [], [], None
+    for candidate in candidates:
+        config = candidate.config(base, nvme_path)
+        try:
+            checked = check_config(config, unfilled=True)
+        except ConfigError as error:
+            refused.append((candidate, str(error)))
+            continue
+        typed = typed or checked
+        accepted.append((candidate, config))
+    if typed is None and refused:
+        candidate, why = refused[0]
+        raise PlanError(
+            f"--config: initialize would refuse every candidate config; {candidate.label()}: {why}"
+        )
+    if typed is None:
+        try:  # a value no candidate takes (stage 7) is the base's own error
+            check_config(base, unfilled=True)
+        except ConfigError as error:
+            raise PlanError(f"--config: {error}") from error
+        raise PlanError(
+            "no candidate config: --config fixes keys (or its autotuning section limits the "
+            "micro-batch so) that leave none"
+        )
+    if typed.sequence_parallel_size > 1:
+        raise PlanError(
+            f"--config sets sequence_parallel_size {typed.sequence_parallel_size}: the planner "
+            "does not price sequence parallelism yet; remove it (or set 1) to plan the rest"
+        )
+    return Checked(accepted, refused, typed)
+
+
 def make_plan(
     facts: ModelFacts,
     machine: Machine,
@@ -296,23 +374,20 @@ def make_plan(
             "autotuning.mp_size): the automatic plan does not split this model into that "
             f"many pieces on a node of {ranks_per_node} ranks (degrees it can: {list(degrees)})"
         )
-    for candidate in enumerate_candidates(
+    candidates = enumerate_candidates(
         world=world,
         global_batch=global_batch,
         base=base,
-        nvme=nvme_path is not None,
+        # NVMe offload steps sub-group by sub-group: not an optimizer that needs whole tensors
+        nvme=nvme_path is not None and facts.optimizer.kind not in NOT_ON_NVME,
         tp_degrees=degrees,
         pipelines=facts.pipelines,
-    ):
-        config = candidate.config(base, nvme_path)
+    )
+    checked = check_candidates(candidates, base, nvme_path)
+    for candidate, config in checked.accepted:
         prediction = predict(candidate, facts, machine, corrections, config)
         fits = prediction.peak_memory_bytes <= budget
         planned.append(Planned(candidate, config, prediction, fits))
-    if not planned:
-        raise PlanError(
-            "no candidate config: --config fixes keys (or its autotuning section limits the "
-            "micro-batch so) that leave none"
-        )
     fitting = [p for p in planned if p.fits]
     if not fitting:
         nearest = min(planned, key=lambda p: p.predicted.peak_memory_bytes)
@@ -327,7 +402,15 @@ def make_plan(
     best = min(fitting, key=lambda p: _rank(p, metric))
     for p in planned:
         p.reason = _reason(p, best, budget, metric)
-    return Plan(planned, planned.index(best), budget, corrections, metric)
+    return Plan(
+        planned,
+        planned.index(best),
+        budget,
+        corrections,
+        metric,
+        unpriced(checked.typed, facts),
+        [(c.label(), why) for c, why in checked.refused],
+    )
 
 
 def _rank(planned: Planned, metric: str) -> tuple[float, int]:

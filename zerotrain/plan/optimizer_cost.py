@@ -1,0 +1,126 @@
+"""The config's optimizer as the planner prices it: the bytes of state it keeps per element
+(the memory preflight's reading of it) and its step's time against fused AdamW's, which the
+machine probe measures.
+
+[Note: the optimizer's cost]
+The state: the optimizer the config's ``optimizer`` section builds, read as ``initialize``'s
+memory preflight reads it (zerotrain/estimate/preflight.py's ``optimizer_state``): its class's
+bytes per element where known, one step over stand-ins where not, Muon's momentum for its
+matrices and AdamW's moments for the rest.
+
+The step: an element-wise optimizer (SGD, Adagrad, Lion, Lamb, ...) is timed here over the
+same stand-in as fused AdamW, and its step is priced at the probed AdamW rate times the ratio
+(Adam and AdamW are the probe's own: ratio 1, not timed). Muon steps its matrices' momentum at
+AdamW's rate (an over-count: one buffer, not two) and orthogonalises each matrix whole:
+``ns_steps`` Newton-Schulz iterations, whose FLOPs the model's shapes give
+(:attr:`ParameterCount.muon_iteration_flops`), at the probed matmul rate; on ZeRO shards each
+matrix is orthogonalised on one rank, so the ranks share them. The matrices' trips to those
+ranks and back are not priced yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.estimate.model import ParameterCount
+from zerotrain.estimate.preflight import optimizer_state
+from zerotrain.optim import build_optimizer
+from zerotrain.optim.registry import find_optimizer
+
+__all__ = ["ADAMW", "OptimizerCost", "optimizer_cost"]
+
+STAND_IN_ELEMENTS = 1 << 20
+"""Elements of the stand-in two optimizers are timed over: large enough that a step's fixed
+cost is small beside its work, small enough to take milliseconds."""
+ADAM_NAMES = ("Adam", "AdamW")
+DEFAULT_NS_STEPS = 5
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """The optimizer as the cost model prices it (see [Note: the optimizer's cost])."""
+
+    name: str
+    """The config's ``optimizer.type``, as the registry spells it."""
+    kind: str
+    """The estimator's kind: ``adam``, ``lamb`` (needs whole parameters) or ``muon``."""
+    state_bytes: float
+    """Bytes of state per trainable element."""
+    relative_time: float = 1.0
+    """Its element-wise step's time over fused AdamW's, on the same elements."""
+    ns_steps: int = 0
+    """Muon: Newton-Schulz iterations a step (0: not Muon)."""
+
+    def state_bytes_of(self, count: ParameterCount) -> float:
+        """Bytes of state per element of ``count``'s parameters (Muon's depend on which of them
+        are its matrices: a pipeline stage's share differs from the model's)."""
+        return count.muon_state_bytes() if self.kind == "muon" else self.state_bytes
+
+    def step_seconds(
+        self,
+        partition: int,
+        *,
+        count: ParameterCount,
+        adam_rate: float,
+        matmul_flops: float,
+        ranks: int,
+    ) -> float:
+        """The step over a rank's ``partition`` of ``count``'s trainable elements, with
+        ``ranks`` ranks sharing Muon's matrices."""
+        seconds = partition * self.relative_time / adam_rate
+        if self.ns_steps:
+            seconds += self.ns_steps * count.muon_iteration_flops / ranks / matmul_flops
+        return seconds
+
+
+ADAMW = OptimizerCost(name="AdamW", kind="adam", state_bytes=8.0)
+"""What a config without an ``optimizer`` section trains with (:meth:`Candidate.config`)."""
+
+
+def optimizer_cost(section: dict, count: ParameterCount, threads: int | None) -> OptimizerCost:
+    """The cost of the optimizer a config's ``optimizer`` ``section`` builds, over a model of
+    ``count``'s parameters, timed (when not Adam) on ``threads`` threads (None: not timed, for
+    memory alone: its step time is NaN); ValueError where the section names no optimizer
+    zerotrain builds."""
+    spec = find_optimizer(str(section.get("type", "")))
+    if spec is None:
+        raise ValueError(
+            f"optimizer.type {section.get('type')!r}: not an optimizer zerotrain builds"
+        )
+    params = section.get("params") or {}
+
+    def build(masters: list[list[torch.Tensor]], probe: bool = False) -> torch.optim.Optimizer:
+        return build_optimizer(spec.name, params, [{"params": m} for m in masters])
+
+    kind, state_bytes = optimizer_state(build, 1, count)
+    if spec.name == "Muon":
+        steps = int(params.get("ns_steps", DEFAULT_NS_STEPS))
+        return OptimizerCost(spec.name, kind, state_bytes, ns_steps=steps)
+    if spec.name in ADAM_NAMES:
+        relative = 1.0
+    elif threads is None:
+        relative = math.nan
+    else:
+        relative = _relative_time(spec.name, params, threads)
+    return OptimizerCost(spec.name, kind, state_bytes, relative)
+
+
+def _relative_time(name: str, params: dict, threads: int) -> float:
+    """The step time of optimizer ``name`` over fused AdamW's on one stand-in."""
+    from zerotrain.plan.probe import best_seconds
+
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for each, given in ((name, params), ("AdamW", {})):
+            param = torch.zeros(STAND_IN_ELEMENTS, requires_grad=True)
+            param.grad = torch.randn(STAND_IN_ELEMENTS)
+            optimizer = build_optimizer(each, given, [{"params": [param]}])
+            times.append(best_seconds(optimizer.step))
+        return times[0] / times[1]
+    finally:
+        torch.set_num_threads(kept)
