@@ -1,6 +1,6 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
-    python bench/plan.py [--part predictions|pick|deepspeed|both] [--models demo 30m]
+    python bench/plan.py [--part predictions|pick|confirm|deepspeed|both] [--models demo 30m]
                          [--only pipeline|optimizers]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
@@ -16,6 +16,9 @@
   micro-batches 2, 4, 8; pipeline degree 2 at stages 0-2, as ``--pipeline`` weighs it) run as
   a trial, the way DeepSpeed's autotuner tries configs; the
   planner's choice against the fastest found, and the time each way took to decide.
+- ``confirm`` (run after ``pick``, and by it): the pick's choice and the fastest trial's config
+  measured again 3 times each, alternating, compared by their medians (one trial's step varies
+  by 15-20% between runs here, so the fastest of 90 single trials is partly the luckiest).
 - ``deepspeed``: DeepSpeed 0.19.8's own autotuner (``deepspeed --autotuning tune``, fast mode:
   ZeRO stage and micro-batch; the planner's side weighs the same, without tensor parallelism)
   on the same job, a DeepSpeed script training the demo GPT on its CPU accelerator
@@ -204,21 +207,29 @@ def _print_summary(rows: list[dict]) -> None:
         )
 
 
-def pick() -> dict:
+def _pick_candidates() -> list:
+    """The pick's space: the planner's candidates for the demo GPT on 2 ranks that fit, at
+    micro-batches 2, 4 and 8, each priced."""
     from zerotrain.plan.cost import Corrections
     from zerotrain.plan.planner import make_plan
     from zerotrain.plan.probe import probe_machine
-    from zerotrain.plan_trial import TrialSpec, run_trial
 
     spec, seq = MODELS["demo"]
-    started = time.perf_counter()
     machine = probe_machine(dtype="fp32", world=2, threads=1)
     facts = _facts(spec, seq, machine, [2, 4, 8], (2,), (2,))
     plan = make_plan(
         facts, machine, world=2, ranks_per_node=2, global_batch=16, base=BASE,
         corrections=Corrections(),
     )  # fmt: skip
-    planned = [p for p in plan.candidates if p.fits and p.candidate.micro_batch in (2, 4, 8)]
+    return [p for p in plan.candidates if p.fits and p.candidate.micro_batch in (2, 4, 8)]
+
+
+def pick() -> dict:
+    from zerotrain.plan_trial import TrialSpec, run_trial
+
+    spec, seq = MODELS["demo"]
+    started = time.perf_counter()
+    planned = _pick_candidates()
     planner_seconds = time.perf_counter() - started
     started = time.perf_counter()
     measured = {}
@@ -249,6 +260,37 @@ def pick() -> dict:
         "trial_seconds": trial_seconds,
         "measured": measured,
     }
+
+
+REPEATS = 3
+
+
+def confirm(picked: dict) -> dict:
+    """The pick's chosen config and the fastest of its trials, measured again ``REPEATS``
+    times each, alternating, and compared by their medians: one trial's step varies by 15-20%
+    from one run to the next on this machine, so the fastest of 90 single trials is the
+    luckiest as much as the fastest."""
+    from zerotrain.plan_trial import TrialSpec, run_trial
+
+    spec, seq = MODELS["demo"]
+    by_label = {p.candidate.label(): p for p in _pick_candidates()}
+    labels = (picked["chosen"], picked["fastest"])
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for _ in range(REPEATS):
+        for label in labels:
+            p = by_label[label]
+            c = p.candidate
+            trial = TrialSpec(
+                spec, p.config, 2, seq, 256, c.activation_checkpointing, c.split_points
+            )
+            times[label].append(run_trial(trial).step_time_s)
+    medians = {label: statistics.median(values) for label, values in times.items()}
+    ratio = medians[labels[0]] / medians[labels[1]]
+    for label in labels:
+        shown = ", ".join(f"{t:.3f}" for t in times[label])
+        print(f"{label:<52} {shown} s: median {medians[label]:.3f} s", flush=True)
+    print(f"the planner's pick over the fastest trial's config, medians of {REPEATS}: {ratio:.3f}x")
+    return {"times": times, "medians": medians, "ratio": ratio}
 
 
 DS_SCRIPT = """
@@ -348,7 +390,9 @@ def deepspeed_autotuning() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", choices=["predictions", "pick", "deepspeed", "both"], default="both"
+        "--part",
+        choices=["predictions", "pick", "confirm", "deepspeed", "both"],
+        default="both",
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["demo", "30m"])
     parser.add_argument(
@@ -357,7 +401,11 @@ def main() -> None:
         help="predictions: the pipeline rows, or the other optimizers'",
     )
     args = parser.parse_args()
-    results = {}
+    out = ROOT / "bench" / "results" / "plan.json"
+    try:  # each part's results kept beside the others' (confirm reads pick's)
+        results = json.loads(out.read_text())
+    except (OSError, ValueError):
+        results = {}
     # a probe of its own, not a cache refined by earlier --verify runs
     with (
         tempfile.TemporaryDirectory(prefix="zerotrain-plan-cache-") as cache,
@@ -368,9 +416,12 @@ def main() -> None:
             results["predictions"] = predictions(args.models, nvme, args.only)
         if args.part in ("pick", "both"):
             results["pick"] = pick()
+        if args.part in ("pick", "confirm", "both"):
+            if "pick" not in results:
+                raise SystemExit("bench/plan.py: --part confirm needs --part pick's results")
+            results["pick"]["confirm"] = confirm(results["pick"])
         if args.part == "deepspeed":
             results["deepspeed"] = deepspeed_autotuning()
-    out = ROOT / "bench" / "results" / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"written {out}")

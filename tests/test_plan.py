@@ -162,8 +162,6 @@ def _priced_configs() -> dict[str, dict]:
 
 
 def _measured_states(configs: dict[str, dict]) -> dict[str, float]:
-    import torch
-
     import zerotrain
 
     out = {}
@@ -627,8 +625,6 @@ def test_a_pipeline_cut_counts_each_stage_and_times_its_share():
     """The tiny GPT (4 blocks, its head tied to its embedding) cut in 2 before blocks.2: each
     stage holds its layers, both the tied embedding; the stages' saved bytes add up to the
     whole model's (the model probe's count); the residual stream crosses the cut."""
-    import torch
-
     from zerotrain.estimate.factory import load_factory
     from zerotrain.plan.model_probe import profile_model
     from zerotrain.plan.pipeline_share import cut_points, pipeline_share
