@@ -29,6 +29,7 @@ from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.preflight import optimizer_state
 from zerotrain.optim import build_optimizer
 from zerotrain.optim.registry import find_optimizer
+from zerotrain.plan.probe import best_seconds
 
 __all__ = ["ADAMW", "OptimizerCost", "optimizer_cost"]
 
@@ -36,7 +37,6 @@ STAND_IN_ELEMENTS = 1 << 20
 """Elements of the stand-in two optimizers are timed over: large enough that a step's fixed
 cost is small beside its work, small enough to take milliseconds."""
 ADAM_NAMES = ("Adam", "AdamW")
-DEFAULT_NS_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ def optimizer_cost(section: dict, count: ParameterCount, threads: int | None) ->
         return build_optimizer(spec.name, params, [{"params": m} for m in masters])
 
     kind, state_bytes = optimizer_state(build, 1, count)
-    if spec.name == "Muon":
-        steps = int(params.get("ns_steps", DEFAULT_NS_STEPS))
+    if spec.name == "Muon":  # its ns_steps, as given or Muon's default
+        steps = int(build([[torch.zeros(1)]]).defaults["ns_steps"])
         return OptimizerCost(spec.name, kind, state_bytes, ns_steps=steps)
     if spec.name in ADAM_NAMES:
         relative = 1.0
@@ -110,8 +110,6 @@ def optimizer_cost(section: dict, count: ParameterCount, threads: int | None) ->
 
 def _relative_time(name: str, params: dict, threads: int) -> float:
     """The step time of optimizer ``name`` over fused AdamW's on one stand-in."""
-    from zerotrain.plan.probe import best_seconds
-
     kept = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
