@@ -576,7 +576,7 @@ def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, m
     assert model_facts(moe, seq_len=4, dtype="fp32").experts
 
 
-def test_lamb_is_not_offered_nvme_offload_and_sgd_steps_faster_than_adamw(tmp_path):
+def test_lamb_is_not_offered_nvme_offload_and_sgd_is_priced_at_its_measured_ratio(tmp_path):
     """An optimizer that needs whole parameters (Lamb) gets no NVMe candidate, which its store
     refuses; SGD with momentum is priced at its own step time, measured against AdamW's."""
     from zerotrain.estimate.factory import build_on_meta
@@ -602,6 +602,10 @@ def test_lamb_is_not_offered_nvme_offload_and_sgd_steps_faster_than_adamw(tmp_pa
     for p in plan.candidates:
         adamw_s = by_label[p.candidate.label()].optimizer_s
         assert p.predicted.optimizer_s == pytest.approx(adamw_s * relative)
+    # a GPU machine names its device by model: the plan prices there too
+    gpu = replace(machine, device="NVIDIA H200", device_memory=80 * 2**30)
+    on_gpu = make_plan(priced, gpu, base=sgd, **options)
+    assert on_gpu.best.predicted.model_state_bytes > 0
 
 
 def test_muon_s_step_counts_its_newton_schulz_products():

@@ -115,6 +115,16 @@ def test_a_config_predicted_not_to_fit_is_named_with_the_plan_s_choice(
     ), warning
     assert "per rank at 64 tokens a sample, more than the 40.50 MB a rank may use here; " in warning
     assert "is predicted to fit" in warning and "`zerotrain plan` shows the table" in warning
+    # a typed config (load_config's) is advised on alike
+    from zerotrain.config import load_config
+
+    zerotrain_log.records.clear()
+    engine, *_ = zerotrain.initialize(
+        model=tiny(), config=load_config(_config(stage=0, micro=8), world_size=1)
+    )
+    tokens = torch.randint(0, 256, (8, 65))
+    engine(tokens[:, :-1], tokens[:, 1:])
+    assert _warnings(zerotrain_log) == [warning]
 
 
 def test_a_config_far_slower_than_the_plan_s_choice_is_named(tmp_path, monkeypatch, zerotrain_log):

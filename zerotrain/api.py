@@ -330,10 +330,13 @@ def _advice(model: nn.Module, cfg: ZeroTrainConfig, config, optimizer, layout: P
         optimizer_type = cfg.optimizer.type
     else:
         optimizer_type = None  # a callable builds it: its state is not known here
+    # a typed config's own keys (its defaults dumped too would not pass the config check)
+    typed = isinstance(config, ZeroTrainConfig)
+    raw = config.model_dump(exclude_unset=True) if typed else _raw_config(config, cfg)
     return prepare_advice(
         model,
         cfg,
-        _raw_config(config, cfg),
+        raw,
         optimizer_type=optimizer_type,
         world=layout.mesh.sizes["dp"],  # not mesh.dp: its group is made on first use, by all
         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),

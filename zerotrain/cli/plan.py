@@ -206,7 +206,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     machine = with_current_memory(machine)
     try:
         facts = with_optimizer(facts, base, machine.threads)
-    except ValueError as error:
+    except (ValueError, TypeError) as error:  # the optimizer's own check of its params
         return fail(f"--config: {error}")
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
     pipelines = _pipeline_degrees(args, base, world, say) if args.pipeline else ()

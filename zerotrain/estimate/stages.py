@@ -312,16 +312,15 @@ def largest_bucket(job: TrainingJob, policy: ZeroPolicy) -> int:
 
 
 def host_share(job: TrainingJob, policy: ZeroPolicy) -> float:
-    """The share of the optimizer partition that offload puts on the host: ``offload_ratio``
-    rounded up to whole buckets, as the store takes them from the front until the host holds
-    at least that share (zerotrain/zero/offload.py's ``choose_host_buckets``), every bucket
-    taken at the largest's size (they close between parameters: where those do not fill them
-    evenly, an approximation)."""
-    ratio, total = job.offload_ratio, job.trainable_params
-    if ratio >= 1 or ratio <= 0 or total == 0:
-        return min(1.0, max(0.0, ratio))
-    bucket = max(1, largest_bucket(job, policy))
-    return min(total, -(-ratio * total // bucket) * bucket) / total
+    """The share of the optimizer partition that offload puts on the host. The store takes
+    buckets from the front until the host holds at least ``offload_ratio`` of the elements
+    (zerotrain/zero/offload.py's ``choose_host_buckets``): with one bucket, any ratio above 0
+    offloads all of it; with several, at least the ratio (their sizes are not known here), a
+    lower bound for the host and so an upper one for the device."""
+    ratio = min(1.0, max(0.0, job.offload_ratio))
+    if 0 < ratio < 1 and largest_bucket(job, policy) >= job.trainable_params:
+        return 1.0
+    return ratio
 
 
 def _offload_bytes(job: TrainingJob, policy: ZeroPolicy) -> tuple[HostBytes, int]:

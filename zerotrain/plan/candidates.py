@@ -70,8 +70,8 @@ class Candidate:
         """The ds_config: ``base`` (the user's, kept) with this candidate's keys."""
         out = copy.deepcopy(base)
         out.pop("autotuning", None)  # the plan is the tuning's result: training never reads it
-        # the cost model prices Adam's state: a base without an optimizer gets DeepSpeed's
-        # usual one (a script that passes its own optimizer to initialize overrides it)
+        # a base without an optimizer gets DeepSpeed's usual one, which the cost model then
+        # prices (a script that passes its own optimizer to initialize overrides it)
         out.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
         out["train_micro_batch_size_per_gpu"] = self.micro_batch
         out["gradient_accumulation_steps"] = self.accumulation

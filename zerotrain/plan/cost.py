@@ -32,9 +32,11 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
   stages 0-1, in every backward at 2-3) and the parameters' all-gathers (after the step at
   stages 1-2, in every forward and backward at 3), each on the probed link of its kind, not
   overlapped with compute (gloo on CPU ranks shares their cores);
-- the optimizer step: fused AdamW over the rank's partition at the probed CPU rate (the device's
-  on a GPU is not modelled yet: the CPU rate bounds it); NVMe offload adds its working file's
-  reads and writes (master and state, each way) at the probed disk rates.
+- the optimizer step: the config's optimizer over the rank's partition, at the probed CPU
+  fused-AdamW rate times its measured ratio to it ([Note: the optimizer's cost] in
+  zerotrain/plan/optimizer_cost.py; the device's rate on a GPU is not modelled yet: the CPU
+  rate bounds it); NVMe offload adds its working file's reads and writes (master and state,
+  each way) at the probed disk rates.
 
 Tensor parallelism at degree t: a rank's share of the model ([Note: a tensor-parallel rank's
 share] in zerotrain/plan/tensor_share.py) stands for the model in every term above (its
@@ -65,13 +67,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from zerotrain.comm.communicator import ring_sent
-from zerotrain.config import ZeroTrainConfig, check_config
+from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
 from zerotrain.estimate import TrainingJob, TransformerShape, estimate
 from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.preflight import config_job
-from zerotrain.estimate.stages import largest_bucket
+from zerotrain.estimate.stages import host_share, largest_bucket
 from zerotrain.optim.registry import find_optimizer
-from zerotrain.plan.candidates import Candidate
+from zerotrain.plan.candidates import Candidate, section
 from zerotrain.plan.model_probe import ModelProfile
 from zerotrain.plan.optimizer_cost import ADAMW, OptimizerCost
 from zerotrain.plan.pipeline_share import PipelineShare
@@ -208,15 +210,15 @@ def _job(
         cfg,
         optimizer=(optimizer.kind, optimizer.state_bytes_of(count)),
         data_parallel=candidate.dp,
-        device=torch.device(machine.device),
+        device=torch.device("cpu" if machine.device == "cpu" else "cuda"),  # device: its name
         shape=facts.shape(candidate.micro_batch, candidate.tp),
         attention=facts.attention,
         dropout=facts.dropout,
     )
     if job is None:
-        raise ValueError(
-            f"{candidate.label()}: {optimizer.name} cannot be offloaded to NVMe "
-            "(it needs whole parameters); no candidate should offer it"
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.device: {optimizer.name} needs whole "
+            "parameters, which NVMe offload steps in sub-groups; offload to cpu instead"
         )
     return job
 
@@ -227,8 +229,8 @@ COMPRESSING_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam")
 
 def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts) -> list[str]:
     """What ``cfg`` (a plan's base config) and the model of ``facts`` turn on that the cost
-    model leaves out, each with its key and how it is priced instead (docs/plan.md, "What the
-    plan prices")."""
+    model leaves out, each with its key and how it is priced instead (docs/plan.md, "Keeping
+    your own keys")."""
     out = []
     compression = cfg.comm_compression
     if (
@@ -264,6 +266,9 @@ def typed_config(config: dict, facts: ModelFacts) -> ZeroTrainConfig:
     """A candidate's ds_config, checked and typed as ``initialize`` reads it (HF's "auto"
     values left out); ValueError where its optimizer is not the one ``facts`` price
     (:func:`zerotrain.plan.planner.with_optimizer` reads it)."""
+    for key in ("bf16", "fp16"):  # HF's "auto" precision: the dtype the facts were made in
+        if section(config, key).get("enabled") == "auto":
+            config = {**config, key: {**config[key], "enabled": facts.dtype == key}}
     cfg = check_config(config, unfilled=True)
     named = cfg.optimizer.type if cfg.optimizer is not None else None
     spec = find_optimizer(named) if named else None
@@ -371,7 +376,7 @@ def _optimizer_seconds(
         per_element = precision.master_dtype.itemsize + precision.stored_state_bytes(
             job.state_bytes
         )
-        state = partition * job.offload_ratio * per_element
+        state = partition * host_share(job, ZeroPolicy.for_stage(candidate.stage)) * per_element
         write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
         seconds += state / machine.disk_read_bytes_per_s + state / write
     return seconds

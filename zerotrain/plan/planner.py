@@ -172,9 +172,12 @@ def with_optimizer(facts: ModelFacts, base: dict, threads: int | None) -> ModelF
     on ``threads`` threads (None: not timed; memory alone). ValueError where the section names
     no optimizer zerotrain builds."""
     section = base.get("optimizer")
-    if not isinstance(section, dict):
+    typed = check_config({"optimizer": section}, unfilled=True).optimizer if section else None
+    if typed is None:
         return replace(facts, optimizer=ADAMW)
-    return replace(facts, optimizer=optimizer_cost(section, facts.count, threads))
+    # its typed section: HF's "auto" values left out, as initialize will have them filled
+    priced = optimizer_cost({"type": typed.type, "params": typed.params}, facts.count, threads)
+    return replace(facts, optimizer=priced)
 
 
 def tensor_degrees(ranks_per_node: int) -> tuple[int, ...]:
