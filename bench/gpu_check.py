@@ -238,6 +238,7 @@ CUDA_CODE: dict[str, tuple[str, ...] | str] = {
     "zerotrain/zero/init.py": ("stage3-zero-init",),
     # the planner's device rates, its model probe and trials (synchronized timing, peaks)
     "zerotrain/plan/probe.py": ("plan",),
+    "zerotrain/plan/cost.py": ("plan",),  # a GPU machine's device, named by its model
     "zerotrain/plan/model_probe.py": ("plan",),
     "zerotrain/plan/pipeline_share.py": ("plan",),
     "zerotrain/plan_trial.py": ("plan",),
