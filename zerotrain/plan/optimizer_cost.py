@@ -29,7 +29,7 @@ from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.preflight import optimizer_state
 from zerotrain.optim import build_optimizer
 from zerotrain.optim.registry import find_optimizer
-from zerotrain.plan.probe import best_seconds
+from zerotrain.plan.probe import optimizer_step_seconds
 
 __all__ = ["ADAMW", "OptimizerCost", "optimizer_cost"]
 
@@ -110,15 +110,9 @@ def optimizer_cost(section: dict, count: ParameterCount, threads: int | None) ->
 
 def _relative_time(name: str, params: dict, threads: int) -> float:
     """The step time of optimizer ``name`` over fused AdamW's on one stand-in."""
-    kept = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        times = []
-        for each, given in ((name, params), ("AdamW", {})):
-            param = torch.zeros(STAND_IN_ELEMENTS, requires_grad=True)
-            param.grad = torch.randn(STAND_IN_ELEMENTS)
-            optimizer = build_optimizer(each, given, [{"params": [param]}])
-            times.append(best_seconds(optimizer.step))
-        return times[0] / times[1]
-    finally:
-        torch.set_num_threads(kept)
+
+    def builder(each: str, given: dict):
+        return lambda tensors: build_optimizer(each, given, [{"params": tensors}])
+
+    mine = optimizer_step_seconds(builder(name, params), STAND_IN_ELEMENTS, threads)
+    return mine / optimizer_step_seconds(builder("AdamW", {}), STAND_IN_ELEMENTS, threads)

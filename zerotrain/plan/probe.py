@@ -50,6 +50,7 @@ __all__ = [
     "cache_dir",
     "cached_machine",
     "memory_only_machine",
+    "optimizer_step_seconds",
     "probe_machine",
     "with_current_memory",
 ]
@@ -312,13 +313,21 @@ def _attention_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def _adam_rate(threads: int) -> float:
+    def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    return ADAM_ELEMENTS / optimizer_step_seconds(adamw, ADAM_ELEMENTS, threads)
+
+
+def optimizer_step_seconds(build, elements: int, threads: int) -> float:
+    """The best time of one step of the optimizer ``build([param])`` makes over a stand-in of
+    ``elements`` elements with a gradient, on ``threads`` threads (:func:`best_seconds`)."""
     kept = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        param = torch.zeros(ADAM_ELEMENTS, requires_grad=True)
-        param.grad = torch.randn(ADAM_ELEMENTS)
-        optimizer = torch.optim.AdamW([param], lr=1e-3, fused=True)
-        return ADAM_ELEMENTS / best_seconds(optimizer.step)
+        param = torch.zeros(elements, requires_grad=True)
+        param.grad = torch.randn(elements)
+        return best_seconds(build([param]).step)
     finally:
         torch.set_num_threads(kept)
 
