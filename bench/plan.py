@@ -7,7 +7,8 @@
   nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
   degree 2 on 2 ranks, and SGD, Lion and Muon in place of AdamW) of the GPTs of examples/gpt,
   fp32 on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its
-  default corrections, not refined by earlier trials) and measured by a trial
+  default corrections, not refined by earlier trials, and the model probed just before its
+  trial) and measured by a trial
   (zerotrain/plan_trial.py: peak memory per rank above start-up, model-state bytes, median
   step time). Prints each config's errors and their distribution. ``--only pipeline`` or
   ``--only optimizers`` runs those rows alone.
@@ -98,7 +99,9 @@ ONLY = {
 }
 
 
-def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_degrees=()):
+def _facts(
+    spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_degrees=(), whole=True
+):
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.planner import model_facts, with_profiles
 
@@ -111,6 +114,7 @@ def _facts(spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_deg
         sizes=lambda tp, pp: sizes,
         vocab=256,
         failed=_failed,
+        whole=whole,
         pipeline_degrees=pp_degrees,
     )
 
@@ -132,13 +136,13 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
         spec, seq = MODELS[name]
         for world in sorted({row[4] for row in fixed}):
             machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
-            sizes = sorted({row[3] for row in fixed})
-            degrees = tuple({row[5] for row in fixed if row[4] == world})
-            pipelines = tuple({row[6] for row in fixed if row[4] == world and row[6] > 1})
-            facts = _facts(spec, seq, machine, sizes, degrees, pipelines)
             for stage, offload, checkpointing, micro, ranks, tp, pp, *optimizer in fixed:
                 if ranks != world:
                     continue
+                # the model probed just before its trial: this VM's speed drifts by 15-25%
+                # from one minute to the next (bench/README.md), more than the model misses by
+                split = (tp,) * (tp > 1), (pp,) * (pp > 1)
+                facts = _facts(spec, seq, machine, [micro], *split, whole=tp == pp == 1)
                 points = facts.pipelines[pp].split_points if pp > 1 else ()
                 candidate = Candidate(
                     stage, offload, checkpointing, micro, pp, world, tp, pp, points

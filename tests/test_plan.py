@@ -625,6 +625,45 @@ def test_muon_s_step_counts_its_newton_schulz_products():
     assert two == pytest.approx(one_rank / 2)
 
 
+def test_the_model_probe_s_median_run_is_priced_and_ranks_share_the_disk(tmp_path, monkeypatch):
+    """The model probe prices a micro-batch at the median of its runs, as a trial reports its
+    steps (not the fastest, nor the mean), and so does a pipeline's; the ranks of a node share
+    its disk for NVMe offload."""
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan import model_probe
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.pipeline_share import StageProfile, median_run
+    from zerotrain.plan.planner import model_facts
+
+    runs = iter([3.0, 1.0, 8.0, 6.0, 4.0, 11.0])  # without checkpointing, then with
+    monkeypatch.setattr(model_probe, "timed_runs", lambda step: [next(runs) for _ in range(3)])
+    options = {"seq_len": 32, "vocab_size": 256, "dtype": torch.float32, "threads": 1}
+    profile = model_probe.profile_model(load_factory(GPT_TINY), micro_batches=[4], **options)
+    measured = profile.micro_batches[4]
+    assert (measured.forward_backward_s, measured.checkpointed_forward_backward_s) == (3.0, 6.0)
+    facts = model_facts(build_on_meta(GPT_TINY), seq_len=32, dtype="fp32")
+    facts = replace(facts, profile=profile)
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    machine = replace(machine, disk_read_bytes_per_s=1e8, disk_write_bytes_per_s=2e8)
+
+    def predicted(world: int, offload: str | None = None):
+        candidate = Candidate(2, offload, False, 4, max(1, 4 // world), world)
+        config = candidate.config({}, str(tmp_path))
+        return predict(candidate, facts, machine, Corrections(), config)
+
+    assert predicted(1).compute_s == pytest.approx(4 * 3.0)
+    for world in (1, 2, 4):  # 4 ranks: 2 nodes of the probed 2
+        priced_io = predicted(world, "nvme").optimizer_s - predicted(world).optimizer_s
+        partition = -(-facts.count.trainable // world)
+        io = partition * (4 + 8) * (1 / 1e8 + 1 / 2e8)  # fp32 masters and Adam's two moments
+        assert priced_io == pytest.approx(min(world, 2) * io, rel=1e-6)  # a node's ranks, one disk
+    # a pipeline stage's profile is the run whose whole is the median, its stages kept together
+    runs = [(StageProfile(1.0, 2.0, 0), StageProfile(t, t, 0)) for t in (5.0, 1.0, 2.0)]
+    assert median_run(runs) == runs[2]
+
+
 def test_a_pipeline_cut_counts_each_stage_and_times_its_share():
     """The tiny GPT (4 blocks, its head tied to its embedding) cut in 2 before blocks.2: each
     stage holds its layers, both the tied embedding; the stages' saved bytes add up to the

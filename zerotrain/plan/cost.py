@@ -21,13 +21,14 @@ measures]). Over the fixed configs of bench/plan.py these come within 5% of tria
 (bench/README.md).
 
 Step time: compute, the collectives, the optimizer step, each priced on the machine:
-- compute: the model probe's forward and backward per micro-batch (with checkpointing, its
-  recomputing backward), times ``Corrections.compute_scale``, plus the engine's own work
+- compute: the model probe's forward and backward per micro-batch, the median of its runs as
+  a trial reports its median step (with checkpointing, its recomputing backward), times
+  ``Corrections.compute_scale``, plus the engine's own work
   (``engine_seconds_per_parameter``: once a step at stages 0-1, whose buckets are worked at
-  the accumulation boundary; every micro-batch at 2-3, which reduce in every backward). Where the model cannot be built here: 2 FLOPs per
-  parameter and token forward at the probed matmul rate times ``FLOP_EFFICIENCY``, and causal
-  attention's 2·L·s·h per token at the probed attention rate, three times for forward and
-  backward, four with checkpointing;
+  the accumulation boundary; every micro-batch at 2-3, which reduce in every backward). Where
+  the model cannot be built here: 2 FLOPs per parameter and token forward at the probed
+  matmul rate times ``FLOP_EFFICIENCY``, and causal attention's 2·L·s·h per token at the
+  probed attention rate, three times for forward and backward, four with checkpointing;
 - collectives (:func:`_comm_seconds`): the gradient reduction (at the accumulation boundary at
   stages 0-1, in every backward at 2-3) and the parameters' all-gathers (after the step at
   stages 1-2, in every forward and backward at 3), each on the probed link of its kind, not
@@ -36,7 +37,7 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
   fused-AdamW rate times its measured ratio to it ([Note: the optimizer's cost] in
   zerotrain/plan/optimizer_cost.py; the device's rate on a GPU is not modelled yet: the CPU
   rate bounds it); NVMe offload adds its working file's reads and writes (master and state,
-  each way) at the probed disk rates.
+  each way) at the probed disk rates, shared by the node's ranks, which step at once.
 
 Tensor parallelism at degree t: a rank's share of the model ([Note: a tensor-parallel rank's
 share] in zerotrain/plan/tensor_share.py) stands for the model in every term above (its
@@ -358,7 +359,8 @@ def _optimizer_seconds(
     parameters: the model's, a tensor-parallel share's or a stage's): the config's
     optimizer at the probed fused-AdamW rate, scaled ([Note: the optimizer's cost] in
     zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
-    and the state of the offloaded share) read and written."""
+    and the state of the offloaded share) read and written, the disk shared by the node's
+    ranks."""
     psi = job.trainable_params
     partition = psi if candidate.stage == 0 else -(-psi // candidate.dp)
     adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
@@ -378,7 +380,10 @@ def _optimizer_seconds(
         )
         state = partition * host_share(job, ZeroPolicy.for_stage(candidate.stage)) * per_element
         write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
-        seconds += state / machine.disk_read_bytes_per_s + state / write
+        # the node's ranks step at once, sharing its disk (the 2-rank NVMe rows of bench/plan.py
+        # were 18-31% under without it: bench/README.md)
+        sharing = max(1, min(candidate.world, machine.world))
+        seconds += sharing * (state / machine.disk_read_bytes_per_s + state / write)
     return seconds
 
 

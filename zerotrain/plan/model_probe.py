@@ -6,26 +6,28 @@ this machine (the FLOP count and Korthikanti's formula otherwise).
 A FLOP count priced at the probed square matmul's rate missed this CPU's step times of the
 GPTs of examples/gpt by 26-46% (their forward and backward reach 0.54-0.74 of that rate, less
 at smaller micro-batches), and the formula's activations say nothing of a model that is not a
-textbook transformer. So where the
-model fits in this process (its parameters and gradients in fp32, twice over, within half the
-host memory available), the planner builds it for real, in the training dtype, and times a
-plain autograd forward-plus-backward at each micro-batch, with the threads one rank gets, the
-best of a few after a warm-up; with activation checkpointing too (the blocks wrapped
-as a trial wraps them: the backward then includes the recomputation). The bytes autograd saves
-in the forward are counted as ``zerotrain.checkpointing.count_saved_activations`` counts them.
+textbook transformer. So where the model fits in this process (its parameters and gradients
+in fp32, twice over, within half the host memory available), the planner builds it for real,
+in the training dtype, and times a plain autograd forward-plus-backward at each micro-batch,
+with the threads one rank gets, the median of a few runs after a warm-up (a trial reports its
+median step, and on this shared VM one run varies from the next by 15-25%: bench/README.md);
+with activation checkpointing too (the blocks wrapped as a trial wraps them: the backward then
+includes the recomputation). The bytes autograd saves in the forward are counted as
+``zerotrain.checkpointing.count_saved_activations`` counts them.
 A run of the real engine adds its own work per step (bucket copies, hooks, the reduction's
 bookkeeping): the cost model's ``engine_seconds_per_parameter``.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from zerotrain.plan.probe import best_seconds
+from zerotrain.plan.probe import timed_runs
 
 __all__ = [
     "MicroBatchProfile",
@@ -113,7 +115,7 @@ def profile_model(
                     for p in params:
                         p.grad = None
 
-                profiles[micro] += [best_seconds(step), saved[0]]
+                profiles[micro] += [statistics.median(timed_runs(step)), saved[0]]
             del model, params
     finally:
         torch.set_num_threads(kept)

@@ -31,10 +31,11 @@ from torch import nn
 from zerotrain.estimate.model import ParameterCount
 from zerotrain.plan.model_probe import is_hf_causal_lm, loss_of
 
-__all__ = ["PipelineShare", "StageProfile", "cut_points", "pipeline_share"]
+__all__ = ["PipelineShare", "StageProfile", "cut_points", "median_run", "pipeline_share"]
 
 REPEATS = 3
-"""Timed runs per micro-batch after a warm-up; the fastest is kept."""
+"""Timed runs per micro-batch after a warm-up; the median one is kept, as the model probe
+keeps its median run ([Note: the model probe] in zerotrain/plan/model_probe.py)."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def _profile(
     threads: int,
 ) -> tuple[dict[int, tuple[StageProfile, ...]], int]:
     """Each stage's share of the whole model's forward and backward at each micro-batch, read
-    by hooks at the cuts (the fastest of :data:`REPEATS` runs after a warm-up), and the
+    by hooks at the cuts (the median of :data:`REPEATS` runs after a warm-up), and the
     elements per token that cross a cut."""
     from zerotrain.activation_checkpointing import count_saved_activations
 
@@ -155,7 +156,7 @@ def _profile(
         out: dict[int, tuple[StageProfile, ...]] = {}
         for micro in micro_batches:
             ids = torch.randint(0, vocab_size, (micro, seq_len), device=device)
-            best = None
+            runs = []
             for repeat in range(REPEATS + 1):  # the first warms: kernels chosen, memory held
                 cuts.clear()
                 started = _now(device)
@@ -179,16 +180,21 @@ def _profile(
                 stages = _stage_profiles(
                     started, cuts.forward, forward_end, cuts.backward[::-1], ended
                 )
-                total = sum(s.forward_s + s.backward_s for s in stages)
-                if best is None or total < best[0]:
-                    best = (total, stages)
-            assert best is not None
-            out[micro] = best[1]
+                runs.append(stages)
+            out[micro] = median_run(runs)
     finally:
         for handle in handles:
             handle.remove()
         torch.set_num_threads(kept_threads)
     return out, crossing
+
+
+def median_run(runs: list[tuple[StageProfile, ...]]) -> tuple[StageProfile, ...]:
+    """Of several runs' stage profiles, the run whose whole forward and backward is the median
+    (the slower middle one of an even count: a run that happened, its stages' shares kept)."""
+    return sorted(runs, key=lambda stages: sum(s.forward_s + s.backward_s for s in stages))[
+        len(runs) // 2
+    ]
 
 
 class _Cuts:

@@ -52,6 +52,7 @@ __all__ = [
     "memory_only_machine",
     "optimizer_step_seconds",
     "probe_machine",
+    "timed_runs",
     "with_current_memory",
 ]
 
@@ -271,7 +272,13 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
 
 
 def best_seconds(run, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timed calls of ``run`` after an untimed one, the device's
+    """The fastest of ``repeats`` timed calls of ``run`` after an untimed one (a rate's best:
+    what the machine can do)."""
+    return min(timed_runs(run, repeats))
+
+
+def timed_runs(run, repeats: int = 3) -> list[float]:
+    """The seconds of ``repeats`` timed calls of ``run`` after an untimed one, the device's
     queued work included."""
     run()  # warm: kernels chosen, memory allocated
     times = []
@@ -281,7 +288,7 @@ def best_seconds(run, repeats: int = 3) -> float:
         run()
         _settle()
         times.append(time.perf_counter() - started)
-    return min(times)
+    return times
 
 
 def _settle() -> None:
