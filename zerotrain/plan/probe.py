@@ -381,7 +381,7 @@ def _disk_rates(directory: Path) -> tuple[float, float]:
 def _link_fits(comm) -> dict[str, dict]:
     """Each collective kind's alpha and beta over ``comm`` (the slowest rank's times)."""
     from zerotrain.comm.communicator import ring_sent
-    from zerotrain.comm.link import hops, settle
+    from zerotrain.comm.link import hops
 
     world = comm.world_size
     fits = {}
@@ -403,15 +403,7 @@ def _link_fits(comm) -> dict[str, dict]:
                 else:
                     comm.all_to_all(output, whole, name="plan_probe")
 
-            run()
-            runs = []
-            for _ in range(5):
-                settle(comm.device)
-                started = time.perf_counter()
-                run()
-                settle(comm.device)
-                runs.append(time.perf_counter() - started)
-            times.append(statistics.median(runs))
+            times.append(statistics.median(timed_runs(run, 5)))
         slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
         comm.all_reduce(slowest, op="max", name="plan_probe")
         small, large = slowest.tolist()
