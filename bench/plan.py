@@ -1,7 +1,7 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
     python bench/plan.py [--part predictions|pick|confirm|deepspeed|both] [--models demo 30m]
-                         [--only pipeline|optimizers]
+                         [--only pipeline|tensor|optimizers]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
@@ -10,8 +10,8 @@
   default corrections, not refined by earlier trials, and the model probed just before its
   trial) and measured by a trial
   (zerotrain/plan_trial.py: peak memory per rank above start-up, model-state bytes, median
-  step time). Prints each config's errors and their distribution. ``--only pipeline`` or
-  ``--only optimizers`` runs those rows alone.
+  step time). Prints each config's errors and their distribution. ``--only pipeline``,
+  ``--only tensor`` or ``--only optimizers`` runs those rows alone.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
   weighs (tensor-parallel degree 1 or 2, stages 0-3, offload none / cpu, checkpointing,
   micro-batches 2, 4, 8; pipeline degree 2 at stages 0-2, as ``--pipeline`` weighs it) run as
@@ -95,6 +95,7 @@ FIXED += [
 ]
 ONLY = {
     "pipeline": lambda row: row[6] > 1,
+    "tensor": lambda row: row[5] > 1,
     "optimizers": lambda row: len(row) > 7,
 }
 

@@ -24,9 +24,10 @@ GPT_DEMO = "examples/gpt/model.py:demo"
 
 
 def test_the_probe_measures_this_machine_once_and_caches_it(tmp_path, monkeypatch):
-    """Every rate is measured and positive, the links of each collective kind over 2 ranks are
-    fitted, there is no copy bandwidth without a GPU; the second call is the cache's, a
-    refresh measures again, and a cache that cannot be read is measured over."""
+    """Every rate is measured and positive, the links of each collective kind over 2 ranks (and
+    of an all-reduce after compute) are fitted, there is no copy bandwidth without a GPU; the
+    second call is the cache's, a refresh measures again, and a cache that cannot be read is
+    measured over."""
     monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     phases = []
     machine = probe.probe_machine(
@@ -41,7 +42,8 @@ def test_the_probe_measures_this_machine_once_and_caches_it(tmp_path, monkeypatc
     assert machine.disk_write_bytes_per_s > 1e6 and machine.disk_read_bytes_per_s > 1e6
     assert not list((tmp_path / "nvme").glob("*.swap"))  # its working file is gone
     assert set(machine.links) == set(probe.COLLECTIVES)
-    for fit in machine.links.values():
+    assert machine.interleaved is not None  # an all-reduce after compute
+    for fit in [*machine.links.values(), machine.interleaved]:
         assert fit.alpha >= 0 and fit.beta > 0
     assert machine.world == 2 and machine.probe_seconds > 0
     assert phases == [
@@ -513,6 +515,38 @@ def test_a_tensor_parallel_share_holds_a_rank_s_piece_of_each_split_layer():
     assert (share.forward_calls, share.forward_elements) == (2 * layers, 2 * layers * width)
     assert (share.backward_calls, share.backward_elements) == (2 * layers, 2 * layers * width)
     assert sum(p.numel() for p in model.parameters()) == whole  # the model given is untouched
+
+
+def test_tensor_parallel_all_reduces_are_priced_as_they_follow_compute():
+    """A tp 2 candidate's all-reduces (per micro-batch, per block two each way, of the residual
+    width) are priced on the probe's ``interleaved`` fit, an all-reduce after each rank's
+    compute; a probe without one prices them back to back."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts
+
+    model = build_on_meta(GPT_DEMO)
+    facts = model_facts(model, seq_len=128, dtype="fp32", tp_degrees=(2,))
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    machine = replace(machine, matmul_flops=1e10, attention_flops=1e9)
+    back_to_back = probe.LinkFit(alpha=1e-4, beta=1e9)
+    after_compute = probe.LinkFit(alpha=2e-3, beta=5e8)
+    links = {op: back_to_back for op in probe.COLLECTIVES}
+    candidate = Candidate(0, None, False, 4, 2, 2, tp=2)
+    config = candidate.config({})
+
+    def comm_s(interleaved):
+        priced = replace(machine, links=links, interleaved=interleaved)
+        return predict(candidate, facts, priced, Corrections(), config).comm_s
+
+    calls = 4 * model.config.n_layer  # two row-wise forward, two column-wise backward
+    sent = 4 * 128 * model.config.n_embd * 4  # tokens x width x fp32; a 2-rank ring sends it all
+    hops = 2  # a 2-rank all-reduce: a reduce-scatter's message, then an all-gather's
+    more = hops * (2e-3 - 1e-4) + sent * (1 / 5e8 - 1 / 1e9)  # per all-reduce
+    priced = comm_s(after_compute) - comm_s(None)
+    assert priced == pytest.approx(2 * calls * more, rel=1e-6)  # 2 micro-batches
 
 
 def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():

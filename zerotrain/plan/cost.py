@@ -531,8 +531,10 @@ def _tensor_parallel_seconds(
     """The tensor-parallel all-reduces of a step ([Note: a tensor-parallel rank's share] in
     zerotrain/plan/tensor_share.py): per micro-batch the row-wise layers' in the forward (and
     in a checkpointed backward's recomputation), the column-wise layers' in the backward, on
-    the probed all-reduce link over the ``tp`` peers."""
-    link = machine.links.get("all_reduce")
+    the probed link of an all-reduce that follows compute on every rank (``interleaved``: each
+    waits for the slowest rank's compute, at every layer; the 30M GPT's tp 2 rows of
+    bench/plan.py were 18-28% under with the back-to-back all-reduce's fit)."""
+    link = machine.interleaved or machine.links.get("all_reduce")
     if link is None:
         return 0.0
     share, tp = facts.shares[candidate.tp], candidate.tp

@@ -18,8 +18,11 @@ AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
 - links: for each collective kind (all_reduce, reduce_scatter, all_gather, all_to_all), the
   alpha-beta fit ([Note: the alpha-beta model] in zerotrain/comm/link.py) over a real process
   group of the launch's ranks on this node, through zerotrain's Communicator, so gloo's own and
-  zerotrain's pairwise algorithms are priced as they run.
-A probe took about 6 s on this project's 2-core CPU. It is cached under ``$ZEROTRAIN_CACHE_DIR`` (default
+  zerotrain's pairwise algorithms are priced as they run; and an all-reduce that follows each
+  rank's compute, as tensor parallelism's do (``interleaved``): there the ranks' compute ends
+  apart and the caches hold the compute's data, and a 4 MB all-reduce after a 40 ms segment of
+  matmuls cost 7.7 ms over the segment on this CPU, 4.2 ms back to back (bench/README.md).
+A probe took about 7 s on this project's 2-core CPU. It is cached under ``$ZEROTRAIN_CACHE_DIR`` (default
 ``~/.cache/zerotrain``) per machine and per what it depends on (host, device, torch version,
 dtype, threads per rank, ranks, nvme_path); ``refresh`` measures again. The memory figures are
 read again at each plan (:func:`with_current_memory`): what is free changes, the rates do not.
@@ -62,6 +65,9 @@ ATTENTION_SHAPE = (1, 8, 512, 64)  # batch, heads, sequence, head size
 ADAM_ELEMENTS = 1 << 22
 DISK_BYTES = 64 << 20
 LINK_BYTES = (1 << 10, 4 << 20)  # a small message for the latency, a large for the bandwidth
+SEGMENT = (512, 12)  # the interleaved all-reduce's compute: products of this size, this many
+SEGMENTS = 8  # of them, each followed by an all-reduce, per timed run
+VERSION = 2  # of what a probe measures: a cache of another version is measured again
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class Machine:
     disk_read_bytes_per_s: float | None
     links: dict[str, LinkFit] = field(default_factory=dict)
     """Per collective kind, over ``world`` ranks of this node (none for one rank)."""
+    interleaved: LinkFit | None = None
+    """An all-reduce right after each rank's compute, over the same ranks (none for one)."""
     world: int = 1
     probed_at: str = ""
     probe_seconds: float = 0.0
@@ -110,7 +118,11 @@ class Machine:
     @classmethod
     def from_json(cls, data: dict) -> Machine:
         links = {op: LinkFit(**fit) for op, fit in data.get("links", {}).items()}
-        return replace(cls(**{k: v for k, v in data.items() if k != "links"}), links=links)
+        interleaved = data.get("interleaved")
+        plain = {k: v for k, v in data.items() if k not in ("links", "interleaved")}
+        return replace(
+            cls(**plain), links=links, interleaved=LinkFit(**interleaved) if interleaved else None
+        )
 
 
 def cache_dir() -> Path:
@@ -125,6 +137,7 @@ def _device_name() -> str:
 
 def _key(dtype: str, threads: int, world: int, nvme_path: str | None) -> str:
     parts = [
+        str(VERSION),
         platform.node(),
         _device_name(),
         torch.__version__,
@@ -248,10 +261,11 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
     if nvme_path:
         say(f"disk under {nvme_path}")
         write, read = _disk_rates(Path(nvme_path))
-    links = {}
+    links, interleaved = {}, None
     if world > 1:
         say(f"links over {world} ranks")
         fits = run_local_job("zerotrain.plan.probe", world, {}, timeout=300, what="link probe")
+        interleaved = LinkFit(**fits.pop("interleaved"))
         links = {op: LinkFit(**fit) for op, fit in fits.items()}
     return Machine(
         key=key,
@@ -267,6 +281,7 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
         disk_write_bytes_per_s=write,
         disk_read_bytes_per_s=read,
         links=links,
+        interleaved=interleaved,
         world=world,
     )
 
@@ -379,10 +394,8 @@ def _disk_rates(directory: Path) -> tuple[float, float]:
 
 # -- the link probe's ranks ----------------------------------------------------------------------
 def _link_fits(comm) -> dict[str, dict]:
-    """Each collective kind's alpha and beta over ``comm`` (the slowest rank's times)."""
-    from zerotrain.comm.communicator import ring_sent
-    from zerotrain.comm.link import hops
-
+    """Each collective kind's alpha and beta over ``comm``, and (as ``interleaved``) an
+    all-reduce's after compute on every rank (the slowest rank's times)."""
     world = comm.world_size
     fits = {}
     for op in COLLECTIVES:
@@ -404,16 +417,52 @@ def _link_fits(comm) -> dict[str, dict]:
                     comm.all_to_all(output, whole, name="plan_probe")
 
             times.append(statistics.median(timed_runs(run, 5)))
-        slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
-        comm.all_reduce(slowest, op="max", name="plan_probe")
-        small, large = slowest.tolist()
-        sent_small, sent_large = (
-            ring_sent(op, n // 4 // world * world * 4, world) for n in LINK_BYTES
-        )
-        beta = (sent_large - sent_small) / max(large - small, 1e-9)
-        alpha = max(0.0, small - sent_small / beta) / max(hops(op, world), 1)
-        fits[op] = {"alpha": alpha, "beta": beta}
+        fits[op] = _fit(comm, op, times)
+    fits["interleaved"] = _fit(comm, "all_reduce", _interleaved_times(comm))
     return fits
+
+
+def _interleaved_times(comm) -> list[float]:
+    """Per message of ``LINK_BYTES``, what an all-reduce adds to a segment of compute that
+    precedes it on every rank (the median of a few runs of ``SEGMENTS`` of them)."""
+    size, count = SEGMENT
+    a, b = (torch.randn(size, size, device=comm.device) for _ in range(2))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def segments(reduced: torch.Tensor | None) -> None:
+        for _ in range(SEGMENTS):
+            compute()
+            if reduced is not None:
+                comm.all_reduce(reduced, name="plan_probe")
+
+    comm.barrier()
+    alone = statistics.median(timed_runs(lambda: segments(None)))
+    times = []
+    for nbytes in LINK_BYTES:
+        reduced = torch.zeros(nbytes // 4 // comm.world_size * comm.world_size, device=comm.device)
+        comm.barrier()
+        run = statistics.median(timed_runs(lambda reduced=reduced: segments(reduced)))
+        times.append(max(0.0, run - alone) / SEGMENTS)
+    return times
+
+
+def _fit(comm, op: str, times: list[float]) -> dict:
+    """The alpha-beta fit of ``op`` from its seconds at each of ``LINK_BYTES`` on this rank:
+    the slowest rank's."""
+    from zerotrain.comm.communicator import ring_sent
+    from zerotrain.comm.link import hops
+
+    world = comm.world_size
+    slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
+    comm.all_reduce(slowest, op="max", name="plan_probe")
+    small, large = slowest.tolist()
+    sent_small, sent_large = (ring_sent(op, n // 4 // world * world * 4, world) for n in LINK_BYTES)
+    beta = (sent_large - sent_small) / max(large - small, 1e-9)
+    alpha = max(0.0, small - sent_small / beta) / max(hops(op, world), 1)
+    return {"alpha": alpha, "beta": beta}
 
 
 def main() -> None:
