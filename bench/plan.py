@@ -237,9 +237,10 @@ def pick() -> dict:
     planned = _pick_candidates()
     planner_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    measured = {}
+    measured, configs = {}, {}
     for p in planned:
         c = p.candidate
+        configs[c.label()] = [p.config, c.activation_checkpointing, list(c.split_points)]
         trial = TrialSpec(spec, p.config, 2, seq, 256, c.activation_checkpointing, c.split_points)
         measured[p.candidate.label()] = run_trial(trial).step_time_s
         print(
@@ -264,6 +265,7 @@ def pick() -> dict:
         "planner_seconds": planner_seconds,
         "trial_seconds": trial_seconds,
         "measured": measured,
+        "configs": configs,
     }
 
 
@@ -274,20 +276,19 @@ def confirm(picked: dict) -> dict:
     """The pick's chosen config and the fastest of its trials, measured again ``REPEATS``
     times each, alternating, and compared by their medians: one trial's step varies by 15-20%
     from one run to the next on this machine, so the fastest of 90 single trials is the
-    luckiest as much as the fastest."""
+    luckiest as much as the fastest. The configs are the ones the pick ran (a plan made now,
+    on a probe of this minute, may not hold the same candidates)."""
     from zerotrain.plan_trial import TrialSpec, run_trial
 
     spec, seq = MODELS["demo"]
-    by_label = {p.candidate.label(): p for p in _pick_candidates()}
+    if "configs" not in picked:
+        raise SystemExit("bench/plan.py: --part confirm needs a --part pick run of this version")
     labels = (picked["chosen"], picked["fastest"])
     times: dict[str, list[float]] = {label: [] for label in labels}
     for _ in range(REPEATS):
         for label in labels:
-            p = by_label[label]
-            c = p.candidate
-            trial = TrialSpec(
-                spec, p.config, 2, seq, 256, c.activation_checkpointing, c.split_points
-            )
+            config, checkpointing, split_points = picked["configs"][label]
+            trial = TrialSpec(spec, config, 2, seq, 256, checkpointing, tuple(split_points))
             times[label].append(run_trial(trial).step_time_s)
     medians = {label: statistics.median(values) for label, values in times.items()}
     ratio = medians[labels[0]] / medians[labels[1]]

@@ -549,6 +549,36 @@ def test_tensor_parallel_all_reduces_are_priced_as_they_follow_compute():
     assert priced == pytest.approx(2 * calls * more, rel=1e-6)  # 2 micro-batches
 
 
+def test_offload_s_host_copies_are_priced_where_they_outlast_compute():
+    """On a GPU, optimizer offload copies each step's gradients of its partition to the host
+    (fp32) beside the backward and the parameters back (bf16) beside the forward: a slow copy
+    adds what outlasts them, a fast one nothing; a CPU-only machine copies nothing."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts
+
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="bf16")
+    machine = probe.memory_only_machine(dtype="bf16", world=2)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    machine = replace(machine, matmul_flops=1e12, attention_flops=1e11)
+    candidate = Candidate(2, "cpu", False, 4, 2, 2)
+    config = candidate.config({"bf16": {"enabled": True}})
+
+    def optimizer_s(device: str, copy: float | None):
+        priced = replace(machine, device=device, copy_bytes_per_s=copy)
+        return predict(candidate, facts, priced, Corrections(), config)
+
+    cpu = optimizer_s("cpu", 1e3)
+    assert cpu.optimizer_s == optimizer_s("NVIDIA H200", None).optimizer_s
+    assert optimizer_s("NVIDIA H200", 1e15).optimizer_s == cpu.optimizer_s  # hidden by compute
+    slow = optimizer_s("NVIDIA H200", 1e6)
+    micro = slow.compute_s / 2  # 2 micro-batches a step
+    hosted = -(-facts.count.trainable // 2)  # stage 2 over 2 ranks, all of it offloaded
+    copies = (hosted * 4 / 1e6 - 2 * micro / 3) + (hosted * 2 / 1e6 - micro / 3)
+    assert slow.optimizer_s - cpu.optimizer_s == pytest.approx(copies, rel=1e-6)
+
+
 def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():
     from zerotrain.plan.candidates import enumerate_candidates, without_choices
 
@@ -657,6 +687,40 @@ def test_muon_s_step_counts_its_newton_schulz_products():
     assert one_rank == pytest.approx(3 * count.muon_iteration_flops / 1e3)
     two = muon.step_seconds(0, count=count, adam_rate=1.0, matmul_flops=1e3, ranks=2)
     assert two == pytest.approx(one_rank / 2)
+
+
+def test_muon_s_matrices_travel_to_the_ranks_that_orthogonalise_them():
+    """On 2 data-parallel ranks Muon's step adds its matrices' exchange on the all-to-all link:
+    on shards each rank sends half of its half to the other's matrices and gets it back (two
+    all-to-alls), at stage 0 each rank sends the results of its half (one); one rank sends
+    nothing."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts, with_optimizer
+
+    base = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}}
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="fp32")
+    facts = with_optimizer(facts, base, 1)
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    machine = replace(machine, matmul_flops=1e10, attention_flops=1e9)
+    links = {op: probe.LinkFit(alpha=1e-3, beta=1e8) for op in probe.COLLECTIVES}
+
+    def exchange(stage: int, world: int) -> float:
+        candidate = Candidate(stage, None, False, 4, 4 // world, world)
+        config = candidate.config(base)
+        priced = [
+            predict(candidate, facts, replace(machine, links=on), Corrections(), config)
+            for on in (links, {})
+        ]
+        return priced[0].optimizer_s - priced[1].optimizer_s
+
+    matrices = facts.count.muon_matrices * 4  # bytes of fp32 updates
+    assert matrices > 0
+    assert exchange(2, 2) == pytest.approx(2 * (1e-3 + matrices / 4 / 1e8), rel=1e-6)
+    assert exchange(0, 2) == pytest.approx(1e-3 + matrices / 2 / 1e8, rel=1e-6)
+    assert exchange(2, 1) == 0.0
 
 
 def test_the_model_probe_s_median_run_is_priced_and_ranks_share_the_disk(tmp_path, monkeypatch):

@@ -36,8 +36,11 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
 - the optimizer step: the config's optimizer over the rank's partition, at the probed CPU
   fused-AdamW rate times its measured ratio to it ([Note: the optimizer's cost] in
   zerotrain/plan/optimizer_cost.py; the device's rate on a GPU is not modelled yet: the CPU
-  rate bounds it); NVMe offload adds its working file's reads and writes (master and state,
-  each way) at the probed disk rates, shared by the node's ranks, which step at once.
+  rate bounds it), with Muon's matrices to and from the ranks that orthogonalise them; NVMe
+  offload adds its working file's reads and writes (master and state, each way) at the probed
+  disk rates, shared by the node's ranks, which step at once; on a GPU, offload's copies of
+  gradients to the host and parameters back, where they outlast the backward and forward they
+  run beside (:func:`_host_copy_seconds`).
 
 Tensor parallelism at degree t: a rank's share of the model ([Note: a tensor-parallel rank's
 share] in zerotrain/plan/tensor_share.py) stands for the model in every term above (its
@@ -83,6 +86,7 @@ from zerotrain.plan.tensor_share import TensorShare
 from zerotrain.zero.nvme import sub_group_numel
 from zerotrain.zero.offload import HostBytes
 from zerotrain.zero.policy import ZeroPolicy
+from zerotrain.zero.whole_matrices import ROUND_NUMEL
 
 __all__ = [
     "Corrections",
@@ -330,6 +334,7 @@ def predict(
     if candidate.tp > 1:
         comm += _tensor_parallel_seconds(candidate, facts, element, machine)
     optimizer = _optimizer_seconds(candidate, job, count, facts, machine)
+    optimizer += _host_copy_seconds(candidate, job, compute / candidate.accumulation, machine)
     return Prediction(
         peak_memory_bytes=int(memory),
         model_state_bytes=int(row.model_states),
@@ -384,7 +389,53 @@ def _optimizer_seconds(
         # were 18-31% under without it: bench/README.md)
         sharing = max(1, min(candidate.world, machine.world))
         seconds += sharing * (state / machine.disk_read_bytes_per_s + state / write)
+    if facts.optimizer.kind == "muon":
+        seconds += _muon_exchange_seconds(candidate, count, job, machine)
     return seconds
+
+
+def _muon_exchange_seconds(
+    candidate: Candidate, count: ParameterCount, job: TrainingJob, machine: Machine
+) -> float:
+    """Muon's matrices on their way to the data-parallel rank that orthogonalises each and back
+    ([Note: whole matrices on shards] in zerotrain/zero/whole_matrices.py), on the probed
+    all-to-all link, in rounds of ``ROUND_NUMEL`` elements: on shards (stages 1-3) a rank sends
+    each owner its pieces of the owner's matrices, about (N-1)/N of its 1/N, and gets the
+    results back (two all-to-alls a round); at stage 0 each owner sends the results of its 1/N
+    of the matrices to every other rank (one)."""
+    n, elements = candidate.dp, count.muon_matrices
+    link = machine.links.get("all_to_all")
+    if n == 1 or not elements or link is None:
+        return 0.0
+    nbytes = elements * job.precision.master_dtype.itemsize  # the updates, as the masters
+    rounds = -(-elements // ROUND_NUMEL)
+    if candidate.stage == 0:
+        exchanges, sent = 1, nbytes / n * (n - 1)
+    else:
+        exchanges, sent = 2, nbytes / n * (n - 1) / n
+    return exchanges * rounds * link.seconds("all_to_all", int(sent / rounds), n)
+
+
+def _host_copy_seconds(
+    candidate: Candidate, job: TrainingJob, micro_batch_s: float, machine: Machine
+) -> float:
+    """Optimizer offload's copies between the device and host memory, at the probed pinned
+    copy rate (CUDA only: a CPU-only machine's device is host memory). At the accumulation
+    boundary each host bucket's gradient goes to its fp32 host buffer as the backward reduces
+    it, and after the step its parameters come back in the training dtype before the next
+    forward uses them ([Note: the offload hand-off] in zerotrain/zero/offload.py): each copy
+    runs beside compute (the gradients beside the backward, two thirds of a micro-batch's
+    ``micro_batch_s``; the parameters beside the forward, a third), and what outlasts it is
+    priced."""
+    if candidate.offload is None or machine.device == "cpu" or not machine.copy_bytes_per_s:
+        return 0.0
+    psi = job.trainable_params
+    partition = psi if candidate.stage == 0 else -(-psi // candidate.dp)
+    hosted = partition * host_share(job, ZeroPolicy.for_stage(candidate.stage))
+    precision, rate = job.precision, machine.copy_bytes_per_s
+    gradients = hosted * precision.master_dtype.itemsize / rate
+    parameters = hosted * precision.param_dtype.itemsize / rate
+    return max(0.0, gradients - 2 * micro_batch_s / 3) + max(0.0, parameters - micro_batch_s / 3)
 
 
 def _predict_pipeline(
@@ -422,8 +473,9 @@ def _predict_pipeline(
         psi = count.trainable
         own.append(psi * corrections.engine_seconds_per_parameter)
         comm = max(comm, _comm_seconds(candidate, psi, element, machine))
-        optimizer = max(optimizer, _optimizer_seconds(candidate, job, count, facts, machine))
         work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
+        stepped = _optimizer_seconds(candidate, job, count, facts, machine)
+        optimizer = max(optimizer, stepped + _host_copy_seconds(candidate, job, work[-1], machine))
     compute = _one_f_one_b(work, micro_batches)
     # the engine's work sits in each stage's backward, on the schedule's path
     engine = _one_f_one_b([w + e for w, e in zip(work, own, strict=True)], micro_batches) - compute

@@ -14,8 +14,9 @@ same stand-in as fused AdamW, and its step is priced at the probed AdamW rate ti
 AdamW's rate (an over-count: one buffer, not two) and orthogonalises each matrix whole:
 ``ns_steps`` Newton-Schulz iterations, whose FLOPs the model's shapes give
 (:attr:`ParameterCount.muon_iteration_flops`), at the probed matmul rate; on ZeRO shards each
-matrix is orthogonalised on one rank, so the ranks share them. The matrices' trips to those
-ranks and back are not priced yet.
+matrix is orthogonalised on one rank, so the ranks share them; the matrices' trips to those
+ranks and back are collectives, priced with the others (zerotrain/plan/cost.py's
+``_muon_exchange_seconds``).
 """
 
 from __future__ import annotations
