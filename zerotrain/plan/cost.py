@@ -366,8 +366,7 @@ def _optimizer_seconds(
     zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
     and the state of the offloaded share) read and written, the disk shared by the node's
     ranks."""
-    psi = job.trainable_params
-    partition = psi if candidate.stage == 0 else -(-psi // candidate.dp)
+    partition = _optimizer_partition(candidate, job)
     adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
         machine.adam_elements_per_s.values()
     )
@@ -383,7 +382,7 @@ def _optimizer_seconds(
         per_element = precision.master_dtype.itemsize + precision.stored_state_bytes(
             job.state_bytes
         )
-        state = partition * host_share(job, ZeroPolicy.for_stage(candidate.stage)) * per_element
+        state = _hosted_elements(candidate, job) * per_element
         write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
         # the node's ranks step at once, sharing its disk (the 2-rank NVMe rows of bench/plan.py
         # were 18-31% under without it: bench/README.md)
@@ -392,6 +391,19 @@ def _optimizer_seconds(
     if facts.optimizer.kind == "muon":
         seconds += _muon_exchange_seconds(candidate, count, job, machine)
     return seconds
+
+
+def _optimizer_partition(candidate: Candidate, job: TrainingJob) -> int:
+    """A rank's share of ``job``'s trainable elements that its optimizer steps: all of them at
+    stage 0, ⌈Ψ/N⌉ over the data-parallel ranks at stages 1-3."""
+    psi = job.trainable_params
+    return psi if candidate.stage == 0 else -(-psi // candidate.dp)
+
+
+def _hosted_elements(candidate: Candidate, job: TrainingJob) -> float:
+    """The elements of a rank's optimizer partition that offload puts on the host."""
+    policy = ZeroPolicy.for_stage(candidate.stage)
+    return _optimizer_partition(candidate, job) * host_share(job, policy)
 
 
 def _muon_exchange_seconds(
@@ -429,9 +441,7 @@ def _host_copy_seconds(
     priced."""
     if candidate.offload is None or machine.device == "cpu" or not machine.copy_bytes_per_s:
         return 0.0
-    psi = job.trainable_params
-    partition = psi if candidate.stage == 0 else -(-psi // candidate.dp)
-    hosted = partition * host_share(job, ZeroPolicy.for_stage(candidate.stage))
+    hosted = _hosted_elements(candidate, job)
     precision, rate = job.precision, machine.copy_bytes_per_s
     gradients = hosted * precision.master_dtype.itemsize / rate
     parameters = hosted * precision.param_dtype.itemsize / rate
