@@ -1,7 +1,7 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
-    python bench/plan.py [--part predictions|pick|confirm|deepspeed|both] [--models demo 30m]
-                         [--only pipeline|tensor|optimizers]
+    python bench/plan.py [--part predictions|pick|confirm|deepspeed|both]
+                         [--models demo 30m llama] [--only pipeline|tensor|optimizers|sequence]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
@@ -11,7 +11,10 @@
   trial) and measured by a trial
   (zerotrain/plan_trial.py: peak memory per rank above start-up, model-state bytes, median
   step time). Prints each config's errors and their distribution. ``--only pipeline``,
-  ``--only tensor`` or ``--only optimizers`` runs those rows alone.
+  ``--only tensor``, ``--only optimizers`` or ``--only sequence`` runs those rows alone.
+  ``--models llama``: transformers' Llama (examples/llama/model.py's ``small``) at 1024 tokens,
+  its own rows: Ulysses sequence parallelism at degree 2 on 2 ranks (stages 0-3, offload,
+  checkpointing, micro-batches 1 and 2) and data parallelism.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
   weighs (tensor-parallel degree 1 or 2, stages 0-3, offload none / cpu, checkpointing,
   micro-batches 2, 4, 8; pipeline degree 2 at stages 0-2, as ``--pipeline`` weighs it) run as
@@ -43,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,9 +54,27 @@ sys.path.insert(0, str(ROOT))
 MODELS = {
     "demo": ("examples/gpt/model.py:demo", 128),
     "30m": ("examples/gpt/model.py:gpt_30m", 256),
+    "llama": ("examples/llama/model.py:small", 1024),
 }
+
+
+class Row(NamedTuple):
+    """A fixed config: a pipeline runs 2 micro-batches a step, the others one."""
+
+    stage: int
+    offload: str | None
+    checkpointing: bool
+    micro: int
+    ranks: int
+    tp: int = 1
+    pp: int = 1
+    optimizer: str | None = None
+    """Another optimizer than AdamW, by its key in OPTIMIZERS."""
+    sp: int = 1
+
+
 # (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree, pipeline
-# degree; a pipeline runs 2 micro-batches a step); the pipeline and tensor-parallel rows first
+# degree); the pipeline and tensor-parallel rows first
 FIXED = [
     (1, None, False, 4, 2, 1, 2),
     (2, None, False, 8, 2, 1, 2),
@@ -93,26 +115,49 @@ FIXED += [
     (2, None, False, 8, 2, 1, 1, "Muon"),
     (1, "cpu", False, 4, 1, 1, 1, "Muon"),
 ]
+# the Llama's rows: Ulysses (sequence-parallel degree 2) on 2 ranks, and data parallelism
+LONG = [
+    Row(0, None, False, 1, 2, sp=2),
+    Row(1, None, False, 2, 2, sp=2),
+    Row(2, None, True, 1, 2, sp=2),
+    Row(3, None, False, 1, 2, sp=2),
+    Row(3, None, True, 2, 2, sp=2),
+    Row(2, "cpu", False, 1, 2, sp=2),
+    Row(1, None, False, 1, 2),
+    Row(3, None, True, 1, 2),
+    Row(0, None, False, 1, 1),
+]
+ROWS = {"demo": [Row(*row) for row in FIXED], "30m": [Row(*row) for row in FIXED], "llama": LONG}
 ONLY = {
-    "pipeline": lambda row: row[6] > 1,
-    "tensor": lambda row: row[5] > 1,
-    "optimizers": lambda row: len(row) > 7,
+    "pipeline": lambda row: row.pp > 1,
+    "tensor": lambda row: row.tp > 1,
+    "optimizers": lambda row: row.optimizer is not None,
+    "sequence": lambda row: row.sp > 1,
 }
 
 
 def _facts(
-    spec: str, seq: int, machine, sizes: list[int], tp_degrees=(), pp_degrees=(), whole=True
+    spec: str,
+    seq: int,
+    machine,
+    sizes: list[int],
+    tp_degrees=(),
+    pp_degrees=(),
+    sp_degrees=(),
+    whole=True,
 ):
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.planner import model_facts, with_profiles
 
     model = build_on_meta(spec)
-    facts = model_facts(model, seq_len=seq, dtype="fp32", tp_degrees=tp_degrees)
+    facts = model_facts(
+        model, seq_len=seq, dtype="fp32", tp_degrees=tp_degrees, sp_degrees=sp_degrees
+    )
     return with_profiles(
         load_factory(spec),
         facts,
         machine,
-        sizes=lambda tp, pp: sizes,
+        sizes=lambda *_: sizes,
         vocab=256,
         failed=_failed,
         whole=whole,
@@ -131,34 +176,36 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
     from zerotrain.plan.probe import probe_machine
     from zerotrain.plan_trial import TrialSpec, run_trial
 
-    fixed = [row for row in FIXED if ONLY[only](row)] if only else FIXED
     rows = []
     for name in models:
         spec, seq = MODELS[name]
-        for world in sorted({row[4] for row in fixed}):
+        fixed = [row for row in ROWS[name] if not only or ONLY[only](row)]
+        for world in sorted({row.ranks for row in fixed}):
             machine = probe_machine(dtype="fp32", world=world, nvme_path=nvme, threads=1)
-            for stage, offload, checkpointing, micro, ranks, tp, pp, *optimizer in fixed:
-                if ranks != world:
+            for row in fixed:
+                if row.ranks != world:
                     continue
                 # the model probed just before its trial: this VM's speed drifts by 15-25%
                 # from one minute to the next (bench/README.md), more than the model misses by
-                split = (tp,) * (tp > 1), (pp,) * (pp > 1)
-                facts = _facts(spec, seq, machine, [micro], *split, whole=tp == pp == 1)
+                tp, pp, sp = row.tp, row.pp, row.sp
+                split = (tp,) * (tp > 1), (pp,) * (pp > 1), (sp,) * (sp > 1)
+                facts = _facts(spec, seq, machine, [row.micro], *split, whole=tp == pp == sp == 1)
                 points = facts.pipelines[pp].split_points if pp > 1 else ()
                 candidate = Candidate(
-                    stage, offload, checkpointing, micro, pp, world, tp, pp, points
-                )
-                base = {**BASE, "optimizer": OPTIMIZERS[optimizer[0]]} if optimizer else BASE
+                    row.stage, row.offload, row.checkpointing, row.micro, pp, world, tp, pp,
+                    points, sp,
+                )  # fmt: skip
+                base = {**BASE, "optimizer": OPTIMIZERS[row.optimizer]} if row.optimizer else BASE
                 config = candidate.config(base, nvme)
                 priced = with_optimizer(facts, base, machine.threads)
                 predicted = predict(candidate, priced, machine, Corrections(), config)
-                trial = TrialSpec(spec, config, world, seq, 256, checkpointing, points, steps=5)
+                trial = TrialSpec(spec, config, world, seq, 256, row.checkpointing, points, steps=5)
                 measured = run_trial(trial).as_dict()
                 row = {
                     "model": name,
                     "config": candidate.label()
                     + f", {world} rank{'s' if world > 1 else ''}"
-                    + (f", {optimizer[0]}" if optimizer else ""),
+                    + (f", {row.optimizer}" if row.optimizer else ""),
                     "predicted": predicted.as_dict(),
                     "measured": measured,
                 }

@@ -116,7 +116,7 @@ def test_a_trial_measures_the_engine_as_the_planner_predicts_it():
         load_factory(GPT_TINY),
         facts,
         machine,
-        sizes=lambda tp, pp: [2],
+        sizes=lambda *_: [2],
         vocab=256,
         failed=_raise,
         whole=False,
@@ -289,7 +289,7 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypa
                 load_factory(GPT_DEMO),
                 facts,
                 machine,
-                sizes=lambda tp, pp: [4, 8],
+                sizes=lambda *_: [4, 8],
                 vocab=256,
                 failed=_raise,
                 pipeline_degrees=(2,),
@@ -855,7 +855,14 @@ def test_pipeline_candidates_run_1f1b_over_stages_0_to_2():
         (
             [],
             {"sequence_parallel_size": 2},
-            "--config sets sequence_parallel_size 2: the planner does not price sequence",
+            "--config sets sequence_parallel_size 2, not planned here: Ulysses is planned for "
+            "transformers causal LMs",
+        ),
+        (
+            [],
+            {"sequence_parallel_size": 4},
+            "--config sets sequence_parallel_size 4: the planner keeps a sample's "
+            "sequence-parallel ranks on one node, and a node here has 2",
         ),
     ],
 )
@@ -1009,3 +1016,245 @@ def test_plan_needs_a_global_batch_from_the_flag_or_the_base(capsys, tmp_path, m
     assert cli.main([*argv, "--global-batch", "16"]) == 2
     err = capsys.readouterr().err
     assert "--config: --global-batch 16 lies outside autotuning's train batch limits" in err
+
+
+# -- sequence parallelism ------------------------------------------------------------------------
+LLAMA_TINY = "examples/llama/model.py:tiny"
+
+
+def test_candidates_take_each_sequence_parallel_degree_and_shard_over_its_ranks():
+    """A sequence-parallel candidate splits the batch over world / sp data-parallel ranks and
+    ZeRO over all of them (a sample's sequence-parallel ranks hold the same parameters); a
+    degree the base fixes is kept, and a plan's base for the same job drops it."""
+    from zerotrain.plan.candidates import enumerate_candidates, without_choices
+
+    found = enumerate_candidates(world=4, global_batch=4, base={}, nvme=False, sp_degrees=(2,))
+    ulysses = [c for c in found if c.sp == 2]
+    assert ulysses and {(c.dp, c.shards) for c in ulysses} == {(2, 4)}
+    assert {(c.dp, c.shards) for c in found if c.sp == 1} == {(4, 4)}
+    for candidate in ulysses:
+        config = candidate.config({})
+        assert config["sequence_parallel_size"] == 2
+        assert candidate.global_batch == config["train_batch_size"] == 4
+        assert candidate.label().startswith("sp 2, stage ")
+    assert "sequence_parallel_size" not in next(c for c in found if c.sp == 1).config({})
+    fixed = enumerate_candidates(
+        world=4, global_batch=4, base={"sequence_parallel_size": 2}, nvme=False, sp_degrees=(2,)
+    )
+    assert fixed and {c.sp for c in fixed} == {2}
+    unset = enumerate_candidates(
+        world=4, global_batch=4, base={"sequence_parallel_size": 1}, nvme=False, sp_degrees=(2,)
+    )
+    assert {c.sp for c in unset} == {1}
+    assert without_choices({"sequence_parallel_size": 2, "bf16": {"enabled": True}}) == {
+        "bf16": {"enabled": True}
+    }
+
+
+def test_a_sequence_parallel_share_exchanges_a_share_of_the_tokens_of_every_head():
+    """Ulysses' share of the tiny Llama (4 query heads, 2 key/value heads of 16): at degree 2 a
+    rank holds half the tokens and exchanges q, k, v and the output at their widths; at 4 the
+    key/value heads are repeated to one a rank; 3 does not divide the heads, and a model that
+    is not a transformers causal LM has no attention to register."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.sequence_share import sequence_shares
+
+    skipped = []
+    shares = sequence_shares(
+        build_on_meta(LLAMA_TINY), [2, 3, 4], 255, lambda sp, why: skipped.append((sp, why))
+    )
+    assert list(shares) == [2, 4]
+    assert (shares[2].tokens, shares[2].layers) == (128, 2)
+    assert shares[2].exchanged_elements == (64, 32, 32, 64)
+    assert shares[4].tokens == 64 and shares[4].exchanged_elements == (64, 64, 64, 64)
+    ((degree, why),) = skipped
+    assert degree == 3 and "4 attention heads do not divide into sequence_parallel_size 3" in why
+    skipped.clear()
+    assert sequence_shares(build_on_meta(GPT_TINY), [2], 64, lambda *a: skipped.append(a)) == {}
+    assert "transformers causal LMs" in skipped[0][1]
+
+
+def test_the_model_probe_runs_a_sequence_parallel_rank_s_share(monkeypatch):
+    """The probe of an sp 2 share runs the tiny Llama as rank 0 of its group would: Ulysses
+    registered (its all-to-alls called, four per layer, on that rank's half of the tokens) and
+    undone afterwards, and the loss over the share's shifted labels; the activations it saves
+    are those of a 128-token sample's half with attention over all 128 tokens, between the
+    model's at 64 and at 128 tokens."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.model_probe import profile_model
+    from zerotrain.plan.sequence_share import _OwnShares, profile_sequence_share, sequence_shares
+    from zerotrain.sequence import hf
+
+    exchanged = []
+    copy = _OwnShares.all_to_all
+
+    def counted(self, output, input, *args, **kwargs):
+        exchanged.append(tuple(input.shape))
+        copy(self, output, input)
+
+    monkeypatch.setattr(_OwnShares, "all_to_all", counted)
+    before = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    (share,) = sequence_shares(build_on_meta(LLAMA_TINY), [2], 128).values()
+    options = {"vocab_size": 1000, "dtype": torch.float32, "threads": 1}
+    timed = profile_sequence_share(
+        load_factory(LLAMA_TINY), share, micro_batches=[2], seq_len=128, **options
+    )
+    assert ALL_ATTENTION_FUNCTIONS.get("sdpa") is before and not hf._registered
+    # q: [2 ranks, 2 samples, 2 heads, 64 tokens, 16] (its halves of the heads, to each rank)
+    assert (2, 2, 2, 64, 16) in exchanged
+    layers, steps = 2, 4  # a warm-up and 3 timed steps, without checkpointing and with
+    per_layer = 4 + 4 + (4 + 4 + 4)  # forward, backward; and the recomputed forward's too
+    assert len(exchanged) == steps * layers * per_layer
+    measured = timed.profile.micro_batches[2]
+    plain = {
+        seq: profile_model(load_factory(LLAMA_TINY), micro_batches=[2], seq_len=seq, **options)
+        for seq in (64, 128)
+    }
+    low, high = (plain[seq].micro_batches[2].saved_bytes for seq in (64, 128))
+    assert low < measured.saved_bytes < high
+    assert measured.forward_backward_s > 0
+
+
+def test_sequence_parallelism_is_priced_as_its_share_and_its_exchanges():
+    """An sp 2 candidate's compute and activations are its share's profile; its collectives
+    add per layer and pass four all-to-alls of half of the rank's q, k, v and output, with
+    the loss's all-reduces and the position check; its model states are ZeRO's over both
+    ranks, as two data-parallel ranks' are."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.model_probe import MicroBatchProfile, ModelProfile
+    from zerotrain.plan.planner import model_facts
+
+    facts = model_facts(build_on_meta(LLAMA_TINY), seq_len=256, dtype="fp32", sp_degrees=(2,))
+    share = facts.sequences[2]
+    profile = ModelProfile({2: MicroBatchProfile(0.5, 10**6, 0.7, 2 * 10**5)}, layers=2)
+    facts = replace(facts, sequences={2: replace(share, profile=profile)}, profile=profile)
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    link = probe.LinkFit(alpha=1e-4, beta=1e9)
+    machine = replace(machine, links={op: link for op in probe.COLLECTIVES})
+
+    def priced(candidate, machine=machine):
+        return predict(candidate, facts, machine, Corrections(), candidate.config({}))
+
+    for checkpointing in (False, True):
+        ulysses = priced(Candidate(1, None, checkpointing, 2, 3, 2, sp=2))
+        plain = priced(Candidate(1, None, checkpointing, 2, 3, 2))  # 2 data-parallel ranks
+        assert ulysses.compute_s == pytest.approx(3 * (0.7 if checkpointing else 0.5))
+        assert ulysses.model_state_bytes == plain.model_state_bytes
+        # the loss's first gradients over a rank's 128 tokens of logits, not 256
+        assert plain.peak_memory_bytes - ulysses.peak_memory_bytes == 2 * 2 * 128 * 1000 * 4
+        passes = 3 if checkpointing else 2
+        tokens = 2 * 128  # micro-batch x the rank's tokens
+        layer = sum(link.seconds("all_to_all", tokens * e * 4 // 2, 2) for e in (64, 32, 32, 64))
+        checks = 3 * link.seconds("all_reduce", 0, 2) + 2 * (passes - 1) * link.seconds(
+            "all_gather", 0, 2
+        )
+        assert ulysses.comm_s - plain.comm_s == pytest.approx(3 * (passes * 2 * layer + checks))
+    # after compute, the exchanges wait for the slower rank: the probe's interleaved fit
+    after = probe.LinkFit(alpha=2e-3, beta=5e8)
+    candidate = Candidate(1, None, False, 2, 3, 2, sp=2)
+    waited = priced(candidate, replace(machine, interleaved=after))
+    slower = waited.comm_s - priced(candidate).comm_s
+    assert slower == pytest.approx(
+        3 * sum(after.seconds("all_to_all", 256 * e * 2, 2) - link.seconds("all_to_all", 256 * e * 2, 2)
+                for e in (64, 32, 32, 64)) * 2 * 2
+        + 3 * (3 * (after.seconds("all_reduce", 0, 2) - link.seconds("all_reduce", 0, 2))
+               + 2 * (after.seconds("all_gather", 0, 2) - link.seconds("all_gather", 0, 2))),
+        rel=1e-9,
+    )  # fmt: skip
+
+
+def _sequence_prediction(spec: str, seq: int, candidate, machine):
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts, with_profiles
+
+    facts = model_facts(build_on_meta(spec), seq_len=seq, dtype="fp32", sp_degrees=(2,))
+    facts = with_profiles(
+        load_factory(spec),
+        facts,
+        machine,
+        sizes=lambda *_: [candidate.micro_batch],
+        vocab=256,
+        failed=_raise,
+        whole=candidate.sp == 1,
+    )
+    config = candidate.config({"steps_per_print": 10**9})
+    return config, predict(candidate, facts, machine, Corrections(), config)
+
+
+def test_a_sequence_parallel_trial_trains_each_rank_s_share():
+    """A trial at sp 2 cuts every sample between the two ranks and trains it: the model
+    states it measures are ZeRO's over both ranks, as the planner predicts them."""
+    from zerotrain.plan.candidates import Candidate
+
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    candidate = Candidate(2, None, True, 2, 1, 2, sp=2)
+    config, predicted = _sequence_prediction(LLAMA_TINY, 128, candidate, machine)
+    measured = measure_memory(TrialSpec(LLAMA_TINY, config, 2, 128, 256, True))
+    assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
+    assert measured.peak_memory_bytes > measured.model_state_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sequence_parallel_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypatch):
+    """The cost model's peak memory per rank against a trial's for the Llama of bench/plan.py
+    at 1024 tokens: Ulysses at sp 2, and data parallelism (whose rows measured transformers'
+    import as training memory, and missed the loss's gradients over a vocabulary of 8000)."""
+    from zerotrain.plan.candidates import Candidate
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    spec = "examples/llama/model.py:small"
+    machine = probe.probe_machine(dtype="fp32", world=2, threads=1)
+    errors = []
+    for candidate in (
+        Candidate(1, None, False, 1, 1, 2, sp=2),
+        Candidate(3, None, True, 2, 1, 2, sp=2),
+        Candidate(1, None, False, 1, 1, 2),
+    ):
+        config, predicted = _sequence_prediction(spec, 1024, candidate, machine)
+        measured = measure_memory(
+            TrialSpec(spec, config, 2, 1024, 256, candidate.activation_checkpointing)
+        )
+        assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
+        errors.append(
+            (candidate.label(), predicted.peak_memory_bytes / measured.peak_memory_bytes - 1)
+        )
+    off = [f"{label}: {error:+.1%}" for label, error in errors if abs(error) > 0.05]
+    assert not off, off
+
+
+def test_plan_weighs_sequence_parallelism_for_a_transformers_causal_lm(
+    capsys, tmp_path, monkeypatch, shared_cache
+):
+    """For the tiny Llama on 2 ranks the plan holds sp 2 candidates beside the others: each
+    config says the degree, trains the global batch on one data-parallel rank, and is priced;
+    a base that fixes the degree keeps only those."""
+    from zerotrain import cli
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
+    argv = ["plan", "--model", LLAMA_TINY, "--seq-len", "128", "--global-batch", "4"]
+    argv += ["--nproc-per-node", "2", "--out", "", "--json"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "sequence-parallel share at 2" in err
+    candidates = json.loads(out)["candidates"]
+    ulysses = [c for c in candidates if c["label"].startswith("sp 2, ")]
+    assert ulysses and len(ulysses) < len(candidates)
+    for candidate in ulysses:
+        config = candidate["config"]
+        assert config["sequence_parallel_size"] == 2 and config["train_batch_size"] == 4
+        micro = config["train_micro_batch_size_per_gpu"]
+        assert micro * config["gradient_accumulation_steps"] == 4  # one data-parallel rank
+        assert candidate["peak_memory_bytes"] > candidate["model_state_bytes"] > 0
+        assert candidate["step_time_s"] > 0 and candidate["comm_s"] > 0
+    (tmp_path / "base.json").write_text(json.dumps({"sequence_parallel_size": 2}))
+    assert cli.main([*argv, "--config", str(tmp_path / "base.json")]) == 0
+    out, err = capsys.readouterr()
+    fixed = json.loads(out)["candidates"]
+    assert {c["label"] for c in fixed} == {c["label"] for c in ulysses}

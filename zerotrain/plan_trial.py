@@ -28,7 +28,8 @@ torchrun job of its own, and measured in the terms the planner predicts (``zerot
 
 The model comes from a factory, as ``zerotrain estimate --model`` takes it: a module whose
 ``forward(ids, targets)`` returns the loss (examples/gpt), or a Hugging Face causal LM
-(``forward(input_ids=..., labels=...)`` returning an output with ``.loss``). Activation
+(``forward(input_ids=..., labels=...)`` returning an output with ``.loss``; with sequence
+parallelism each rank gets its share of the tokens, ``shard_batch``'s). Activation
 checkpointing wraps the children of the model's outermost ``nn.ModuleList`` (its blocks;
 :func:`zerotrain.checkpointing.wrap`).
 """
@@ -160,9 +161,11 @@ def _pipeline_loss(logits, labels):
 
 
 def _load_runtime(spec: TrialSpec) -> None:
-    """Import what ``initialize`` imports (and for a pipeline, what cutting the model loads:
-    torch.export's modules and state for the model's operators, cut once and dropped):
-    libraries, not training memory (see [Note: what a trial measures])."""
+    """Import what ``initialize`` imports, and what building the model imports (its model
+    on the meta device: transformers' modules for a Hugging Face model, 90-110 MB the Llama's
+    rows of bench/plan.py counted as training before), and for a pipeline what cutting the
+    model loads (torch.export's modules and state for the model's operators, cut once and
+    dropped): libraries, not training memory (see [Note: what a trial measures])."""
     import gc
 
     import torch
@@ -170,9 +173,10 @@ def _load_runtime(spec: TrialSpec) -> None:
 
     import zerotrain.api  # noqa: F401
     from zerotrain.accelerator import release_free_host_memory
-    from zerotrain.estimate.factory import load_factory
+    from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.pipe.split import cut_model
 
+    build_on_meta(spec.model)
     if spec.split_points:
         example = torch.zeros(1, spec.seq_len, dtype=torch.long)
         cut_model(load_factory(spec.model)(), (example,), list(spec.split_points))
@@ -198,9 +202,12 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     engine, *_ = zerotrain.initialize(model=model, config=spec.config)
     micro = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
-    # by data-parallel index: tensor-parallel peers (neighbours) and a pipeline's stages (the
-    # outermost axis) read the same samples
-    data_index = (comm.rank // engine.mp_world_size) % engine.dp_world_size
+    # by data-parallel index: tensor- and sequence-parallel peers (neighbours) and a pipeline's
+    # stages (the outermost axis) read the same samples
+    tp, sp = engine.mp_world_size, engine.layout.sequence_shares
+    data_index = (comm.rank // (tp * sp)) % engine.dp_world_size
+    # with sequence parallelism, this rank's share of each sample's tokens
+    share = ((comm.rank // tp) % sp, sp) if sp > 1 else None
     generator = torch.Generator().manual_seed(data_index)
     hf = is_hf_causal_lm(model)
     times = []
@@ -219,7 +226,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
             engine.train_batch(iter([(ids, ids) for ids in batches]))  # the labels
         else:
             for ids in batches:
-                loss = loss_of(engine, ids.to(engine.device), hf)
+                loss = loss_of(engine, ids.to(engine.device), hf, share)
                 engine.backward(loss)
                 engine.step()
         if cuda:

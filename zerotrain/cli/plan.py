@@ -16,8 +16,8 @@ DEFAULT_OUT = "ds_config.plan.json"
 
 PARSER: ParserSpec = {
     "help": "choose the ZeRO config that fits and trains fastest, from a probe of this machine",
-    "description": "Enumerates tensor-parallel degree (and with --pipeline the pipeline "
-    "degree), ZeRO stage, optimizer offload, "
+    "description": "Enumerates tensor- and (for transformers causal LMs) sequence-parallel "
+    "degree (and with --pipeline the pipeline degree), ZeRO stage, optimizer offload, "
     "activation checkpointing and micro-batch for the model and global batch, predicts each "
     "one's peak memory per rank and step time on this machine (measured rates, cached), drops "
     "those that do not fit, and writes the fastest as a ds_config. See docs/plan.md.",
@@ -27,7 +27,7 @@ PARSER: ParserSpec = {
 def _read_base(args: argparse.Namespace) -> dict:
     """The --config file's ds_config, checked against the other flags (PlanError)."""
     from zerotrain.plan.autotuning import read_autotuning
-    from zerotrain.plan.candidates import enumerate_candidates, section
+    from zerotrain.plan.candidates import enumerate_candidates, fixed_keys, section
     from zerotrain.plan.planner import PlanError, check_candidates
 
     base: object = {}
@@ -70,6 +70,12 @@ def _read_base(args: argparse.Namespace) -> dict:
             "measures that disk)"
         )
     args.tp_degrees = _tensor_degrees(args, base)
+    fixed_sp = fixed_keys(base).get("sp", 1)
+    if _ranks(args) % fixed_sp:
+        raise PlanError(
+            f"--config sets sequence_parallel_size {fixed_sp}: the planner keeps a sample's "
+            f"sequence-parallel ranks on one node, and a node here has {_ranks(args)}"
+        )
     # initialize's config check over the candidates, before anything is probed
     candidates = enumerate_candidates(
         world=_ranks(args) * args.nnodes,
@@ -77,6 +83,7 @@ def _read_base(args: argparse.Namespace) -> dict:
         base=base,
         nvme=args.nvme_path is not None,
         tp_degrees=args.tp_degrees,
+        sp_degrees=(fixed_keys(base).get("sp", 1),),
     )
     check_candidates(candidates, base, args.nvme_path)
     return base
@@ -97,8 +104,13 @@ def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
             "sequence parallelism; remove tensor_parallel.tp_plan and sequence_parallel to plan"
         )
     degrees = tensor_degrees(ranks)
-    # initialize refuses tensor parallelism with these (zerotrain/tensor_parallel)
-    if section(base, "optimizer").get("type") == "Muon" or section(base, "lora_fa").get("enabled"):
+    # initialize refuses tensor parallelism with these (zerotrain/tensor_parallel); the
+    # planner does not combine it with sequence parallelism
+    if (
+        section(base, "optimizer").get("type") == "Muon"
+        or section(base, "lora_fa").get("enabled")
+        or fixed_keys(base).get("sp", 1) > 1
+    ):
         degrees = (1,)
     fixed = fixed_keys(base).get("tp")
     if fixed is not None:
@@ -118,6 +130,30 @@ def _tensor_degrees(args: argparse.Namespace, base: dict) -> tuple[int, ...]:
     return shared
 
 
+def _sequence_degrees(args: argparse.Namespace, base: dict, model) -> tuple[int, ...]:
+    """The sequence-parallel degrees to weigh for a transformers causal LM (others have no
+    attention Ulysses registers in): above 1, within a node, whose data-parallel ranks share
+    the global batch; none where ``base`` fixes tensor parallelism, which the planner does not
+    combine with it; the one ``base`` fixes if it does (the model facts then say why it cannot
+    be planned, if so)."""
+    from zerotrain.plan.candidates import fixed_keys, shares_batch
+    from zerotrain.plan.model_probe import is_hf_causal_lm
+
+    fixed = fixed_keys(base)
+    if fixed.get("sp", 1) > 1:  # planned or refused, with the reason
+        return (fixed["sp"],)
+    if not is_hf_causal_lm(model) or fixed.get("tp", 1) > 1:
+        return ()
+    ranks, world = _ranks(args), _ranks(args) * args.nnodes
+    return tuple(
+        d
+        for d in range(2, ranks + 1)
+        if ranks % d == 0
+        and fixed.get("sp", d) == d
+        and shares_batch(d, world=world, global_batch=args.global_batch)
+    )
+
+
 def _pipeline_degrees(args: argparse.Namespace, base: dict, world: int, say) -> tuple[int, ...]:
     """The pipeline degrees ``--pipeline`` weighs: those above 1 that divide the ranks and
     leave data-parallel ranks that share the global batch; none (``say`` tells why) where
@@ -133,6 +169,8 @@ def _pipeline_degrees(args: argparse.Namespace, base: dict, world: int, say) -> 
         why = "--config checkpoints activations, which the planner does not price in a pipeline"
     elif fixed.get("tp", 1) > 1:
         why = "--config fixes tensor parallelism, which the planner does not combine with one"
+    elif fixed.get("sp", 1) > 1:
+        why = "--config sets sequence_parallel_size, which a pipeline refuses"
     elif section(base, "torch_autocast").get("enabled"):
         why = "--config enables torch_autocast, which a pipeline refuses"
     elif schedule != "1f1b":
@@ -153,7 +191,7 @@ def _ranks(args: argparse.Namespace) -> int:
 
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     from zerotrain.estimate.factory import ModelFactoryError, build_on_meta, load_factory
-    from zerotrain.plan.candidates import micro_batches, training_dtype
+    from zerotrain.plan.candidates import fixed_keys, micro_batches, training_dtype
     from zerotrain.plan.jobs import JobError
     from zerotrain.plan.planner import (
         WHOLE_MODEL,
@@ -186,13 +224,25 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     for note in args.tuning.notes:
         say(note)
     dtype = training_dtype(base)
+    unplanned = {}
+    fixed_sp = fixed_keys(base).get("sp", 1)
+
+    def skipped(what: str, why: str) -> None:
+        unplanned[what] = why
+        if what != f"sequence parallelism at degree {fixed_sp}":  # refused below, with why
+            say(f"{what} not planned: {why}")
+
     facts = model_facts(
         model,
         seq_len=args.seq_len,
         dtype=dtype,
         tp_degrees=args.tp_degrees,
-        skipped=lambda tp, why: say(f"tensor parallelism at degree {tp} not planned: {why}"),
+        sp_degrees=_sequence_degrees(args, base, model),
+        skipped=skipped,
     )
+    if fixed_sp > 1 and fixed_sp not in facts.sequences:
+        why = unplanned.get(f"sequence parallelism at degree {fixed_sp}", "")
+        return fail(f"--config sets sequence_parallel_size {fixed_sp}, not planned here: {why}")
     try:
         machine = probe_machine(
             dtype=dtype,
@@ -213,11 +263,13 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     if args.pipeline and not vocab:
         say("--pipeline needs --vocab-size (the model has no config that says it): not planned")
     if vocab:
-        whole = 1 in args.tp_degrees  # a fixed degree above 1 leaves the whole model unused
+        # a fixed degree above 1 leaves the whole model unused
+        whole = 1 in args.tp_degrees and fixed_keys(base).get("sp", 1) == 1
         timed = ["whole"] * whole + [
             f"tensor-parallel share at {tp}" for tp in sorted(facts.shares)
         ]
         timed += [f"cut into {pp} pipeline stages" for pp in pipelines]
+        timed += [f"sequence-parallel share at {sp}" for sp in sorted(facts.sequences)]
         say(f"timing the model's forward and backward: {', '.join(timed)}")
 
         def failed(what: str, why: str) -> None:
@@ -226,8 +278,8 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
             else:
                 say(f"{what} not planned: {why}")
 
-        def sizes(tp: int, pp: int) -> list[int]:
-            dp = world // (tp * pp)
+        def sizes(tp: int, pp: int, sp: int) -> list[int]:
+            dp = world // (tp * pp * sp)
             return micro_batches(
                 world=dp, global_batch=args.global_batch, base=base, pipeline_stages=pp
             )

@@ -1,5 +1,5 @@
-"""The configs the planner weighs: each a tensor- or pipeline-parallel degree, a ZeRO stage, an
-offload device, activation checkpointing on or off and a micro-batch, over the launch's ranks;
+"""The configs the planner weighs: each a tensor-, pipeline- or sequence-parallel degree, a ZeRO
+stage, an offload device, activation checkpointing on or off and a micro-batch, over the launch's ranks;
 the keys a user fixed in ``--config`` hold in every one."""
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ class Candidate:
     """One config: ``micro_batch`` samples per data-parallel rank and ``accumulation``
     micro-batches per optimizer step, over ``world`` ranks in groups of ``tp`` tensor-parallel
     peers (neighbours), which read the same samples, and ``pp`` pipeline stages (the model cut
-    by ``split_points``, run under 1F1B: each stage's ranks train its share)."""
+    by ``split_points``, run under 1F1B: each stage's ranks train its share), or groups of
+    ``sp`` sequence-parallel peers (neighbours), which hold shares of the same samples' tokens
+    (Ulysses)."""
 
     stage: int
     offload: str | None
@@ -45,11 +47,18 @@ class Candidate:
     pp: int = 1
     split_points: tuple[str, ...] = ()
     """Where the pipeline's stages after the first start (modules of the model)."""
+    sp: int = 1
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: what ZeRO shards over and the batch is split over."""
-        return self.world // (self.tp * self.pp)
+        """Data-parallel ranks: what the batch is split over."""
+        return self.world // (self.tp * self.pp * self.sp)
+
+    @property
+    def shards(self) -> int:
+        """The ranks ZeRO shards over: the data-parallel ones and their sequence-parallel
+        peers, which hold the same parameters."""
+        return self.dp * self.sp
 
     @property
     def global_batch(self) -> int:
@@ -58,6 +67,7 @@ class Candidate:
     def label(self) -> str:
         parts = [f"tp {self.tp}"] if self.tp > 1 else []
         parts += [f"pp {self.pp}"] if self.pp > 1 else []
+        parts += [f"sp {self.sp}"] if self.sp > 1 else []
         parts.append(f"stage {self.stage}")
         if self.offload:
             parts.append(f"offload {self.offload}")
@@ -94,6 +104,8 @@ class Candidate:
             out["tensor_parallel"] = {**tensor, "autotp_size": self.tp}
         if self.pp > 1:  # the schedule the cost model prices; the stages are the model's
             out["pipeline"] = {**section(out, "pipeline"), "schedule": "1f1b"}
+        if self.sp > 1 or "sequence_parallel_size" in out:
+            out["sequence_parallel_size"] = self.sp
         return out
 
 
@@ -128,13 +140,17 @@ def fixed_keys(base: dict) -> dict:
         if isinstance(degree, int) and not isinstance(degree, bool):
             fixed["tp"] = degree
             break
+    sequence = base.get("sequence_parallel_size")
+    if isinstance(sequence, int) and not isinstance(sequence, bool):
+        fixed["sp"] = sequence
     return fixed
 
 
 def without_choices(config: dict) -> dict:
-    """``config`` without the keys a candidate chooses (the tensor-parallel degree, the stage,
-    the offload device, the micro-batch, the accumulation steps, activation checkpointing): the
-    base a plan for the same job weighs every candidate over, the config's other keys kept."""
+    """``config`` without the keys a candidate chooses (the tensor- and sequence-parallel
+    degrees, the stage, the offload device, the micro-batch, the accumulation steps, activation
+    checkpointing): the base a plan for the same job weighs every candidate over, the config's
+    other keys kept."""
     out = copy.deepcopy(config)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         out.pop(key, None)
@@ -143,6 +159,7 @@ def without_choices(config: dict) -> dict:
     zero.pop("stage", None)
     section(zero, "offload_optimizer").pop("device", None)
     section(out, "tensor_parallel").pop("autotp_size", None)
+    out.pop("sequence_parallel_size", None)
     return out
 
 
@@ -207,24 +224,27 @@ def enumerate_candidates(
     nvme: bool,
     tp_degrees: tuple[int, ...] = (1,),
     pipelines: Mapping[int, PipelineShare] | None = None,
+    sp_degrees: tuple[int, ...] = (),
 ) -> list[Candidate]:
     """Every candidate over ``world`` ranks that trains ``global_batch`` samples a step: each
-    tensor-parallel degree of ``tp_degrees`` and each pipeline of ``pipelines`` (by degree)
-    whose data-parallel ranks share the batch evenly, stages 0-3 (0-2 in a pipeline, which
-    refuses 3), offload none / cpu / nvme (``nvme``: a path is given; offload needs stage 1-3,
-    and a pipeline whose stages share no parameter), checkpointing off / on (off in a
-    pipeline: not priced yet), and every micro-batch that divides the batch per
-    data-parallel rank (in a pipeline, one its stages were timed at, in at least as many
-    micro-batches as stages, as 1F1B needs); what ``base`` fixes is held."""
+    tensor-parallel degree of ``tp_degrees``, each pipeline of ``pipelines`` (by degree) and
+    each sequence-parallel degree of ``sp_degrees`` whose data-parallel ranks share the batch
+    evenly, stages 0-3 (0-2 in a pipeline, which refuses 3), offload none / cpu / nvme
+    (``nvme``: a path is given; offload needs stage 1-3, and a pipeline whose stages share no
+    parameter), checkpointing off / on (off in a pipeline: not priced yet), and every
+    micro-batch that divides the batch per data-parallel rank (in a pipeline, one its stages
+    were timed at, in at least as many micro-batches as stages, as 1F1B needs); what ``base``
+    fixes is held."""
     fixed = fixed_keys(base)
-    layouts = [(tp, None) for tp in tp_degrees]
-    layouts += [(1, share) for _, share in sorted((pipelines or {}).items())]
+    layouts = [(tp, None, 1) for tp in tp_degrees]
+    layouts += [(1, share, 1) for _, share in sorted((pipelines or {}).items())]
+    layouts += [(1, None, sp) for sp in sp_degrees if sp > 1]
     out = []
-    for tp, share in layouts:
+    for tp, share, sp in layouts:
         pp = share.degree if share is not None else 1
-        if not shares_batch(tp * pp, world=world, global_batch=global_batch):
+        if not shares_batch(tp * pp * sp, world=world, global_batch=global_batch):
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * sp)
         per_rank = global_batch // dp
         sizes = micro_batches(world=dp, global_batch=global_batch, base=base, pipeline_stages=pp)
         for stage in (0, 1, 2) if share else (0, 1, 2, 3):
@@ -247,6 +267,7 @@ def enumerate_candidates(
                             tp,
                             pp,
                             share.split_points if share else (),
+                            sp,
                         )
                         if all(getattr(candidate, k) == v for k, v in fixed.items()):
                             out.append(candidate)

@@ -7,8 +7,9 @@ Memory per rank: the estimator's model states at the candidate's stage (ZeRO's f
 real runs measure exactly) and stage 3's gathered parameters, plus the larger of two transient
 phases (:func:`_transient_bytes`), from the activations the model probe counted ([Note: the
 model probe]; Korthikanti et al.'s formula where the model cannot be built here):
-- the end of the forward: every block's saved activations, or with checkpointing the kept
-  block inputs and one block's worth, recomputed in the backward;
+- the end of the forward: every block's saved activations and the loss's first gradients
+  over the logits (:func:`_loss_gradient_bytes`), or with checkpointing the kept block inputs
+  and the larger of those gradients and one block's worth, recomputed in the backward;
 - at stages 2-3, the backward's reduction: the buckets in flight (the one filling and the one
   before it on the wire: the whole partitioned gradient at stage 2 with DeepSpeed's 5e8-element
   buckets, two gather units at stage 3) beside a block's activations (and the kept inputs).
@@ -48,6 +49,14 @@ parameters, its measured compute and activations), ZeRO and its collectives run 
 world / t data-parallel ranks, and the share's all-reduces of activations are added to the
 collectives (:func:`_tensor_parallel_seconds`).
 
+Sequence parallelism (Ulysses) at degree sp: every parameter on every rank, ZeRO sharding
+them over the data- and sequence-parallel ranks together (``Candidate.shards``), the batch
+split over the world / sp data-parallel ranks; compute and activations are a rank's share of
+the step as the model probe ran it with Ulysses applied over a group of one rank ([Note: a
+sequence-parallel rank's share] in zerotrain/plan/sequence_share.py); the all-to-alls, the
+loss's all-reduces and the position check are added to the collectives
+(:func:`_sequence_parallel_seconds`).
+
 A pipeline of p stages ([Note: a pipeline stage's share] in zerotrain/plan/pipeline_share.py):
 each stage's parameters stand for the model in the memory terms, with the activations of the
 micro-batches 1F1B keeps in flight on it (p on the first stage, one fewer on each next, and
@@ -82,6 +91,7 @@ from zerotrain.plan.model_probe import ModelProfile
 from zerotrain.plan.optimizer_cost import ADAMW, OptimizerCost
 from zerotrain.plan.pipeline_share import PipelineShare
 from zerotrain.plan.probe import Machine
+from zerotrain.plan.sequence_share import SequenceShare
 from zerotrain.plan.tensor_share import TensorShare
 from zerotrain.zero.nvme import sub_group_numel
 from zerotrain.zero.offload import HostBytes
@@ -139,6 +149,9 @@ class ModelFacts:
     pipelines: dict[int, PipelineShare] = field(default_factory=dict)
     """Pipeline degree (> 1) -> the model cut into that many stages, where it was cut and
     profiled here."""
+    sequences: dict[int, SequenceShare] = field(default_factory=dict)
+    """Sequence-parallel degree (> 1) -> a rank's share of a step, for each at which Ulysses
+    can share the model's attention."""
     optimizer: OptimizerCost = ADAMW
     """The optimizer the planned configs train with (their ``optimizer`` section)."""
     experts: bool = False
@@ -163,12 +176,19 @@ class ModelFacts:
             mlp=self.count.mlp or "gelu",
         )
 
-    def share(self, tp: int) -> tuple[ParameterCount, ModelProfile | None]:
-        """A rank's parameters and measured profile at tensor-parallel degree ``tp``."""
+    def share(self, tp: int, sp: int = 1) -> tuple[ParameterCount, ModelProfile | None]:
+        """A rank's parameters and measured profile at tensor-parallel degree ``tp`` (or at
+        sequence-parallel degree ``sp``, which holds every parameter)."""
+        if sp > 1:
+            return self.count, self.sequences[sp].profile
         if tp == 1:
             return self.count, self.profile
         share = self.shares[tp]
         return share.count, share.profile
+
+    def tokens(self, sp: int = 1) -> int:
+        """Tokens of each sample a rank holds at sequence-parallel degree ``sp``."""
+        return self.sequences[sp].tokens if sp > 1 else self.seq_len
 
     def attention_flops_per_token(self) -> float:
         """Causal attention's forward FLOPs per token: 2·L·s·h (the two products, halved)."""
@@ -214,7 +234,7 @@ def _job(
         count,
         cfg,
         optimizer=(optimizer.kind, optimizer.state_bytes_of(count)),
-        data_parallel=candidate.dp,
+        data_parallel=candidate.shards,
         device=torch.device("cpu" if machine.device == "cpu" else "cuda"),  # device: its name
         shape=facts.shape(candidate.micro_batch, candidate.tp),
         attention=facts.attention,
@@ -297,7 +317,7 @@ def predict(
     cfg = typed_config(config, facts)
     if candidate.pp > 1:
         return _predict_pipeline(candidate, facts, machine, corrections, cfg)
-    count, profile = facts.share(candidate.tp)
+    count, profile = facts.share(candidate.tp, candidate.sp)
     job = _job(candidate, facts, cfg, count, machine)
     (row,) = estimate(job)
     psi = count.trainable
@@ -317,13 +337,22 @@ def predict(
         act = row.activations
         kept = (act.checkpointed_kept if checkpointing else act.without_checkpointing) if act else 0
         layer = act.per_layer if act else 0
-        tokens = candidate.micro_batch * candidate.accumulation * facts.seq_len
+        # per token a rank holds, attention over the whole sequence (with 1/sp of the heads)
+        tokens = candidate.micro_batch * candidate.accumulation * facts.tokens(candidate.sp)
         passes = (4 if checkpointing else 3) * tokens
         compute = passes * (
             2 * psi / (machine.matmul_flops * FLOP_EFFICIENCY)
             + facts.attention_flops_per_token() / candidate.tp / machine.attention_flops
         )
-    transient = _transient_bytes(candidate, job, kept, layer, element, machine.device == "cpu")
+    transient = _transient_bytes(
+        candidate,
+        job,
+        kept,
+        layer,
+        element,
+        machine.device == "cpu",
+        _loss_gradient_bytes(candidate, facts),
+    )
     memory = row.peak_with(transient)
     compute *= corrections.compute_scale
     engine = _engine_seconds(candidate, psi, corrections)
@@ -333,6 +362,10 @@ def predict(
     comm = _comm_seconds(candidate, psi, element, machine)
     if candidate.tp > 1:
         comm += _tensor_parallel_seconds(candidate, facts, element, machine)
+    if candidate.sp > 1:
+        comm += _sequence_parallel_seconds(
+            candidate, facts.sequences[candidate.sp], element, machine
+        )
     optimizer = _optimizer_seconds(candidate, job, count, facts, machine)
     optimizer += _host_copy_seconds(candidate, job, compute / candidate.accumulation, machine)
     return Prediction(
@@ -375,7 +408,7 @@ def _optimizer_seconds(
         count=count,
         adam_rate=adam_rate,
         matmul_flops=machine.matmul_flops,
-        ranks=1 if candidate.stage == 0 else candidate.dp,
+        ranks=1 if candidate.stage == 0 else candidate.shards,
     )
     if candidate.offload == "nvme" and machine.disk_read_bytes_per_s:
         precision = job.precision
@@ -397,7 +430,7 @@ def _optimizer_partition(candidate: Candidate, job: TrainingJob) -> int:
     """A rank's share of ``job``'s trainable elements that its optimizer steps: all of them at
     stage 0, ⌈Ψ/N⌉ over the data-parallel ranks at stages 1-3."""
     psi = job.trainable_params
-    return psi if candidate.stage == 0 else -(-psi // candidate.dp)
+    return psi if candidate.stage == 0 else -(-psi // candidate.shards)
 
 
 def _hosted_elements(candidate: Candidate, job: TrainingJob) -> float:
@@ -415,7 +448,7 @@ def _muon_exchange_seconds(
     each owner its pieces of the owner's matrices, about (N-1)/N of its 1/N, and gets the
     results back (two all-to-alls a round); at stage 0 each owner sends the results of its 1/N
     of the matrices to every other rank (one)."""
-    n, elements = candidate.dp, count.muon_matrices
+    n, elements = candidate.shards, count.muon_matrices
     link = machine.links.get("all_to_all")
     if n == 1 or not elements or link is None:
         return 0.0
@@ -475,7 +508,8 @@ def _predict_pipeline(
         kept = min(p - index, micro_batches) * (stage.saved_bytes + sent)
         layer = stage.saved_bytes / max(1, share.blocks // p)
         cpu = machine.device == "cpu"
-        held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu))
+        last = _loss_gradient_bytes(candidate, facts) if index == p - 1 else 0.0
+        held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu, last))
         if cpu and row.host is not None:
             held += _host_touched(row.host, job, candidate)
         memory = max(memory, held + corrections.memory_overhead)
@@ -527,10 +561,12 @@ def _transient_bytes(
     layer: float,
     element: int,
     host_device: bool,
+    loss_gradient: float = 0.0,
 ) -> float:
     """The larger of a step's two transient phases above the model states (and stage 3's
-    gathered parameters): the end of the forward, with ``kept`` activation bytes (with
-    checkpointing, the block inputs, and one block's ``layer`` bytes being recomputed); and,
+    gathered parameters): the end of the forward and the backward's first steps, with ``kept``
+    activation bytes and the ``loss_gradient`` (:func:`_loss_gradient_bytes`; with
+    checkpointing, the block inputs, and then one block's ``layer`` bytes being recomputed); and,
     at stages 2-3, the backward's reduction, with the buckets in flight (the one filling, the
     one before it on the wire) while a block is recomputed. With one data-parallel rank on a
     CPU (``host_device``) the kept inputs are gone by then: a bucket's buffer, left
@@ -538,15 +574,25 @@ def _transient_bytes(
     recomputation frees the inputs, and its reduction is a copy at the backward's end (with
     more ranks trials measured the inputs there: the collective's own buffers)."""
     checkpointing = candidate.activation_checkpointing
-    forward = kept + layer if checkpointing else kept
+    forward = kept + (max(layer, loss_gradient) if checkpointing else loss_gradient)
     if candidate.stage < 2:
         return forward
     policy = ZeroPolicy.for_stage(candidate.stage)
     bucket = largest_bucket(job, policy)
     in_flight = min(2, -(-job.trainable_params // max(1, bucket))) * bucket * element
-    inputs = kept if checkpointing and not (host_device and candidate.dp == 1) else 0
+    inputs = kept if checkpointing and not (host_device and candidate.shards == 1) else 0
     backward = inputs + layer + in_flight
     return max(forward, backward)
+
+
+def _loss_gradient_bytes(candidate: Candidate, facts: ModelFacts) -> float:
+    """The language-model loss's first gradients: over the logits of a micro-batch's tokens (a
+    rank's share of them under sequence parallelism), the loss's gradient and the log-softmax's,
+    in fp32, live together before the output layer's backward frees them (33 MB for the
+    Llama of bench/plan.py at 512 tokens and a vocabulary of 8000; its rows were 16% under
+    without them)."""
+    vocab = facts.count.config.get("vocab_size") or 0
+    return 2 * candidate.micro_batch * facts.tokens(candidate.sp) * vocab * 4
 
 
 def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> float:
@@ -556,10 +602,10 @@ def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> fl
     held = host.total - host.staging
     if candidate.offload != "nvme":
         return held
-    partition = -(-job.trainable_params // candidate.dp)
+    partition = -(-job.trainable_params // candidate.shards)
     size = min(
         sub_group_numel(job.sub_group_size),
-        -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.dp),
+        -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.shards),
     )
     sets = max(1, job.buffer_count)
     return held * min(sets, -(-partition // max(1, size))) / sets
@@ -571,7 +617,7 @@ def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine
     boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every backward;
     stages 1-2 all-gather the updated parameters after the step, stage 3 gathers them in every
     forward and backward."""
-    world = candidate.dp
+    world = candidate.shards
     if world == 1 or not machine.links:
         return 0.0
     volume = psi * element
@@ -611,6 +657,33 @@ def _tensor_parallel_seconds(
         share.backward_calls, share.backward_elements
     )
     return candidate.accumulation * micro
+
+
+def _sequence_parallel_seconds(
+    candidate: Candidate, share: SequenceShare, element: int, machine: Machine
+) -> float:
+    """Ulysses' exchanges of a step ([Note: a sequence-parallel rank's share] in
+    zerotrain/plan/sequence_share.py): per micro-batch and attention layer, the all-to-alls of
+    q, k, v and the output in the forward (again in a checkpointed backward's recomputation)
+    and of their gradients in the backward, each rank sending (sp-1)/sp of its share; and the
+    loss's three all-reduces of a scalar (the token count, the sum and its gradient:
+    zerotrain/sequence/loss.py) and the position ids' check in every forward (an all-gather
+    of the sizes, then of the objects). Each follows compute on every rank, as tensor
+    parallelism's all-reduces do: priced on the probe's ``interleaved`` fit where it has one
+    (the Llama's sp 2 rows of bench/plan.py were 15-35% under with the back-to-back fits)."""
+    link = machine.interleaved or machine.links.get("all_to_all")
+    if link is None:
+        return 0.0
+    sp, tokens = share.degree, candidate.micro_batch * share.tokens
+    layer = sum(
+        link.seconds("all_to_all", int(tokens * e * element * (sp - 1) / sp), sp)
+        for e in share.exchanged_elements
+    )
+    forwards = 2 if candidate.activation_checkpointing else 1
+    checks = 3 * link.seconds("all_reduce", 0, sp) + 2 * forwards * link.seconds(
+        "all_gather", 0, sp
+    )
+    return candidate.accumulation * ((forwards + 1) * share.layers * layer + checks)
 
 
 def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:

@@ -64,9 +64,17 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return config is not None and hasattr(config, "model_type")
 
 
-def loss_of(forward, ids: torch.Tensor, hf: bool) -> torch.Tensor:
+def loss_of(
+    forward, ids: torch.Tensor, hf: bool, sequence: tuple[int, int] | None = None
+) -> torch.Tensor:
     """The language-model loss of ``forward`` (the model, or an engine over it) on ``ids``, as
-    its own target, in the calling convention ``hf`` says (:func:`is_hf_causal_lm`)."""
+    its own target, in the calling convention ``hf`` says (:func:`is_hf_causal_lm`); with
+    ``sequence`` (rank, ranks) of a sequence-parallel group, on that rank's share of the tokens
+    (``shard_batch``'s)."""
+    if sequence is not None:
+        from zerotrain.sequence import shard_batch
+
+        return forward(**shard_batch({"input_ids": ids, "labels": ids}, *sequence)).loss
     return forward(input_ids=ids, labels=ids).loss if hf else forward(ids, ids)
 
 
@@ -79,11 +87,14 @@ def profile_model(
     dtype: torch.dtype,
     threads: int,
     prepare: Callable[[nn.Module], object] | None = None,
+    sequence_parallel: int = 1,
 ) -> ModelProfile:
     """Time and count ``factory()``'s forward and backward at each of ``micro_batches`` (see
     [Note: the model probe]), the model first passed to ``prepare`` (which splits it into one
     tensor-parallel rank's share: [Note: a tensor-parallel rank's share] in
-    zerotrain/plan/tensor_share.py)."""
+    zerotrain/plan/tensor_share.py, or applies Ulysses for one rank of ``sequence_parallel``,
+    which is fed rank 0's share of the tokens: [Note: a sequence-parallel rank's share] in
+    zerotrain/plan/sequence_share.py)."""
     from zerotrain.activation_checkpointing import count_saved_activations, wrap
     from zerotrain.zero.units import find_unit_modules
 
@@ -102,14 +113,17 @@ def profile_model(
                 layers = len(find_unit_modules(model))
                 wrap(model)
             hf = is_hf_causal_lm(model)
+            sequence = (0, sequence_parallel) if sequence_parallel > 1 else None
             params = list(model.parameters())
             for micro in micro_batches:
                 ids = torch.randint(0, vocab_size, (micro, seq_len), device=device)
                 saved = [0]
 
-                def step(model=model, ids=ids, hf=hf, saved=saved, params=params) -> None:
+                def step(
+                    model=model, ids=ids, hf=hf, saved=saved, params=params, sequence=sequence
+                ) -> None:
                     with count_saved_activations(exclude=params) as counted:
-                        loss = loss_of(model, ids, hf)
+                        loss = loss_of(model, ids, hf, sequence)
                     saved[0] = counted.nbytes
                     loss.backward()
                     for p in params:

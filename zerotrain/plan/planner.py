@@ -34,6 +34,7 @@ from zerotrain.plan.model_probe import ModelProfile, profile_model
 from zerotrain.plan.optimizer_cost import ADAMW, optimizer_cost
 from zerotrain.plan.pipeline_share import pipeline_share
 from zerotrain.plan.probe import Machine, cache_dir
+from zerotrain.plan.sequence_share import SequenceShare, profile_sequence_share
 from zerotrain.precision import DTYPES
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "model_facts",
     "profile_if_fits",
     "rank_budget",
+    "sequence_profile",
     "tensor_degrees",
     "with_optimizer",
     "with_profiles",
@@ -138,15 +140,23 @@ def model_facts(
     seq_len: int,
     dtype: str,
     tp_degrees: tuple[int, ...] = (),
-    skipped: Callable[[int, str], object] | None = None,
+    sp_degrees: tuple[int, ...] = (),
+    skipped: Callable[[str, str], object] | None = None,
 ) -> ModelFacts:
     """What the cost model needs of ``model`` (built on the meta device is enough), with rank
-    0's share at each tensor-parallel degree of ``tp_degrees`` that splits it (``skipped``
-    hears of the others, with the reason); measured profiles are added by
-    :func:`with_profiles`."""
+    0's share at each tensor-parallel degree of ``tp_degrees`` that splits it and at each
+    sequence-parallel degree of ``sp_degrees`` at which Ulysses can share its attention
+    (``skipped`` hears of the others, by name, with the reason); measured profiles are added
+    by :func:`with_profiles`."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import count_parameters
+    from zerotrain.plan.sequence_share import sequence_shares
     from zerotrain.plan.tensor_share import tensor_shares
+
+    def skipped_at(kind: str) -> Callable[[int, str], object] | None:
+        if skipped is None:
+            return None
+        return lambda degree, why: skipped(f"{kind} parallelism at degree {degree}", why)
 
     count = count_parameters(
         model, persistence_threshold=ZERO_DEFAULTS.stage3_param_persistence_threshold
@@ -161,7 +171,10 @@ def model_facts(
         dtype=dtype,
         attention="eager" if eager else "flash",
         dropout=dropout,
-        shares=tensor_shares(model, [d for d in tp_degrees if d > 1], skipped),
+        shares=tensor_shares(model, [d for d in tp_degrees if d > 1], skipped_at("tensor")),
+        sequences=sequence_shares(
+            model, [d for d in sp_degrees if d > 1], seq_len, skipped_at("sequence")
+        ),
     )
 
 
@@ -191,7 +204,7 @@ def with_profiles(
     facts: ModelFacts,
     machine: Machine,
     *,
-    sizes: Callable[[int, int], list[int]],
+    sizes: Callable[[int, int, int], list[int]],
     vocab: int,
     failed: Callable[[str, str], object] | None = None,
     whole: bool = True,
@@ -199,11 +212,12 @@ def with_profiles(
 ) -> ModelFacts:
     """``facts`` with the model probe's profile ([Note: the model probe]) of the whole model
     (unless not ``whole``: no candidate trains it undivided), of each tensor-parallel share,
-    and of the model cut into each of ``pipeline_degrees`` stages ([Note: a pipeline stage's
-    share]), at the micro-batches ``sizes(tp, pp)``. Where the probe of a layout raises (the
-    user's model), ``failed`` hears its name and why: the whole model is then priced by its
-    FLOPs, and a tensor-parallel share or a pipeline is dropped (training would split it the
-    same way)."""
+    of the model cut into each of ``pipeline_degrees`` stages ([Note: a pipeline stage's
+    share]) and of each sequence-parallel share ([Note: a sequence-parallel rank's share]), at
+    the micro-batches ``sizes(tp, pp, sp)``. Where the probe of a layout raises (the user's
+    model), ``failed`` hears its name and why: the whole model is then priced by its FLOPs,
+    and a tensor-parallel share, a pipeline or a sequence-parallel degree is dropped (training
+    would split it the same way)."""
 
     def probe(what: str, run: Callable[[], _T]) -> tuple[_T | None, bool]:
         try:
@@ -216,7 +230,7 @@ def with_profiles(
 
     def profiled(tp: int) -> Callable[[], ModelProfile | None]:
         return lambda: profile_if_fits(
-            factory, facts, machine, sizes=sizes(tp, 1), vocab=vocab, tp=tp
+            factory, facts, machine, sizes=sizes(tp, 1, 1), vocab=vocab, tp=tp
         )
 
     profile, _ = probe(WHOLE_MODEL, profiled(1)) if whole else (None, False)
@@ -228,12 +242,12 @@ def with_profiles(
     pipelines = {}
     for pp in pipeline_degrees:
         what = f"pipeline parallelism at degree {pp}"
-        buildable = buildable_sizes(facts, machine, sizes(1, pp))
+        buildable = buildable_sizes(facts, machine, sizes(1, pp, 1))
         if not buildable and failed is not None:
             failed(
                 what,
                 "the model is too large to cut and time here"
-                if sizes(1, pp)
+                if sizes(1, pp, 1)
                 else f"no micro-batch leaves {pp} or more micro-batches a step, as 1F1B needs",
             )
         if not buildable:
@@ -245,15 +259,43 @@ def with_profiles(
                 factory,
                 pp,
                 micro_batches=buildable,
-                seq_len=facts.seq_len,
-                vocab_size=vocab,
-                dtype=DTYPES[machine.dtype],
-                threads=machine.threads,
+                **_probe_options(facts, machine, vocab),
             ),
         )
         if cut is not None:
             pipelines[pp] = cut
-    return replace(facts, profile=profile, shares=shares, pipelines=pipelines)
+    sequences = {}
+    for sp, share in facts.sequences.items():
+        timed, _ = probe(
+            f"sequence parallelism at degree {sp}",
+            functools.partial(
+                sequence_profile, factory, facts, share, machine, sizes(1, 1, sp), vocab
+            ),
+        )
+        if timed is not None:
+            sequences[sp] = timed
+        elif failed is not None and sizes(1, 1, sp):
+            failed(f"sequence parallelism at degree {sp}", "the model is too large to time here")
+    return replace(facts, profile=profile, shares=shares, pipelines=pipelines, sequences=sequences)
+
+
+def sequence_profile(
+    factory,
+    facts: ModelFacts,
+    share: SequenceShare,
+    machine: Machine,
+    sizes: list[int],
+    vocab: int,
+) -> SequenceShare | None:
+    """``share`` with the model probe's profile of a rank's share ([Note: a sequence-parallel
+    rank's share]) at the micro-batches of ``sizes`` it can run at here; None where it can at
+    none."""
+    sizes = buildable_sizes(replace(facts, seq_len=share.tokens), machine, sizes)
+    if not sizes:
+        return None
+    return profile_sequence_share(
+        factory, share, micro_batches=sizes, **_probe_options(facts, machine, vocab)
+    )
 
 
 def profile_if_fits(
@@ -270,12 +312,20 @@ def profile_if_fits(
     return profile_model(
         factory,
         micro_batches=sizes,
-        seq_len=facts.seq_len,
-        vocab_size=vocab,
-        dtype=DTYPES[machine.dtype],
-        threads=machine.threads,
         prepare=functools.partial(split_alone, degree=tp) if tp > 1 else None,
+        **_probe_options(facts, machine, vocab),
     )
+
+
+def _probe_options(facts: ModelFacts, machine: Machine, vocab: int) -> dict:
+    """What every model probe of the job runs at: the samples' tokens, the token ids, the
+    training dtype and a rank's threads."""
+    return {
+        "seq_len": facts.seq_len,
+        "vocab_size": vocab,
+        "dtype": DTYPES[machine.dtype],
+        "threads": machine.threads,
+    }
 
 
 def buildable_sizes(
@@ -314,8 +364,7 @@ class Checked:
 
 def check_candidates(candidates: list[Candidate], base: dict, nvme_path: str | None) -> Checked:
     """Each of ``candidates``' configs over ``base`` checked as ``initialize`` checks a config
-    (HF's "auto" values left to be filled); PlanError where none is left, or the base turns on
-    what the planner cannot plan around (sequence parallelism)."""
+    (HF's "auto" values left to be filled); PlanError where none is left."""
     accepted, refused, typed = [], [], None
     for candidate in candidates:
         config = candidate.config(base, nvme_path)
@@ -339,11 +388,6 @@ def check_candidates(candidates: list[Candidate], base: dict, nvme_path: str | N
         raise PlanError(
             "no candidate config: --config fixes keys (or its autotuning section limits the "
             "micro-batch so) that leave none"
-        )
-    if typed.sequence_parallel_size > 1:
-        raise PlanError(
-            f"--config sets sequence_parallel_size {typed.sequence_parallel_size}: the planner "
-            "does not price sequence parallelism yet; remove it (or set 1) to plan the rest"
         )
     return Checked(accepted, refused, typed)
 
@@ -377,6 +421,19 @@ def make_plan(
             "autotuning.mp_size): the automatic plan does not split this model into that "
             f"many pieces on a node of {ranks_per_node} ranks (degrees it can: {list(degrees)})"
         )
+    # sequence-parallel peers exchange activations every layer too; priced where timed
+    sequences = tuple(
+        sp
+        for sp, share in sorted(facts.sequences.items())
+        if ranks_per_node % sp == 0 and share.profile is not None
+    )
+    fixed_sp = fixed_keys(base).get("sp", 1)
+    if fixed_sp > 1 and fixed_sp not in sequences:
+        raise PlanError(
+            f"sequence_parallel_size {fixed_sp}: not planned for this model on a node of "
+            f"{ranks_per_node} ranks (degrees it can: {[1, *sequences]}); Ulysses is planned "
+            "for transformers causal LMs whose attention heads the degree divides, on one node"
+        )
     candidates = enumerate_candidates(
         world=world,
         global_batch=global_batch,
@@ -385,6 +442,7 @@ def make_plan(
         nvme=nvme_path is not None and facts.optimizer.kind not in NOT_ON_NVME,
         tp_degrees=degrees,
         pipelines=facts.pipelines,
+        sp_degrees=sequences,
     )
     checked = check_candidates(candidates, base, nvme_path)
     for candidate, config in checked.accepted:
