@@ -1,6 +1,6 @@
 """The configs the planner weighs: each a tensor-, pipeline- or sequence-parallel degree, a ZeRO
-stage, an offload device, activation checkpointing on or off and a micro-batch, over the launch's ranks;
-the keys a user fixed in ``--config`` hold in every one."""
+stage, an offload device, activation checkpointing on or off and a micro-batch, over the
+launch's ranks; the keys a user fixed in ``--config`` hold in every one."""
 
 from __future__ import annotations
 
@@ -210,9 +210,9 @@ def batch_sharing_degrees(
 
 
 def shares_batch(model_parallel: int, *, world: int, global_batch: int) -> bool:
-    """Whether ``model_parallel`` ranks (the tensor- times the pipeline-parallel degree) divide
-    ``world``, and the data-parallel ranks left (``world`` / it) share ``global_batch``
-    evenly."""
+    """Whether ``model_parallel`` ranks (the tensor-, pipeline- and sequence-parallel degrees
+    multiplied) divide ``world``, and the data-parallel ranks left (``world`` / it) share
+    ``global_batch`` evenly."""
     return world % model_parallel == 0 and global_batch % (world // model_parallel) == 0
 
 

@@ -428,7 +428,7 @@ def _optimizer_seconds(
 
 def _optimizer_partition(candidate: Candidate, job: TrainingJob) -> int:
     """A rank's share of ``job``'s trainable elements that its optimizer steps: all of them at
-    stage 0, ⌈Ψ/N⌉ over the data-parallel ranks at stages 1-3."""
+    stage 0, ⌈Ψ/N⌉ over the N ranks ZeRO shards over at stages 1-3 (``Candidate.shards``)."""
     psi = job.trainable_params
     return psi if candidate.stage == 0 else -(-psi // candidate.shards)
 
@@ -612,7 +612,7 @@ def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> fl
 
 
 def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine) -> float:
-    """The step's collectives over the data-parallel ranks, on the probed links ([Note: the
+    """The step's collectives over the ranks ZeRO shards over, on the probed links ([Note: the
     three reductions] in zerotrain/zero/reduce.py): stage 0 all-reduces at the accumulation
     boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every backward;
     stages 1-2 all-gather the updated parameters after the step, stage 3 gathers them in every
