@@ -1,7 +1,7 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
     python bench/plan.py [--part predictions|pick|confirm|deepspeed|both]
-                         [--models demo 30m llama] [--only pipeline|tensor|optimizers|sequence]
+                         [--models demo 30m llama moe] [--only pipeline|tensor|optimizers|sequence]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
@@ -14,7 +14,9 @@
   ``--only tensor``, ``--only optimizers`` or ``--only sequence`` runs those rows alone.
   ``--models llama``: transformers' Llama (examples/llama/model.py's ``small``) at 1024 tokens,
   its own rows: Ulysses sequence parallelism at degree 2 on 2 ranks (stages 0-3, offload,
-  checkpointing, micro-batches 1 and 2) and data parallelism.
+  checkpointing, micro-batches 1 and 2) and data parallelism. ``--models moe``: the demo GPT
+  with MoE layers of 4 experts, top-2, spread over the 2 ranks (``moe_demo``: expert
+  parallelism at degree 2), stages 0-3, offload, checkpointing.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
   weighs (tensor-parallel degree 1 or 2, stages 0-3, offload none / cpu, checkpointing,
   micro-batches 2, 4, 8; pipeline degree 2 at stages 0-2, as ``--pipeline`` weighs it) run as
@@ -55,6 +57,7 @@ MODELS = {
     "demo": ("examples/gpt/model.py:demo", 128),
     "30m": ("examples/gpt/model.py:gpt_30m", 256),
     "llama": ("examples/llama/model.py:small", 1024),
+    "moe": ("examples/gpt/model.py:moe_demo", 128),
 }
 
 
@@ -127,7 +130,22 @@ LONG = [
     Row(3, None, True, 1, 2),
     Row(0, None, False, 1, 1),
 ]
-ROWS = {"demo": [Row(*row) for row in FIXED], "30m": [Row(*row) for row in FIXED], "llama": LONG}
+# the MoE GPT's rows: its experts spread over the 2 ranks (the model's ep_size)
+EXPERTS = [
+    Row(0, None, False, 8, 2),
+    Row(1, None, False, 4, 2),
+    Row(1, None, True, 8, 2),
+    Row(2, None, False, 8, 2),
+    Row(2, "cpu", True, 4, 2),
+    Row(3, None, False, 4, 2),
+    Row(3, None, True, 8, 2),
+]
+ROWS = {
+    "demo": [Row(*row) for row in FIXED],
+    "30m": [Row(*row) for row in FIXED],
+    "llama": LONG,
+    "moe": EXPERTS,
+}
 ONLY = {
     "pipeline": lambda row: row.pp > 1,
     "tensor": lambda row: row.tp > 1,

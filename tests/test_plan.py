@@ -633,11 +633,15 @@ def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, m
             assert refused and all(r["label"].startswith("stage 3") for r in refused)
             assert "OneBitAdam compresses" in refused[0]["reason"]
     assert make_plan(facts, machine, base={}, **options).unpriced == []
-    with_experts = replace(facts, experts=True)
-    (what,) = make_plan(with_experts, machine, base={}, **options).unpriced
-    assert what.startswith("expert parallelism"), what
+    # experts are priced (below); their dispatch's options are not
     moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
-    assert model_facts(moe, seq_len=4, dtype="fp32").experts
+    experts = model_facts(moe, seq_len=4, dtype="fp32").experts
+    assert experts is not None and experts.trainable == 2 * 8 * 9
+    with_experts = replace(facts, experts=experts)
+    assert make_plan(with_experts, machine, base={}, **options).unpriced == []
+    base = {"moe": {"token_dedup": True}}
+    (what,) = make_plan(with_experts, machine, base=base, **options).unpriced
+    assert what.startswith("moe.token_dedup"), what
 
 
 def test_lamb_is_not_offered_nvme_offload_and_sgd_is_priced_at_its_measured_ratio(tmp_path):
@@ -1258,3 +1262,148 @@ def test_plan_weighs_sequence_parallelism_for_a_transformers_causal_lm(
     out, err = capsys.readouterr()
     fixed = json.loads(out)["candidates"]
     assert {c["label"] for c in fixed} == {c["label"] for c in ulysses}
+
+
+MOE_DEMO = "examples/gpt/model.py:moe_demo"
+
+
+def test_the_model_probe_runs_an_expert_parallel_rank_s_share(monkeypatch):
+    """The MoE GPT at ep_size 2: a rank holds 2 of each MoE layer's 4 experts (its share), and
+    the probe runs the model as rank 0 of the expert-parallel group would, placed on a group of
+    itself whose exchanges return every row: per layer the counts, the rows, their slots and
+    the outputs back in the forward (again in a checkpointed backward's recomputation), the
+    three reversed in the backward; its 2 local experts take all of its tokens' choices."""
+    import functools
+
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.expert_share import _Echo, expert_share, place_alone
+    from zerotrain.plan.model_probe import profile_model
+
+    share = expert_share(build_on_meta(MOE_DEMO))
+    assert share is not None
+    assert (share.degree, share.layers, share.choices, share.hidden) == (2, 3, 2, 256)
+    assert share.trainable == 3 * 2 * (256 * 1024 * 2) and share.frozen == 0  # fc and proj
+    assert share.shards(4) == 2 and share.shards(2) == 1
+
+    rows = []
+    echo = _Echo.all_to_all
+
+    def counted(self, output, input, *args, **kwargs):
+        rows.append(input.shape[0] if input.dim() == 2 and input.shape[1] == 256 else None)
+        return echo(self, output, input, *args, **kwargs)
+
+    monkeypatch.setattr(_Echo, "all_to_all", counted)
+    options = {"seq_len": 32, "vocab_size": 256, "dtype": torch.float32, "threads": 1}
+    profile = profile_model(
+        load_factory(MOE_DEMO),
+        micro_batches=[2],
+        prepare=functools.partial(place_alone, degree=2),
+        **options,
+    )
+    steps, layers = 4, 3  # a warm-up and 3 timed steps, without checkpointing and with
+    assert len(rows) == steps * layers * ((4 + 3) + (4 + 4 + 3))
+    tokens = 2 * 32
+    hidden = [r for r in rows if r is not None]  # the rows there and back, forward and backward
+    assert all(0.5 * tokens * 2 <= r <= tokens * 2 for r in hidden)  # top-2, less any dropped
+    assert profile.micro_batches[2].forward_backward_s > 0
+
+
+def test_expert_parallelism_is_priced_over_two_shard_groups_and_its_exchanges():
+    """The MoE GPT on 4 ranks: its experts' optimizer state sharded over the 2 ranks holding
+    the same experts (the dense parameters over all 4), their gradients reduced over those 2;
+    and per micro-batch and MoE layer the counts, the rows of a top-2 choice per token, their
+    slots and the outputs back, half of each to the other rank of the group, forward and
+    reversed in the backward."""
+    from zerotrain.comm.communicator import ring_sent
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.model_probe import MicroBatchProfile, ModelProfile
+    from zerotrain.plan.planner import model_facts
+
+    facts = model_facts(build_on_meta(MOE_DEMO), seq_len=128, dtype="fp32")
+    experts = facts.experts
+    assert experts is not None
+    profile = ModelProfile({4: MicroBatchProfile(0.5, 10**6, 0.7, 2 * 10**5)}, layers=6)
+    facts = replace(facts, profile=profile)
+    machine = probe.memory_only_machine(dtype="fp32", world=4)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    link = probe.LinkFit(alpha=1e-4, beta=1e9)
+    machine = replace(machine, links={op: link for op in probe.COLLECTIVES})
+    candidate = Candidate(1, None, False, 4, 2, 4)
+
+    def priced(facts):
+        return predict(candidate, facts, machine, Corrections(), candidate.config({}))
+
+    moe, dense = priced(facts), priced(replace(facts, experts=None))
+    e, psi = experts.trainable, facts.count.trainable
+    # AdamW's 8 bytes an element over 2 ranks, not 4 (fp32: the masters are the parameters)
+    assert moe.model_state_bytes - dense.model_state_bytes == pytest.approx(8 * e / 4, abs=64)
+    assert moe.optimizer_s - dense.optimizer_s == pytest.approx((e // 2 - e // 4) / 1e8, rel=1e-3)
+
+    def reduce(elements: int, ranks: int) -> float:
+        return sum(
+            link.seconds(op, ring_sent(op, elements * 4, ranks), ranks)
+            for op in ("reduce_scatter", "all_gather")
+        )
+
+    units = 4 * 128 * 2  # tokens of a micro-batch, 2 choices each
+    rows = link.seconds("all_to_all", units * 256 * 4 // 2, 2)
+    slots = link.seconds("all_to_all", units * 8 // 2, 2)
+    exchanges = 2 * 3 * (link.seconds("all_to_all", 0, 2) + 2 * (2 * rows + slots))
+    expected = reduce(psi - e, 4) + reduce(e, 2) + exchanges
+    assert moe.comm_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_an_expert_parallel_trial_holds_the_model_states_predicted():
+    """A trial of the MoE GPT on 2 ranks at stage 2 measures the engine's two shard groups,
+    the dense parameters over both ranks and each rank's experts whole, as the cost model
+    predicts them."""
+    from zerotrain.plan.candidates import Candidate
+
+    machine = probe.memory_only_machine(dtype="fp32", world=2)
+    candidate = Candidate(2, None, False, 2, 1, 2)
+    config, predicted = _expert_prediction(candidate, machine)
+    measured = measure_memory(TrialSpec(MOE_DEMO, config, 2, 64, 256))
+    assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
+    assert measured.peak_memory_bytes > measured.model_state_bytes
+
+
+def _expert_prediction(candidate, machine, seq: int = 64):
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts, with_profiles
+
+    facts = model_facts(build_on_meta(MOE_DEMO), seq_len=seq, dtype="fp32")
+    facts = with_profiles(
+        load_factory(MOE_DEMO),
+        facts,
+        machine,
+        sizes=lambda *_: [candidate.micro_batch],
+        vocab=256,
+        failed=_raise,
+    )
+    config = candidate.config({"steps_per_print": 10**9})
+    return config, predict(candidate, facts, machine, Corrections(), config)
+
+
+def test_plan_weighs_an_moe_model_with_its_experts_spread_as_it_asks(
+    capsys, monkeypatch, shared_cache
+):
+    """The MoE GPT (ep_size 2) on 2 ranks: every candidate trains it with data and expert
+    parallelism (the tensor-parallel split is not planned, and says why) and prices the
+    experts' exchanges; on one rank initialize would refuse every candidate, and the plan
+    says so."""
+    from zerotrain import cli
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", shared_cache)
+    argv = ["plan", "--model", MOE_DEMO, "--seq-len", "64", "--global-batch", "8", "--out", ""]
+    assert cli.main([*argv, "--nproc-per-node", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "tensor parallelism at degree 2 not planned: the model's MoE layers" in err
+    candidates = json.loads(out)["candidates"]
+    assert candidates and all(not c["label"].startswith("tp") for c in candidates)
+    assert all(c["comm_s"] > 0 and c["step_time_s"] > 0 for c in candidates)
+    assert cli.main([*argv, "--nproc-per-node", "1"]) == 2
+    _, err = capsys.readouterr()
+    assert "initialize would refuse every candidate config: MoE: ep_size 2" in err

@@ -24,6 +24,7 @@ __all__ = [
     "HostMemoryLimit",
     "available_host_memory",
     "current_rss",
+    "file_backed_rss",
     "get_accelerator",
     "host_memory_limits",
     "peak_rss",
@@ -42,6 +43,21 @@ def current_rss() -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def file_backed_rss() -> int:
+    """The resident bytes of this process that files back (its libraries' pages, and shared
+    memory), which the kernel can drop and read again under pressure; 0 where the platform does
+    not say (Linux's ``RssFile`` and ``RssShmem``)."""
+    total = 0
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(("RssFile:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
 
 
 def peak_rss() -> int | None:

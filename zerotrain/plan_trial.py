@@ -8,7 +8,12 @@ torchrun job of its own, and measured in the terms the planner predicts (``zerot
   host memory, which also holds the interpreter and its libraries: the rank's peak resident
   memory (``VmHWM``) above its resident memory after start-up, that is once torch and the
   modules ``initialize`` imports are loaded (90 MB on this machine, torch._dynamo's among them)
-  and the process group is up, before the model is built. Measured in a job of its own (the
+  and the process group is up, before the model is built; both without the pages files back
+  (``RssFile``: the libraries' code, which the first steps page in as they first run each
+  kernel: 47 MiB for the demo GPT on an AVX-512 machine, fewer where fewer kernels are
+  built in; the kernel drops such pages under pressure rather than fail, so they are not
+  memory a run can run out of). The peak's file pages are taken at the end, when every
+  kernel of a step has run once. Measured in a job of its own (the
   first two steps, or ``first_timed``) with every host block of 256 KiB or more mapped on its
   own (``MALLOC_MMAP_THRESHOLD_``), so that resident memory follows the bytes in use as a GPU's
   allocated bytes do: with glibc's default (and still with 1 MiB, below which the demo GPT's
@@ -188,7 +193,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     import torch
 
     import zerotrain
-    from zerotrain.accelerator import current_rss, peak_rss
+    from zerotrain.accelerator import current_rss, file_backed_rss, peak_rss
     from zerotrain.comm import Communicator
     from zerotrain.pipe.engine import PipelineEngine
 
@@ -196,7 +201,7 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     comm = Communicator()
     _load_runtime(spec)
     cuda = torch.cuda.is_available()
-    start_rss = current_rss() or 0
+    start_rss = (current_rss() or 0) - file_backed_rss()  # anonymous memory at start-up
     torch.manual_seed(0)
     model = _build(spec)
     engine, *_ = zerotrain.initialize(model=model, config=spec.config)
@@ -235,7 +240,8 @@ def _worker(spec: TrialSpec, out: Path) -> None:
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = (peak_rss() or 0) - start_rss
+        # the libraries' pages the steps paged in were in by the peak (the second step's)
+        peak = (peak_rss() or 0) - file_backed_rss() - start_rss
     step = statistics.median(times[spec.first_timed - 1 :] or times)
     steal = _steal_since(cpu_at_start)
     states = engine.memory_breakdown()["total"]

@@ -114,8 +114,8 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). With ``moe`` the
-    MLP is a Mixture-of-Experts layer of `config.num_experts` MLPs; its last load-balancing loss
-    is `l_aux`."""
+    MLP is a Mixture-of-Experts layer of `config.num_experts` MLPs, whose load-balancing loss
+    goes to `aux_losses` while the model's forward collects them."""
 
     def __init__(self, config: GPTConfig, moe: bool = False) -> None:
         super().__init__()
@@ -123,7 +123,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_mlp = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp: nn.Module = MLP(config)
-        self.l_aux: torch.Tensor | None = None
+        # the GPT's list while its forward runs; None otherwise, so that a checkpointed block's
+        # recomputation in the backward keeps no loss (and the graph behind it) alive
+        self.aux_losses: list[torch.Tensor] | None = None
         if moe:
             from zerotrain.moe import MoE
 
@@ -141,7 +143,9 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_attn(x))
         out = self.mlp(self.ln_mlp(x))
         if isinstance(out, tuple):  # an MoE layer: (output, l_aux, exp_counts)
-            out, self.l_aux, _ = out
+            out, l_aux, _ = out
+            if self.aux_losses is not None:
+                self.aux_losses.append(l_aux)
         return x + out
 
 
@@ -192,17 +196,21 @@ class GPT(nn.Module):
             )
         positions = torch.arange(seq, device=idx.device)
         x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        aux: list[torch.Tensor] = []
+        collect = self.config.num_experts > 0
         for block in self.blocks:
+            if collect:
+                block.aux_losses = aux
             x = block(x)
+        if collect:  # taken: a checkpointed block's recomputation keeps none alive
+            for block in self.blocks:
+                block.aux_losses = None
         logits = self.lm_head(self.ln_final(x))
         if targets is None:
             return logits
         # In fp32 whatever the model's dtype: log-softmax over the vocabulary in bf16/fp16
         # loses the small probabilities that carry most of the loss.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        aux = [block.l_aux for block in self.blocks if block.l_aux is not None]
-        for block in self.blocks:
-            block.l_aux = None  # taken: do not keep its graph alive
         return loss + self.config.aux_loss_coef * sum(aux) if aux else loss
 
 
@@ -226,3 +234,10 @@ def gpt_30m() -> GPT:
 def gpt_100m() -> GPT:
     """The "100m" preset (99.5M parameters)."""
     return GPT(gpt_config("100m"))
+
+
+def moe_demo() -> GPT:
+    """The "demo" preset with every other block's MLP a `zerotrain.moe.MoE` of 4 experts, each
+    token routed to 2, spread over 2 ranks (ep_size 2: each rank builds and trains 2 of the 4;
+    launch a multiple of 2 ranks)."""
+    return GPT(gpt_config("demo", num_experts=4, moe_k=2, ep_size=2))

@@ -194,6 +194,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     from zerotrain.plan.candidates import fixed_keys, micro_batches, training_dtype
     from zerotrain.plan.jobs import JobError
     from zerotrain.plan.planner import (
+        MOE_ALONE,
         WHOLE_MODEL,
         PlanError,
         load_corrections,
@@ -259,7 +260,11 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     except (ValueError, TypeError) as error:  # the optimizer's own check of its params
         return fail(f"--config: {error}")
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
-    pipelines = _pipeline_degrees(args, base, world, say) if args.pipeline else ()
+    pipelines = ()
+    if args.pipeline and facts.experts is not None:
+        say(f"pipelines not planned: {MOE_ALONE}")
+    elif args.pipeline:
+        pipelines = _pipeline_degrees(args, base, world, say)
     if args.pipeline and not vocab:
         say("--pipeline needs --vocab-size (the model has no config that says it): not planned")
     if vocab:

@@ -72,7 +72,8 @@ class _Start(torch.autograd.Function):
         transfer = ctx.transfer
         assert transfer.op is not None and transfer.back is not None  # _Wait's backward ran
         transfer.op.wait()
-        return transfer.back, None
+        back, transfer.op, transfer.back = transfer.back, None, None
+        return back, None
 
 
 class _Wait(torch.autograd.Function):
@@ -84,6 +85,7 @@ class _Wait(torch.autograd.Function):
         ctx.transfer = transfer
         assert transfer.op is not None  # launched by _Start
         transfer.op.wait()
+        transfer.op = None  # its work holds the rows sent: free them now, not in the backward
         return out.view_as(out)
 
     @staticmethod

@@ -47,7 +47,7 @@ Tensor parallelism at degree t: a rank's share of the model ([Note: a tensor-par
 share] in zerotrain/plan/tensor_share.py) stands for the model in every term above (its
 parameters, its measured compute and activations), ZeRO and its collectives run over the
 world / t data-parallel ranks, and the share's all-reduces of activations are added to the
-collectives (:func:`_tensor_parallel_seconds`).
+collectives (``tensor_parallel_seconds`` in zerotrain/plan/exchanges.py).
 
 Sequence parallelism (Ulysses) at degree sp: every parameter on every rank, ZeRO sharding
 them over the data- and sequence-parallel ranks together (``Candidate.shards``), the batch
@@ -55,7 +55,15 @@ split over the world / sp data-parallel ranks; compute and activations are a ran
 the step as the model probe ran it with Ulysses applied over a group of one rank ([Note: a
 sequence-parallel rank's share] in zerotrain/plan/sequence_share.py); the all-to-alls, the
 loss's all-reduces and the position check are added to the collectives
-(:func:`_sequence_parallel_seconds`).
+(``sequence_parallel_seconds`` there).
+
+Expert parallelism at the degree e the model's MoE layers ask for ([Note: an expert-parallel
+rank's share] in zerotrain/plan/expert_share.py): the model counted and probed is a rank's
+(its own experts, run on the tokens it routes); ZeRO keeps two shard groups, as the engine
+does: the dense parameters over the data-parallel ranks, the experts over the 1/e of them that
+hold the same experts (their model states, collectives and optimizer partition each priced
+over its own ranks: :func:`_shard_groups`); the tokens' exchanges are added to the collectives
+(``expert_parallel_seconds`` there).
 
 A pipeline of p stages ([Note: a pipeline stage's share] in zerotrain/plan/pipeline_share.py):
 each stage's parameters stand for the model in the memory terms, with the activations of the
@@ -75,7 +83,7 @@ what it measured (:func:`refine`), kept with the machine's probe for the next ru
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -84,15 +92,22 @@ from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
 from zerotrain.estimate import TrainingJob, TransformerShape, estimate
 from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.preflight import config_job
-from zerotrain.estimate.stages import host_share, largest_bucket
+from zerotrain.estimate.stages import StageEstimate, host_share, largest_bucket
 from zerotrain.optim.registry import find_optimizer
 from zerotrain.plan.candidates import Candidate, section
+from zerotrain.plan.exchanges import (
+    expert_parallel_seconds,
+    sequence_parallel_seconds,
+    tensor_parallel_seconds,
+)
+from zerotrain.plan.expert_share import ExpertShare
 from zerotrain.plan.model_probe import ModelProfile
 from zerotrain.plan.optimizer_cost import ADAMW, OptimizerCost
 from zerotrain.plan.pipeline_share import PipelineShare
 from zerotrain.plan.probe import Machine
 from zerotrain.plan.sequence_share import SequenceShare
 from zerotrain.plan.tensor_share import TensorShare
+from zerotrain.zero.memory import ModelStateBytes
 from zerotrain.zero.nvme import sub_group_numel
 from zerotrain.zero.offload import HostBytes
 from zerotrain.zero.policy import ZeroPolicy
@@ -121,10 +136,11 @@ class Corrections:
 
     compute_scale: float = 1.0
     """Measured compute over predicted (the model probe's, or the FLOP count's)."""
-    memory_overhead: float = 32e6
+    memory_overhead: float = 7e6
     """What a training process holds besides model states and activations: the allocator's
-    arenas, thread stacks, the communicator's buffers (29-35 MB for the demo GPT on this CPU,
-    43-51 MB for the 30M GPT: bench/README.md)."""
+    arenas, thread stacks, the communicator's buffers (3-6 MB for the demo GPT on this CPU,
+    14-21 MB for the 30M GPT and the Llama of bench/plan.py; a trial counts no library pages:
+    [Note: what a trial measures] in zerotrain/plan_trial.py)."""
     engine_seconds_per_parameter: float = 5e-9
     """The engine's own work per parameter and pass over the buckets (copies, hooks): once a
     step at stages 0-1, every micro-batch at 2-3."""
@@ -154,8 +170,8 @@ class ModelFacts:
     can share the model's attention."""
     optimizer: OptimizerCost = ADAMW
     """The optimizer the planned configs train with (their ``optimizer`` section)."""
-    experts: bool = False
-    """Whether the model holds zerotrain.moe experts (not priced: :func:`unpriced`)."""
+    experts: ExpertShare | None = None
+    """The model's zerotrain.moe experts, where it has MoE layers."""
 
     def shape(self, micro_batch: int, tp: int = 1) -> TransformerShape | None:
         """The shape Korthikanti's formula takes; at tensor-parallel degree ``tp`` a rank's
@@ -268,10 +284,10 @@ def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts) -> list[str]:
     spec = find_optimizer(cfg.optimizer.type) if cfg.optimizer is not None else None
     if spec is not None and spec.name in COMPRESSING_OPTIMIZERS:
         out.append(f"{spec.name}'s compressed exchange: priced as the uncompressed collectives")
-    if facts.experts:
+    if facts.experts is not None and (cfg.moe.token_dedup or cfg.moe.overlap_chunks > 1):
         out.append(
-            "expert parallelism (the model's zerotrain.moe experts): their token exchange is "
-            "left out, their state counted as if sharded over every data-parallel rank"
+            "moe.token_dedup, moe.overlap_chunks: the experts' exchanges are priced whole, "
+            "after compute"
         )
     checkpointing = cfg.activation_checkpointing
     if checkpointing is not None and checkpointing.cpu_checkpointing:
@@ -320,13 +336,16 @@ def predict(
     count, profile = facts.share(candidate.tp, candidate.sp)
     job = _job(candidate, facts, cfg, count, machine)
     (row,) = estimate(job)
+    if facts.experts is not None:
+        row = _with_expert_group(row, job, candidate, facts.experts)
     psi = count.trainable
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     checkpointing = candidate.activation_checkpointing
     measured = profile.micro_batches.get(candidate.micro_batch) if profile else None
     if measured is not None and profile is not None:
         kept = measured.checkpointed_saved_bytes if checkpointing else measured.saved_bytes
-        layer = measured.saved_bytes / max(1, profile.layers)
+        # a checkpointed backward recomputes one block at a time: at least the largest one's
+        layer = max(measured.saved_bytes / max(1, profile.layers), measured.largest_block_bytes)
         per_micro = (
             measured.checkpointed_forward_backward_s
             if checkpointing
@@ -358,16 +377,21 @@ def predict(
     engine = _engine_seconds(candidate, psi, corrections)
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
-        memory += _host_touched(row.host, job, candidate) if row.host is not None else 0
-    comm = _comm_seconds(candidate, psi, element, machine)
+        memory += _host_touched(row.host, job, candidate, facts) if row.host is not None else 0
+    comm = _comm_seconds(candidate, _shard_groups(candidate, psi, facts), element, machine)
+    tokens = facts.tokens(candidate.sp)
+    if facts.experts is not None:
+        comm += expert_parallel_seconds(candidate, facts.experts, tokens, element, machine)
     if candidate.tp > 1:
-        comm += _tensor_parallel_seconds(candidate, facts, element, machine)
+        share = facts.shares[candidate.tp]
+        comm += tensor_parallel_seconds(candidate, share, tokens, element, machine)
     if candidate.sp > 1:
-        comm += _sequence_parallel_seconds(
-            candidate, facts.sequences[candidate.sp], element, machine
-        )
+        share = facts.sequences[candidate.sp]
+        comm += sequence_parallel_seconds(candidate, share, element, machine)
     optimizer = _optimizer_seconds(candidate, job, count, facts, machine)
-    optimizer += _host_copy_seconds(candidate, job, compute / candidate.accumulation, machine)
+    optimizer += _host_copy_seconds(
+        candidate, job, facts, compute / candidate.accumulation, machine
+    )
     return Prediction(
         peak_memory_bytes=int(memory),
         model_state_bytes=int(row.model_states),
@@ -399,7 +423,7 @@ def _optimizer_seconds(
     zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
     and the state of the offloaded share) read and written, the disk shared by the node's
     ranks."""
-    partition = _optimizer_partition(candidate, job)
+    partition = _optimizer_partition(candidate, job, facts)
     adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
         machine.adam_elements_per_s.values()
     )
@@ -415,7 +439,7 @@ def _optimizer_seconds(
         per_element = precision.master_dtype.itemsize + precision.stored_state_bytes(
             job.state_bytes
         )
-        state = _hosted_elements(candidate, job) * per_element
+        state = _hosted_elements(candidate, job, facts) * per_element
         write = machine.disk_write_bytes_per_s or machine.disk_read_bytes_per_s
         # the node's ranks step at once, sharing its disk (the 2-rank NVMe rows of bench/plan.py
         # were 18-31% under without it: bench/README.md)
@@ -426,17 +450,67 @@ def _optimizer_seconds(
     return seconds
 
 
-def _optimizer_partition(candidate: Candidate, job: TrainingJob) -> int:
+def _shard_groups(candidate: Candidate, psi: int, facts: ModelFacts) -> list[tuple[int, int]]:
+    """Of a rank's ``psi`` trainable elements, each shard group's and the ranks ZeRO shards it
+    over: the dense parameters over ``Candidate.shards``, a model's experts over the
+    data-parallel ranks holding the same experts (zerotrain/parallel/layout.py makes the two
+    groups)."""
+    experts = facts.experts
+    if experts is None or not experts.trainable:
+        return [(psi, candidate.shards)]
+    return [
+        (psi - experts.trainable, candidate.shards),
+        (experts.trainable, experts.shards(candidate.dp)),
+    ]
+
+
+def _with_expert_group(
+    row: StageEstimate, job: TrainingJob, candidate: Candidate, experts: ExpertShare
+) -> StageEstimate:
+    """``row`` with the model states of the two shard groups a model with experts trains
+    with: the dense parameters over ``Candidate.shards``, the experts over their own ranks
+    (:func:`_shard_groups`)."""
+    if not experts.trainable:
+        return row
+    (dense,) = estimate(
+        replace(
+            job,
+            trainable_params=job.trainable_params - experts.trainable,
+            frozen_params=job.frozen_params - experts.frozen,
+        )
+    )
+    (own,) = estimate(
+        replace(
+            job,
+            trainable_params=experts.trainable,
+            frozen_params=experts.frozen,
+            nodes=1,
+            gpus_per_node=experts.shards(candidate.dp),
+            persistent_numel=0,
+            persistent_frozen=0,
+        )
+    )
+    states = ModelStateBytes(
+        **{
+            f.name: getattr(dense.states, f.name) + getattr(own.states, f.name)
+            for f in fields(ModelStateBytes)
+        }
+    )
+    return replace(row, states=states, frozen=dense.frozen + own.frozen)
+
+
+def _optimizer_partition(candidate: Candidate, job: TrainingJob, facts: ModelFacts) -> int:
     """A rank's share of ``job``'s trainable elements that its optimizer steps: all of them at
-    stage 0, ⌈Ψ/N⌉ over the N ranks ZeRO shards over at stages 1-3 (``Candidate.shards``)."""
-    psi = job.trainable_params
-    return psi if candidate.stage == 0 else -(-psi // candidate.shards)
+    stage 0, ⌈Ψ/N⌉ of each shard group over the N ranks ZeRO shards it over at stages 1-3
+    (:func:`_shard_groups`)."""
+    groups = _shard_groups(candidate, job.trainable_params, facts)
+    return sum(n if candidate.stage == 0 else -(-n // ranks) for n, ranks in groups)
 
 
-def _hosted_elements(candidate: Candidate, job: TrainingJob) -> float:
+def _hosted_elements(candidate: Candidate, job: TrainingJob, facts: ModelFacts) -> float:
     """The elements of a rank's optimizer partition that offload puts on the host."""
     policy = ZeroPolicy.for_stage(candidate.stage)
-    return _optimizer_partition(candidate, job) * host_share(job, policy)
+    return _optimizer_partition(candidate, job, facts) * host_share(job, policy)
 
 
 def _muon_exchange_seconds(
@@ -462,7 +536,11 @@ def _muon_exchange_seconds(
 
 
 def _host_copy_seconds(
-    candidate: Candidate, job: TrainingJob, micro_batch_s: float, machine: Machine
+    candidate: Candidate,
+    job: TrainingJob,
+    facts: ModelFacts,
+    micro_batch_s: float,
+    machine: Machine,
 ) -> float:
     """Optimizer offload's copies between the device and host memory, at the probed pinned
     copy rate (CUDA only: a CPU-only machine's device is host memory). At the accumulation
@@ -474,7 +552,7 @@ def _host_copy_seconds(
     priced."""
     if candidate.offload is None or machine.device == "cpu" or not machine.copy_bytes_per_s:
         return 0.0
-    hosted = _hosted_elements(candidate, job)
+    hosted = _hosted_elements(candidate, job, facts)
     precision, rate = job.precision, machine.copy_bytes_per_s
     gradients = hosted * precision.master_dtype.itemsize / rate
     parameters = hosted * precision.param_dtype.itemsize / rate
@@ -511,15 +589,18 @@ def _predict_pipeline(
         last = _loss_gradient_bytes(candidate, facts) if index == p - 1 else 0.0
         held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu, last))
         if cpu and row.host is not None:
-            held += _host_touched(row.host, job, candidate)
+            held += _host_touched(row.host, job, candidate, facts)
         memory = max(memory, held + corrections.memory_overhead)
         states = max(states, row.model_states)
         psi = count.trainable
         own.append(psi * corrections.engine_seconds_per_parameter)
-        comm = max(comm, _comm_seconds(candidate, psi, element, machine))
+        groups = _shard_groups(candidate, psi, facts)
+        comm = max(comm, _comm_seconds(candidate, groups, element, machine))
         work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
         stepped = _optimizer_seconds(candidate, job, count, facts, machine)
-        optimizer = max(optimizer, stepped + _host_copy_seconds(candidate, job, work[-1], machine))
+        optimizer = max(
+            optimizer, stepped + _host_copy_seconds(candidate, job, facts, work[-1], machine)
+        )
     compute = _one_f_one_b(work, micro_batches)
     # the engine's work sits in each stage's backward, on the schedule's path
     engine = _one_f_one_b([w + e for w, e in zip(work, own, strict=True)], micro_batches) - compute
@@ -595,14 +676,16 @@ def _loss_gradient_bytes(candidate: Candidate, facts: ModelFacts) -> float:
     return 2 * candidate.micro_batch * facts.tokens(candidate.sp) * vocab * 4
 
 
-def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> float:
+def _host_touched(
+    host: HostBytes, job: TrainingJob, candidate: Candidate, facts: ModelFacts
+) -> float:
     """The host bytes of optimizer offload that become resident on a CPU device: not the
     transfer ring (copies to a CPU device skip it), and of NVMe's staging sets only those that
     sub-groups pass through (with fewer sub-groups than sets, the others are never touched)."""
     held = host.total - host.staging
     if candidate.offload != "nvme":
         return held
-    partition = -(-job.trainable_params // candidate.shards)
+    partition = _optimizer_partition(candidate, job, facts)
     size = min(
         sub_group_numel(job.sub_group_size),
         -(-largest_bucket(job, ZeroPolicy.for_stage(candidate.stage)) // candidate.shards),
@@ -611,79 +694,31 @@ def _host_touched(host: HostBytes, job: TrainingJob, candidate: Candidate) -> fl
     return held * min(sets, -(-partition // max(1, size))) / sets
 
 
-def _comm_seconds(candidate: Candidate, psi: int, element: int, machine: Machine) -> float:
-    """The step's collectives over the ranks ZeRO shards over, on the probed links ([Note: the
-    three reductions] in zerotrain/zero/reduce.py): stage 0 all-reduces at the accumulation
-    boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every backward;
-    stages 1-2 all-gather the updated parameters after the step, stage 3 gathers them in every
-    forward and backward."""
-    world = candidate.shards
-    if world == 1 or not machine.links:
-        return 0.0
-    volume = psi * element
+def _comm_seconds(
+    candidate: Candidate, groups: list[tuple[int, int]], element: int, machine: Machine
+) -> float:
+    """The step's collectives of each shard group, (elements, ranks) of ``groups``
+    (:func:`_shard_groups`), over the ranks ZeRO shards it over, on the probed links ([Note:
+    the three reductions] in zerotrain/zero/reduce.py): stage 0 all-reduces at the
+    accumulation boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every
+    backward; stages 1-2 all-gather the updated parameters after the step, stage 3 gathers
+    them in every forward and backward."""
     micro = candidate.accumulation
-
-    def cost(op: str) -> float:
-        return machine.links[op].seconds(op, ring_sent(op, volume, world), world)
-
-    if candidate.stage == 0:
-        return cost("all_reduce")
     reductions = 1 if candidate.stage == 1 else micro
     gathers = 2 * micro if candidate.stage == 3 else 1
-    return reductions * cost("reduce_scatter") + gathers * cost("all_gather")
+    seconds = 0.0
+    for psi, world in groups:
+        if world == 1 or not machine.links:
+            continue
 
+        def cost(op: str, volume: int = psi * element, world: int = world) -> float:
+            return machine.links[op].seconds(op, ring_sent(op, volume, world), world)
 
-def _tensor_parallel_seconds(
-    candidate: Candidate, facts: ModelFacts, element: int, machine: Machine
-) -> float:
-    """The tensor-parallel all-reduces of a step ([Note: a tensor-parallel rank's share] in
-    zerotrain/plan/tensor_share.py): per micro-batch the row-wise layers' in the forward (and
-    in a checkpointed backward's recomputation), the column-wise layers' in the backward, on
-    the probed link of an all-reduce that follows compute on every rank (``interleaved``: each
-    waits for the slowest rank's compute, at every layer; the 30M GPT's tp 2 rows of
-    bench/plan.py were 18-28% under with the back-to-back all-reduce's fit)."""
-    link = machine.interleaved or machine.links.get("all_reduce")
-    if link is None:
-        return 0.0
-    share, tp = facts.shares[candidate.tp], candidate.tp
-    tokens = candidate.micro_batch * facts.seq_len
-
-    def seconds(calls: int, elements: int) -> float:
-        sent = ring_sent("all_reduce", tokens * elements * element, tp)
-        return calls * link.seconds("all_reduce", 0, tp) + sent / link.beta
-
-    forwards = 2 if candidate.activation_checkpointing else 1
-    micro = forwards * seconds(share.forward_calls, share.forward_elements) + seconds(
-        share.backward_calls, share.backward_elements
-    )
-    return candidate.accumulation * micro
-
-
-def _sequence_parallel_seconds(
-    candidate: Candidate, share: SequenceShare, element: int, machine: Machine
-) -> float:
-    """Ulysses' exchanges of a step ([Note: a sequence-parallel rank's share] in
-    zerotrain/plan/sequence_share.py): per micro-batch and attention layer, the all-to-alls of
-    q, k, v and the output in the forward (again in a checkpointed backward's recomputation)
-    and of their gradients in the backward, each rank sending (sp-1)/sp of its share; and the
-    loss's three all-reduces of a scalar (the token count, the sum and its gradient:
-    zerotrain/sequence/loss.py) and the position ids' check in every forward (an all-gather
-    of the sizes, then of the objects). Each follows compute on every rank, as tensor
-    parallelism's all-reduces do: priced on the probe's ``interleaved`` fit where it has one
-    (the Llama's sp 2 rows of bench/plan.py were 15-35% under with the back-to-back fits)."""
-    link = machine.interleaved or machine.links.get("all_to_all")
-    if link is None:
-        return 0.0
-    sp, tokens = share.degree, candidate.micro_batch * share.tokens
-    layer = sum(
-        link.seconds("all_to_all", int(tokens * e * element * (sp - 1) / sp), sp)
-        for e in share.exchanged_elements
-    )
-    forwards = 2 if candidate.activation_checkpointing else 1
-    checks = 3 * link.seconds("all_reduce", 0, sp) + 2 * forwards * link.seconds(
-        "all_gather", 0, sp
-    )
-    return candidate.accumulation * ((forwards + 1) * share.layers * layer + checks)
+        if candidate.stage == 0:
+            seconds += cost("all_reduce")
+        else:
+            seconds += reductions * cost("reduce_scatter") + gathers * cost("all_gather")
+    return seconds
 
 
 def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:

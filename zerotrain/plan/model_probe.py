@@ -20,8 +20,9 @@ bookkeeping): the cost model's ``engine_seconds_per_parameter``.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,10 @@ class MicroBatchProfile:
     saved_bytes: int
     checkpointed_forward_backward_s: float
     checkpointed_saved_bytes: int
+    largest_block_bytes: int = 0
+    """What the largest checkpointed block saves (0: not counted): the activations a
+    checkpointed backward holds while recomputing it (an MoE block's, its experts on k times
+    the tokens, are several times a dense block's)."""
 
 
 @dataclass(frozen=True)
@@ -103,14 +108,16 @@ def profile_model(
     torch.set_num_threads(threads)
     try:
         profiles: dict[int, list] = {m: [] for m in micro_batches}
+        largest = dict.fromkeys(micro_batches, 0)
         layers = 0
         for checkpointing in (False, True):
             torch.manual_seed(0)
             model = factory().to(device=device, dtype=dtype)
             if prepare is not None:
                 prepare(model)
+            blocks = find_unit_modules(model)
             if checkpointing:
-                layers = len(find_unit_modules(model))
+                layers = len(blocks)
                 wrap(model)
             hf = is_hf_causal_lm(model)
             sequence = (0, sequence_parallel) if sequence_parallel > 1 else None
@@ -120,11 +127,15 @@ def profile_model(
                 saved = [0]
 
                 def step(
-                    model=model, ids=ids, hf=hf, saved=saved, params=params, sequence=sequence
-                ) -> None:
+                    model=model, ids=ids, hf=hf, saved=saved, params=params, sequence=sequence,
+                    blocks=blocks, micro=micro, checkpointing=checkpointing,
+                ) -> None:  # fmt: skip
                     with count_saved_activations(exclude=params) as counted:
-                        loss = loss_of(model, ids, hf, sequence)
+                        with _per_block(blocks, counted) as sizes:
+                            loss = loss_of(model, ids, hf, sequence)
                     saved[0] = counted.nbytes
+                    if not checkpointing:
+                        largest[micro] = max(sizes, default=0)
                     loss.backward()
                     for p in params:
                         p.grad = None
@@ -133,4 +144,29 @@ def profile_model(
             del model, params
     finally:
         torch.set_num_threads(kept)
-    return ModelProfile({m: MicroBatchProfile(*values) for m, values in profiles.items()}, layers)
+    return ModelProfile(
+        {
+            m: MicroBatchProfile(*values, largest_block_bytes=largest[m])
+            for m, values in profiles.items()
+        },
+        layers,
+    )
+
+
+@contextlib.contextmanager
+def _per_block(blocks: list[nn.Module], counted) -> Iterator[list[int]]:
+    """The bytes ``counted`` (a running count of saved activations) grows by in each forward of
+    each of ``blocks``."""
+    sizes: list[int] = []
+    before: list[int] = []
+    handles = []
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(lambda *_: before.append(counted.nbytes)))
+        handles.append(
+            block.register_forward_hook(lambda *_: sizes.append(counted.nbytes - before.pop()))
+        )
+    try:
+        yield sizes
+    finally:
+        for handle in handles:
+            handle.remove()

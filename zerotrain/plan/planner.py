@@ -26,7 +26,6 @@ from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
 from zerotrain.errors import ZeroTrainError
 from zerotrain.estimate.stages import NOT_ON_NVME
 from zerotrain.fmt import quantity
-from zerotrain.moe.layer import Experts
 from zerotrain.plan.autotuning import read_autotuning
 from zerotrain.plan.candidates import Candidate, enumerate_candidates, fixed_keys
 from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict, unpriced
@@ -58,6 +57,11 @@ __all__ = [
 
 MARGIN = 0.9
 WHOLE_MODEL = "the whole model"
+MOE_ALONE = (
+    "the model's MoE layers (zerotrain.moe) train with data and expert parallelism: "
+    "initialize refuses them with tensor parallelism or pipeline stages, and Ulysses with "
+    "experts spread over ranks"
+)
 """What :func:`with_profiles` tells ``failed`` when the undivided model's probe fails."""
 _T = TypeVar("_T")
 
@@ -150,6 +154,7 @@ def model_facts(
     by :func:`with_profiles`."""
     from zerotrain.config import ZERO_DEFAULTS
     from zerotrain.estimate import count_parameters
+    from zerotrain.plan.expert_share import expert_share
     from zerotrain.plan.sequence_share import sequence_shares
     from zerotrain.plan.tensor_share import tensor_shares
 
@@ -164,8 +169,15 @@ def model_facts(
     config = getattr(model, "config", None)
     eager = getattr(config, "_attn_implementation", None) == "eager"
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    experts = expert_share(model)
+    if experts is not None:  # initialize refuses MoE layers with either (zerotrain/moe)
+        for kind, degrees in (("tensor", tp_degrees), ("sequence", sp_degrees)):
+            for degree in (d for d in degrees if d > 1):
+                if skipped is not None:
+                    skipped(f"{kind} parallelism at degree {degree}", MOE_ALONE)
+        tp_degrees = sp_degrees = ()
     return ModelFacts(
-        experts=any(isinstance(m, Experts) for m in model.modules()),
+        experts=experts,
         count=count,
         seq_len=seq_len,
         dtype=dtype,
@@ -304,16 +316,19 @@ def profile_if_fits(
     """The model probe ([Note: the model probe]), split to a tensor-parallel rank's share at
     degree ``tp``, at the micro-batches of ``sizes`` it can run at here
     (:func:`buildable_sizes`); None where it can at none (the cost model then counts FLOPs)."""
+    from zerotrain.plan.expert_share import place_alone
     from zerotrain.plan.tensor_share import split_alone
 
     sizes = buildable_sizes(facts, machine, sizes, tp)
     if not sizes:
         return None
+    prepare = None
+    if tp > 1:
+        prepare = functools.partial(split_alone, degree=tp)
+    elif facts.experts is not None and facts.experts.degree > 1:
+        prepare = functools.partial(place_alone, degree=facts.experts.degree)
     return profile_model(
-        factory,
-        micro_batches=sizes,
-        prepare=functools.partial(split_alone, degree=tp) if tp > 1 else None,
-        **_probe_options(facts, machine, vocab),
+        factory, micro_batches=sizes, prepare=prepare, **_probe_options(facts, machine, vocab)
     )
 
 
@@ -445,10 +460,16 @@ def make_plan(
         sp_degrees=sequences,
     )
     checked = check_candidates(candidates, base, nvme_path)
+    experts = facts.experts
     for candidate, config in checked.accepted:
+        if experts is not None and candidate.dp % experts.degree:
+            checked.refused.append((candidate, _expert_ranks_refusal(candidate, experts.degree)))
+            continue
         prediction = predict(candidate, facts, machine, corrections, config)
         fits = prediction.peak_memory_bytes <= budget
         planned.append(Planned(candidate, config, prediction, fits))
+    if not planned:  # every one refused for the model's experts
+        raise PlanError(f"initialize would refuse every candidate config: {checked.refused[0][1]}")
     fitting = [p for p in planned if p.fits]
     if not fitting:
         nearest = min(planned, key=lambda p: p.predicted.peak_memory_bytes)
@@ -471,6 +492,16 @@ def make_plan(
         metric,
         unpriced(checked.typed, facts),
         [(c.label(), why) for c, why in checked.refused],
+    )
+
+
+def _expert_ranks_refusal(candidate: Candidate, degree: int) -> str:
+    """Why ``initialize`` refuses ``candidate`` for a model whose MoE layers spread their
+    experts over ``degree`` ranks: its data-parallel ranks, which the experts' groups are
+    carved from, are not a multiple of it."""
+    return (
+        f"MoE: ep_size {degree} spreads the experts over {degree} data-parallel ranks, and "
+        f"{candidate.label()} has {candidate.dp}; launch a multiple of {degree} ranks"
     )
 
 
