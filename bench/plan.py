@@ -1,7 +1,7 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
     python bench/plan.py [--part predictions|pick|confirm|deepspeed|both]
-                         [--models demo 30m llama moe] [--only pipeline|tensor|optimizers|sequence]
+                         [--models demo 30m llama moe] [--only pipeline|tensor|optimizers|sequence|tiled]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
@@ -11,10 +11,12 @@
   trial) and measured by a trial
   (zerotrain/plan_trial.py: peak memory per rank above start-up, model-state bytes, median
   step time). Prints each config's errors and their distribution. ``--only pipeline``,
-  ``--only tensor``, ``--only optimizers`` or ``--only sequence`` runs those rows alone.
+  ``--only tensor``, ``--only optimizers``, ``--only sequence`` or ``--only tiled`` runs
+  those rows alone.
   ``--models llama``: transformers' Llama (examples/llama/model.py's ``small``) at 1024 tokens,
   its own rows: Ulysses sequence parallelism at degree 2 on 2 ranks (stages 0-3, offload,
-  checkpointing, micro-batches 1 and 2) and data parallelism. ``--models moe``: the demo GPT
+  checkpointing, micro-batches 1 and 2) and data parallelism, two rows with ``tiled_compute``
+  (the MLPs and the loss over tiles). ``--models moe``: the demo GPT
   with MoE layers of 4 experts, top-2, spread over the 2 ranks (``moe_demo``: expert
   parallelism at degree 2), stages 0-3, offload, checkpointing.
 - ``pick``: the demo GPT on 2 ranks, global batch 16, sequence 128: every candidate the planner
@@ -74,6 +76,8 @@ class Row(NamedTuple):
     optimizer: str | None = None
     """Another optimizer than AdamW, by its key in OPTIMIZERS."""
     sp: int = 1
+    tiled: bool = False
+    """With TILES as its ``tiled_compute`` section."""
 
 
 # (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree, pipeline
@@ -129,7 +133,11 @@ LONG = [
     Row(1, None, False, 1, 2),
     Row(3, None, True, 1, 2),
     Row(0, None, False, 1, 1),
+    Row(1, None, False, 2, 2, tiled=True),
+    Row(3, None, True, 2, 2, sp=2, tiled=True),
 ]
+# the tiled rows' section: the MLPs and the loss over tiles (the loss's of 256 tokens)
+TILES = {"mlp": True, "loss": True, "loss_tile_tokens": 256}
 # the MoE GPT's rows: its experts spread over the 2 ranks (the model's ep_size)
 EXPERTS = [
     Row(0, None, False, 8, 2),
@@ -151,6 +159,7 @@ ONLY = {
     "tensor": lambda row: row.tp > 1,
     "optimizers": lambda row: row.optimizer is not None,
     "sequence": lambda row: row.sp > 1,
+    "tiled": lambda row: row.tiled,
 }
 
 
@@ -163,6 +172,7 @@ def _facts(
     pp_degrees=(),
     sp_degrees=(),
     whole=True,
+    tiles=None,
 ):
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.planner import model_facts, with_profiles
@@ -180,6 +190,7 @@ def _facts(
         failed=_failed,
         whole=whole,
         pipeline_degrees=pp_degrees,
+        tiles=tiles,
     )
 
 
@@ -188,6 +199,7 @@ def _failed(what: str, why: str):
 
 
 def predictions(models: list[str], nvme: str, only: str | None = None) -> list[dict]:
+    from zerotrain.config.schema import TiledComputeConfig
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
     from zerotrain.plan.planner import with_optimizer
@@ -207,13 +219,17 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
                 # from one minute to the next (bench/README.md), more than the model misses by
                 tp, pp, sp = row.tp, row.pp, row.sp
                 split = (tp,) * (tp > 1), (pp,) * (pp > 1), (sp,) * (sp > 1)
-                facts = _facts(spec, seq, machine, [row.micro], *split, whole=tp == pp == sp == 1)
+                base = {**BASE, "optimizer": OPTIMIZERS[row.optimizer]} if row.optimizer else BASE
+                base = {**base, "tiled_compute": TILES} if row.tiled else base
+                tiles = TiledComputeConfig(**TILES) if row.tiled else None
+                facts = _facts(
+                    spec, seq, machine, [row.micro], *split, whole=tp == pp == sp == 1, tiles=tiles
+                )
                 points = facts.pipelines[pp].split_points if pp > 1 else ()
                 candidate = Candidate(
                     row.stage, row.offload, row.checkpointing, row.micro, pp, world, tp, pp,
                     points, sp,
                 )  # fmt: skip
-                base = {**BASE, "optimizer": OPTIMIZERS[row.optimizer]} if row.optimizer else BASE
                 config = candidate.config(base, nvme)
                 priced = with_optimizer(facts, base, machine.threads)
                 predicted = predict(candidate, priced, machine, Corrections(), config)
@@ -223,7 +239,8 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
                     "model": name,
                     "config": candidate.label()
                     + f", {world} rank{'s' if world > 1 else ''}"
-                    + (f", {row.optimizer}" if row.optimizer else ""),
+                    + (f", {row.optimizer}" if row.optimizer else "")
+                    + (", tiled" if row.tiled else ""),
                     "predicted": predicted.as_dict(),
                     "measured": measured,
                 }

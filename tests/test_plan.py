@@ -618,7 +618,6 @@ def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, m
         "comm_compression": {"comm_compression": {"gradients": {"method": "int8"}}},
         "OneBitAdam": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
         "cpu_checkpointing": {"activation_checkpointing": {"cpu_checkpointing": True}},
-        "tiled_compute": {"tiled_compute": {"mlp": True}},
         "lora_fa": {"lora_fa": {"enabled": True, "target_modules": ["fc"]}},
         "torch_autocast": {"torch_autocast": {"enabled": True}},
     }
@@ -1172,12 +1171,15 @@ def test_sequence_parallelism_is_priced_as_its_share_and_its_exchanges():
     )  # fmt: skip
 
 
-def _sequence_prediction(spec: str, seq: int, candidate, machine):
+def _prediction(spec: str, seq: int, candidate, machine):
+    """``candidate``'s config for ``spec`` at ``seq`` tokens, and its prediction, the model
+    probed here at the candidate's micro-batch."""
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.cost import Corrections, predict
     from zerotrain.plan.planner import model_facts, with_profiles
 
-    facts = model_facts(build_on_meta(spec), seq_len=seq, dtype="fp32", sp_degrees=(2,))
+    sp = (candidate.sp,) * (candidate.sp > 1)
+    facts = model_facts(build_on_meta(spec), seq_len=seq, dtype="fp32", sp_degrees=sp)
     facts = with_profiles(
         load_factory(spec),
         facts,
@@ -1198,7 +1200,7 @@ def test_a_sequence_parallel_trial_trains_each_rank_s_share():
 
     machine = probe.memory_only_machine(dtype="fp32", world=2)
     candidate = Candidate(2, None, True, 2, 1, 2, sp=2)
-    config, predicted = _sequence_prediction(LLAMA_TINY, 128, candidate, machine)
+    config, predicted = _prediction(LLAMA_TINY, 128, candidate, machine)
     measured = measure_memory(TrialSpec(LLAMA_TINY, config, 2, 128, 256, True))
     assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
     assert measured.peak_memory_bytes > measured.model_state_bytes
@@ -1221,7 +1223,7 @@ def test_sequence_parallel_peak_memory_is_within_5_percent_of_a_trial(tmp_path, 
         Candidate(3, None, True, 2, 1, 2, sp=2),
         Candidate(1, None, False, 1, 1, 2),
     ):
-        config, predicted = _sequence_prediction(spec, 1024, candidate, machine)
+        config, predicted = _prediction(spec, 1024, candidate, machine)
         measured = measure_memory(
             TrialSpec(spec, config, 2, 1024, 256, candidate.activation_checkpointing)
         )
@@ -1262,6 +1264,46 @@ def test_plan_weighs_sequence_parallelism_for_a_transformers_causal_lm(
     out, err = capsys.readouterr()
     fixed = json.loads(out)["candidates"]
     assert {c["label"] for c in fixed} == {c["label"] for c in ulysses}
+
+
+def test_tiled_compute_is_priced_as_the_probe_runs_it(capsys, tmp_path):
+    """A base with tiled_compute: the model probe runs the tiny Llama with its MLPs and loss
+    tiled as initialize tiles them (fewer saved activations than untiled), and the peak holds
+    one 64-token tile of the loss's logits, their softmax and gradient, and the gradients the
+    fused loss keeps for the backward, not the whole micro-batch's logits twice; a GPT, which
+    has no gated MLP, is refused before anything is probed."""
+    from zerotrain import cli
+    from zerotrain.config.schema import TiledComputeConfig
+    from zerotrain.estimate.factory import build_on_meta, load_factory
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import Corrections, predict
+    from zerotrain.plan.planner import model_facts, with_profiles
+
+    section = {"mlp": True, "loss": True, "loss_tile_tokens": 64}
+    machine = probe.memory_only_machine(dtype="fp32", world=1)
+    facts = model_facts(build_on_meta(LLAMA_TINY), seq_len=128, dtype="fp32")
+    options = {"sizes": lambda *_: [2], "vocab": 256, "failed": _raise}
+    plain = with_profiles(load_factory(LLAMA_TINY), facts, machine, **options)
+    tiled = with_profiles(
+        load_factory(LLAMA_TINY), facts, machine, tiles=TiledComputeConfig(**section), **options
+    )
+    assert plain.profile is not None and tiled.profile is not None
+    saved = [f.profile.micro_batches[2].saved_bytes for f in (plain, tiled)]  # type: ignore[union-attr]
+    assert saved[1] < saved[0]
+    candidate = Candidate(1, None, False, 2, 1, 1)
+    untiled, fused = (
+        predict(candidate, f, machine, Corrections(), candidate.config(base))
+        for f, base in ((plain, {}), (tiled, {"tiled_compute": section}))
+    )
+    vocab, hidden, tokens = 1000, 64, 2 * 128
+    loss = 2 * tokens * vocab * 4, 3 * 64 * vocab * 4 + (tokens + vocab) * hidden * 4
+    assert untiled.peak_memory_bytes - fused.peak_memory_bytes == pytest.approx(
+        saved[0] - saved[1] + loss[0] - loss[1], abs=8
+    )
+    (tmp_path / "tiled.json").write_text(json.dumps({"tiled_compute": {"mlp": True}}))
+    argv = ["plan", "--model", GPT_TINY, "--seq-len", "64", "--global-batch", "4"]
+    assert cli.main([*argv, "--config", str(tmp_path / "tiled.json"), "--out", ""]) == 2
+    assert "tiled_compute.mlp: GPT has no gated MLP" in capsys.readouterr().err
 
 
 MOE_DEMO = "examples/gpt/model.py:moe_demo"
@@ -1363,28 +1405,10 @@ def test_an_expert_parallel_trial_holds_the_model_states_predicted():
 
     machine = probe.memory_only_machine(dtype="fp32", world=2)
     candidate = Candidate(2, None, False, 2, 1, 2)
-    config, predicted = _expert_prediction(candidate, machine)
+    config, predicted = _prediction(MOE_DEMO, 64, candidate, machine)
     measured = measure_memory(TrialSpec(MOE_DEMO, config, 2, 64, 256))
     assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
     assert measured.peak_memory_bytes > measured.model_state_bytes
-
-
-def _expert_prediction(candidate, machine, seq: int = 64):
-    from zerotrain.estimate.factory import build_on_meta, load_factory
-    from zerotrain.plan.cost import Corrections, predict
-    from zerotrain.plan.planner import model_facts, with_profiles
-
-    facts = model_facts(build_on_meta(MOE_DEMO), seq_len=seq, dtype="fp32")
-    facts = with_profiles(
-        load_factory(MOE_DEMO),
-        facts,
-        machine,
-        sizes=lambda *_: [candidate.micro_batch],
-        vocab=256,
-        failed=_raise,
-    )
-    config = candidate.config({"steps_per_print": 10**9})
-    return config, predict(candidate, facts, machine, Corrections(), config)
 
 
 def test_plan_weighs_an_moe_model_with_its_experts_spread_as_it_asks(

@@ -173,6 +173,10 @@ def _pipeline_degrees(args: argparse.Namespace, base: dict, world: int, say) -> 
         why = "--config sets sequence_parallel_size, which a pipeline refuses"
     elif section(base, "torch_autocast").get("enabled"):
         why = "--config enables torch_autocast, which a pipeline refuses"
+    elif any(section(base, "tiled_compute").get(key) for key in ("mlp", "loss")):
+        why = (
+            "--config tiles compute (tiled_compute), which the planner does not price in a pipeline"
+        )
     elif schedule != "1f1b":
         why = f"--config asks for pipeline.schedule {schedule}; the planner prices 1f1b"
     if why:
@@ -183,6 +187,25 @@ def _pipeline_degrees(args: argparse.Namespace, base: dict, world: int, say) -> 
         for d in range(2, world + 1)
         if shares_batch(d, world=world, global_batch=args.global_batch)
     )
+
+
+def _tiles(base: dict, model):
+    """The ``tiled_compute`` section of ``base`` where it tiles anything (None otherwise),
+    checked against ``model`` (on the meta device) as ``initialize`` would apply it (PlanError
+    where it would refuse)."""
+    from zerotrain.config import ConfigError, check_config
+    from zerotrain.plan.candidates import section
+    from zerotrain.plan.planner import PlanError
+    from zerotrain.plan.sequence_share import tile_alone
+
+    tiles = check_config({"tiled_compute": section(base, "tiled_compute")}).tiled_compute
+    if not (tiles.mlp or tiles.loss):
+        return None
+    try:
+        tile_alone(model, tiles)
+    except (ConfigError, ValueError) as error:
+        raise PlanError(f"--config: {error}") from error
+    return tiles
 
 
 def _ranks(args: argparse.Namespace) -> int:
@@ -220,6 +243,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         base = _read_base(args)
         model = build_on_meta(args.model)
+        tiles = _tiles(base, build_on_meta(args.model))  # the tiles change the model they tile
     except (PlanError, ModelFactoryError) as error:
         return fail(str(error))
     for note in args.tuning.notes:
@@ -298,6 +322,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
             failed=failed,
             whole=whole,
             pipeline_degrees=pipelines,
+            tiles=tiles,
         )
     try:
         plan = make_plan(

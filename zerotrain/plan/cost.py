@@ -89,6 +89,7 @@ import torch
 
 from zerotrain.comm.communicator import ring_sent
 from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
+from zerotrain.config.schema import TiledComputeConfig
 from zerotrain.estimate import TrainingJob, TransformerShape, estimate
 from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.preflight import config_job
@@ -294,8 +295,6 @@ def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts) -> list[str]:
         out.append(
             "activation_checkpointing.cpu_checkpointing: the kept inputs are priced on the device"
         )
-    if cfg.tiled_compute.mlp or cfg.tiled_compute.loss:
-        out.append("tiled_compute: the MLPs and the loss are priced untiled")
     if cfg.lora_fa.enabled:
         out.append("lora_fa: every parameter is priced as trained (no adapters)")
     if cfg.torch_autocast.enabled:
@@ -370,7 +369,7 @@ def predict(
         layer,
         element,
         machine.device == "cpu",
-        _loss_gradient_bytes(candidate, facts),
+        _loss_gradient_bytes(candidate, facts, cfg.tiled_compute, element),
     )
     memory = row.peak_with(transient)
     compute *= corrections.compute_scale
@@ -586,7 +585,8 @@ def _predict_pipeline(
         kept = min(p - index, micro_batches) * (stage.saved_bytes + sent)
         layer = stage.saved_bytes / max(1, share.blocks // p)
         cpu = machine.device == "cpu"
-        last = _loss_gradient_bytes(candidate, facts) if index == p - 1 else 0.0
+        tiles = cfg.tiled_compute
+        last = _loss_gradient_bytes(candidate, facts, tiles, element) if index == p - 1 else 0.0
         held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu, last))
         if cpu and row.host is not None:
             held += _host_touched(row.host, job, candidate, facts)
@@ -666,14 +666,26 @@ def _transient_bytes(
     return max(forward, backward)
 
 
-def _loss_gradient_bytes(candidate: Candidate, facts: ModelFacts) -> float:
+def _loss_gradient_bytes(
+    candidate: Candidate, facts: ModelFacts, tiles: TiledComputeConfig, element: int
+) -> float:
     """The language-model loss's first gradients: over the logits of a micro-batch's tokens (a
     rank's share of them under sequence parallelism), the loss's gradient and the log-softmax's,
     in fp32, live together before the output layer's backward frees them (33 MB for the
     Llama of bench/plan.py at 512 tokens and a vocabulary of 8000; its rows were 16% under
-    without them)."""
+    without them). With ``tiles.loss`` the fused loss (zerotrain/sequence/tiled.py) computes
+    the gradients in the forward, a tile at a time: one tile's logits, their softmax and its
+    gradient (fp32), beside the gradients it keeps for the backward, of the hidden states and
+    of the output layer's weight (``element`` bytes each)."""
+    from zerotrain.sequence.hf import loss_tile_tokens
+
     vocab = facts.count.config.get("vocab_size") or 0
-    return 2 * candidate.micro_batch * facts.tokens(candidate.sp) * vocab * 4
+    tokens = candidate.micro_batch * facts.tokens(candidate.sp)
+    if not tiles.loss or not vocab:
+        return 2 * tokens * vocab * 4
+    tile = min(tokens, loss_tile_tokens(vocab, tiles.loss_tile_tokens))
+    kept = (tokens + vocab) * facts.count.config.get("hidden_size", 0) * element
+    return 3 * tile * vocab * 4 + kept
 
 
 def _host_touched(

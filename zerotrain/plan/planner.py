@@ -23,6 +23,7 @@ from typing import TypeVar
 from torch import nn
 
 from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
+from zerotrain.config.schema import TiledComputeConfig
 from zerotrain.errors import ZeroTrainError
 from zerotrain.estimate.stages import NOT_ON_NVME
 from zerotrain.fmt import quantity
@@ -221,12 +222,14 @@ def with_profiles(
     failed: Callable[[str, str], object] | None = None,
     whole: bool = True,
     pipeline_degrees: tuple[int, ...] = (),
+    tiles: TiledComputeConfig | None = None,
 ) -> ModelFacts:
     """``facts`` with the model probe's profile ([Note: the model probe]) of the whole model
     (unless not ``whole``: no candidate trains it undivided), of each tensor-parallel share,
     of the model cut into each of ``pipeline_degrees`` stages ([Note: a pipeline stage's
     share]) and of each sequence-parallel share ([Note: a sequence-parallel rank's share]), at
-    the micro-batches ``sizes(tp, pp, sp)``. Where the probe of a layout raises (the user's
+    the micro-batches ``sizes(tp, pp, sp)``, the MLPs and the loss tiled as ``tiles`` (a
+    config's ``tiled_compute``) asks. Where the probe of a layout raises (the user's
     model), ``failed`` hears its name and why: the whole model is then priced by its FLOPs,
     and a tensor-parallel share, a pipeline or a sequence-parallel degree is dropped (training
     would split it the same way)."""
@@ -242,7 +245,7 @@ def with_profiles(
 
     def profiled(tp: int) -> Callable[[], ModelProfile | None]:
         return lambda: profile_if_fits(
-            factory, facts, machine, sizes=sizes(tp, 1, 1), vocab=vocab, tp=tp
+            factory, facts, machine, sizes=sizes(tp, 1, 1), vocab=vocab, tp=tp, tiles=tiles
         )
 
     profile, _ = probe(WHOLE_MODEL, profiled(1)) if whole else (None, False)
@@ -281,7 +284,7 @@ def with_profiles(
         timed, _ = probe(
             f"sequence parallelism at degree {sp}",
             functools.partial(
-                sequence_profile, factory, facts, share, machine, sizes(1, 1, sp), vocab
+                sequence_profile, factory, facts, share, machine, sizes(1, 1, sp), vocab, tiles
             ),
         )
         if timed is not None:
@@ -298,6 +301,7 @@ def sequence_profile(
     machine: Machine,
     sizes: list[int],
     vocab: int,
+    tiles: TiledComputeConfig | None = None,
 ) -> SequenceShare | None:
     """``share`` with the model probe's profile of a rank's share ([Note: a sequence-parallel
     rank's share]) at the micro-batches of ``sizes`` it can run at here; None where it can at
@@ -306,27 +310,43 @@ def sequence_profile(
     if not sizes:
         return None
     return profile_sequence_share(
-        factory, share, micro_batches=sizes, **_probe_options(facts, machine, vocab)
+        factory, share, micro_batches=sizes, tiles=tiles, **_probe_options(facts, machine, vocab)
     )
 
 
 def profile_if_fits(
-    factory, facts: ModelFacts, machine: Machine, *, sizes: list[int], vocab: int, tp: int = 1
+    factory,
+    facts: ModelFacts,
+    machine: Machine,
+    *,
+    sizes: list[int],
+    vocab: int,
+    tp: int = 1,
+    tiles: TiledComputeConfig | None = None,
 ) -> ModelProfile | None:
     """The model probe ([Note: the model probe]), split to a tensor-parallel rank's share at
-    degree ``tp``, at the micro-batches of ``sizes`` it can run at here
+    degree ``tp`` (or with its experts placed: [Note: an expert-parallel rank's share]), tiled
+    as ``tiles`` asks, at the micro-batches of ``sizes`` it can run at here
     (:func:`buildable_sizes`); None where it can at none (the cost model then counts FLOPs)."""
     from zerotrain.plan.expert_share import place_alone
+    from zerotrain.plan.sequence_share import tile_alone
     from zerotrain.plan.tensor_share import split_alone
 
     sizes = buildable_sizes(facts, machine, sizes, tp)
     if not sizes:
         return None
-    prepare = None
+    steps: list[Callable[[nn.Module], object]] = []
     if tp > 1:
-        prepare = functools.partial(split_alone, degree=tp)
+        steps.append(functools.partial(split_alone, degree=tp))
     elif facts.experts is not None and facts.experts.degree > 1:
-        prepare = functools.partial(place_alone, degree=facts.experts.degree)
+        steps.append(functools.partial(place_alone, degree=facts.experts.degree))
+    if tiles is not None:
+        steps.append(functools.partial(tile_alone, tiles=tiles))
+
+    def prepare(model: nn.Module) -> None:
+        for step in steps:
+            step(model)
+
     return profile_model(
         factory, micro_batches=sizes, prepare=prepare, **_probe_options(facts, machine, vocab)
     )

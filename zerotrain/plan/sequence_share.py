@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotrain.config.schema import TiledComputeConfig
 from zerotrain.plan.model_probe import ModelProfile, profile_model
 
-__all__ = ["SequenceShare", "profile_sequence_share", "sequence_shares"]
+__all__ = ["SequenceShare", "profile_sequence_share", "sequence_shares", "tile_alone"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ class _OwnShares:
 
     def members(self) -> list[int]:
         return [0]
+
+
+def tile_alone(model: nn.Module, tiles: TiledComputeConfig, degree: int = 1) -> None:
+    """Tile ``model``'s MLPs and loss as ``tiles`` asks, as rank 0 of ``degree``
+    sequence-parallel ranks alone would (its loss's all-reduce hears only it): how the model
+    probe runs a config's ``tiled_compute``. ConfigError or ValueError where ``initialize``
+    would refuse the tiles for this model."""
+    from zerotrain.sequence.transform import apply_tiles
+
+    apply_tiles(model, tiles, _OwnShares(degree))  # pyrefly: ignore[bad-argument-type]
 
 
 def sequence_shares(
@@ -126,15 +137,19 @@ def profile_sequence_share(
     vocab_size: int,
     dtype: torch.dtype,
     threads: int,
+    tiles: TiledComputeConfig | None = None,
 ) -> SequenceShare:
     """``share`` with rank 0's share of the step profiled at each of ``micro_batches`` samples
-    of ``seq_len`` tokens (see [Note: a sequence-parallel rank's share])."""
+    of ``seq_len`` tokens (see [Note: a sequence-parallel rank's share]), its MLPs and loss
+    tiled as ``tiles`` asks."""
     from zerotrain.sequence.hf import apply_sequence_parallel, unregister_engines
 
     comm = _OwnShares(share.degree)
 
     def ulysses(model: nn.Module) -> None:
         apply_sequence_parallel(model, comm)  # pyrefly: ignore[bad-argument-type]
+        if tiles is not None:
+            tile_alone(model, tiles, share.degree)
 
     try:
         profile = profile_model(

@@ -332,6 +332,12 @@ def tile_mlps(model: nn.Module, tile_tokens: int | None = None) -> int:
     return tiled
 
 
+def loss_tile_tokens(vocab: int, tile_tokens: int | None = None) -> int:
+    """Tokens per tile of the tiled loss: ``tile_tokens``, or as many as make 64 MiB of fp32
+    logits over ``vocab`` (None)."""
+    return tile_tokens or max(1, (64 << 20) // (4 * vocab))
+
+
 def tile_loss(model: nn.Module, comm: Communicator, tile_tokens: int | None = None) -> None:
     """The causal LM's loss computed over tiles of ``tile_tokens`` tokens (None: tiles of
     logits of at most 64 MiB in fp32; a tile's logits, their softmax and its gradient are live
@@ -369,7 +375,7 @@ def tile_loss(model: nn.Module, comm: Communicator, tile_tokens: int | None = No
         for key in ("num_items_in_batch", "logits_to_keep", "return_dict"):
             kwargs.pop(key, None)
         hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
-        tokens = tile_tokens or max(1, (64 << 20) // (4 * vocab))
+        tokens = loss_tile_tokens(vocab, tile_tokens)
         shards = math.ceil(hidden.shape[0] * hidden.shape[1] / tokens)
         y = shift_labels.to(hidden.device)
         loss_sum = TiledFusedLogitsLoss.apply(

@@ -10,6 +10,7 @@ from torch import nn
 
 from zerotrain.comm import Communicator, Mesh
 from zerotrain.config import ConfigError, ZeroTrainConfig
+from zerotrain.config.schema import TiledComputeConfig
 from zerotrain.sequence.groups import (
     SequenceParallelGroups,
     communicator_of,
@@ -75,6 +76,14 @@ def apply_long_context(model: nn.Module, cfg: ZeroTrainConfig, mesh: Mesh) -> No
         if is_causal_lm(model):
             # tensor parallelism left each rank 1/tp of the heads; Ulysses shares those
             apply_sequence_parallel(model, sp, heads_split=tp)
+    apply_tiles(model, tiles, sp)
+
+
+def apply_tiles(model: nn.Module, tiles: TiledComputeConfig, sp: Communicator) -> None:
+    """Transform ``model`` in place: its MLPs and its loss over the tiles ``tiles`` asks for,
+    the loss averaged over the sequence-parallel group ``sp`` (the planner's model probe runs
+    the model so too). ConfigError where it has no gated MLP to tile, ValueError where its loss
+    cannot be tiled (not a transformers causal LM)."""
     if tiles.mlp and tile_mlps(model, tiles.mlp_tile_tokens) == 0:
         raise ConfigError(
             f"tiled_compute.mlp: {type(model).__name__} has no gated MLP (a module named *MLP "
