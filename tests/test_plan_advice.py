@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt.model import tiny  # noqa: E402
 
 MB = 10**6
-HOST = 45 * MB
+HOST = 20 * MB
 
 
 def _cache_machine(monkeypatch, tmp_path, *, nvme_path=None, disk=None, host=10_000 * MB):
@@ -104,8 +104,8 @@ def _warnings(zerotrain_log) -> list[str]:
 def test_a_config_predicted_not_to_fit_is_named_with_the_plan_s_choice(
     tmp_path, monkeypatch, zerotrain_log
 ):
-    # the tiny GPT at micro-batch 8 of 64 tokens is predicted at 44.7 MB on this probe (32 MB
-    # of it the process's own): with 45 MB free (40.5 MB a rank may use) it does not fit, a
+    # the tiny GPT at micro-batch 8 of 64 tokens is predicted at 19.7 MB on this probe (7 MB
+    # of it the process's own): with 20 MB free (18 MB a rank may use) it does not fit, a
     # micro-batch of 1 does
     _cache_machine(monkeypatch, tmp_path, host=HOST)
     _train(_config(stage=0, micro=8), steps=2)
@@ -113,7 +113,7 @@ def test_a_config_predicted_not_to_fit_is_named_with_the_plan_s_choice(
     assert warning.startswith(
         "zerotrain: this config (stage 0, micro-batch 8 x 1) is predicted to need "
     ), warning
-    assert "per rank at 64 tokens a sample, more than the 40.50 MB a rank may use here; " in warning
+    assert "per rank at 64 tokens a sample, more than the 18.00 MB a rank may use here; " in warning
     assert "is predicted to fit" in warning and "`zerotrain plan` shows the table" in warning
     # a typed config (load_config's) is advised on alike
     from zerotrain.config import load_config
@@ -186,7 +186,7 @@ def _auto_config(**keys):
 
 def test_an_auto_micro_batch_is_the_largest_predicted_to_fit(tmp_path, monkeypatch, capsys):
     """The tiny GPT (block_size 64): 16 samples a step on one rank. With memory to spare the
-    whole batch is one micro-batch; with 45 MB free a smaller one, the largest that fits; the
+    whole batch is one micro-batch; with 20 MB free a smaller one, the largest that fits; the
     choice is said once, and training takes it."""
     _cache_machine(monkeypatch, tmp_path)
     engine, *_ = zerotrain.initialize(model=tiny(), config=_auto_config())
@@ -203,7 +203,7 @@ def test_an_auto_micro_batch_is_the_largest_predicted_to_fit(tmp_path, monkeypat
         f'zerotrain: train_micro_batch_size_per_gpu "auto" -> {micro} ({16 // micro} '
         "micro-batches a step on each of 1 rank(s)): the largest predicted to fit"
     ), lines
-    assert "of the 40.50 MB a rank may use at 64 tokens a sample" in lines[-1]
+    assert "of the 18.00 MB a rank may use at 64 tokens a sample" in lines[-1]
 
 
 def test_an_auto_micro_batch_takes_the_sequence_length_of_the_training_data():
@@ -233,12 +233,12 @@ def test_an_auto_micro_batch_that_cannot_be_chosen_says_why(tmp_path, monkeypatc
 
 
 def test_an_auto_micro_batch_that_fits_nowhere_names_the_smallest(tmp_path, monkeypatch):
-    _cache_machine(monkeypatch, tmp_path, host=30 * MB)
+    _cache_machine(monkeypatch, tmp_path, host=8 * MB)
     with pytest.raises(zerotrain.ConfigError) as error:
         zerotrain.initialize(model=tiny(), config=_auto_config())
     message = str(error.value)
     assert '"auto" finds no micro-batch that fits: even 1 is predicted to need' in message
-    assert "more than the 27.00 MB a rank may use" in message
+    assert "more than the 7.20 MB a rank may use" in message
 
 
 def test_an_auto_micro_batch_without_a_probe_uses_the_memory_there_is(tmp_path, monkeypatch):
@@ -249,7 +249,7 @@ def test_an_auto_micro_batch_without_a_probe_uses_the_memory_there_is(tmp_path, 
 
 
 def choose_on_two_ranks(cache: str) -> tuple[int, int]:
-    """Rank 0 has 45 MB free, rank 1 memory to spare: both take rank 0's choice."""
+    """Rank 0 has 20 MB free, rank 1 memory to spare: both take rank 0's choice."""
     patch = pytest.MonkeyPatch()
     rank = torch.distributed.get_rank()
     _cache_machine(patch, Path(cache) / str(rank), host=HOST if rank == 0 else 10_000 * MB)
