@@ -1086,18 +1086,18 @@ def test_the_model_probe_runs_a_sequence_parallel_rank_s_share(monkeypatch):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from zerotrain.estimate.factory import build_on_meta, load_factory
-    from zerotrain.plan.model_probe import profile_model
-    from zerotrain.plan.sequence_share import _OwnShares, profile_sequence_share, sequence_shares
+    from zerotrain.plan.model_probe import AloneInGroup, profile_model
+    from zerotrain.plan.sequence_share import profile_sequence_share, sequence_shares
     from zerotrain.sequence import hf
 
     exchanged = []
-    copy = _OwnShares.all_to_all
+    copy = AloneInGroup.all_to_all
 
     def counted(self, output, input, *args, **kwargs):
         exchanged.append(tuple(input.shape))
         copy(self, output, input)
 
-    monkeypatch.setattr(_OwnShares, "all_to_all", counted)
+    monkeypatch.setattr(AloneInGroup, "all_to_all", counted)
     before = ALL_ATTENTION_FUNCTIONS.get("sdpa")
     (share,) = sequence_shares(build_on_meta(LLAMA_TINY), [2], 128).values()
     options = {"vocab_size": 1000, "dtype": torch.float32, "threads": 1}
@@ -1318,8 +1318,8 @@ def test_the_model_probe_runs_an_expert_parallel_rank_s_share(monkeypatch):
     import functools
 
     from zerotrain.estimate.factory import build_on_meta, load_factory
-    from zerotrain.plan.expert_share import _Echo, expert_share, place_alone
-    from zerotrain.plan.model_probe import profile_model
+    from zerotrain.plan.expert_share import expert_share, place_alone
+    from zerotrain.plan.model_probe import AloneInGroup, profile_model
 
     share = expert_share(build_on_meta(MOE_DEMO))
     assert share is not None
@@ -1328,13 +1328,13 @@ def test_the_model_probe_runs_an_expert_parallel_rank_s_share(monkeypatch):
     assert share.shards(4) == 2 and share.shards(2) == 1
 
     rows = []
-    echo = _Echo.all_to_all
+    echo = AloneInGroup.all_to_all
 
     def counted(self, output, input, *args, **kwargs):
         rows.append(input.shape[0] if input.dim() == 2 and input.shape[1] == 256 else None)
         return echo(self, output, input, *args, **kwargs)
 
-    monkeypatch.setattr(_Echo, "all_to_all", counted)
+    monkeypatch.setattr(AloneInGroup, "all_to_all", counted)
     options = {"seq_len": 32, "vocab_size": 256, "dtype": torch.float32, "threads": 1}
     profile = profile_model(
         load_factory(MOE_DEMO),

@@ -189,11 +189,12 @@ def _pipeline_degrees(args: argparse.Namespace, base: dict, world: int, say) -> 
     )
 
 
-def _tiles(base: dict, model):
+def _tiles(base: dict, spec: str):
     """The ``tiled_compute`` section of ``base`` where it tiles anything (None otherwise),
-    checked against ``model`` (on the meta device) as ``initialize`` would apply it (PlanError
-    where it would refuse)."""
+    checked against the model of ``spec`` (built on the meta device: the tiles change the
+    model they tile) as ``initialize`` would apply it (PlanError where it would refuse)."""
     from zerotrain.config import ConfigError, check_config
+    from zerotrain.estimate.factory import build_on_meta
     from zerotrain.plan.candidates import section
     from zerotrain.plan.planner import PlanError
     from zerotrain.plan.sequence_share import tile_alone
@@ -202,7 +203,7 @@ def _tiles(base: dict, model):
     if not (tiles.mlp or tiles.loss):
         return None
     try:
-        tile_alone(model, tiles)
+        tile_alone(build_on_meta(spec), tiles)
     except (ConfigError, ValueError) as error:
         raise PlanError(f"--config: {error}") from error
     return tiles
@@ -243,7 +244,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         base = _read_base(args)
         model = build_on_meta(args.model)
-        tiles = _tiles(base, build_on_meta(args.model))  # the tiles change the model they tile
+        tiles = _tiles(base, args.model)
     except (PlanError, ModelFactoryError) as error:
         return fail(str(error))
     for note in args.tuning.notes:

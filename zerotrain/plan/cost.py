@@ -715,21 +715,24 @@ def _comm_seconds(
     accumulation boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every
     backward; stages 1-2 all-gather the updated parameters after the step, stage 3 gathers
     them in every forward and backward."""
+    if not machine.links:
+        return 0.0
     micro = candidate.accumulation
     reductions = 1 if candidate.stage == 1 else micro
     gathers = 2 * micro if candidate.stage == 3 else 1
+
+    def cost(op: str, psi: int, world: int) -> float:
+        return machine.links[op].seconds(op, ring_sent(op, psi * element, world), world)
+
     seconds = 0.0
     for psi, world in groups:
-        if world == 1 or not machine.links:
+        if world == 1:
             continue
-
-        def cost(op: str, volume: int = psi * element, world: int = world) -> float:
-            return machine.links[op].seconds(op, ring_sent(op, volume, world), world)
-
         if candidate.stage == 0:
-            seconds += cost("all_reduce")
+            seconds += cost("all_reduce", psi, world)
         else:
-            seconds += reductions * cost("reduce_scatter") + gathers * cost("all_gather")
+            seconds += reductions * cost("reduce_scatter", psi, world)
+            seconds += gathers * cost("all_gather", psi, world)
     return seconds
 
 

@@ -9,22 +9,24 @@ A model whose MoE layers spread their experts over ``ep_size`` ranks builds only
 parameters, ZeRO-sharded over every data-parallel rank, and ``num_experts / ep_size`` experts,
 sharded over the data-parallel ranks that hold the same experts (one per expert-parallel group:
 ``Mesh.expert_dp``). Such a layer runs only once placed on a group, so the model probe places
-every MoE layer on a group that is rank 0 alone (:class:`_Echo`, world size ``ep_size``): its
-all-to-alls hand each rank's rows back to the sender, so rank 0's local experts run on every
-token it routed, as many rows as a real rank receives when the gate balances the load, and
-nothing is sent. The probe's time and saved activations are then a real rank's (the gate, the
-dispatch's copies, the experts on their rows); the cost model adds the wire: per MoE layer and
-micro-batch, the tokens' hidden states to their experts and the outputs back, and each unit's
-slots (a weight and an expert, fp32), each rank sending (ep-1)/ep of them, forward, again in a
-checkpointed backward's recomputation, and reversed in the backward.
+every MoE layer on a group that is rank 0 alone (``AloneInGroup`` in
+zerotrain/plan/model_probe.py, world size ``ep_size``): its all-to-alls hand each rank's rows
+back to the sender, so rank 0's local experts run on every token it routed, as many rows as a
+real rank receives when the gate balances the load, and nothing is sent. The probe's time and
+saved activations are then a real rank's (the gate, the dispatch's copies, the experts on their
+rows); the cost model adds the wire: per MoE layer and micro-batch, the tokens' hidden states
+to their experts and the outputs back, and each unit's slots (a weight and an expert, fp32),
+each rank sending (ep-1)/ep of them, forward, again in a checkpointed backward's recomputation,
+and reversed in the backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
+
+from zerotrain.plan.model_probe import AloneInGroup
 
 __all__ = ["ExpertShare", "expert_share", "place_alone"]
 
@@ -76,30 +78,6 @@ def expert_share(model: nn.Module) -> ExpertShare | None:
     )
 
 
-class _Done:
-    """An all-to-all of :class:`_Echo`, complete when started."""
-
-    def wait(self) -> None:
-        return None
-
-
-class _Echo:
-    """Rank 0 of an expert-parallel group of ``world_size`` ranks that is this process alone:
-    every all-to-all returns the rows to their sender (see [Note: an expert-parallel rank's
-    share])."""
-
-    rank = 0
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *_splits, async_op: bool = False, **_kw
-    ) -> _Done | None:
-        output.copy_(input)
-        return _Done() if async_op else None
-
-
 def place_alone(model: nn.Module, degree: int) -> None:
     """Place every MoE layer of ``model`` as rank 0 of ``degree`` expert-parallel ranks whose
     exchanges stay here (see [Note: an expert-parallel rank's share])."""
@@ -107,4 +85,4 @@ def place_alone(model: nn.Module, degree: int) -> None:
 
     for layer in model.modules():
         if isinstance(layer, MoE):
-            layer.place(_Echo(degree))  # pyrefly: ignore[bad-argument-type]
+            layer.place(AloneInGroup(degree))  # pyrefly: ignore[bad-argument-type]

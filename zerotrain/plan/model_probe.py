@@ -31,6 +31,7 @@ from torch import nn
 from zerotrain.plan.probe import timed_runs
 
 __all__ = [
+    "AloneInGroup",
     "MicroBatchProfile",
     "ModelProfile",
     "is_hf_causal_lm",
@@ -60,6 +61,43 @@ class ModelProfile:
     micro_batches: dict[int, MicroBatchProfile]
     layers: int
     """Blocks that checkpointing wraps (one is recomputed at a time)."""
+
+
+class _Done:
+    """An asynchronous collective of :class:`AloneInGroup`, complete when started."""
+
+    def wait(self) -> None:
+        return None
+
+
+class AloneInGroup:
+    """Rank 0 of a group of ``world_size`` ranks that is this process alone: what the model
+    probe runs a rank's share of a parallel layout over. Its all-to-all hands every rank's rows
+    back to the sender (each piece stays where it is: the shapes and copies of a real rank, and
+    nothing sent), its all-reduce leaves the tensor as it is, its gathers hear only this rank;
+    the cost model prices the wire ([Note: a tensor-parallel rank's share] in tensor_share.py,
+    [Note: a sequence-parallel rank's share] in sequence_share.py, [Note: an expert-parallel
+    rank's share] in expert_share.py)."""
+
+    rank = 0
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *_splits, async_op: bool = False, **_kw
+    ) -> _Done | None:
+        output.copy_(input)
+        return _Done() if async_op else None
+
+    def all_reduce(self, *_args, **_kwargs) -> None:
+        return None
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return [obj]
+
+    def members(self) -> list[int]:
+        return [0]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -119,6 +157,7 @@ def profile_model(
             if checkpointing:
                 layers = len(blocks)
                 wrap(model)
+                blocks = []  # what a checkpointed block saves is its inputs: not counted
             hf = is_hf_causal_lm(model)
             sequence = (0, sequence_parallel) if sequence_parallel > 1 else None
             params = list(model.parameters())
@@ -128,14 +167,14 @@ def profile_model(
 
                 def step(
                     model=model, ids=ids, hf=hf, saved=saved, params=params, sequence=sequence,
-                    blocks=blocks, micro=micro, checkpointing=checkpointing,
+                    blocks=blocks, micro=micro,
                 ) -> None:  # fmt: skip
                     with count_saved_activations(exclude=params) as counted:
                         with _per_block(blocks, counted) as sizes:
                             loss = loss_of(model, ids, hf, sequence)
                     saved[0] = counted.nbytes
-                    if not checkpointing:
-                        largest[micro] = max(sizes, default=0)
+                    if sizes:
+                        largest[micro] = max(sizes)
                     loss.backward()
                     for p in params:
                         p.grad = None

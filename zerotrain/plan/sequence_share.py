@@ -4,17 +4,17 @@
 
 [Note: a sequence-parallel rank's share]
 The planner runs the model as rank 0 of a sequence-parallel group would, in its own process:
-Ulysses applied to the model as training applies it (``apply_sequence_parallel``: the
-attention registered in transformers' registry, the loss averaged over the sample's tokens),
-over a group that is this rank alone (:class:`_OwnShares`, world size sp): its all-to-all keeps
-every piece where it is, so each exchange has a real rank's shapes and copies and sends
-nothing; its all-reduces and its gather of the position ids hear only this rank. Fed rank 0's
-share of a batch (``shard_batch``: s/sp tokens, their position ids and shifted labels), the
-model probe ([Note: the model probe] in zerotrain/plan/model_probe.py) times its forward and
-backward (every layer on s/sp tokens, attention on the whole sequence and 1/sp of the heads,
-the exchanges' copies, the loss over the share) and counts its saved activations. The cost
-model adds the wire: per attention layer and pass four all-to-alls (q, k, v and the output
-forward, their gradients backward), the loss's all-reduces and the position check. The
+Ulysses applied to the model as training applies it (``apply_sequence_parallel``: the attention
+registered in transformers' registry, the loss averaged over the sample's tokens), over a group
+that is this rank alone (``AloneInGroup`` in zerotrain/plan/model_probe.py, world size sp): its
+all-to-all keeps every piece where it is, so each exchange has a real rank's shapes and copies
+and sends nothing; its all-reduces and its gather of the position ids hear only this rank. Fed
+rank 0's share of a batch (``shard_batch``: s/sp tokens, their position ids and shifted
+labels), the model probe ([Note: the model probe] in zerotrain/plan/model_probe.py) times its
+forward and backward (every layer on s/sp tokens, attention on the whole sequence and 1/sp of
+the heads, the exchanges' copies, the loss over the share) and counts its saved activations.
+The cost model adds the wire: per attention layer and pass four all-to-alls (q, k, v and the
+output forward, their gradients backward), the loss's all-reduces and the position check. The
 registration is undone after the probe.
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zerotrain.config.schema import TiledComputeConfig
-from zerotrain.plan.model_probe import ModelProfile, profile_model
+from zerotrain.plan.model_probe import AloneInGroup, ModelProfile, profile_model
 
 __all__ = ["SequenceShare", "profile_sequence_share", "sequence_shares", "tile_alone"]
 
@@ -52,28 +52,6 @@ class SequenceShare:
     share])."""
 
 
-class _OwnShares:
-    """Rank 0 of a sequence-parallel group of ``world_size`` ranks that is this process alone
-    (see [Note: a sequence-parallel rank's share])."""
-
-    rank = 0
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *_args, **_kwargs) -> None:
-        output.copy_(input)
-
-    def all_reduce(self, *_args, **_kwargs) -> None:
-        return None
-
-    def all_gather_object(self, obj: object) -> list[object]:
-        return [obj]
-
-    def members(self) -> list[int]:
-        return [0]
-
-
 def tile_alone(model: nn.Module, tiles: TiledComputeConfig, degree: int = 1) -> None:
     """Tile ``model``'s MLPs and loss as ``tiles`` asks, as rank 0 of ``degree``
     sequence-parallel ranks alone would (its loss's all-reduce hears only it): how the model
@@ -81,7 +59,7 @@ def tile_alone(model: nn.Module, tiles: TiledComputeConfig, degree: int = 1) -> 
     would refuse the tiles for this model."""
     from zerotrain.sequence.transform import apply_tiles
 
-    apply_tiles(model, tiles, _OwnShares(degree))  # pyrefly: ignore[bad-argument-type]
+    apply_tiles(model, tiles, AloneInGroup(degree))  # pyrefly: ignore[bad-argument-type]
 
 
 def sequence_shares(
@@ -144,7 +122,7 @@ def profile_sequence_share(
     tiled as ``tiles`` asks."""
     from zerotrain.sequence.hf import apply_sequence_parallel, unregister_engines
 
-    comm = _OwnShares(share.degree)
+    comm = AloneInGroup(share.degree)
 
     def ulysses(model: nn.Module) -> None:
         apply_sequence_parallel(model, comm)  # pyrefly: ignore[bad-argument-type]

@@ -3,15 +3,16 @@ ZeRO then shards over the data-parallel ranks) and the activations its layers al
 
 [Note: a tensor-parallel rank's share]
 The planner splits the model as training would (zerotrain/tensor_parallel/plan.py's automatic
-plan, the same ``apply_plan``) over a group that is one rank alone: :class:`_AloneInGroup` says
-it is rank 0 of ``degree`` ranks, and its collectives do nothing. Built on the meta device the
-split model is counted (``count_parameters``: the parameters of rank 0, whose pieces are the
-same size on every rank); built for real, the model probe times and counts the share's forward
-and backward (zerotrain/plan/model_probe.py): the same matmuls, copies and saved tensors as a
-rank of a tensor-parallel job, without the all-reduces, which the cost model prices on the
-probed link. Per token a row-wise layer all-reduces its output features in the forward (again
-in a checkpointed backward's recomputation) and a column-wise layer its input features' gradient
-in the backward (Megatron-LM's ``g`` and ``f``).
+plan, the same ``apply_plan``) over a group that is one rank alone: ``AloneInGroup`` (in
+zerotrain/plan/model_probe.py) says it is rank 0 of ``degree`` ranks, and its collectives do
+nothing. Built on the meta device the split model is counted (``count_parameters``: the
+parameters of rank 0, whose pieces are the same size on every rank); built for real, the model
+probe times and counts the share's forward and backward (zerotrain/plan/model_probe.py): the
+same matmuls, copies and saved tensors as a rank of a tensor-parallel job, without the
+all-reduces, which the cost model prices on the probed link. Per token a row-wise layer
+all-reduces its output features in the forward (again in a checkpointed backward's
+recomputation) and a column-wise layer its input features' gradient in the backward
+(Megatron-LM's ``g`` and ``f``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from zerotrain.estimate.model import ParameterCount
-from zerotrain.plan.model_probe import ModelProfile
+from zerotrain.plan.model_probe import AloneInGroup, ModelProfile
 
 __all__ = ["TensorShare", "split_alone", "tensor_shares"]
 
@@ -48,20 +49,6 @@ class TensorShare:
     """The share's measured compute and activations, where the model could be built here."""
 
 
-class _AloneInGroup:
-    """Rank 0 of a tensor-parallel group of ``world_size`` ranks whose collectives do nothing:
-    what the planner splits a model over in its own process (see [Note: a tensor-parallel
-    rank's share])."""
-
-    rank = 0
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-
-    def all_reduce(self, *_args, **_kwargs) -> None:
-        return None
-
-
 def split_alone(model: nn.Module, degree: int) -> tuple[int, int, int, int]:
     """Split ``model`` in place, as rank 0 of ``degree`` tensor-parallel ranks, by the
     automatic plan; returns (forward_calls, forward_elements, backward_calls,
@@ -81,7 +68,7 @@ def split_alone(model: nn.Module, degree: int) -> tuple[int, int, int, int]:
         sum(_features(m, "in") for m in columns),
     )
     try:
-        apply_plan(model, plan, _AloneInGroup(degree))  # pyrefly: ignore[bad-argument-type]
+        apply_plan(model, plan, AloneInGroup(degree))  # pyrefly: ignore[bad-argument-type]
     except ConfigError as error:
         raise ValueError(str(error)) from error
     return len(rows), widths[0], len(columns), widths[1]
