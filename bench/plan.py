@@ -1,18 +1,20 @@
 """The planner's predictions against measurements, and its pick against exhaustive trial.
 
     python bench/plan.py [--part predictions|pick|confirm|deepspeed|both]
-                         [--models demo 30m llama moe] [--only pipeline|tensor|optimizers|sequence|tiled]
+                         [--models demo 30m llama moe]
+                         [--only pipeline|tensor|optimizers|sequence|tiled|compression]
 
 - ``predictions``: a fixed list of configs (ZeRO stages 0-3 x optimizer offload none / cpu /
   nvme x activation checkpointing x micro-batch x 1-2 ranks, tensor-parallel or pipeline
-  degree 2 on 2 ranks, and SGD, Lion and Muon in place of AdamW) of the GPTs of examples/gpt,
+  degree 2 on 2 ranks, SGD, Lion and Muon in place of AdamW, and communication compression:
+  PowerSGD, top-k, int8 gradients and parameters) of the GPTs of examples/gpt,
   fp32 on this machine: each predicted by the cost model (zerotrain/plan/cost.py, with its
   default corrections, not refined by earlier trials, and the model probed just before its
   trial) and measured by a trial
   (zerotrain/plan_trial.py: peak memory per rank above start-up, model-state bytes, median
   step time). Prints each config's errors and their distribution. ``--only pipeline``,
-  ``--only tensor``, ``--only optimizers``, ``--only sequence`` or ``--only tiled`` runs
-  those rows alone.
+  ``--only tensor``, ``--only optimizers``, ``--only sequence``, ``--only tiled`` or
+  ``--only compression`` runs those rows alone.
   ``--models llama``: transformers' Llama (examples/llama/model.py's ``small``) at 1024 tokens,
   its own rows: Ulysses sequence parallelism at degree 2 on 2 ranks (stages 0-3, offload,
   checkpointing, micro-batches 1 and 2) and data parallelism, two rows with ``tiled_compute``
@@ -78,6 +80,8 @@ class Row(NamedTuple):
     sp: int = 1
     tiled: bool = False
     """With TILES as its ``tiled_compute`` section."""
+    compression: str | None = None
+    """A ``comm_compression`` section, by its key in COMPRESSIONS."""
 
 
 # (stage, offload, activation checkpointing, micro-batch, ranks, tensor-parallel degree, pipeline
@@ -148,9 +152,21 @@ EXPERTS = [
     Row(3, None, False, 4, 2),
     Row(3, None, True, 8, 2),
 ]
+# the compressed rows (of the two GPTs): each codec family, at the stages it works at
+COMPRESSIONS = {
+    "int8": {"gradients": {"method": "int8"}, "parameters": {"method": "int8"}},
+    "powersgd": {"gradients": {"method": "powersgd", "rank": 4}},
+    "topk": {"gradients": {"method": "topk", "ratio": 0.01}},
+}
+COMPRESSED = [
+    Row(0, None, False, 8, 2, compression="powersgd"),
+    Row(1, None, False, 4, 2, compression="topk"),
+    Row(2, None, False, 8, 2, compression="int8"),
+    Row(3, None, True, 8, 2, compression="int8"),
+]
 ROWS = {
-    "demo": [Row(*row) for row in FIXED],
-    "30m": [Row(*row) for row in FIXED],
+    "demo": [Row(*row) for row in FIXED] + COMPRESSED,
+    "30m": [Row(*row) for row in FIXED] + COMPRESSED,
     "llama": LONG,
     "moe": EXPERTS,
 }
@@ -160,6 +176,7 @@ ONLY = {
     "optimizers": lambda row: row.optimizer is not None,
     "sequence": lambda row: row.sp > 1,
     "tiled": lambda row: row.tiled,
+    "compression": lambda row: row.compression is not None,
 }
 
 
@@ -200,9 +217,10 @@ def _failed(what: str, why: str):
 
 def predictions(models: list[str], nvme: str, only: str | None = None) -> list[dict]:
     from zerotrain.config.schema import TiledComputeConfig
+    from zerotrain.estimate.factory import build_on_meta
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
-    from zerotrain.plan.planner import with_optimizer
+    from zerotrain.plan.planner import with_compression, with_optimizer
     from zerotrain.plan.probe import probe_machine
     from zerotrain.plan_trial import TrialSpec, run_trial
 
@@ -221,6 +239,8 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
                 split = (tp,) * (tp > 1), (pp,) * (pp > 1), (sp,) * (sp > 1)
                 base = {**BASE, "optimizer": OPTIMIZERS[row.optimizer]} if row.optimizer else BASE
                 base = {**base, "tiled_compute": TILES} if row.tiled else base
+                if row.compression:
+                    base = {**base, "comm_compression": COMPRESSIONS[row.compression]}
                 tiles = TiledComputeConfig(**TILES) if row.tiled else None
                 facts = _facts(
                     spec, seq, machine, [row.micro], *split, whole=tp == pp == sp == 1, tiles=tiles
@@ -232,6 +252,7 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
                 )  # fmt: skip
                 config = candidate.config(base, nvme)
                 priced = with_optimizer(facts, base, machine.threads)
+                priced = with_compression(priced, build_on_meta(spec), base, machine)
                 predicted = predict(candidate, priced, machine, Corrections(), config)
                 trial = TrialSpec(spec, config, world, seq, 256, row.checkpointing, points, steps=5)
                 measured = run_trial(trial).as_dict()
@@ -240,7 +261,8 @@ def predictions(models: list[str], nvme: str, only: str | None = None) -> list[d
                     "config": candidate.label()
                     + f", {world} rank{'s' if world > 1 else ''}"
                     + (f", {row.optimizer}" if row.optimizer else "")
-                    + (", tiled" if row.tiled else ""),
+                    + (", tiled" if row.tiled else "")
+                    + (f", {row.compression}" if row.compression else ""),
                     "predicted": predicted.as_dict(),
                     "measured": measured,
                 }

@@ -267,15 +267,23 @@ MEMORY_CONFIGS = [
 ]
 
 
+# (stage, comm_compression) on 2 ranks at micro-batch 8: top-k's error feedback and counts,
+# int8's quantized gather with its masters apart
+COMPRESSED_MEMORY = [
+    (1, {"gradients": {"method": "topk", "ratio": 0.01}}),
+    (2, {"gradients": {"method": "int8"}, "parameters": {"method": "int8"}}),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 27 jobs of 2 steps, each a torchrun start
+@pytest.mark.timeout(1500)  # 29 jobs of 2 steps, each a torchrun start
 def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypatch):
     """The cost model's peak memory per rank against a trial's, over a fixed list of configs
     (bench/plan.py also times them, and adds a larger GPT)."""
     from zerotrain.estimate.factory import build_on_meta, load_factory
     from zerotrain.plan.candidates import Candidate
     from zerotrain.plan.cost import Corrections, predict
-    from zerotrain.plan.planner import model_facts, with_profiles
+    from zerotrain.plan.planner import model_facts, with_compression, with_profiles
 
     monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     nvme = str(tmp_path / "nvme")
@@ -307,7 +315,17 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_trial(tmp_path, monkeypa
             # the model states exactly (the ZeRO formula over a rank's share), within padding
             assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
             errors.append((label, predicted.peak_memory_bytes / measured.peak_memory_bytes - 1))
-    assert len(errors) == len(MEMORY_CONFIGS)
+    for stage, compression in COMPRESSED_MEMORY:  # the codecs' kept state and masters too
+        compressed = {**base, "comm_compression": compression}
+        candidate = Candidate(stage, None, False, 8, 1, 2)
+        config = candidate.config(compressed, nvme)
+        priced = with_compression(facts, build_on_meta(GPT_DEMO), compressed, machine)
+        predicted = predict(candidate, priced, machine, Corrections(), config)
+        measured = measure_memory(TrialSpec(GPT_DEMO, config, 2, 128, 256))
+        assert measured.model_state_bytes == pytest.approx(predicted.model_state_bytes, abs=64)
+        label = f"{candidate.label()}, {compression['gradients']['method']}"
+        errors.append((label, predicted.peak_memory_bytes / measured.peak_memory_bytes - 1))
+    assert len(errors) == len(MEMORY_CONFIGS) + len(COMPRESSED_MEMORY)
     off = [f"{label}: {error:+.1%}" for label, error in errors if abs(error) > 0.05]
     assert not off, off
 
@@ -604,7 +622,8 @@ def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():
 
 def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, monkeypatch):
     """Each feature of a base config the cost model leaves out is named with its key, in the
-    plan (and its JSON); a base without any names none."""
+    plan (and its JSON); a base without any names none. Activation offload is left out on a
+    GPU; on a CPU device it moves nothing, and is priced as it runs."""
     from zerotrain.estimate.factory import build_on_meta
     from zerotrain.moe.layer import MoE
     from zerotrain.plan.planner import make_plan, model_facts, with_optimizer
@@ -622,6 +641,9 @@ def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, m
         "torch_autocast": {"torch_autocast": {"enabled": True}},
     }
     options = {"world": 1, "ranks_per_node": 1, "global_batch": 8}
+    on_cpu = make_plan(facts, machine, base=bases["cpu_checkpointing"], **options)
+    assert machine.device == "cpu" and on_cpu.unpriced == []
+    machine = replace(machine, device="NVIDIA H100 80GB HBM3")
     for key, base in bases.items():
         plan = make_plan(with_optimizer(facts, base, threads=1), machine, base=base, **options)
         (what,) = plan.unpriced
@@ -641,6 +663,57 @@ def test_the_plan_names_what_its_base_turns_on_and_it_does_not_price(tmp_path, m
     base = {"moe": {"token_dedup": True}}
     (what,) = make_plan(with_experts, machine, base=base, **options).unpriced
     assert what.startswith("moe.token_dedup"), what
+
+
+def test_compression_is_priced_as_its_codecs_run_and_keep():
+    """A base's ``comm_compression`` is priced from its codecs, run on the model's shapes:
+    the state they keep is in the peak (top-k's error feedback and its counts, 4 + 4 bytes per
+    compressed element), their compute and the bytes they send in the step, so int8 wins on a
+    slow link and loses on a fast one, and ``auto`` is priced as the one that wins; the masters
+    a quantized parameter gather keeps apart are in the model states, as a trial measures
+    them."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.compression_cost import compressed_seconds
+    from zerotrain.plan.cost import Corrections, predict, typed_config, unpriced
+    from zerotrain.plan.planner import model_facts, with_compression
+
+    model = build_on_meta(GPT_TINY)
+    machine = replace(probe.memory_only_machine(dtype="fp32", world=2), threads=1)
+    facts = model_facts(model, seq_len=64, dtype="fp32")
+    int8 = {"gradients": {"method": "int8"}, "parameters": {"method": "int8"}}
+    bases = {
+        "none": {},
+        "topk": {"comm_compression": {"gradients": {"method": "topk", "ratio": 0.01}}},
+        "int8": {"comm_compression": int8},
+        "auto": {"comm_compression": {"auto": True}},
+    }
+
+    def priced(name: str, candidate: Candidate, beta: float = 1e9):
+        links = {op: probe.LinkFit(alpha=1e-5, beta=beta) for op in probe.COLLECTIVES}
+        config = candidate.config({**bases[name], "steps_per_print": 10**9})
+        known = with_compression(facts, model, bases[name], machine)
+        assert unpriced(typed_config(config, known), known) == []
+        return predict(candidate, known, replace(machine, links=links), Corrections(), config)
+
+    stage1, stage2 = Candidate(1, None, False, 2, 1, 2), Candidate(2, None, False, 2, 1, 2)
+    compressed = sum(p.numel() for p in model.parameters() if p.numel() >= 1024)
+    kept = priced("topk", stage1).peak_memory_bytes - priced("none", stage1).peak_memory_bytes
+    assert kept == pytest.approx(8 * compressed, rel=1e-3)
+    for beta, wins in ((1e6, True), (1e13, False)):  # a slow link, and one that costs nothing
+        faster = priced("int8", stage2, beta).comm_s < priced("none", stage2, beta).comm_s
+        assert faster is wins, beta
+        links = {op: probe.LinkFit(alpha=1e-5, beta=beta) for op in probe.COLLECTIVES}
+        profile = with_compression(facts, model, bases["auto"], machine).compression
+        assert profile is not None
+        counts = {"reduce_scatter": 2, "all_gather": 1}
+        *_, policy = compressed_seconds(profile, counts, [(compressed, 2)], links)
+        assert (policy.name == "int8 + int8 params") is wins, policy.name
+
+    config = stage2.config({"comm_compression": int8, "steps_per_print": 10**9})
+    measured = measure_memory(TrialSpec(GPT_TINY, config, 2, 64, 256))
+    predicted = priced("int8", stage2).model_state_bytes
+    assert measured.model_state_bytes == pytest.approx(predicted, abs=64)
 
 
 def test_lamb_is_not_offered_nvme_offload_and_sgd_is_priced_at_its_measured_ratio(tmp_path):

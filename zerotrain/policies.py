@@ -5,20 +5,21 @@ buckets, stage 3, offload, compression) and the loss scaler. Each is read here o
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
-from zerotrain.compression import GradientCompression, ParameterCompression
-from zerotrain.compression.auto import AutoOptions, candidate_policies
 from zerotrain.config import ZeroTrainConfig
-from zerotrain.config.compression import AUTO_DEFAULT_METHOD
 from zerotrain.precision import DTYPES, LossScaler, lower_precision_grads
 from zerotrain.zero import GroupOptions, ZeroPolicy
+from zerotrain.zero.compression_options import (
+    auto_compression,
+    gradient_compression,
+    parameter_compression,
+    secondary_partition,
+)
 from zerotrain.zero.gather import GatherForUseOptions
-from zerotrain.zero.host import local_ranks
 from zerotrain.zero.offload import OffloadOptions, device_budget
 from zerotrain.zero.param_home import ParamOffload
 from zerotrain.zero.swap import AioOptions
@@ -35,7 +36,7 @@ def group_options(
     data-parallel group ``dp`` of the ranks ``world`` (the parallel layout adds what its other
     axes decide: see ``ParallelLayout.shard_group_specs``)."""
     zero = cfg.zero_optimization
-    auto = _auto_compression(cfg)
+    auto = auto_compression(cfg)
     section = cfg.comm_compression
     asked = section.auto or {section.gradients.method, section.parameters.method} != {"none"}
     if asked and dp.world_size == 1 and world.rank == 0:
@@ -56,13 +57,13 @@ def group_options(
             max_reuse_numel=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
             offload_param=_param_offload(cfg) if zero.stage == 3 else None,
-            ranks_per_node=_secondary_partition(cfg),
+            ranks_per_node=secondary_partition(cfg),
         ),
         overlap_param_gather=zero.overlap_param_gather,
         comm_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         offload=_offload_options(cfg, device),
-        compression=_gradient_compression(cfg) if auto is None else None,
-        param_compression=_parameter_compression(cfg) if auto is None else auto.parameters,
+        compression=gradient_compression(cfg) if auto is None else None,
+        param_compression=parameter_compression(cfg) if auto is None else auto.parameters,
         auto=auto,
         comm_dtypes=_autocast_comm_dtypes(cfg, model),
     )
@@ -131,59 +132,4 @@ def _offload_options(cfg: ZeroTrainConfig, device: torch.device) -> OffloadOptio
         sub_group_size=zero.sub_group_size,
         device_budget=lambda: device_budget(device),
         aio=_aio_options(cfg),
-    )
-
-
-def _ranks_per_node(cfg: ZeroTrainConfig) -> int:
-    """The ranks of a node for hpZ and the gradients' hierarchy: as configured, or torchrun's."""
-    return cfg.comm_compression.hierarchical_partition_size or local_ranks()
-
-
-def _secondary_partition(cfg: ZeroTrainConfig) -> int:
-    """The ranks of each hpZ partition (0: no hpZ)."""
-    return _ranks_per_node(cfg) if cfg.comm_compression.hierarchical_partition else 0
-
-
-def _gradient_compression(cfg: ZeroTrainConfig) -> GradientCompression | None:
-    """The `comm_compression.gradients` section as the reductions take it (None: off). A
-    1-bit optimizer adds its exact steps (zerotrain/zero/group.py, from the optimizer built)."""
-    section = cfg.comm_compression.gradients
-    return None if section.method == "none" else _gradient_options(cfg)
-
-
-def _gradient_options(cfg: ZeroTrainConfig) -> GradientCompression:
-    """`comm_compression.gradients` as a policy, with ``hierarchical``'s ranks per node."""
-    options = cfg.comm_compression.gradients.model_dump()
-    ranks_per_node = _ranks_per_node(cfg) if options.pop("hierarchical") else 0
-    return GradientCompression(**options, ranks_per_node=ranks_per_node)
-
-
-def _parameter_compression(cfg: ZeroTrainConfig) -> ParameterCompression | None:
-    """The `comm_compression.parameters` section as the parameter gathers take it."""
-    section = cfg.comm_compression.parameters
-    if section.method == "none":
-        return None
-    return ParameterCompression(**section.model_dump())
-
-
-def _auto_compression(cfg: ZeroTrainConfig) -> AutoOptions | None:
-    """`comm_compression.auto`: the policies to choose among (None: auto is off). The
-    configured methods, each on or off; with none configured, the stage's defaults (see the
-    `auto` key's docs)."""
-    section = cfg.comm_compression
-    if not section.auto:
-        return None
-    gradients, parameters = _gradient_compression(cfg), _parameter_compression(cfg)
-    if gradients is None and parameters is None:
-        stage = cfg.zero_optimization.stage
-        # int8, not PowerSGD, whose rank 4 ended the demo GPT 12.1% above uncompressed
-        # under AdamW (docs/compression.md): auto changes the speed, not how well it trains
-        gradients = replace(_gradient_options(cfg), method=AUTO_DEFAULT_METHOD)
-        if stage > 0:
-            parameters = replace(
-                ParameterCompression(**section.parameters.model_dump()), method=AUTO_DEFAULT_METHOD
-            )
-    return AutoOptions(
-        policies=candidate_policies(gradients, parameters),
-        recheck_steps=section.auto_recheck_steps,
     )

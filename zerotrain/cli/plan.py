@@ -224,6 +224,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         load_corrections,
         make_plan,
         model_facts,
+        with_compression,
         with_optimizer,
         with_profiles,
     )
@@ -284,6 +285,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         facts = with_optimizer(facts, base, machine.threads)
     except (ValueError, TypeError) as error:  # the optimizer's own check of its params
         return fail(f"--config: {error}")
+    facts = with_compression(facts, model, base, machine)
     vocab = args.vocab_size or facts.count.config.get("vocab_size")
     pipelines = ()
     if args.pipeline and facts.experts is not None:

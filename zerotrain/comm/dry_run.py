@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from zerotrain.comm.communicator import Communicator, PendingOp, ring_sent
 
 
@@ -23,6 +25,13 @@ class DryRunCommunicator(Communicator):
         self.distributed = False
         self.rank, self.world_size = comm.rank, comm.world_size
         self.messages: list[tuple[str, int]] = []  # (collective, bytes this rank would send)
+
+    @classmethod
+    def alone(cls, world_size: int, device: torch.device | str = "cpu") -> DryRunCommunicator:
+        """Rank 0 of ``world_size`` ranks where there is no group (the planner's)."""
+        dry = cls(Communicator(device=device))
+        dry.rank, dry.world_size = 0, world_size
+        return dry
 
     def _done(self, op: str, name: str, sent: int) -> PendingOp:
         self.messages.append((op, sent))

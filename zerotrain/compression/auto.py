@@ -100,6 +100,7 @@ class Cost:
 
     compute: float  # seconds
     messages: list[tuple[str, int, float]]  # (collective, bytes sent, times per step)
+    state_bytes: int = 0  # what its codecs keep between steps (error feedback, factors)
 
     def wire_seconds(self, link: Link, world: int) -> float:
         return sum(n * link.seconds(op, sent, world) for op, sent, n in self.messages)
@@ -108,7 +109,11 @@ class Cost:
         return self.compute + self.wire_seconds(link, world)
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.compute + other.compute, self.messages + other.messages)
+        return Cost(
+            self.compute + other.compute,
+            self.messages + other.messages,
+            self.state_bytes + other.state_bytes,
+        )
 
     @property
     def sent(self) -> float:
@@ -122,14 +127,21 @@ DRY_RUN_NUMEL = 1 << 25
 
 
 def policy_costs(
-    policies: tuple[Policy, ...], traffic: Traffic, comm: Communicator, buckets: list[BucketShape]
+    policies: tuple[Policy, ...],
+    traffic: Traffic,
+    comm: Communicator,
+    buckets: list[BucketShape],
+    *,
+    counted: bool = False,
 ) -> list[Cost]:
     """Each policy's cost per step: its gradient codec and its parameter gather run on random
     buckets and shards of the real sizes (in pieces of at most ``DRY_RUN_NUMEL`` elements, the
     gathered whole too), as often as
-    ``traffic`` says, over a dry-run stand-in for ``comm``. Each direction's choices run once
-    on the same input (a policy's cost is the sum of its two directions'), one bucket at a
-    time, so that only one bucket's input and codec state exist at once."""
+    ``traffic`` says, over a dry-run stand-in for ``comm``, and the state its codecs keep
+    after (with ``counted``, the counts top-k keeps for an Adam that catches up too: the
+    planner's). Each direction's choices run once on the same input (a policy's cost is the
+    sum of its two directions'), one bucket at a time, so that only one bucket's input and
+    codec state exist at once."""
     world = comm.world_size
     dry = DryRunCommunicator(comm)
     by_gradients = {p.gradients: Cost(0.0, []) for p in policies}
@@ -146,7 +158,11 @@ def policy_costs(
                     run = partial(codec.all_reduce, 0)
                 else:
                     run = partial(codec.reduce_scatter, 0, shard)
-                by_gradients[gradients] += _timed(dry, per_step, run, flat)
+                timed = _timed(dry, per_step, run, flat)
+                if counted and options is not None and options.counts_arrivals:
+                    codec.catch_up(0)  # as the step does: its counts are state too
+                timed.state_bytes = sum(t.nbytes for t in codec.state_tensors())
+                by_gradients[gradients] += timed
     for numel, per_step in traffic.gathers.items():
         chunk = min(numel, DRY_RUN_NUMEL // world)  # the gathered whole: at most DRY_RUN_NUMEL
         for size, times in ((chunk, numel // chunk), (numel % chunk, 1)):

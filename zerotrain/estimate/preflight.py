@@ -50,6 +50,7 @@ from zerotrain.optim import NoOptimizer
 from zerotrain.optim.muon import Muon
 from zerotrain.optim.state_bytes import optimizer_state_bytes_per_element
 from zerotrain.precision import dtype_name
+from zerotrain.zero.compression_options import compression_policies
 from zerotrain.zero.group import OptimizerFactory
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.offload import (
@@ -157,6 +158,7 @@ def config_job(
         offload_param=None if zero.offload_param.device == "none" else zero.offload_param.device,
         param_buffer_count=zero.offload_param.buffer_count,
         stages=(zero.stage,),
+        quantized_gather=any(p.parameters is not None for p in compression_policies(cfg)),
         max_live_numel=zero.stage3_max_live_parameters,
         reduce_bucket_size=zero.reduce_bucket_size,
         buffer_count=zero.offload_optimizer.buffer_count,

@@ -93,6 +93,9 @@ class TrainingJob:
     shards (read at stage 3 only)."""
     param_buffer_count: int = ZERO_DEFAULTS.offload_param.buffer_count
     """``offload_param.buffer_count``: the NVMe buffers parameter shards are read into."""
+    quantized_gather: bool = False
+    """``comm_compression.parameters`` (or ``auto`` offering it): the gathered parameters may
+    differ from their shards, so at stages 1-3 the fp32 masters are a copy of their own."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     largest_layer: int = 0
     """DeepSpeed's largest layer, shown for comparison with its estimator."""
@@ -202,6 +205,11 @@ class TrainingJob:
             state_dtype=DTYPES[self.optimizer_state_dtype],
         )
 
+    def master_copy(self, stage: int) -> bool:
+        """Whether the fp32 masters are a copy of their own at ``stage``: in 16-bit training,
+        and where quantized gathers hand out parameters that differ from them."""
+        return self.precision.has_master_copy or (self.quantized_gather and stage >= 1)
+
     @property
     def precision_bytes(self) -> int:
         """Bytes per element of parameters, gradients and activations."""
@@ -273,6 +281,7 @@ def estimate(job: TrainingJob) -> list[StageEstimate]:
             persistent_numel=job.persistent_numel,
             offload=host_share(job, policy) if job.offload else 0.0,
             offload_params=params_off,
+            master_copy=job.master_copy(stage),
         )
         gathered, frozen = 0.0, float(job.frozen_params)
         if policy.shard_parameters:
@@ -376,7 +385,7 @@ def rank_needs(job: TrainingJob, row: StageEstimate, *, on_host: bool) -> tuple[
     ``on_host``: the training device is the CPU, whose memory holds it all (device None)."""
     states = row.states
     optimizer = "fp32 masters and optimizer state" if states.optimizer_states else "optimizer"
-    if not job.precision.has_master_copy:
+    if not job.master_copy(row.stage):
         optimizer = "optimizer state"
     device = (
         ("parameters", states.parameters),

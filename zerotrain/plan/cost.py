@@ -13,12 +13,13 @@ model probe]; Korthikanti et al.'s formula where the model cannot be built here)
 - at stages 2-3, the backward's reduction: the buckets in flight (the one filling and the one
   before it on the wire: the whole partitioned gradient at stage 2 with DeepSpeed's 5e8-element
   buckets, two gather units at stage 3) beside a block's activations (and the kept inputs).
-Plus what a training process holds besides (``Corrections.memory_overhead``: the allocator's
-arenas, thread stacks, the communicator's buffers). On a CPU-only machine the device is host
-memory, so what optimizer offload moves off the device stays in it, less what is allocated
-and never touched (:func:`_host_touched`); the model as built is not counted: ``initialize``
-adopts or frees its tensors, and building peaks below training (see [Note: what a trial
-measures]). Over the fixed configs of bench/plan.py these come within 5% of trials
+Plus what communication compression's codecs keep between steps (error feedback, factors,
+top-k's counts) and what a training process holds besides (``Corrections.memory_overhead``:
+the allocator's arenas, thread stacks, the communicator's buffers). On a CPU-only machine the
+device is host memory, so what optimizer offload moves off the device stays in it, less what
+is allocated and never touched (:func:`_host_touched`); the model as built is not counted:
+``initialize`` adopts or frees its tensors, and building peaks below training (see [Note:
+what a trial measures]). Over the fixed configs of bench/plan.py these come within 5% of trials
 (bench/README.md).
 
 Step time: compute, the collectives, the optimizer step, each priced on the machine:
@@ -33,7 +34,9 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
 - collectives (:func:`_comm_seconds`): the gradient reduction (at the accumulation boundary at
   stages 0-1, in every backward at 2-3) and the parameters' all-gathers (after the step at
   stages 1-2, in every forward and backward at 3), each on the probed link of its kind, not
-  overlapped with compute (gloo on CPU ranks shares their cores);
+  overlapped with compute (gloo on CPU ranks shares their cores); with ``comm_compression``,
+  the codecs' own compute and the bytes they send instead ([Note: compression in the plan] in
+  zerotrain/plan/compression_cost.py);
 - the optimizer step: the config's optimizer over the rank's partition, at the probed CPU
   fused-AdamW rate times its measured ratio to it ([Note: the optimizer's cost] in
   zerotrain/plan/optimizer_cost.py; the device's rate on a GPU is not modelled yet: the CPU
@@ -96,6 +99,7 @@ from zerotrain.estimate.preflight import config_job
 from zerotrain.estimate.stages import StageEstimate, host_share, largest_bucket
 from zerotrain.optim.registry import find_optimizer
 from zerotrain.plan.candidates import Candidate, section
+from zerotrain.plan.compression_cost import CompressionProfile, compressed_seconds
 from zerotrain.plan.exchanges import (
     expert_parallel_seconds,
     sequence_parallel_seconds,
@@ -108,6 +112,7 @@ from zerotrain.plan.pipeline_share import PipelineShare
 from zerotrain.plan.probe import Machine
 from zerotrain.plan.sequence_share import SequenceShare
 from zerotrain.plan.tensor_share import TensorShare
+from zerotrain.zero.compression_options import compression_policies
 from zerotrain.zero.memory import ModelStateBytes
 from zerotrain.zero.nvme import sub_group_numel
 from zerotrain.zero.offload import HostBytes
@@ -173,6 +178,9 @@ class ModelFacts:
     """The optimizer the planned configs train with (their ``optimizer`` section)."""
     experts: ExpertShare | None = None
     """The model's zerotrain.moe experts, where it has MoE layers."""
+    compression: CompressionProfile | None = None
+    """The base config's communication compression, where it has some ([Note: compression in
+    the plan] in zerotrain/plan/compression_cost.py)."""
 
     def shape(self, micro_batch: int, tp: int = 1) -> TransformerShape | None:
         """The shape Korthikanti's formula takes; at tensor-parallel degree ``tp`` a rank's
@@ -269,19 +277,16 @@ COMPRESSING_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam")
 """Optimizers that compress their own exchange of gradients (zerotrain/optim/onebit.py)."""
 
 
-def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts) -> list[str]:
+def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts, device: str = "cpu") -> list[str]:
     """What ``cfg`` (a plan's base config) and the model of ``facts`` turn on that the cost
-    model leaves out, each with its key and how it is priced instead (docs/plan.md, "Keeping
-    your own keys")."""
+    model leaves out on ``device`` (``Machine.device``), each with its key and how it is
+    priced instead (docs/plan.md, "Keeping your own keys")."""
     out = []
     compression = cfg.comm_compression
-    if (
-        compression.gradients.method != "none"
-        or compression.parameters.method != "none"
-        or compression.auto
-        or compression.hierarchical_partition
-    ):
+    if facts.compression is None and compression_policies(cfg):
         out.append("comm_compression: the collectives are priced at full width")
+    if compression.hierarchical_partition:
+        out.append("comm_compression.hierarchical_partition: priced without hpZ's partition")
     spec = find_optimizer(cfg.optimizer.type) if cfg.optimizer is not None else None
     if spec is not None and spec.name in COMPRESSING_OPTIMIZERS:
         out.append(f"{spec.name}'s compressed exchange: priced as the uncompressed collectives")
@@ -291,7 +296,8 @@ def unpriced(cfg: ZeroTrainConfig, facts: ModelFacts) -> list[str]:
             "after compute"
         )
     checkpointing = cfg.activation_checkpointing
-    if checkpointing is not None and checkpointing.cpu_checkpointing:
+    # on a CPU device the kept inputs are in host memory already: nothing moves
+    if checkpointing is not None and checkpointing.cpu_checkpointing and device != "cpu":
         out.append(
             "activation_checkpointing.cpu_checkpointing: the kept inputs are priced on the device"
         )
@@ -377,7 +383,9 @@ def predict(
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
         memory += _host_touched(row.host, job, candidate, facts) if row.host is not None else 0
-    comm = _comm_seconds(candidate, _shard_groups(candidate, psi, facts), element, machine)
+    groups = _shard_groups(candidate, psi, facts)
+    comm, codec_state = _comm_seconds(candidate, groups, element, machine, facts.compression)
+    memory += codec_state
     tokens = facts.tokens(candidate.sp)
     if facts.experts is not None:
         comm += expert_parallel_seconds(candidate, facts.experts, tokens, element, machine)
@@ -590,12 +598,13 @@ def _predict_pipeline(
         held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu, last))
         if cpu and row.host is not None:
             held += _host_touched(row.host, job, candidate, facts)
-        memory = max(memory, held + corrections.memory_overhead)
         states = max(states, row.model_states)
         psi = count.trainable
         own.append(psi * corrections.engine_seconds_per_parameter)
         groups = _shard_groups(candidate, psi, facts)
-        comm = max(comm, _comm_seconds(candidate, groups, element, machine))
+        priced, codec_state = _comm_seconds(candidate, groups, element, machine, facts.compression)
+        memory = max(memory, held + codec_state + corrections.memory_overhead)
+        comm = max(comm, priced)
         work.append((stage.forward_s + stage.backward_s) * corrections.compute_scale)
         stepped = _optimizer_seconds(candidate, job, count, facts, machine)
         optimizer = max(
@@ -707,33 +716,39 @@ def _host_touched(
 
 
 def _comm_seconds(
-    candidate: Candidate, groups: list[tuple[int, int]], element: int, machine: Machine
-) -> float:
+    candidate: Candidate,
+    groups: list[tuple[int, int]],
+    element: int,
+    machine: Machine,
+    compression: CompressionProfile | None,
+) -> tuple[float, int]:
     """The step's collectives of each shard group, (elements, ranks) of ``groups``
     (:func:`_shard_groups`), over the ranks ZeRO shards it over, on the probed links ([Note:
     the three reductions] in zerotrain/zero/reduce.py): stage 0 all-reduces at the
     accumulation boundary; stage 1 reduce-scatters there; stages 2-3 reduce-scatter in every
     backward; stages 1-2 all-gather the updated parameters after the step, stage 3 gathers
-    them in every forward and backward."""
-    if not machine.links:
-        return 0.0
+    them in every forward and backward. Compressed as ``compression`` measured ([Note:
+    compression in the plan]); with the bytes its codecs keep."""
     micro = candidate.accumulation
-    reductions = 1 if candidate.stage == 1 else micro
-    gathers = 2 * micro if candidate.stage == 3 else 1
+    collective = "all_reduce" if candidate.stage == 0 else "reduce_scatter"
+    reductions = micro if candidate.stage >= 2 else 1
+    gathers = 2 * micro if candidate.stage == 3 else 0 if candidate.stage == 0 else 1
+    if compression is not None:
+        counts = {collective: reductions, "all_gather": gathers}
+        seconds, state, _ = compressed_seconds(compression, counts, groups, machine.links)
+        return seconds, state
+    if not machine.links:
+        return 0.0, 0
 
     def cost(op: str, psi: int, world: int) -> float:
         return machine.links[op].seconds(op, ring_sent(op, psi * element, world), world)
 
     seconds = 0.0
     for psi, world in groups:
-        if world == 1:
-            continue
-        if candidate.stage == 0:
-            seconds += cost("all_reduce", psi, world)
-        else:
-            seconds += reductions * cost("reduce_scatter", psi, world)
-            seconds += gathers * cost("all_gather", psi, world)
-    return seconds
+        if world > 1:
+            seconds += reductions * cost(collective, psi, world)
+            seconds += gathers * cost("all_gather", psi, world) if gathers else 0.0
+    return seconds, 0
 
 
 def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:

@@ -35,6 +35,7 @@ __all__ = [
     "MicroBatchProfile",
     "ModelProfile",
     "is_hf_causal_lm",
+    "probe_device",
     "loss_of",
     "profile_model",
 ]
@@ -100,6 +101,11 @@ class AloneInGroup:
         return [0]
 
 
+def probe_device() -> torch.device:
+    """Where the planner runs the model and the codecs: the GPU where there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def is_hf_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face model (it has an HF config), called
     ``model(input_ids=..., labels=...)``; the planner's other models are ``model(ids, targets)``."""
@@ -141,7 +147,7 @@ def profile_model(
     from zerotrain.activation_checkpointing import count_saved_activations, wrap
     from zerotrain.zero.units import find_unit_modules
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = probe_device()
     kept = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

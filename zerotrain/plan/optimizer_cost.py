@@ -29,6 +29,7 @@ import torch
 from zerotrain.estimate.model import ParameterCount
 from zerotrain.estimate.preflight import optimizer_state
 from zerotrain.optim import build_optimizer
+from zerotrain.optim.catch_up import catches_up
 from zerotrain.optim.registry import find_optimizer
 from zerotrain.plan.probe import optimizer_step_seconds
 
@@ -54,6 +55,9 @@ class OptimizerCost:
     """Its element-wise step's time over fused AdamW's, on the same elements."""
     ns_steps: int = 0
     """Muon: Newton-Schulz iterations a step (0: not Muon)."""
+    catches_up: bool = True
+    """Whether it catches up on top-k's sparse gradients (zerotrain/optim/catch_up.py): the
+    codec then counts each element's steps."""
 
     def state_bytes_of(self, count: ParameterCount) -> float:
         """Bytes of state per element of ``count``'s parameters (Muon's depend on which of them
@@ -97,16 +101,17 @@ def optimizer_cost(section: dict, count: ParameterCount, threads: int | None) ->
         return build_optimizer(spec.name, params, [{"params": m} for m in masters])
 
     kind, state_bytes = optimizer_state(build, 1, count)
+    sparse = catches_up(build([[torch.zeros(1)]]))
     if spec.name == "Muon":  # its ns_steps, as given or Muon's default
         steps = int(build([[torch.zeros(1)]]).defaults["ns_steps"])
-        return OptimizerCost(spec.name, kind, state_bytes, ns_steps=steps)
+        return OptimizerCost(spec.name, kind, state_bytes, ns_steps=steps, catches_up=sparse)
     if spec.name in ADAM_NAMES:
         relative = 1.0
     elif threads is None:
         relative = math.nan
     else:
         relative = _relative_time(spec.name, params, threads)
-    return OptimizerCost(spec.name, kind, state_bytes, relative)
+    return OptimizerCost(spec.name, kind, state_bytes, relative, catches_up=sparse)
 
 
 def _relative_time(name: str, params: dict, threads: int) -> float:

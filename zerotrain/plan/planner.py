@@ -22,13 +22,14 @@ from typing import TypeVar
 
 from torch import nn
 
+from zerotrain.compression.auto import Policy
 from zerotrain.config import ConfigError, ZeroTrainConfig, check_config
 from zerotrain.config.schema import TiledComputeConfig
 from zerotrain.errors import ZeroTrainError
 from zerotrain.estimate.stages import NOT_ON_NVME
 from zerotrain.fmt import quantity
 from zerotrain.plan.autotuning import read_autotuning
-from zerotrain.plan.candidates import Candidate, enumerate_candidates, fixed_keys
+from zerotrain.plan.candidates import Candidate, enumerate_candidates, fixed_keys, section
 from zerotrain.plan.cost import Corrections, ModelFacts, Prediction, predict, unpriced
 from zerotrain.plan.model_probe import ModelProfile, profile_model
 from zerotrain.plan.optimizer_cost import ADAMW, optimizer_cost
@@ -204,6 +205,48 @@ def with_optimizer(facts: ModelFacts, base: dict, threads: int | None) -> ModelF
     # its typed section: HF's "auto" values left out, as initialize will have them filled
     priced = optimizer_cost({"type": typed.type, "params": typed.params}, facts.count, threads)
     return replace(facts, optimizer=priced)
+
+
+def with_compression(
+    facts: ModelFacts, model: nn.Module, base: dict, machine: Machine
+) -> ModelFacts:
+    """``facts`` pricing the communication compression ``base`` (a ds_config) turns on, its
+    codecs to be run on ``model``'s parameter shapes (on the meta device is enough) with the
+    threads of a rank of ``machine`` ([Note: compression in the plan] in
+    zerotrain/plan/compression_cost.py). ``auto`` with no method named offers the methods it
+    offers at stages 1-3 (at stage 0 the parameters' are never priced: nothing is gathered)."""
+    from zerotrain.plan.compression_cost import compression_profile
+    from zerotrain.zero.compression_options import compression_policies
+
+    wanted = section(base, "comm_compression")
+    zero = section(base, "zero_optimization")
+    # a stage its keys work at (hpZ: 3; the parameters' gather: 1-3), unless base fixes one
+    stage = zero.get("stage", 3 if wanted.get("hierarchical_partition") else 1)
+    sizes = {k: v for k, v in zero.items() if k == "reduce_bucket_size"}
+    cfg = check_config(
+        {"comm_compression": wanted, "zero_optimization": {"stage": stage, **sizes}},
+        unfilled=True,
+    )
+    policies = compression_policies(cfg)
+    if not facts.optimizer.catches_up:  # as the engine sends for it (zerotrain/zero/group.py)
+        policies = tuple(_without_catch_up(p) for p in policies)
+    profile = compression_profile(
+        model,
+        policies,
+        bucket_elements=cfg.zero_optimization.reduce_bucket_size,
+        dtype=DTYPES[facts.dtype],
+        threads=machine.threads,
+    )
+    return replace(facts, compression=profile)
+
+
+def _without_catch_up(policy: Policy) -> Policy:
+    gradients = policy.gradients
+    return (
+        policy
+        if gradients is None
+        else replace(policy, gradients=replace(gradients, catch_up=False))
+    )
 
 
 def tensor_degrees(ranks_per_node: int) -> tuple[int, ...]:
@@ -510,7 +553,7 @@ def make_plan(
         budget,
         corrections,
         metric,
-        unpriced(checked.typed, facts),
+        unpriced(checked.typed, facts, machine.device),
         [(c.label(), why) for c, why in checked.refused],
     )
 

@@ -173,6 +173,10 @@ class _Tiled(torch.autograd.Function):
         return (None, x_grad, None, None, None, *out_params)
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class _FusedLoss(torch.autograd.Function):
     """Each tile's loss and its gradients computed in forward (see TiledFusedLogitsLoss)."""
 
@@ -193,7 +197,9 @@ class _FusedLoss(torch.autograd.Function):
         for tile_x, tile_y, tile_mask in tiles:
             tile_x = tile_x.requires_grad_(wants_x)
             args = (module, tile_x, tile_y) + (() if tile_mask is None else (tile_mask,))
-            with torch.enable_grad():
+            # the tile's graph lives and dies in this forward: the saved-tensor hooks around
+            # the step (activation offload, the planner's count) must not take it as the step's
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 loss = fn(*args)
             inputs = ([tile_x] if wants_x else []) + trained
             if inputs and loss.requires_grad:
