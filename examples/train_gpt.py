@@ -6,6 +6,7 @@ Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states a
 ranks, stage 2 the gradients as well. The engine prints a throughput line every --print-every
 steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) and the script a
 summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
+--inner-steps H [--ranks-per-site K] trains as sites that meet every H steps (docs/sites.md).
 --compress METHOD [--compress-rank R | --compress-ratio F] [--compress-params int8|int4]
 compresses what the ranks exchange (docs/compression.md; the summary shows the bytes sent per
 step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th
@@ -148,6 +149,19 @@ def parse_args() -> argparse.Namespace:
         help="quantize the parameter all-gather (ZeRO stages 1-3)",
     )
     parser.add_argument(
+        "--inner-steps",
+        type=int,
+        default=0,
+        help="train as sites that meet every this many steps (the sites section: DiLoCo's "
+        "outer steps, docs/sites.md); 0: one site",
+    )
+    parser.add_argument(
+        "--ranks-per-site",
+        type=int,
+        help="with --inner-steps: ranks of each site (default: a node's, torchrun's "
+        "--nproc-per-node)",
+    )
+    parser.add_argument(
         "--plan",
         metavar="JSON",
         help="a ds_config written by `zerotrain plan`: its ZeRO section (stage, offload), "
@@ -186,6 +200,8 @@ def parse_args() -> argparse.Namespace:
     ):
         if value is not None and args.compress not in methods:
             parser.error(f"--compress-{flag} applies only with --compress {' or '.join(methods)}")
+    if args.ranks_per_site is not None and args.inner_steps < 1:
+        parser.error("--ranks-per-site applies only with --inner-steps")
     if args.compress == "auto" and args.compress_params != "none":
         parser.error("--compress-params: --compress auto chooses the parameter gathers' too")
     if args.profile and not 0 <= args.profile_step < args.steps:
@@ -233,6 +249,11 @@ def engine_config(args: argparse.Namespace) -> dict:
         "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
         "checkpoint": {"keep_last": KEEP_CHECKPOINTS},
         "comm_compression": compression(args),
+        **(
+            {"sites": {"inner_steps": args.inner_steps, "ranks_per_site": args.ranks_per_site}}
+            if args.inner_steps
+            else {}
+        ),
         # profile: the summary reports the time spent recomputing
         **(
             {"activation_checkpointing": {"profile": True}} if args.activation_checkpointing else {}
@@ -468,6 +489,8 @@ def main() -> None:
         ]
         if memory["compression"]:  # error feedback, factors, counts
             rows.append(("compression state (rank 0)", f"{memory['compression'] / MiB:.1f} MiB"))
+        if memory["sites"]:  # the outer steps' anchor and momentum
+            rows.append(("outer step state (rank 0)", f"{memory['sites'] / MiB:.1f} MiB"))
         if args.activation_checkpointing:
             stats = zerotrain.checkpointing.recompute_stats()
             rows.append(

@@ -292,6 +292,7 @@ def test_defaults_match_deepspeed() -> None:
             "auto": False,
             "auto_recheck_steps": 1000,
         },
+        "sites": None,  # zerotrain's
         "activation_checkpointing": None,
         "comms_logger": {
             "enabled": False,

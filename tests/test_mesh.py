@@ -11,21 +11,33 @@ from zerotrain.comm import Communicator, Mesh
 
 def test_axes_number_ranks_with_tensor_parallel_innermost():
     mesh = Mesh.__new__(Mesh)  # rank arithmetic only: no process group needed
-    mesh.sizes = {"pp": 2, "dp": 2, "ep": 1, "sp": 1, "tp": 2}
+    mesh.sizes = {"site": 1, "pp": 2, "dp": 2, "ep": 1, "sp": 1, "tp": 2}
     assert mesh.axis_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert mesh.axis_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.axis_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert mesh.axis_ranks("ep") == [[r] for r in range(8)]
-    assert mesh.coordinates(6) == {"pp": 1, "dp": 1, "ep": 0, "sp": 0, "tp": 0}
+    assert mesh.coordinates(6) == {"site": 0, "pp": 1, "dp": 1, "ep": 0, "sp": 0, "tp": 0}
     for rank in range(8):
         assert mesh.rank_at(mesh.coordinates(rank)) == rank
+
+
+def test_a_site_s_ranks_are_consecutive_and_the_site_axis_joins_their_peers():
+    """Sites are outermost: a site's ranks are consecutive (a torchrun node's), its own data-
+    parallel group averages gradients, the site axis joins the ranks holding the same part at
+    every site, and the data is split over both."""
+    mesh = Mesh.__new__(Mesh)
+    mesh.sizes = {"site": 2, "pp": 1, "dp": 2, "ep": 1, "sp": 1, "tp": 2}
+    assert mesh.axis_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.axis_ranks("site") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.axis_ranks("site", "dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert mesh.coordinates(5) == {"site": 1, "pp": 0, "dp": 0, "ep": 0, "sp": 0, "tp": 1}
 
 
 def test_sequence_parallel_peers_are_consecutive_and_zero_spans_them():
     """Ulysses' groups are consecutive ranks, as DeepSpeed's; ZeRO's group holds a data-parallel
     group's ranks and their sequence-parallel peers."""
     mesh = Mesh.__new__(Mesh)
-    mesh.sizes = {"pp": 1, "dp": 2, "ep": 1, "sp": 2, "tp": 1}
+    mesh.sizes = {"site": 1, "pp": 1, "dp": 2, "ep": 1, "sp": 2, "tp": 1}
     assert mesh.axis_ranks("sp") == [[0, 1], [2, 3]]
     assert mesh.axis_ranks("dp") == [[0, 2], [1, 3]]
     assert mesh.axis_ranks("dp", "ep", "sp") == [[0, 1, 2, 3]]

@@ -21,6 +21,7 @@ from zerotrain.zero.compression_options import (
 )
 from zerotrain.zero.gather import GatherForUseOptions
 from zerotrain.zero.offload import OffloadOptions, device_budget
+from zerotrain.zero.outer_step import SiteOptions
 from zerotrain.zero.param_home import ParamOffload
 from zerotrain.zero.swap import AioOptions
 
@@ -66,6 +67,25 @@ def group_options(
         param_compression=parameter_compression(cfg) if auto is None else auto.parameters,
         auto=auto,
         comm_dtypes=_autocast_comm_dtypes(cfg, model),
+        sites=_site_options(cfg),
+    )
+
+
+def _site_options(cfg: ZeroTrainConfig) -> SiteOptions | None:
+    """The ``sites`` section's outer steps (None: one site, or synchronous training); the
+    parallel layout adds the ranks they exchange over."""
+    sites = cfg.sites
+    if sites is None or sites.synchronous:
+        return None
+    outer = sites.outer_optimizer
+    if outer is None:
+        return SiteOptions(inner_steps=sites.inner_steps, lr=None)
+    params = outer.params
+    return SiteOptions(
+        inner_steps=sites.inner_steps,
+        lr=params.lr,
+        momentum=params.momentum,
+        nesterov=params.nesterov,
     )
 
 

@@ -36,6 +36,12 @@ class ModelLayout(Protocol):
         ...
 
     @property
+    def replica(self) -> int:
+        """Which copy of the model this rank's belongs to, where several train apart (a site
+        of training across sites); only copy 0's ranks write the model's pieces."""
+        ...
+
+    @property
     def data_parallel_size(self) -> int:
         """How many ranks see different data (what the batch keys count)."""
         ...

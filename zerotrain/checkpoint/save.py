@@ -291,7 +291,8 @@ def _rank_files(
     rank = engine.comm.rank
     zero = engine.optimizer
     tp_rank = engine.layout.split_rank
-    written = parameter_records(zero, tp_rank)
+    first_copy = engine.layout.replica == 0  # another site's keeps its own in its state
+    written = parameter_records(zero, tp_rank) if first_copy else {}
     tensors, segments = saved_tensors(zero, written)
     entries: list[TensorEntry] = [tensor_entry(key, values) for key, values in tensors]
     # collective where stage 3 partitions frozen parameters: their values gather to rank 0
@@ -305,7 +306,7 @@ def _rank_files(
     # the buffers and frozen parameters of the other pipeline stages: in their first rank's
     # shard file (rank 0's, the first stage's, are module.safetensors)
     # one rank per set of module entries: a stage's, an expert-parallel rank's experts'
-    writes_module = untrained_comm(zero.groups).rank == 0 and tp_rank == 0
+    writes_module = untrained_comm(zero.groups).rank == 0 and tp_rank == 0 and first_copy
     stage_module = writes_module and rank != 0
     if stage_module:
         entries += [tensor_entry(f"{MODULE_PREFIX}{key}", t) for key, t in untrained.items()]

@@ -1,7 +1,7 @@
-"""The ranks as a grid of parallel axes: data, tensor, pipeline, expert, sequence.
+"""The ranks as a grid of parallel axes: site, data, tensor, pipeline, expert, sequence.
 
 [Note: mesh layout]
-A mesh of shape (pp, dp, ep, sp, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
+A mesh of shape (site, pp, dp, ep, sp, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
 parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
 torchtitan place them; sequence-parallel peers (an all-to-all per attention layer) come next,
 consecutive ranks as DeepSpeed's Ulysses groups are. The ranks along one axis, the others
@@ -12,9 +12,13 @@ sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe), t
 by the model's MoE layers (zerotrain/moe), the sequence axis by the config
 (zerotrain/sequence). The expert axis sits inside the data-parallel ranks, as
 DeepSpeed's expert groups do (ranks 0-1 and 2-3 hold the experts at ep 2 of 4 ranks; 0 and 2
-hold the same ones). A group is made the first time an axis is asked for (every rank must
-ask, in the same order: making process groups is collective); an axis that spans every rank is
-the world communicator itself.
+hold the same ones). The site axis is outermost: a site's ranks are consecutive, as
+torchrun numbers a node's, and everything above is a site's own (the data-parallel group that
+averages gradients, ZeRO's shards); the ranks along the site axis hold the same part of the
+model at each site, and exchange it at the outer steps (zerotrain/zero/outer_step.py). The data
+is split over the sites too (:attr:`Mesh.data`). A group is made the first time an axis is
+asked for (every rank must ask, in the same order: making process groups is collective); an
+axis that spans every rank is the world communicator itself.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import math
 
 from zerotrain.comm.communicator import Communicator
 
-AXES = ("pp", "dp", "ep", "sp", "tp")  # outermost first; see [Note: mesh layout]
+AXES = ("site", "pp", "dp", "ep", "sp", "tp")  # outermost first; see [Note: mesh layout]
 
 
 class Mesh:
@@ -42,15 +46,16 @@ class Mesh:
         pp: int = 1,
         ep: int = 1,
         sp: int = 1,
+        site: int = 1,
         given: dict[str, Communicator] | None = None,
     ):
         if world.group is not None:
             raise ValueError("mesh: build it over the default process group (Communicator())")
-        others = tp * pp * ep * sp
+        others = site * tp * pp * ep * sp
         if dp is None:
             dp = world.world_size // others if world.world_size % others == 0 else 0
         self.world = world
-        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "sp": sp, "tp": tp}
+        self.sizes = {"site": site, "pp": pp, "dp": dp, "ep": ep, "sp": sp, "tp": tp}
         bad = {axis: size for axis, size in self.sizes.items() if size < 1}
         if bad or math.prod(self.sizes.values()) != world.world_size:
             raise ValueError(
@@ -122,9 +127,22 @@ class Mesh:
 
     @property
     def dp(self) -> Communicator:
-        """The data-parallel group: the ranks that see different data (the expert axis too:
-        expert parallelism is carved out of data parallelism); what the data is split by."""
+        """The data-parallel group: the ranks of a site that see different data (the expert
+        axis too: expert parallelism is carved out of data parallelism); what a step's
+        gradients are averaged over."""
         return self.axis("dp", "ep")
+
+    @property
+    def data(self) -> Communicator:
+        """The ranks that see different data: the data-parallel groups of every site; what the
+        data is split by."""
+        return self.axis("site", "dp", "ep")
+
+    @property
+    def sites(self) -> Communicator:
+        """The ranks holding the same part of the model at each site, which the outer steps
+        exchange it over."""
+        return self.axis("site")
 
     @property
     def zero(self) -> Communicator:

@@ -28,6 +28,7 @@ from zerotrain.config.section import (
     Section,
     canonical_choice,
 )
+from zerotrain.config.sites import SitesConfig
 from zerotrain.config.zero import (
     ZERO_DEFAULTS,
     AioConfig,
@@ -618,6 +619,9 @@ class ZeroTrainConfig(Section):
     """Mixture-of-Experts token exchange; see the moe section."""
     comm_compression: CommCompressionConfig = Field(default_factory=CommCompressionConfig)
     """Communication compression for slow networks; see the comm_compression section."""
+    sites: SitesConfig | None = None
+    """Training across sites joined by slow links (DiLoCo's inner and outer steps); see the
+    sites section. null: one site."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """How `zerotrain.checkpointing` recomputes activations; `initialize` applies it when
     present. See the activation_checkpointing section."""
@@ -724,6 +728,24 @@ class ZeroTrainConfig(Section):
             return data
         section = from_zero_plus_plus(data["zero_optimization"], data.get("comm_compression", {}))
         return data if section is None else {**data, "comm_compression": section}
+
+    @model_validator(mode="after")
+    def _sites_fit(self) -> "ZeroTrainConfig":
+        if self.sites is None or self.sites.synchronous:
+            return self
+        if self.zero_optimization.offload_optimizer.device == "nvme":
+            raise fail(
+                "sites: the outer step moves the masters in memory, and "
+                "zero_optimization.offload_optimizer.device nvme swaps them to disk; offload "
+                "to cpu, or leave sites out"
+            )
+        optimizer = self.optimizer.type if self.optimizer is not None else None
+        if optimizer in ("OneBitAdam", "ZeroOneAdam"):
+            raise fail(
+                f"sites: {optimizer} compresses its own exchange every step, which the sites' "
+                "inner steps keep on their fast links; use Adam or AdamW inside the sites"
+            )
+        return self
 
     @model_validator(mode="after")
     def _compression_fits_the_stage(self) -> "ZeroTrainConfig":

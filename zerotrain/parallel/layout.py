@@ -44,6 +44,7 @@ from zerotrain.sequence.transform import apply_long_context, check_axes
 from zerotrain.tensor_parallel import TensorParallel, from_config, is_split
 from zerotrain.zero import GroupOptions
 from zerotrain.zero.group import ModelParallel
+from zerotrain.zero.host import local_ranks
 from zerotrain.zero.init import owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.optimizer import ShardGroupSpec
@@ -94,8 +95,11 @@ class ParallelLayout:
             pp=model_stages(model),
             ep=expert_parallel_degree(model, cfg, pipelined),
             sp=cfg.sequence_parallel_size,
+            site=_sites(cfg, comm.world_size),
             given={"sp": sequence_group} if sequence_group is not None else None,
         )
+        if mesh.sizes["site"] > 1:
+            _start_sites_alike(model, mesh)
         check_axes(cfg, mesh.sizes)
         place_experts(model, cfg, mesh)
         tensor_parallel = from_config(model, cfg, mesh, mesh.axis("pp") if pipelined else None)
@@ -107,9 +111,10 @@ class ParallelLayout:
     # -- what the loader, the batch arithmetic and DeepSpeed's queries ask -------------------
     @property
     def dp(self) -> Communicator:
-        """The data-parallel group: what the data is split by (and, without sequence
-        parallelism, what dense parameters are sharded over: :attr:`zero`)."""
-        return self.mesh.dp
+        """The ranks that see different data, at every site: what the data is split by (and,
+        at one site without sequence parallelism, what dense parameters are sharded over:
+        :attr:`zero`)."""
+        return self.mesh.data
 
     @property
     def sequence(self) -> Communicator:
@@ -136,8 +141,12 @@ class ParallelLayout:
         return 1 if self.tensor_parallel is None else self.tensor_parallel.size
 
     @property
+    def replica(self) -> int:
+        return self.mesh.coordinates(self.mesh.world.rank)["site"]
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.mesh.dp.world_size
+        return self.mesh.data.world_size
 
     @property
     def sequence_shares(self) -> int:
@@ -177,8 +186,10 @@ class ParallelLayout:
         the norm sums over the ranks holding other experts. ``options``: the config's, for
         this layout's groups to refine."""
         model, mesh = self.model, self.mesh
+        sites = options.sites
         options = replace(
             options,
+            sites=None if sites is None else replace(sites, comm=mesh.sites),
             model_parallel=self._model_parallel(),
             summed={**self.tied, **self._sequence_summed()},
             chunks=model.chunks_of() if isinstance(model, PipelineModule) else {},
@@ -274,3 +285,33 @@ class ParallelLayout:
         for stage_state in stages.all_gather_object({k: v.cpu() for k, v in out.items()}):
             merged.update(stage_state)
         return merged
+
+
+def _sites(cfg: ZeroTrainConfig, world_size: int) -> int:
+    """The sites the ``sites`` section splits ``world_size`` ranks into (1: no section, or
+    synchronous training); ConfigError where they cannot be equal."""
+    sites = cfg.sites
+    if sites is None or sites.synchronous:
+        return 1
+    per_site = sites.ranks_per_site or local_ranks()
+    if world_size % per_site:
+        named = "ranks_per_site" if sites.ranks_per_site else "torchrun's --nproc-per-node"
+        raise ConfigError(
+            f"sites.ranks_per_site: {world_size} ranks do not split into sites of {per_site} "
+            f"({named}); make the ranks a multiple of the site's"
+        )
+    return world_size // per_site
+
+
+def _start_sites_alike(model: nn.Module, mesh: Mesh) -> None:
+    """Every site's model as the first site's (parameters and buffers, over the site axis),
+    before the shard groups take the parameters: the outer steps average the sites' changes
+    from one starting point ([Note: outer steps over shards] in zerotrain/zero/outer_step.py)."""
+    if any(owner_of(p) is not None for p in model.parameters()):
+        raise ConfigError(
+            "sites: a model built under zero.Init holds only its shards at build time, which "
+            "the sites cannot start alike from yet; build it whole, or leave sites out"
+        )
+    sites = mesh.sites
+    for tensor in [*model.parameters(), *model.buffers()]:
+        sites.broadcast(tensor.data, src=sites.root)

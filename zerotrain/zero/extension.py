@@ -7,7 +7,8 @@ global norm and steps the store (or skips the step), ``end_step`` publishes. Som
 and compressions need a word at these phases: 0/1 Adam's local steps keep a step's gradients
 on the rank and rewrite the message of a synchronization; an Adam catching up on sparse
 gradients needs the counts that arrived; ``comm_compression.auto``'s tuner times each step and
-switches codecs. Each is a :class:`StepExtension`: the hooks below, every one a no-op unless it
+switches codecs; training across sites takes an outer step every few steps (outer_step.py).
+Each is a :class:`StepExtension`: the hooks below, every one a no-op unless it
 overrides it, and its own state, which the group saves under the extension's name. They are
 chosen once, in ``_step_extensions`` (group.py), from what the optimizer, the store and the
 options declare; nothing else asks which are present. A new one is a class (here, or beside
@@ -47,6 +48,8 @@ class StepExtension:
     unless a subclass overrides it."""
 
     name: ClassVar[str]  # the key of its state in the group's state_dict
+    # the key of memory_breakdown() its tensors count under
+    memory_kind: ClassVar[str] = "compression"
 
     def keeps_gradient(self, index: int, wire: torch.Tensor) -> bool:
         """Bucket ``index``'s gradient ``wire`` is ready; True: it stays on this rank (it is
@@ -65,6 +68,17 @@ class StepExtension:
     def shares_overflow(self) -> bool:
         """Whether the ranks hold different gradients this step, so that a non-finite norm on
         one must reach the others (one all-reduce of a flag)."""
+        return False
+
+    def wants_masters_now(self) -> bool:
+        """Whether this step must step every master before it ends (not deferred to each
+        bucket's next use), for :meth:`step_applied` to read them."""
+        return False
+
+    def step_applied(self) -> bool:
+        """The store's step was applied (every master stepped, unless deferred: see
+        :meth:`wants_masters_now`), and the parameters are about to be published; True: the
+        extension changed the masters, and the parameters are written from them again."""
         return False
 
     def step_ended(self, applied: bool) -> None:

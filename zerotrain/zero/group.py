@@ -44,6 +44,7 @@ from zerotrain.zero.layout import (
     build_buckets,
 )
 from zerotrain.zero.offload import OffloadOptions
+from zerotrain.zero.outer_step import OuterStep, SiteOptions
 from zerotrain.zero.policy import ZeroPolicy, choose_strategies
 from zerotrain.zero.reduce import GradientReduction
 from zerotrain.zero.store import ShardStore
@@ -200,7 +201,8 @@ class ShardGroup:
         """The store's step over the reduced gradients (attached by :meth:`begin_step`):
         deferred bucket by bucket to each one's next use where the residency allows it."""
         parts = self.residency.param_targets()
-        if self.residency.defers_use:
+        now = any(extension.wants_masters_now() for extension in self.extensions.values())
+        if self.residency.defers_use and not now:
             self._deferred = self.store.step_deferred(parts)
         else:
             self.store.step(parts)
@@ -210,6 +212,9 @@ class ShardGroup:
         skipped: publish, drop the gradients. ``rescaled``: the loss scale's change for the
         next step."""
         if applied:
+            changed = [extension.step_applied() for extension in self.extensions.values()]
+            if any(changed):  # an outer step moved the masters: the parameters follow
+                self.store.write_params(self.residency.param_targets())
             self.residency.publish(self._deferred)
             self._deferred = {}
         self.store.release_grads()
@@ -251,9 +256,11 @@ class ShardGroup:
                 return shared
         return self.store.state_tensor(index, "master")
 
-    def extension_tensors(self) -> list[torch.Tensor]:
-        """What the step extensions keep (for memory accounting)."""
-        return [t for extension in self.extensions.values() for t in extension.tensors()]
+    def extension_tensors(self, kind: str) -> list[torch.Tensor]:
+        """What the step extensions of ``kind`` (``StepExtension.memory_kind``) keep, for
+        memory accounting."""
+        extensions = [e for e in self.extensions.values() if e.memory_kind == kind]
+        return [t for extension in extensions for t in extension.tensors()]
 
     # -- this rank's state besides the masters and the optimizer's -----------------------------
     def state_dict(self) -> dict:
@@ -458,6 +465,8 @@ class GroupOptions:
     # comm_compression.auto: the policies a tuner chooses among as the group trains (None:
     # ``compression`` and ``param_compression`` throughout)
     auto: AutoOptions | None = None
+    # the sites' outer steps (None: one site; see [Note: outer steps over shards])
+    sites: SiteOptions | None = None
 
 
 def build_shard_group(
@@ -621,6 +630,11 @@ def _step_extensions(
         chosen.append(LocalStepsExtension(local_steps))
     if catch_up is not None:
         chosen.append(CatchUpExtension(catch_up, len(reduction.buckets)))
+    if options.sites is not None:
+        masters = store.master_shards()
+        if masters is None:  # the config refuses NVMe offload with sites
+            raise ValueError("sites: the outer step needs the masters in memory, not on NVMe")
+        chosen.append(OuterStep(options.sites, masters, store.optimizer))
     if options.auto is not None and comm.world_size > 1:
         dtype = options.precision.param_dtype if reduction.buckets else torch.float32
         counts = catch_up is not None
@@ -632,7 +646,7 @@ def _step_extensions(
 
 # every step extension by name: what a checkpoint's saved state is matched against
 EXTENSIONS: dict[str, type[StepExtension]] = {
-    e.name: e for e in (LocalStepsExtension, CatchUpExtension, CompressionTuner)
+    e.name: e for e in (LocalStepsExtension, CatchUpExtension, CompressionTuner, OuterStep)
 }
 
 # 1-bit Adam's signs: one fp32 scale per this many (1.6% more bytes than signs alone)

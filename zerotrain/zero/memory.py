@@ -152,7 +152,8 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
     wherever they are (whole, or stage 3's shards and gathered buffers, on the device or the
     host). ``compression`` counts what communication compression keeps between steps (a
     gradient codec's error feedback and low-rank factors, hpZ's secondary partition, 0/1 Adam's
-    local-step windows), also apart."""
+    local-step windows), also apart; ``sites`` what the sites' outer steps keep (the anchor and
+    the outer momentum)."""
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
@@ -180,7 +181,8 @@ def measured_model_states(group: ShardGroup) -> dict[str, int]:
         "frozen": frozen,
         "compression": nbytes(group.reduction.codec.state_tensors())
         + nbytes(group.residency.secondary_tensors())
-        + nbytes(group.extension_tensors()),
+        + nbytes(group.extension_tensors("compression")),
+        "sites": nbytes(group.extension_tensors("sites")),
         "staging": store.staging_bytes(),
         "disk": store.disk_bytes() + group.residency.home.disk_bytes(),
     }

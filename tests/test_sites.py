@@ -1,0 +1,201 @@
+"""Training across sites (zerotrain/zero/outer_step.py): on 4 ranks as 2 sites of 2, each
+stage's inner and outer steps against DiLoCo written plainly in one process; ``inner_steps`` 1
+without an outer optimizer is synchronous training, bit for bit; the config's refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch import nn
+
+from zerotrain.config import ConfigError, check_config
+
+SITES, PER_SITE = 2, 2
+INNER = 3  # inner steps a round
+STEPS = 7  # two outer steps, and one inner step of the third round
+MICRO = 4
+LR = 0.01
+OUTER = {"type": "SGD", "params": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)  # odd sizes: the buckets pad
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch at ``step``: each rank's data its own."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(MICRO, 7, generator=generator), torch.randn(MICRO, 3, generator=generator)
+
+
+def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(net(x), y)
+
+
+def _config(stage: int, sites: dict | None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": None,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    return config if sites is None else {**config, "sites": sites}
+
+
+def _train(runs: list[tuple[int, dict | None]]) -> dict:
+    """Each run (stage, sites section) on this rank: its parameters after every step, and the
+    first micro-batch of samples its dataloader gives."""
+    import zerotrain
+
+    out: dict = {"states": {}, "samples": {}}
+    for stage, sites in runs:
+        net = model()
+        if torch.distributed.get_rank() >= PER_SITE:  # the second site starts elsewhere:
+            with torch.no_grad():  # the layout starts every site from the first's
+                for p in net.parameters():
+                    p.add_(1.0)
+        samples = torch.utils.data.TensorDataset(torch.arange(64))
+        engine, _, loader, _ = zerotrain.initialize(
+            model=net, config=_config(stage, sites), training_data=samples
+        )
+        out["samples"][(stage, str(sites))] = next(iter(loader))[0]
+        states = []
+        for step in range(STEPS):
+            x, y = batch(step, torch.distributed.get_rank())
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+            states.append(engine.consolidated_state_dict())
+        out["states"][(stage, str(sites))] = states
+    return out
+
+
+def diloco(outer: dict | None) -> list[list[dict[str, torch.Tensor]]]:
+    """DiLoCo (arXiv:2311.08105) in one process: per site its model and AdamW, stepped on the
+    mean gradient of its ranks' micro-batches; every ``INNER`` steps each site's change since
+    the anchor averaged, the anchor stepped by SGD (Nesterov) with it as the gradient, and
+    every site set to the anchor. Returns, per step, each site's state."""
+    start = model()
+    nets = [copy.deepcopy(start) for _ in range(SITES)]
+    inner = [torch.optim.AdamW(n.parameters(), lr=LR, weight_decay=0.01) for n in nets]
+    anchor = copy.deepcopy(start)
+    outer_optimizer = (
+        torch.optim.SGD(anchor.parameters(), **outer["params"]) if outer is not None else None
+    )
+    history = []
+    for step in range(STEPS):
+        for site, (net, optimizer) in enumerate(zip(nets, inner, strict=True)):
+            optimizer.zero_grad()
+            for rank in range(site * PER_SITE, (site + 1) * PER_SITE):
+                (loss_of(net, *batch(step, rank)) / PER_SITE).backward()
+            optimizer.step()
+        if (step + 1) % INNER == 0:
+            with torch.no_grad():
+                pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
+                for a, *ps in pairs:
+                    a.grad = torch.stack([a - p for p in ps]).mean(0)
+                if outer_optimizer is None:
+                    for a in anchor.parameters():
+                        a.sub_(a.grad)
+                else:
+                    outer_optimizer.step()
+                for net in nets:
+                    net.load_state_dict(anchor.state_dict())
+        history.append([copy.deepcopy(n.state_dict()) for n in nets])
+    return history
+
+
+def test_every_stage_s_outer_steps_are_diloco_s():
+    """Each rank's parameters after every step, inner and outer, equal its site's in the plain
+    algorithm within 1e-6, at stages 0-3, with SGD's Nesterov outer step and with the average;
+    and ``inner_steps`` 1 without an outer optimizer trains as no sites at all, bit for bit."""
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    averaged = {**sites, "outer_optimizer": None}
+    synchronous = {"inner_steps": 1, "outer_optimizer": None, "ranks_per_site": PER_SITE}
+    runs = [(stage, sites) for stage in (0, 1, 2, 3)]
+    runs += [(2, averaged), (1, synchronous), (1, None)]
+    results = run_distributed(_train, SITES * PER_SITE, runs, timeout=600)
+    expected = {str(sites): diloco(OUTER), str(averaged): diloco(None)}
+    for rank, got in enumerate(results):
+        site = rank // PER_SITE
+        for (stage, section), states in got["states"].items():
+            if section not in expected:
+                continue
+            for step, state in enumerate(states):
+                for key, value in expected[section][step][site].items():
+                    torch.testing.assert_close(
+                        state[key], value, rtol=0, atol=1e-6, msg=f"{stage} {step} {key}"
+                    )
+        plain = got["states"][(1, "None")]
+        for mine, theirs in zip(got["states"][(1, str(synchronous))], plain, strict=True):
+            assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    # the data is split over every site's ranks
+    seen = [r["samples"][(0, str(sites))] for r in results]
+    assert len(torch.cat(seen).unique()) == SITES * PER_SITE * MICRO
+    # the sites trained apart inside a round, and alike after an outer step
+    first, last = results[0]["states"][(0, str(sites))], results[-1]["states"][(0, str(sites))]
+    assert not torch.equal(first[0]["0.weight"], last[0]["0.weight"])
+    assert torch.equal(first[INNER - 1]["0.weight"], last[INNER - 1]["0.weight"])
+
+
+def test_the_sites_section_is_checked():
+    assert check_config({"sites": {}}).sites.inner_steps == 100
+    with pytest.raises(ConfigError, match=r"sites.inner_steps: must be > 0"):
+        check_config({"sites": {"inner_steps": 0}})
+    with pytest.raises(ConfigError, match=r"sites.outer_optimizer.type"):
+        check_config({"sites": {"outer_optimizer": {"type": "Adam"}}})
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "stage": 2}
+    with pytest.raises(ConfigError, match="sites: the outer step moves the masters in memory"):
+        check_config({"sites": {}, "zero_optimization": nvme})
+    # synchronous training: nothing to refuse
+    check_config({"sites": {"inner_steps": 1, "outer_optimizer": None}, "zero_optimization": nvme})
+
+
+def _resume(directory: str) -> dict:
+    """Train 2 sites at stage 2, saving in the middle of the second round; a second engine
+    loads that and trains on. Each rank's states after the last steps, both ways."""
+    import zerotrain
+
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    rank = torch.distributed.get_rank()
+    saved_at = INNER + 1  # inside the second round, the outer momentum set by the first
+
+    def engine_and_steps(steps: range, load: bool) -> list[dict]:
+        engine, *_ = zerotrain.initialize(model=model(), config=_config(2, sites))
+        if load:
+            engine.load_checkpoint(directory)
+        states = []
+        for step in steps:
+            x, y = batch(step, rank)
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+            if step + 1 == saved_at and not load:
+                engine.save_checkpoint(directory)
+            states.append(engine.consolidated_state_dict())
+        return states
+
+    straight = engine_and_steps(range(STEPS + INNER), load=False)
+    resumed = engine_and_steps(range(saved_at, STEPS + INNER), load=True)
+    return {"at_save": straight[saved_at - 1], "straight": straight[saved_at:], "resumed": resumed}
+
+
+def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path):
+    """Saved in the middle of a round, each site's parameters, its inner optimizer and the
+    outer state (the anchor, the outer momentum, the steps into the round) come back: the
+    resumed run's parameters equal the uninterrupted run's, bit for bit, through the next two
+    outer steps."""
+    from zerotrain.checkpoint.export import read_state_dict
+
+    results = run_distributed(_resume, SITES * PER_SITE, str(tmp_path / "ckpt"), timeout=300)
+    for got in results:
+        for straight, resumed in zip(got["straight"], got["resumed"], strict=True):
+            assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # the checkpoint's model is the first site's, as the tools read it
+    saved = read_state_dict(tmp_path / "ckpt")
+    first, second = results[0]["at_save"], results[-1]["at_save"]
+    assert all(torch.equal(saved[k], first[k]) for k in first)
+    assert not all(torch.equal(saved[k], second[k]) for k in second)  # apart in the round

@@ -1,0 +1,161 @@
+"""The outer steps of training across sites: every ``inner_steps`` optimizer steps, the sites'
+parameters meet again (DiLoCo, arXiv:2311.08105).
+
+[Note: outer steps over shards]
+Each site trains as the config says over its own ranks (its shard groups over the site's
+data-parallel ranks), starting from the same parameters as every other site. A rank keeps an
+anchor: its masters as they were after the last outer step (fp32, the shard it holds). Every
+``inner_steps`` applied steps, after the store stepped and before the parameters are
+published, each rank takes its shard's change since the anchor (the pseudo-gradient,
+anchor - master), averages it over the ranks holding the same shard at the other sites (the
+mesh's site axis: one all-reduce of a rank's shard, never a whole model), and steps the
+anchor with the outer optimizer: SGD with momentum and Nesterov's (torch.optim.SGD's update,
+its momentum buffer sharded as the anchor), or, without one, the average itself. The masters
+take the anchor's value, and the group publishes them as after any step: every site leaves
+the outer step with the same parameters. The inner optimizer's state stays each site's own.
+A step deferred to each bucket's next use (stage 3, ``overlap_param_gather``) is not
+deferred at an outer step: every master must be stepped before its change is taken.
+
+[Note: a round in a checkpoint]
+Within a round the sites' masters and inner optimizer states differ. A checkpoint's model
+pieces are the first site's (the parallel layout's ``replica`` 0 writes them: one consistent
+model that any tool reads); each rank of another site keeps its own masters and inner
+optimizer state in this extension's state, beside the anchor, the outer momentum and the
+steps into the round. Loaded at the same world size with the optimizer's state, every rank
+reads the first site's pieces, and the other sites' ranks then put their own back: the round
+goes on exactly. Otherwise the round starts again from the first site's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerotrain.comm import Communicator
+from zerotrain.zero.extension import Resume, StepExtension
+
+__all__ = ["OuterStep", "SiteOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteOptions:
+    """The ``sites`` section as a shard group takes it; ``comm``: the ranks holding the same
+    shard at each site (set by the parallel layout)."""
+
+    inner_steps: int
+    lr: float | None  # None: no outer optimizer, the average is taken
+    momentum: float = 0.0
+    nesterov: bool = False
+    comm: Communicator | None = None
+
+
+class OuterStep(StepExtension):
+    """Outer steps over ``masters`` (the store's, one per bucket; see [Note: outer steps over
+    shards])."""
+
+    name = "outer_step"
+    memory_kind = "sites"
+
+    def __init__(self, options: SiteOptions, masters: list[torch.Tensor], optimizer):
+        assert options.comm is not None, "the parallel layout sets the sites' communicator"
+        self.options = options
+        self.comm = options.comm
+        self.masters = masters
+        self.optimizer = optimizer  # the inner one, stepping ``masters``
+        self.anchors = [m.detach().to(torch.float32, copy=True) for m in masters]
+        self.momenta: list[torch.Tensor | None] = [None] * len(masters)
+        self.inner = 0  # applied steps since the last outer step
+
+    def wants_masters_now(self) -> bool:
+        return self.inner + 1 == self.options.inner_steps
+
+    def step_applied(self) -> bool:
+        self.inner += 1
+        if self.inner < self.options.inner_steps:
+            return False
+        self.inner = 0
+        sites = self.comm.world_size
+        for index, (master, anchor) in enumerate(zip(self.masters, self.anchors, strict=True)):
+            delta = anchor - master.to(torch.float32)
+            self.comm.all_reduce(delta, name="outer_step")
+            delta.div_(sites)
+            anchor.sub_(self._update(index, delta))
+            master.copy_(anchor)
+        return True
+
+    def _update(self, index: int, delta: torch.Tensor) -> torch.Tensor:
+        """What the anchor moves by: torch.optim.SGD's step for the gradient ``delta``."""
+        lr, momentum = self.options.lr, self.options.momentum
+        if lr is None:
+            return delta
+        if momentum:
+            buffer = self.momenta[index]
+            if buffer is None:
+                buffer = self.momenta[index] = delta.clone()
+            else:
+                buffer.mul_(momentum).add_(delta)
+            delta = delta.add(buffer, alpha=momentum) if self.options.nesterov else buffer
+        return delta.mul(lr)
+
+    def masters_set(self) -> None:
+        """A load or a broadcast set the masters: the round starts again from them."""
+        for master, anchor in zip(self.masters, self.anchors, strict=True):
+            anchor.copy_(master)
+        self.inner = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.anchors + [m for m in self.momenta if m is not None]
+
+    def state_dict(self) -> dict:
+        """The round's state; at the sites but the first, the site's own masters and inner
+        optimizer state too (see [Note: a round in a checkpoint])."""
+        state: dict[str, Any] = {
+            "anchors": [a.clone() for a in self.anchors],
+            "momenta": [None if m is None else m.clone() for m in self.momenta],
+            "inner": self.inner,
+        }
+        if self.comm.rank != 0:
+            state["masters"] = [m.detach().clone() for m in self.masters]
+            state["optimizer"] = [_copied(self.optimizer.state.get(m, {})) for m in self.masters]
+        return state
+
+    def load_state_dict(self, state: Any, *, resume: Resume) -> str | None:
+        if state is None or not resume.same_world or not resume.optimizer_loaded:
+            self.masters_set()
+            return None if state is None else _restarted_round(resume)
+        for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
+            anchor.copy_(saved)
+        device = self.anchors[0].device if self.anchors else None
+        self.momenta = [None if m is None else m.to(device) for m in state["momenta"]]
+        self.inner = int(state["inner"])
+        if "masters" in state:  # this site's own, in place of the first site's just loaded
+            for master, saved, kept in zip(
+                self.masters, state["masters"], state["optimizer"], strict=True
+            ):
+                master.copy_(saved)
+                self.optimizer.state[master] = _copied(kept, master.device)
+        return None
+
+    @classmethod
+    def orphaned(cls, state: Any, resume: Resume) -> str | None:
+        if state is None or not state.get("inner"):
+            return None
+        return "the sites' round was under way when saved, and this run trains without sites"
+
+
+def _copied(state: dict, device: torch.device | None = None) -> dict:
+    """An optimizer's state for one tensor, its tensors copied (to ``device``)."""
+    return {
+        key: value.to(device, copy=True) if torch.is_tensor(value) else value
+        for key, value in state.items()
+    }
+
+
+def _restarted_round(resume: Resume) -> str:
+    return (
+        f"the sites' outer state was saved at world size {resume.saved_world_size}, and this "
+        f"run has {resume.world_size} ranks (or loads no optimizer state): the round starts "
+        "again from the loaded parameters, the first site's (the outer momentum is lost)"
+    )
