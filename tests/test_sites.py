@@ -5,7 +5,11 @@ without an outer optimizer is synchronous training, bit for bit; the config's re
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
 
+import netns
 import pytest
 import torch
 from distributed import run_distributed
@@ -47,6 +51,19 @@ def _config(stage: int, sites: dict | None) -> dict:
     return config if sites is None else {**config, "sites": sites}
 
 
+def _steps(engine, steps: range, after=lambda step: None) -> list[dict[str, torch.Tensor]]:
+    """``engine`` trained on this rank's batches of ``steps`` (``after(step)`` after each):
+    its parameters after each step."""
+    states = []
+    for step in steps:
+        x, y = batch(step, torch.distributed.get_rank())
+        engine.backward(loss_of(engine, x, y))
+        engine.step()
+        after(step)
+        states.append(engine.consolidated_state_dict())
+    return states
+
+
 def _train(runs: list[tuple[int, dict | None]]) -> dict:
     """Each run (stage, sites section) on this rank: its parameters after every step, and the
     first micro-batch of samples its dataloader gives."""
@@ -64,13 +81,7 @@ def _train(runs: list[tuple[int, dict | None]]) -> dict:
             model=net, config=_config(stage, sites), training_data=samples
         )
         out["samples"][(stage, str(sites))] = next(iter(loader))[0]
-        states = []
-        for step in range(STEPS):
-            x, y = batch(step, torch.distributed.get_rank())
-            engine.backward(loss_of(engine, x, y))
-            engine.step()
-            states.append(engine.consolidated_state_dict())
-        out["states"][(stage, str(sites))] = states
+        out["states"][(stage, str(sites))] = _steps(engine, range(STEPS))
     return out
 
 
@@ -161,22 +172,18 @@ def _resume(directory: str) -> dict:
     import zerotrain
 
     sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
-    rank = torch.distributed.get_rank()
     saved_at = INNER + 1  # inside the second round, the outer momentum set by the first
 
     def engine_and_steps(steps: range, load: bool) -> list[dict]:
         engine, *_ = zerotrain.initialize(model=model(), config=_config(2, sites))
         if load:
             engine.load_checkpoint(directory)
-        states = []
-        for step in steps:
-            x, y = batch(step, rank)
-            engine.backward(loss_of(engine, x, y))
-            engine.step()
+
+        def save(step: int) -> None:
             if step + 1 == saved_at and not load:
                 engine.save_checkpoint(directory)
-            states.append(engine.consolidated_state_dict())
-        return states
+
+        return _steps(engine, steps, after=save)
 
     straight = engine_and_steps(range(STEPS + INNER), load=False)
     resumed = engine_and_steps(range(saved_at, STEPS + INNER), load=True)
@@ -199,3 +206,92 @@ def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path):
     first, second = results[0]["at_save"], results[-1]["at_save"]
     assert all(torch.equal(saved[k], first[k]) for k in first)
     assert not all(torch.equal(saved[k], second[k]) for k in second)  # apart in the round
+
+
+def _compressed(methods: list[str]) -> dict:
+    """One round and its outer step at stage 1, the change travelling by each of ``methods``:
+    the parameters before and after the outer step, and the bytes the exchange sent."""
+    import zerotrain
+
+    out = {}
+    for method in methods:
+        sites = {
+            "inner_steps": INNER,
+            "outer_optimizer": OUTER,
+            "ranks_per_site": PER_SITE,
+            "compression": {"method": method, "ratio": 0.25},
+        }
+        engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+        states = _steps(engine, range(INNER))
+        (group,) = engine.optimizer.groups
+        out[method] = {"states": states, "sent": group.extensions["outer_step"].sent}
+    return out
+
+
+def test_the_outer_exchange_travels_compressed():
+    """``sites.compression``: int8 and int4 send a quarter and an eighth of the change's bytes
+    (and their blocks' scales), top-k a share of it with its positions; the outer step they
+    take is the uncompressed one to within the quantization (int8 2%, int4 25% of the
+    round's move), and every rank of both sites leaves it with the same parameters."""
+    methods = ["none", "int8", "int4", "topk"]
+    results = run_distributed(_compressed, SITES * PER_SITE, methods, timeout=300)
+    for got in results:
+        whole = got["none"]["sent"]
+        assert whole > 0
+        assert 0.25 < got["int8"]["sent"] / whole < 0.3
+        assert 0.125 < got["int4"]["sent"] / whole < 0.16
+        assert got["topk"]["sent"] < 0.6 * whole
+        start, exact = model().state_dict(), got["none"]["states"][INNER - 1]
+        # within the rounding of a block's largest change over 127 and 7 levels (measured here:
+        # at most 0.8% and 12.4%)
+        for method, bound in (("int8", 0.02), ("int4", 0.25)):
+            moved = got[method]["states"][INNER - 1]
+            for key, value in exact.items():  # against the round's move
+                error = (moved[key] - value).norm() / (value - start[key]).norm()
+                assert error < bound, (method, key, float(error))
+    for method in methods:  # the sites meet: one model on every rank
+        first = results[0][method]["states"][INNER - 1]
+        for got in results[1:]:
+            assert all(torch.equal(first[k], got[method]["states"][INNER - 1][k]) for k in first)
+
+
+TRAIN = ["examples/train_gpt.py", "--model", "tiny", "--steps", "8", "--print-every", "4"]
+
+
+@pytest.mark.slow  # about a minute: the demo on 2 emulated sites, and on one machine
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip, tc)")
+def test_two_emulated_sites_over_a_slow_link_train_as_sites_on_one_machine():
+    """Two network namespaces joined by a 10 Mbit/s link with 20 ms each way (tests/netns.py),
+    2 ranks in each: a site is a torchrun node by default, and the demo trains exactly as the
+    same 4 ranks split into sites of 2 on one machine (the same losses, bit for bit), its
+    outer steps over the slow link."""
+    from launched import output_or_kill
+
+    sites = ["--inner-steps", "4"]
+    with netns.two_namespaces("10mbit", delay="20ms") as nodes:
+        first = nodes[0]
+        rendezvous = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", first.address]
+        rendezvous += ["--master-port", "29613"]
+        runs = [
+            node.run(*rendezvous, "--node-rank", str(i), *TRAIN, *sites)
+            for i, node in enumerate(nodes)
+        ]
+        outputs = [output_or_kill(run, 300, "zerotrain run") for run in runs]
+    for run, output in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, output[-3000:]
+    one_machine = subprocess.run(
+        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "4", *TRAIN, *sites]
+        + ["--ranks-per-site", "2"],
+        cwd=netns.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one_machine.returncode == 0, one_machine.stderr[-3000:]
+    losses = re.compile(r"^\[zerotrain\] step \d+/\d+ \| ETA \S+ \| loss [\d.]+", re.M)
+    summary = re.compile(r"^  (first loss|final loss|validation loss)\s+(.+)$", re.M)
+    across = [m.split("| ETA")[0] + m.split("|")[-1] for m in losses.findall(outputs[0])]
+    here = [m.split("| ETA")[0] + m.split("|")[-1] for m in losses.findall(one_machine.stdout)]
+    assert across == here and len(across) == 2, (across, here)
+    assert summary.findall(outputs[0]) == summary.findall(one_machine.stdout)
+    assert "2 outer steps" in outputs[0], outputs[0][-2000:]

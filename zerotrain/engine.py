@@ -407,6 +407,7 @@ class ZeroTrainEngine(DeepSpeedQueries, nn.Module):
             line = self.metrics.throughput_line(
                 record, self.zerotrain_config.wall_clock_breakdown, self.total_steps
             )
+            line = " | ".join([line, *self.optimizer.progress()])  # the step extensions' own
             self.monitor.flush()
             if self.global_rank == 0:
                 print(line, flush=True)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator
+from zerotrain.compression import GradientCompression
 from zerotrain.config import ZeroTrainConfig
 from zerotrain.precision import DTYPES, LossScaler, lower_precision_grads
 from zerotrain.zero import GroupOptions, ZeroPolicy
@@ -77,15 +78,28 @@ def _site_options(cfg: ZeroTrainConfig) -> SiteOptions | None:
     sites = cfg.sites
     if sites is None or sites.synchronous:
         return None
+    wire = sites.compression
+    compression = (
+        None
+        if wire.method == "none"
+        else GradientCompression(
+            method=wire.method,
+            ratio=wire.ratio,
+            block_size=wire.block_size,
+            min_numel=0,  # a shard is one run of elements: all of it travels compressed
+            catch_up=False,  # the outer SGD takes the change as it comes
+        )
+    )
     outer = sites.outer_optimizer
     if outer is None:
-        return SiteOptions(inner_steps=sites.inner_steps, lr=None)
+        return SiteOptions(inner_steps=sites.inner_steps, lr=None, compression=compression)
     params = outer.params
     return SiteOptions(
         inner_steps=sites.inner_steps,
         lr=params.lr,
         momentum=params.momentum,
         nesterov=params.nesterov,
+        compression=compression,
     )
 
 

@@ -1,13 +1,19 @@
 """The `sites` section: training across sites joined by slow links, DiLoCo's way (see
 docs/sites.md)."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
-from zerotrain.config.section import Beta, PositiveFloat, PositiveInt, Section
+from zerotrain.config.section import (
+    Beta,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    reject_bool,
+)
 
-__all__ = ["OuterOptimizerConfig", "OuterSGDParams", "SitesConfig"]
+__all__ = ["OuterCompressionConfig", "OuterOptimizerConfig", "OuterSGDParams", "SitesConfig"]
 
 
 class OuterSGDParams(Section):
@@ -31,6 +37,22 @@ class OuterOptimizerConfig(Section):
     """Its hyperparameters."""
 
 
+class OuterCompressionConfig(Section):
+    """`sites.compression`: how the outer exchange travels between the sites (the links
+    inside a site are configured by `comm_compression`). The codecs are
+    `comm_compression.gradients`' element-wise ones (docs/compression.md), over each rank's
+    shard of the sites' parameter change."""
+
+    method: Literal["none", "int8", "int4", "topk"] = "none"
+    """`int8`, `int4`: block-wise quantized (4x, 8x fewer bytes); `topk`: each rank's `ratio`
+    largest elements of its change, with error feedback (what is left out is added to the
+    next outer step's change)."""
+    ratio: Annotated[float, BeforeValidator(reject_bool), Field(gt=0, le=1)] = 0.01
+    """topk: the fraction of the change sent."""
+    block_size: PositiveInt = 256
+    """int8 / int4: elements per quantization block, each with its own fp32 scale."""
+
+
 class SitesConfig(Section):
     """Training across sites (a zerotrain section; docs/sites.md): each site trains as the rest
     of the config says over its own ranks (ZeRO inside it), for `inner_steps` optimizer steps
@@ -44,6 +66,8 @@ class SitesConfig(Section):
     """Optimizer steps each site takes alone between outer steps (DiLoCo's H)."""
     outer_optimizer: OuterOptimizerConfig | None = Field(default_factory=OuterOptimizerConfig)
     """The outer step; null: the sites' parameters are averaged."""
+    compression: OuterCompressionConfig = Field(default_factory=OuterCompressionConfig)
+    """How the outer exchange travels; see the sites.compression section."""
     ranks_per_site: PositiveInt | None = None
     """Ranks of each site, consecutive (site 0 is ranks 0 to ranks_per_site - 1); null: a
     site is one of torchrun's nodes (its `--nproc-per-node` ranks)."""

@@ -97,6 +97,10 @@ class StepExtension:
         """The tensors it keeps (for memory accounting)."""
         return []
 
+    def progress(self) -> str | None:
+        """What it adds to the throughput line (None: nothing)."""
+        return None
+
     def state_dict(self) -> Any:
         return None
 

@@ -256,6 +256,11 @@ class ShardGroup:
                 return shared
         return self.store.state_tensor(index, "master")
 
+    def progress(self) -> list[str]:
+        """What the step extensions add to the throughput line."""
+        texts = (extension.progress() for extension in self.extensions.values())
+        return [text for text in texts if text]
+
     def extension_tensors(self, kind: str) -> list[torch.Tensor]:
         """What the step extensions of ``kind`` (``StepExtension.memory_kind``) keep, for
         memory accounting."""

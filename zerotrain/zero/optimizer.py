@@ -236,6 +236,10 @@ class ZeroOptimizer:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    def progress(self) -> list[str]:
+        """What the groups' step extensions add to the throughput line (each text once)."""
+        return list(dict.fromkeys(text for group in self.groups for text in group.progress()))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new gradient accumulation (``set_to_none`` is accepted; buffers are reused)."""
         del set_to_none

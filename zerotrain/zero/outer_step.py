@@ -9,7 +9,9 @@ anchor: its masters as they were after the last outer step (fp32, the shard it h
 published, each rank takes its shard's change since the anchor (the pseudo-gradient,
 anchor - master), averages it over the ranks holding the same shard at the other sites (the
 mesh's site axis: one all-reduce of a rank's shard, never a whole model), and steps the
-anchor with the outer optimizer: SGD with momentum and Nesterov's (torch.optim.SGD's update,
+anchor with the outer optimizer (the change travels as ``sites.compression`` says: whole,
+quantized, or its top-k with error feedback, through the gradients' codecs): SGD with
+momentum and Nesterov's (torch.optim.SGD's update,
 its momentum buffer sharded as the anchor), or, without one, the average itself. The masters
 take the anchor's value, and the group publishes them as after any step: every site leaves
 the outer step with the same parameters. The inner optimizer's state stays each site's own.
@@ -28,12 +30,15 @@ goes on exactly. Otherwise the round starts again from the first site's paramete
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zerotrain.comm import Communicator
+from zerotrain.compression import BucketShape, GradientCompression, make_codec
+from zerotrain.fmt import quantity
 from zerotrain.zero.extension import Resume, StepExtension
 
 __all__ = ["OuterStep", "SiteOptions"]
@@ -48,6 +53,7 @@ class SiteOptions:
     lr: float | None  # None: no outer optimizer, the average is taken
     momentum: float = 0.0
     nesterov: bool = False
+    compression: GradientCompression | None = None  # how the change travels (None: whole)
     comm: Communicator | None = None
 
 
@@ -67,6 +73,13 @@ class OuterStep(StepExtension):
         self.anchors = [m.detach().to(torch.float32, copy=True) for m in masters]
         self.momenta: list[torch.Tensor | None] = [None] * len(masters)
         self.inner = 0  # applied steps since the last outer step
+        world = self.comm.world_size
+        # each master's change as a bucket of one run of elements, padded to the sites
+        shapes = [BucketShape(-(-m.numel() // world) * world, [(0, (m.numel(),))]) for m in masters]
+        self.codec = make_codec(options.compression, self.comm, shapes)
+        self.sent = 0  # bytes this rank sent in outer exchanges
+        self.busy = 0.0  # seconds it spent in them
+        self.rounds = 0  # outer steps taken by this process
 
     def wants_masters_now(self) -> bool:
         return self.inner + 1 == self.options.inner_steps
@@ -76,14 +89,30 @@ class OuterStep(StepExtension):
         if self.inner < self.options.inner_steps:
             return False
         self.inner = 0
+        sent, started = _sent(self.comm), time.perf_counter()
         sites = self.comm.world_size
         for index, (master, anchor) in enumerate(zip(self.masters, self.anchors, strict=True)):
-            delta = anchor - master.to(torch.float32)
-            self.comm.all_reduce(delta, name="outer_step")
+            padded = anchor.new_zeros(self.codec.buckets[index].numel_padded)
+            delta = padded[: anchor.numel()]
+            torch.sub(anchor, master.to(torch.float32), out=delta)
+            self.codec.all_reduce(index, padded).wait()
             delta.div_(sites)
             anchor.sub_(self._update(index, delta))
             master.copy_(anchor)
+        self.codec.end_step()
+        self.sent += _sent(self.comm) - sent
+        self.busy += time.perf_counter() - started
+        self.rounds += 1
         return True
+
+    def progress(self) -> str:
+        """The round and the outer exchanges so far (this rank's bytes sent and time in them:
+        the slow link's busy time)."""
+        text = f"sites: step {self.inner}/{self.options.inner_steps} of the round"
+        if self.rounds:
+            sent = quantity(self.sent / self.rounds, "B")
+            text += f", {self.rounds} outer steps ({sent} sent each, {self.busy:.2f} s in them)"
+        return text
 
     def _update(self, index: int, delta: torch.Tensor) -> torch.Tensor:
         """What the anchor moves by: torch.optim.SGD's step for the gradient ``delta``."""
@@ -106,7 +135,8 @@ class OuterStep(StepExtension):
         self.inner = 0
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.anchors + [m for m in self.momenta if m is not None]
+        kept = self.codec.state_tensors()
+        return self.anchors + [m for m in self.momenta if m is not None] + kept
 
     def state_dict(self) -> dict:
         """The round's state; at the sites but the first, the site's own masters and inner
@@ -115,6 +145,7 @@ class OuterStep(StepExtension):
             "anchors": [a.clone() for a in self.anchors],
             "momenta": [None if m is None else m.clone() for m in self.momenta],
             "inner": self.inner,
+            "codec": self.codec.state_dict(),
         }
         if self.comm.rank != 0:
             state["masters"] = [m.detach().clone() for m in self.masters]
@@ -130,6 +161,7 @@ class OuterStep(StepExtension):
         device = self.anchors[0].device if self.anchors else None
         self.momenta = [None if m is None else m.to(device) for m in state["momenta"]]
         self.inner = int(state["inner"])
+        self.codec.load_state_dict(state["codec"], steps=self.codec.steps)
         if "masters" in state:  # this site's own, in place of the first site's just loaded
             for master, saved, kept in zip(
                 self.masters, state["masters"], state["optimizer"], strict=True
@@ -143,6 +175,11 @@ class OuterStep(StepExtension):
         if state is None or not state.get("inner"):
             return None
         return "the sites' round was under way when saved, and this run trains without sites"
+
+
+def _sent(comm: Communicator) -> int:
+    """Bytes ``comm``'s engine has sent so far (its account, shared by its groups)."""
+    return sum(stats.sent for stats in comm.stats.values())
 
 
 def _copied(state: dict, device: torch.device | None = None) -> dict:
