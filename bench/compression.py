@@ -364,28 +364,12 @@ def _trainer(spec: dict, model) -> Trainer:
 
 # -- the driver (root) ---------------------------------------------------------------------------
 def run_row(nodes, name: str, spec: dict, args, port: int) -> dict | str:
-    from launched import output_or_kill
+    from netns import run_job
 
-    out = Path(f"/tmp/bench-compression-{os.getpid()}.json")
-    out.unlink(missing_ok=True)
     spec = {**spec, "steps": args.steps, "micro_batch": args.micro_batch}
     spec["eval_every"] = args.eval_every
-    per_node = str(args.ranks_per_node)
-    rendezvous = ["--nnodes", "2", "--nproc-per-node", per_node, "--master-addr", nodes[0].address]
-    script = ["bench/compression.py", "--worker", json.dumps(spec), "--out", str(out)]
-    processes = [
-        node.run(*rendezvous, "--master-port", str(port), "--node-rank", str(i), *script)
-        for i, node in enumerate(nodes)
-    ]
-    outputs = [output_or_kill(p, 3600, name) for p in processes]
-    if any(p.returncode for p in processes) or not out.exists():
-        log = Path(f"/tmp/bench-compression-{port}.log")
-        log.write_text("\n\n".join(outputs))
-        errors = [line for line in "\n".join(outputs).splitlines() if "Error" in line]
-        return f"failed ({log}): {errors[-1] if errors else 'see the log'}"
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
+    script = ["bench/compression.py", "--worker", json.dumps(spec), "--out", "{out}"]
+    return run_job(nodes, script, ranks_per_node=args.ranks_per_node, port=port, name=name)
 
 
 def smoothed(losses: list[float], window: int = 10) -> list[float]:
@@ -496,21 +480,14 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker), args.out)
         return
-    from netns import available, two_namespaces
+    from netns import run_rows
 
-    if not available():
-        sys.exit("bench/compression.py needs root, ip and tc (network namespaces)")
-    # one thread per rank: the two ranks share this machine's cores, and torch's default of
-    # one thread per core would put two ranks' threads on each (spikes of seconds, measured)
-    os.environ["OMP_NUM_THREADS"] = "1"
     rows = list(dict.fromkeys(["zerotrain s1", *args.rows]))  # the target loss's row first
-    results: dict = {}
-    with two_namespaces(args.rate, args.delay or None) as nodes:
-        for index, name in enumerate(rows):
-            started = time.perf_counter()
-            results[name] = run_row(nodes, name, ROWS[name], args, 29700 + index)
-            state = "ok" if isinstance(results[name], dict) else results[name]
-            print(f"{name}: {time.perf_counter() - started:.0f} s, {state}", flush=True)
+
+    def row(nodes, name: str, port: int) -> dict | str:
+        return run_row(nodes, name, ROWS[name], args, port)
+
+    results = run_rows("bench/compression.py", args.rate, args.delay, rows, row, 29700)
     lines, figures = summarize(results, args)
     print("\n" + "\n".join(lines))
     slug = re.sub(r"\W+", "", args.rate)

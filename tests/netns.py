@@ -139,3 +139,54 @@ def two_namespaces(rate: str = "200mbit", delay: str | None = None) -> Iterator[
         if line is not None:  # its TUN devices go with it
             line.kill()
             line.wait()
+
+
+def run_job(nodes: list[Node], script: list[str], *, ranks_per_node: int, port: int, name: str):
+    """``zerotrain run SCRIPT`` on both nodes, ``ranks_per_node`` ranks each, its rendezvous at
+    the first node's ``port``; the JSON the job wrote to the file named after ``--out`` in
+    ``script``'s place of ``{out}``, or a line saying why there is none (the outputs in a log
+    under /tmp). For benches that run one job per row (bench/compression.py, bench/sites.py)."""
+    import json
+
+    from launched import output_or_kill
+
+    out = Path(f"/tmp/zt-job-{os.getpid()}-{port}.json")
+    out.unlink(missing_ok=True)
+    per_node = str(ranks_per_node)
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", per_node, "--master-addr", nodes[0].address]
+    command = [part.replace("{out}", str(out)) for part in script]
+    processes = [
+        node.run(*rendezvous, "--master-port", str(port), "--node-rank", str(i), *command)
+        for i, node in enumerate(nodes)
+    ]
+    outputs = [output_or_kill(p, 3600, name) for p in processes]
+    if any(p.returncode for p in processes) or not out.exists():
+        log = Path(f"/tmp/zt-job-{port}.log")
+        log.write_text("\n\n".join(outputs))
+        errors = [line for line in "\n".join(outputs).splitlines() if "Error" in line]
+        return f"failed ({log}): {errors[-1] if errors else 'see the log'}"
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def run_rows(script: str, rate: str, delay: str | None, rows: list[str], run_row, port: int):
+    """Each of ``rows`` as ``run_row(nodes, row, port)`` (a job: :func:`run_job`), in two
+    namespaces joined by a link of ``rate`` and ``delay``, one after the other, each row's time
+    and outcome printed; the results by row. Exits saying so where namespaces cannot be made
+    here (``script`` names the caller)."""
+    import time
+
+    if not available():
+        sys.exit(f"{script} needs root, ip and tc (network namespaces)")
+    # one thread per rank: the ranks share this machine's cores, and torch's default of one
+    # thread per core would put two ranks' threads on each (spikes of seconds, measured)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    results: dict = {}
+    with two_namespaces(rate, delay or None) as nodes:
+        for index, row in enumerate(rows):
+            started = time.perf_counter()
+            results[row] = run_row(nodes, row, port + index)
+            state = "ok" if isinstance(results[row], dict) else results[row]
+            print(f"{row}: {time.perf_counter() - started:.0f} s, {state}", flush=True)
+    return results

@@ -1,0 +1,217 @@
+"""Training across two emulated sites joined by a slow link: time to a held-out loss and bytes
+across the link per token, sites (DiLoCo's outer steps every H steps) against synchronous
+ZeRO with `comm_compression.auto`, in one run.
+
+    sudo python bench/sites.py [--rate 10mbit] [--delay 20ms] [--steps 200]
+                               [--ranks-per-site 2] [--eval-every 10] [--rows ...]
+
+Two network namespaces (tests/netns.py: TUN devices and the delay line of tests/delay_line.py
+with `--delay`, rate-limited with `tc`), `--ranks-per-site` ranks in each (`zerotrain run`,
+torchrun's rendezvous over the link; a site is a node), train the tiny GPT of examples/gpt on
+the embedded corpus, fp32, ZeRO stage 1, AdamW (lr 1e-3 after 10 warm-up steps, clipping at
+1.0), the same batches in every row, for the same steps (the same tokens). Per row:
+- the wall time of the steps (evaluations outside it) and the bytes that left the first
+  site's end of the link (`tx_bytes`, TCP/IP included), per token trained;
+- the loss on 16 held-out windows every `--eval-every` steps, the mean over the ranks (with
+  sites, over the sites' models), and at the end;
+- the time to reach the synchronous row's held-out loss at 80% of its steps.
+The rows: `sync auto` (every step's gradients over the link, `comm_compression.auto` choosing
+int8 where it pays), `sites H=10/50/100` (outer steps every H steps, Nesterov SGD lr 0.7,
+momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameters averaged),
+`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized). Needs root and iproute2.
+Writes bench/results/sites_<rate>_<delay>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+OUTER = {"type": "SGD", "params": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+ROWS = {
+    "sync auto": {"comm_compression": {"auto": True}},
+    "sites H=10": {"sites": {"inner_steps": 10, "outer_optimizer": OUTER}},
+    "sites H=50": {"sites": {"inner_steps": 50, "outer_optimizer": OUTER}},
+    "sites H=100": {"sites": {"inner_steps": 100, "outer_optimizer": OUTER}},
+    "sites H=50 average": {"sites": {"inner_steps": 50, "outer_optimizer": None}},
+    "sites H=10 average": {"sites": {"inner_steps": 10, "outer_optimizer": None}},
+    "sites H=50 int8": {
+        "sites": {"inner_steps": 50, "outer_optimizer": OUTER, "compression": {"method": "int8"}}
+    },
+    "sites H=50 average int8": {
+        "sites": {"inner_steps": 50, "outer_optimizer": None, "compression": {"method": "int8"}}
+    },
+}
+BASELINE = "sync auto"
+HELD_OUT_WINDOWS = 16
+MICRO_BATCH = 8
+
+
+# -- one rank of one row (inside a namespace) ----------------------------------------------------
+def worker(spec: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from gpt.data import train_val_datasets
+    from gpt.model import GPT, gpt_config
+
+    import zerotrain
+
+    torch.manual_seed(0)
+    config = gpt_config("tiny")
+    train_set, val_set = train_val_datasets(config.block_size)
+    engine = zerotrain.initialize(model=GPT(config), config=_config(spec))[0]
+    rank, world = engine.global_rank, engine.world_size
+    interface = os.environ["GLOO_SOCKET_IFNAME"]
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
+    spread = torch.linspace(0, len(val_set) - 1, HELD_OUT_WINDOWS).long().tolist()
+    held_x, held_y = (torch.stack(t) for t in zip(*(val_set[i] for i in spread), strict=True))
+
+    def mean(value: float) -> float:
+        tensor = torch.tensor([value])
+        dist.all_reduce(tensor)
+        return tensor.item() / world
+
+    @torch.no_grad()
+    def held_out() -> float:
+        engine.eval()
+        loss = engine(held_x, held_y).item()
+        engine.train()
+        return mean(loss)
+
+    times, evaluations = [], []
+    sent = _tx_bytes(interface)
+    for step in range(spec["steps"]):
+        first = (step * world + rank) * MICRO_BATCH
+        batch = [train_set[int(i)] for i in order[first : first + MICRO_BATCH]]
+        x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+        start = time.perf_counter()
+        engine.backward(engine(x, y))
+        engine.step()
+        mean(0.0)  # the window closes when every rank has stepped
+        times.append(time.perf_counter() - start)
+        if (step + 1) % spec["eval_every"] == 0:
+            before = _tx_bytes(interface)  # the evaluation's own bytes are left out
+            evaluations.append([step, held_out()])
+            sent -= _tx_bytes(interface) - before
+    sent = _tx_bytes(interface) - sent
+    dist.barrier()  # then leave together: gloo aborts a process whose peer closed first
+    if rank == 0:
+        tokens = spec["steps"] * world * MICRO_BATCH * config.block_size
+        result = {"times": times, "held_out": evaluations, "tx_bytes": sent, "tokens": tokens}
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _config(spec: dict) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10},
+        },
+        "gradient_clipping": 1.0,
+        "steps_per_print": None,
+        "zero_optimization": {"stage": 1},
+        **ROWS[spec["row"]],
+    }
+
+
+def _tx_bytes(interface: str) -> int:
+    return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
+
+
+# -- the driver (root) ---------------------------------------------------------------------------
+def run_row(nodes, row: str, args, port: int) -> dict | str:
+    from netns import run_job
+
+    spec = {"row": row, "steps": args.steps, "eval_every": args.eval_every}
+    script = ["bench/sites.py", "--worker", json.dumps(spec), "--out", "{out}"]
+    return run_job(nodes, script, ranks_per_node=args.ranks_per_site, port=port, name=row)
+
+
+def summarize(results: dict) -> list[str]:
+    """A table row per run: time, held-out loss, bytes per token, and against the baseline."""
+    base = results.get(BASELINE)
+    target = None
+    if isinstance(base, dict) and base["held_out"]:
+        at = int(0.8 * len(base["held_out"])) - 1
+        target = base["held_out"][max(0, at)][1]
+    lines = [
+        f"target held-out loss: {target:.4f} ({BASELINE} at 80% of its steps)"
+        if target is not None
+        else "no target: the baseline did not run",
+        "| row | time s | final held-out loss | vs sync | bytes/token | sync's bytes over | "
+        "time to target s | sync's time over |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, got in results.items():
+        if not isinstance(got, dict):
+            lines.append(f"| {row} | {got} |")
+            continue
+        seconds, final = sum(got["times"]), got["held_out"][-1][1]
+        per_token = got["tx_bytes"] / got["tokens"]
+        reached = _time_to(got, target)
+        cells = [row, f"{seconds:.1f}", f"{final:.4f}"]
+        if isinstance(base, dict):
+            base_final = base["held_out"][-1][1]
+            base_reached = _time_to(base, target)
+            cells.append(f"{final / base_final - 1:+.1%}")
+            cells += [f"{per_token:.1f}", f"{base['tx_bytes'] / max(1, got['tx_bytes']):.0f}x"]
+            cells.append("-" if reached is None else f"{reached:.1f}")
+            speedup = None if reached is None or base_reached is None else base_reached / reached
+            cells.append("-" if speedup is None else f"{speedup:.1f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _time_to(got: dict, target: float | None) -> float | None:
+    """The steps' time until the first held-out loss at or below ``target``."""
+    if target is None:
+        return None
+    step = next((step for step, loss in got["held_out"] if loss <= target), None)
+    return None if step is None else sum(got["times"][: step + 1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", default="10mbit", help="the link's rate each way (tc)")
+    parser.add_argument("--delay", default="20ms", help="added to each packet each way")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--ranks-per-site", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker), args.out)
+        return
+    from netns import run_rows
+
+    rows = list(dict.fromkeys([BASELINE, *args.rows]))  # the target's row first
+
+    def row(nodes, name: str, port: int) -> dict | str:
+        return run_row(nodes, name, args, port)
+
+    results = run_rows("bench/sites.py", args.rate, args.delay, rows, row, 29800)
+    lines = summarize(results)
+    print("\n" + "\n".join(lines))
+    slug = re.sub(r"\W+", "", args.rate) + "_" + re.sub(r"[^\w.]+", "", args.delay or "0ms")
+    out = ROOT / "bench" / "results" / f"sites_{slug}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "table": lines, "raw": results}, indent=1))
+    print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
