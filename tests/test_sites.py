@@ -155,6 +155,8 @@ def test_every_stage_s_outer_steps_are_diloco_s():
 
 def test_the_sites_section_is_checked():
     assert check_config({"sites": {}}).sites.inner_steps == 100
+    auto = check_config({"sites": {"compression": {"method": "auto"}}})  # not HF's placeholder
+    assert auto.sites.compression.method == "auto"
     with pytest.raises(ConfigError, match=r"sites.inner_steps: must be > 0"):
         check_config({"sites": {"inner_steps": 0}})
     with pytest.raises(ConfigError, match=r"sites.outer_optimizer.type"):
@@ -253,6 +255,39 @@ def test_the_outer_exchange_travels_compressed():
         first = results[0][method]["states"][INNER - 1]
         for got in results[1:]:
             assert all(torch.equal(first[k], got[method]["states"][INNER - 1][k]) for k in first)
+
+
+def _auto(beta: float) -> tuple[str, str, str]:
+    """One round with ``sites.compression`` auto, the sites' link probed as ``beta`` bytes a
+    second: the codec chosen, the step line's text, and the first round's own method after a
+    checkpoint's resume (it chooses again)."""
+    import zerotrain
+    from zerotrain.comm.link import Link
+    from zerotrain.zero import outer_step
+
+    outer_step.probe_link = lambda comm: Link(alpha=1e-4, beta=beta)
+    sites = {
+        "inner_steps": INNER,
+        "ranks_per_site": PER_SITE,
+        "compression": {"method": "auto"},
+    }
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+    (group,) = engine.optimizer.groups
+    outer = group.extensions["outer_step"]
+    before = outer.codec.method
+    _steps(engine, range(INNER))
+    return before, outer.codec.method, engine.optimizer.progress()[0]
+
+
+def test_auto_chooses_the_outer_exchange_s_codec_from_the_link():
+    """``sites.compression`` auto sends the change whole until the first outer step, then
+    measures the link and costs each codec on the rank's shards: int8 on a slow link, whole
+    on a fast one; the step line says which and why."""
+    slow = run_distributed(_auto, SITES * PER_SITE, 1e5, timeout=300)
+    fast = run_distributed(_auto, SITES * PER_SITE, 1e13, timeout=300)
+    for (before, chosen, line), want in [(r, "int8") for r in slow] + [(r, "none") for r in fast]:
+        assert before == "none" and chosen == want, (chosen, line)
+        assert "outer exchange" in line and "uncompressed" in line and "int8" in line, line
 
 
 TRAIN = ["examples/train_gpt.py", "--model", "tiny", "--steps", "8", "--print-every", "4"]

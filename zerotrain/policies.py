@@ -12,6 +12,7 @@ from torch import nn
 from zerotrain.comm import Communicator
 from zerotrain.compression import GradientCompression
 from zerotrain.config import ZeroTrainConfig
+from zerotrain.config.compression import AUTO_DEFAULT_METHOD
 from zerotrain.precision import DTYPES, LossScaler, lower_precision_grads
 from zerotrain.zero import GroupOptions, ZeroPolicy
 from zerotrain.zero.compression_options import (
@@ -79,27 +80,30 @@ def _site_options(cfg: ZeroTrainConfig) -> SiteOptions | None:
     if sites is None or sites.synchronous:
         return None
     wire = sites.compression
-    compression = (
-        None
-        if wire.method == "none"
-        else GradientCompression(
-            method=wire.method,
+
+    def codec(method: str) -> GradientCompression:
+        return GradientCompression(
+            method=method,
             ratio=wire.ratio,
             block_size=wire.block_size,
             min_numel=0,  # a shard is one run of elements: all of it travels compressed
             catch_up=False,  # the outer SGD takes the change as it comes
         )
-    )
+
+    travel = {
+        "compression": None if wire.method in ("none", "auto") else codec(wire.method),
+        "choices": (None, codec(AUTO_DEFAULT_METHOD)) if wire.method == "auto" else (),
+    }
     outer = sites.outer_optimizer
     if outer is None:
-        return SiteOptions(inner_steps=sites.inner_steps, lr=None, compression=compression)
+        return SiteOptions(inner_steps=sites.inner_steps, lr=None, **travel)
     params = outer.params
     return SiteOptions(
         inner_steps=sites.inner_steps,
         lr=params.lr,
         momentum=params.momentum,
         nesterov=params.nesterov,
-        compression=compression,
+        **travel,
     )
 
 

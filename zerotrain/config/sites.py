@@ -43,10 +43,12 @@ class OuterCompressionConfig(Section):
     `comm_compression.gradients`' element-wise ones (docs/compression.md), over each rank's
     shard of the sites' parameter change."""
 
-    method: Literal["none", "int8", "int4", "topk"] = "none"
+    method: Literal["none", "int8", "int4", "topk", "auto"] = "none"
     """`int8`, `int4`: block-wise quantized (4x, 8x fewer bytes); `topk`: each rank's `ratio`
     largest elements of its change, with error feedback (what is left out is added to the
-    next outer step's change)."""
+    next outer step's change); `auto`: none or int8, whichever costs less on the sites' link,
+    measured at the first outer step (its alpha and beta, and each codec's own compute), as
+    `comm_compression.auto` chooses; the step line says which."""
     ratio: Annotated[float, BeforeValidator(reject_bool), Field(gt=0, le=1)] = 0.01
     """topk: the fraction of the change sent."""
     block_size: PositiveInt = 256

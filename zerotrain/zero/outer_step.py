@@ -37,7 +37,9 @@ from typing import Any
 import torch
 
 from zerotrain.comm import Communicator
+from zerotrain.comm.link import PROBE, probe_link
 from zerotrain.compression import BucketShape, GradientCompression, make_codec
+from zerotrain.compression.auto import Policy, Traffic, policy_costs
 from zerotrain.fmt import quantity
 from zerotrain.zero.extension import Resume, StepExtension
 
@@ -54,6 +56,9 @@ class SiteOptions:
     momentum: float = 0.0
     nesterov: bool = False
     compression: GradientCompression | None = None  # how the change travels (None: whole)
+    # ``sites.compression.method`` auto: the ways it may travel, the cheapest on the measured
+    # link chosen at the first outer step (``compression`` then unused)
+    choices: tuple[GradientCompression | None, ...] = ()
     comm: Communicator | None = None
 
 
@@ -75,8 +80,13 @@ class OuterStep(StepExtension):
         self.inner = 0  # applied steps since the last outer step
         world = self.comm.world_size
         # each master's change as a bucket of one run of elements, padded to the sites
-        shapes = [BucketShape(-(-m.numel() // world) * world, [(0, (m.numel(),))]) for m in masters]
-        self.codec = make_codec(options.compression, self.comm, shapes)
+        self.shapes = [
+            BucketShape(-(-m.numel() // world) * world, [(0, (m.numel(),))]) for m in masters
+        ]
+        self.codec = make_codec(options.compression, self.comm, self.shapes)
+        self.undecided = bool(options.choices)  # auto: the codec is chosen at the first round
+        self.decision = ""  # what auto chose, and why
+        self.loaded_codec: dict | None = None  # a checkpoint's, for the codec auto chooses
         self.sent = 0  # bytes this rank sent in outer exchanges
         self.busy = 0.0  # seconds it spent in them
         self.rounds = 0  # outer steps taken by this process
@@ -90,6 +100,8 @@ class OuterStep(StepExtension):
             return False
         self.inner = 0
         sent, started = _sent(self.comm), time.perf_counter()
+        if self.undecided:
+            self._choose_codec()
         sites = self.comm.world_size
         for index, (master, anchor) in enumerate(zip(self.masters, self.anchors, strict=True)):
             padded = anchor.new_zeros(self.codec.buckets[index].numel_padded)
@@ -105,6 +117,28 @@ class OuterStep(StepExtension):
         self.rounds += 1
         return True
 
+    def _choose_codec(self) -> None:
+        """``sites.compression`` auto: the way the change travels that costs least on the
+        sites' link, measured now (its alpha and beta, and each codec run on this rank's
+        shards over a communicator that sends nothing: compression/auto.py's
+        ``policy_costs``), the same on every rank of the group (the slowest rank's costs)."""
+        link = probe_link(self.comm)
+        policies = tuple(Policy(gradients=choice) for choice in self.options.choices)
+        every = dict.fromkeys(range(len(self.shapes)), 1.0)
+        traffic = Traffic("all_reduce", every, {}, torch.float32, torch.float32)
+        costs = policy_costs(policies, traffic, self.comm, self.shapes)
+        world = self.comm.world_size
+        seconds = torch.tensor([c.seconds(link, world) for c in costs], dtype=torch.float64)
+        self.comm.all_reduce(seconds, op="max", name=PROBE)
+        best = int(seconds.argmin())
+        self.codec = make_codec(self.options.choices[best], self.comm, self.shapes)
+        if self.loaded_codec is not None:
+            self.codec.load_state_dict(self.loaded_codec, steps=0)
+        priced = zip(policies, seconds.tolist(), strict=True)
+        predicted = ", ".join(f"{policy.name} {t:.2f} s" for policy, t in priced)
+        self.decision = f"outer exchange {policies[best].name} ({predicted}; {link.describe()})"
+        self.undecided = False
+
     def progress(self) -> str:
         """The round and the outer exchanges so far (this rank's bytes sent and time in them:
         the slow link's busy time)."""
@@ -112,7 +146,7 @@ class OuterStep(StepExtension):
         if self.rounds:
             sent = quantity(self.sent / self.rounds, "B")
             text += f", {self.rounds} outer steps ({sent} sent each, {self.busy:.2f} s in them)"
-        return text
+        return f"{text}, {self.decision}" if self.decision else text
 
     def _update(self, index: int, delta: torch.Tensor) -> torch.Tensor:
         """What the anchor moves by: torch.optim.SGD's step for the gradient ``delta``."""
@@ -161,7 +195,10 @@ class OuterStep(StepExtension):
         device = self.anchors[0].device if self.anchors else None
         self.momenta = [None if m is None else m.to(device) for m in state["momenta"]]
         self.inner = int(state["inner"])
-        self.codec.load_state_dict(state["codec"], steps=self.codec.steps)
+        if self.undecided:  # auto chooses again at the next outer step, then takes it
+            self.loaded_codec = state["codec"]
+        else:
+            self.codec.load_state_dict(state["codec"], steps=self.codec.steps)
         if "masters" in state:  # this site's own, in place of the first site's just loaded
             for master, saved, kept in zip(
                 self.masters, state["masters"], state["optimizer"], strict=True
