@@ -8,6 +8,7 @@ import copy
 import re
 import subprocess
 import sys
+import time
 
 import netns
 import pytest
@@ -330,3 +331,56 @@ def test_two_emulated_sites_over_a_slow_link_train_as_sites_on_one_machine():
     assert across == here and len(across) == 2, (across, here)
     assert summary.findall(outputs[0]) == summary.findall(one_machine.stdout)
     assert "2 outer steps" in outputs[0], outputs[0][-2000:]
+
+
+@pytest.mark.slow  # 2-4 minutes: a site lost and back, on 2 emulated sites
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip, tc)")
+def test_a_site_lost_and_back_goes_on_from_the_newest_checkpoint(tmp_path):
+    """Elastic sites: torchrun's `--nnodes 1:2` on both; the second site is killed (its agent
+    and its rank), the first goes on alone from the newest checkpoint (one site, the round
+    started again from the checkpoint's parameters), then the second site comes back, and both
+    go on from the newest checkpoint as two sites again, with no manual step."""
+    from launched import output_or_kill
+
+    with netns.two_namespaces("100mbit", delay="5ms") as nodes:
+        first, second = nodes
+        elastic = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3"]
+        elastic += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.address}:29614"]
+        elastic += ["--rdzv-id", "zt-sites"]
+        ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20"]
+        # long enough that the first site alone is still training when the second comes back
+        train = ["examples/train_gpt.py", "--model", "tiny", "--steps", "1200", "--print-every"]
+        train += ["100", "--inner-steps", "5", "--val-batches", "1"]
+
+        def start(node, host: bool):
+            return node.run(*elastic, *node.advertised(host=host), *train, *ckpt)
+
+        def wait_for(step: int, *running) -> None:
+            deadline = time.monotonic() + 180
+            while _latest_step(tmp_path / "ckpt") < step:
+                assert time.monotonic() < deadline, f"no checkpoint at step {step}"
+                assert all(p.poll() is None for p in running), "a site ended early"
+                time.sleep(0.2)
+
+        survivor, victim = start(first, host=True), start(second, host=False)
+        wait_for(20, survivor, victim)
+        second.kill_everything()  # the site is lost: its agent and its rank
+        victim.communicate()
+        lost_at = _latest_step(tmp_path / "ckpt")
+        wait_for(lost_at + 30, survivor)  # the first site alone, on from the checkpoint
+        back = start(second, host=False)
+        output = output_or_kill(survivor, 800, "zerotrain run")
+        output_back = output_or_kill(back, 800, "zerotrain run")
+    assert survivor.returncode == 0 and back.returncode == 0, (output[-3000:], output_back[-2000:])
+    started = [int(n) for n in re.findall(r"initialized gloo with (\d+) ranks", output)]
+    assert started[:2] == [2, 1] and started[-1] == 2, output[-3000:]
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", output)]
+    assert len(resumed) >= 2 and resumed[0] >= 20 and resumed[-1] > resumed[0], output[-3000:]
+    assert "the round starts again" in output, output[-3000:]
+    assert re.search(r"^  world size\s+2$", output, re.M), output[-2000:]
+
+
+def _latest_step(save_dir) -> int:
+    latest = save_dir / "latest"
+    return int(latest.read_text().removeprefix("global_step")) if latest.exists() else -1
