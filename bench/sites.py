@@ -18,7 +18,8 @@ the embedded corpus, fp32, ZeRO stage 1, AdamW (lr 1e-3 after 10 warm-up steps, 
 The rows: `sync auto` (every step's gradients over the link, `comm_compression.auto` choosing
 int8 where it pays), `sites H=10/50/100` (outer steps every H steps, Nesterov SGD lr 0.7,
 momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameters averaged),
-`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized). Needs root and iproute2.
+`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized). Needs root
+and iproute2.
 Writes bench/results/sites_<rate>_<delay>.json.
 """
 

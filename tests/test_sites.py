@@ -211,6 +211,25 @@ def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path):
     assert not all(torch.equal(saved[k], second[k]) for k in second)  # apart in the round
 
 
+def test_a_round_saved_with_other_sites_starts_again():
+    """A checkpoint whose outer state is laid out otherwise (another split into sites at the
+    same world size: shards of other sizes) is not forced on: the round starts again from the
+    loaded parameters, with a warning that says so."""
+    from zerotrain.comm import Communicator
+    from zerotrain.zero.extension import Resume
+    from zerotrain.zero.outer_step import OuterStep, SiteOptions
+
+    masters = [torch.ones(6)]
+    optimizer = torch.optim.SGD(masters, lr=0.1)
+    outer = OuterStep(SiteOptions(inner_steps=2, lr=0.5, comm=Communicator()), masters, optimizer)
+    saved = {"anchors": [torch.zeros(3)], "momenta": [None], "inner": 1}
+    saved["codec"] = outer.codec.state_dict()
+    resume = Resume(steps=5, saved_world_size=1, world_size=1, optimizer_loaded=True)
+    warning = outer.load_state_dict(saved, resume=resume)
+    assert warning is not None and "the round starts again" in warning
+    assert outer.inner == 0 and torch.equal(outer.anchors[0], masters[0])
+
+
 def _compressed(methods: list[str]) -> dict:
     """One round and its outer step at stage 1, the change travelling by each of ``methods``:
     the parameters before and after the outer step, and the bytes the exchange sent."""

@@ -1,12 +1,12 @@
 """The ranks as a grid of parallel axes: site, data, tensor, pipeline, expert, sequence.
 
 [Note: mesh layout]
-A mesh of shape (site, pp, dp, ep, sp, tp) numbers ranks row-major with ``tp`` innermost, so tensor-
-parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
+A mesh of shape (site, pp, dp, ep, sp, tp) numbers ranks row-major with ``tp`` innermost, so
+tensor-parallel peers (the most traffic) are neighbours, on one node when they fit, as Megatron and
 torchtitan place them; sequence-parallel peers (an all-to-all per attention layer) come next,
 consecutive ranks as DeepSpeed's Ulysses groups are. The ranks along one axis, the others
-fixed, form that axis's group: the data-parallel group is what the data is split by, and ZeRO
-shards over it and the sequence axis together (the sequence-parallel ranks hold the same
+fixed, form that axis's group: the data-parallel group (a site's) sees different data and
+averages gradients, and ZeRO shards over it and the sequence axis together (the sequence-parallel ranks hold the same
 parameters: :attr:`Mesh.zero`). The tensor-parallel and pipeline axes are
 sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe), the expert axis
 by the model's MoE layers (zerotrain/moe), the sequence axis by the config

@@ -8,11 +8,11 @@ anchor: its masters as they were after the last outer step (fp32, the shard it h
 ``inner_steps`` applied steps, after the store stepped and before the parameters are
 published, each rank takes its shard's change since the anchor (the pseudo-gradient,
 anchor - master), averages it over the ranks holding the same shard at the other sites (the
-mesh's site axis: one all-reduce of a rank's shard, never a whole model), and steps the
-anchor with the outer optimizer (the change travels as ``sites.compression`` says: whole,
-quantized, or its top-k with error feedback, through the gradients' codecs): SGD with
-momentum and Nesterov's (torch.optim.SGD's update,
-its momentum buffer sharded as the anchor), or, without one, the average itself. The masters
+mesh's site axis: one all-reduce of a rank's shard, never a whole model; the change travels
+as ``sites.compression`` says: whole, quantized, or its top-k with error feedback, through the
+gradients' codecs), and steps the anchor with the outer optimizer: SGD with momentum and
+Nesterov's (torch.optim.SGD's update, its momentum buffer sharded as the anchor), or, without
+one, the average itself. The masters
 take the anchor's value, and the group publishes them as after any step: every site leaves
 the outer step with the same parameters. The inner optimizer's state stays each site's own.
 A step deferred to each bucket's next use (stage 3, ``overlap_param_gather``) is not
@@ -187,7 +187,10 @@ class OuterStep(StepExtension):
         return state
 
     def load_state_dict(self, state: Any, *, resume: Resume) -> str | None:
-        if state is None or not resume.same_world or not resume.optimizer_loaded:
+        laid_out = state is not None and [tuple(a.shape) for a in state["anchors"]] == [
+            tuple(a.shape) for a in self.anchors
+        ]  # another split into sites (or none) at the same world size lays the shards out anew
+        if not (laid_out and resume.same_world and resume.optimizer_loaded):
             self.masters_set()
             return None if state is None else _restarted_round(resume)
         for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
@@ -230,6 +233,7 @@ def _copied(state: dict, device: torch.device | None = None) -> dict:
 def _restarted_round(resume: Resume) -> str:
     return (
         f"the sites' outer state was saved at world size {resume.saved_world_size}, and this "
-        f"run has {resume.world_size} ranks (or loads no optimizer state): the round starts "
-        "again from the loaded parameters, the first site's (the outer momentum is lost)"
+        f"run has {resume.world_size} ranks (or other sites, or loads no optimizer state): the "
+        "round starts again from the loaded parameters, the first site's (the outer momentum "
+        "is lost)"
     )
