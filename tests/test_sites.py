@@ -268,6 +268,37 @@ def test_sites_of_tensor_parallel_ranks_train_as_sites_of_one_rank():
         assert worst(state, with_sites[1][rank // 2]) < 2 * rounding, rank
 
 
+def _expert_sites(ep: int) -> dict[str, torch.Tensor]:
+    """Two sites of 2 ranks training an MoE layer of 8 experts spread over ``ep`` ranks of a
+    site, through one outer step: the whole model's state after it."""
+    from test_moe import WIDTH, moe_model
+
+    import zerotrain
+
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    config = {**_config(1, sites), "train_micro_batch_size_per_gpu": 2}
+    engine = zerotrain.initialize(model=moe_model(ep), config=config)[0]
+    for step in range(INNER):
+        generator = torch.Generator().manual_seed(1000 * step + torch.distributed.get_rank())
+        engine.backward(engine(torch.randn(2, 5, WIDTH, generator=generator)))
+        engine.step()
+    return engine.consolidated_state_dict()
+
+
+def test_sites_with_experts_spread_over_a_site_meet_in_the_outer_step():
+    """MoE layers whose experts are spread over a site's 2 ranks: the experts' own shard group
+    exchanges its shards with the same experts' at the other site, and after the outer step
+    every rank holds one model, the model the same sites train with every expert on each rank
+    (within the expert exchange's rounding)."""
+    spread = run_distributed(_expert_sites, SITES * PER_SITE, 2, timeout=300)
+    whole = run_distributed(_expert_sites, SITES * PER_SITE, 1, timeout=300)
+    for state in spread[1:]:
+        assert all(torch.equal(state[k], spread[0][k]) for k in spread[0])
+    for key, value in whole[0].items():
+        error = float((spread[0][key] - value).norm() / value.norm())
+        assert error < 1e-5, (key, error)
+
+
 def test_a_round_saved_with_other_sites_starts_again():
     """A checkpoint whose outer state is laid out otherwise (another split into sites at the
     same world size: shards of other sizes) is not forced on: the round starts again from the
