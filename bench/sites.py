@@ -3,7 +3,8 @@ across the link per token, sites (DiLoCo's outer steps every H steps) against sy
 ZeRO with `comm_compression.auto`, in one run.
 
     sudo python bench/sites.py [--rate 10mbit] [--delay 20ms] [--steps 200]
-                               [--ranks-per-site 2] [--eval-every 10] [--rows ...]
+                               [--micro-batch 8] [--ranks-per-site 2] [--eval-every 10]
+                               [--rows ...]
 
 Two network namespaces (tests/netns.py: TUN devices and the delay line of tests/delay_line.py
 with `--delay`, rate-limited with `tc`), `--ranks-per-site` ranks in each (`zerotrain run`,
@@ -54,7 +55,6 @@ ROWS = {
 }
 BASELINE = "sync auto"
 HELD_OUT_WINDOWS = 16
-MICRO_BATCH = 8
 
 
 # -- one rank of one row (inside a namespace) ----------------------------------------------------
@@ -72,6 +72,7 @@ def worker(spec: dict, out: str) -> None:
     engine = zerotrain.initialize(model=GPT(config), config=_config(spec))[0]
     rank, world = engine.global_rank, engine.world_size
     interface = os.environ["GLOO_SOCKET_IFNAME"]
+    micro = spec["micro_batch"]
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
     spread = torch.linspace(0, len(val_set) - 1, HELD_OUT_WINDOWS).long().tolist()
     held_x, held_y = (torch.stack(t) for t in zip(*(val_set[i] for i in spread), strict=True))
@@ -91,8 +92,8 @@ def worker(spec: dict, out: str) -> None:
     times, evaluations = [], []
     sent = _tx_bytes(interface)
     for step in range(spec["steps"]):
-        first = (step * world + rank) * MICRO_BATCH
-        batch = [train_set[int(i)] for i in order[first : first + MICRO_BATCH]]
+        first = (step * world + rank) * micro
+        batch = [train_set[int(i)] for i in order[first : first + micro]]
         x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
         start = time.perf_counter()
         engine.backward(engine(x, y))
@@ -106,7 +107,7 @@ def worker(spec: dict, out: str) -> None:
     sent = _tx_bytes(interface) - sent
     dist.barrier()  # then leave together: gloo aborts a process whose peer closed first
     if rank == 0:
-        tokens = spec["steps"] * world * MICRO_BATCH * config.block_size
+        tokens = spec["steps"] * world * micro * config.block_size
         result = {"times": times, "held_out": evaluations, "tx_bytes": sent, "tokens": tokens}
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -114,7 +115,7 @@ def worker(spec: dict, out: str) -> None:
 
 def _config(spec: dict) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "scheduler": {
             "type": "WarmupLR",
@@ -136,6 +137,7 @@ def run_row(nodes, row: str, args, port: int) -> dict | str:
     from netns import run_job
 
     spec = {"row": row, "steps": args.steps, "eval_every": args.eval_every}
+    spec["micro_batch"] = args.micro_batch
     script = ["bench/sites.py", "--worker", json.dumps(spec), "--out", "{out}"]
     return run_job(nodes, script, ranks_per_node=args.ranks_per_site, port=port, name=row)
 
@@ -190,6 +192,7 @@ def main() -> None:
     parser.add_argument("--rate", default="10mbit", help="the link's rate each way (tc)")
     parser.add_argument("--delay", default="20ms", help="added to each packet each way")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--micro-batch", type=int, default=8, help="windows per rank and step")
     parser.add_argument("--ranks-per-site", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
