@@ -31,6 +31,7 @@ from zerotrain.comm.dry_run import DryRunCommunicator
 from zerotrain.compression.auto import Cost, Policy, Traffic, policy_costs
 from zerotrain.compression.codec import BucketShape
 from zerotrain.plan.model_probe import probe_device
+from zerotrain.plan.probe import torch_threads
 
 __all__ = ["CompressionProfile", "compressed_seconds", "compression_profile"]
 
@@ -70,13 +71,9 @@ class CompressionProfile:
                 collective, {}, {n: float(k) for n, k in shards.items()}, self.dtype, self.dtype
             )
             dry = DryRunCommunicator.alone(world, self.device)
-            kept = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-            try:
+            with torch_threads(self.threads):
                 grads = policy_costs(self.policies, reduced, dry, buckets, counted=True)
                 params = policy_costs(self.policies, gathered, dry, buckets)
-            finally:
-                torch.set_num_threads(kept)
             self._measured[key] = list(zip(grads, params, strict=True))
         return self._measured[key]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerotrain.plan.probe import timed_runs
+from zerotrain.plan.probe import timed_runs, torch_threads
 
 __all__ = [
     "AloneInGroup",
@@ -148,9 +148,7 @@ def profile_model(
     from zerotrain.zero.units import find_unit_modules
 
     device = probe_device()
-    kept = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         profiles: dict[int, list] = {m: [] for m in micro_batches}
         largest = dict.fromkeys(micro_batches, 0)
         layers = 0
@@ -187,8 +185,6 @@ def profile_model(
 
                 profiles[micro] += [statistics.median(timed_runs(step)), saved[0]]
             del model, params
-    finally:
-        torch.set_num_threads(kept)
     return ModelProfile(
         {
             m: MicroBatchProfile(*values, largest_block_bytes=largest[m])

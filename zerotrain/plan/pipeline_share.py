@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from zerotrain.estimate.model import ParameterCount
-from zerotrain.plan.model_probe import is_hf_causal_lm, loss_of
+from zerotrain.plan.model_probe import is_hf_causal_lm, loss_of, probe_device
+from zerotrain.plan.probe import torch_threads
 
 __all__ = ["PipelineShare", "StageProfile", "cut_points", "median_run", "pipeline_share"]
 
@@ -142,51 +143,49 @@ def _profile(
     elements per token that cross a cut."""
     from zerotrain.activation_checkpointing import count_saved_activations
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kept_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = factory().to(device=device, dtype=dtype)
-    params = list(model.parameters())
-    modules = dict(model.named_modules())
-    cuts = _Cuts(device)
-    handles = [modules[p].register_forward_pre_hook(cuts.reached) for p in points]
-    crossing = 0
-    try:
-        out: dict[int, tuple[StageProfile, ...]] = {}
-        for micro in micro_batches:
-            ids = torch.randint(0, vocab_size, (micro, seq_len), device=device)
-            runs = []
-            for repeat in range(REPEATS + 1):  # the first warms: kernels chosen, memory held
-                cuts.clear()
-                started = _now(device)
-                with count_saved_activations(exclude=params) as saved:
-                    cuts.saved = saved
-                    loss = loss_of(model, ids, hf=False)  # HF models were refused
-                    forward_end = (_now(device), saved.nbytes)
-                cuts.saved = None
-                loss.backward()
-                ended = _now(device)
-                for p in params:
-                    p.grad = None
-                if len(cuts.forward) != len(points) or len(cuts.backward) != len(points):
-                    raise ValueError(
-                        f"the forward did not pass each cut {list(points)} once with a tensor "
-                        "that needs a gradient"
+    device = probe_device()
+    with torch_threads(threads):
+        torch.manual_seed(0)
+        model = factory().to(device=device, dtype=dtype)
+        params = list(model.parameters())
+        modules = dict(model.named_modules())
+        cuts = _Cuts(device)
+        handles = [modules[p].register_forward_pre_hook(cuts.reached) for p in points]
+        crossing = 0
+        try:
+            out: dict[int, tuple[StageProfile, ...]] = {}
+            for micro in micro_batches:
+                ids = torch.randint(0, vocab_size, (micro, seq_len), device=device)
+                runs = []
+                for repeat in range(REPEATS + 1):  # the first warms: kernels chosen, memory held
+                    cuts.clear()
+                    started = _now(device)
+                    with count_saved_activations(exclude=params) as saved:
+                        cuts.saved = saved
+                        loss = loss_of(model, ids, hf=False)  # HF models were refused
+                        forward_end = (_now(device), saved.nbytes)
+                    cuts.saved = None
+                    loss.backward()
+                    ended = _now(device)
+                    for p in params:
+                        p.grad = None
+                    if len(cuts.forward) != len(points) or len(cuts.backward) != len(points):
+                        raise ValueError(
+                            f"the forward did not pass each cut {list(points)} once with a tensor "
+                            "that needs a gradient"
+                        )
+                    crossing = max(crossing, cuts.largest // ids.numel())
+                    if repeat == 0:
+                        continue
+                    stages = _stage_profiles(
+                        started, cuts.forward, forward_end, cuts.backward[::-1], ended
                     )
-                crossing = max(crossing, cuts.largest // ids.numel())
-                if repeat == 0:
-                    continue
-                stages = _stage_profiles(
-                    started, cuts.forward, forward_end, cuts.backward[::-1], ended
-                )
-                runs.append(stages)
-            out[micro] = median_run(runs)
-    finally:
-        for handle in handles:
-            handle.remove()
-        torch.set_num_threads(kept_threads)
-    return out, crossing
+                    runs.append(stages)
+                out[micro] = median_run(runs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out, crossing
 
 
 def median_run(runs: list[tuple[StageProfile, ...]]) -> tuple[StageProfile, ...]:

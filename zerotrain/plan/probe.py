@@ -30,12 +30,14 @@ read again at each plan (:func:`with_current_memory`): what is free changes, the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -246,16 +248,12 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
     device = torch.device("cuda" if cuda else "cpu")
     host = available_host_memory() or 0
     device_memory = torch.cuda.get_device_properties(0).total_memory if cuda else host
-    kept = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         say("matmul and attention")
         matmul = _matmul_flops(device, torch_dtype)
         attention = _attention_flops(device, torch_dtype)
         say("the CPU optimizer step")
         adam = {str(n): _adam_rate(n) for n in sorted({1, threads})}
-    finally:
-        torch.set_num_threads(kept)
     copy = _copy_rate() if cuda else None
     write = read = None
     if nvme_path:
@@ -344,12 +342,20 @@ def _adam_rate(threads: int) -> float:
 def optimizer_step_seconds(build, elements: int, threads: int) -> float:
     """The best time of one step of the optimizer ``build([param])`` makes over a stand-in of
     ``elements`` elements with a gradient, on ``threads`` threads (:func:`best_seconds`)."""
-    kept = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         param = torch.zeros(elements, requires_grad=True)
         param.grad = torch.randn(elements)
         return best_seconds(build([param]).step)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch computing on ``threads`` threads inside, the caller's count restored after (what
+    every probe of a rank's work runs under: a rank trains on its share of the cores)."""
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
     finally:
         torch.set_num_threads(kept)
 
