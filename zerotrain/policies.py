@@ -90,20 +90,15 @@ def _site_options(cfg: ZeroTrainConfig) -> SiteOptions | None:
             catch_up=False,  # the outer SGD takes the change as it comes
         )
 
-    travel = {
-        "compression": None if wire.method in ("none", "auto") else codec(wire.method),
-        "choices": (None, codec(AUTO_DEFAULT_METHOD)) if wire.method == "auto" else (),
-    }
     outer = sites.outer_optimizer
-    if outer is None:
-        return SiteOptions(inner_steps=sites.inner_steps, lr=None, **travel)
-    params = outer.params
+    params = None if outer is None else outer.params  # None: the average is taken
     return SiteOptions(
         inner_steps=sites.inner_steps,
-        lr=params.lr,
-        momentum=params.momentum,
-        nesterov=params.nesterov,
-        **travel,
+        lr=None if params is None else params.lr,
+        momentum=0.0 if params is None else params.momentum,
+        nesterov=params is not None and params.nesterov,
+        compression=None if wire.method in ("none", "auto") else codec(wire.method),
+        choices=(None, codec(AUTO_DEFAULT_METHOD)) if wire.method == "auto" else (),
     )
 
 

@@ -84,12 +84,16 @@ class OuterStep(StepExtension):
             BucketShape(-(-m.numel() // world) * world, [(0, (m.numel(),))]) for m in masters
         ]
         self.codec = make_codec(options.compression, self.comm, self.shapes)
-        self.undecided = bool(options.choices)  # auto: the codec is chosen at the first round
-        self.decision = ""  # what auto chose, and why
+        self.decision = ""  # what auto chose, and why (auto: made at the first outer step)
         self.loaded_codec: dict | None = None  # a checkpoint's, for the codec auto chooses
         self.sent = 0  # bytes this rank sent in outer exchanges
         self.busy = 0.0  # seconds it spent in them
         self.rounds = 0  # outer steps taken by this process
+
+    @property
+    def undecided(self) -> bool:
+        """``sites.compression`` auto, before the outer step that chooses the codec."""
+        return bool(self.options.choices) and not self.decision
 
     def wants_masters_now(self) -> bool:
         return self.inner + 1 == self.options.inner_steps
@@ -137,7 +141,6 @@ class OuterStep(StepExtension):
         priced = zip(policies, seconds.tolist(), strict=True)
         predicted = ", ".join(f"{policy.name} {t:.2f} s" for policy, t in priced)
         self.decision = f"outer exchange {policies[best].name} ({predicted}; {link.describe()})"
-        self.undecided = False
 
     def progress(self) -> str:
         """The round and the outer exchanges so far (this rank's bytes sent and time in them:
