@@ -19,8 +19,9 @@ the embedded corpus, fp32, ZeRO stage 1, AdamW (lr 1e-3 after 10 warm-up steps, 
 The rows: `sync auto` (every step's gradients over the link, `comm_compression.auto` choosing
 int8 where it pays), `sites H=10/50/100` (outer steps every H steps, Nesterov SGD lr 0.7,
 momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameters averaged),
-`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized). Needs root
-and iproute2.
+`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized), and `sites
+H=50 [average] [int8] streamed` (the outer exchange in 5 fragments, each landing 2 inner steps
+after it left, mixing 0.5: `sites.streaming`). Needs root and iproute2.
 Writes bench/results/sites_<rate>_<delay>.json.
 """
 
@@ -39,6 +40,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 OUTER = {"type": "SGD", "params": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+# Streaming DiLoCo: a fifth of the model every 10 steps, landing 2 steps later
+STREAMING = {"fragments": 5, "overlap_steps": 2, "mixing": 0.5}
 ROWS = {
     "sync auto": {"comm_compression": {"auto": True}},
     "sites H=10": {"sites": {"inner_steps": 10, "outer_optimizer": OUTER}},
@@ -51,6 +54,20 @@ ROWS = {
     },
     "sites H=50 average int8": {
         "sites": {"inner_steps": 50, "outer_optimizer": None, "compression": {"method": "int8"}}
+    },
+    "sites H=50 streamed": {
+        "sites": {"inner_steps": 50, "outer_optimizer": OUTER, "streaming": STREAMING}
+    },
+    "sites H=50 average streamed": {
+        "sites": {"inner_steps": 50, "outer_optimizer": None, "streaming": STREAMING}
+    },
+    "sites H=50 average int8 streamed": {
+        "sites": {
+            "inner_steps": 50,
+            "outer_optimizer": None,
+            "compression": {"method": "int8"},
+            "streaming": STREAMING,
+        }
     },
 }
 BASELINE = "sync auto"

@@ -6,7 +6,8 @@ Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states a
 ranks, stage 2 the gradients as well. The engine prints a throughput line every --print-every
 steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) and the script a
 summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
---inner-steps H [--ranks-per-site K] trains as sites that meet every H steps (docs/sites.md).
+--inner-steps H [--ranks-per-site K] [--fragments F] trains as sites that meet every H steps
+(docs/sites.md).
 --compress METHOD [--compress-rank R | --compress-ratio F] [--compress-params int8|int4]
 compresses what the ranks exchange (docs/compression.md; the summary shows the bytes sent per
 step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th
@@ -162,6 +163,13 @@ def parse_args() -> argparse.Namespace:
         "--nproc-per-node)",
     )
     parser.add_argument(
+        "--fragments",
+        type=int,
+        default=0,
+        help="with --inner-steps: stream the outer steps in this many fragments of the model, "
+        "each exchanged while the next inner step trains (sites.streaming); 0: whole",
+    )
+    parser.add_argument(
         "--plan",
         metavar="JSON",
         help="a ds_config written by `zerotrain plan`: its ZeRO section (stage, offload), "
@@ -200,8 +208,12 @@ def parse_args() -> argparse.Namespace:
     ):
         if value is not None and args.compress not in methods:
             parser.error(f"--compress-{flag} applies only with --compress {' or '.join(methods)}")
-    if args.ranks_per_site is not None and args.inner_steps < 1:
-        parser.error("--ranks-per-site applies only with --inner-steps")
+    for flag, given in (
+        ("ranks-per-site", args.ranks_per_site is not None),
+        ("fragments", args.fragments),
+    ):
+        if given and args.inner_steps < 1:
+            parser.error(f"--{flag} applies only with --inner-steps")
     if args.compress == "auto" and args.compress_params != "none":
         parser.error("--compress-params: --compress auto chooses the parameter gathers' too")
     if args.profile and not 0 <= args.profile_step < args.steps:
@@ -223,6 +235,14 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         parser.error(f"--plan {args.plan}: not a config `zerotrain plan` wrote ({error!r})")
     args.activation_checkpointing = "activation_checkpointing" in plan
+
+
+def sites(args: argparse.Namespace) -> dict:
+    """The sites section for --inner-steps, --ranks-per-site and --fragments."""
+    section = {"inner_steps": args.inner_steps, "ranks_per_site": args.ranks_per_site}
+    if args.fragments:
+        section["streaming"] = {"fragments": args.fragments, "overlap_steps": 1}
+    return section
 
 
 def engine_config(args: argparse.Namespace) -> dict:
@@ -249,11 +269,7 @@ def engine_config(args: argparse.Namespace) -> dict:
         "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
         "checkpoint": {"keep_last": KEEP_CHECKPOINTS},
         "comm_compression": compression(args),
-        **(
-            {"sites": {"inner_steps": args.inner_steps, "ranks_per_site": args.ranks_per_site}}
-            if args.inner_steps
-            else {}
-        ),
+        **({"sites": sites(args)} if args.inner_steps else {}),
         # profile: the summary reports the time spent recomputing
         **(
             {"activation_checkpointing": {"profile": True}} if args.activation_checkpointing else {}

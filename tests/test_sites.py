@@ -90,53 +90,96 @@ def _train(runs: list[tuple[int, dict | None]]) -> dict:
 
 
 def diloco(
-    outer: dict | None, sites: int = SITES, per_site: int = PER_SITE
+    outer: dict | None,
+    sites: int = SITES,
+    per_site: int = PER_SITE,
+    streaming: dict | None = None,
 ) -> list[list[dict[str, torch.Tensor]]]:
     """DiLoCo (arXiv:2311.08105) in one process: per site its model and AdamW, stepped on the
     mean gradient of its ranks' micro-batches; every ``INNER`` steps each site's change since
     the anchor averaged, the anchor stepped by SGD (Nesterov) with it as the gradient, and
-    every site set to the anchor. Returns, per step, each site's state."""
+    every site set to the anchor. With ``streaming`` (Streaming DiLoCo, arXiv:2501.18512), each
+    fragment of the parameters does so at its own step of the round, its average taken
+    ``overlap_steps`` steps after it left, when each site's fragment becomes ``mixing`` parts
+    its own and the rest the anchor's. Returns, per step, each site's state."""
+    from zerotrain.zero.outer_step import fragments_of
+
+    streaming = streaming or {"fragments": 1, "overlap_steps": 0}
+    count = streaming["fragments"]
+    overlap, mixing = streaming["overlap_steps"], streaming.get("mixing", 0.5)
     start = model()
+    of = fragments_of(start.parameters(), count)
+    fragment = {name: of[id(p)] for name, p in start.named_parameters()}
     nets = [copy.deepcopy(start) for _ in range(sites)]
     inner = [torch.optim.AdamW(n.parameters(), lr=LR, weight_decay=0.01) for n in nets]
     anchor = copy.deepcopy(start)
     outer_optimizer = (
         torch.optim.SGD(anchor.parameters(), **outer["params"]) if outer is not None else None
     )
+    travelling: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment: lands, change
+
+    def land(step: int) -> None:
+        for f, (lands, change) in sorted(travelling.items()):
+            if lands != step:
+                continue
+            del travelling[f]
+            for name, a in anchor.named_parameters():
+                a.grad = change.get(name)  # SGD steps the fragment's parameters alone
+            if outer_optimizer is None:
+                for name, a in anchor.named_parameters():
+                    if name in change:
+                        a.sub_(change[name])
+            else:
+                outer_optimizer.step()
+            for net in nets:
+                for (name, p), a in zip(net.named_parameters(), anchor.parameters(), strict=True):
+                    if name in change:
+                        p.copy_(mixing * p + (1 - mixing) * a if overlap else a)
+
     history = []
-    for step in range(STEPS):
+    for step in range(1, STEPS + 1):
         for site, (net, optimizer) in enumerate(zip(nets, inner, strict=True)):
             optimizer.zero_grad()
             for rank in range(site * per_site, (site + 1) * per_site):
-                (loss_of(net, *batch(step, rank)) / per_site).backward()
+                (loss_of(net, *batch(step - 1, rank)) / per_site).backward()
             optimizer.step()
-        if (step + 1) % INNER == 0:
-            with torch.no_grad():
-                pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
-                for a, *ps in pairs:
-                    a.grad = torch.stack([a - p for p in ps]).mean(0)
-                if outer_optimizer is None:
-                    for a in anchor.parameters():
-                        a.sub_(a.grad)
-                else:
-                    outer_optimizer.step()
-                for net in nets:
-                    net.load_state_dict(anchor.state_dict())
+        with torch.no_grad():
+            land(step)
+            for f in range(count):
+                if step % INNER == (f + 1) * INNER // count % INNER:
+                    change = {}
+                    for name, a in anchor.named_parameters():
+                        if fragment[name] == f:
+                            mine = [dict(n.named_parameters())[name] for n in nets]
+                            change[name] = torch.stack([a - p for p in mine]).mean(0)
+                    travelling[f] = (step + overlap, change)
+            land(step)  # without overlap: at once
         history.append([copy.deepcopy(n.state_dict()) for n in nets])
     return history
 
 
 def test_every_stage_s_outer_steps_are_diloco_s():
     """Each rank's parameters after every step, inner and outer, equal its site's in the plain
-    algorithm within 1e-6, at stages 0-3, with SGD's Nesterov outer step and with the average;
-    and ``inner_steps`` 1 without an outer optimizer trains as no sites at all, bit for bit."""
+    algorithm within 1e-6, at stages 0-3, with SGD's Nesterov outer step and with the average,
+    whole or streamed by fragments (at once, and overlapped with 1 and 2 inner steps); and
+    ``inner_steps`` 1 without an outer optimizer trains as no sites at all, bit for bit."""
     sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
     averaged = {**sites, "outer_optimizer": None}
     synchronous = {"inner_steps": 1, "outer_optimizer": None, "ranks_per_site": PER_SITE}
     runs = [(stage, sites) for stage in (0, 1, 2, 3)]
     runs += [(2, averaged), (1, synchronous), (1, None)]
+    streams = [
+        {"fragments": 3, "overlap_steps": 0},
+        {"fragments": 3, "overlap_steps": 1, "mixing": 0.25},
+        {"fragments": 2, "overlap_steps": 2},
+    ]
+    streamed = [{**sites, "streaming": streams[0]}, {**sites, "streaming": streams[1]}]
+    streamed.append({**averaged, "streaming": streams[2]})
+    runs += [(1, streamed[0]), (3, streamed[1]), (2, streamed[2])]
     results = run_distributed(_train, SITES * PER_SITE, runs, timeout=600)
     expected = {str(sites): diloco(OUTER), str(averaged): diloco(None)}
+    for section, stream in zip(streamed, streams, strict=True):
+        expected[str(section)] = diloco(section["outer_optimizer"], streaming=stream)
     for rank, got in enumerate(results):
         site = rank // PER_SITE
         for (stage, section), states in got["states"].items():
@@ -186,12 +229,13 @@ def test_the_sites_section_is_checked():
     check_config({"sites": {"inner_steps": 1, "outer_optimizer": None}, "zero_optimization": nvme})
 
 
-def _resume(directory: str) -> dict:
+def _resume(directory: str, streaming: dict | None) -> dict:
     """Train 2 sites at stage 2, saving in the middle of the second round; a second engine
     loads that and trains on. Each rank's states after the last steps, both ways."""
     import zerotrain
 
     sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    sites["streaming"] = streaming
     saved_at = INNER + 1  # inside the second round, the outer momentum set by the first
 
     def engine_and_steps(steps: range, load: bool) -> list[dict]:
@@ -210,14 +254,17 @@ def _resume(directory: str) -> dict:
     return {"at_save": straight[saved_at - 1], "straight": straight[saved_at:], "resumed": resumed}
 
 
-def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path):
+# streamed: 3 fragments, the first's exchange in flight at the save (it left at step 4)
+@pytest.mark.parametrize("streaming", [None, {"fragments": 3, "overlap_steps": 1}])
+def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path, streaming):
     """Saved in the middle of a round, each site's parameters, its inner optimizer and the
-    outer state (the anchor, the outer momentum, the steps into the round) come back: the
-    resumed run's parameters equal the uninterrupted run's, bit for bit, through the next two
-    outer steps."""
+    outer state (the anchor, the outer momentum, the steps into the round, an exchange in
+    flight) come back: the resumed run's parameters equal the uninterrupted run's, bit for
+    bit, through the next two outer steps."""
     from zerotrain.checkpoint.export import read_state_dict
 
-    results = run_distributed(_resume, SITES * PER_SITE, str(tmp_path / "ckpt"), timeout=300)
+    directory = str(tmp_path / "ckpt")
+    results = run_distributed(_resume, SITES * PER_SITE, directory, streaming, timeout=300)
     for got in results:
         for straight, resumed in zip(got["straight"], got["resumed"], strict=True):
             assert all(torch.equal(straight[k], resumed[k]) for k in straight)
@@ -309,13 +356,65 @@ def test_a_round_saved_with_other_sites_starts_again():
 
     masters = [torch.ones(6)]
     optimizer = torch.optim.SGD(masters, lr=0.1)
-    outer = OuterStep(SiteOptions(inner_steps=2, lr=0.5, comm=Communicator()), masters, optimizer)
-    saved = {"anchors": [torch.zeros(3)], "momenta": [None], "inner": 1}
+    options = SiteOptions(inner_steps=2, lr=0.5, comm=Communicator())
+    outer = OuterStep(options, masters, optimizer, [[(0, 6, 0)]])
+    saved = {"anchors": [torch.zeros(3)], "momenta": [None], "count": 1, "in_flight": []}
     saved["codec"] = outer.codec.state_dict()
     resume = Resume(steps=5, saved_world_size=1, world_size=1, optimizer_loaded=True)
     warning = outer.load_state_dict(saved, resume=resume)
     assert warning is not None and "the round starts again" in warning
-    assert outer.inner == 0 and torch.equal(outer.anchors[0], masters[0])
+    assert outer.count == 0 and torch.equal(outer.anchors[0], masters[0])
+
+
+def test_streaming_fragments_cover_every_parameter_once_a_round():
+    """Fragments by parameter over a rank's shards of two buckets (runs of parameters, and
+    padding that belongs to none): over each round of ``inner_steps`` steps every element of
+    every parameter leaves in exactly one exchange, which lands ``overlap_steps`` later; the
+    fragments' exchanges are spread over the round, and the stage-3 step is not deferred at
+    a step where one leaves or lands."""
+    from zerotrain.comm import Communicator
+    from zerotrain.zero.outer_step import OuterStep, SiteOptions, fragments_of
+
+    params = [torch.zeros(n) for n in (5, 40, 3, 7, 11, 2)]
+    # two buckets' shards: params 0-2 (then 2 of padding), params 3-5 (a piece of 4 only)
+    runs = [[(0, 5, 0), (5, 45, 1), (45, 48, 2)], [(0, 7, 3), (7, 11, 4), (11, 13, 5)]]
+    runs = [[(lo, hi, id(params[i])) for lo, hi, i in pieces] for pieces in runs]
+    masters = [torch.zeros(50), torch.zeros(13)]
+    fragment_of = fragments_of(params, 4)
+    assert sorted(set(fragment_of.values())) == [0, 1, 2, 3]
+    inner, overlap = 8, 3
+    options = SiteOptions(
+        inner_steps=inner,
+        lr=None,
+        fragments=4,
+        overlap_steps=overlap,
+        fragment_of=fragment_of,
+        comm=Communicator(),
+    )
+    outer = OuterStep(options, masters, torch.optim.SGD(masters, lr=0.1), runs)
+    left: list[tuple[int, int]] = []  # (step, fragment position)
+    send = outer.codec.all_reduce
+    outer.codec.all_reduce = lambda index, flat: (
+        left.append((outer.count, index)),
+        send(index, flat),
+    )[1]
+    wanted, landed = [], []
+    for _ in range(3 * inner):
+        wanted.append(outer.wants_masters_now())
+        landed.append(outer.step_applied())
+    for round_start in (0, inner, 2 * inner):
+        covered = [torch.zeros(50, dtype=torch.int64), torch.zeros(13, dtype=torch.int64)]
+        for step, position in left:
+            if round_start < step <= round_start + inner:
+                for m, lo, hi in outer.fragments[position].runs:
+                    covered[m][lo:hi] += 1
+        assert covered[0][:48].eq(1).all() and covered[0][48:].eq(0).all()
+        assert covered[1].eq(1).all()
+    steps_left = sorted({step for step, _ in left})
+    assert steps_left == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24]
+    lands = {step + overlap for step in steps_left if step + overlap <= 3 * inner}
+    assert [i + 1 for i, x in enumerate(landed) if x] == sorted(lands)
+    assert [i + 1 for i, x in enumerate(wanted) if x] == sorted(set(steps_left) | lands)
 
 
 def _compressed(methods: list[str]) -> dict:

@@ -92,8 +92,12 @@ def _site_options(cfg: ZeroTrainConfig) -> SiteOptions | None:
 
     outer = sites.outer_optimizer
     params = None if outer is None else outer.params  # None: the average is taken
+    streaming = sites.streaming
     return SiteOptions(
         inner_steps=sites.inner_steps,
+        fragments=1 if streaming is None else streaming.fragments,
+        overlap_steps=0 if streaming is None else streaming.overlap_steps,
+        mixing=0.0 if streaming is None else streaming.mixing,
         lr=None if params is None else params.lr,
         momentum=0.0 if params is None else params.momentum,
         nesterov=params is not None and params.nesterov,

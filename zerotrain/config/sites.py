@@ -3,17 +3,26 @@ docs/sites.md)."""
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 
+from zerotrain.config.errors import fail
 from zerotrain.config.section import (
     Beta,
+    Fraction,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Section,
     reject_bool,
 )
 
-__all__ = ["OuterCompressionConfig", "OuterOptimizerConfig", "OuterSGDParams", "SitesConfig"]
+__all__ = [
+    "OuterCompressionConfig",
+    "OuterOptimizerConfig",
+    "OuterSGDParams",
+    "SitesConfig",
+    "StreamingConfig",
+]
 
 
 class OuterSGDParams(Section):
@@ -55,6 +64,25 @@ class OuterCompressionConfig(Section):
     """int8 / int4: elements per quantization block, each with its own fp32 scale."""
 
 
+class StreamingConfig(Section):
+    """`sites.streaming`: the outer exchange a fragment of the model at a time (Streaming
+    DiLoCo, arXiv:2501.18512), so the slow link carries a small message every few steps
+    instead of the whole model every `inner_steps`, and the inner steps go on while it
+    travels."""
+
+    fragments: PositiveInt = 4
+    """The parameters, in the model's order, split into this many runs of about equal size;
+    each has its own outer step every `inner_steps` steps, the fragments' spread evenly over
+    the round (fragment f at step (f + 1) * inner_steps / fragments of it)."""
+    overlap_steps: NonNegativeInt = 1
+    """Inner steps a fragment's exchange travels while training goes on (0: each rank waits
+    for it at its step); it lands this many steps after it left."""
+    mixing: Fraction = 0.5
+    """With `overlap_steps`: the weight of a site's own parameters when its fragment's outer
+    step lands (they moved on while the exchange travelled); the rest is the outer step's
+    result. 0 takes the outer step's result alone."""
+
+
 class SitesConfig(Section):
     """Training across sites (a zerotrain section; docs/sites.md): each site trains as the rest
     of the config says over its own ranks (ZeRO inside it), for `inner_steps` optimizer steps
@@ -70,9 +98,32 @@ class SitesConfig(Section):
     """The outer step; null: the sites' parameters are averaged."""
     compression: OuterCompressionConfig = Field(default_factory=OuterCompressionConfig)
     """How the outer exchange travels; see the sites.compression section."""
+    streaming: StreamingConfig | None = None
+    """The outer exchange a fragment at a time, overlapped with the inner steps; see the
+    sites.streaming section. null: the whole model at each round's end, the ranks waiting
+    for it."""
     ranks_per_site: PositiveInt | None = None
     """Ranks of each site, consecutive (site 0 is ranks 0 to ranks_per_site - 1); null: a
     site is one of torchrun's nodes (its `--nproc-per-node` ranks)."""
+
+    @model_validator(mode="after")
+    def _fragments_fit_the_round(self) -> "SitesConfig":
+        streaming = self.streaming
+        if streaming is None:
+            return self
+        if streaming.fragments > self.inner_steps:
+            raise fail(
+                f"sites.streaming.fragments: {streaming.fragments} fragments do not fit a "
+                f"round of {self.inner_steps} inner steps (each takes its outer step at its "
+                "own step of the round); use at most sites.inner_steps fragments"
+            )
+        if streaming.overlap_steps >= self.inner_steps:
+            raise fail(
+                f"sites.streaming.overlap_steps: {streaming.overlap_steps} must be less than "
+                f"sites.inner_steps ({self.inner_steps}): a fragment's exchange lands before "
+                "its next one leaves"
+            )
+        return self
 
     @property
     def synchronous(self) -> bool:

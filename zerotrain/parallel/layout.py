@@ -48,6 +48,7 @@ from zerotrain.zero.host import local_ranks
 from zerotrain.zero.init import owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.optimizer import ShardGroupSpec
+from zerotrain.zero.outer_step import SiteOptions, fragments_of
 
 
 def model_stages(model: nn.Module) -> int:
@@ -189,7 +190,7 @@ class ParallelLayout:
         sites = options.sites
         options = replace(
             options,
-            sites=None if sites is None else replace(sites, comm=mesh.sites),
+            sites=None if sites is None else self._site_options(sites),
             model_parallel=self._model_parallel(),
             summed={**self.tied, **self._sequence_summed()},
             chunks=model.chunks_of() if isinstance(model, PipelineModule) else {},
@@ -221,6 +222,14 @@ class ParallelLayout:
             model_parallel=ModelParallel(mesh.axis(*axes), lambda _: 1) if axes else None,
         )
         return [(options, dense, dense_frozen), (expert_options, experts, experts_frozen)]
+
+    def _site_options(self, sites: SiteOptions) -> SiteOptions:
+        """``sites`` over this layout: the ranks holding the same shard at each site, and the
+        trainable parameters' fragments (see [Note: streaming fragments] in
+        zerotrain/zero/outer_step.py)."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        fragment_of = fragments_of(trainable, sites.fragments)
+        return replace(sites, comm=self.mesh.sites, fragment_of=fragment_of)
 
     def _model_parallel(self) -> ModelParallel | None:
         """The group the gradient norm sums over beyond the data-parallel one: the pipeline

@@ -639,7 +639,8 @@ def _step_extensions(
         masters = store.master_shards()
         if masters is None:  # the config refuses NVMe offload with sites
             raise ValueError("sites: the outer step needs the masters in memory, not on NVMe")
-        chosen.append(OuterStep(options.sites, masters, store.optimizer))
+        runs = [_param_runs(bucket, *partition.range(bucket)) for bucket in reduction.buckets]
+        chosen.append(OuterStep(options.sites, masters, store.optimizer, runs))
     if options.auto is not None and comm.world_size > 1:
         dtype = options.precision.param_dtype if reduction.buckets else torch.float32
         counts = catch_up is not None
@@ -647,6 +648,13 @@ def _step_extensions(
             CompressionTuner(reduction, residency, dtype, options.auto, counts_arrivals=counts)
         )
     return chosen
+
+
+def _param_runs(bucket: FlatBucket, start: int, end: int) -> list[tuple[int, int, int]]:
+    """The parameters in ``bucket``'s flat positions ``[start, end)``: ``(lo, hi, id(param))``
+    each, positions relative to ``start``."""
+    param_of = {slot.index: id(slot.param) for slot in bucket.slots}
+    return [(lo, hi, param_of[index]) for lo, hi, index in bucket.slot_ranges(start, end)]
 
 
 # every step extension by name: what a checkpoint's saved state is matched against

@@ -26,12 +26,29 @@ optimizer state in this extension's state, beside the anchor, the outer momentum
 steps into the round. Loaded at the same world size with the optimizer's state, every rank
 reads the first site's pieces, and the other sites' ranks then put their own back: the round
 goes on exactly. Otherwise the round starts again from the first site's parameters.
+An exchange still travelling when the checkpoint is taken is completed first and its result
+saved, to land at its step as it would have.
+
+[Note: streaming fragments]
+With ``sites.streaming`` (Streaming DiLoCo, arXiv:2501.18512) the parameters, in the model's
+order, are split into F runs of about equal size (:func:`fragments_of`, by parameter, so
+that a plain one-process version splits the model alike); fragment f takes its outer step at
+the steps s with s % H == (f + 1) * H // F (H: ``inner_steps``), so every parameter takes one
+outer step a round and the fragments' exchanges are spread over it. On a rank a fragment is
+the runs of its shards that hold the fragment's parameters (padding belongs to none), one
+vector: its anchor, outer momentum and exchange are that vector's. With ``overlap_steps`` τ
+the exchange is launched at its step and lands τ steps later, the inner steps going on
+meanwhile: the anchor takes the outer step then, and the fragment's masters become
+``mixing`` parts their own value (which moved on for τ steps) and the rest the anchor's.
+The exchanges are collectives on the sites' communicator, launched and completed by each
+rank's training thread in the same order, so several may be in flight at once.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,16 +57,18 @@ from zerotrain.comm import Communicator
 from zerotrain.comm.link import PROBE, probe_link
 from zerotrain.compression import BucketShape, GradientCompression, make_codec
 from zerotrain.compression.auto import Policy, Traffic, policy_costs
+from zerotrain.compression.codec import Pending
 from zerotrain.fmt import quantity
 from zerotrain.zero.extension import Resume, StepExtension
 
-__all__ = ["OuterStep", "SiteOptions"]
+__all__ = ["OuterStep", "SiteOptions", "fragments_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SiteOptions:
     """The ``sites`` section as a shard group takes it; ``comm``: the ranks holding the same
-    shard at each site (set by the parallel layout)."""
+    shard at each site, and ``fragment_of``: each trainable parameter's fragment, by id (both
+    set by the parallel layout)."""
 
     inner_steps: int
     lr: float | None  # None: no outer optimizer, the average is taken
@@ -59,72 +78,172 @@ class SiteOptions:
     # ``sites.compression.method`` auto: the ways it may travel, the cheapest on the measured
     # link chosen at the first outer step (``compression`` then unused)
     choices: tuple[GradientCompression | None, ...] = ()
+    fragments: int = 1  # see [Note: streaming fragments]
+    overlap_steps: int = 0
+    mixing: float = 0.0  # a site's own parameters' weight when an overlapped exchange lands
+    fragment_of: Mapping[int, int] = field(default_factory=dict)
     comm: Communicator | None = None
+
+
+def fragments_of(params: Iterable[torch.Tensor], count: int) -> dict[int, int]:
+    """Each parameter's fragment, by id: ``params`` in order, split into ``count`` runs of
+    about equal size; a run ends once the parameters so far fill its share of the total, or
+    where the parameters left are just enough to give each fragment after it one."""
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    out, fragment, filled = {}, 0, 0
+    for i, param in enumerate(params):
+        out[id(param)] = fragment
+        filled += param.numel()
+        left = len(params) - i - 1
+        if fragment < count - 1 and (
+            filled * count >= (fragment + 1) * total or left <= count - 1 - fragment
+        ):
+            fragment += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A fragment's elements on this rank: ``(master, lo, hi)`` runs of the masters."""
+
+    index: int  # its number among the sites' fragments
+    runs: tuple[tuple[int, int, int], ...]
+    numel: int
+
+
+@dataclass
+class Exchange:
+    """A fragment's outer exchange, launched and not landed yet."""
+
+    fragment: int  # its position in ``OuterStep.fragments``
+    lands_at: int  # the step count it lands at
+    wire: torch.Tensor  # the change, padded: summed over the sites in place
+    op: Pending | None  # None: completed
+    launched: float  # time.perf_counter() at its launch
 
 
 class OuterStep(StepExtension):
     """Outer steps over ``masters`` (the store's, one per bucket; see [Note: outer steps over
-    shards])."""
+    shards]); ``runs``: per master, the ``(lo, hi, id(param))`` runs of each parameter it
+    holds."""
 
     name = "outer_step"
     memory_kind = "sites"
 
-    def __init__(self, options: SiteOptions, masters: list[torch.Tensor], optimizer):
+    def __init__(
+        self,
+        options: SiteOptions,
+        masters: list[torch.Tensor],
+        optimizer,
+        runs: list[list[tuple[int, int, int]]],
+    ):
         assert options.comm is not None, "the parallel layout sets the sites' communicator"
         self.options = options
         self.comm = options.comm
         self.masters = masters
         self.optimizer = optimizer  # the inner one, stepping ``masters``
-        self.anchors = [m.detach().to(torch.float32, copy=True) for m in masters]
-        self.momenta: list[torch.Tensor | None] = [None] * len(masters)
-        self.inner = 0  # applied steps since the last outer step
+        self.fragments = _fragments(runs, options.fragment_of, options.fragments)
+        self.anchors = [self._take(f) for f in self.fragments]
+        self.momenta: list[torch.Tensor | None] = [None] * len(self.fragments)
+        self.count = 0  # applied steps since the sites last started alike
+        self.in_flight: list[Exchange] = []
         world = self.comm.world_size
-        # each master's change as a bucket of one run of elements, padded to the sites
+        # each fragment's change as a bucket of one run of elements, padded to the sites
         self.shapes = [
-            BucketShape(-(-m.numel() // world) * world, [(0, (m.numel(),))]) for m in masters
+            BucketShape(-(-f.numel // world) * world, [(0, (f.numel,))]) for f in self.fragments
         ]
         self.codec = make_codec(options.compression, self.comm, self.shapes)
         self.decision = ""  # what auto chose, and why (auto: made at the first outer step)
         self.loaded_codec: dict | None = None  # a checkpoint's, for the codec auto chooses
         self.sent = 0  # bytes this rank sent in outer exchanges
-        self.busy = 0.0  # seconds it spent in them
-        self.rounds = 0  # outer steps taken by this process
+        self.busy = 0.0  # seconds its steps spent in them
+        self.travelled = 0.0  # seconds from their launches to their landings
+        self.launched = 0  # outer exchanges launched by this process
+        self.landed = 0  # and landed
 
     @property
     def undecided(self) -> bool:
         """``sites.compression`` auto, before the outer step that chooses the codec."""
         return bool(self.options.choices) and not self.decision
 
+    def _launches(self, count: int) -> bool:
+        """Whether any fragment's exchange leaves at step ``count`` (on every rank alike,
+        whether or not this rank holds a part of it)."""
+        inner, fragments = self.options.inner_steps, self.options.fragments
+        return any(count % inner == _leaves_at(f, inner, fragments) for f in range(fragments))
+
     def wants_masters_now(self) -> bool:
-        return self.inner + 1 == self.options.inner_steps
+        step = self.count + 1
+        return self._launches(step) or any(e.lands_at == step for e in self.in_flight)
 
     def step_applied(self) -> bool:
-        self.inner += 1
-        if self.inner < self.options.inner_steps:
-            return False
-        self.inner = 0
+        self.count += 1
         sent, started = _sent(self.comm), time.perf_counter()
-        if self.undecided:
-            self._choose_codec()
-        sites = self.comm.world_size
-        for index, (master, anchor) in enumerate(zip(self.masters, self.anchors, strict=True)):
-            padded = anchor.new_zeros(self.codec.buckets[index].numel_padded)
-            delta = padded[: anchor.numel()]
-            torch.sub(anchor, master.to(torch.float32), out=delta)
-            self.codec.all_reduce(index, padded).wait()
-            delta.div_(sites)
-            anchor.sub_(self._update(index, delta))
-            master.copy_(anchor)
-        self.codec.end_step()
+        landed = self._land_due()
+        if self._launches(self.count):
+            if self.undecided:
+                self._choose_codec()
+            inner, count = self.options.inner_steps, self.options.fragments
+            for position, fragment in enumerate(self.fragments):
+                if self.count % inner == _leaves_at(fragment.index, inner, count):
+                    self._launch(position)
+            self.codec.end_step()
+            landed = self._land_due() or landed  # without overlap_steps: at once
         self.sent += _sent(self.comm) - sent
         self.busy += time.perf_counter() - started
-        self.rounds += 1
-        return True
+        return landed
+
+    def _launch(self, position: int) -> None:
+        """Send fragment ``position``'s change since its anchor to the other sites."""
+        fragment, anchor = self.fragments[position], self.anchors[position]
+        wire = anchor.new_zeros(self.codec.buckets[position].numel_padded)
+        torch.sub(anchor, self._take(fragment), out=wire[: fragment.numel])
+        op = self.codec.all_reduce(position, wire)
+        lands_at = self.count + self.options.overlap_steps
+        self.in_flight.append(Exchange(position, lands_at, wire, op, time.perf_counter()))
+        self.launched += 1
+
+    def _land_due(self) -> bool:
+        """Land the exchanges due at this step, in the order they left; whether any did."""
+        due = [e for e in self.in_flight if e.lands_at == self.count]
+        for exchange in due:
+            self._complete(exchange)
+            position = exchange.fragment
+            fragment, anchor = self.fragments[position], self.anchors[position]
+            delta = exchange.wire[: fragment.numel].div_(self.comm.world_size)
+            anchor.sub_(self._update(position, delta))
+            if self.options.overlap_steps:  # the inner steps moved on meanwhile: mix
+                self._put(fragment, torch.lerp(anchor, self._take(fragment), self.options.mixing))
+            else:
+                self._put(fragment, anchor)
+            self.in_flight.remove(exchange)
+            self.landed += 1
+        return bool(due)
+
+    def _complete(self, exchange: Exchange) -> None:
+        if exchange.op is not None:
+            exchange.op.wait()
+            exchange.op = None
+            self.travelled += time.perf_counter() - exchange.launched
+
+    def _take(self, fragment: Fragment) -> torch.Tensor:
+        """Fragment's elements of the masters, one fp32 vector."""
+        pieces = [self.masters[m][lo:hi] for m, lo, hi in fragment.runs]
+        if not pieces:
+            return torch.zeros(0)
+        return torch.cat(pieces).to(torch.float32)
+
+    def _put(self, fragment: Fragment, values: torch.Tensor) -> None:
+        at = 0
+        for m, lo, hi in fragment.runs:
+            self.masters[m][lo:hi].copy_(values[at : at + hi - lo])
+            at += hi - lo
 
     def _choose_codec(self) -> None:
         """``sites.compression`` auto: the way the change travels that costs least on the
         sites' link, measured now (its alpha and beta, and each codec run on this rank's
-        shards over a communicator that sends nothing: compression/auto.py's
+        fragments over a communicator that sends nothing: compression/auto.py's
         ``policy_costs``), the same on every rank of the group (the slowest rank's costs)."""
         link = probe_link(self.comm)
         policies = tuple(Policy(gradients=choice) for choice in self.options.choices)
@@ -143,23 +262,30 @@ class OuterStep(StepExtension):
         self.decision = f"outer exchange {policies[best].name} ({predicted}; {link.describe()})"
 
     def progress(self) -> str:
-        """The round and the outer exchanges so far (this rank's bytes sent and time in them:
-        the slow link's busy time)."""
-        text = f"sites: step {self.inner}/{self.options.inner_steps} of the round"
-        if self.rounds:
-            sent = quantity(self.sent / self.rounds, "B")
-            text += f", {self.rounds} outer steps ({sent} sent each, {self.busy:.2f} s in them)"
+        """The round and the outer exchanges so far (this rank's bytes sent, the time its
+        steps spent in them and, overlapped, the time they travelled: the slow link's busy
+        time)."""
+        inner = self.options.inner_steps
+        text = f"sites: step {self.count % inner}/{inner} of the round"
+        if self.launched:
+            sent = quantity(self.sent / self.launched, "B")
+            kind = "outer steps" if self.options.fragments == 1 else "outer steps of fragments"
+            spent = f"{self.busy:.2f} s in them"
+            if self.options.overlap_steps:
+                spent = f"{self.busy:.2f} s waited, {self.travelled:.2f} s travelling"
+            text += f", {self.landed} {kind} ({sent} sent each, {spent})"
         return f"{text}, {self.decision}" if self.decision else text
 
-    def _update(self, index: int, delta: torch.Tensor) -> torch.Tensor:
-        """What the anchor moves by: torch.optim.SGD's step for the gradient ``delta``."""
+    def _update(self, position: int, delta: torch.Tensor) -> torch.Tensor:
+        """What fragment ``position``'s anchor moves by: torch.optim.SGD's step for the
+        gradient ``delta``."""
         lr, momentum = self.options.lr, self.options.momentum
         if lr is None:
             return delta
         if momentum:
-            buffer = self.momenta[index]
+            buffer = self.momenta[position]
             if buffer is None:
-                buffer = self.momenta[index] = delta.clone()
+                buffer = self.momenta[position] = delta.clone()
             else:
                 buffer.mul_(momentum).add_(delta)
             delta = delta.add(buffer, alpha=momentum) if self.options.nesterov else buffer
@@ -167,21 +293,35 @@ class OuterStep(StepExtension):
 
     def masters_set(self) -> None:
         """A load or a broadcast set the masters: the round starts again from them."""
-        for master, anchor in zip(self.masters, self.anchors, strict=True):
-            anchor.copy_(master)
-        self.inner = 0
+        for exchange in self.in_flight:  # every rank's collectives complete alike
+            self._complete(exchange)
+        self.in_flight = []
+        self.anchors = [self._take(f) for f in self.fragments]
+        self.count = 0
+
+    @property
+    def mid_round(self) -> bool:
+        """Whether some fragment moved since its last outer step (or one is travelling)."""
+        inner, count = self.options.inner_steps, self.options.fragments
+        moved = [(self.count - _leaves_at(f, inner, count)) % inner for f in range(count)]
+        return bool(self.in_flight) or (self.count > 0 and any(moved))
 
     def tensors(self) -> list[torch.Tensor]:
-        kept = self.codec.state_tensors()
+        kept = self.codec.state_tensors() + [e.wire for e in self.in_flight]
         return self.anchors + [m for m in self.momenta if m is not None] + kept
 
     def state_dict(self) -> dict:
-        """The round's state; at the sites but the first, the site's own masters and inner
-        optimizer state too (see [Note: a round in a checkpoint])."""
+        """The round's state, the exchanges in flight completed (see [Note: a round in a
+        checkpoint]); at the sites but the first, the site's own masters and inner optimizer
+        state too."""
+        for exchange in self.in_flight:
+            self._complete(exchange)
         state: dict[str, Any] = {
             "anchors": [a.clone() for a in self.anchors],
             "momenta": [None if m is None else m.clone() for m in self.momenta],
-            "inner": self.inner,
+            "count": self.count,
+            "in_flight": [(e.fragment, e.lands_at, e.wire.clone()) for e in self.in_flight],
+            "mid_round": self.mid_round,
             "codec": self.codec.state_dict(),
         }
         if self.comm.rank != 0:
@@ -190,9 +330,11 @@ class OuterStep(StepExtension):
         return state
 
     def load_state_dict(self, state: Any, *, resume: Resume) -> str | None:
-        laid_out = state is not None and [tuple(a.shape) for a in state["anchors"]] == [
-            tuple(a.shape) for a in self.anchors
-        ]  # another split into sites (or none) at the same world size lays the shards out anew
+        laid_out = (
+            state is not None
+            and "count" in state
+            and [tuple(a.shape) for a in state["anchors"]] == [tuple(a.shape) for a in self.anchors]
+        )  # another split into sites or fragments (or none) lays the shards out anew
         if not (laid_out and resume.same_world and resume.optimizer_loaded):
             self.masters_set()
             return None if state is None else _restarted_round(resume)
@@ -200,7 +342,11 @@ class OuterStep(StepExtension):
             anchor.copy_(saved)
         device = self.anchors[0].device if self.anchors else None
         self.momenta = [None if m is None else m.to(device) for m in state["momenta"]]
-        self.inner = int(state["inner"])
+        self.count = int(state["count"])
+        self.in_flight = [
+            Exchange(position, lands_at, wire.to(device), None, time.perf_counter())
+            for position, lands_at, wire in state["in_flight"]
+        ]
         if self.undecided:  # auto chooses again at the next outer step, then takes it
             self.loaded_codec = state["codec"]
         else:
@@ -215,9 +361,35 @@ class OuterStep(StepExtension):
 
     @classmethod
     def orphaned(cls, state: Any, resume: Resume) -> str | None:
-        if state is None or not state.get("inner"):
+        if state is None or not state.get("mid_round", state.get("inner")):
             return None
         return "the sites' round was under way when saved, and this run trains without sites"
+
+
+def _leaves_at(fragment: int, inner_steps: int, fragments: int) -> int:
+    """The step of the round (count % inner_steps) fragment ``fragment``'s exchange leaves at
+    (see [Note: streaming fragments]); one fragment: the round's end."""
+    return (fragment + 1) * inner_steps // fragments % inner_steps
+
+
+def _fragments(
+    runs: list[list[tuple[int, int, int]]], fragment_of: Mapping[int, int], count: int
+) -> list[Fragment]:
+    """The fragments this rank holds a part of, in order: each the masters' runs of its
+    parameters (adjacent runs joined)."""
+    held: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    for master, pieces in enumerate(runs):
+        for lo, hi, param in pieces:
+            mine = held[fragment_of.get(param, 0)]
+            if mine and mine[-1][0] == master and mine[-1][2] == lo:
+                mine[-1] = (master, mine[-1][1], hi)
+            else:
+                mine.append((master, lo, hi))
+    return [
+        Fragment(index, tuple(pieces), sum(hi - lo for _, lo, hi in pieces))
+        for index, pieces in enumerate(held)
+        if pieces
+    ]
 
 
 def _sent(comm: Communicator) -> int:
