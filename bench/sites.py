@@ -4,7 +4,7 @@ ZeRO with `comm_compression.auto`, in one run.
 
     sudo python bench/sites.py [--rate 10mbit] [--delay 20ms] [--steps 200]
                                [--micro-batch 8] [--ranks-per-site 2] [--eval-every 10]
-                               [--rows ...]
+                               [--slow-site CORES] [--rows ...]
 
 Two network namespaces (tests/netns.py: TUN devices and the delay line of tests/delay_line.py
 with `--delay`, rate-limited with `tc`), `--ranks-per-site` ranks in each (`zerotrain run`,
@@ -21,8 +21,12 @@ int8 where it pays), `sites H=10/50/100` (outer steps every H steps, Nesterov SG
 momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameters averaged),
 `sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized), and `sites
 H=50 [average] [int8] streamed` (the outer exchange in 5 fragments, each landing 2 inner steps
-after it left, mixing 0.5: `sites.streaming`). Needs root and iproute2.
-Writes bench/results/sites_<rate>_<delay>.json.
+after it left, mixing 0.5: `sites.streaming`), `... split` (the same with
+`sites.work_split` measured). `--slow-site CORES` holds the second site's processes to that
+much CPU time (a cgroup's quota: the weaker machine), and the table shows each site's
+micro-batch at the end. The batches are the engine's dataloader's: the same global order in
+every row. Needs root and iproute2.
+Writes bench/results/sites_<rate>_<delay>[_slow<CORES>].json.
 """
 
 from __future__ import annotations
@@ -69,6 +73,15 @@ ROWS = {
             "streaming": STREAMING,
         }
     },
+    "sites H=50 average int8 streamed split": {
+        "sites": {
+            "inner_steps": 50,
+            "outer_optimizer": None,
+            "compression": {"method": "int8"},
+            "streaming": STREAMING,
+            "work_split": "measured",
+        }
+    },
 }
 BASELINE = "sync auto"
 HELD_OUT_WINDOWS = 16
@@ -86,11 +99,13 @@ def worker(spec: dict, out: str) -> None:
     torch.manual_seed(0)
     config = gpt_config("tiny")
     train_set, val_set = train_val_datasets(config.block_size)
-    engine = zerotrain.initialize(model=GPT(config), config=_config(spec))[0]
-    rank, world = engine.global_rank, engine.world_size
+    engine, _, loader, _ = zerotrain.initialize(
+        model=GPT(config), config=_config(spec), training_data=train_set
+    )
+    world = engine.world_size
     interface = os.environ["GLOO_SOCKET_IFNAME"]
     micro = spec["micro_batch"]
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1))
+    batches = iter(loader)  # the same global order in every row, the shares as it says
     spread = torch.linspace(0, len(val_set) - 1, HELD_OUT_WINDOWS).long().tolist()
     held_x, held_y = (torch.stack(t) for t in zip(*(val_set[i] for i in spread), strict=True))
 
@@ -109,9 +124,7 @@ def worker(spec: dict, out: str) -> None:
     times, evaluations = [], []
     sent = _tx_bytes(interface)
     for step in range(spec["steps"]):
-        first = (step * world + rank) * micro
-        batch = [train_set[int(i)] for i in order[first : first + micro]]
-        x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+        x, y = next(batches)
         start = time.perf_counter()
         engine.backward(engine(x, y))
         engine.step()
@@ -122,10 +135,14 @@ def worker(spec: dict, out: str) -> None:
             evaluations.append([step, held_out()])
             sent -= _tx_bytes(interface) - before
     sent = _tx_bytes(interface) - sent
+    micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
+    micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
+    dist.all_reduce(micros)
     dist.barrier()  # then leave together: gloo aborts a process whose peer closed first
-    if rank == 0:
+    if engine.global_rank == 0:
         tokens = spec["steps"] * world * micro * config.block_size
         result = {"times": times, "held_out": evaluations, "tx_bytes": sent, "tokens": tokens}
+        result["micro_batches"] = micros.tolist()
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -171,8 +188,8 @@ def summarize(results: dict) -> list[str]:
         if target is not None
         else "no target: the baseline did not run",
         "| row | time s | final held-out loss | vs sync | bytes/token | sync's bytes over | "
-        "time to target s | sync's time over |",
-        "|---|---|---|---|---|---|---|---|",
+        "time to target s | sync's time over | micro-batch per site |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row, got in results.items():
         if not isinstance(got, dict):
@@ -190,6 +207,9 @@ def summarize(results: dict) -> list[str]:
             cells.append("-" if reached is None else f"{reached:.1f}")
             speedup = None if reached is None or base_reached is None else base_reached / reached
             cells.append("-" if speedup is None else f"{speedup:.1f}x")
+        micros = got.get("micro_batches", [])
+        # the first rank of each of the two sites
+        cells.append(":".join(str(m) for m in micros[:: max(1, len(micros) // 2)]))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -212,6 +232,12 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="windows per rank and step")
     parser.add_argument("--ranks-per-site", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument(
+        "--slow-site",
+        type=float,
+        metavar="CORES",
+        help="hold the second site's processes to this many cores of CPU time (a cgroup)",
+    )
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     args = parser.parse_args()
     if args.worker:
@@ -224,10 +250,12 @@ def main() -> None:
     def row(nodes, name: str, port: int) -> dict | str:
         return run_row(nodes, name, args, port)
 
-    results = run_rows("bench/sites.py", args.rate, args.delay, rows, row, 29800)
+    results = run_rows("bench/sites.py", args.rate, args.delay, rows, row, 29800, args.slow_site)
     lines = summarize(results)
     print("\n" + "\n".join(lines))
     slug = re.sub(r"\W+", "", args.rate) + "_" + re.sub(r"[^\w.]+", "", args.delay or "0ms")
+    if args.slow_site is not None:
+        slug += f"_slow{args.slow_site:g}"
     out = ROOT / "bench" / "results" / f"sites_{slug}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "table": lines, "raw": results}, indent=1))

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class Node:
 
     def __init__(self, name: str, address: str, interface: str):
         self.name, self.address, self.interface = name, address, interface
+        self.cgroup: Path | None = None  # a cpu cgroup its processes start in (cpu_quota)
 
     def advertised(self, host: bool) -> list[str]:
         """torchrun options for an elastic (c10d) rendezvous from this namespace."""
@@ -60,8 +62,12 @@ class Node:
             "GLOO_SOCKET_IFNAME": self.interface,  # the link to the other node
             "PYTHONUNBUFFERED": "1",
         }
+        command = ["ip", "netns", "exec", self.name, sys.executable, *args]
+        if self.cgroup is not None:  # the shell joins the cgroup, then becomes the command
+            join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+            command = ["sh", "-c", join, str(self.cgroup), *command]
         return subprocess.Popen(
-            ["ip", "netns", "exec", self.name, sys.executable, *args],
+            command,
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -70,6 +76,31 @@ class Node:
             start_new_session=True,
             **popen,
         )
+
+
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller, as this machine has
+
+
+@contextlib.contextmanager
+def cpu_quota(node: Node, cores: float) -> Iterator[None]:
+    """Every process ``node`` starts meanwhile shares ``cores`` of CPU time (a cpu cgroup's
+    CFS quota): a weaker machine at that site."""
+    group = CPU_CGROUPS / f"{node.name}-quota"
+    group.mkdir()
+    try:
+        period = int((group / "cpu.cfs_period_us").read_text())
+        (group / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+        node.cgroup = group
+        yield
+    finally:
+        node.cgroup = None
+        node.kill_everything()  # a cgroup with processes in it cannot be removed
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def _ip(*args: str) -> None:
@@ -170,20 +201,30 @@ def run_job(nodes: list[Node], script: list[str], *, ranks_per_node: int, port: 
     return result
 
 
-def run_rows(script: str, rate: str, delay: str | None, rows: list[str], run_row, port: int):
+def run_rows(
+    script: str,
+    rate: str,
+    delay: str | None,
+    rows: list[str],
+    run_row,
+    port: int,
+    second_node_cores: float | None = None,
+):
     """Each of ``rows`` as ``run_row(nodes, row, port)`` (a job: :func:`run_job`), in two
-    namespaces joined by a link of ``rate`` and ``delay``, one after the other, each row's time
+    namespaces joined by a link of ``rate`` and ``delay`` (the second node's processes held
+    to ``second_node_cores`` of CPU time where given), one after the other, each row's time
     and outcome printed; the results by row. Exits saying so where namespaces cannot be made
     here (``script`` names the caller)."""
-    import time
-
     if not available():
         sys.exit(f"{script} needs root, ip and tc (network namespaces)")
     # one thread per rank: the ranks share this machine's cores, and torch's default of one
     # thread per core would put two ranks' threads on each (spikes of seconds, measured)
     os.environ["OMP_NUM_THREADS"] = "1"
     results: dict = {}
-    with two_namespaces(rate, delay or None) as nodes:
+    with contextlib.ExitStack() as stack:
+        nodes = stack.enter_context(two_namespaces(rate, delay or None))
+        if second_node_cores is not None:
+            stack.enter_context(cpu_quota(nodes[1], second_node_cores))
         for index, row in enumerate(rows):
             started = time.perf_counter()
             results[row] = run_row(nodes, row, port + index)

@@ -94,6 +94,8 @@ def diloco(
     sites: int = SITES,
     per_site: int = PER_SITE,
     streaming: dict | None = None,
+    batch_of=batch,
+    steps: int = STEPS,
 ) -> list[list[dict[str, torch.Tensor]]]:
     """DiLoCo (arXiv:2311.08105) in one process: per site its model and AdamW, stepped on the
     mean gradient of its ranks' micro-batches; every ``INNER`` steps each site's change since
@@ -101,7 +103,9 @@ def diloco(
     every site set to the anchor. With ``streaming`` (Streaming DiLoCo, arXiv:2501.18512), each
     fragment of the parameters does so at its own step of the round, its average taken
     ``overlap_steps`` steps after it left, when each site's fragment becomes ``mixing`` parts
-    its own and the rest the anchor's. Returns, per step, each site's state."""
+    its own and the rest the anchor's. ``batch_of(step, rank)``: a rank's micro-batch; where the
+    sites' take different numbers of samples, each site's change is weighed by the samples it
+    trained since the fragment's last outer step. Returns, per step, each site's state."""
     from zerotrain.zero.outer_step import fragments_of
 
     streaming = streaming or {"fragments": 1, "overlap_steps": 0}
@@ -117,6 +121,8 @@ def diloco(
         torch.optim.SGD(anchor.parameters(), **outer["params"]) if outer is not None else None
     )
     travelling: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment: lands, change
+    trained = [[0] * (steps + 1) for _ in range(sites)]  # samples each site trained each step
+    since = [0] * count  # the step of each fragment's last outer step
 
     def land(step: int) -> None:
         for f, (lands, change) in sorted(travelling.items()):
@@ -137,21 +143,28 @@ def diloco(
                         p.copy_(mixing * p + (1 - mixing) * a if overlap else a)
 
     history = []
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         for site, (net, optimizer) in enumerate(zip(nets, inner, strict=True)):
             optimizer.zero_grad()
             for rank in range(site * per_site, (site + 1) * per_site):
-                (loss_of(net, *batch(step - 1, rank)) / per_site).backward()
+                x, y = batch_of(step - 1, rank)
+                trained[site][step] += len(x)
+                (loss_of(net, x, y) / per_site).backward()
             optimizer.step()
         with torch.no_grad():
             land(step)
             for f in range(count):
                 if step % INNER == (f + 1) * INNER // count % INNER:
+                    samples = [sum(mine[since[f] + 1 : step + 1]) for mine in trained]
+                    weights = [n / sum(samples) for n in samples]
+                    since[f] = step
                     change = {}
                     for name, a in anchor.named_parameters():
                         if fragment[name] == f:
                             mine = [dict(n.named_parameters())[name] for n in nets]
-                            change[name] = torch.stack([a - p for p in mine]).mean(0)
+                            change[name] = sum(
+                                w * (a - p) for w, p in zip(weights, mine, strict=True)
+                            )
                     travelling[f] = (step + overlap, change)
             land(step)  # without overlap: at once
         history.append([copy.deepcopy(n.state_dict()) for n in nets])
@@ -214,6 +227,130 @@ def test_three_sites_of_one_rank_are_diloco_s():
                 torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6)
 
 
+SAMPLES = 256  # the work split's dataset: rows of X and Y
+SPLIT_MICRO = 2
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(SAMPLES, 7, generator=generator), torch.randn(
+        SAMPLES, 3, generator=generator
+    )
+
+
+class _SlowSecondSite:
+    """``time`` for the work split, its clock running 3x faster at the second site: that
+    site's steps measure 3x as long."""
+
+    def __init__(self, site: int):
+        self.now, self.tick = 0.0, 3.0 if site else 1.0
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def _split_train(stage: int, sites: dict, steps: int, slow_second_site: bool) -> dict:
+    """``steps`` steps of 2 sites of 2 ranks on the engine's dataloader with ``sites``'s work
+    split: per step, each rank's sample indices, the micro-batch the engine said before it,
+    and the parameters after it; and the step line."""
+    import zerotrain
+    from zerotrain.zero import work_split
+
+    rank = torch.distributed.get_rank()
+    if slow_second_site:
+        work_split.time = _SlowSecondSite(rank // PER_SITE)
+    xs, ys = _rows()
+    config = {**_config(stage, sites), "train_micro_batch_size_per_gpu": SPLIT_MICRO}
+    samples = torch.utils.data.TensorDataset(torch.arange(SAMPLES))
+    engine, _, loader, _ = zerotrain.initialize(model=model(), config=config, training_data=samples)
+    out: dict = {"indices": [], "micro": [], "states": []}
+    batches = iter(loader)
+    for _ in range(steps):
+        out["micro"].append(engine.train_micro_batch_size_per_gpu())
+        (indices,) = next(batches)
+        out["indices"].append(indices)
+        engine.backward(loss_of(engine, xs[indices], ys[indices]))
+        engine.step()
+        out["states"].append(engine.consolidated_state_dict())
+    out["line"] = engine.optimizer.progress()[0]
+    return out
+
+
+def _check_split(results: list[dict], sites: dict, steps: int) -> None:
+    """Every step's global batch is 8 distinct samples, each rank's as many as the engine
+    said; every rank's parameters are its site's in DiLoCo written plainly on the same
+    batches, the sites' changes weighed by their samples, within 1e-6."""
+    xs, ys = _rows()
+    for step in range(steps):
+        taken = torch.cat([got["indices"][step] for got in results])
+        assert len(taken) == len(taken.unique()) == SITES * PER_SITE * SPLIT_MICRO
+        for got in results:
+            assert len(got["indices"][step]) == got["micro"][step]
+
+    def batch_of(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = results[rank]["indices"][step]
+        return xs[indices], ys[indices]
+
+    expected = diloco(
+        sites["outer_optimizer"],
+        streaming=sites.get("streaming"),
+        batch_of=batch_of,
+        steps=steps,
+    )
+    for rank, got in enumerate(results):
+        for step, state in enumerate(got["states"]):
+            for key, value in expected[step][rank // PER_SITE].items():
+                torch.testing.assert_close(
+                    state[key], value, rtol=0, atol=1e-6, msg=f"{rank} {step} {key}"
+                )
+
+
+def test_sites_take_the_shares_of_the_batch_they_are_given():
+    """``sites.work_split`` as relative speeds 3:1: the first site's ranks take 3 samples a
+    step and the second's 1 (the global batch stays 8), from the engine's dataloader and
+    ``engine.train_micro_batch_size_per_gpu()``; the outer steps weigh each site's change by
+    its samples, at stage 1 and streamed (overlapped, the windows of the fragments apart) at
+    stage 3."""
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    sites["work_split"] = [3, 1]
+    streamed = {**sites, "streaming": {"fragments": 3, "overlap_steps": 1}}
+    for stage, section in ((1, sites), (3, streamed)):
+        results = run_distributed(
+            _split_train, SITES * PER_SITE, stage, section, STEPS, False, timeout=300
+        )
+        assert [got["micro"][0] for got in results] == [3, 3, 1, 1]
+        _check_split(results, section, STEPS)
+        assert "shares 3:1" in results[0]["line"], results[0]["line"]
+
+
+def test_measured_shares_follow_the_sites_speeds():
+    """``sites.work_split`` measured, the second site's steps timed 3x as long: equal shares
+    for the first window of 10 timed steps, then 3:1 from the step after the one that
+    follows the decision (a loader fetching ahead would be given more); the outer steps
+    weigh each site's change by its samples over rounds that straddle the change."""
+    sites = {"inner_steps": INNER, "outer_optimizer": None, "ranks_per_site": PER_SITE}
+    sites["work_split"] = "measured"
+    steps = 16
+    results = run_distributed(_split_train, SITES * PER_SITE, 2, sites, steps, True, timeout=300)
+    # step 0 is not timed (nothing before it), steps 1-10 are; decided at the end of step 10
+    assert results[0]["micro"] == [2] * 12 + [3] * 4
+    assert results[-1]["micro"] == [2] * 12 + [1] * 4
+    _check_split(results, sites, steps)
+    assert "shares 3:1" in results[0]["line"], results[0]["line"]
+
+
+def test_shares_are_apportioned_by_speed_within_bounds():
+    from zerotrain.zero.work_split import apportion
+
+    assert apportion([3, 1], 4, 2) == (3, 1)
+    assert apportion([1, 1, 1], 24, 8) == (8, 8, 8)
+    assert apportion([2, 1, 1], 24, 8) == (12, 6, 6)
+    assert apportion([100, 1], 16, 8) == (15, 1)  # at least 1, at most twice the micro-batch
+    assert apportion([100, 1, 1], 24, 8) == (16, 4, 4)
+    assert sum(apportion([0.7, 1.3, 2.9], 30, 10)) == 30
+
+
 def test_the_sites_section_is_checked():
     assert check_config({"sites": {}}).sites.inner_steps == 100
     auto = check_config({"sites": {"compression": {"method": "auto"}}})  # not HF's placeholder
@@ -229,13 +366,13 @@ def test_the_sites_section_is_checked():
     check_config({"sites": {"inner_steps": 1, "outer_optimizer": None}, "zero_optimization": nvme})
 
 
-def _resume(directory: str, streaming: dict | None) -> dict:
+def _resume(directory: str, extra: dict) -> dict:
     """Train 2 sites at stage 2, saving in the middle of the second round; a second engine
     loads that and trains on. Each rank's states after the last steps, both ways."""
     import zerotrain
 
     sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
-    sites["streaming"] = streaming
+    sites |= extra
     saved_at = INNER + 1  # inside the second round, the outer momentum set by the first
 
     def engine_and_steps(steps: range, load: bool) -> list[dict]:
@@ -255,8 +392,11 @@ def _resume(directory: str, streaming: dict | None) -> dict:
 
 
 # streamed: 3 fragments, the first's exchange in flight at the save (it left at step 4)
-@pytest.mark.parametrize("streaming", [None, {"fragments": 3, "overlap_steps": 1}])
-def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path, streaming):
+STREAMED = {"streaming": {"fragments": 3, "overlap_steps": 1}}
+
+
+@pytest.mark.parametrize("extra", [{}, STREAMED, {**STREAMED, "work_split": [3, 1]}])
+def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path, extra):
     """Saved in the middle of a round, each site's parameters, its inner optimizer and the
     outer state (the anchor, the outer momentum, the steps into the round, an exchange in
     flight) come back: the resumed run's parameters equal the uninterrupted run's, bit for
@@ -264,7 +404,7 @@ def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path, streaming):
     from zerotrain.checkpoint.export import read_state_dict
 
     directory = str(tmp_path / "ckpt")
-    results = run_distributed(_resume, SITES * PER_SITE, directory, streaming, timeout=300)
+    results = run_distributed(_resume, SITES * PER_SITE, directory, extra, timeout=300)
     for got in results:
         for straight, resumed in zip(got["straight"], got["resumed"], strict=True):
             assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -23,7 +23,7 @@ from zerotrain import activation_checkpointing as checkpointing
 from zerotrain.accelerator import get_accelerator, settle_host_math
 from zerotrain.comm import CommsLog, Communicator, init_distributed, is_initialized, local_rank
 from zerotrain.config import ConfigError, ZeroTrainConfig, load_config, read_config_file
-from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler
+from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler, SiteShareBatches
 from zerotrain.engine import ZeroTrainEngine
 from zerotrain.estimate.preflight import check_memory
 from zerotrain.observability.monitor import check_monitor_packages
@@ -400,14 +400,23 @@ def _dataloader(training_data, cfg: ZeroTrainConfig, layout: ParallelLayout, col
         return None
     comm = layout.dp
     seed = cfg.seed or 0
-    sampler = ResumableDistributedSampler(
-        training_data, comm.world_size, comm.rank, shuffle=True, seed=seed
-    )
+    split = layout.work_split
+    if split is None:
+        sampler = ResumableDistributedSampler(
+            training_data, comm.world_size, comm.rank, shuffle=True, seed=seed
+        )
+        batching: dict = {"batch_size": cfg.train_micro_batch_size_per_gpu, "sampler": sampler}
+        batching["drop_last"] = cfg.dataloader_drop_last
+    else:  # the same order, each micro-step's global batch shared out by the sites' speeds
+        order = ResumableDistributedSampler(
+            training_data, split.global_batch, 0, shuffle=True, seed=seed
+        )
+        accumulation = cfg.batch_sizes().gradient_accumulation_steps
+        shares = SiteShareBatches(order, split, layout.mesh.dp.rank, accumulation)
+        batching = {"batch_sampler": shares}
     loader = ResumableDataLoader(
         training_data,
-        batch_size=cfg.train_micro_batch_size_per_gpu,
-        sampler=sampler,
-        drop_last=cfg.dataloader_drop_last,
+        **batching,
         collate_fn=collate_fn,
         # its own generator: creating an iterator then draws no number from torch's global
         # generator, which a resumed run must find where the checkpoint left it (dropout)

@@ -6,15 +6,21 @@ same seed and epoch; rank r takes every world-size-th index) and keeps ``start``
 positions of that order already delivered to all ranks together. The loader advances ``start``
 by ``batch_size * world_size`` per batch it yields and moves to the next epoch when one ends.
 ``(epoch, start)`` is therefore a global position: a checkpoint restores it exactly, and a run
-resumed with another world size continues with the samples not yet seen.
+resumed with another world size continues with the samples not yet seen. Training across
+sites with a work split ([Note: a site's share of the batch] in zerotrain/zero/work_split.py)
+takes each micro-step's ``G`` positions of the same order as one run, site by site, each rank
+the piece its site's share gives it (:class:`SiteShareBatches`); ``start`` advances by ``G``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sized
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+from zerotrain.zero.work_split import WorkSplit
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -54,37 +60,78 @@ class ResumableDistributedSampler(Sampler[int]):
         return -(-(self.num_samples_total - self.start) // self.world_size)
 
 
+class SiteShareBatches(Sampler[list[int]]):
+    """The batches of a rank of training across sites with a work split: micro-step k of
+    ``order`` (a :class:`ResumableDistributedSampler` of world size ``split.global_batch``,
+    rank 0: the whole order, padded to whole micro-steps) gives this rank positions
+    ``split.positions(step, data_rank)`` of its ``G``, ``step`` the optimizer step it is for
+    (``accumulation`` micro-steps each, counted from the split's steps when iteration
+    starts)."""
+
+    def __init__(
+        self,
+        order: ResumableDistributedSampler,
+        split: WorkSplit,
+        data_rank: int,
+        accumulation: int,
+    ):
+        self.order, self.split = order, split
+        self.data_rank, self.accumulation = data_rank, accumulation
+
+    def __iter__(self):
+        rest, width = self.order._remaining(), self.order.world_size
+        first_step = self.split.steps
+        for k, start in enumerate(range(0, len(rest), width)):
+            lo, hi = self.split.positions(first_step + k // self.accumulation, self.data_rank)
+            yield rest[start + lo : start + hi]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableDistributedSampler` whose position (epoch and
+    """A ``DataLoader`` over a :class:`ResumableDistributedSampler` (or
+    :class:`SiteShareBatches` over one) whose position (epoch and
     samples delivered) is saved in checkpoints; see [Note: data position].
 
     Iterating continues from the current position; when an epoch is exhausted the next
     iteration starts the next epoch (so ``set_epoch`` calls are not needed, and harmless).
     """
 
-    # Narrower than DataLoader's: this loader is always given a ResumableDistributedSampler.
-    sampler: ResumableDistributedSampler  # pyrefly: ignore[bad-override-mutable-attribute]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        shares = self.batch_sampler if isinstance(self.batch_sampler, SiteShareBatches) else None
+        # the position in the epoch's order: a ResumableDistributedSampler's
+        order = self.sampler if shares is None else shares.order
+        assert isinstance(order, ResumableDistributedSampler), "see the class docstring"
+        self.order = order
+        if shares is not None:  # decisions on the shares wait for the batches fetched ahead
+            ahead = self.num_workers * (self.prefetch_factor or 0)
+            shares.split.lead = max(shares.split.lead, math.ceil(ahead / shares.accumulation) + 1)
 
     # A generator over DataLoader's iterator (it moves the position), not a _BaseDataLoaderIter.
     def __iter__(self):  # pyrefly: ignore[bad-override]
-        sampler = self.sampler
-        if self.batch_size is None:  # DataLoader's unbatched mode: the position counts batches
+        order = self.order
+        if isinstance(self.batch_sampler, SiteShareBatches):
+            step = order.world_size  # a micro-step's global batch
+        elif self.batch_size is None:  # DataLoader's unbatched mode: the position counts batches
             raise ValueError("ResumableDataLoader: batch_size must be set, not None")
-        step = self.batch_size * sampler.world_size
+        else:
+            step = self.batch_size * order.world_size
         for batch in super().__iter__():
-            sampler.start = min(sampler.start + step, sampler.num_samples_total)
+            order.start = min(order.start + step, order.num_samples_total)
             yield batch
-        sampler.set_epoch(sampler.epoch + 1)
+        order.set_epoch(order.epoch + 1)
 
     def state_dict(self) -> dict:
-        state = {"epoch": self.sampler.epoch, "start": self.sampler.start}
+        state = {"epoch": self.order.epoch, "start": self.order.start}
         if self.generator is not None:  # seeds worker processes
             state["generator"] = self.generator.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.epoch = int(state["epoch"])
-        self.sampler.start = min(int(state["start"]), self.sampler.num_samples_total)
+        self.order.epoch = int(state["epoch"])
+        self.order.start = min(int(state["start"]), self.order.num_samples_total)
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
 

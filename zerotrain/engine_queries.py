@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zerotrain.checkpoint.protocol import ModelLayout
 from zerotrain.config import OffloadOptimizerConfig, OffloadParamConfig, ZeroTrainConfig
 from zerotrain.precision import DTYPES
 from zerotrain.zero import ZeroOptimizer
@@ -23,6 +24,7 @@ class DeepSpeedQueries:
 
     zerotrain_config: ZeroTrainConfig
     optimizer: ZeroOptimizer
+    layout: ModelLayout
     _client_optimizer_name: str | None
 
     # -- batch ---------------------------------------------------------------------------------
@@ -30,7 +32,10 @@ class DeepSpeedQueries:
         return self.zerotrain_config.batch_sizes().train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.zerotrain_config.batch_sizes().train_micro_batch_size_per_gpu
+        """The configured micro-batch; across sites with ``sites.work_split``, this site's
+        share for the next step (what a loop that makes its own batches takes)."""
+        configured = self.zerotrain_config.batch_sizes().train_micro_batch_size_per_gpu
+        return self.layout.micro_batch(configured)
 
     def gradient_accumulation_steps(self) -> int:
         return self.zerotrain_config.batch_sizes().gradient_accumulation_steps

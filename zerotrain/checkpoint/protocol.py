@@ -63,6 +63,11 @@ class ModelLayout(Protocol):
         only some ranks hold), not one rank's."""
         ...
 
+    def micro_batch(self, configured: int) -> int:
+        """The samples this rank takes in its next micro-step: ``configured``, or its site's
+        share where training across sites splits the batch by the sites' speeds."""
+        ...
+
     def full_state(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model's state dict from this rank's ``own`` entries, tied keys sharing one
         tensor (collective over every rank)."""

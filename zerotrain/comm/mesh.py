@@ -145,6 +145,11 @@ class Mesh:
         return self.axis("site")
 
     @property
+    def in_site(self) -> Communicator:
+        """The ranks of this rank's site: every axis but the site's."""
+        return self.axis(*(axis for axis in AXES if axis != "site"))
+
+    @property
     def zero(self) -> Communicator:
         """The ranks that hold the same dense parameters: the data-parallel group and the
         sequence-parallel peers of each of its ranks; what ZeRO shards dense parameters over

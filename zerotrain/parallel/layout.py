@@ -49,6 +49,7 @@ from zerotrain.zero.init import owner_of
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.optimizer import ShardGroupSpec
 from zerotrain.zero.outer_step import SiteOptions, fragments_of
+from zerotrain.zero.work_split import WorkSplit
 
 
 def model_stages(model: nn.Module) -> int:
@@ -67,6 +68,8 @@ class ParallelLayout:
     tensor_parallel: TensorParallel | None  # None: no layer is split
     # id(param) -> the group of a tied layer's copies on several pipeline stages
     tied: dict[int, Communicator] = field(default_factory=dict)
+    # training across sites: the sites' shares of the batch (None: equal)
+    work_split: WorkSplit | None = None
 
     @classmethod
     def build(
@@ -107,7 +110,8 @@ class ParallelLayout:
         tied = model.tie_across_stages(mesh) if isinstance(model, PipelineModule) else {}
         check_tied_offload(cfg, tied)
         apply_long_context(model, cfg, mesh)
-        return cls(mesh, model, tensor_parallel, tied), model_parameters
+        work_split = _work_split(cfg, mesh)
+        return cls(mesh, model, tensor_parallel, tied, work_split), model_parameters
 
     # -- what the loader, the batch arithmetic and DeepSpeed's queries ask -------------------
     @property
@@ -148,6 +152,9 @@ class ParallelLayout:
     @property
     def data_parallel_size(self) -> int:
         return self.mesh.data.world_size
+
+    def micro_batch(self, configured: int) -> int:
+        return configured if self.work_split is None else self.work_split.micro_batch()
 
     @property
     def sequence_shares(self) -> int:
@@ -218,6 +225,8 @@ class ParallelLayout:
         expert_options = replace(
             options,
             comm=mesh.expert_dp,
+            # the dense group's outer steps time the steps for the work split
+            sites=None if options.sites is None else replace(options.sites, times_steps=False),
             average_over=mesh.dp.world_size,
             model_parallel=ModelParallel(mesh.axis(*axes), lambda _: 1) if axes else None,
         )
@@ -229,7 +238,7 @@ class ParallelLayout:
         zerotrain/zero/outer_step.py)."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         fragment_of = fragments_of(trainable, sites.fragments)
-        return replace(sites, comm=self.mesh.sites, fragment_of=fragment_of)
+        return replace(sites, comm=self.mesh.sites, fragment_of=fragment_of, split=self.work_split)
 
     def _model_parallel(self) -> ModelParallel | None:
         """The group the gradient norm sums over beyond the data-parallel one: the pipeline
@@ -310,6 +319,30 @@ def _sites(cfg: ZeroTrainConfig, world_size: int) -> int:
             f"({named}); make the ranks a multiple of the site's"
         )
     return world_size // per_site
+
+
+def _work_split(cfg: ZeroTrainConfig, mesh: Mesh) -> WorkSplit | None:
+    """The sites' shares of the batch ([Note: a site's share of the batch] in
+    zerotrain/zero/work_split.py); None: equal, or one site."""
+    sites, count = cfg.sites, mesh.sizes["site"]
+    if sites is None or count == 1 or sites.work_split == "equal":
+        return None
+    speeds = None if sites.work_split == "measured" else tuple(sites.work_split)
+    if speeds is not None and len(speeds) != count:
+        raise ConfigError(
+            f"sites.work_split: {len(speeds)} speeds for {count} sites; give one per site "
+            '(or "measured")'
+        )
+    return WorkSplit(
+        sites=count,
+        site=mesh.coordinates(mesh.world.rank)["site"],
+        data_ranks=mesh.dp.world_size,
+        micro=cfg.batch_sizes().train_micro_batch_size_per_gpu,
+        speeds=speeds,
+        window=max(10, sites.inner_steps),
+        in_site=mesh.in_site,
+        across=mesh.sites,
+    )
 
 
 def _start_sites_alike(model: nn.Module, mesh: Mesh) -> None:

@@ -60,6 +60,7 @@ from zerotrain.compression.auto import Policy, Traffic, policy_costs
 from zerotrain.compression.codec import Pending
 from zerotrain.fmt import quantity
 from zerotrain.zero.extension import Resume, StepExtension
+from zerotrain.zero.work_split import WorkSplit
 
 __all__ = ["OuterStep", "SiteOptions", "fragments_of"]
 
@@ -83,6 +84,8 @@ class SiteOptions:
     mixing: float = 0.0  # a site's own parameters' weight when an overlapped exchange lands
     fragment_of: Mapping[int, int] = field(default_factory=dict)
     comm: Communicator | None = None
+    split: WorkSplit | None = None  # the sites' shares of the batch (None: equal)
+    times_steps: bool = True  # this group's outer steps time the steps for ``split``
 
 
 def fragments_of(params: Iterable[torch.Tensor], count: int) -> dict[int, int]:
@@ -148,6 +151,10 @@ class OuterStep(StepExtension):
         self.momenta: list[torch.Tensor | None] = [None] * len(self.fragments)
         self.count = 0  # applied steps since the sites last started alike
         self.in_flight: list[Exchange] = []
+        self.split = options.split
+        # the work split's step each fragment's change counts samples from (its last launch)
+        self.windows = [self._split_steps()] * len(self.fragments)
+        self.waited = 0.0  # seconds this step spent in outer exchanges
         world = self.comm.world_size
         # each fragment's change as a bucket of one run of elements, padded to the sites
         self.shapes = [
@@ -191,14 +198,30 @@ class OuterStep(StepExtension):
             self.codec.end_step()
             landed = self._land_due() or landed  # without overlap_steps: at once
         self.sent += _sent(self.comm) - sent
-        self.busy += time.perf_counter() - started
+        self.waited = time.perf_counter() - started
+        self.busy += self.waited
         return landed
+
+    def step_ended(self, applied: bool) -> None:
+        if self.split is not None and self.options.times_steps:
+            self.split.step_ended(self.waited)
+        self.waited = 0.0
+
+    def _split_steps(self) -> int:
+        return 0 if self.split is None else self.split.steps
 
     def _launch(self, position: int) -> None:
         """Send fragment ``position``'s change since its anchor to the other sites."""
         fragment, anchor = self.fragments[position], self.anchors[position]
         wire = anchor.new_zeros(self.codec.buckets[position].numel_padded)
-        torch.sub(anchor, self._take(fragment), out=wire[: fragment.numel])
+        change = wire[: fragment.numel]
+        torch.sub(anchor, self._take(fragment), out=change)
+        if self.split is not None:  # weighed by the samples this site trained for it
+            steps = self.split.steps + 1  # this step's too
+            weight = self.split.weight(self.windows[position], steps)
+            self.windows[position] = steps
+            if weight is not None:
+                change.mul_(weight)
         op = self.codec.all_reduce(position, wire)
         lands_at = self.count + self.options.overlap_steps
         self.in_flight.append(Exchange(position, lands_at, wire, op, time.perf_counter()))
@@ -274,6 +297,8 @@ class OuterStep(StepExtension):
             if self.options.overlap_steps:
                 spent = f"{self.busy:.2f} s waited, {self.travelled:.2f} s travelling"
             text += f", {self.landed} {kind} ({sent} sent each, {spent})"
+        if self.split is not None:
+            text += f", {self.split.describe()}"
         return f"{text}, {self.decision}" if self.decision else text
 
     def _update(self, position: int, delta: torch.Tensor) -> torch.Tensor:
@@ -298,6 +323,7 @@ class OuterStep(StepExtension):
         self.in_flight = []
         self.anchors = [self._take(f) for f in self.fragments]
         self.count = 0
+        self.windows = [self._split_steps()] * len(self.fragments)
 
     @property
     def mid_round(self) -> bool:
@@ -323,7 +349,10 @@ class OuterStep(StepExtension):
             "in_flight": [(e.fragment, e.lands_at, e.wire.clone()) for e in self.in_flight],
             "mid_round": self.mid_round,
             "codec": self.codec.state_dict(),
+            "windows": list(self.windows),
         }
+        if self.split is not None and self.options.times_steps:
+            state["work_split"] = self.split.state_dict()
         if self.comm.rank != 0:
             state["masters"] = [m.detach().clone() for m in self.masters]
             state["optimizer"] = [_copied(self.optimizer.state.get(m, {})) for m in self.masters]
@@ -336,8 +365,13 @@ class OuterStep(StepExtension):
             and [tuple(a.shape) for a in state["anchors"]] == [tuple(a.shape) for a in self.anchors]
         )  # another split into sites or fragments (or none) lays the shards out anew
         if not (laid_out and resume.same_world and resume.optimizer_loaded):
+            if self.split is not None and self.options.times_steps:
+                self.split.load_state_dict(None)  # measured again
             self.masters_set()
             return None if state is None else _restarted_round(resume)
+        if self.split is not None and self.options.times_steps:
+            self.split.load_state_dict(state.get("work_split"))
+        self.windows = list(state.get("windows", self.windows))
         for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
             anchor.copy_(saved)
         device = self.anchors[0].device if self.anchors else None
