@@ -11,7 +11,8 @@ with `--delay`, rate-limited with `tc`), `--ranks-per-site` ranks in each (`zero
 torchrun's rendezvous over the link; a site is a node), train the tiny GPT of examples/gpt on
 the embedded corpus, fp32, ZeRO stage 1, AdamW (lr 1e-3 after 10 warm-up steps, clipping at
 1.0), the same batches in every row, for the same steps (the same tokens). Per row:
-- the wall time of the steps (evaluations outside it) and the bytes that left the first
+- the wall time of the steps (evaluations outside it; the ranks meet at each evaluation,
+  not at every step) and the bytes that left the first
   site's end of the link (`tx_bytes`, TCP/IP included), per token trained;
 - the loss on 16 held-out windows every `--eval-every` steps, the mean over the ranks (with
   sites, over the sites' models), and at the end;
@@ -121,19 +122,26 @@ def worker(spec: dict, out: str) -> None:
         engine.train()
         return mean(loss)
 
-    times, evaluations = [], []
+    # The clock runs from a start every rank shares to the end of each evaluation window,
+    # when every rank has stepped (one exchange across the link per window, not per step: a
+    # step of its own would add the link's round trips to every step of a site that needs
+    # none); the evaluations and their bytes are left out.
+    evaluations, elapsed = [], 0.0
     sent = _tx_bytes(interface)
+    mean(0.0)
+    start = time.perf_counter()
     for step in range(spec["steps"]):
         x, y = next(batches)
-        start = time.perf_counter()
         engine.backward(engine(x, y))
         engine.step()
-        mean(0.0)  # the window closes when every rank has stepped
-        times.append(time.perf_counter() - start)
-        if (step + 1) % spec["eval_every"] == 0:
-            before = _tx_bytes(interface)  # the evaluation's own bytes are left out
-            evaluations.append([step, held_out()])
+        last = step + 1 == spec["steps"]
+        if (step + 1) % spec["eval_every"] == 0 or last:
+            mean(0.0)  # every rank has stepped
+            elapsed += time.perf_counter() - start
+            before = _tx_bytes(interface)
+            evaluations.append([step, held_out(), elapsed])
             sent -= _tx_bytes(interface) - before
+            start = time.perf_counter()
     sent = _tx_bytes(interface) - sent
     micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
     micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
@@ -141,7 +149,8 @@ def worker(spec: dict, out: str) -> None:
     dist.barrier()  # then leave together: gloo aborts a process whose peer closed first
     if engine.global_rank == 0:
         tokens = spec["steps"] * world * micro * config.block_size
-        result = {"times": times, "held_out": evaluations, "tx_bytes": sent, "tokens": tokens}
+        result = {"seconds": elapsed, "held_out": evaluations, "tx_bytes": sent}
+        result["tokens"] = tokens
         result["micro_batches"] = micros.tolist()
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -195,7 +204,7 @@ def summarize(results: dict) -> list[str]:
         if not isinstance(got, dict):
             lines.append(f"| {row} | {got} |")
             continue
-        seconds, final = sum(got["times"]), got["held_out"][-1][1]
+        seconds, final = got["seconds"], got["held_out"][-1][1]
         per_token = got["tx_bytes"] / got["tokens"]
         reached = _time_to(got, target)
         cells = [row, f"{seconds:.1f}", f"{final:.4f}"]
@@ -218,8 +227,7 @@ def _time_to(got: dict, target: float | None) -> float | None:
     """The steps' time until the first held-out loss at or below ``target``."""
     if target is None:
         return None
-    step = next((step for step, loss in got["held_out"] if loss <= target), None)
-    return None if step is None else sum(got["times"][: step + 1])
+    return next((at for _, loss, at in got["held_out"] if loss <= target), None)
 
 
 def main() -> None:
