@@ -1,7 +1,8 @@
 """Two "nodes" on one machine: two network namespaces joined by a veth pair, the link
-rate-limited with `tc`, one `zerotrain run` (torchrun's agent) in each. Used by
-tests/test_multinode.py, bench/moe_slow_link.py and bench/compression.py; needs root and
-iproute2.
+rate-limited with `tc`, one `zerotrain run` (torchrun's agent) in each; or several joined
+pair by pair (:func:`joined_namespaces`), each link its own rate and delay. Used by
+tests/test_multinode.py, tests/test_sites.py, bench/moe_slow_link.py, bench/compression.py
+and bench/sites.py; needs root and iproute2.
 
 Each namespace has only its loopback and its end of the veth, so ranks of different nodes can
 reach each other only across that link. The namespaces and the link exist only inside
@@ -168,6 +169,54 @@ def two_namespaces(rate: str = "200mbit", delay: str | None = None) -> Iterator[
             node.kill_everything()  # nothing outlives its namespace
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
         if line is not None:  # its TUN devices go with it
+            line.kill()
+            line.wait()
+
+
+@contextlib.contextmanager
+def joined_namespaces(links: dict[tuple[int, int], tuple[str, str | None]]) -> Iterator[list[Node]]:
+    """Namespaces joined pair by pair: ``links[(i, j)]`` is the (rate, delay) of the link of
+    nodes i and j, a veth pair or (with a delay) two TUN devices of a delay line, as in
+    :func:`two_namespaces`. A node has one address, on each of its ends (a /32, with a route
+    to each peer's over their link): what nodes i and j send each other crosses their link
+    alone. Its ``interface`` (which gloo binds) is its first link's end."""
+    count = 1 + max(max(pair) for pair in links)
+    tag = os.getpid() % 10_000
+    subnet = (tag + 7) % 250  # beside two_namespaces' subnet
+    names = [f"zt{tag}m{i}" for i in range(count)]
+    addresses = [SUBNET.format(subnet, 100 + i) for i in range(count)]
+    ends: dict[tuple[int, int], str] = {}  # (node, peer): the node's end of their link
+    lines = []
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        for k, ((i, j), (rate, delay)) in enumerate(sorted(links.items())):
+            pair = [f"zt{tag}p{k}{side}" for side in "ab"]
+            ends[(i, j)], ends[(j, i)] = pair
+            if delay is None:
+                _ip("link", "add", pair[0], "type", "veth", "peer", "name", pair[1])
+            else:
+                lines.append(_delay_line(pair, delay))
+            for me, peer in ((i, j), (j, i)):
+                end, name = ends[(me, peer)], names[me]
+                _ip("link", "set", end, "netns", name)
+                _ip("-n", name, "addr", "add", f"{addresses[me]}/32", "dev", end)
+                if delay is not None:
+                    _ip("-n", name, "link", "set", end, "mtu", "64000")
+                _ip("-n", name, "link", "set", end, "up")
+                route = [f"{addresses[peer]}/32", "dev", end, "src", addresses[me]]
+                _ip("-n", name, "route", "add", *route)
+                tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", end, "root"]
+                limit = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+                subprocess.run([*tc, *limit], check=True, capture_output=True)
+        first_end = {me: end for (me, _), end in sorted(ends.items(), reverse=True)}
+        yield [Node(names[i], addresses[i], first_end[i]) for i in range(count)]
+    finally:
+        for name in names:
+            Node(name, "", "").kill_everything()
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for line in lines:
             line.kill()
             line.wait()
 

@@ -647,36 +647,62 @@ def test_two_emulated_sites_over_a_slow_link_train_as_sites_on_one_machine():
     2 ranks in each: a site is a torchrun node by default, and the demo trains exactly as the
     same 4 ranks split into sites of 2 on one machine (the same losses, bit for bit), its
     outer steps over the slow link."""
+    with netns.two_namespaces("10mbit", delay="20ms") as nodes:
+        across, here = _across_and_here(nodes, 2, 29613, ["--inner-steps", "4"])
+    assert _losses(across) == _losses(here)
+    assert "2 outer steps" in across, across[-2000:]
+
+
+@pytest.mark.slow  # about a minute: the demo on 3 emulated sites, and on one machine
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip, tc)")
+def test_three_emulated_sites_over_unequal_links_train_as_sites_on_one_machine():
+    """Three network namespaces of one rank each, the first two joined by 100 Mbit/s with 5 ms
+    each way and the third 10 Mbit/s with 20 ms away from both (each pair its own link): the
+    demo, streaming its outer steps in 2 fragments, trains exactly as the same 3 ranks split
+    into sites of one on one machine (the same losses, bit for bit)."""
+    far = ("10mbit", "20ms")
+    links = {(0, 1): ("100mbit", "5ms"), (0, 2): far, (1, 2): far}
+    with netns.joined_namespaces(links) as nodes:
+        sites = ["--inner-steps", "4", "--fragments", "2"]
+        across, here = _across_and_here(nodes, 1, 29615, sites)
+    assert _losses(across) == _losses(here)
+    assert "outer steps of fragments" in across, across[-2000:]
+
+
+def _across_and_here(nodes, per_site: int, port: int, sites: list[str]) -> tuple[str, str]:
+    """The demo with ``sites``'s flags on ``nodes`` (a site each, ``per_site`` ranks), and on
+    this machine as sites of ``per_site``: the first node's output, and this machine's."""
     from launched import output_or_kill
 
-    sites = ["--inner-steps", "4"]
-    with netns.two_namespaces("10mbit", delay="20ms") as nodes:
-        first = nodes[0]
-        rendezvous = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", first.address]
-        rendezvous += ["--master-port", "29613"]
-        runs = [
-            node.run(*rendezvous, "--node-rank", str(i), *TRAIN, *sites)
-            for i, node in enumerate(nodes)
-        ]
-        outputs = [output_or_kill(run, 300, "zerotrain run") for run in runs]
+    rendezvous = ["--nnodes", str(len(nodes)), "--nproc-per-node", str(per_site)]
+    rendezvous += ["--master-addr", nodes[0].address, "--master-port", str(port)]
+    runs = [
+        node.run(*rendezvous, "--node-rank", str(i), *TRAIN, *sites) for i, node in enumerate(nodes)
+    ]
+    outputs = [output_or_kill(run, 300, "zerotrain run") for run in runs]
     for run, output in zip(runs, outputs, strict=True):
         assert run.returncode == 0, output[-3000:]
+    world = str(len(nodes) * per_site)
     one_machine = subprocess.run(
-        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", "4", *TRAIN, *sites]
-        + ["--ranks-per-site", "2"],
+        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", world, *TRAIN, *sites]
+        + ["--ranks-per-site", str(per_site)],
         cwd=netns.ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert one_machine.returncode == 0, one_machine.stderr[-3000:]
-    losses = re.compile(r"^\[zerotrain\] step \d+/\d+ \| ETA \S+ \| loss [\d.]+", re.M)
+    return outputs[0], one_machine.stdout
+
+
+def _losses(output: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The demo's loss of each throughput line (its timings left out) and its summary's
+    losses."""
+    lines = re.compile(r"^\[zerotrain\] step \d+/\d+ \| ETA \S+ \| loss [\d.]+", re.M)
     summary = re.compile(r"^  (first loss|final loss|validation loss)\s+(.+)$", re.M)
-    across = [m.split("| ETA")[0] + m.split("|")[-1] for m in losses.findall(outputs[0])]
-    here = [m.split("| ETA")[0] + m.split("|")[-1] for m in losses.findall(one_machine.stdout)]
-    assert across == here and len(across) == 2, (across, here)
-    assert summary.findall(outputs[0]) == summary.findall(one_machine.stdout)
-    assert "2 outer steps" in outputs[0], outputs[0][-2000:]
+    losses = [m.split("| ETA")[0] + m.split("|")[-1] for m in lines.findall(output)]
+    assert len(losses) == 2, output[-2000:]
+    return losses, summary.findall(output)
 
 
 @pytest.mark.slow  # 2-4 minutes: a site lost and back, on 2 emulated sites

@@ -186,7 +186,7 @@ class OuterStep(StepExtension):
 
     def step_applied(self) -> bool:
         self.count += 1
-        sent, started = _sent(self.comm), time.perf_counter()
+        started = time.perf_counter()
         landed = self._land_due()
         if self._launches(self.count):
             if self.undecided:
@@ -197,7 +197,6 @@ class OuterStep(StepExtension):
                     self._launch(position)
             self.codec.end_step()
             landed = self._land_due() or landed  # without overlap_steps: at once
-        self.sent += _sent(self.comm) - sent
         self.waited = time.perf_counter() - started
         self.busy += self.waited
         return landed
@@ -222,7 +221,9 @@ class OuterStep(StepExtension):
             self.windows[position] = steps
             if weight is not None:
                 change.mul_(weight)
+        sent = _sent(self.comm)
         op = self.codec.all_reduce(position, wire)
+        self.sent += _sent(self.comm) - sent
         lands_at = self.count + self.options.overlap_steps
         self.in_flight.append(Exchange(position, lands_at, wire, op, time.perf_counter()))
         self.launched += 1
@@ -246,15 +247,15 @@ class OuterStep(StepExtension):
 
     def _complete(self, exchange: Exchange) -> None:
         if exchange.op is not None:
-            exchange.op.wait()
+            sent = _sent(self.comm)
+            exchange.op.wait()  # a codec's second collective may leave now (int8's gather)
+            self.sent += _sent(self.comm) - sent
             exchange.op = None
             self.travelled += time.perf_counter() - exchange.launched
 
     def _take(self, fragment: Fragment) -> torch.Tensor:
         """Fragment's elements of the masters, one fp32 vector."""
         pieces = [self.masters[m][lo:hi] for m, lo, hi in fragment.runs]
-        if not pieces:
-            return torch.zeros(0)
         return torch.cat(pieces).to(torch.float32)
 
     def _put(self, fragment: Fragment, values: torch.Tensor) -> None:

@@ -8,9 +8,11 @@ arXiv:2410.12707, as a share of the batch): a step's global batch, ``G`` samples
 configured micro-batch on every data-parallel rank of every site), is shared out site by
 site, the ``d`` data-parallel ranks of site s taking ``micro[s]`` samples each, with
 ``sum(d * micro[s]) == G``; every site still takes one optimizer step a step. "measured":
-every ``window`` steps each site's step time (its slowest rank's, the time spent waiting
-in outer exchanges left out) gives its speed in samples a second, and the shares follow the
-speeds; a list of relative speeds fixes them from the start.
+every ``window`` steps each site's median step time (its slowest rank's, the time spent
+waiting in outer exchanges left out; the median leaves out what runs now and then between
+steps, an evaluation or a checkpoint that waits for every site) gives its speed in samples a
+second, and the shares follow the speeds; a list of relative speeds fixes them from the
+start.
 
 A change of the shares is decided by every rank at the same step and applies ``lead`` steps
 later, so that batches a loader fetched ahead (its workers' prefetch) were already sized by
@@ -22,6 +24,7 @@ every site's (DiLoCo's average weighted by tokens; with equal shares the plain a
 
 from __future__ import annotations
 
+import statistics
 import time
 from bisect import bisect_right
 from typing import Any
@@ -37,9 +40,9 @@ class WorkSplit:
     """The sites' shares of each step's batch (see [Note: a site's share of the batch]).
 
     ``site``: this rank's site of ``sites``, each of ``data_ranks`` data-parallel ranks;
-    ``micro``: the configured micro-batch; ``speeds``: fixed relative speeds, one per site (None: measured every ``window`` steps,
-    over ``in_site``, this site's ranks, and ``across``, the ranks holding the same place at
-    each site)."""
+    ``micro``: the configured micro-batch; ``speeds``: fixed relative speeds, one per site
+    (None: measured every ``window`` steps, over ``in_site``, this site's ranks, and
+    ``across``, the ranks holding the same place at each site)."""
 
     def __init__(
         self,
@@ -62,8 +65,7 @@ class WorkSplit:
         self.schedule: list[tuple[int, tuple[int, ...]]] = [(0, first)]
         self.lead = 1  # steps between a decision and the step it applies to (loaders raise it)
         self.steps = 0  # optimizer steps taken, applied or skipped
-        self.seconds = 0.0  # measured in this window
-        self.timed = 0  # steps measured in this window
+        self.times: list[float] = []  # each timed step's seconds in this window
         self._last: float | None = None  # when the last step ended
 
     def micros(self, step: int) -> tuple[int, ...]:
@@ -115,21 +117,20 @@ class WorkSplit:
         if not self.measured:
             return
         if self._last is not None and self.micros(self.steps - 1) == self.micros(self.steps - 2):
-            self.seconds += max(0.0, now - self._last - waited)  # not a step after a change
-            self.timed += 1
+            self.times.append(max(0.0, now - self._last - waited))  # not a step after a change
         self._last = now
-        if self.timed < self.window:
+        if len(self.times) < self.window:
             return
         self._decide()
         self._last = time.perf_counter()  # the decision's own collectives are left out
 
     def _decide(self) -> None:
-        mine = torch.tensor([self.seconds / self.timed], dtype=torch.float64)
+        mine = torch.tensor([statistics.median(self.times)], dtype=torch.float64)
         self.in_site.all_reduce(mine, op="max")
         every = torch.zeros(self.sites, dtype=torch.float64)
         every[self.site] = mine
         self.across.all_reduce(every)
-        self.seconds, self.timed = 0.0, 0
+        self.times = []
         current = self.micros(self.steps)
         speeds = [m / max(s, 1e-9) for m, s in zip(current, every.tolist(), strict=True)]
         chosen = apportion(speeds, self.micro * self.sites, self.micro)
@@ -146,7 +147,7 @@ class WorkSplit:
 
     def load_state_dict(self, state: dict | None) -> None:
         """Go on from ``state`` (None: start again from the first shares)."""
-        self.seconds, self.timed, self._last = 0.0, 0, None
+        self.times, self._last = [], None
         if state is None or len(state["schedule"][0][1]) != self.sites:
             self.schedule, self.steps = self.schedule[:1], 0
             return
