@@ -110,6 +110,14 @@ def parse_args() -> argparse.Namespace:
         "--checkpoint-every", type=int, default=50, help="steps between checkpoints"
     )
     parser.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="with --checkpoint-dir: also keep the training state in memory every this many "
+        "steps, a copy on another node, and resume from it when it is newer "
+        "(checkpoint.in_memory_snapshots, docs/checkpoints.md); 0: none",
+    )
+    parser.add_argument(
         "--activation-checkpointing",
         action="store_true",
         help="recompute the activations of every --ac-every-th block in backward instead of "
@@ -208,6 +216,8 @@ def parse_args() -> argparse.Namespace:
     ):
         if value is not None and args.compress not in methods:
             parser.error(f"--compress-{flag} applies only with --compress {' or '.join(methods)}")
+    if args.snapshot_every and not args.checkpoint_dir:
+        parser.error("--snapshot-every applies only with --checkpoint-dir (what a restart loads)")
     for flag, given in (
         ("ranks-per-site", args.ranks_per_site is not None),
         ("fragments", args.fragments),
@@ -267,7 +277,13 @@ def engine_config(args: argparse.Namespace) -> dict:
         "zero_optimization": args.zero,
         "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": args.sequence_parallel},
         "moe": {"token_dedup": args.moe_dedup, "overlap_chunks": args.moe_overlap},
-        "checkpoint": {"keep_last": KEEP_CHECKPOINTS},
+        "checkpoint": {
+            "keep_last": KEEP_CHECKPOINTS,
+            "in_memory_snapshots": {
+                "enabled": args.snapshot_every > 0,
+                "every_steps": max(1, args.snapshot_every),
+            },
+        },
         "comm_compression": compression(args),
         **({"sites": sites(args)} if args.inner_steps else {}),
         # profile: the summary reports the time spent recomputing

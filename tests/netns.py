@@ -55,11 +55,13 @@ class Node:
         """``zerotrain run ARGS`` inside the namespace, in its own process group."""
         return self.python("-m", "zerotrain.cli", "run", *args, **popen)
 
-    def python(self, *args: str, **popen) -> subprocess.Popen:
+    def python(self, *args: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
         """``python ARGS`` inside the namespace, in its own process group (which
-        tests/launched.py's ``output_or_kill`` kills), its gloo on the link, its output piped."""
+        tests/launched.py's ``output_or_kill`` kills), its gloo on the link, its output piped;
+        ``env``: variables besides this process's."""
         env = {
             **os.environ,
+            **(env or {}),
             "GLOO_SOCKET_IFNAME": self.interface,  # the link to the other node
             "PYTHONUNBUFFERED": "1",
         }

@@ -705,14 +705,17 @@ def _losses(output: str) -> tuple[list[str], list[tuple[str, str]]]:
     return losses, summary.findall(output)
 
 
-@pytest.mark.slow  # 2-4 minutes: a site lost and back, on 2 emulated sites
+@pytest.mark.slow  # about 3 minutes: a site lost and back, on 2 emulated sites
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip, tc)")
-def test_a_site_lost_and_back_goes_on_from_the_newest_checkpoint(tmp_path):
-    """Elastic sites: torchrun's `--nnodes 1:2` on both; the second site is killed (its agent
-    and its rank), the first goes on alone from the newest checkpoint (one site, the round
-    started again from the checkpoint's parameters), then the second site comes back, and both
-    go on from the newest checkpoint as two sites again, with no manual step."""
+def test_a_site_lost_and_back_goes_on_from_the_newest_snapshot(tmp_path):
+    """Elastic sites: torchrun's `--nnodes 1:2` on both, checkpoints every 20 steps and
+    in-memory snapshots every 10 (each node its own snapshot folder, a copy of each on the
+    other site); the second site is killed (its agent and its rank) once a snapshot is newer
+    than the newest checkpoint, and the first goes on alone from that snapshot, not the older
+    checkpoint (one site, the round started again from its parameters); then the second site
+    comes back, and both go on from the newest state as two sites again, with no manual
+    step."""
     from launched import output_or_kill
 
     with netns.two_namespaces("100mbit", delay="5ms") as nodes:
@@ -721,12 +724,15 @@ def test_a_site_lost_and_back_goes_on_from_the_newest_checkpoint(tmp_path):
         elastic += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.address}:29614"]
         elastic += ["--rdzv-id", "zt-sites"]
         ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20"]
+        ckpt += ["--snapshot-every", "10"]
+        snapshots = [tmp_path / f"shm{i}" for i in range(2)]
         # long enough that the first site alone is still training when the second comes back
-        train = ["examples/train_gpt.py", "--model", "tiny", "--steps", "1200", "--print-every"]
+        train = ["examples/train_gpt.py", "--model", "tiny", "--steps", "600", "--print-every"]
         train += ["100", "--inner-steps", "5", "--val-batches", "1"]
 
         def start(node, host: bool):
-            return node.run(*elastic, *node.advertised(host=host), *train, *ckpt)
+            env = {"ZEROTRAIN_SNAPSHOT_DIR": str(snapshots[0 if host else 1])}
+            return node.run(*elastic, *node.advertised(host=host), *train, *ckpt, env=env)
 
         def wait_for(step: int, *running) -> None:
             deadline = time.monotonic() + 180
@@ -737,9 +743,14 @@ def test_a_site_lost_and_back_goes_on_from_the_newest_checkpoint(tmp_path):
 
         survivor, victim = start(first, host=True), start(second, host=False)
         wait_for(20, survivor, victim)
+        deadline = time.monotonic() + 180
+        while _latest_snapshot(snapshots[0]) <= _latest_step(tmp_path / "ckpt"):
+            assert time.monotonic() < deadline, "no snapshot newer than the checkpoint"
+            time.sleep(0.05)
         second.kill_everything()  # the site is lost: its agent and its rank
         victim.communicate()
         lost_at = _latest_step(tmp_path / "ckpt")
+        snapshot_at = _latest_snapshot(snapshots[0])
         wait_for(lost_at + 30, survivor)  # the first site alone, on from the checkpoint
         back = start(second, host=False)
         output = output_or_kill(survivor, 800, "zerotrain run")
@@ -748,9 +759,19 @@ def test_a_site_lost_and_back_goes_on_from_the_newest_checkpoint(tmp_path):
     started = [int(n) for n in re.findall(r"initialized gloo with (\d+) ranks", output)]
     assert started[:2] == [2, 1] and started[-1] == 2, output[-3000:]
     resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", output)]
-    assert len(resumed) >= 2 and resumed[0] >= 20 and resumed[-1] > resumed[0], output[-3000:]
+    assert len(resumed) >= 2 and resumed[-1] > resumed[0], output[-3000:]
+    # from the newest snapshot, newer than the checkpoint on disk when the site was lost
+    assert resumed[0] >= snapshot_at > lost_at, (resumed, snapshot_at, lost_at)
     assert "the round starts again" in output, output[-3000:]
     assert re.search(r"^  world size\s+2$", output, re.M), output[-2000:]
+
+
+def _latest_snapshot(folder) -> int:
+    """The newest step of a committed snapshot in a node's snapshot folder (-1: none)."""
+    steps = [
+        int(p.parent.name.removeprefix("global_step")) for p in folder.glob("*/*/manifest.json")
+    ]
+    return max(steps, default=-1)
 
 
 def _latest_step(save_dir) -> int:
