@@ -486,6 +486,92 @@ def test_sites_with_experts_spread_over_a_site_meet_in_the_outer_step():
         assert error < 1e-5, (key, error)
 
 
+def _pipeline_sites(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Two sites, each a pipeline of 2 stages (tests/test_pipeline.py's model, stage 1, 1F1B)
+    training its half of each global batch: the whole model's state after each step (and
+    the models whose stages cannot be built again for the site, refused on every rank)."""
+    from test_pipeline import SEED, batches, config, layer_specs, loss_fn, micro_batches
+
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+
+    def pipeline(layers: list) -> PipelineModule:
+        return PipelineModule(
+            layers, num_stages=2, loss_fn=loss_fn, seed_layers=True, base_seed=SEED
+        )
+
+    sites = {"inner_steps": 2, "outer_optimizer": OUTER, "ranks_per_site": 2}
+    settings = {**config(1, "1f1b"), "sites": sites}
+    # a rank's stage is built again for its site: what holds the first build's is refused
+    with pytest.raises(ConfigError, match="holds parameters the model no longer has"):
+        model = pipeline(layer_specs())
+        client = {k: v for k, v in settings.items() if k != "optimizer"}
+        zerotrain.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters()), config=client
+        )
+    with pytest.raises(ConfigError, match="given as modules"):
+        zerotrain.initialize(model=pipeline([s.build() for s in layer_specs()]), config=settings)
+    model = pipeline(layer_specs())
+    engine, *_ = zerotrain.initialize(model=model, config=settings)
+    site = torch.distributed.get_rank() // 2
+    states = []
+    for batch in batches(SITES)[:steps]:
+        engine.train_batch(micro_batches(batch, SITES, site))
+        states.append(engine.consolidated_state_dict())
+    return states
+
+
+def _pipeline_diloco(steps: int) -> list[list[dict[str, torch.Tensor]]]:
+    """The same in one process: per site the pipeline's model whole, its micro-batches'
+    gradients accumulated, clipped and stepped by AdamW; every 2 steps DiLoCo's outer step."""
+    from test_pipeline import ACCUM, CLIP, LR, batches, loss_fn, micro_batches, reference_model
+
+    nets = [reference_model() for _ in range(SITES)]
+    inner = [torch.optim.AdamW(n.parameters(), lr=LR, eps=1e-5, weight_decay=0.01) for n in nets]
+    anchor = reference_model()
+    outer = torch.optim.SGD(anchor.parameters(), **OUTER["params"])
+    history = []
+    for step, batch in enumerate(batches(SITES)[:steps], 1):
+        for site, (net, optimizer) in enumerate(zip(nets, inner, strict=True)):
+            for x, y in micro_batches(batch, SITES, site):
+                (loss_fn(net(x), y) / ACCUM).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+        if step % 2 == 0:
+            with torch.no_grad():
+                pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
+                for a, *ps in pairs:
+                    a.grad = torch.stack([a - p for p in ps]).mean(0)
+                outer.step()
+                for net in nets:
+                    net.load_state_dict(anchor.state_dict())
+        history.append([copy.deepcopy(n.state_dict()) for n in nets])
+    return history
+
+
+def test_sites_of_pipeline_stages_are_diloco_s():
+    """Each site a pipeline of 2 stages (4 ranks; a rank's stage built again for its site,
+    the site axis being outside the pipeline's): every stage's shards meet the same stage's
+    at the other site in the outer step, and every rank's model after each step is its site's
+    in DiLoCo written plainly with the model whole, within the pipeline's own agreement with
+    one process (1e-5 relative, tests/test_pipeline.py)."""
+    from models import relative_error
+
+    steps = 3  # an outer step, and an inner step after it
+    results = run_distributed(_pipeline_sites, SITES * 2, steps, timeout=300)
+    expected = _pipeline_diloco(steps)
+    for rank, states in enumerate(results):
+        for step, state in enumerate(states):
+            want = expected[step][rank // 2]
+            assert state.keys() == want.keys()
+            for key, value in want.items():
+                assert relative_error(state[key], value) < 1e-5, (rank, step, key)
+    # apart inside the round, alike after the outer step
+    assert not torch.equal(results[0][0]["0.weight"], results[-1][0]["0.weight"])
+    assert torch.equal(results[0][1]["0.weight"], results[-1][1]["0.weight"])
+
+
 def test_a_round_saved_with_other_sites_starts_again():
     """A checkpoint whose outer state is laid out otherwise (another split into sites at the
     same world size: shards of other sizes) is not forced on: the round starts again from the

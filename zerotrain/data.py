@@ -90,9 +90,9 @@ class SiteShareBatches(Sampler[list[int]]):
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableDistributedSampler` (or
-    :class:`SiteShareBatches` over one) whose position (epoch and
-    samples delivered) is saved in checkpoints; see [Note: data position].
+    """A ``DataLoader`` over a :class:`ResumableDistributedSampler` (or :class:`SiteShareBatches`
+    over one) whose position (epoch and samples delivered) is saved in checkpoints; see
+    [Note: data position].
 
     Iterating continues from the current position; when an epoch is exhausted the next
     iteration starts the next epoch (so ``set_epoch`` calls are not needed, and harmless).

@@ -87,6 +87,8 @@ class ParallelLayout:
         ``device``; returns the layout and the parameters to train (``model_parameters``, or
         LoRA-FA's adapters in their place). ``sequence_group``: this rank's sequence-parallel
         group when the caller made it (DeepSpeed's mpu), which the mesh then uses."""
+        if isinstance(model, PipelineModule):  # before anything takes its parameters
+            _place_stages(model, _sites(cfg, comm.world_size), comm, optimizer, model_parameters)
         if cfg.lora_fa.enabled:
             model_parameters = convert_to_lora_fa(
                 model, cfg.lora_fa, optimizer, model_parameters, comm.rank
@@ -233,9 +235,9 @@ class ParallelLayout:
         return [(options, dense, dense_frozen), (expert_options, experts, experts_frozen)]
 
     def _site_options(self, sites: SiteOptions) -> SiteOptions:
-        """``sites`` over this layout: the ranks holding the same shard at each site, and the
+        """``sites`` over this layout: the ranks holding the same shard at each site, the
         trainable parameters' fragments (see [Note: streaming fragments] in
-        zerotrain/zero/outer_step.py)."""
+        zerotrain/zero/outer_step.py) and the sites' shares of the batch."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         fragment_of = fragments_of(trainable, sites.fragments)
         return replace(sites, comm=self.mesh.sites, fragment_of=fragment_of, split=self.work_split)
@@ -319,6 +321,26 @@ def _sites(cfg: ZeroTrainConfig, world_size: int) -> int:
             f"({named}); make the ranks a multiple of the site's"
         )
     return world_size // per_site
+
+
+def _place_stages(
+    model: PipelineModule, sites: int, world: Communicator, optimizer: Any, params: Any
+) -> None:
+    """Give ``model`` the pipeline position the mesh gives this rank ([Note: mesh layout]:
+    the site axis outside the pipeline's), where its construction took another from the world
+    rank alone (several sites of several stages); a client's optimizer or parameter list made
+    before then would hold parameters the model no longer has: every rank refuses it alike."""
+    if sites == 1 or model.num_stages == 1:  # the world rank's position is the mesh's
+        return
+    if isinstance(optimizer, torch.optim.Optimizer) or isinstance(params, (list, tuple)):
+        raise ConfigError(
+            "sites with a PipelineModule: this rank's pipeline stage is the site's, built again "
+            "in initialize, so an optimizer or a parameter list made from the model before it "
+            "holds parameters the model no longer has; give the optimizer in the config (or a "
+            "callable taking the parameters), and model.parameters() unlisted"
+        )
+    per_position = world.world_size // (sites * model.num_stages)
+    model.place((world.rank // per_position) % model.num_stages)
 
 
 def _work_split(cfg: ZeroTrainConfig, mesh: Mesh) -> WorkSplit | None:

@@ -161,18 +161,26 @@ class PipelineModule(nn.Module):
         self.num_stages = num_stages
         self.stages_per_rank = stages_per_rank
         self.stage_placement = stage_placement
-        self.stage_id = world.rank // (world.world_size // num_stages)  # the pipeline position
-        # this rank's stages, one per chunk
-        self.stages = [self.stage_of_chunk(self.stage_id, c) for c in range(stages_per_rank)]
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         # accepted: every message between stages carries its shapes, as DeepSpeed's
         # dynamic_shape=True sends them (see comm/stage_messages.py)
         self.dynamic_shape = dynamic_shape
-        # not kept: layers given as modules would keep every stage's parameters alive
         specs = list(layers)
         self.parts = partition(specs, num_stages * stages_per_rank, partition_method)
+        # kept to build another stage's layers (place()); not where a layer is given as a
+        # module: they would keep every stage's parameters alive
+        self._specs = None if any(isinstance(s, nn.Module) for s in specs) else specs
+        self._seeds = base_seed if seed_layers else None
+        self._build_stages(specs, world.rank // (world.world_size // num_stages))
+
+    def _build_stages(self, specs: list, stage_id: int) -> None:
+        """Build the layers of pipeline position ``stage_id``'s stages (see [Note: pipeline
+        stages])."""
+        self.stage_id = stage_id  # the pipeline position
+        # this rank's stages, one per chunk
+        self.stages = [self.stage_of_chunk(stage_id, c) for c in range(self.stages_per_rank)]
         self.tied_modules = nn.ModuleDict()
         self._stages_of_key: dict[str, set[int]] = {}  # tied key -> the stages using it
         for index, spec in enumerate(specs):
@@ -182,10 +190,31 @@ class PipelineModule(nn.Module):
         for stage in self.stages:
             runs = []
             for index in self.stage_layers(stage):
-                if seed_layers:
-                    torch.manual_seed(base_seed + index)
+                if self._seeds is not None:
+                    torch.manual_seed(self._seeds + index)
                 runs.append(self._build(index, specs[index]))
             self._runs.append(runs)
+
+    def place(self, stage_id: int) -> bool:
+        """Run pipeline position ``stage_id``, the mesh's, where it is not the one the world
+        rank gave at construction (training across sites puts the site axis outside the
+        pipeline's: a site's ranks are consecutive). Its layers are built anew from their
+        specifications, the others' dropped (every rank of such a layout calls it: where
+        the layers were given as modules, every rank refuses alike). Returns whether it
+        moved."""
+        if self._specs is None:
+            raise ConfigError(
+                "PipelineModule: the sites section places each site's pipeline on the site's "
+                "ranks, so a rank's stage is not the one built from its world rank, and the "
+                "layers were given as modules, which cannot be built again; give them as "
+                "LayerSpecs"
+            )
+        if stage_id == self.stage_id:
+            return False
+        for name in [n for n in self._modules if n != "tied_modules"]:
+            del self._modules[name]
+        self._build_stages(self._specs, stage_id)
+        return True
 
     def _build(self, index: int, spec: Any) -> Callable[[Any], Any]:
         if isinstance(spec, TiedLayerSpec):
