@@ -572,6 +572,71 @@ def test_sites_of_pipeline_stages_are_diloco_s():
     assert torch.equal(results[0][1]["0.weight"], results[-1][1]["0.weight"])
 
 
+def _sequence_sites(steps: int) -> dict[str, torch.Tensor]:
+    """Two sites, each a sequence-parallel pair (Ulysses, tests/test_sequence_parallel.py's
+    Llama at stage 1, SGD) training its own samples, a share of each sequence per rank, with
+    an outer step every 2 steps: the model after ``steps`` steps."""
+    from test_sequence_parallel import ACCUM, batches, build, config
+
+    import zerotrain
+    from zerotrain.sequence import shard_batch
+
+    sites = {"inner_steps": 2, "outer_optimizer": OUTER, "ranks_per_site": 2}
+    settings = {**config(1, 2), "sites": sites}
+    engine, *_ = zerotrain.initialize(model=build(), config=settings)
+    data_ranks, site = engine.dp_world_size, engine.layout.dp.rank  # one data rank a site
+    sequence = engine.layout.sequence
+    data = batches(steps * ACCUM * data_ranks)
+    for step in range(steps):
+        for micro in range(ACCUM):
+            sample = data[(step * ACCUM + micro) * data_ranks + site]
+            engine.backward(engine(**shard_batch(sample, sequence.rank, sequence.world_size)).loss)
+            engine.step()
+    zerotrain.sequence.hf.unregister_attention()
+    return engine.consolidated_state_dict()
+
+
+def _sequence_diloco(steps: int) -> list[dict[str, torch.Tensor]]:
+    """The same in one process, each site's model whole on its whole samples."""
+    from test_sequence_parallel import ACCUM, LR, MOMENTUM, batches, build
+
+    nets = [build() for _ in range(SITES)]
+    inner = [torch.optim.SGD(n.parameters(), lr=LR, momentum=MOMENTUM) for n in nets]
+    anchor = build()
+    outer = torch.optim.SGD(anchor.parameters(), **OUTER["params"])
+    data = batches(steps * ACCUM * SITES)
+    for step in range(steps):
+        for site, (net, optimizer) in enumerate(zip(nets, inner, strict=True)):
+            for micro in range(ACCUM):
+                (net(**data[(step * ACCUM + micro) * SITES + site]).loss / ACCUM).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if (step + 1) % 2 == 0:
+            with torch.no_grad():
+                pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
+                for a, *ps in pairs:
+                    a.grad = torch.stack([a - p for p in ps]).mean(0)
+                outer.step()
+                for net in nets:
+                    net.load_state_dict(anchor.state_dict())
+    return [n.state_dict() for n in nets]
+
+
+def test_sites_of_sequence_parallel_pairs_are_diloco_s():
+    """Each site a Ulysses pair (4 ranks): the pair's shards meet the other site's at the
+    outer step, and each rank's model after an outer step and an inner one is its site's in
+    DiLoCo written plainly, each site's model whole on its whole samples, within sequence
+    parallelism's own agreement with one process (1e-5, tests/test_sequence_parallel.py)."""
+    steps = 3
+    results = run_distributed(_sequence_sites, SITES * 2, steps, timeout=300)
+    expected = _sequence_diloco(steps)
+    for rank, state in enumerate(results):
+        want = expected[rank // 2]
+        worst = max(float((state[k].float() - v).norm() / v.norm()) for k, v in want.items())
+        assert worst < 1e-5, (rank, worst)
+    assert not torch.equal(results[0]["lm_head.weight"], results[-1]["lm_head.weight"])
+
+
 def test_a_round_saved_with_other_sites_starts_again():
     """A checkpoint whose outer state is laid out otherwise (another split into sites at the
     same world size: shards of other sizes) is not forced on: the round starts again from the
