@@ -917,6 +917,42 @@ def test_a_site_lost_and_back_goes_on_from_the_newest_snapshot(tmp_path):
     assert re.search(r"^  world size\s+2$", output, re.M), output[-2000:]
 
 
+@pytest.mark.slow  # about a minute: a site cut off, on 2 emulated sites
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip, tc)")
+def test_a_site_cut_off_fails_the_others_outer_exchange_within_the_timeout():
+    """The link to the second site goes down mid-training (its rank alive, no connection
+    closed: a network partition): the first site's next outer exchange fails within the
+    collective timeout (ZEROTRAIN_TIMEOUT, 0.25 minutes here) with an error that says a site
+    is lost and how the others go on without it, and its job ends: no hang."""
+    from launched import output_or_kill
+
+    with netns.two_namespaces("100mbit") as nodes:
+        first, second = nodes
+        rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", first.address]
+        rendezvous += ["--master-port", "29616"]
+        train = ["examples/train_gpt.py", "--model", "tiny", "--steps", "100000"]
+        train += ["--print-every", "10", "--inner-steps", "5"]
+        env = {"ZEROTRAIN_TIMEOUT": "0.25"}
+        runs = [
+            node.run(*rendezvous, "--node-rank", str(i), *train, env=env)
+            for i, node in enumerate(nodes)
+        ]
+        lines = []
+        assert runs[0].stdout is not None
+        for line in runs[0].stdout:  # until the sites have trained a while together
+            lines.append(line)
+            if "outer steps" in line:
+                break
+        subprocess.run(["ip", "-n", second.name, "link", "set", second.interface, "down"])
+        cut = time.monotonic()
+        output = "".join(lines) + output_or_kill(runs[0], 120, "zerotrain run")
+        waited = time.monotonic() - cut
+    assert runs[0].returncode != 0, output[-3000:]
+    assert waited < 15 + 45, (waited, output[-3000:])  # the timeout, then the job's end
+    assert "sites: the outer exchange with the other sites failed" in output, output[-3000:]
+    assert "elastic rendezvous" in output and "timeout 0:00:15" in output, output[-3000:]
+
+
 def _latest_snapshot(folder) -> int:
     """The newest step of a committed snapshot in a node's snapshot folder (-1: none)."""
     steps = [

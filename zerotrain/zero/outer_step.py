@@ -46,14 +46,15 @@ rank's training thread in the same order, so several may be in flight at once.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from zerotrain.comm import Communicator
+from zerotrain.comm import CollectiveError, Communicator
 from zerotrain.comm.link import PROBE, probe_link
 from zerotrain.compression import BucketShape, GradientCompression, make_codec
 from zerotrain.compression.auto import Policy, Traffic, policy_costs
@@ -222,7 +223,8 @@ class OuterStep(StepExtension):
             if weight is not None:
                 change.mul_(weight)
         sent = _sent(self.comm)
-        op = self.codec.all_reduce(position, wire)
+        with _across_sites():
+            op = self.codec.all_reduce(position, wire)
         self.sent += _sent(self.comm) - sent
         lands_at = self.count + self.options.overlap_steps
         self.in_flight.append(Exchange(position, lands_at, wire, op, time.perf_counter()))
@@ -248,7 +250,8 @@ class OuterStep(StepExtension):
     def _complete(self, exchange: Exchange) -> None:
         if exchange.op is not None:
             sent = _sent(self.comm)
-            exchange.op.wait()  # a codec's second collective may leave now (int8's gather)
+            with _across_sites():
+                exchange.op.wait()  # a codec's second collective may leave now (int8's gather)
             self.sent += _sent(self.comm) - sent
             exchange.op = None
             self.travelled += time.perf_counter() - exchange.launched
@@ -425,6 +428,20 @@ def _fragments(
         for index, pieces in enumerate(held)
         if pieces
     ]
+
+
+@contextlib.contextmanager
+def _across_sites() -> Iterator[None]:
+    """An outer exchange: its failure says that a site is lost, and what goes on without it."""
+    try:
+        yield
+    except CollectiveError as error:
+        raise CollectiveError(
+            "sites: the outer exchange with the other sites failed: a site is lost or cut "
+            "off. Launched with torchrun's elastic rendezvous (--nnodes MIN:MAX, "
+            "--max-restarts), the others restart without it from the newest checkpoint or "
+            f"in-memory snapshot (docs/sites.md). {error}"
+        ) from error
 
 
 def _sent(comm: Communicator) -> int:
