@@ -340,6 +340,43 @@ def test_measured_shares_follow_the_sites_speeds():
     assert "shares 3:1" in results[0]["line"], results[0]["line"]
 
 
+def test_the_loader_sizes_each_micro_step_by_the_step_it_is_for():
+    """With gradient accumulation the shares go by optimizer step: 2 micro-steps a step, each
+    taking the next 8 positions of the order (4 data ranks over 2 sites); a change of the
+    shares scheduled for step 2 sizes micro-steps 4 on. A loader whose workers fetch ahead
+    delays the decisions by as many steps."""
+    from zerotrain.comm import Communicator
+    from zerotrain.data import ResumableDataLoader, ResumableDistributedSampler, SiteShareBatches
+    from zerotrain.zero.work_split import WorkSplit
+
+    def split(site: int) -> WorkSplit:
+        alone = Communicator()
+        return WorkSplit(
+            sites=2, site=site, data_ranks=2, micro=2, speeds=[3, 1], window=10,
+            in_site=alone, across=alone,
+        )  # fmt: skip
+
+    data = list(range(64))
+    got = {}
+    for site in (0, 1):
+        for data_rank in (0, 1):
+            shares = split(site)
+            shares.schedule.append((2, (2, 2)))
+            order = ResumableDistributedSampler(data, shares.global_batch, 0, shuffle=False, seed=0)
+            batches = iter(SiteShareBatches(order, shares, data_rank, accumulation=2))
+            got[site, data_rank] = [next(batches) for _ in range(6)]
+    for k in range(6):  # each micro-step: the next 8 positions, every one taken once
+        taken = sorted(i for mine in got.values() for i in mine[k])
+        assert taken == list(range(8 * k, 8 * k + 8)), (k, got)
+    assert [len(b) for b in got[0, 0]] == [3, 3, 3, 3, 2, 2]
+    assert [len(b) for b in got[1, 1]] == [1, 1, 1, 1, 2, 2]
+    shares = split(0)
+    order = ResumableDistributedSampler(data, shares.global_batch, 0, shuffle=False, seed=0)
+    batching = SiteShareBatches(order, shares, 0, accumulation=2)
+    ResumableDataLoader(data, batch_sampler=batching, num_workers=2, prefetch_factor=3)
+    assert shares.lead == 4  # 6 micro-steps ahead: 3 steps, and the one after
+
+
 def test_shares_are_apportioned_by_speed_within_bounds():
     from zerotrain.zero.work_split import apportion
 

@@ -155,7 +155,6 @@ class OuterStep(StepExtension):
         self.split = options.split
         # the work split's step each fragment's change counts samples from (its last launch)
         self.windows = [self._split_steps()] * len(self.fragments)
-        self.waited = 0.0  # seconds this step spent in outer exchanges
         world = self.comm.world_size
         # each fragment's change as a bucket of one run of elements, padded to the sites
         self.shapes = [
@@ -198,14 +197,15 @@ class OuterStep(StepExtension):
                     self._launch(position)
             self.codec.end_step()
             landed = self._land_due() or landed  # without overlap_steps: at once
-        self.waited = time.perf_counter() - started
-        self.busy += self.waited
+        waited = time.perf_counter() - started
+        self.busy += waited
+        if self.split is not None:
+            self.split.waited(waited)
         return landed
 
     def step_ended(self, applied: bool) -> None:
         if self.split is not None and self.options.times_steps:
-            self.split.step_ended(self.waited)
-        self.waited = 0.0
+            self.split.step_ended()
 
     def _split_steps(self) -> int:
         return 0 if self.split is None else self.split.steps

@@ -67,6 +67,7 @@ class WorkSplit:
         self.steps = 0  # optimizer steps taken, applied or skipped
         self.times: list[float] = []  # each timed step's seconds in this window
         self._last: float | None = None  # when the last step ended
+        self._waited = 0.0  # this step's seconds in outer exchanges, every shard group's
 
     def micros(self, step: int) -> tuple[int, ...]:
         """Every site's micro-batch per data-parallel rank at optimizer step ``step``."""
@@ -108,11 +109,16 @@ class WorkSplit:
             if max(first, start) < min(end, stop):
                 yield micros, min(end, stop) - max(first, start)
 
-    def step_ended(self, waited: float) -> None:
-        """An optimizer step ended, applied or skipped, having spent ``waited`` seconds in
-        outer exchanges; measured: every ``window`` timed steps the sites agree on new
-        shares (two small collectives: this site's slowest rank, then every site's)."""
+    def waited(self, seconds: float) -> None:
+        """A shard group's outer exchanges took ``seconds`` of this step."""
+        self._waited += seconds
+
+    def step_ended(self) -> None:
+        """An optimizer step ended, applied or skipped; measured: every ``window`` timed
+        steps the sites agree on new shares (two small collectives: this site's slowest rank,
+        then every site's)."""
         now = time.perf_counter()
+        waited, self._waited = self._waited, 0.0
         self.steps += 1
         if not self.measured:
             return
