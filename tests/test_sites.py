@@ -326,16 +326,18 @@ def test_sites_take_the_shares_of_the_batch_they_are_given():
 
 def test_measured_shares_follow_the_sites_speeds():
     """``sites.work_split`` measured, the second site's steps timed 3x as long: equal shares
-    for the first window of 10 timed steps, then 3:1 from the step after the one that
-    follows the decision (a loader fetching ahead would be given more); the outer steps
-    weigh each site's change by its samples over rounds that straddle the change."""
+    for the first window of 10 timed steps; the sites' times travel during the next step,
+    at whose end the ranks decide 3:1, applied from the step after the next one (a loader
+    fetching ahead would be given more); the outer steps weigh each site's change by its
+    samples over rounds that straddle the change."""
     sites = {"inner_steps": INNER, "outer_optimizer": None, "ranks_per_site": PER_SITE}
     sites["work_split"] = "measured"
     steps = 16
     results = run_distributed(_split_train, SITES * PER_SITE, 2, sites, steps, True, timeout=300)
-    # step 0 is not timed (nothing before it), steps 1-10 are; decided at the end of step 10
-    assert results[0]["micro"] == [2] * 12 + [3] * 4
-    assert results[-1]["micro"] == [2] * 12 + [1] * 4
+    # step 0 is not timed (nothing before it), steps 1-10 are; the times sent at the end of
+    # step 10, the shares decided at the end of step 11, applied from step 13
+    assert results[0]["micro"] == [2] * 13 + [3] * 3
+    assert results[-1]["micro"] == [2] * 13 + [1] * 3
     _check_split(results, sites, steps)
     assert "shares 3:1" in results[0]["line"], results[0]["line"]
 

@@ -343,6 +343,11 @@ def _place_stages(
     model.place((world.rank // per_position) % model.num_stages)
 
 
+# steps each site's speed is measured over, between decisions on the shares (the sites' times
+# cross the slow link during the step after: one all-reduce every this many steps)
+SPLIT_WINDOW = 10
+
+
 def _work_split(cfg: ZeroTrainConfig, mesh: Mesh) -> WorkSplit | None:
     """The sites' shares of the batch ([Note: a site's share of the batch] in
     zerotrain/zero/work_split.py); None: equal, or one site."""
@@ -361,7 +366,7 @@ def _work_split(cfg: ZeroTrainConfig, mesh: Mesh) -> WorkSplit | None:
         data_ranks=mesh.dp.world_size,
         micro=cfg.batch_sizes().train_micro_batch_size_per_gpu,
         speeds=speeds,
-        window=max(10, sites.inner_steps),
+        window=SPLIT_WINDOW,
         in_site=mesh.in_site,
         across=mesh.sites,
     )

@@ -8,11 +8,12 @@ arXiv:2410.12707, as a share of the batch): a step's global batch, ``G`` samples
 configured micro-batch on every data-parallel rank of every site), is shared out site by
 site, the ``d`` data-parallel ranks of site s taking ``micro[s]`` samples each, with
 ``sum(d * micro[s]) == G``; every site still takes one optimizer step a step. "measured":
-every ``window`` steps each site's median step time (its slowest rank's, the time spent
-waiting in outer exchanges left out; the median leaves out what runs now and then between
-steps, an evaluation or a checkpoint that waits for every site) gives its speed in samples a
-second, and the shares follow the speeds; a list of relative speeds fixes them from the
-start.
+every ``window`` steps at the same shares each site's median step time (its slowest rank's,
+the time spent waiting in outer exchanges left out; the median leaves out what runs now and
+then between steps, an evaluation or a checkpoint that waits for every site) gives its speed
+in samples a second, and the shares follow the speeds; the sites' times cross the slow link
+in an all-reduce that travels during the next step. A list of relative speeds fixes the
+shares from the start.
 
 A change of the shares is decided by every rank at the same step and applies ``lead`` steps
 later, so that batches a loader fetched ahead (its workers' prefetch) were already sized by
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from zerotrain.comm import Communicator
+from zerotrain.comm import Communicator, PendingOp
 
 __all__ = ["WorkSplit", "apportion"]
 
@@ -66,8 +67,12 @@ class WorkSplit:
         self.lead = 1  # steps between a decision and the step it applies to (loaders raise it)
         self.steps = 0  # optimizer steps taken, applied or skipped
         self.times: list[float] = []  # each timed step's seconds in this window
+        self._timed: tuple[int, ...] | None = None  # the shares of the steps in ``times``
         self._last: float | None = None  # when the last step ended
         self._waited = 0.0  # this step's seconds in outer exchanges, every shard group's
+        # the sites' step times on their way (an all-reduce in flight), and the shares they
+        # were timed at
+        self._pending: tuple[PendingOp, torch.Tensor, tuple[int, ...]] | None = None
 
     def micros(self, step: int) -> tuple[int, ...]:
         """Every site's micro-batch per data-parallel rank at optimizer step ``step``."""
@@ -115,30 +120,40 @@ class WorkSplit:
 
     def step_ended(self) -> None:
         """An optimizer step ended, applied or skipped; measured: every ``window`` timed
-        steps the sites agree on new shares (two small collectives: this site's slowest rank,
-        then every site's)."""
+        steps of the same shares, this site's slowest rank's median step goes to the other
+        sites (an all-reduce across them, in flight during the next step), and at the end of
+        that step every rank decides the new shares alike."""
         now = time.perf_counter()
         waited, self._waited = self._waited, 0.0
         self.steps += 1
         if not self.measured:
             return
-        if self._last is not None and self.micros(self.steps - 1) == self.micros(self.steps - 2):
-            self.times.append(max(0.0, now - self._last - waited))  # not a step after a change
+        if self._pending is not None:
+            self._decide()
+        shares = self.micros(self.steps - 1)
+        if shares != self._timed:  # the first step at these shares (or at all) is not timed
+            self.times, self._timed = [], shares
+        elif self._last is not None:
+            self.times.append(max(0.0, now - self._last - waited))
         self._last = now
-        if len(self.times) < self.window:
-            return
-        self._decide()
-        self._last = time.perf_counter()  # the decision's own collectives are left out
+        if len(self.times) >= self.window:
+            self._send_times(shares)
+            self._last = time.perf_counter()  # the site's own collective is left out
 
-    def _decide(self) -> None:
+    def _send_times(self, shares: tuple[int, ...]) -> None:
         mine = torch.tensor([statistics.median(self.times)], dtype=torch.float64)
         self.in_site.all_reduce(mine, op="max")
         every = torch.zeros(self.sites, dtype=torch.float64)
         every[self.site] = mine
-        self.across.all_reduce(every)
+        self._pending = (self.across.all_reduce(every, async_op=True), every, shares)
         self.times = []
-        current = self.micros(self.steps)
-        speeds = [m / max(s, 1e-9) for m, s in zip(current, every.tolist(), strict=True)]
+
+    def _decide(self) -> None:
+        assert self._pending is not None
+        op, every, shares = self._pending
+        op.wait()
+        self._pending = None
+        speeds = [m / max(s, 1e-9) for m, s in zip(shares, every.tolist(), strict=True)]
         chosen = apportion(speeds, self.micro * self.sites, self.micro)
         if chosen != self.schedule[-1][1]:
             self.schedule.append((self.steps + self.lead, chosen))
@@ -153,7 +168,9 @@ class WorkSplit:
 
     def load_state_dict(self, state: dict | None) -> None:
         """Go on from ``state`` (None: start again from the first shares)."""
-        self.times, self._last = [], None
+        if self._pending is not None:  # every rank's collective completes alike
+            self._pending[0].wait()
+        self.times, self._timed, self._last, self._pending = [], None, None, None
         if state is None or len(state["schedule"][0][1]) != self.sites:
             self.schedule, self.steps = self.schedule[:1], 0
             return
