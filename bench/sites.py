@@ -127,7 +127,7 @@ def worker(spec: dict, out: str) -> None:
     # step of its own would add the link's round trips to every step of a site that needs
     # none); the evaluations and their bytes are left out.
     evaluations, elapsed = [], 0.0
-    sent = _tx_bytes(interface)
+    sent, resent = _tx_bytes(interface), _retransmitted()
     mean(0.0)
     start = time.perf_counter()
     for step in range(spec["steps"]):
@@ -143,6 +143,7 @@ def worker(spec: dict, out: str) -> None:
             sent -= _tx_bytes(interface) - before
             start = time.perf_counter()
     sent = _tx_bytes(interface) - sent
+    resent = _retransmitted() - resent  # evaluations' included: the first site's namespace
     micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
     micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
     dist.all_reduce(micros)
@@ -152,6 +153,7 @@ def worker(spec: dict, out: str) -> None:
         result = {"seconds": elapsed, "held_out": evaluations, "tx_bytes": sent}
         result["tokens"] = tokens
         result["micro_batches"] = micros.tolist()
+        result["retransmitted_segments"] = resent
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -169,6 +171,13 @@ def _config(spec: dict) -> dict:
         "zero_optimization": {"stage": 1},
         **ROWS[spec["row"]],
     }
+
+
+def _retransmitted() -> int:
+    """TCP segments this namespace has sent again (/proc/net/snmp's RetransSegs)."""
+    lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()]
+    names, values = (line for line in lines if line[0] == "Tcp:")
+    return int(values[names.index("RetransSegs")])
 
 
 def _tx_bytes(interface: str) -> int:
