@@ -147,32 +147,16 @@ def two_namespaces(rate: str = "200mbit", delay: str | None = None) -> Iterator[
         Node(n, SUBNET.format(subnet, i + 1), v)
         for i, (n, v) in enumerate(zip(names, interfaces, strict=True))
     ]
-    line = None
+    lines: list[subprocess.Popen] = []
     try:
+        for name in names:
+            _namespace(name)
+        _link(interfaces, delay, lines)
         for node in nodes:
-            _ip("netns", "add", node.name)
-            _ip("-n", node.name, "link", "set", "lo", "up")
-        if delay is None:
-            _ip("link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1])
-        else:
-            line = _delay_line(interfaces, delay)
-        for node in nodes:
-            _ip("link", "set", node.interface, "netns", node.name)
-            _ip("-n", node.name, "addr", "add", f"{node.address}/24", "dev", node.interface)
-            if delay is not None:  # 64 KB packets: few for the delay line to forward
-                _ip("-n", node.name, "link", "set", node.interface, "mtu", "64000")
-            _ip("-n", node.name, "link", "set", node.interface, "up")
-            tc = ["ip", "netns", "exec", node.name, "tc", "qdisc", "add", "dev", node.interface]
-            limit = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
-            subprocess.run([*tc, "root", *limit], check=True, capture_output=True)
+            _plug(node.name, node.interface, f"{node.address}/24", rate, delay)
         yield nodes
     finally:
-        for node in nodes:
-            node.kill_everything()  # nothing outlives its namespace
-            subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
-        if line is not None:  # its TUN devices go with it
-            line.kill()
-            line.wait()
+        _remove(names, lines)
 
 
 @contextlib.contextmanager
@@ -188,39 +172,61 @@ def joined_namespaces(links: dict[tuple[int, int], tuple[str, str | None]]) -> I
     names = [f"zt{tag}m{i}" for i in range(count)]
     addresses = [SUBNET.format(subnet, 100 + i) for i in range(count)]
     ends: dict[tuple[int, int], str] = {}  # (node, peer): the node's end of their link
-    lines = []
+    lines: list[subprocess.Popen] = []
     try:
         for name in names:
-            _ip("netns", "add", name)
-            _ip("-n", name, "link", "set", "lo", "up")
+            _namespace(name)
         for k, ((i, j), (rate, delay)) in enumerate(sorted(links.items())):
             pair = [f"zt{tag}p{k}{side}" for side in "ab"]
             ends[(i, j)], ends[(j, i)] = pair
-            if delay is None:
-                _ip("link", "add", pair[0], "type", "veth", "peer", "name", pair[1])
-            else:
-                lines.append(_delay_line(pair, delay))
+            _link(pair, delay, lines)
             for me, peer in ((i, j), (j, i)):
                 end, name = ends[(me, peer)], names[me]
-                _ip("link", "set", end, "netns", name)
-                _ip("-n", name, "addr", "add", f"{addresses[me]}/32", "dev", end)
-                if delay is not None:
-                    _ip("-n", name, "link", "set", end, "mtu", "64000")
-                _ip("-n", name, "link", "set", end, "up")
+                _plug(name, end, f"{addresses[me]}/32", rate, delay)
                 route = [f"{addresses[peer]}/32", "dev", end, "src", addresses[me]]
                 _ip("-n", name, "route", "add", *route)
-                tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", end, "root"]
-                limit = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
-                subprocess.run([*tc, *limit], check=True, capture_output=True)
         first_end = {me: end for (me, _), end in sorted(ends.items(), reverse=True)}
         yield [Node(names[i], addresses[i], first_end[i]) for i in range(count)]
     finally:
-        for name in names:
-            Node(name, "", "").kill_everything()
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        for line in lines:
-            line.kill()
-            line.wait()
+        _remove(names, lines)
+
+
+def _namespace(name: str) -> None:
+    _ip("netns", "add", name)
+    _ip("-n", name, "link", "set", "lo", "up")
+
+
+def _link(ends: list[str], delay: str | None, lines: list[subprocess.Popen]) -> None:
+    """Two interfaces joined: a veth pair, or with ``delay`` a delay line's TUN devices
+    (its process added to ``lines``)."""
+    if delay is None:
+        _ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+    else:
+        lines.append(_delay_line(ends, delay))
+
+
+def _plug(namespace: str, end: str, address: str, rate: str, delay: str | None) -> None:
+    """Interface ``end`` into ``namespace`` with ``address``, up, its sending limited to
+    ``rate``."""
+    _ip("link", "set", end, "netns", namespace)
+    _ip("-n", namespace, "addr", "add", address, "dev", end)
+    if delay is not None:  # 64 KB packets: few for the delay line to forward
+        _ip("-n", namespace, "link", "set", end, "mtu", "64000")
+    _ip("-n", namespace, "link", "set", end, "up")
+    tc = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", end, "root"]
+    limit = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+    subprocess.run([*tc, *limit], check=True, capture_output=True)
+
+
+def _remove(names: list[str], lines: list[subprocess.Popen]) -> None:
+    """The namespaces, every process in them first (nothing outlives its namespace), and the
+    delay lines (their TUN devices go with them)."""
+    for name in names:
+        Node(name, "", "").kill_everything()
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for line in lines:
+        line.kill()
+        line.wait()
 
 
 def run_job(nodes: list[Node], script: list[str], *, ranks_per_node: int, port: int, name: str):
