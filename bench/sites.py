@@ -22,8 +22,9 @@ int8 where it pays), `sites H=10/50/100` (outer steps every H steps, Nesterov SG
 momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameters averaged),
 `sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized), and `sites
 H=50 [average] [int8] streamed` (the outer exchange in 5 fragments, each landing 2 inner steps
-after it left, mixing 0.5: `sites.streaming`), `... split` (the same with
-`sites.work_split` measured). `--slow-site CORES` holds the second site's processes to that
+after it left, mixing 0.5: `sites.streaming`; `fragments` and `overlapped`: its two halves
+apart, 5 fragments landing at once, and the whole model landing 2 steps later), `... split`
+(the same with `sites.work_split` measured). `--slow-site CORES` holds the second site's processes to that
 much CPU time (a cgroup's quota: the weaker machine), and the table shows each site's
 micro-batch at the end. The batches are the engine's dataloader's: the same global order in
 every row. Needs root and iproute2.
@@ -72,6 +73,21 @@ ROWS = {
             "outer_optimizer": None,
             "compression": {"method": "int8"},
             "streaming": STREAMING,
+        }
+    },
+    # streaming's two halves apart: fragments exchanged at once, and the whole overlapped
+    "sites H=50 average fragments": {
+        "sites": {
+            "inner_steps": 50,
+            "outer_optimizer": None,
+            "streaming": {"fragments": 5, "overlap_steps": 0},
+        }
+    },
+    "sites H=50 average overlapped": {
+        "sites": {
+            "inner_steps": 50,
+            "outer_optimizer": None,
+            "streaming": {"fragments": 1, "overlap_steps": 2},
         }
     },
     "sites H=50 average int8 streamed split": {
