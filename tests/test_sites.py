@@ -379,6 +379,22 @@ def test_the_loader_sizes_each_micro_step_by_the_step_it_is_for():
     assert shares.lead == 4  # 6 micro-steps ahead: 3 steps, and the one after
 
 
+def _refusal(sites: dict) -> str:
+    import zerotrain
+
+    try:
+        zerotrain.initialize(model=model(), config=_config(1, sites))
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_speeds_for_other_sites_are_refused_on_every_rank():
+    sites = {"inner_steps": INNER, "ranks_per_site": 1, "work_split": [1, 2, 3]}
+    for error in run_distributed(_refusal, 2, sites, timeout=120):
+        assert "sites.work_split: 3 speeds for 2 sites; give one per site" in error, error
+
+
 def test_shares_are_apportioned_by_speed_within_bounds():
     from zerotrain.zero.work_split import apportion
 
