@@ -88,6 +88,11 @@ CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller, as this 
 def cpu_quota(node: Node, cores: float) -> Iterator[None]:
     """Every process ``node`` starts meanwhile shares ``cores`` of CPU time (a cpu cgroup's
     CFS quota): a weaker machine at that site."""
+    if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
+        raise RuntimeError(
+            f"a CPU quota needs cgroup v1's cpu controller at {CPU_CGROUPS}, which this machine "
+            "lacks (cgroup v2 names it cpu.max)"
+        )
     group = CPU_CGROUPS / f"{node.name}-quota"
     group.mkdir()
     try:
