@@ -144,6 +144,7 @@ def worker(spec: dict, out: str) -> None:
     # none); the evaluations and their bytes are left out.
     evaluations, elapsed = [], 0.0
     sent, resent = _tx_bytes(interface), _retransmitted()
+    packets = _tx_bytes(interface, "packets")  # evaluations' included
     mean(0.0)
     start = time.perf_counter()
     for step in range(spec["steps"]):
@@ -160,6 +161,7 @@ def worker(spec: dict, out: str) -> None:
             start = time.perf_counter()
     sent = _tx_bytes(interface) - sent
     resent = _retransmitted() - resent  # evaluations' included: the first site's namespace
+    packets = _tx_bytes(interface, "packets") - packets
     micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
     micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
     dist.all_reduce(micros)
@@ -170,6 +172,7 @@ def worker(spec: dict, out: str) -> None:
         result["tokens"] = tokens
         result["micro_batches"] = micros.tolist()
         result["retransmitted_segments"] = resent
+        result["tx_packets"] = packets
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -196,8 +199,9 @@ def _retransmitted() -> int:
     return int(values[names.index("RetransSegs")])
 
 
-def _tx_bytes(interface: str) -> int:
-    return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
+def _tx_bytes(interface: str, what: str = "bytes") -> int:
+    """What left this namespace's end of the link: bytes, or (``what="packets"``) packets."""
+    return int(Path(f"/sys/class/net/{interface}/statistics/tx_{what}").read_text())
 
 
 # -- the driver (root) ---------------------------------------------------------------------------
