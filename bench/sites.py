@@ -12,8 +12,9 @@ torchrun's rendezvous over the link; a site is a node), train the tiny GPT of ex
 the embedded corpus, fp32, ZeRO stage 1, AdamW (lr 1e-3 after 10 warm-up steps, clipping at
 1.0), the same batches in every row, for the same steps (the same tokens). Per row:
 - the wall time of the steps (evaluations outside it; the ranks meet at each evaluation,
-  not at every step) and the bytes that left the first
-  site's end of the link (`tx_bytes`, TCP/IP included), per token trained;
+  not at every step) and the bytes that left the first site's end of the link (`tx_bytes`,
+  TCP/IP included) and the TCP payload its processes sent the other site (`ss`'s
+  bytes_sent), per token trained;
 - the loss on 16 held-out windows every `--eval-every` steps, the mean over the ranks (with
   sites, over the sites' models), and at the end;
 - the time to reach the synchronous row's held-out loss at 80% of its steps.
@@ -37,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -145,6 +147,7 @@ def worker(spec: dict, out: str) -> None:
     evaluations, elapsed = [], 0.0
     sent, resent = _tx_bytes(interface), _retransmitted()
     packets = _tx_bytes(interface, "packets")  # evaluations' included
+    payload = _tcp_sent()
     mean(0.0)
     start = time.perf_counter()
     for step in range(spec["steps"]):
@@ -155,13 +158,15 @@ def worker(spec: dict, out: str) -> None:
         if (step + 1) % spec["eval_every"] == 0 or last:
             mean(0.0)  # every rank has stepped
             elapsed += time.perf_counter() - start
-            before = _tx_bytes(interface)
+            before, payload_before = _tx_bytes(interface), _tcp_sent()
             evaluations.append([step, held_out(), elapsed])
             sent -= _tx_bytes(interface) - before
+            payload -= _tcp_sent() - payload_before
             start = time.perf_counter()
     sent = _tx_bytes(interface) - sent
     resent = _retransmitted() - resent  # evaluations' included: the first site's namespace
     packets = _tx_bytes(interface, "packets") - packets
+    payload = _tcp_sent() - payload
     micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
     micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
     dist.all_reduce(micros)
@@ -173,6 +178,7 @@ def worker(spec: dict, out: str) -> None:
         result["micro_batches"] = micros.tolist()
         result["retransmitted_segments"] = resent
         result["tx_packets"] = packets
+        result["tcp_payload"] = payload
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -197,6 +203,23 @@ def _retransmitted() -> int:
     lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()]
     names, values = (line for line in lines if line[0] == "Tcp:")
     return int(values[names.index("RetransSegs")])
+
+
+def _tcp_sent() -> int:
+    """Bytes this namespace's processes have sent to the other site over TCP (the kernel's
+    count per connection, ``ss``'s bytes_sent; the connections inside the site, from this
+    namespace's address to itself, left out): the payload, without the headers and whatever
+    the device's counter catches late."""
+    lines = subprocess.run(["ss", "-tinH"], capture_output=True, text=True).stdout.splitlines()
+    total, across = 0, False
+    for line in lines:
+        if not line.startswith((" ", "\t")):  # a connection: state, queues, local, peer
+            fields = line.split()
+            across = len(fields) >= 5 and fields[3].rsplit(":", 1)[0] != fields[4].rsplit(":", 1)[0]
+        elif across:
+            sent = re.search(r"bytes_sent:(\d+)", line)
+            total += int(sent.group(1)) if sent else 0
+    return total
 
 
 def _tx_bytes(interface: str, what: str = "bytes") -> int:
@@ -225,9 +248,9 @@ def summarize(results: dict) -> list[str]:
         f"target held-out loss: {target:.4f} ({BASELINE} at 80% of its steps)"
         if target is not None
         else "no target: the baseline did not run",
-        "| row | time s | final held-out loss | vs sync | bytes/token | sync's bytes over | "
-        "time to target s | sync's time over | micro-batch per site |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | time s | final held-out loss | vs sync | bytes/token | payload/token | "
+        "sync's bytes over | time to target s | sync's time over | micro-batch per site |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row, got in results.items():
         if not isinstance(got, dict):
@@ -241,7 +264,9 @@ def summarize(results: dict) -> list[str]:
             base_final = base["held_out"][-1][1]
             base_reached = _time_to(base, target)
             cells.append(f"{final / base_final - 1:+.1%}")
-            cells += [f"{per_token:.1f}", f"{base['tx_bytes'] / max(1, got['tx_bytes']):.0f}x"]
+            payload = got.get("tcp_payload", 0) / got["tokens"]
+            fewer = base["tx_bytes"] / max(1, got["tx_bytes"])
+            cells += [f"{per_token:.1f}", f"{payload:.1f}", f"{fewer:.0f}x"]
             cells.append("-" if reached is None else f"{reached:.1f}")
             speedup = None if reached is None or base_reached is None else base_reached / reached
             cells.append("-" if speedup is None else f"{speedup:.1f}x")
