@@ -179,6 +179,9 @@ def worker(spec: dict, out: str) -> None:
         result["retransmitted_segments"] = resent
         result["tx_packets"] = packets
         result["tcp_payload"] = payload
+        outer = engine.optimizer.groups[0].extensions.get("outer_step")
+        if outer is not None:  # this rank's exchanges and their bytes by the communicator's count
+            result["exchanges"] = {"launched": outer.launched, "sent": outer.sent}
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
