@@ -145,10 +145,10 @@ def worker(spec: dict, out: str) -> None:
     # step of its own would add the link's round trips to every step of a site that needs
     # none); the evaluations and their bytes are left out.
     evaluations, elapsed = [], 0.0
+    mean(0.0)  # every site is here: what initialize sent across (a broadcast) has arrived
     sent, resent = _tx_bytes(interface), _retransmitted()
     packets = _tx_bytes(interface, "packets")  # evaluations' included
     payload = _tcp_sent()
-    mean(0.0)
     start = time.perf_counter()
     for step in range(spec["steps"]):
         x, y = next(batches)
