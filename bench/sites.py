@@ -148,7 +148,7 @@ def worker(spec: dict, out: str) -> None:
     mean(0.0)  # every site is here: what initialize sent across (a broadcast) has arrived
     sent, resent = _tx_bytes(interface), _retransmitted()
     packets = _tx_bytes(interface, "packets")  # evaluations' included
-    payload = _tcp_sent()
+    payload = tcp_payload_sent()
     start = time.perf_counter()
     for step in range(spec["steps"]):
         x, y = next(batches)
@@ -158,15 +158,15 @@ def worker(spec: dict, out: str) -> None:
         if (step + 1) % spec["eval_every"] == 0 or last:
             mean(0.0)  # every rank has stepped
             elapsed += time.perf_counter() - start
-            before, payload_before = _tx_bytes(interface), _tcp_sent()
+            before, payload_before = _tx_bytes(interface), tcp_payload_sent()
             evaluations.append([step, held_out(), elapsed])
             sent -= _tx_bytes(interface) - before
-            payload -= _tcp_sent() - payload_before
+            payload -= tcp_payload_sent() - payload_before
             start = time.perf_counter()
     sent = _tx_bytes(interface) - sent
     resent = _retransmitted() - resent  # evaluations' included: the first site's namespace
     packets = _tx_bytes(interface, "packets") - packets
-    payload = _tcp_sent() - payload
+    payload = tcp_payload_sent() - payload
     micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
     micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
     dist.all_reduce(micros)
@@ -208,7 +208,7 @@ def _retransmitted() -> int:
     return int(values[names.index("RetransSegs")])
 
 
-def _tcp_sent() -> int:
+def tcp_payload_sent() -> int:
     """Bytes this namespace's processes have sent to the other site over TCP (the kernel's
     count per connection, ``ss``'s bytes_sent; the connections inside the site, from this
     namespace's address to itself, left out): the payload, without the headers and whatever
