@@ -25,10 +25,10 @@ momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameter
 H=50 [average] [int8] streamed` (the outer exchange in 5 fragments, each landing 2 inner steps
 after it left, mixing 0.5: `sites.streaming`; `fragments` and `overlapped`: its two halves
 apart, 5 fragments landing at once, and the whole model landing 2 steps later), `... split`
-(the same with `sites.work_split` measured). `--slow-site CORES` holds the second site's processes to that
-much CPU time (a cgroup's quota: the weaker machine), and the table shows each site's
-micro-batch at the end. The batches are the engine's dataloader's: the same global order in
-every row. Needs root and iproute2.
+(the same with `sites.work_split` measured). `--slow-site CORES` holds the second site's
+processes to that much CPU time (a cgroup's quota: the weaker machine), and the table shows
+each site's micro-batch at the end. The batches are the engine's dataloader's: the same
+global order in every row. Needs root and iproute2.
 Writes bench/results/sites_<rate>_<delay>[_slow<CORES>].json.
 """
 

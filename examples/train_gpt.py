@@ -216,6 +216,9 @@ def parse_args() -> argparse.Namespace:
     ):
         if value is not None and args.compress not in methods:
             parser.error(f"--compress-{flag} applies only with --compress {' or '.join(methods)}")
+    for name in ("snapshot_every", "fragments"):  # 0: off
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more")
     if args.snapshot_every and not args.checkpoint_dir:
         parser.error("--snapshot-every applies only with --checkpoint-dir (what a restart loads)")
     for flag, given in (

@@ -398,12 +398,12 @@ def test_speeds_for_other_sites_are_refused_on_every_rank():
 def test_shares_are_apportioned_by_speed_within_bounds():
     from zerotrain.zero.work_split import apportion
 
-    assert apportion([3, 1], 4, 2) == (3, 1)
-    assert apportion([1, 1, 1], 24, 8) == (8, 8, 8)
-    assert apportion([2, 1, 1], 24, 8) == (12, 6, 6)
-    assert apportion([100, 1], 16, 8) == (15, 1)  # at least 1, at most twice the micro-batch
-    assert apportion([100, 1, 1], 24, 8) == (16, 4, 4)
-    assert sum(apportion([0.7, 1.3, 2.9], 30, 10)) == 30
+    assert apportion([3, 1], 2) == (3, 1)
+    assert apportion([1, 1, 1], 8) == (8, 8, 8)
+    assert apportion([2, 1, 1], 8) == (12, 6, 6)
+    assert apportion([100, 1], 8) == (15, 1)  # at least 1, at most twice the micro-batch
+    assert apportion([100, 1, 1], 8) == (16, 4, 4)
+    assert sum(apportion([0.7, 1.3, 2.9], 10)) == 30
 
 
 def test_the_sites_section_is_checked():
@@ -541,6 +541,18 @@ def test_sites_with_experts_spread_over_a_site_meet_in_the_outer_step():
         assert error < 1e-5, (key, error)
 
 
+@torch.no_grad()
+def _outer_step(anchor: nn.Module, outer: torch.optim.Optimizer, nets: list[nn.Module]) -> None:
+    """DiLoCo's outer step, whole: the sites' mean change as the anchor's gradient, ``outer``
+    stepping the anchor, every site set to it."""
+    pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
+    for a, *ps in pairs:
+        a.grad = torch.stack([a - p for p in ps]).mean(0)
+    outer.step()
+    for net in nets:
+        net.load_state_dict(anchor.state_dict())
+
+
 def _pipeline_sites(steps: int) -> list[dict[str, torch.Tensor]]:
     """Two sites, each a pipeline of 2 stages (tests/test_pipeline.py's model, stage 1, 1F1B)
     training its half of each global batch: the whole model's state after each step (and
@@ -594,13 +606,7 @@ def _pipeline_diloco(steps: int) -> list[list[dict[str, torch.Tensor]]]:
             optimizer.step()
             optimizer.zero_grad()
         if step % 2 == 0:
-            with torch.no_grad():
-                pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
-                for a, *ps in pairs:
-                    a.grad = torch.stack([a - p for p in ps]).mean(0)
-                outer.step()
-                for net in nets:
-                    net.load_state_dict(anchor.state_dict())
+            _outer_step(anchor, outer, nets)
         history.append([copy.deepcopy(n.state_dict()) for n in nets])
     return history
 
@@ -667,13 +673,7 @@ def _sequence_diloco(steps: int) -> list[dict[str, torch.Tensor]]:
             optimizer.step()
             optimizer.zero_grad()
         if (step + 1) % 2 == 0:
-            with torch.no_grad():
-                pairs = zip(anchor.parameters(), *(n.parameters() for n in nets), strict=True)
-                for a, *ps in pairs:
-                    a.grad = torch.stack([a - p for p in ps]).mean(0)
-                outer.step()
-                for net in nets:
-                    net.load_state_dict(anchor.state_dict())
+            _outer_step(anchor, outer, nets)
     return [n.state_dict() for n in nets]
 
 

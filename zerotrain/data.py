@@ -105,19 +105,21 @@ class ResumableDataLoader(DataLoader):
         order = self.sampler if shares is None else shares.order
         assert isinstance(order, ResumableDistributedSampler), "see the class docstring"
         self.order = order
-        if shares is not None:  # decisions on the shares wait for the batches fetched ahead
+        # positions of the order a batch takes (None: DataLoader's unbatched mode)
+        self.positions_per_batch: int | None = None
+        if shares is not None:  # a micro-step's global batch
+            self.positions_per_batch = order.world_size
+            # decisions on the shares wait for the batches fetched ahead
             ahead = self.num_workers * (self.prefetch_factor or 0)
             shares.split.lead = max(shares.split.lead, math.ceil(ahead / shares.accumulation) + 1)
+        elif self.batch_size is not None:
+            self.positions_per_batch = self.batch_size * order.world_size
 
     # A generator over DataLoader's iterator (it moves the position), not a _BaseDataLoaderIter.
     def __iter__(self):  # pyrefly: ignore[bad-override]
-        order = self.order
-        if isinstance(self.batch_sampler, SiteShareBatches):
-            step = order.world_size  # a micro-step's global batch
-        elif self.batch_size is None:  # DataLoader's unbatched mode: the position counts batches
+        order, step = self.order, self.positions_per_batch
+        if step is None:  # DataLoader's unbatched mode: the position counts batches
             raise ValueError("ResumableDataLoader: batch_size must be set, not None")
-        else:
-            step = self.batch_size * order.world_size
         for batch in super().__iter__():
             order.start = min(order.start + step, order.num_samples_total)
             yield batch

@@ -6,11 +6,11 @@ tensor-parallel peers (the most traffic) are neighbours, on one node when they f
 torchtitan place them; sequence-parallel peers (an all-to-all per attention layer) come next,
 consecutive ranks as DeepSpeed's Ulysses groups are. The ranks along one axis, the others
 fixed, form that axis's group: the data-parallel group (a site's) sees different data and
-averages gradients, and ZeRO shards over it and the sequence axis together (the sequence-parallel ranks hold the same
-parameters: :attr:`Mesh.zero`). The tensor-parallel and pipeline axes are
-sized by the config and the model (zerotrain/tensor_parallel, zerotrain/pipe), the expert axis
-by the model's MoE layers (zerotrain/moe), the sequence axis by the config
-(zerotrain/sequence). The expert axis sits inside the data-parallel ranks, as
+averages gradients, and ZeRO shards over it and the sequence axis together (the
+sequence-parallel ranks hold the same parameters: :attr:`Mesh.zero`). The tensor-parallel
+and pipeline axes are sized by the config and the model (zerotrain/tensor_parallel,
+zerotrain/pipe), the expert axis by the model's MoE layers (zerotrain/moe), the sequence axis
+by the config (zerotrain/sequence). The expert axis sits inside the data-parallel ranks, as
 DeepSpeed's expert groups do (ranks 0-1 and 2-3 hold the experts at ep 2 of 4 ranks; 0 and 2
 hold the same ones). The site axis is outermost: a site's ranks are consecutive, as
 torchrun numbers a node's, and everything above is a site's own (the data-parallel group that

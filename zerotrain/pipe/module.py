@@ -7,8 +7,8 @@ stages (a ``LayerSpec`` is built there and nowhere else, so a model larger than 
 never exists whole). Ranks are numbered with the pipeline axis outermost (see [Note: mesh
 layout] in comm/mesh.py): rank r is at pipeline position ``p = r // (world_size // num_stages)``
 (with sites, which the mesh puts outside the pipeline, ``initialize`` moves a rank to its
-position within its site: :meth:`PipelineModule.place`) and runs one stage per *chunk*: more than one for the schedules that loop each micro-batch
-through the ranks several times. With ``stage_placement="loop"`` (interleaved 1F1B) chunk c is
+position within its site: :meth:`PipelineModule.place`) and runs one stage per *chunk*: more
+than one for the schedules that loop each micro-batch through the ranks several times. With ``stage_placement="loop"`` (interleaved 1F1B) chunk c is
 stage ``p + c num_stages``; with ``"v"`` (ZBV, two chunks) the second pass runs backwards
 through the ranks, so rank p runs stages p and ``2 num_stages - 1 - p``: the first rank holds
 the first and the last stage. A built layer is registered under its index in the whole list

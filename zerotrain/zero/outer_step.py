@@ -153,6 +153,8 @@ class OuterStep(StepExtension):
         self.count = 0  # applied steps since the sites last started alike
         self.in_flight: list[Exchange] = []
         self.split = options.split
+        # the split this group's steps time (the dense group's; None: another's, or none)
+        self.timed_split = options.split if options.times_steps else None
         # the work split's step each fragment's change counts samples from (its last launch)
         self.windows = [self._split_steps()] * len(self.fragments)
         world = self.comm.world_size
@@ -174,26 +176,26 @@ class OuterStep(StepExtension):
         """``sites.compression`` auto, before the outer step that chooses the codec."""
         return bool(self.options.choices) and not self.decision
 
-    def _launches(self, count: int) -> bool:
-        """Whether any fragment's exchange leaves at step ``count`` (on every rank alike,
-        whether or not this rank holds a part of it)."""
+    def _leaving(self, count: int) -> set[int]:
+        """The fragments whose exchanges leave at step ``count`` (on every rank alike,
+        whether or not this rank holds a part of them)."""
         inner, fragments = self.options.inner_steps, self.options.fragments
-        return any(count % inner == _leaves_at(f, inner, fragments) for f in range(fragments))
+        return {f for f in range(fragments) if count % inner == _leaves_at(f, inner, fragments)}
 
     def wants_masters_now(self) -> bool:
         step = self.count + 1
-        return self._launches(step) or any(e.lands_at == step for e in self.in_flight)
+        return bool(self._leaving(step)) or any(e.lands_at == step for e in self.in_flight)
 
     def step_applied(self) -> bool:
         self.count += 1
         started = time.perf_counter()
         landed = self._land_due()
-        if self._launches(self.count):
+        leaving = self._leaving(self.count)
+        if leaving:
             if self.undecided:
                 self._choose_codec()
-            inner, count = self.options.inner_steps, self.options.fragments
             for position, fragment in enumerate(self.fragments):
-                if self.count % inner == _leaves_at(fragment.index, inner, count):
+                if fragment.index in leaving:
                     self._launch(position)
             self.codec.end_step()
             landed = self._land_due() or landed  # without overlap_steps: at once
@@ -204,8 +206,8 @@ class OuterStep(StepExtension):
         return landed
 
     def step_ended(self, applied: bool) -> None:
-        if self.split is not None and self.options.times_steps:
-            self.split.step_ended()
+        if self.timed_split is not None:
+            self.timed_split.step_ended()
 
     def _split_steps(self) -> int:
         return 0 if self.split is None else self.split.steps
@@ -222,10 +224,8 @@ class OuterStep(StepExtension):
             self.windows[position] = steps
             if weight is not None:
                 change.mul_(weight)
-        sent = _sent(self.comm)
-        with _across_sites():
+        with self._across_sites():
             op = self.codec.all_reduce(position, wire)
-        self.sent += _sent(self.comm) - sent
         lands_at = self.count + self.options.overlap_steps
         self.in_flight.append(Exchange(position, lands_at, wire, op, time.perf_counter()))
         self.launched += 1
@@ -249,12 +249,28 @@ class OuterStep(StepExtension):
 
     def _complete(self, exchange: Exchange) -> None:
         if exchange.op is not None:
-            sent = _sent(self.comm)
-            with _across_sites():
+            with self._across_sites():
                 exchange.op.wait()  # a codec's second collective may leave now (int8's gather)
-            self.sent += _sent(self.comm) - sent
             exchange.op = None
             self.travelled += time.perf_counter() - exchange.launched
+
+    @contextlib.contextmanager
+    def _across_sites(self) -> Iterator[None]:
+        """A call of an outer exchange: the bytes it sends counted (with overlap, other traffic
+        runs between such calls), and its failure said to be a lost site's, with what goes
+        on without it."""
+        sent = _sent(self.comm)
+        try:
+            yield
+        except CollectiveError as error:
+            raise CollectiveError(
+                "sites: the outer exchange with the other sites failed: a site is lost or cut "
+                "off. Launched with torchrun's elastic rendezvous (--nnodes MIN:MAX, "
+                "--max-restarts), the others restart without it from the newest checkpoint or "
+                f"in-memory snapshot (docs/sites.md). {error}"
+            ) from error
+        finally:
+            self.sent += _sent(self.comm) - sent
 
     def _take(self, fragment: Fragment) -> torch.Tensor:
         """Fragment's elements of the masters, one fp32 vector."""
@@ -355,8 +371,8 @@ class OuterStep(StepExtension):
             "codec": self.codec.state_dict(),
             "windows": list(self.windows),
         }
-        if self.split is not None and self.options.times_steps:
-            state["work_split"] = self.split.state_dict()
+        if self.timed_split is not None:
+            state["work_split"] = self.timed_split.state_dict()
         if self.comm.rank != 0:
             state["masters"] = [m.detach().clone() for m in self.masters]
             state["optimizer"] = [_copied(self.optimizer.state.get(m, {})) for m in self.masters]
@@ -369,12 +385,12 @@ class OuterStep(StepExtension):
             and [tuple(a.shape) for a in state["anchors"]] == [tuple(a.shape) for a in self.anchors]
         )  # another split into sites or fragments (or none) lays the shards out anew
         if not (laid_out and resume.same_world and resume.optimizer_loaded):
-            if self.split is not None and self.options.times_steps:
-                self.split.load_state_dict(None)  # measured again
+            if self.timed_split is not None:
+                self.timed_split.load_state_dict(None)  # measured again
             self.masters_set()
             return None if state is None else _restarted_round(resume)
-        if self.split is not None and self.options.times_steps:
-            self.split.load_state_dict(state.get("work_split"))
+        if self.timed_split is not None:
+            self.timed_split.load_state_dict(state.get("work_split"))
         self.windows = list(state.get("windows", self.windows))
         for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
             anchor.copy_(saved)
@@ -428,20 +444,6 @@ def _fragments(
         for index, pieces in enumerate(held)
         if pieces
     ]
-
-
-@contextlib.contextmanager
-def _across_sites() -> Iterator[None]:
-    """An outer exchange: its failure says that a site is lost, and what goes on without it."""
-    try:
-        yield
-    except CollectiveError as error:
-        raise CollectiveError(
-            "sites: the outer exchange with the other sites failed: a site is lost or cut "
-            "off. Launched with torchrun's elastic rendezvous (--nnodes MIN:MAX, "
-            "--max-restarts), the others restart without it from the newest checkpoint or "
-            f"in-memory snapshot (docs/sites.md). {error}"
-        ) from error
 
 
 def _sent(comm: Communicator) -> int:

@@ -62,7 +62,7 @@ class WorkSplit:
         self.window = window
         self.in_site, self.across = in_site, across
         self.measured = speeds is None
-        first = (micro,) * sites if speeds is None else apportion(speeds, micro * sites, micro)
+        first = (micro,) * sites if speeds is None else apportion(speeds, micro)
         self.schedule: list[tuple[int, tuple[int, ...]]] = [(0, first)]
         self.lead = 1  # steps between a decision and the step it applies to (loaders raise it)
         self.steps = 0  # optimizer steps taken, applied or skipped
@@ -154,7 +154,7 @@ class WorkSplit:
         op.wait()
         self._pending = None
         speeds = [m / max(s, 1e-9) for m, s in zip(shares, every.tolist(), strict=True)]
-        chosen = apportion(speeds, self.micro * self.sites, self.micro)
+        chosen = apportion(speeds, self.micro)
         if chosen != self.schedule[-1][1]:
             self.schedule.append((self.steps + self.lead, chosen))
 
@@ -178,13 +178,13 @@ class WorkSplit:
         self.steps = int(state["steps"])
 
 
-def apportion(speeds, total: int, micro: int) -> tuple[int, ...]:
-    """``total`` samples per data-parallel rank shared out over the sites in proportion to
-    ``speeds``, each at least 1 and at most twice ``micro`` (the configured micro-batch: a
-    site's activations grow with its share), whole numbers summing to ``total`` (largest
-    remainders first)."""
+def apportion(speeds, micro: int) -> tuple[int, ...]:
+    """The configured micro-batch ``micro`` of every site, ``micro`` times the sites samples
+    per data-parallel rank, shared out over the sites in proportion to ``speeds``, each at
+    least 1 and at most twice ``micro`` (a site's activations grow with its share), whole
+    numbers (largest remainders first)."""
     speeds = [float(s) for s in speeds]
-    low, high = 1, 2 * micro
+    total, low, high = micro * len(speeds), 1, 2 * micro
     ideal = [total * s / sum(speeds) for s in speeds]
     chosen = [min(high, max(low, int(x))) for x in ideal]
     order = sorted(range(len(speeds)), key=lambda i: chosen[i] - ideal[i])
