@@ -7,12 +7,16 @@ the checkpoint code (tensors written from and read back into GPU memory), not NC
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.models import DropoutModel, make_batches, param_groups
+from tests.test_activation_checkpointing import GPT, checkpointing, gpt_batch, gpt_config
 from tests.test_checkpoint_async import _hashes
+from tests.test_flops_profiler import _profile_on_gpu, gpt_forward_flops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -116,6 +120,16 @@ def test_checkpoint_resume_on_gpu_every_stage_and_precision(tmp_path):
     assert all(p.device.type == "cpu" for p in plain.parameters())
 
 
+def _largest_relative_error(got: dict, want: dict) -> float:
+    """Over the entries of two state dicts, compared on the host: an offloaded engine's masters
+    live there, an in-memory one's on the GPU."""
+    errors = []
+    for key, value in want.items():
+        a, b = got[key].cpu().float(), value.cpu().float()
+        errors.append(((a - b).norm() / b.norm()).item())
+    return max(errors)
+
+
 def _offload_on_gpu(root: str):
     """Per stage, precision and offload layout: parameters after 3 steps, next to the same run
     without offload (dropout off: the masks would come from the same GPU generator anyway)."""
@@ -143,11 +157,11 @@ def _offload_on_gpu(root: str):
                 _train(engine, (idx, tgt))
                 got = engine.consolidated_state_dict()
                 out[stage, precision, name] = {
-                    "error": max(
-                        ((got[k].float() - v.float()).norm() / v.float().norm()).item()
-                        for k, v in want.items()
-                    ),
-                    "offloaded": engine.memory_breakdown()["offloaded"],
+                    "error": _largest_relative_error(got, want),
+                    # where offload put the optimizer's share: host memory, or NVMe's files
+                    "offloaded": engine.memory_breakdown()[
+                        "disk" if "nvme" in name else "offloaded"
+                    ],
                     "param_devices": {p.device.type for p in engine.module.parameters()},
                 }
     return out
@@ -164,6 +178,46 @@ def test_offload_on_gpu_trains_as_in_memory(tmp_path):
         assert got["error"] < tolerance, (key, got)
         assert got["offloaded"] > 0, key
         assert got["param_devices"] == {"cuda"}, key
+
+
+def test_cpu_checkpointing_moves_kept_inputs_off_the_gpu():
+    cfg, batch = gpt_config("demo"), 4
+    x, y = (t.cuda() for t in gpt_batch(batch, cfg.block_size))
+    torch.manual_seed(0)
+    model = checkpointing.wrap(GPT(cfg).cuda())
+    model(x, y).backward()  # the first step allocates workspaces that stay
+    allocated, saved, grads = {}, {}, {}
+    try:
+        for offload in (False, True):
+            checkpointing.configure(checkpoint_in_cpu=offload)
+            model.zero_grad(set_to_none=True)
+            before = torch.cuda.memory_allocated()
+            with checkpointing.count_saved_activations(model.parameters()) as saved[offload]:
+                loss = model(x, y)
+            allocated[offload] = torch.cuda.memory_allocated() - before
+            loss.backward()
+            grads[offload] = [p.grad for p in model.parameters()]
+    finally:
+        checkpointing.configure(checkpoint_in_cpu=False)
+    # Each block's input (batch x seq x width fp32) waits in pinned CPU memory instead.
+    inputs = cfg.n_layer * batch * cfg.block_size * cfg.n_embd * 4
+    assert saved[False].nbytes - saved[True].nbytes == inputs
+    assert allocated[False] - allocated[True] == pytest.approx(inputs, abs=1024)  # allocator
+    for offloaded, on_gpu in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(offloaded, on_gpu)  # the GPU attention backward may reorder
+
+
+def test_profile_and_memory_on_cuda(tmp_path):
+    device, csv_files = run_distributed(_profile_on_gpu, 1, str(tmp_path))[0]
+    assert device == "cuda"
+    assert {"Train_memory_cuda_allocated_gb.csv", "Train_memory_peak_cuda_allocated_gb.csv"} <= set(
+        csv_files
+    )
+    text = (tmp_path / "p.txt").read_text()
+    assert "peak per device (measured: 4096x4096 bfloat16 matmul)" in text
+    assert re.search(
+        rf"fwd FLOPs per micro-batch\s+{gpt_forward_flops('tiny', 2) / 1e6:.2f} M", text
+    )
 
 
 def test_gtopk_merges_sparse_vectors_on_the_gpu():

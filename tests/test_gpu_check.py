@@ -150,3 +150,15 @@ def test_every_cuda_only_code_path_has_a_case():
         assert reached, path
         if not isinstance(reached, str):
             assert set(reached) <= set(gpu_check.CASE_NAMES), path
+
+
+def test_every_test_that_needs_a_gpu_is_in_the_file_gpu_check_runs():
+    # gpu_check runs tests/test_cuda.py alone: a GPU test in another file would never run
+    # (two did, until a GPU run of the activation-offload case found the defect they missed)
+    needs_gpu = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)")
+    elsewhere = [
+        path.name
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if path.name != "test_cuda.py" and needs_gpu.search(path.read_text())
+    ]
+    assert elsewhere == [], f"move these GPU tests into tests/test_cuda.py: {elsewhere}"

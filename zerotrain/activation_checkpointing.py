@@ -457,7 +457,9 @@ class HostOffload:
         handles: list[weakref.ref[_Saved]] = []
         self._regions.append(handles)
 
-        def pack(tensor: torch.Tensor) -> _Saved:
+        def pack(tensor: torch.Tensor) -> _Saved | torch.Tensor:
+            if tensor.device.type != self.device.type:
+                return tensor  # in host memory already (torch's checkpoint saves a CPU marker)
             saved = _Saved(tensor, self, handles)
             handles.append(weakref.ref(saved))
             return saved
@@ -465,7 +467,9 @@ class HostOffload:
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
 
-    def _unpack(self, saved: _Saved) -> torch.Tensor:
+    def _unpack(self, saved: _Saved | torch.Tensor) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
         tensor = saved.take()
         position = next((i for i, r in enumerate(self._regions) if r is saved.region), 0)
         for earlier in reversed(self._regions[:position]):  # the next region backward runs

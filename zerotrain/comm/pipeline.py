@@ -42,7 +42,9 @@ from torch.distributed.pipelining import (
     SplitPoint,
     pipeline,
 )
-from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' type
+
+# the schedules' stage type; the description of a stage's input
+from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
 
 from zerotrain.comm.communicator import Communicator
 from zerotrain.comm.stage_messages import MessageKey, StageMessages, restart_advice
@@ -238,7 +240,9 @@ class _Stage(PipelineStage):
     def _drop_buffers(recv_infos: dict) -> None:
         for infos in recv_infos.values():
             for info in infos:
-                if not info.is_root_arg:
+                # a root argument holds no buffer: torch >= 2.12 marks it, older torch gives it
+                # a class of its own (a placeholder, not a _RecvInfo)
+                if isinstance(info, _RecvInfo) and not getattr(info, "is_root_arg", False):
                     info.buffer = None
 
     # torch's V schedules hand tensors between a rank's two middle stages directly
