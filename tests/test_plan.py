@@ -38,6 +38,7 @@ def test_the_probe_measures_this_machine_once_and_caches_it(tmp_path, monkeypatc
     assert machine.matmul_flops > 1e8 and machine.attention_flops > 1e7
     assert set(machine.adam_elements_per_s) == {"1", str(machine.threads)}
     assert min(machine.adam_elements_per_s.values()) > 1e6
+    assert machine.adam_streaming_elements_per_s and machine.adam_streaming_elements_per_s > 1e6
     assert machine.disk_write_bytes_per_s and machine.disk_read_bytes_per_s
     assert machine.disk_write_bytes_per_s > 1e6 and machine.disk_read_bytes_per_s > 1e6
     assert not list((tmp_path / "nvme").glob("*.swap"))  # its working file is gone
@@ -456,6 +457,130 @@ def test_a_model_that_fits_nowhere_names_the_nearest_config(tmp_path, monkeypatc
     assert "more than the 45.00 MB a rank may use (90% of 50.00 MB)" in message
 
 
+def test_on_a_gpu_offload_must_fit_the_host_too():
+    """A GPU box's host holds what optimizer offload moves off the device: a candidate whose
+    offload needs more host memory than the node's ranks may each use does not fit (the
+    planner had offered CPU offload of a 22B model to a 128 GB host), and with every
+    candidate that fits the device over the host, the refusal names the host."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.planner import PlanError, make_plan, model_facts
+
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="bf16")
+    machine = probe.memory_only_machine(dtype="bf16", world=2)
+    machine = replace(machine, device="NVIDIA H200", matmul_flops=1e14, attention_flops=1e13)
+    machine = replace(machine, adam_elements_per_s={"1": 1e9}, threads=1)
+    options = {
+        "world": 2,
+        "ranks_per_node": 2,
+        "global_batch": 8,
+        "base": {"bf16": {"enabled": True}},
+    }
+    roomy = replace(machine, device_memory=10**11, host_memory=10**11)
+    plan = make_plan(facts, roomy, **options)
+    hosted = [p for p in plan.candidates if p.candidate.offload]
+    assert hosted and all(p.fits and p.predicted.host_memory_bytes > 0 for p in hosted)
+    assert all(
+        p.predicted.host_memory_bytes == 0 for p in plan.candidates if not p.candidate.offload
+    )
+    need = max(p.predicted.host_memory_bytes for p in hosted)
+    # a host of less than the ranks' offload needs: only the candidates in memory fit
+    tight = replace(roomy, host_memory=int(need * 2 / 0.9) - 2)
+    plan = make_plan(facts, tight, **options)
+    for planned in plan.candidates:
+        over = planned.predicted.host_memory_bytes > int(tight.host_memory * 0.9) // 2
+        assert planned.fits == (not over), planned.candidate.label()
+        if over:
+            assert "of host memory per rank" in planned.reason, planned.reason
+    assert any(not p.fits for p in plan.candidates)
+    # a device that holds only what offload frees, and a host too small for that
+    in_memory = min(
+        p.predicted.peak_memory_bytes for p in plan.candidates if not p.candidate.offload
+    )
+    small = replace(tight, device_memory=int(in_memory / 0.9) - 2, host_memory=10**6)
+    with pytest.raises(PlanError) as error:
+        make_plan(facts, small, **options)
+    assert "fits the device but needs" in str(error.value), error.value
+    assert "of host memory per rank" in str(error.value)
+
+
+def test_nvme_offload_must_fit_the_free_space_under_nvme_path(tmp_path, monkeypatch):
+    """NVMe offload's working files count against the space free under ``nvme_path`` now,
+    shared by the node's ranks (the planner had offered NVMe offload of a 22B model, 265 GB of
+    files, on a 64 GB disk)."""
+    import collections
+
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan import planner
+    from zerotrain.plan.planner import make_plan, model_facts
+
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="bf16")
+    machine = probe.memory_only_machine(dtype="bf16", world=2)
+    machine = replace(machine, device="NVIDIA H200", matmul_flops=1e14, attention_flops=1e13)
+    machine = replace(machine, adam_elements_per_s={"1": 1e9}, threads=1)
+    machine = replace(machine, device_memory=10**11, host_memory=10**11)
+    options = {
+        "world": 2,
+        "ranks_per_node": 2,
+        "global_batch": 8,
+        "base": {"bf16": {"enabled": True}},
+    }
+    nvme = str(tmp_path / "nvme" / "not-yet")  # its nearest existing folder's disk counts
+    plan = make_plan(facts, machine, nvme_path=nvme, **options)
+    on_disk = [p for p in plan.candidates if p.candidate.offload == "nvme"]
+    assert on_disk and all(p.fits and p.predicted.disk_bytes > 0 for p in on_disk)
+    need = max(p.predicted.disk_bytes for p in on_disk)
+    usage = collections.namedtuple("usage", "total used free")
+    seen = []
+
+    def small_disk(path):
+        seen.append(path)
+        return usage(10**12, 10**12, int(need * 2 / 0.9) - 2)  # 2 ranks: each a byte short
+
+    monkeypatch.setattr(planner.shutil, "disk_usage", small_disk)
+    plan = make_plan(facts, machine, nvme_path=nvme, **options)
+    assert seen == [tmp_path]
+    for planned in plan.candidates:
+        short = planned.predicted.disk_bytes == need
+        assert planned.fits == (not short), planned.candidate.label()
+        if short:
+            assert "of NVMe space per rank" in planned.reason, planned.reason
+
+
+def test_the_model_probe_runs_where_the_training_dtype_fits_a_gpu():
+    """On a GPU the model probe holds the model as the training dtype has it (built on the
+    host): a model whose fp32 copy and gradients would not fit half the device is probed
+    there in bf16 (a 2.7B GPT-2 went unprobed on an H200: 16 bytes a parameter)."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.planner import buildable_sizes, model_facts
+
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="bf16")
+    psi = facts.count.trainable
+    machine = probe.memory_only_machine(dtype="bf16", world=1)
+    # half of it holds 12 bytes a parameter: 8 (bf16 model and gradients, twice) and a
+    # micro-batch's activations (a few MB), not 16 and them
+    gpu = replace(machine, device="NVIDIA H200", device_memory=2 * 12 * psi)
+    assert buildable_sizes(facts, gpu, [1]) == [1]
+    cpu = replace(machine, device="cpu", host_memory=gpu.device_memory)
+    assert buildable_sizes(facts, cpu, [1]) == []  # fp32 on the host: 16 bytes a parameter
+
+
+def test_the_cpu_optimizer_rate_follows_the_working_set():
+    """Fused AdamW on the CPU runs at the cached probe's rate over a small partition, at the
+    streaming probe's over a large one (a 2.7B model's offloaded step), geometrically between."""
+    machine = probe.memory_only_machine(dtype="fp32", world=1)
+    machine = replace(
+        machine,
+        threads=4,
+        adam_elements_per_s={"1": 1e8, "4": 4e9},
+        adam_streaming_elements_per_s=1e9,
+    )
+    small, large = probe.ADAM_ELEMENTS, probe.ADAM_STREAMING_ELEMENTS
+    assert machine.cpu_adam_rate(small // 2) == 4e9
+    assert machine.cpu_adam_rate(large * 40) == 1e9
+    assert machine.cpu_adam_rate((small * large) ** 0.5) == pytest.approx(2e9)
+    assert replace(machine, adam_streaming_elements_per_s=None).cpu_adam_rate(large) == 4e9
+
+
 def test_verify_measures_the_top_candidate_and_refines_the_constants(
     capsys, tmp_path, monkeypatch, shared_cache
 ):
@@ -495,7 +620,8 @@ def test_verify_measures_the_top_candidate_and_refines_the_constants(
 
 
 def test_refine_moves_each_constant_to_what_was_measured():
-    from zerotrain.plan.cost import Corrections, Prediction, refine
+    from zerotrain.plan.cost import Corrections, Prediction
+    from zerotrain.plan.planner import refine
 
     predicted = Prediction(
         100, 10, step_time_s=1.6, compute_s=1.0, engine_s=0.1, comm_s=0.3, optimizer_s=0.2
@@ -595,6 +721,48 @@ def test_offload_s_host_copies_are_priced_where_they_outlast_compute():
     hosted = -(-facts.count.trainable // 2)  # stage 2 over 2 ranks, all of it offloaded
     copies = (hosted * 4 / 1e6 - 2 * micro / 3) + (hosted * 2 / 1e6 - micro / 3)
     assert slow.optimizer_s - cpu.optimizer_s == pytest.approx(copies, rel=1e-6)
+
+
+def test_a_gpu_steps_and_works_its_buckets_at_its_own_probed_rates():
+    """On a GPU the optimizer steps what is not offloaded at the device's fused-AdamW rate and
+    what offload puts on the host at the CPU's, and the engine's passes over the buckets run
+    at the device's copy rate; a CPU-only machine (no device rates) keeps its CPU constants."""
+    from zerotrain.estimate.factory import build_on_meta
+    from zerotrain.plan.candidates import Candidate
+    from zerotrain.plan.cost import DEVICE_ENGINE_BYTES, Corrections, predict
+    from zerotrain.plan.planner import model_facts
+
+    facts = model_facts(build_on_meta(GPT_DEMO), seq_len=128, dtype="bf16")
+    machine = probe.memory_only_machine(dtype="bf16", world=1)
+    machine = replace(machine, adam_elements_per_s={"1": 1e8}, threads=1)
+    machine = replace(machine, matmul_flops=1e12, attention_flops=1e11)
+    gpu = replace(
+        machine,
+        device="NVIDIA H200",
+        device_adam_elements_per_s=4e9,
+        device_copy_bytes_per_s=2e12,
+        copy_bytes_per_s=1e15,  # offload's copies hidden by compute
+    )
+    psi = facts.count.trainable
+
+    def priced(candidate, on):
+        config = candidate.config({"bf16": {"enabled": True}})
+        return predict(candidate, facts, on, Corrections(), config)
+
+    in_memory = Candidate(0, None, False, 4, 1, 1)
+    assert priced(in_memory, gpu).optimizer_s == pytest.approx(psi / 4e9, rel=1e-9)
+    assert priced(in_memory, gpu).engine_s == pytest.approx(psi * DEVICE_ENGINE_BYTES / 2e12)
+    assert priced(in_memory, machine).optimizer_s == pytest.approx(psi / 1e8, rel=1e-9)
+    assert priced(in_memory, machine).engine_s == pytest.approx(
+        psi * Corrections().engine_seconds_per_parameter
+    )
+    half = Candidate(2, "cpu", False, 4, 1, 1)
+    config = half.config({"bf16": {"enabled": True}})
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"]["ratio"] = 0.5
+    zero["reduce_bucket_size"] = psi // 8  # several buckets: a ratio offloads a share of them
+    step = predict(half, facts, gpu, Corrections(), config).optimizer_s
+    assert step == pytest.approx(psi / 2 / 1e8 + psi / 2 / 4e9, rel=1e-6)
 
 
 def test_candidates_take_each_tensor_parallel_degree_and_keep_a_fixed_one():

@@ -378,9 +378,8 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
 def _verify(plan, args: argparse.Namespace, facts, machine, vocab, say) -> None:
     """Run the top ``--verify`` candidates, attach what they measured (or why a trial failed),
     and refine the machine's corrections with the ones that ran."""
-    from zerotrain.plan.cost import refine
     from zerotrain.plan.jobs import JobError
-    from zerotrain.plan.planner import save_corrections
+    from zerotrain.plan.planner import refine, save_corrections
     from zerotrain.plan_trial import TrialSpec, run_trial
 
     if not vocab:

@@ -27,7 +27,8 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
   a trial reports its median step (with checkpointing, its recomputing backward), times
   ``Corrections.compute_scale``, plus the engine's own work
   (``engine_seconds_per_parameter``: once a step at stages 0-1, whose buckets are worked at
-  the accumulation boundary; every micro-batch at 2-3, which reduce in every backward). Where
+  the accumulation boundary; every micro-batch at 2-3, which reduce in every backward; on a
+  GPU ``DEVICE_ENGINE_BYTES`` per parameter at the probed device copy rate instead). Where
   the model cannot be built here: 2 FLOPs per parameter and token forward at the probed
   matmul rate times ``FLOP_EFFICIENCY``, and causal attention's 2·L·s·h per token at the
   probed attention rate, three times for forward and backward, four with checkpointing;
@@ -37,10 +38,10 @@ Step time: compute, the collectives, the optimizer step, each priced on the mach
   overlapped with compute (gloo on CPU ranks shares their cores); with ``comm_compression``,
   the codecs' own compute and the bytes they send instead ([Note: compression in the plan] in
   zerotrain/plan/compression_cost.py);
-- the optimizer step: the config's optimizer over the rank's partition, at the probed CPU
+- the optimizer step: the config's optimizer over the rank's partition, at the probed
   fused-AdamW rate times its measured ratio to it ([Note: the optimizer's cost] in
-  zerotrain/plan/optimizer_cost.py; the device's rate on a GPU is not modelled yet: the CPU
-  rate bounds it), with Muon's matrices to and from the ranks that orthogonalise them; NVMe
+  zerotrain/plan/optimizer_cost.py): on a GPU the device's rate, the CPU's for the share
+  offload puts on the host; with Muon's matrices to and from the ranks that orthogonalise them; NVMe
   offload adds its working file's reads and writes (master and state, each way) at the probed
   disk rates, shared by the node's ranks, which step at once; on a GPU, offload's copies of
   gradients to the host and parameters back, where they outlast the backward and forward they
@@ -80,12 +81,11 @@ link; the largest stage's data-parallel collectives and optimizer step; and the 
 all-reduce of the parameters two stages hold (a tied embedding).
 
 ``zerotrain plan --verify`` measures the top candidates and moves the two corrections toward
-what it measured (:func:`refine`), kept with the machine's probe for the next run.
+what it measured (``refine`` in zerotrain/plan/planner.py), kept with the machine's probe for the next run.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -124,7 +124,6 @@ __all__ = [
     "ModelFacts",
     "Prediction",
     "predict",
-    "refine",
     "typed_config",
     "unpriced",
 ]
@@ -232,6 +231,13 @@ class Prediction:
     engine_s: float
     comm_s: float
     optimizer_s: float
+    host_memory_bytes: int = 0
+    """On a GPU, the host memory a rank's offload holds (host masters, state and gradients, the
+    pinned buffers, stage 3's parameter shards): the preflight's count, which the node's host
+    must have besides its devices; 0 without offload, and on a CPU-only machine, where it is
+    in the peak."""
+    disk_bytes: int = 0
+    """With NVMe offload, a rank's working files under ``nvme_path``."""
 
     @property
     def bound(self) -> str:
@@ -379,10 +385,11 @@ def predict(
     )
     memory = row.peak_with(transient)
     compute *= corrections.compute_scale
-    engine = _engine_seconds(candidate, psi, corrections)
+    engine = _engine_seconds(candidate, psi, corrections, machine)
     memory += corrections.memory_overhead
     if machine.device == "cpu":  # the device is host memory: what offload moves stays in it
         memory += _host_touched(row.host, job, candidate, facts) if row.host is not None else 0
+    host = _host_beside_device(row, machine)
     groups = _shard_groups(candidate, psi, facts)
     comm, codec_state = _comm_seconds(candidate, groups, element, machine, facts.compression)
     memory += codec_state
@@ -407,14 +414,37 @@ def predict(
         engine_s=engine,
         comm_s=comm,
         optimizer_s=optimizer,
+        host_memory_bytes=host,
+        disk_bytes=row.disk,
     )
 
 
-def _engine_seconds(candidate: Candidate, psi: int, corrections: Corrections) -> float:
+def _host_beside_device(row: StageEstimate, machine: Machine) -> int:
+    """See ``Prediction.host_memory_bytes``."""
+    if machine.device == "cpu":
+        return 0
+    return int((row.host.total if row.host is not None else 0) + row.param_host)
+
+
+def _engine_seconds(
+    candidate: Candidate, psi: int, corrections: Corrections, machine: Machine
+) -> float:
     """The engine's own work over a rank's ``psi`` parameters: once a step at stages 0-1 (the
     boundary's buckets), every micro-batch at 2-3 (each backward's reduce-scatter)."""
     passes = 1 if candidate.stage < 2 else candidate.accumulation
-    return passes * psi * corrections.engine_seconds_per_parameter
+    return passes * psi * _engine_seconds_per_parameter(corrections, machine)
+
+
+DEVICE_ENGINE_BYTES = 28.0
+"""On a GPU, the bytes per parameter the engine's own kernels read and write in a pass (the
+gradient into its bucket and out as fp32, its norm, clipping's scaling, the parameter from its
+master after the step), at the probed device copy rate."""
+
+
+def _engine_seconds_per_parameter(corrections: Corrections, machine: Machine) -> float:
+    if machine.device_copy_bytes_per_s:  # a GPU: device kernels, not the host's loops
+        return DEVICE_ENGINE_BYTES / machine.device_copy_bytes_per_s
+    return corrections.engine_seconds_per_parameter
 
 
 def _optimizer_seconds(
@@ -426,21 +456,22 @@ def _optimizer_seconds(
 ) -> float:
     """The optimizer step over a rank's partition of ``job``'s trainable elements (``count``'s
     parameters: the model's, a tensor-parallel share's or a stage's): the config's
-    optimizer at the probed fused-AdamW rate, scaled ([Note: the optimizer's cost] in
-    zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
+    optimizer at the probed fused-AdamW rate (the device's, the CPU's for what offload puts on
+    the host), scaled ([Note: the optimizer's cost] in zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
     and the state of the offloaded share) read and written, the disk shared by the node's
     ranks."""
     partition = _optimizer_partition(candidate, job, facts)
-    adam_rate = machine.adam_elements_per_s.get(str(machine.threads)) or max(
-        machine.adam_elements_per_s.values()
-    )
+    hosted = _hosted_elements(candidate, job, facts) if candidate.offload else 0.0
+    # a GPU steps what is not offloaded itself; a CPU-only machine's device is its CPU
+    device_rate = machine.device_adam_elements_per_s or machine.cpu_adam_rate(partition - hosted)
     seconds = facts.optimizer.step_seconds(
-        partition,
+        partition - hosted,
         count=count,
-        adam_rate=adam_rate,
+        adam_rate=device_rate,
         matmul_flops=machine.matmul_flops,
         ranks=1 if candidate.stage == 0 else candidate.shards,
     )
+    seconds += facts.optimizer.elementwise_seconds(hosted, machine.cpu_adam_rate(hosted))
     if candidate.offload == "nvme" and machine.disk_read_bytes_per_s:
         precision = job.precision
         per_element = precision.master_dtype.itemsize + precision.stored_state_bytes(
@@ -581,7 +612,7 @@ def _predict_pipeline(
     element = 2 if facts.dtype in ("bf16", "fp16") else 4
     micro_batches, p = candidate.accumulation, candidate.pp
     crossing = candidate.micro_batch * facts.seq_len * share.boundary_elements * element
-    memory = states = comm = optimizer = 0.0
+    memory = states = comm = optimizer = host = disk = 0.0
     work = []  # per stage, a micro-batch's forward and backward
     own = []  # per stage, the engine's work in each of them (every gradient divided as taken)
     for index, (count, stage) in enumerate(zip(share.counts, stages, strict=True)):
@@ -598,9 +629,10 @@ def _predict_pipeline(
         held = row.peak_with(_transient_bytes(candidate, job, kept, layer, element, cpu, last))
         if cpu and row.host is not None:
             held += _host_touched(row.host, job, candidate, facts)
+        host, disk = max(host, _host_beside_device(row, machine)), max(disk, row.disk)
         states = max(states, row.model_states)
         psi = count.trainable
-        own.append(psi * corrections.engine_seconds_per_parameter)
+        own.append(psi * _engine_seconds_per_parameter(corrections, machine))
         groups = _shard_groups(candidate, psi, facts)
         priced, codec_state = _comm_seconds(candidate, groups, element, machine, facts.compression)
         memory = max(memory, held + codec_state + corrections.memory_overhead)
@@ -629,6 +661,8 @@ def _predict_pipeline(
         engine_s=engine,
         comm_s=comm,
         optimizer_s=optimizer,
+        host_memory_bytes=int(host),
+        disk_bytes=int(disk),
     )
 
 
@@ -758,36 +792,3 @@ def _comm_seconds(
             seconds += reductions * cost(collective, psi, world)
             seconds += gathers * cost("all_gather", psi, world) if gathers else 0.0
     return seconds, 0
-
-
-def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:
-    """The corrections moved to what trials measured: ``pairs`` of a prediction made with
-    ``corrections`` and the trial's ``measured`` dict (peak_memory_bytes, step_time_s).
-    Each constant becomes the median of the values that would have predicted each trial
-    exactly, averaged with the old one by the trials' weight."""
-    if not pairs:
-        return corrections
-    scales, overheads = [], []
-    for predicted, measured in pairs:
-        rest = predicted.engine_s + predicted.comm_s + predicted.optimizer_s
-        compute = measured["step_time_s"] - rest
-        if compute > 0 and predicted.compute_s > 0:
-            scales.append(corrections.compute_scale * compute / predicted.compute_s)
-        overheads.append(
-            corrections.memory_overhead
-            + measured["peak_memory_bytes"]
-            - predicted.peak_memory_bytes
-        )
-    old, new = corrections.verified, len(pairs)
-
-    def blend(current: float, found: list[float]) -> float:
-        if not found:
-            return current
-        return (current * old + statistics.median(found) * new) / (old + new)
-
-    return Corrections(
-        compute_scale=blend(corrections.compute_scale, scales),
-        memory_overhead=max(0.0, blend(corrections.memory_overhead, overheads)),
-        engine_seconds_per_parameter=corrections.engine_seconds_per_parameter,
-        verified=old + new,
-    )

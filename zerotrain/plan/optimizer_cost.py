@@ -64,9 +64,14 @@ class OptimizerCost:
         are its matrices: a pipeline stage's share differs from the model's)."""
         return count.muon_state_bytes() if self.kind == "muon" else self.state_bytes
 
+    def elementwise_seconds(self, elements: float, adam_rate: float) -> float:
+        """The element-wise part of the step over ``elements``, where fused AdamW steps
+        ``adam_rate`` elements a second."""
+        return elements * self.relative_time / adam_rate
+
     def step_seconds(
         self,
-        partition: int,
+        partition: float,
         *,
         count: ParameterCount,
         adam_rate: float,
@@ -75,7 +80,7 @@ class OptimizerCost:
     ) -> float:
         """The step over a rank's ``partition`` of ``count``'s trainable elements, with
         ``ranks`` ranks sharing Muon's matrices."""
-        seconds = partition * self.relative_time / adam_rate
+        seconds = self.elementwise_seconds(partition, adam_rate)
         if self.ns_steps:
             seconds += self.ns_steps * count.muon_iteration_flops / ranks / matmul_flops
         return seconds

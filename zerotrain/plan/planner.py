@@ -3,7 +3,10 @@ that do not fit dropped, the fastest chosen, and each loser's reason.
 
 [Note: the plan's choice]
 A candidate fits when its predicted peak per rank is at most ``margin`` (0.9) of the memory a
-rank has: the device's, or on a CPU-only machine the host's shared by the node's ranks. All
+rank has: the device's, or on a CPU-only machine the host's shared by the node's ranks; on a
+GPU, what its offload holds in host memory also within ``margin`` of the host's share, and
+with NVMe offload its working files within ``margin`` of the free space under ``nvme_path``,
+shared by the node's ranks. All
 candidates train the same global batch, so the fastest step is the fastest per token (an
 ``autotuning`` section's ``metric: flops`` ranks by FLOPs a second instead, recomputation
 included: [Note: DeepSpeed's autotuning section] in zerotrain/plan/autotuning.py). A loser
@@ -16,8 +19,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import TypeVar
 
 from torch import nn
@@ -51,6 +57,7 @@ __all__ = [
     "model_facts",
     "profile_if_fits",
     "rank_budget",
+    "refine",
     "sequence_profile",
     "tensor_degrees",
     "with_optimizer",
@@ -410,14 +417,18 @@ def buildable_sizes(
     facts: ModelFacts, machine: Machine, sizes: list[int], tp: int = 1
 ) -> list[int]:
     """The micro-batches of ``sizes`` at which the model probe can run the model here: the
-    model, its gradients and their temporaries in fp32 (16 bytes a parameter: it is built whole,
-    then split to a tensor-parallel rank's share at degree ``tp``) and the micro-batch's
-    activations (Korthikanti's formula, where the model's shape is known) within half the
-    memory it runs in."""
+    model, its gradients and their temporaries (on a CPU-only machine 16 bytes a parameter:
+    it is built whole in fp32, then split to a tensor-parallel rank's share at degree ``tp``;
+    on a GPU, which gets the model as built on the host in the training dtype, twice the model
+    and its gradients in it) and the micro-batch's activations (Korthikanti's formula, where
+    the model's shape is known) within half the memory it runs in."""
     from zerotrain.estimate import activation_bytes
 
-    memory = machine.host_memory if machine.device == "cpu" else machine.device_memory
-    weights = 16 * facts.count.trainable
+    if machine.device == "cpu":
+        memory, weights = machine.host_memory, 16 * facts.count.trainable
+    else:
+        element = DTYPES[facts.dtype].itemsize
+        memory, weights = machine.device_memory, 4 * element * facts.count.trainable
 
     def fits(micro: int) -> bool:
         shape = facts.shape(micro, tp)
@@ -489,6 +500,8 @@ def make_plan(
     except ValueError as error:
         raise PlanError(str(error)) from error
     budget = rank_budget(machine, ranks_per_node)
+    host_budget = host_budget_per_rank(machine, ranks_per_node)
+    disk_budget = disk_budget_per_rank(nvme_path, ranks_per_node)
     planned = []
     # tensor-parallel peers stay on one node
     degrees = (1, *sorted(d for d in facts.shares if ranks_per_node % d == 0))
@@ -530,11 +543,23 @@ def make_plan(
             continue
         prediction = predict(candidate, facts, machine, corrections, config)
         fits = prediction.peak_memory_bytes <= budget
+        fits = fits and not _off_device_over(prediction, host_budget, disk_budget)
         planned.append(Planned(candidate, config, prediction, fits))
     if not planned:  # every one refused for the model's experts
         raise PlanError(f"initialize would refuse every candidate config: {checked.refused[0][1]}")
     fitting = [p for p in planned if p.fits]
     if not fitting:
+        on_device = [p for p in planned if p.predicted.peak_memory_bytes <= budget]
+        if on_device:  # each fits its device, none the host or the disk its offload needs
+            nearest = min(
+                on_device, key=lambda p: _off_device_ratio(p.predicted, host_budget, disk_budget)
+            )
+            over = _off_device_over(nearest.predicted, host_budget, disk_budget)
+            raise PlanError(
+                f"no config fits: the nearest, {nearest.candidate.label()}, fits the device but "
+                f"{over} (each of the node's {ranks_per_node} rank(s) may use {MARGIN:.0%} "
+                "of its share); more nodes, a larger disk or a smaller model would fit"
+            )
         nearest = min(planned, key=lambda p: p.predicted.peak_memory_bytes)
         need = nearest.predicted.peak_memory_bytes
         per_rank = _rank_memory(machine, ranks_per_node)
@@ -546,7 +571,9 @@ def make_plan(
         )
     best = min(fitting, key=lambda p: _rank(p, metric))
     for p in planned:
-        p.reason = _reason(p, best, budget, metric)
+        p.reason = _reason(
+            p, best, budget, _off_device_over(p.predicted, host_budget, disk_budget), metric
+        )
     return Plan(
         planned,
         planned.index(best),
@@ -589,6 +616,50 @@ def rank_budget(machine: Machine, ranks_per_node: int) -> int:
     return int(_rank_memory(machine, ranks_per_node) * MARGIN)
 
 
+def host_budget_per_rank(machine: Machine, ranks_per_node: int) -> int:
+    """The host memory a rank's offload may hold beside a device: :data:`MARGIN` of the host's,
+    shared by the node's ranks (unbounded on a CPU-only machine, whose device is the host:
+    the rank budget counts it there)."""
+    if machine.device == "cpu":
+        return 2**62
+    return int(machine.host_memory * MARGIN) // ranks_per_node
+
+
+def disk_budget_per_rank(nvme_path: str | None, ranks_per_node: int) -> int:
+    """The bytes of NVMe working files a rank may write: :data:`MARGIN` of the space free now
+    under ``nvme_path`` (or the nearest folder of it that exists), shared by the node's ranks;
+    unbounded without one."""
+    if nvme_path is None:
+        return 2**62
+    folder = Path(nvme_path).resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return int(shutil.disk_usage(folder).free * MARGIN) // ranks_per_node
+
+
+def _off_device_over(predicted: Prediction, host_budget: int, disk_budget: int) -> str | None:
+    """What a prediction's offload needs beyond the host's or the disk's budget, in words;
+    None where both hold it."""
+    for what, need, budget in (
+        ("host memory", predicted.host_memory_bytes, host_budget),
+        ("NVMe space", predicted.disk_bytes, disk_budget),
+    ):
+        if need > budget:
+            return (
+                f"needs {_bytes(need)} of {what} per rank, {_bytes(need - budget)} more than "
+                f"the {_bytes(budget)} a rank may use"
+            )
+    return None
+
+
+def _off_device_ratio(predicted: Prediction, host_budget: int, disk_budget: int) -> float:
+    """How far over its off-device budgets a prediction is (its worse ratio of the two)."""
+    return max(
+        predicted.host_memory_bytes / max(1, host_budget),
+        predicted.disk_bytes / max(1, disk_budget),
+    )
+
+
 def _rank_memory(machine: Machine, ranks_per_node: int) -> int:
     """The device's memory, or on a CPU-only machine the host's share of each of its ranks."""
     return machine.device_memory // (ranks_per_node if machine.device == "cpu" else 1)
@@ -598,13 +669,17 @@ def _bytes(value: float) -> str:
     return quantity(value, "B")
 
 
-def _reason(planned: Planned, best: Planned, budget: int, metric: str) -> str:
+def _reason(
+    planned: Planned, best: Planned, budget: int, off_device: str | None, metric: str
+) -> str:
     predicted = planned.predicted
     if planned is best:
         return "chosen: the fastest that fits"
-    if not planned.fits:
+    if predicted.peak_memory_bytes > budget:
         over = predicted.peak_memory_bytes - budget
         return f"does not fit: {_bytes(over)} over the budget"
+    if off_device:
+        return f"does not fit: {off_device}"
     if metric == "flops":
         rate = _cost(best, metric) / _cost(planned, metric)
         return f"{rate:.2f}x the chosen FLOPs a second, {predicted.bound}-bound"
@@ -632,3 +707,36 @@ def save_corrections(machine: Machine, corrections: Corrections) -> None:
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(asdict(corrections)))
     partial.replace(path)
+
+
+def refine(corrections: Corrections, pairs: list[tuple[Prediction, dict]]) -> Corrections:
+    """The corrections moved to what trials measured: ``pairs`` of a prediction made with
+    ``corrections`` and the trial's ``measured`` dict (peak_memory_bytes, step_time_s).
+    Each constant becomes the median of the values that would have predicted each trial
+    exactly, averaged with the old one by the trials' weight."""
+    if not pairs:
+        return corrections
+    scales, overheads = [], []
+    for predicted, measured in pairs:
+        rest = predicted.engine_s + predicted.comm_s + predicted.optimizer_s
+        compute = measured["step_time_s"] - rest
+        if compute > 0 and predicted.compute_s > 0:
+            scales.append(corrections.compute_scale * compute / predicted.compute_s)
+        overheads.append(
+            corrections.memory_overhead
+            + measured["peak_memory_bytes"]
+            - predicted.peak_memory_bytes
+        )
+    old, new = corrections.verified, len(pairs)
+
+    def blend(current: float, found: list[float]) -> float:
+        if not found:
+            return current
+        return (current * old + statistics.median(found) * new) / (old + new)
+
+    return Corrections(
+        compute_scale=blend(corrections.compute_scale, scales),
+        memory_overhead=max(0.0, blend(corrections.memory_overhead, overheads)),
+        engine_seconds_per_parameter=corrections.engine_seconds_per_parameter,
+        verified=old + new,
+    )

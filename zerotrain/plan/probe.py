@@ -10,8 +10,15 @@ AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
   a few runs, with the threads one rank gets) and causal attention (torch's
   scaled_dot_product_attention) FLOP/s;
 - the CPU optimizer step: torch's fused AdamW, elements per second, with one thread and with a
-  rank's threads (what CPU and NVMe offload step with);
+  rank's threads (what CPU and NVMe offload step with), over a working set the caches hold,
+  and with a rank's threads over one far larger (``adam_streaming_elements_per_s``: a large
+  model's step streams its state through memory; on the GPU machine of bench/README.md it ran
+  at 0.57x the cached rate);
 - host-device copies (CUDA only: pinned host to device and back);
+- on a GPU, the device's own rates: fused AdamW over device tensors (elements per second) and
+  a copy inside device memory (bytes read and written per second), what the step of what is
+  not offloaded and the engine's own passes over the buckets run at (a CPU-only machine's
+  device is the CPU: its optimizer rate above, the engine's constant measured here);
 - disk: sequential write and read bytes per second of a working file under ``nvme_path``
   through zerotrain's own swap file (O_DIRECT where the filesystem takes it), as NVMe offload
   does I/O;
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -63,13 +71,21 @@ __all__ = [
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 MATMUL_SIZES = (512, 1024, 2048)
-ATTENTION_SHAPE = (1, 8, 512, 64)  # batch, heads, sequence, head size
+# batch, heads, sequence, head size; the best rate of those the device runs: a GPU needs larger
+# shapes to be busy (one of 1 x 8 x 512 x 64 ran at 7.8 TFLOP/s on an H200)
+ATTENTION_SHAPES = {
+    "cpu": ((1, 8, 512, 64),),
+    "cuda": ((1, 8, 512, 64), (8, 16, 1024, 64), (4, 16, 2048, 128)),
+}
 ADAM_ELEMENTS = 1 << 22
+ADAM_STREAMING_ELEMENTS = 1 << 26  # 1 GiB of parameter, gradient and state: beyond the caches
 DISK_BYTES = 64 << 20
 LINK_BYTES = (1 << 10, 4 << 20)  # a small message for the latency, a large for the bandwidth
 SEGMENT = (512, 12)  # the interleaved all-reduce's compute: products of this size, this many
 SEGMENTS = 8  # of them, each followed by an all-reduce, per timed run
-VERSION = 2  # of what a probe measures: a cache of another version is measured again
+DEVICE_ADAM_ELEMENTS = 1 << 24
+DEVICE_COPY_BYTES = 256 << 20
+VERSION = 3  # of what a probe measures: a cache of another version is measured again
 
 
 @dataclass(frozen=True)
@@ -101,11 +117,19 @@ class Machine:
     matmul_flops: float
     attention_flops: float
     adam_elements_per_s: dict[str, float]
-    """Threads (as a string: JSON keys) -> elements per second of fused AdamW on the CPU."""
+    """Threads (as a string: JSON keys) -> elements per second of fused AdamW on the CPU, over
+    ``ADAM_ELEMENTS`` (a working set the caches hold)."""
     copy_bytes_per_s: float | None
     """Pinned host <-> device, CUDA only."""
     disk_write_bytes_per_s: float | None
     disk_read_bytes_per_s: float | None
+    adam_streaming_elements_per_s: float | None = None
+    """Fused AdamW on the CPU with a rank's threads over ``ADAM_STREAMING_ELEMENTS`` (none:
+    probed before it was measured; the cached rate stands for it)."""
+    device_adam_elements_per_s: float | None = None
+    """Fused AdamW over device tensors, CUDA only (on a CPU: ``adam_elements_per_s``)."""
+    device_copy_bytes_per_s: float | None = None
+    """A copy inside device memory, bytes read plus written per second; CUDA only."""
     links: dict[str, LinkFit] = field(default_factory=dict)
     """Per collective kind, over ``world`` ranks of this node (none for one rank)."""
     interleaved: LinkFit | None = None
@@ -113,6 +137,23 @@ class Machine:
     world: int = 1
     probed_at: str = ""
     probe_seconds: float = 0.0
+
+    def cpu_adam_rate(self, elements: float) -> float:
+        """Fused AdamW's rate on a rank's CPU threads over ``elements``: the cached working
+        set's rate up to its size, the streaming one from the streaming probe's size on, and
+        geometrically between the two rates in between."""
+        cached = self.adam_elements_per_s.get(str(self.threads)) or max(
+            self.adam_elements_per_s.values()
+        )
+        streaming = self.adam_streaming_elements_per_s
+        if not streaming or elements <= ADAM_ELEMENTS:
+            return cached
+        if elements >= ADAM_STREAMING_ELEMENTS:
+            return streaming
+        between = math.log(elements / ADAM_ELEMENTS) / math.log(
+            ADAM_STREAMING_ELEMENTS / ADAM_ELEMENTS
+        )
+        return cached * (streaming / cached) ** between
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -254,7 +295,12 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
         attention = _attention_flops(device, torch_dtype)
         say("the CPU optimizer step")
         adam = {str(n): _adam_rate(n) for n in sorted({1, threads})}
+        streaming = _adam_rate(threads, ADAM_STREAMING_ELEMENTS)
     copy = _copy_rate() if cuda else None
+    if cuda:
+        say("the device's optimizer step and copies")
+    device_adam = _device_adam_rate() if cuda else None
+    device_copy = _device_copy_rate() if cuda else None
     write = read = None
     if nvme_path:
         say(f"disk under {nvme_path}")
@@ -276,6 +322,9 @@ def _measure(key, dtype, world, nvme_path, threads, say) -> Machine:
         attention_flops=attention,
         adam_elements_per_s=adam,
         copy_bytes_per_s=copy,
+        adam_streaming_elements_per_s=streaming,
+        device_adam_elements_per_s=device_adam,
+        device_copy_bytes_per_s=device_copy,
         disk_write_bytes_per_s=write,
         disk_read_bytes_per_s=read,
         links=links,
@@ -321,22 +370,24 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 def _attention_flops(device: torch.device, dtype: torch.dtype) -> float:
     import torch.nn.functional as F
 
-    batch, heads, seq, dim = ATTENTION_SHAPE
-    q, k, v = (torch.randn(batch, heads, seq, dim, device=device).to(dtype) for _ in range(3))
-    # causal: half of the two products' 2 * 2 * b * h * s^2 * d
-    flops = 2 * batch * heads * seq * seq * dim
+    best = 0.0
+    for batch, heads, seq, dim in ATTENTION_SHAPES.get(device.type, ATTENTION_SHAPES["cpu"]):
+        q, k, v = (torch.randn(batch, heads, seq, dim, device=device).to(dtype) for _ in range(3))
+        # causal: half of the two products' 2 * 2 * b * h * s^2 * d
+        flops = 2 * batch * heads * seq * seq * dim
 
-    def run() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def run(q=q, k=k, v=v) -> None:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    return flops / best_seconds(run)
+        best = max(best, flops / best_seconds(run))
+    return best
 
 
-def _adam_rate(threads: int) -> float:
+def _adam_rate(threads: int, elements: int = ADAM_ELEMENTS) -> float:
     def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
 
-    return ADAM_ELEMENTS / optimizer_step_seconds(adamw, ADAM_ELEMENTS, threads)
+    return elements / optimizer_step_seconds(adamw, elements, threads)
 
 
 def optimizer_step_seconds(build, elements: int, threads: int) -> float:
@@ -370,6 +421,19 @@ def _copy_rate() -> float:  # CUDA only
         host.copy_(device, non_blocking=True)
 
     return 2 * nbytes / best_seconds(there_and_back)
+
+
+def _device_adam_rate() -> float:  # CUDA only
+    param = torch.zeros(DEVICE_ADAM_ELEMENTS, device="cuda", requires_grad=True)
+    param.grad = torch.randn(DEVICE_ADAM_ELEMENTS, device="cuda")
+    step = torch.optim.AdamW([param], lr=1e-3, fused=True).step
+    return DEVICE_ADAM_ELEMENTS / best_seconds(step)
+
+
+def _device_copy_rate() -> float:  # CUDA only
+    source = torch.empty(DEVICE_COPY_BYTES, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return 2 * DEVICE_COPY_BYTES / best_seconds(lambda: target.copy_(source))
 
 
 def _disk_rates(directory: Path) -> tuple[float, float]:
