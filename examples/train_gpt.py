@@ -6,8 +6,8 @@ Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states a
 ranks, stage 2 the gradients as well. The engine prints a throughput line every --print-every
 steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) and the script a
 summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
---inner-steps H [--ranks-per-site K] [--fragments F] trains as sites that meet every H steps
-(docs/sites.md).
+--inner-steps H [--ranks-per-site K] [--fragments F] [--exchange-timeout S] trains as sites
+that meet every H steps (docs/sites.md).
 --compress METHOD [--compress-rank R | --compress-ratio F] [--compress-params int8|int4]
 compresses what the ranks exchange (docs/compression.md; the summary shows the bytes sent per
 step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th
@@ -178,6 +178,13 @@ def parse_args() -> argparse.Namespace:
         "each exchanged while the next inner step trains (sites.streaming); 0: whole",
     )
     parser.add_argument(
+        "--exchange-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --inner-steps: how long a collective between the sites may take before the "
+        "lost-site error (sites.exchange_timeout_s; default: the collective timeout)",
+    )
+    parser.add_argument(
         "--plan",
         metavar="JSON",
         help="a ds_config written by `zerotrain plan`: its ZeRO section (stage, offload), "
@@ -221,9 +228,12 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more")
     if args.snapshot_every and not args.checkpoint_dir:
         parser.error("--snapshot-every applies only with --checkpoint-dir (what a restart loads)")
+    if args.exchange_timeout is not None and args.exchange_timeout <= 0:
+        parser.error("--exchange-timeout must be more than 0 seconds")
     for flag, given in (
         ("ranks-per-site", args.ranks_per_site is not None),
         ("fragments", args.fragments),
+        ("exchange-timeout", args.exchange_timeout is not None),
     ):
         if given and args.inner_steps < 1:
             parser.error(f"--{flag} applies only with --inner-steps")
@@ -251,8 +261,10 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 
 def sites(args: argparse.Namespace) -> dict:
-    """The sites section for --inner-steps, --ranks-per-site and --fragments."""
+    """The sites section for --inner-steps, --ranks-per-site, --fragments and
+    --exchange-timeout."""
     section = {"inner_steps": args.inner_steps, "ranks_per_site": args.ranks_per_site}
+    section["exchange_timeout_s"] = args.exchange_timeout
     if args.fragments:
         section["streaming"] = {"fragments": args.fragments, "overlap_steps": 1}
     return section

@@ -421,6 +421,42 @@ def test_the_sites_section_is_checked():
     check_config({"sites": {"inner_steps": 1, "outer_optimizer": None}, "zero_optimization": nvme})
 
 
+def _silent_second_site() -> dict:
+    """Two sites of one rank meeting every step, the second silent for 6 s before its second
+    step: what the first site's exchange does meanwhile."""
+    import zerotrain
+    from zerotrain.comm import CollectiveError
+
+    sites = {"inner_steps": 1, "exchange_timeout_s": 1.5}
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+    mesh = engine.layout.mesh
+    timeouts = {"sites": mesh.sites.timeout, "world": mesh.world.timeout}
+    _steps(engine, range(1))
+    if mesh.world.rank == 1:
+        time.sleep(6)
+    began = time.monotonic()
+    try:
+        _steps(engine, range(1, 2))
+    except CollectiveError as error:
+        return {**timeouts, "error": str(error), "waited": time.monotonic() - began}
+    return {**timeouts, "error": None, "waited": time.monotonic() - began}
+
+
+def test_a_silent_site_fails_the_exchange_at_the_sites_own_timeout():
+    """``sites.exchange_timeout_s`` bounds the collectives between the sites alone (the links
+    inside a site keep the collective timeout): a site that does not answer fails the other's
+    outer exchange with the lost-site error after it, not after the 10 minutes of the
+    collective timeout."""
+    from datetime import timedelta
+
+    first, _ = run_distributed(_silent_second_site, 2, timeout=120)
+    assert first["sites"] == timedelta(seconds=1.5)
+    assert first["world"] == timedelta(seconds=60)  # run_distributed's collective timeout
+    assert first["error"] is not None and first["waited"] < 5, first
+    assert "sites: the outer exchange with the other sites failed" in first["error"]
+    assert "collective timeout 0:00:01.500000" in first["error"], first["error"]
+
+
 def _resume(directory: str, extra: dict) -> dict:
     """Train 2 sites at stage 2, saving in the middle of the second round; a second engine
     loads that and trains on. Each rank's states after the last steps, both ways."""
@@ -977,8 +1013,9 @@ def test_a_site_lost_and_back_goes_on_from_the_newest_snapshot(tmp_path):
 def test_a_site_cut_off_fails_the_others_outer_exchange_within_the_timeout():
     """The link to the second site goes down mid-training (its rank alive, no connection
     closed: a network partition): the first site's next outer exchange fails within the
-    collective timeout (ZEROTRAIN_TIMEOUT, 0.25 minutes here) with an error that says a site
-    is lost and how the others go on without it, and its job ends: no hang."""
+    sites' exchange timeout (15 s here; the collective timeout stays at its 10 minutes) with
+    an error that says a site is lost and how the others go on without it, and its job ends:
+    no hang."""
     from launched import output_or_kill
 
     with netns.two_namespaces("100mbit") as nodes:
@@ -986,11 +1023,9 @@ def test_a_site_cut_off_fails_the_others_outer_exchange_within_the_timeout():
         rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", first.address]
         rendezvous += ["--master-port", "29616"]
         train = ["examples/train_gpt.py", "--model", "tiny", "--steps", "100000"]
-        train += ["--print-every", "10", "--inner-steps", "5"]
-        env = {"ZEROTRAIN_TIMEOUT": "0.25"}
+        train += ["--print-every", "10", "--inner-steps", "5", "--exchange-timeout", "15"]
         runs = [
-            node.run(*rendezvous, "--node-rank", str(i), *train, env=env)
-            for i, node in enumerate(nodes)
+            node.run(*rendezvous, "--node-rank", str(i), *train) for i, node in enumerate(nodes)
         ]
         lines = []
         assert runs[0].stdout is not None

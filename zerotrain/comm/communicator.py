@@ -106,10 +106,13 @@ class Communicator:
         stats: dict[str, OpStats] | None = None,
         log: CommsLog | None = None,
         tracked: bool = True,
+        timeout: timedelta | None = None,
     ):
         """``tracked=False``: its collectives stay out of the progress records (a background
-        thread's, which would stand for the training's place; see progress.py)."""
+        thread's, which would stand for the training's place; see progress.py). ``timeout``:
+        the one ``group`` was made with, where it is not the collective timeout."""
         self.group = group
+        self._timeout = timeout
         self.device = torch.device(device)  # where scalars for control collectives live (NCCL: GPU)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -125,9 +128,16 @@ class Communicator:
         self._progress = progress.PROGRESS if tracked else progress.Progress()
         if self.distributed:
             self._group_name = (group or dist.distributed_c10d._get_default_group()).group_name
-            timeout = _group_timeout(group, default=None)
-            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 600.0
+            seconds = self.timeout.total_seconds() if self.timeout else 600.0
             progress.watch(seconds / 4)
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long this group's collectives may take (None: not known)."""
+        if self._timeout is not None:
+            return self._timeout
+        timeout = _group_timeout(self.group, default=None)
+        return timeout if isinstance(timeout, timedelta) else None
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record(
@@ -175,7 +185,7 @@ class Communicator:
         except (RuntimeError, dist.DistBackendError) as err:
             failed = (
                 f"{name} of {nbytes} bytes failed on rank {self.rank} of {self.world_size} "
-                f"(collective timeout {_group_timeout(self.group)})"
+                f"(collective timeout {self.timeout or 'unknown'})"
             )
             ranks = dist.get_process_group_ranks(
                 self.group or dist.distributed_c10d._get_default_group()
@@ -261,15 +271,16 @@ class Communicator:
             return Communicator(device=self.device, stats=self.stats, log=self.log)
         if ranks is None and self.group is not None:
             return self._duplicate(backend)
-        timeout = _group_timeout(self.group, default=None)
-        group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+        group = dist.new_group(ranks=ranks, timeout=self.timeout, backend=backend)
         if not isinstance(group, dist.ProcessGroup):  # torch's marker for a rank not in ranks
             raise ValueError(
                 f"new_group: rank {self.global_rank} is not in ranks {ranks}; every rank makes "
                 "the group, only its members get a communicator (split() gives every rank one)"
             )
         device = "cpu" if backend == "gloo" else self.device
-        return Communicator(group, device=device, stats=self.stats, log=self.log)
+        return Communicator(
+            group, device=device, stats=self.stats, log=self.log, timeout=self._timeout
+        )
 
     def _duplicate(self, backend: str | None = None) -> Communicator:
         """A second group over this group's ranks. Making a group is collective over the
@@ -280,20 +291,28 @@ class Communicator:
         lists = sorted({tuple(ranks) for ranks in everyone})
         return self.split([list(ranks) for ranks in lists], backend)
 
-    def split(self, rank_lists: list[list[int]], backend: str | None = None) -> Communicator:
+    def split(
+        self,
+        rank_lists: list[list[int]],
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> Communicator:
         """Make a process group for each list of default-group ranks (collective: every rank
         makes every group, in order) and return the communicator of the one holding this rank.
-        """
-        chosen = self.subgroups(rank_lists, backend)
+        ``timeout``: its collectives' (None: this group's)."""
+        chosen = self.subgroups(rank_lists, backend, timeout)
         if chosen is None:
             raise ValueError(f"split: rank {self.global_rank} is in none of {rank_lists}")
         return chosen
 
     def subgroups(
-        self, rank_lists: list[list[int]], backend: str | None = None
+        self,
+        rank_lists: list[list[int]],
+        backend: str | None = None,
+        timeout: timedelta | None = None,
     ) -> Communicator | None:
         """:meth:`split` where a rank may be in none of the lists (None for it); ``backend``
-        as :meth:`new_group`'s."""
+        as :meth:`new_group`'s, ``timeout`` as :meth:`split`'s."""
         mine = [ranks for ranks in rank_lists if self.global_rank in ranks]
         if len(mine) > 1:
             raise ValueError(
@@ -302,7 +321,8 @@ class Communicator:
         if not self.distributed:
             return self.new_group() if mine else None
         chosen = None
-        timeout = _group_timeout(self.group, default=None)
+        own = timeout if timeout is not None else self._timeout
+        timeout = own if own is not None else self.timeout
         for ranks in rank_lists:
             group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
             if mine and ranks is mine[0]:
@@ -312,7 +332,7 @@ class Communicator:
         if not isinstance(chosen, dist.ProcessGroup):  # torch made the group of mine[0] here
             raise RuntimeError(f"split: torch made no process group for ranks {mine[0]}")
         device = "cpu" if backend == "gloo" else self.device
-        return Communicator(chosen, device=device, stats=self.stats, log=self.log)
+        return Communicator(chosen, device=device, stats=self.stats, log=self.log, timeout=own)
 
     def within_nodes(self, ranks_per_node: int) -> Communicator:
         """A communicator over this group's ranks on this rank's node (torchrun numbers the
@@ -543,7 +563,7 @@ class Communicator:
         name = name or operation.__name__
         nbytes = full.numel() * full.element_size()
         tag = pairwise.next_tag(self.group)
-        timeout = _group_timeout(self.group, default=None)
+        timeout = self.timeout
 
         def launch(_async: bool):
             return operation(
@@ -553,7 +573,7 @@ class Communicator:
                 rank=self.rank,
                 world=self.world_size,
                 tag=tag,
-                timeout=timeout if isinstance(timeout, timedelta) else None,
+                timeout=timeout,
             )
 
         op = self.issue(name, nbytes, launch, async_op=True, sent=sent)

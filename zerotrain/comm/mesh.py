@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from datetime import timedelta
 
 from zerotrain.comm.communicator import Communicator
 
@@ -35,7 +36,8 @@ class Mesh:
     """Named parallel axes over the ranks of ``world`` (sizes default to 1; ``dp=None``: the
     rest of the world). ``given``: communicators already made for single axes (a sequence-
     parallel group made before the engine, as DeepSpeed's Ulysses registration makes it),
-    used when their ranks are the mesh's for that axis."""
+    used when their ranks are the mesh's for that axis. ``timeouts``: an axis's collectives'
+    timeout where it is not the world's (the sites' ``exchange_timeout_s``)."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class Mesh:
         sp: int = 1,
         site: int = 1,
         given: dict[str, Communicator] | None = None,
+        timeouts: dict[str, timedelta] | None = None,
     ):
         if world.group is not None:
             raise ValueError("mesh: build it over the default process group (Communicator())")
@@ -64,6 +67,7 @@ class Mesh:
                 "world size (each at least 1)"
             )
         self._groups: dict[str, Communicator] = {}
+        self._timeouts = dict(timeouts or {})
         for axis, comm in (given or {}).items():
             self._adopt(axis, comm)
 
@@ -121,8 +125,10 @@ class Mesh:
         key = ",".join(a for a in AXES if a in wanted)
         if key not in self._groups:
             groups = self.axis_ranks(*wanted)
-            # a group that spans every rank is the world itself: no new process group
-            self._groups[key] = self.world if len(groups) == 1 else self.world.split(groups)
+            timeout = self._timeouts.get(key)
+            # a group that spans every rank is the world itself (unless it times out apart)
+            whole = len(groups) == 1 and timeout is None
+            self._groups[key] = self.world if whole else self.world.split(groups, timeout=timeout)
         return self._groups[key]
 
     @property

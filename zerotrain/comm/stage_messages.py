@@ -97,7 +97,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm.communicator import CollectiveError, Communicator, _group_timeout
+from zerotrain.comm.communicator import CollectiveError, Communicator
 
 MAGIC = 0x7A7450495045_02  # "ztPIPE", protocol version 2
 HEADER_SLOTS = 32
@@ -268,8 +268,7 @@ class StageMessages:
     def __init__(self, comm: Communicator, device: torch.device):
         self.comm = comm
         self.device = device
-        timeout = _group_timeout(comm.group, default=None)
-        self.timeout = timeout if isinstance(timeout, timedelta) else _DEFAULT_TIMEOUT
+        self.timeout = comm.timeout or _DEFAULT_TIMEOUT
         self.headers = comm if _is_gloo(comm) else comm.new_group(backend="gloo")
         build = agreed_build(self.headers)
         self.header_tag, self.tensor_tag = _TAG_BASE + 2 * build, _TAG_BASE + 2 * build + 1

@@ -110,6 +110,13 @@ class SitesConfig(Section):
     and twice the configured one. The outer step weighs each site's change by the samples it
     trained. Batches are sized for it by the engine's dataloader (`training_data`); a loop
     that makes its own takes `engine.train_micro_batch_size_per_gpu()` samples each step."""
+    exchange_timeout_s: PositiveFloat | None = None
+    """Seconds a collective between the sites may take (each outer exchange, and the start's
+    copy of the first site's model, tensor by tensor) before it fails with the lost-site error;
+    null: the collective timeout (ZEROTRAIN_TIMEOUT, 10 minutes by default). Set it above
+    the largest of them on the link (a rank's shard of the parameters, in the exchange's
+    codec, over the link's rate) so that a site lost or cut off is noticed in that time while
+    the links inside a site keep the collective timeout."""
     ranks_per_site: PositiveInt | None = None
     """Ranks of each site, consecutive (site 0 is ranks 0 to ranks_per_site - 1); null: a
     site is one of torchrun's nodes (its `--nproc-per-node` ranks)."""

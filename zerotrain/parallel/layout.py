@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -103,6 +104,7 @@ class ParallelLayout:
             sp=cfg.sequence_parallel_size,
             site=_sites(cfg, comm.world_size),
             given={"sp": sequence_group} if sequence_group is not None else None,
+            timeouts=_axis_timeouts(cfg),
         )
         if mesh.sizes["site"] > 1:
             _start_sites_alike(model, mesh)
@@ -370,6 +372,15 @@ def _work_split(cfg: ZeroTrainConfig, mesh: Mesh) -> WorkSplit | None:
         in_site=mesh.in_site,
         across=mesh.sites,
     )
+
+
+def _axis_timeouts(cfg: ZeroTrainConfig) -> dict[str, timedelta]:
+    """The axes whose collectives time out apart from the world's: the sites', at
+    ``sites.exchange_timeout_s`` (see docs/sites.md, "A site lost")."""
+    sites = cfg.sites
+    if sites is None or sites.exchange_timeout_s is None:
+        return {}
+    return {"site": timedelta(seconds=sites.exchange_timeout_s)}
 
 
 def _start_sites_alike(model: nn.Module, mesh: Mesh) -> None:
