@@ -321,10 +321,9 @@ class Communicator:
         if not self.distributed:
             return self.new_group() if mine else None
         chosen = None
-        own = timeout if timeout is not None else self._timeout
-        timeout = own if own is not None else self.timeout
+        own = timeout if timeout is not None else self._timeout  # the new groups' own, if any
         for ranks in rank_lists:
-            group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+            group = dist.new_group(ranks=ranks, timeout=own or self.timeout, backend=backend)
             if mine and ranks is mine[0]:
                 chosen = group
         if not mine:

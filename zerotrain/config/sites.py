@@ -106,8 +106,9 @@ class SitesConfig(Section):
     """Each site's share of a step's batch (the global batch stays as configured): `equal`,
     the configured micro-batch on every rank; `measured`, shares that follow each site's
     measured speed (samples a second, measured again every 10 steps), so that a faster
-    site's steps take more samples and no site waits for another at the outer steps; a list, fixed relative speeds, one per site. A site's micro-batch stays between 1
-    and twice the configured one. The outer step weighs each site's change by the samples it
+    site's steps take more samples and no site waits for another at the outer steps; a list,
+    fixed relative speeds, one per site. A site's micro-batch stays between 1 and twice the
+    configured one. The outer step weighs each site's change by the samples it
     trained. Batches are sized for it by the engine's dataloader (`training_data`); a loop
     that makes its own takes `engine.train_micro_batch_size_per_gpu()` samples each step."""
     exchange_timeout_s: PositiveFloat | None = None

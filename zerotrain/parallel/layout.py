@@ -193,10 +193,10 @@ class ParallelLayout:
         self, groups: list[tuple[dict, NamedParams]], options: GroupOptions
     ) -> list[ShardGroupSpec]:
         """The dense parameters, partitioned over the data- and sequence-parallel ranks (given
-        in ``options``: :attr:`zero`), and the experts', over the ranks holding the same experts (see [Note: several shard groups] in
-        zero/optimizer.py): their gradients are averaged over every data-parallel rank, and
-        the norm sums over the ranks holding other experts. ``options``: the config's, for
-        this layout's groups to refine."""
+        in ``options``: :attr:`zero`), and the experts', over the ranks holding the same experts
+        (see [Note: several shard groups] in zero/optimizer.py): their gradients are averaged
+        over every data-parallel rank, and the norm sums over the ranks holding other experts.
+        ``options``: the config's, for this layout's groups to refine."""
         model, mesh = self.model, self.mesh
         sites = options.sites
         options = replace(
@@ -270,9 +270,10 @@ class ParallelLayout:
     # -- the model's state ---------------------------------------------------------------------
     def broadcast_untrained_state(self) -> None:
         """The frozen parameters and buffers of the first rank holding the dense parameters to
-        the others (data- and sequence-parallel), an expert's over the ranks holding that expert (trainable ones and frozen
-        ones that stage 3 partitions, which the engine owns, are broadcast as their buckets are
-        built), so all replicas start identical even without a shared seed."""
+        the others (data- and sequence-parallel), an expert's over the ranks holding that
+        expert (trainable ones and frozen ones that stage 3 partitions, which the engine owns,
+        are broadcast as their buckets are built), so all replicas start identical even without
+        a shared seed."""
         model, mesh = self.model, self.mesh
         of_experts = expert_tensors(model)
         frozen = [p for p in model.parameters() if not p.requires_grad and owner_of(p) is None]

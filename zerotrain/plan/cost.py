@@ -81,7 +81,8 @@ link; the largest stage's data-parallel collectives and optimizer step; and the 
 all-reduce of the parameters two stages hold (a tied embedding).
 
 ``zerotrain plan --verify`` measures the top candidates and moves the two corrections toward
-what it measured (``refine`` in zerotrain/plan/planner.py), kept with the machine's probe for the next run.
+what it measured (``refine`` in zerotrain/plan/planner.py), kept with the machine's probe for
+the next run.
 """
 
 from __future__ import annotations
@@ -457,9 +458,9 @@ def _optimizer_seconds(
     """The optimizer step over a rank's partition of ``job``'s trainable elements (``count``'s
     parameters: the model's, a tensor-parallel share's or a stage's): the config's
     optimizer at the probed fused-AdamW rate (the device's, the CPU's for what offload puts on
-    the host), scaled ([Note: the optimizer's cost] in zerotrain/plan/optimizer_cost.py), and with NVMe offload its working file (the masters
-    and the state of the offloaded share) read and written, the disk shared by the node's
-    ranks."""
+    the host), scaled ([Note: the optimizer's cost] in zerotrain/plan/optimizer_cost.py), and
+    with NVMe offload its working file (the masters and the state of the offloaded share) read
+    and written, the disk shared by the node's ranks."""
     partition = _optimizer_partition(candidate, job, facts)
     hosted = _hosted_elements(candidate, job, facts) if candidate.offload else 0.0
     # a GPU steps what is not offloaded itself; a CPU-only machine's device is its CPU

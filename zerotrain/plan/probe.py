@@ -29,9 +29,10 @@ AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
   rank's compute, as tensor parallelism's do (``interleaved``): there the ranks' compute ends
   apart and the caches hold the compute's data, and a 4 MB all-reduce after a 40 ms segment of
   matmuls cost 7.7 ms over the segment on this CPU, 4.2 ms back to back (bench/README.md).
-A probe took about 7 s on this project's 2-core CPU. It is cached under ``$ZEROTRAIN_CACHE_DIR`` (default
-``~/.cache/zerotrain``) per machine and per what it depends on (host, device, torch version,
-dtype, threads per rank, ranks, nvme_path); ``refresh`` measures again. The memory figures are
+A probe took about 7 s on this project's 2-core CPU, 5 s on an H200. It is cached under
+``$ZEROTRAIN_CACHE_DIR`` (default ``~/.cache/zerotrain``) per machine and per what it depends
+on (host, device, torch version, dtype, threads per rank, ranks, nvme_path); ``refresh``
+measures again. The memory figures are
 read again at each plan (:func:`with_current_memory`): what is free changes, the rates do not.
 """
 
