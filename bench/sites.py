@@ -21,7 +21,9 @@ the embedded corpus, fp32, ZeRO stage 1, AdamW (lr 1e-3 after 10 warm-up steps, 
 The rows: `sync auto` (every step's gradients over the link, `comm_compression.auto` choosing
 int8 where it pays), `sites H=10/50/100` (outer steps every H steps, Nesterov SGD lr 0.7,
 momentum 0.9), `sites H=50/10 average` (no outer optimizer: the sites' parameters averaged),
-`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized), and `sites
+`sites H=50 int8` and `sites H=50 average int8` (the outer exchange quantized), `sites H=50
+average auto [streamed]` (none or int8 as `sites.compression.method: auto` chooses from the
+link it measures at the first outer step; the results file keeps its decision), and `sites
 H=50 [average] [int8] streamed` (the outer exchange in 5 fragments, each landing 2 inner steps
 after it left, mixing 0.5: `sites.streaming`; `fragments` and `overlapped`: its two halves
 apart, 5 fragments landing at once, and the whole model landing 2 steps later), `... split`
@@ -90,6 +92,18 @@ ROWS = {
             "inner_steps": 50,
             "outer_optimizer": None,
             "streaming": {"fragments": 1, "overlap_steps": 2},
+        }
+    },
+    # the per-link codec: none or int8, chosen from the link measured at the first outer step
+    "sites H=50 average auto": {
+        "sites": {"inner_steps": 50, "outer_optimizer": None, "compression": {"method": "auto"}}
+    },
+    "sites H=50 average auto streamed": {
+        "sites": {
+            "inner_steps": 50,
+            "outer_optimizer": None,
+            "compression": {"method": "auto"},
+            "streaming": STREAMING,
         }
     },
     "sites H=50 average int8 streamed split": {
@@ -182,6 +196,7 @@ def worker(spec: dict, out: str) -> None:
         outer = engine.optimizer.groups[0].extensions.get("outer_step")
         if outer is not None:  # this rank's exchanges and their bytes by the communicator's count
             result["exchanges"] = {"launched": outer.launched, "sent": outer.sent}
+            result["decision"] = outer.decision  # sites.compression auto's choice, and why
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -277,7 +292,14 @@ def summarize(results: dict) -> list[str]:
         # the first rank of each of the two sites
         cells.append(":".join(str(m) for m in micros[:: max(1, len(micros) // 2)]))
         lines.append("| " + " | ".join(cells) + " |")
+    decisions = [(row, got["decision"]) for row, got in results.items() if _decided(got)]
+    lines += [f"{row}: {decision}" for row, decision in decisions]
     return lines
+
+
+def _decided(got) -> bool:
+    """Whether a row's results hold what ``sites.compression`` auto chose."""
+    return isinstance(got, dict) and bool(got.get("decision"))
 
 
 def _time_to(got: dict, target: float | None) -> float | None:

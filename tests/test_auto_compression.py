@@ -5,6 +5,7 @@ resume), on 2 ranks over gloo."""
 from __future__ import annotations
 
 import re
+import time
 import warnings
 
 import pytest
@@ -423,3 +424,30 @@ def test_the_real_probe_and_clock_decide(tuned):
 def test_top_k_chosen_counts_arrivals_only_for_an_adam_that_catches_up(tuned):
     for run in tuned:
         assert run["counts arrivals"] == {"Adam": True, "SGD": False}
+
+
+class _SlowLink:
+    """A communicator of 2 ranks whose all-reduce takes 2 hops of 20 ms plus 1 MB/s for what
+    a rank sends (its message, for 2 ranks): what it was asked to send, kept."""
+
+    world_size, device = 2, torch.device("cpu")
+
+    def __init__(self):
+        self.messages: list[int] = []
+
+    def all_reduce(self, tensor, op="sum", name="all_reduce"):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.messages.append(nbytes)
+        if tensor.numel() > 1:  # not the probe's exchange of its times
+            time.sleep(2 * 0.02 + nbytes / 1e6)
+
+
+def test_a_slow_link_is_probed_with_a_message_it_carries_in_a_quarter_second():
+    # 4 MiB four times over 10 Mbit/s took 27 s of a 38 s job (bench/sites.py, auto rows)
+    comm = _SlowLink()
+    link = probe_link(comm)  # type: ignore[arg-type]
+    # 64 KiB took 0.1 s, 256 KiB 0.3 s: the large message, timed 3 times after a warm one
+    assert max(comm.messages) == 256 << 10 and comm.messages.count(256 << 10) == 2 + 4
+    assert sum(comm.messages) < 2e6
+    assert link.beta == pytest.approx(1e6, rel=0.15)
+    assert link.alpha == pytest.approx(0.02, rel=0.3)

@@ -23,9 +23,15 @@ import torch
 
 from zerotrain.comm.communicator import Communicator, ring_sent
 
-# the probes: small enough to time the latency, large enough that bandwidth dominates
+# the probes: small enough to time the latency, large enough that bandwidth dominates; the
+# large one grown from GROWN_FROM_BYTES 4x at a time until one takes LARGE_PROBE_SECONDS, at
+# most LARGE_PROBE_BYTES: on a 10 Mbit/s link 4 MiB sent four times took 27 s of a 38 s job
+# (bench/sites.py's auto rows), and a 64 KiB message passed in the shaper's burst, too fast
+# to tell the link's rate
 SMALL_PROBE_BYTES = 1 << 10
+GROWN_FROM_BYTES = 64 << 10
 LARGE_PROBE_BYTES = 4 << 20
+LARGE_PROBE_SECONDS = 0.25
 PROBE = "link_probe"
 """The name the probes' collectives are counted under (not training traffic)."""
 
@@ -67,28 +73,37 @@ class Link:
 
 def probe_link(comm: Communicator, repeats: int = 3) -> Link:
     """Alpha and beta of ``comm``'s links, from timed all-reduces of a small and a large message
-    (the median of ``repeats`` each, the slowest rank's). Collective over ``comm``; every rank
-    returns the same link."""
+    (the median of ``repeats`` each, the slowest rank's); the large one the first of 64 KiB,
+    256 KiB, ... 4 MiB that takes ``LARGE_PROBE_SECONDS``, so that a slow link is probed in
+    seconds. Collective over ``comm``; every rank returns the same link (and, comparing the
+    same slowest times, sends the same messages)."""
     world = comm.world_size
-    times = []
-    for nbytes in (SMALL_PROBE_BYTES, LARGE_PROBE_BYTES):
-        message = torch.zeros(nbytes // 4, device=comm.device)
-        comm.all_reduce(message, name=PROBE)  # connections made, buffers allocated
-        runs = []
-        for _ in range(repeats):
-            settle(comm.device)
-            start = time.perf_counter()
-            comm.all_reduce(message, name=PROBE)
-            settle(comm.device)
-            runs.append(time.perf_counter() - start)
-        times.append(statistics.median(runs))
-    slowest = torch.tensor(times, dtype=torch.float64, device=comm.device)
-    comm.all_reduce(slowest, op="max", name=PROBE)
-    small, large = slowest.tolist()
+    small = _slowest_time(comm, SMALL_PROBE_BYTES, repeats)
+    nbytes = GROWN_FROM_BYTES
+    while nbytes < LARGE_PROBE_BYTES and _slowest_time(comm, nbytes, 1) < LARGE_PROBE_SECONDS:
+        nbytes *= 4
+    large = _slowest_time(comm, nbytes, repeats)
     sent_small = ring_sent("all_reduce", SMALL_PROBE_BYTES, world)
-    sent_large = ring_sent("all_reduce", LARGE_PROBE_BYTES, world)
+    sent_large = ring_sent("all_reduce", nbytes, world)
     # a large message no slower than a small one (noise on a fast link): beta is then the
     # clamp's, effectively unlimited, and describe() says so rather than print it
     beta = (sent_large - sent_small) / max(large - small, 1e-9)
     alpha = max(0.0, small - sent_small / beta) / max(hops("all_reduce", world), 1)
     return Link(alpha, beta, resolved=large > small)
+
+
+def _slowest_time(comm: Communicator, nbytes: int, repeats: int) -> float:
+    """The slowest rank's median time of ``repeats`` all-reduces of ``nbytes`` (after one
+    that makes the connections and buffers)."""
+    message = torch.zeros(nbytes // 4, device=comm.device)
+    comm.all_reduce(message, name=PROBE)
+    runs = []
+    for _ in range(repeats):
+        settle(comm.device)
+        start = time.perf_counter()
+        comm.all_reduce(message, name=PROBE)
+        settle(comm.device)
+        runs.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(runs)], dtype=torch.float64, device=comm.device)
+    comm.all_reduce(slowest, op="max", name=PROBE)
+    return slowest.item()
