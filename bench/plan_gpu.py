@@ -25,8 +25,9 @@ import pickle
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -221,18 +222,90 @@ def largest(machine, dtype: str, seq: int, nvme: str | None) -> dict:
     return found
 
 
-def run(args: argparse.Namespace) -> dict:
-    from zerotrain.plan.candidates import micro_batches
+@dataclass(frozen=True)
+class Job:
+    """What every row of a run shares: the probed machine, the training dtype, the sequence
+    and vocabulary of the trials, the NVMe folder, a trial's timeout."""
+
+    machine: Any
+    dtype: str
+    seq: int
+    vocab: int
+    nvme: str
+    timeout_s: float
+
+
+def _tried(job: Job, entry: dict, trial, predicted) -> dict:
+    """``entry`` with the prediction and what ``trial`` measured, printed; or with why it
+    failed (a failed trial is a result: the next rows still run)."""
+    from zerotrain.plan_trial import run_trial
+
+    try:
+        measured = run_trial(trial, timeout=job.timeout_s).as_dict()
+    except Exception as error:
+        entry["error"] = f"{type(error).__name__}: {error}"[-2000:]
+        print(f"{entry['model']} {entry['config']}: {entry['error'][-300:]}", flush=True)
+        return entry
+    entry.update(predicted=predicted.as_dict(), measured=measured)
+    _print_row(entry)
+    return entry
+
+
+def _row(job: Job, row: GpuRow, facts) -> dict:
+    """A fixed row predicted and tried."""
+    from zerotrain.plan_trial import TrialSpec
+
+    candidate, config, predicted = _predict(row, facts, job.machine, job.dtype, job.nvme)
+    trial = TrialSpec(_spec(row.model), config, 1, job.seq, job.vocab, row.checkpointing, steps=4)
+    entry = {"model": row.model, "row": list(row), "config": _label(row, candidate)}
+    return _tried(job, entry, trial, predicted)
+
+
+def _pick(job: Job, facts) -> dict:
+    """The planner's choice for PICK's model and global batch, tried, with its runners-up."""
     from zerotrain.plan.planner import make_plan
+    from zerotrain.plan_trial import TrialSpec
+
+    model, batch = PICK
+    plan = make_plan(
+        facts, job.machine, world=1, ranks_per_node=1, global_batch=batch,
+        base=_base(None, job.dtype), nvme_path=job.nvme,
+    )  # fmt: skip
+    best = plan.best
+    trial = TrialSpec(
+        _spec(model), best.config, 1, job.seq, job.vocab,
+        best.candidate.activation_checkpointing, steps=4,
+    )  # fmt: skip
+    entry = {"model": model, "config": best.candidate.label(), "pick": batch}
+    entry["ranked"] = [
+        {"config": p.candidate.label(), "step_time_s": p.predicted.step_time_s}
+        for p in plan.ranked()[:5]
+    ]
+    return _tried(job, entry, trial, best.predicted)
+
+
+def _profiled_sizes(model: str) -> list[int]:
+    """The micro-batches the model probe times for ``model``: its rows', and for PICK's model
+    every one the planner's candidates take."""
+    from zerotrain.plan.candidates import micro_batches
+
+    sizes = {r.micro for r in ROWS if r.model == model}
+    if model == PICK[0]:
+        sizes |= set(micro_batches(world=1, global_batch=PICK[1], base={}))
+    return sorted(sizes)
+
+
+def run(args: argparse.Namespace, nvme: str) -> dict:
     from zerotrain.plan.probe import probe_machine
-    from zerotrain.plan_trial import TrialSpec, run_trial
 
     dtype = "fp32" if args.dry_run else "bf16"
     seq, vocab = (DRY_SEQ, 256) if args.dry_run else (SEQ, 50257)
     started = time.monotonic()
     out = args.out / "plan_gpu.json"
-    nvme = tempfile.mkdtemp(prefix="zerotrain-plan-gpu-nvme-")
-    machine = probe_machine(dtype=dtype, world=1, nvme_path=nvme, refresh=True)
+    # a CPU trial's rank computes on one thread (zerotrain/plan/jobs.py), as bench/plan.py probes
+    threads = 1 if args.dry_run else None
+    machine = probe_machine(dtype=dtype, world=1, nvme_path=nvme, threads=threads, refresh=True)
+    job = Job(machine, dtype, seq, vocab, nvme, args.row_timeout_s)
     results: dict = {"dtype": dtype, "seq": seq, "machine": machine.to_json(), "facts": {}}
     results["rows"] = []
 
@@ -253,45 +326,13 @@ def run(args: argparse.Namespace) -> dict:
         if over_budget(f"{row.model} {row}"):
             break
         if row.model not in facts:
-            sizes = sorted({r.micro for r in ROWS if r.model == row.model})
-            if row.model == PICK[0]:  # the sizes the planner's candidates take
-                sizes = sorted({*sizes, *micro_batches(world=1, global_batch=PICK[1], base={})})
+            sizes = _profiled_sizes(row.model)
             facts[row.model] = _facts(row.model, machine, sizes, seq, dtype, vocab)
             results["facts"][row.model] = _pickled(facts[row.model])
-        candidate, config, predicted = _predict(row, facts[row.model], machine, dtype, nvme)
-        trial = TrialSpec(_spec(row.model), config, 1, seq, vocab, row.checkpointing, steps=4)
-        entry = {"model": row.model, "row": list(row), "config": _label(row, candidate)}
-        try:
-            measured = run_trial(trial, timeout=args.row_timeout_s).as_dict()
-        except Exception as error:  # a failed trial is a result: the next rows still run
-            entry["error"] = f"{type(error).__name__}: {error}"[-2000:]
-            print(f"{row.model} {entry['config']}: {entry['error'][-300:]}", flush=True)
-        else:
-            entry.update(predicted=predicted.as_dict(), measured=measured)
-            _print_row(entry)
-        results["rows"].append(entry)
+        results["rows"].append(_row(job, row, facts[row.model]))
         save()
-    model, batch = PICK
-    if model in facts and not over_budget("the planner's pick"):
-        plan = make_plan(
-            facts[model], machine, world=1, ranks_per_node=1, global_batch=batch,
-            base=_base(None, dtype), nvme_path=nvme,
-        )  # fmt: skip
-        best = plan.best
-        trial = TrialSpec(
-            _spec(model), best.config, 1, seq, vocab, best.candidate.activation_checkpointing,
-            steps=4,
-        )  # fmt: skip
-        entry = {"model": model, "config": best.candidate.label(), "pick": batch}
-        entry["ranked"] = [
-            {"config": p.candidate.label(), "step_time_s": p.predicted.step_time_s}
-            for p in plan.ranked()[:5]
-        ]
-        entry.update(predicted=best.predicted.as_dict())
-        entry["measured"] = run_trial(trial, timeout=args.row_timeout_s).as_dict()
-        _print_row(entry)
-        results["pick"] = entry
-        save()
+    if PICK[0] in facts and not over_budget("the planner's pick"):
+        results["pick"] = _pick(job, facts[PICK[0]])
     results["seconds"] = time.monotonic() - started
     save()
     return results
@@ -323,7 +364,10 @@ def report(path: Path) -> None:
     if "pick" in saved:
         pick = saved["pick"]
         print(f"pick ({pick['model']}, global batch {pick['pick']}): ", end="")
-        _print_row(pick)
+        if "error" in pick:
+            print(f"{pick['config']}: {pick['error'][-200:]}")
+        else:
+            _print_row(pick)
     # again with this checkout's planner, without NVMe offload: the run's disk is not saved
     found = largest(machine, saved["dtype"], saved["seq"], None)
     fits, fails = found["fits"], found["fails"]
@@ -351,9 +395,12 @@ def main() -> None:
         return
     if args.dry_run:
         os.environ["PLAN_GPU_DRY"] = "1"  # the trials' ranks build the same tiny models
-    with tempfile.TemporaryDirectory(prefix="zerotrain-plan-cache-") as cache:
+    with (
+        tempfile.TemporaryDirectory(prefix="zerotrain-plan-cache-") as cache,
+        tempfile.TemporaryDirectory(prefix="zerotrain-plan-gpu-nvme-") as nvme,
+    ):
         os.environ["ZEROTRAIN_CACHE_DIR"] = cache  # a probe of its own
-        run(args)
+        run(args, nvme)
     report(args.out / "plan_gpu.json")
 
 

@@ -162,3 +162,27 @@ def test_every_test_that_needs_a_gpu_is_in_the_file_gpu_check_runs():
         if path.name != "test_cuda.py" and needs_gpu.search(path.read_text())
     ]
     assert elsewhere == [], f"move these GPU tests into tests/test_cuda.py: {elsewhere}"
+
+
+@pytest.mark.slow  # about a minute: two models probed and tried on the CPU
+def test_the_gpu_planner_bench_runs_on_the_cpu_and_reports_again(tmp_path):
+    """bench/plan_gpu.py's dry run (tiny GPT-2s, fp32) of a row in memory and the 2.7B's
+    offload row: each predicted and measured, then --report prices them again from the saved
+    probe and model facts alone, the same predictions."""
+    script = ROOT / "bench" / "plan_gpu.py"
+    run = [sys.executable, str(script), "--dry-run", "--out", str(tmp_path), "--rows", "0", "4"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((tmp_path / "plan_gpu.json").read_text())
+    assert [r["model"] for r in saved["rows"]] == ["gpt2-350m", "gpt2-2.7b"]
+    assert all("measured" in r and "predicted" in r for r in saved["rows"]), saved["rows"]
+    again = subprocess.run(
+        [sys.executable, str(script), "--report", str(tmp_path / "plan_gpu.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [line for line in again.stdout.splitlines() if line.lstrip().startswith("gpt2-")]
+    first = [line for line in done.stdout.splitlines() if line.lstrip().startswith("gpt2-")]
+    assert rows == first[: len(rows)] and len(rows) == 2, (rows, first)
