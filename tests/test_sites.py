@@ -421,6 +421,36 @@ def test_the_sites_section_is_checked():
     check_config({"sites": {"inner_steps": 1, "outer_optimizer": None}, "zero_optimization": nvme})
 
 
+def _started(seeded_alike: bool) -> dict:
+    """Two sites of one rank building their models with the same seed, or each its own: what
+    crossed between them at the start, and whether they start alike."""
+    import zerotrain
+
+    net = model()
+    if not seeded_alike:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.1 * torch.distributed.get_rank())
+    engine, *_ = zerotrain.initialize(model=net, config=_config(1, {"inner_steps": 2}))
+    stats = engine.layout.mesh.sites.stats
+    crossed = stats["broadcast"].bytes if "broadcast" in stats else 0
+    return {"crossed": crossed, "state": engine.consolidated_state_dict()}
+
+
+def test_sites_built_alike_start_without_copying_the_model_across():
+    """The start copies the first site's model to the others only where they differ: seeded
+    alike, only a digest crosses the slow link; built apart, every site starts from the
+    first's."""
+    alike = run_distributed(_started, 2, True)
+    assert [r["crossed"] for r in alike] == [0, 0]
+    apart = run_distributed(_started, 2, False)
+    size = sum(p.numel() * 4 for p in model().parameters())
+    assert all(r["crossed"] >= size for r in apart), [r["crossed"] for r in apart]
+    for name, value in apart[0]["state"].items():
+        assert torch.equal(apart[1]["state"][name], value), name
+        assert torch.equal(value, model().state_dict()[name]), name  # the first site's
+
+
 def _silent_second_site() -> dict:
     """Two sites of one rank meeting every step, the second silent for 6 s before its second
     step: what the first site's exchange does meanwhile."""
