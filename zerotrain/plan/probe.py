@@ -18,7 +18,8 @@ AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
 - on a GPU, the device's own rates: fused AdamW over device tensors (elements per second) and
   a copy inside device memory (bytes read and written per second), what the step of what is
   not offloaded and the engine's own passes over the buckets run at (a CPU-only machine's
-  device is the CPU: its optimizer rate above, the engine's constant measured here);
+  device is the CPU: its optimizer rate is the one above, and the engine's cost a constant of
+  the cost model, ``Corrections.engine_seconds_per_parameter``);
 - disk: sequential write and read bytes per second of a working file under ``nvme_path``
   through zerotrain's own swap file (O_DIRECT where the filesystem takes it), as NVMe offload
   does I/O;
@@ -32,8 +33,8 @@ AVX2 only, a throttled GPU or gloo's local copies are priced as they run:
 A probe took about 7 s on this project's 2-core CPU, 5 s on an H200. It is cached under
 ``$ZEROTRAIN_CACHE_DIR`` (default ``~/.cache/zerotrain``) per machine and per what it depends
 on (host, device, torch version, dtype, threads per rank, ranks, nvme_path); ``refresh``
-measures again. The memory figures are
-read again at each plan (:func:`with_current_memory`): what is free changes, the rates do not.
+measures again. The memory figures are read again at each plan (:func:`with_current_memory`):
+what is free changes, the rates do not.
 """
 
 from __future__ import annotations
