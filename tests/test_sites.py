@@ -421,6 +421,32 @@ def test_the_sites_section_is_checked():
     check_config({"sites": {"inner_steps": 1, "outer_optimizer": None}, "zero_optimization": nvme})
 
 
+def _late_second_site() -> list[str]:
+    """Two sites of one rank meeting every step, the second 2.5 s late for its second step, the
+    exchange timeout 4 s: the first site's warnings."""
+    import warnings
+
+    import zerotrain
+
+    sites = {"inner_steps": 1, "exchange_timeout_s": 4}
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+    _steps(engine, range(1))
+    if torch.distributed.get_rank() == 1:
+        time.sleep(2.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(engine, range(1, 3))
+    return [str(w.message) for w in caught if "outer exchange took" in str(w.message)]
+
+
+def test_an_exchange_near_the_sites_timeout_is_warned_of():
+    """An exchange that took over half of ``sites.exchange_timeout_s`` (here a site 2.5 s late
+    against 4 s) warns once that a slower one would fail as a lost site."""
+    first, second = run_distributed(_late_second_site, 2, timeout=120)
+    assert len(first) == 1 and "over half the 4 s" in first[0], first
+    assert second == []
+
+
 def _started(seeded_alike: bool) -> dict:
     """Two sites of one rank building their models with the same seed, or each its own: what
     crossed between them at the start, and whether they start alike."""

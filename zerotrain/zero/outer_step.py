@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +171,7 @@ class OuterStep(StepExtension):
         self.travelled = 0.0  # seconds from their launches to their landings
         self.launched = 0  # outer exchanges launched by this process
         self.landed = 0  # and landed
+        self.warned_timeout = False  # an exchange came near the sites' timeout
 
     @property
     def undecided(self) -> bool:
@@ -252,7 +254,24 @@ class OuterStep(StepExtension):
             with self._across_sites():
                 exchange.op.wait()  # a codec's second collective may leave now (int8's gather)
             exchange.op = None
-            self.travelled += time.perf_counter() - exchange.launched
+            took = time.perf_counter() - exchange.launched
+            self.travelled += took
+            if not self.options.overlap_steps:  # launched and waited for at once: the link's
+                self._near_the_timeout(took)
+
+    def _near_the_timeout(self, took: float) -> None:
+        """Warn once when an exchange took over half the sites' timeout: a slower one would
+        fail as a lost site."""
+        timeout = self.comm.timeout
+        if self.warned_timeout or timeout is None or took <= timeout.total_seconds() / 2:
+            return
+        self.warned_timeout = True
+        warnings.warn(
+            f"sites: an outer exchange took {took:.1f} s, over half the {timeout.total_seconds():g}"
+            " s the collectives between the sites may take (sites.exchange_timeout_s, else the "
+            "collective timeout): a slower one would fail as if a site were lost; raise it",
+            stacklevel=2,
+        )
 
     @contextlib.contextmanager
     def _across_sites(self) -> Iterator[None]:
