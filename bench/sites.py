@@ -292,14 +292,13 @@ def summarize(results: dict) -> list[str]:
         # the first rank of each of the two sites
         cells.append(":".join(str(m) for m in micros[:: max(1, len(micros) // 2)]))
         lines.append("| " + " | ".join(cells) + " |")
-    decisions = [(row, got["decision"]) for row, got in results.items() if _decided(got)]
-    lines += [f"{row}: {decision}" for row, decision in decisions]
+    # what sites.compression auto chose, where a row's results say
+    lines += [
+        f"{row}: {got['decision']}"
+        for row, got in results.items()
+        if isinstance(got, dict) and got.get("decision")
+    ]
     return lines
-
-
-def _decided(got) -> bool:
-    """Whether a row's results hold what ``sites.compression`` auto chose."""
-    return isinstance(got, dict) and bool(got.get("decision"))
 
 
 def _time_to(got: dict, target: float | None) -> float | None:

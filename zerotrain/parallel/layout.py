@@ -89,8 +89,9 @@ class ParallelLayout:
         ``device``; returns the layout and the parameters to train (``model_parameters``, or
         LoRA-FA's adapters in their place). ``sequence_group``: this rank's sequence-parallel
         group when the caller made it (DeepSpeed's mpu), which the mesh then uses."""
+        sites = _sites(cfg, comm.world_size)
         if isinstance(model, PipelineModule):  # before anything takes its parameters
-            _place_stages(model, _sites(cfg, comm.world_size), comm, optimizer, model_parameters)
+            _place_stages(model, sites, comm, optimizer, model_parameters)
         if cfg.lora_fa.enabled:
             model_parameters = convert_to_lora_fa(
                 model, cfg.lora_fa, optimizer, model_parameters, comm.rank
@@ -103,7 +104,7 @@ class ParallelLayout:
             pp=model_stages(model),
             ep=expert_parallel_degree(model, cfg, pipelined),
             sp=cfg.sequence_parallel_size,
-            site=_sites(cfg, comm.world_size),
+            site=sites,
             given={"sp": sequence_group} if sequence_group is not None else None,
             timeouts=_axis_timeouts(cfg),
         )

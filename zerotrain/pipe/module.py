@@ -8,12 +8,12 @@ never exists whole). Ranks are numbered with the pipeline axis outermost (see [N
 layout] in comm/mesh.py): rank r is at pipeline position ``p = r // (world_size // num_stages)``
 (with sites, which the mesh puts outside the pipeline, ``initialize`` moves a rank to its
 position within its site: :meth:`PipelineModule.place`) and runs one stage per *chunk*: more
-than one for the schedules that loop each micro-batch through the ranks several times. With ``stage_placement="loop"`` (interleaved 1F1B) chunk c is
-stage ``p + c num_stages``; with ``"v"`` (ZBV, two chunks) the second pass runs backwards
-through the ranks, so rank p runs stages p and ``2 num_stages - 1 - p``: the first rank holds
-the first and the last stage. A built layer is registered under its index in the whole list
-(``"3"``), a tied one once under ``tied_modules.<key>``, so state dict keys are DeepSpeed's and
-do not depend on the layout.
+than one for the schedules that loop each micro-batch through the ranks several times. With
+``stage_placement="loop"`` (interleaved 1F1B) chunk c is stage ``p + c num_stages``; with
+``"v"`` (ZBV, two chunks) the second pass runs backwards through the ranks, so rank p runs
+stages p and ``2 num_stages - 1 - p``: the first rank holds the first and the last stage. A
+built layer is registered under its index in the whole list (``"3"``), a tied one once under
+``tied_modules.<key>``, so state dict keys are DeepSpeed's and do not depend on the layout.
 
 [Note: tied layers across stages]
 A tied key whose layers fall on several stages (the input embedding on the first, the output
@@ -196,13 +196,12 @@ class PipelineModule(nn.Module):
                 runs.append(self._build(index, specs[index]))
             self._runs.append(runs)
 
-    def place(self, stage_id: int) -> bool:
+    def place(self, stage_id: int) -> None:
         """Run pipeline position ``stage_id``, the mesh's, where it is not the one the world
         rank gave at construction (training across sites puts the site axis outside the
         pipeline's: a site's ranks are consecutive). Its layers are built anew from their
         specifications, the others' dropped (every rank of such a layout calls it: where
-        the layers were given as modules, every rank refuses alike). Returns whether it
-        moved."""
+        the layers were given as modules, every rank refuses alike)."""
         if self._specs is None:
             raise ConfigError(
                 "PipelineModule: the sites section places each site's pipeline on the site's "
@@ -211,11 +210,10 @@ class PipelineModule(nn.Module):
                 "LayerSpecs"
             )
         if stage_id == self.stage_id:
-            return False
-        for name in [n for n in self._modules if n != "tied_modules"]:
+            return
+        for name in list(self._modules):  # tied modules too: the new stages tie their own
             del self._modules[name]
         self._build_stages(self._specs, stage_id)
-        return True
 
     def _build(self, index: int, spec: Any) -> Callable[[Any], Any]:
         if isinstance(spec, TiedLayerSpec):

@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 MARGIN = 0.9
+UNBOUNDED = 2**62  # an off-device budget where nothing bounds it (bytes)
 WHOLE_MODEL = "the whole model"
 MOE_ALONE = (
     "the model's MoE layers (zerotrain.moe) train with data and expert parallelism: "
@@ -621,7 +622,7 @@ def host_budget_per_rank(machine: Machine, ranks_per_node: int) -> int:
     shared by the node's ranks (unbounded on a CPU-only machine, whose device is the host:
     the rank budget counts it there)."""
     if machine.device == "cpu":
-        return 2**62
+        return UNBOUNDED
     return int(machine.host_memory * MARGIN) // ranks_per_node
 
 
@@ -630,7 +631,7 @@ def disk_budget_per_rank(nvme_path: str | None, ranks_per_node: int) -> int:
     under ``nvme_path`` (or the nearest folder of it that exists), shared by the node's ranks;
     unbounded without one."""
     if nvme_path is None:
-        return 2**62
+        return UNBOUNDED
     folder = Path(nvme_path).resolve()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
