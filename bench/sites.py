@@ -4,7 +4,8 @@ ZeRO with `comm_compression.auto`, in one run.
 
     sudo python bench/sites.py [--rate 10mbit] [--delay 20ms] [--steps 200]
                                [--micro-batch 8] [--ranks-per-site 2] [--eval-every 10]
-                               [--slow-site CORES] [--rows ...]
+                               [--slow-site CORES] [--sites 3 [--near-rate 100mbit]
+                               [--near-delay 5ms]] [--rows ...]
 
 Two network namespaces (tests/netns.py: TUN devices and the delay line of tests/delay_line.py
 with `--delay`, rate-limited with `tc`), `--ranks-per-site` ranks in each (`zerotrain run`,
@@ -27,11 +28,16 @@ link it measures at the first outer step; the results file keeps its decision), 
 H=50 [average] [int8] streamed` (the outer exchange in 5 fragments, each landing 2 inner steps
 after it left, mixing 0.5: `sites.streaming`; `fragments` and `overlapped`: its two halves
 apart, 5 fragments landing at once, and the whole model landing 2 steps later), `... split`
-(the same with `sites.work_split` measured). `--slow-site CORES` holds the second site's
+(the same with `sites.work_split` measured). `--sites 3`: three namespaces, the first two
+joined by `--near-rate` and `--near-delay`, the third `--rate` and `--delay` from each; the
+row `sites H=50 average auto flat` makes one exchange over every site (`sites.clusters`
+none) against `sites H=50 average auto`, whose clusters are measured at the start; the
+table's lines give each row's payload per token from each site to each other.
+`--slow-site CORES` holds the second site's
 processes to that much CPU time (a cgroup's quota: the weaker machine), and the table shows
 each site's micro-batch at the end. The batches are the engine's dataloader's: the same
 global order in every row. Needs root and iproute2.
-Writes bench/results/sites_<rate>_<delay>[_slow<CORES>].json.
+Writes bench/results/sites_<rate>_<delay>[_slow<CORES>][_3sites].json.
 """
 
 from __future__ import annotations
@@ -98,6 +104,15 @@ ROWS = {
     "sites H=50 average auto": {
         "sites": {"inner_steps": 50, "outer_optimizer": None, "compression": {"method": "auto"}}
     },
+    # three sites (--sites 3): one exchange over every site, against clusters (auto's default)
+    "sites H=50 average auto flat": {
+        "sites": {
+            "inner_steps": 50,
+            "outer_optimizer": None,
+            "compression": {"method": "auto"},
+            "clusters": "none",
+        }
+    },
     "sites H=50 average auto streamed": {
         "sites": {
             "inner_steps": 50,
@@ -162,7 +177,9 @@ def worker(spec: dict, out: str) -> None:
     mean(0.0)  # every site is here: what initialize sent across (a broadcast) has arrived
     sent, resent = _tx_bytes(interface), _retransmitted()
     packets = _tx_bytes(interface, "packets")  # evaluations' included
-    payload = tcp_payload_sent()
+    probes = -_probes_sent(engine)  # the link probes' bytes, in the steps (auto's, once a job)
+    links: dict[tuple[str, str], int] = {}  # TCP payload per (this, peer) address, steps only
+    mark = tcp_payload_by_link()
     start = time.perf_counter()
     for step in range(spec["steps"]):
         x, y = next(batches)
@@ -172,15 +189,22 @@ def worker(spec: dict, out: str) -> None:
         if (step + 1) % spec["eval_every"] == 0 or last:
             mean(0.0)  # every rank has stepped
             elapsed += time.perf_counter() - start
-            before, payload_before = _tx_bytes(interface), tcp_payload_sent()
+            before = _tx_bytes(interface)
+            for link, nbytes in tcp_payload_by_link().items():
+                links[link] = links.get(link, 0) + nbytes - mark.get(link, 0)
             evaluations.append([step, held_out(), elapsed])
             sent -= _tx_bytes(interface) - before
-            payload -= tcp_payload_sent() - payload_before
+            mark = tcp_payload_by_link()
             start = time.perf_counter()
     sent = _tx_bytes(interface) - sent
     resent = _retransmitted() - resent  # evaluations' included: the first site's namespace
     packets = _tx_bytes(interface, "packets") - packets
-    payload = tcp_payload_sent() - payload
+    probes += _probes_sent(engine)
+    # each site's links, as its first rank's namespace counted them, by site
+    site_of_rank = engine.global_rank // int(os.environ["LOCAL_WORLD_SIZE"])
+    counted = links if int(os.environ["LOCAL_RANK"]) == 0 else None
+    every = [None] * world
+    dist.all_gather_object(every, (site_of_rank, counted))
     micros = torch.zeros(world, dtype=torch.long)  # each rank's last micro-batch (the split)
     micros[engine.global_rank] = engine.train_micro_batch_size_per_gpu()
     dist.all_reduce(micros)
@@ -192,13 +216,27 @@ def worker(spec: dict, out: str) -> None:
         result["micro_batches"] = micros.tolist()
         result["retransmitted_segments"] = resent
         result["tx_packets"] = packets
-        result["tcp_payload"] = payload
+        result["tcp_payload"] = sum(links.values())  # the first site's, to every other
+        result["payload_by_sites"] = _by_sites(every)
         outer = engine.optimizer.groups[0].extensions.get("outer_step")
         if outer is not None:  # this rank's exchanges and their bytes by the communicator's count
             result["exchanges"] = {"launched": outer.launched, "sent": outer.sent}
+            result["probes_sent"] = probes
             result["decision"] = outer.decision  # sites.compression auto's choice, and why
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _probes_sent(engine) -> int:
+    """Bytes this rank's link probes sent so far (the engine's account, and the clusters'
+    leaders' where the sites are in clusters)."""
+    from zerotrain.comm.link import PROBE
+
+    accounts = [engine.comm.stats]
+    outer = engine.optimizer.groups[0].extensions.get("outer_step")
+    if outer is not None and outer.tiers is not None and outer.tiers.leaders is not None:
+        accounts.append(outer.tiers.leaders.stats)
+    return sum(account[PROBE].sent for account in accounts if PROBE in account)
 
 
 def _config(spec: dict) -> dict:
@@ -224,20 +262,40 @@ def _retransmitted() -> int:
 
 
 def tcp_payload_sent() -> int:
-    """Bytes this namespace's processes have sent to the other site over TCP (the kernel's
+    """Bytes this namespace's processes have sent to the other sites over TCP (the kernel's
     count per connection, ``ss``'s bytes_sent; the connections inside the site, from this
     namespace's address to itself, left out): the payload, without the headers and whatever
     the device's counter catches late."""
+    return sum(tcp_payload_by_link().values())
+
+
+def tcp_payload_by_link() -> dict[tuple[str, str], int]:
+    """:func:`tcp_payload_sent` by (this namespace's address, the peer's)."""
     lines = subprocess.run(["ss", "-tinH"], capture_output=True, text=True).stdout.splitlines()
-    total, across = 0, False
+    total: dict[tuple[str, str], int] = {}
+    link = None
     for line in lines:
         if not line.startswith((" ", "\t")):  # a connection: state, queues, local, peer
             fields = line.split()
-            across = len(fields) >= 5 and fields[3].rsplit(":", 1)[0] != fields[4].rsplit(":", 1)[0]
-        elif across:
+            ends = tuple(field.rsplit(":", 1)[0] for field in fields[3:5])
+            link = ends if len(ends) == 2 and ends[0] != ends[1] else None
+        elif link is not None:
             sent = re.search(r"bytes_sent:(\d+)", line)
-            total += int(sent.group(1)) if sent else 0
+            total[link] = total.get(link, 0) + (int(sent.group(1)) if sent else 0)
     return total
+
+
+def _by_sites(every: list) -> dict[str, int]:
+    """The bytes each site sent each other site (``"0->2"``), from each rank's (site, its
+    namespace's bytes by address pair, or None on a site's other ranks)."""
+    counted = [(site, links) for site, links in every if links is not None]
+    site_at = {here: site for site, links in counted for here, _ in links}
+    out: dict[str, int] = {}
+    for site, links in counted:
+        for (_, peer), nbytes in links.items():
+            key = f"{site}->{site_at.get(peer, peer)}"
+            out[key] = out.get(key, 0) + nbytes
+    return dict(sorted(out.items()))
 
 
 def _tx_bytes(interface: str, what: str = "bytes") -> int:
@@ -292,6 +350,16 @@ def summarize(results: dict) -> list[str]:
         # the first rank of each of the two sites
         cells.append(":".join(str(m) for m in micros[:: max(1, len(micros) // 2)]))
         lines.append("| " + " | ".join(cells) + " |")
+    # the bytes between each pair of sites (with three: which links carried them)
+    for row, got in results.items():
+        if isinstance(got, dict) and len(got.get("payload_by_sites", {})) > 2:
+            pairs = got["payload_by_sites"].items()
+            per_token = ", ".join(f"{pair} {n / got['tokens']:.2f}" for pair, n in pairs)
+            probes = got.get("probes_sent", 0) / got["tokens"]
+            lines.append(
+                f"{row}: payload per token, site to site: {per_token} (of it the first site's "
+                f"link probes, once a job: {probes:.2f})"
+            )
     # what sites.compression auto chose, where a row's results say
     lines += [
         f"{row}: {got['decision']}"
@@ -324,6 +392,16 @@ def main() -> None:
         metavar="CORES",
         help="hold the second site's processes to this many cores of CPU time (a cgroup)",
     )
+    parser.add_argument(
+        "--sites",
+        type=int,
+        choices=(2, 3),
+        default=2,
+        help="3: the first two sites joined by --near-rate and --near-delay, the third "
+        "--rate and --delay away from each (run with --ranks-per-site 1 on a small machine)",
+    )
+    parser.add_argument("--near-rate", default="100mbit", help="--sites 3: the near link's rate")
+    parser.add_argument("--near-delay", default="5ms", help="--sites 3: the near link's delay")
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     args = parser.parse_args()
     if args.worker:
@@ -336,12 +414,20 @@ def main() -> None:
     def row(nodes, name: str, port: int) -> dict | str:
         return run_row(nodes, name, args, port)
 
-    results = run_rows("bench/sites.py", args.rate, args.delay, rows, row, 29800, args.slow_site)
+    links = None
+    if args.sites == 3:
+        far = (args.rate, args.delay or None)
+        links = {(0, 1): (args.near_rate, args.near_delay or None), (0, 2): far, (1, 2): far}
+    results = run_rows(
+        "bench/sites.py", args.rate, args.delay, rows, row, 29800, args.slow_site, links
+    )
     lines = summarize(results)
     print("\n" + "\n".join(lines))
     slug = re.sub(r"\W+", "", args.rate) + "_" + re.sub(r"[^\w.]+", "", args.delay or "0ms")
     if args.slow_site is not None:
         slug += f"_slow{args.slow_site:g}"
+    if args.sites == 3:
+        slug += "_3sites"
     out = ROOT / "bench" / "results" / f"sites_{slug}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "table": lines, "raw": results}, indent=1))

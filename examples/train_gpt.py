@@ -6,8 +6,9 @@ Every rank holds the whole model; ZeRO stage 1 partitions the optimizer states a
 ranks, stage 2 the gradients as well. The engine prints a throughput line every --print-every
 steps (its `steps_per_print`: loss, lr, samples/s, tokens/s, TFLOP/s, memory) and the script a
 summary at the end. The script uses only zerotrain's public, DeepSpeed-compatible API.
---inner-steps H [--ranks-per-site K] [--fragments F] [--exchange-timeout S] trains as sites
-that meet every H steps (docs/sites.md).
+--inner-steps H [--ranks-per-site K] [--fragments F] [--exchange-timeout S]
+[--outer-compression C] [--site-clusters auto|none|0,1/2] trains as sites that meet every H
+steps (docs/sites.md).
 --compress METHOD [--compress-rank R | --compress-ratio F] [--compress-params int8|int4]
 compresses what the ranks exchange (docs/compression.md; the summary shows the bytes sent per
 step). --activation-checkpointing [--ac-every K] recomputes the activations of every K-th
@@ -178,6 +179,20 @@ def parse_args() -> argparse.Namespace:
         "each exchanged while the next inner step trains (sites.streaming); 0: whole",
     )
     parser.add_argument(
+        "--outer-compression",
+        choices=("none", "int8", "int4", "topk", "auto"),
+        help="with --inner-steps: the codec of the outer exchange between the sites "
+        "(sites.compression.method; auto: chosen from the measured link)",
+    )
+    parser.add_argument(
+        "--site-clusters",
+        metavar="auto|none|0,1/2",
+        type=site_clusters,
+        help="with --inner-steps: sites joined by fast links, which exchange whole among "
+        "themselves (sites.clusters: auto, measured with --outer-compression auto; none; or "
+        "the sites' numbers, a cluster's joined by commas, clusters by slashes)",
+    )
+    parser.add_argument(
         "--exchange-timeout",
         type=float,
         metavar="SECONDS",
@@ -234,6 +249,8 @@ def parse_args() -> argparse.Namespace:
         ("ranks-per-site", args.ranks_per_site is not None),
         ("fragments", args.fragments),
         ("exchange-timeout", args.exchange_timeout is not None),
+        ("outer-compression", args.outer_compression is not None),
+        ("site-clusters", args.site_clusters is not None),
     ):
         if given and args.inner_steps < 1:
             parser.error(f"--{flag} applies only with --inner-steps")
@@ -260,11 +277,27 @@ def apply_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     args.activation_checkpointing = "activation_checkpointing" in plan
 
 
+def site_clusters(text: str) -> str | list[list[int]]:
+    """--site-clusters: auto, none, or ``0,1/2`` as [[0, 1], [2]]."""
+    if text in ("auto", "none"):
+        return text
+    try:
+        return [[int(site) for site in cluster.split(",")] for cluster in text.split("/")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: auto, none, or site numbers such as 0,1/2"
+        ) from None
+
+
 def sites(args: argparse.Namespace) -> dict:
-    """The sites section for --inner-steps, --ranks-per-site, --fragments and
-    --exchange-timeout."""
+    """The sites section for --inner-steps, --ranks-per-site, --fragments, --exchange-timeout,
+    --outer-compression and --site-clusters."""
     section = {"inner_steps": args.inner_steps, "ranks_per_site": args.ranks_per_site}
     section["exchange_timeout_s"] = args.exchange_timeout
+    if args.outer_compression:
+        section["compression"] = {"method": args.outer_compression}
+    if args.site_clusters is not None:
+        section["clusters"] = args.site_clusters
     if args.fragments:
         section["streaming"] = {"fragments": args.fragments, "overlap_steps": 1}
     return section

@@ -235,7 +235,7 @@ def _remove(names: list[str], lines: list[subprocess.Popen]) -> None:
 
 
 def run_job(nodes: list[Node], script: list[str], *, ranks_per_node: int, port: int, name: str):
-    """``zerotrain run SCRIPT`` on both nodes, ``ranks_per_node`` ranks each, its rendezvous at
+    """``zerotrain run SCRIPT`` on every node, ``ranks_per_node`` ranks each, its rendezvous at
     the first node's ``port``; the JSON the job wrote to the file named after ``--out`` in
     ``script``'s place of ``{out}``, or a line saying why there is none (the outputs in a log
     under /tmp). For benches that run one job per row (bench/compression.py, bench/sites.py)."""
@@ -246,7 +246,8 @@ def run_job(nodes: list[Node], script: list[str], *, ranks_per_node: int, port: 
     out = Path(f"/tmp/zt-job-{os.getpid()}-{port}.json")
     out.unlink(missing_ok=True)
     per_node = str(ranks_per_node)
-    rendezvous = ["--nnodes", "2", "--nproc-per-node", per_node, "--master-addr", nodes[0].address]
+    rendezvous = ["--nnodes", str(len(nodes)), "--nproc-per-node", per_node]
+    rendezvous += ["--master-addr", nodes[0].address]
     command = [part.replace("{out}", str(out)) for part in script]
     processes = [
         node.run(*rendezvous, "--master-port", str(port), "--node-rank", str(i), *command)
@@ -271,12 +272,14 @@ def run_rows(
     run_row,
     port: int,
     second_node_cores: float | None = None,
+    links: dict[tuple[int, int], tuple[str, str | None]] | None = None,
 ):
     """Each of ``rows`` as ``run_row(nodes, row, port)`` (a job: :func:`run_job`), in two
     namespaces joined by a link of ``rate`` and ``delay`` (the second node's processes held
     to ``second_node_cores`` of CPU time where given), one after the other, each row's time
-    and outcome printed; the results by row. Exits saying so where namespaces cannot be made
-    here (``script`` names the caller)."""
+    and outcome printed; the results by row; with ``links``, in the namespaces
+    :func:`joined_namespaces` makes of them instead. Exits saying so where namespaces cannot
+    be made here (``script`` names the caller)."""
     if not available():
         sys.exit(f"{script} needs root, ip and tc (network namespaces)")
     # one thread per rank: the ranks share this machine's cores, and torch's default of one
@@ -284,7 +287,8 @@ def run_rows(
     os.environ["OMP_NUM_THREADS"] = "1"
     results: dict = {}
     with contextlib.ExitStack() as stack:
-        nodes = stack.enter_context(two_namespaces(rate, delay or None))
+        joined = joined_namespaces(links) if links else two_namespaces(rate, delay or None)
+        nodes = stack.enter_context(joined)
         if second_node_cores is not None:
             stack.enter_context(cpu_quota(nodes[1], second_node_cores))
         for index, row in enumerate(rows):

@@ -933,6 +933,17 @@ def test_auto_values_must_be_resolved_first(config: dict, path: str) -> None:
             "scheduler.params.warmup_min_lr: must be a number or a list of numbers (one per param "
             'group), got "0"',
         ),
+        # a union's members: each one's problem on one line, without pydantic's names for them
+        (
+            {"train_batch_size": 8, "sites": {"work_split": "fast"}},
+            "sites.work_split: must be one of 'equal' or 'measured', or must be a list, "
+            'got "fast"',
+        ),
+        # or, where one member took the value, the problem inside it alone
+        (
+            {"train_batch_size": 8, "sites": {"clusters": [[0, 1], [-1]]}},
+            "sites.clusters.1.0: must be >= 0, got -1",
+        ),
     ],
 )
 def test_bad_values_name_the_path(config: dict, message: str) -> None:

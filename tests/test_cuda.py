@@ -329,3 +329,22 @@ def test_pipeline_messages_over_nccl_beyond_its_buffers():
     assert first == second  # every rank returns the step's mean loss
     for schedule, losses in first.items():
         assert all(0 < loss < 10 for loss in losses), (schedule, losses)
+
+
+def test_the_clusters_exchange_moves_a_gpu_change_through_the_host():
+    """The sites' two tiers are gloo groups on the host: a change on the GPU is summed there
+    and lands back on the GPU in place (one process: each tier a group of one)."""
+    from zerotrain.comm import Communicator
+    from zerotrain.comm.site_clusters import SiteTiers
+    from zerotrain.compression import BucketShape, make_codec
+    from zerotrain.compression.clustered import ClusteredCodec
+
+    inside, leaders = Communicator(device="cpu"), Communicator(device="cpu")
+    tiers = SiteTiers(((0,),), inside, leaders, "given")
+    shapes = [BucketShape(8, [(0, (8,))])]
+    codec = ClusteredCodec(tiers, make_codec(None, leaders, shapes), shapes)
+    change = torch.arange(8.0, device="cuda")
+    codec.all_reduce(0, change).wait()
+    codec.end_step()
+    assert change.device.type == "cuda" and torch.equal(change.cpu(), torch.arange(8.0))
+    assert codec.state_dict()["steps"] == 1

@@ -227,6 +227,103 @@ def test_three_sites_of_one_rank_are_diloco_s():
                 torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6)
 
 
+CLUSTERED = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": 1}
+CLUSTERED |= {"clusters": [[0, 1], [2]]}
+
+
+def _clustered(sections: list[dict]) -> dict:
+    """Each sites section on this rank (3 sites of one rank): its parameters after every step,
+    the outer step's bytes sent on each tier and its step line."""
+    import zerotrain
+
+    out = {}
+    for sites in sections:
+        engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+        states = _steps(engine, range(STEPS))
+        (group,) = engine.optimizer.groups
+        codec = group.extensions["outer_step"].codec
+        sent = (codec.sent_inside, codec.sent_between)
+        out[str(sites)] = {"states": states, "sent": sent, "line": engine.optimizer.progress()}
+    return out
+
+
+def test_clusters_of_sites_exchange_whole_inside_and_compressed_between():
+    """``sites.clusters`` [[0, 1], [2]]: sent whole, the two tiers' outer steps are DiLoCo's
+    within 1e-6, whole and streamed with overlap; with int8 between the clusters every site
+    leaves the outer step with the same parameters, the second site sends nothing between
+    the clusters, the first a quarter of the whole change's bytes (and the blocks' scales)
+    and inside the cluster as much as whole, and the step line names
+    the clusters and the bytes of each tier."""
+    stream = {"fragments": 3, "overlap_steps": 1, "mixing": 0.25}
+    whole, streamed = CLUSTERED, {**CLUSTERED, "streaming": stream}
+    int8 = {**CLUSTERED, "compression": {"method": "int8"}}
+    results = run_distributed(_clustered, 3, [whole, streamed, int8], timeout=300)
+    expected = {
+        str(whole): diloco(OUTER, sites=3, per_site=1),
+        str(streamed): diloco(OUTER, sites=3, per_site=1, streaming=stream),
+    }
+    for site, got in enumerate(results):
+        for section, history in expected.items():
+            for step, state in enumerate(got[section]["states"]):
+                for key, value in history[step][site].items():
+                    torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6)
+    first = results[0][str(int8)]["states"][INNER - 1]
+    for got in results[1:]:
+        theirs = got[str(int8)]["states"][INNER - 1]
+        assert all(torch.equal(first[k], theirs[k]) for k in first)
+    (inside, between), (_, second_between), _ = (r[str(int8)]["sent"] for r in results)
+    whole_inside, whole_between = results[0][str(whole)]["sent"]
+    assert second_between == 0 and inside == whole_inside
+    assert 0.25 < between / whole_between < 0.3, (between, whole_between)
+    line = results[0][str(int8)]["line"][0]
+    assert "clusters [0, 1] [2] (sites.clusters)" in line and "between clusters" in line, line
+
+
+def test_sites_cluster_by_their_links():
+    """A link at least 4x the slowest one's bandwidth joins its sites, directly or through
+    another; links the probe cannot resolve are fast; sites whose links are all alike stay
+    apart (the layout then makes one exchange over every site)."""
+    from zerotrain.comm.link import Link
+    from zerotrain.comm.site_clusters import cluster_sites
+
+    slow, fast, unresolved = Link(0.02, 1.2e6), Link(0.005, 12e6), Link(0.0, 1e12, False)
+    links = {(0, 1): fast, (0, 2): slow, (1, 2): slow, (0, 3): slow, (1, 3): slow}
+    links |= {(2, 3): unresolved}
+    assert cluster_sites(links, 4) == ((0, 1), (2, 3))
+    assert cluster_sites({(0, 1): fast, (1, 2): fast, (0, 2): slow}, 3) == ((0, 1, 2),)
+    apart = ((0,), (1,), (2,))
+    assert cluster_sites({(0, 1): slow, (1, 2): slow, (0, 2): slow}, 3) == apart
+    assert cluster_sites({(0, 1): Link(0.0, 4.7e6), (1, 2): slow, (0, 2): slow}, 3) == apart
+
+
+def _auto_clusters() -> tuple[str, str]:
+    """One round on 3 sites with ``sites.compression`` auto and clusters auto, the links probed
+    as 12 MB/s between the first two sites' ranks and 1.2 KB/s otherwise: the codec chosen,
+    and the step line."""
+    import zerotrain
+    from zerotrain.comm import site_clusters
+    from zerotrain.comm.link import Link
+    from zerotrain.zero import outer_step
+
+    site_clusters.probe_link = lambda comm: Link(1e-4, 12e6 if comm.members() == [0, 1] else 1.2e3)
+    outer_step.probe_link = lambda comm: Link(alpha=1e-4, beta=1e4)
+    sites = {**CLUSTERED, "clusters": "auto", "compression": {"method": "auto"}}
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+    _steps(engine, range(INNER))
+    (group,) = engine.optimizer.groups
+    return group.extensions["outer_step"].codec.method, engine.optimizer.progress()[0]
+
+
+def test_auto_clusters_the_sites_by_their_measured_links():
+    """With ``sites.compression`` auto the links between the sites are probed at the start:
+    the first two (4x faster) form a cluster; the clusters' leaders choose int8 on their slow
+    link, and the second site sends its change whole inside the cluster."""
+    (first, line), (second, _), (third, _) = run_distributed(_auto_clusters, 3, timeout=300)
+    assert (first, second, third) == ("int8", "none", "int8"), line
+    assert "clusters [0, 1] [2] (measured: 0-1 96 Mb/s, 0-2 0.0096 Mb/s" in line, line
+    assert "outer exchange between the clusters int8" in line, line
+
+
 SAMPLES = 256  # the work split's dataset: rows of X and Y
 SPLIT_MICRO = 2
 
@@ -395,6 +492,12 @@ def test_speeds_for_other_sites_are_refused_on_every_rank():
         assert "sites.work_split: 3 speeds for 2 sites; give one per site" in error, error
 
 
+def test_clusters_of_other_sites_are_refused_on_every_rank():
+    sites = {"inner_steps": INNER, "ranks_per_site": 1, "clusters": [[0, 1], [1]]}
+    for error in run_distributed(_refusal, 2, sites, timeout=120):
+        assert "sites.clusters: [[0, 1], [1]] must name each of the 2 sites" in error, error
+
+
 def test_shares_are_apportioned_by_speed_within_bounds():
     from zerotrain.zero.work_split import apportion
 
@@ -409,7 +512,10 @@ def test_shares_are_apportioned_by_speed_within_bounds():
 def test_the_sites_section_is_checked():
     assert check_config({"sites": {}}).sites.inner_steps == 100
     auto = check_config({"sites": {"compression": {"method": "auto"}}})  # not HF's placeholder
-    assert auto.sites.compression.method == "auto"
+    assert auto.sites.compression.method == "auto" and auto.sites.clusters == "auto"
+    assert check_config({"sites": {"clusters": "auto"}}).sites.clusters == "auto"
+    with pytest.raises(ConfigError, match=r"sites.clusters"):
+        check_config({"sites": {"clusters": "nearby"}})
     with pytest.raises(ConfigError, match=r"sites.inner_steps: must be > 0"):
         check_config({"sites": {"inner_steps": 0}})
     with pytest.raises(ConfigError, match=r"sites.outer_optimizer.type"):
@@ -542,16 +648,25 @@ def _resume(directory: str, extra: dict) -> dict:
 STREAMED = {"streaming": {"fragments": 3, "overlap_steps": 1}}
 
 
-@pytest.mark.parametrize("extra", [{}, STREAMED, {**STREAMED, "work_split": [3, 1]}])
+# 3 sites of one rank in clusters, int8 between them (its codec state saved on the leaders)
+CLUSTERS = {"ranks_per_site": 1, "clusters": [[0, 1], [2]], "compression": {"method": "int8"}}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, STREAMED, {**STREAMED, "work_split": [3, 1]}, {**STREAMED, **CLUSTERS}],
+    ids=["whole", "streamed", "split", "clusters"],
+)
 def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path, extra):
     """Saved in the middle of a round, each site's parameters, its inner optimizer and the
     outer state (the anchor, the outer momentum, the steps into the round, an exchange in
     flight) come back: the resumed run's parameters equal the uninterrupted run's, bit for
-    bit, through the next two outer steps."""
+    bit, through the next two outer steps; in clusters of sites too."""
     from zerotrain.checkpoint.export import read_state_dict
 
     directory = str(tmp_path / "ckpt")
-    results = run_distributed(_resume, SITES * PER_SITE, directory, extra, timeout=300)
+    world = 3 if "clusters" in extra else SITES * PER_SITE
+    results = run_distributed(_resume, world, directory, extra, timeout=300)
     for got in results:
         for straight, resumed in zip(got["straight"], got["resumed"], strict=True):
             assert all(torch.equal(straight[k], resumed[k]) for k in straight)
@@ -560,6 +675,33 @@ def test_a_round_resumes_from_a_checkpoint_exactly(tmp_path, extra):
     first, second = results[0]["at_save"], results[-1]["at_save"]
     assert all(torch.equal(saved[k], first[k]) for k in first)
     assert not all(torch.equal(saved[k], second[k]) for k in second)  # apart in the round
+
+
+def _resume_in_other_clusters(directory: str) -> tuple[list[dict], str]:
+    """3 sites of one rank, int8 between clusters [[0, 1], [2]], saved mid-round; loaded into
+    clusters [[0], [1, 2]] (the second site now a leader, the third not) and trained through
+    the next outer step: the parameters after it, and the step line."""
+    import zerotrain
+
+    sites = {**CLUSTERED, "compression": {"method": "int8"}}
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(2, sites))
+    _steps(engine, range(INNER + 1))
+    engine.save_checkpoint(directory)
+    sites["clusters"] = [[0], [1, 2]]
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(2, sites))
+    engine.load_checkpoint(directory)
+    states = _steps(engine, range(INNER + 1, 2 * INNER))
+    return states, engine.optimizer.progress()[0]
+
+
+def test_a_round_resumes_in_other_clusters(tmp_path):
+    """A checkpoint saved with one grouping of the sites into clusters loads into another: the
+    rank that becomes a leader starts its codec afresh, and the sites meet at the next outer
+    step with the same parameters."""
+    results = run_distributed(_resume_in_other_clusters, 3, str(tmp_path), timeout=300)
+    last = [states[-1] for states, _ in results]
+    assert all(torch.equal(last[0][k], other[k]) for other in last[1:] for k in last[0])
+    assert "clusters [0] [1, 2] (sites.clusters)" in results[0][1], results[0][1]
 
 
 def _split_sites(tp: int, inner: int | None = 2) -> dict[str, torch.Tensor]:
@@ -970,9 +1112,30 @@ def test_three_emulated_sites_over_unequal_links_train_as_sites_on_one_machine()
     assert "outer steps of fragments" in across, across[-2000:]
 
 
-def _across_and_here(nodes, per_site: int, port: int, sites: list[str]) -> tuple[str, str]:
+@pytest.mark.slow  # about a minute: the demo on 3 emulated sites, and on one machine
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip, tc)")
+def test_three_emulated_sites_cluster_by_their_measured_links():
+    """The same three sites with ``--outer-compression auto``: the links are measured at the
+    start, the first two sites (100 Mbit/s) form a cluster, and int8 is chosen between it and
+    the third (10 Mbit/s); the demo trains exactly as on one machine with those clusters and
+    int8 given (the same losses, bit for bit)."""
+    far = ("10mbit", "20ms")
+    links = {(0, 1): ("100mbit", "5ms"), (0, 2): far, (1, 2): far}
+    given = ["--inner-steps", "4", "--outer-compression", "int8", "--site-clusters", "0,1/2"]
+    with netns.joined_namespaces(links) as nodes:
+        auto = ["--inner-steps", "4", "--outer-compression", "auto"]
+        across, here = _across_and_here(nodes, 1, 29617, auto, given)
+    assert _losses(across) == _losses(here)
+    assert "clusters [0, 1] [2] (measured: 0-1 " in across, across[-2000:]
+    assert "outer exchange between the clusters int8" in across, across[-2000:]
+
+
+def _across_and_here(
+    nodes, per_site: int, port: int, sites: list[str], here_sites: list[str] | None = None
+) -> tuple[str, str]:
     """The demo with ``sites``'s flags on ``nodes`` (a site each, ``per_site`` ranks), and on
-    this machine as sites of ``per_site``: the first node's output, and this machine's."""
+    this machine as sites of ``per_site`` (with ``here_sites``' flags, if given): the first
+    node's output, and this machine's."""
     from launched import output_or_kill
 
     rendezvous = ["--nnodes", str(len(nodes)), "--nproc-per-node", str(per_site)]
@@ -985,8 +1148,8 @@ def _across_and_here(nodes, per_site: int, port: int, sites: list[str]) -> tuple
         assert run.returncode == 0, output[-3000:]
     world = str(len(nodes) * per_site)
     one_machine = subprocess.run(
-        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", world, *TRAIN, *sites]
-        + ["--ranks-per-site", str(per_site)],
+        [sys.executable, "-m", "zerotrain.cli", "run", "--nproc-per-node", world, *TRAIN]
+        + [*(here_sites or sites), "--ranks-per-site", str(per_site)],
         cwd=netns.ROOT,
         capture_output=True,
         text=True,

@@ -125,6 +125,7 @@ class Communicator:
         self._pairwise = self.distributed and dist.get_backend(group) == "gloo"
         # how the progress records name this group ([Note: naming the silent peer])
         self._group_name = ""
+        self._tracked = tracked  # the groups it makes are tracked alike
         self._progress = progress.PROGRESS if tracked else progress.Progress()
         if self.distributed:
             self._group_name = (group or dist.distributed_c10d._get_default_group()).group_name
@@ -268,7 +269,9 @@ class Communicator:
         communicator's tensors live there). Collective: every rank of the default group calls
         it, in the same order. Collectives on different groups are ordered independently."""
         if not self.distributed:
-            return Communicator(device=self.device, stats=self.stats, log=self.log)
+            return Communicator(
+                device=self.device, stats=self.stats, log=self.log, tracked=self._tracked
+            )
         if ranks is None and self.group is not None:
             return self._duplicate(backend)
         group = dist.new_group(ranks=ranks, timeout=self.timeout, backend=backend)
@@ -277,9 +280,21 @@ class Communicator:
                 f"new_group: rank {self.global_rank} is not in ranks {ranks}; every rank makes "
                 "the group, only its members get a communicator (split() gives every rank one)"
             )
+        return self._made(group, backend, self._timeout)
+
+    def _made(
+        self, group: dist.ProcessGroup, backend: str | None, timeout: timedelta | None
+    ) -> Communicator:
+        """The communicator of ``group``, a group this one made: its account, log and tracking,
+        on the CPU for a gloo group beside NCCL; ``timeout``: its own, if any."""
         device = "cpu" if backend == "gloo" else self.device
         return Communicator(
-            group, device=device, stats=self.stats, log=self.log, timeout=self._timeout
+            group,
+            device=device,
+            stats=self.stats,
+            log=self.log,
+            tracked=self._tracked,
+            timeout=timeout,
         )
 
     def _duplicate(self, backend: str | None = None) -> Communicator:
@@ -330,8 +345,7 @@ class Communicator:
             return None
         if not isinstance(chosen, dist.ProcessGroup):  # torch made the group of mine[0] here
             raise RuntimeError(f"split: torch made no process group for ranks {mine[0]}")
-        device = "cpu" if backend == "gloo" else self.device
-        return Communicator(chosen, device=device, stats=self.stats, log=self.log, timeout=own)
+        return self._made(chosen, backend, own)
 
     def within_nodes(self, ranks_per_node: int) -> Communicator:
         """A communicator over this group's ranks on this rank's node (torchrun numbers the
@@ -389,6 +403,11 @@ class Communicator:
         if not self.distributed or self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+    @property
+    def sent(self) -> int:
+        """Bytes this communicator's account (shared by the groups it made) holds as sent."""
+        return sum(stats.sent for stats in self.stats.values())
 
     def reset_stats(self) -> None:
         """Start counting afresh (the comms log too)."""

@@ -150,6 +150,28 @@ class Mesh:
         exchange it over."""
         return self.axis("site")
 
+    def site_tiers(
+        self, clusters: tuple[tuple[int, ...], ...]
+    ) -> tuple[Communicator, Communicator | None]:
+        """The two tiers of the sites' exchanges for ``clusters`` of sites (see [Note: clusters
+        of sites] in site_clusters.py): along each group of the site axis, the ranks at a
+        cluster's sites, and the first of them of every cluster (None for the others); each
+        tier a gloo group (a worker thread runs them: NCCL's kernels on a second thread could
+        wait on the training's), with an account of its own and the sites' timeout, untracked.
+        Collective over the default group."""
+        lines = self.axis_ranks("site")
+        timeout = self._timeouts.get("site")
+
+        def own() -> Communicator:
+            return Communicator(device=self.world.device, stats={}, tracked=False)
+
+        inside = [[line[site] for site in cluster] for line in lines for cluster in clusters]
+        leaders = [[line[cluster[0]] for cluster in clusters] for line in lines]
+        return (
+            own().split(inside, backend="gloo", timeout=timeout),
+            own().subgroups(leaders, backend="gloo", timeout=timeout),
+        )
+
     @property
     def in_site(self) -> Communicator:
         """The ranks of this rank's site: every axis but the site's."""

@@ -59,10 +59,16 @@ _ERROR_MESSAGES = {  # pydantic error type -> our wording; ", got <input>" is ap
 
 
 def config_error(error: ValidationError) -> ConfigError:
-    """Pass 2 of [Note: how a config is checked]: one ``path: problem`` line per error."""
-    lines = []
+    """Pass 2 of [Note: how a config is checked]: one ``path: problem`` line per error; a
+    value that matches none of a union's types gets one line naming each's problem, or where
+    one of them took it, the problem inside it."""
+    problems: dict[tuple[str, str], list[str]] = {}  # (path, got) -> the problems, in order
+    in_unions: list[str] = []  # the paths of the problems a union's member found
     for item in error.errors():
-        path = ".".join(str(part) for part in item["loc"])
+        path = ".".join(str(part) for part in item["loc"] if not _union_member(part))
+        if any(_union_member(part) for part in item["loc"]):
+            in_unions.append(path)
+        got = ""
         if item["type"] == "zerotrain":
             text = item["msg"]
         else:
@@ -70,6 +76,18 @@ def config_error(error: ValidationError) -> ConfigError:
             template = _ERROR_MESSAGES.get(item["type"])
             text = template.format(**ctx) if template else item["msg"][0].lower() + item["msg"][1:]
             if item["type"] not in ("missing", "extra_forbidden"):
-                text += f", got {show(item['input'])}"
+                got = f", got {show(item['input'])}"
+        problems.setdefault((path, got), []).append(text)
+    lines = []
+    for (path, got), texts in problems.items():
+        if path in in_unions and any(other.startswith(path + ".") for other in in_unions):
+            continue  # a union member took the value and found a problem inside it: that one
+        text = ", or ".join(dict.fromkeys(texts)) + got
         lines.append(f"{path}: {text}" if path else text)
     return ConfigError("\n".join(lines))
+
+
+def _union_member(part: object) -> bool:
+    """Whether a location's ``part`` is pydantic's name for the member of a union it tried
+    (``literal['auto','none']``, ``list[...]``, ``float``), not a key or an index."""
+    return isinstance(part, str) and ("[" in part or part in ("int", "float", "str", "bool"))

@@ -130,7 +130,11 @@ def _normalise(data: dict[Any, Any], section: type[Section], found: _Pass1, path
 
 
 # Keys whose "auto" is a value zerotrain resolves itself (not a placeholder to fill).
-_AUTO_IS_A_VALUE = {"zero_optimization.offload_optimizer.ratio", "sites.compression.method"}
+_AUTO_IS_A_VALUE = {
+    "zero_optimization.offload_optimizer.ratio",
+    "sites.compression.method",
+    "sites.clusters",
+}
 
 # Keys that HuggingFace's Trainer never fills, so a public config's "auto" reaches DeepSpeed,
 # which reads it as the key's default: the old section name, DeepSpeed's unprefixed stage-3

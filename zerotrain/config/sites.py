@@ -118,6 +118,17 @@ class SitesConfig(Section):
     the largest of them on the link (a rank's shard of the parameters, in the exchange's
     codec, over the link's rate) so that a site lost or cut off is noticed in that time while
     the links inside a site keep the collective timeout."""
+    clusters: Literal["auto", "none"] | list[list[NonNegativeInt]] = "auto"
+    """Sites joined by fast links, which exchange whole among themselves: with two clusters
+    or more, each outer exchange is summed whole inside each cluster, travels in
+    `compression`'s codec between one rank of each cluster, and is sent back whole inside
+    it, so the slow links carry one compressed message per cluster and the fast ones no
+    compression error. `auto`: where `compression` is `auto` too and there are 3 sites or
+    more, the link between every pair of sites is measured at the start, and sites joined by
+    links of at least 4x the slowest one's bandwidth share a cluster (the step line says
+    which); otherwise one exchange over every site. `none`: one exchange over every site; a
+    list, the sites' numbers grouped, each site in one (`[[0, 1], [2]]`). One cluster, or a
+    site in each, is one exchange over every site in `compression`'s codec."""
     ranks_per_site: PositiveInt | None = None
     """Ranks of each site, consecutive (site 0 is ranks 0 to ranks_per_site - 1); null: a
     site is one of torchrun's nodes (its `--nproc-per-node` ranks)."""

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import Communicator, Mesh
+from zerotrain.comm.site_clusters import SiteTiers, cluster_sites, describe_links, probe_site_links
 from zerotrain.config import ConfigError, ZeroTrainConfig
 from zerotrain.lora import convert_to_lora_fa
 from zerotrain.moe.layer import expert_tensors
@@ -72,6 +73,8 @@ class ParallelLayout:
     tied: dict[int, Communicator] = field(default_factory=dict)
     # training across sites: the sites' shares of the batch (None: equal)
     work_split: WorkSplit | None = None
+    # and the outer exchange's tiers over clusters of sites (None: one over every site)
+    site_tiers: SiteTiers | None = None
 
     @classmethod
     def build(
@@ -117,7 +120,8 @@ class ParallelLayout:
         check_tied_offload(cfg, tied)
         apply_long_context(model, cfg, mesh)
         work_split = _work_split(cfg, mesh)
-        return cls(mesh, model, tensor_parallel, tied, work_split), model_parameters
+        tiers = _site_tiers(cfg, mesh)
+        return cls(mesh, model, tensor_parallel, tied, work_split, tiers), model_parameters
 
     # -- what the loader, the batch arithmetic and DeepSpeed's queries ask -------------------
     @property
@@ -244,7 +248,13 @@ class ParallelLayout:
         zerotrain/zero/outer_step.py) and the sites' shares of the batch."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         fragment_of = fragments_of(trainable, sites.fragments)
-        return replace(sites, comm=self.mesh.sites, fragment_of=fragment_of, split=self.work_split)
+        return replace(
+            sites,
+            comm=self.mesh.sites,
+            tiers=self.site_tiers,
+            fragment_of=fragment_of,
+            split=self.work_split,
+        )
 
     def _model_parallel(self) -> ModelParallel | None:
         """The group the gradient norm sums over beyond the data-parallel one: the pipeline
@@ -375,6 +385,40 @@ def _work_split(cfg: ZeroTrainConfig, mesh: Mesh) -> WorkSplit | None:
         in_site=mesh.in_site,
         across=mesh.sites,
     )
+
+
+def _site_tiers(cfg: ZeroTrainConfig, mesh: Mesh) -> SiteTiers | None:
+    """The outer exchange's two tiers over ``sites.clusters`` (see [Note: clusters of sites] in
+    zerotrain/comm/site_clusters.py): given, or with ``auto`` found from the links measured
+    now where the codec is chosen from them too (``sites.compression`` auto, 3 sites or
+    more). None: one exchange over every site (one cluster, or a site in each)."""
+    sites, count = cfg.sites, mesh.sizes["site"]
+    if sites is None or count == 1:
+        return None
+    if isinstance(sites.clusters, list):
+        clusters, how = _given_clusters(sites.clusters, count), "sites.clusters"
+    elif sites.clusters == "auto" and count >= 3 and sites.compression.method == "auto":
+        firsts = mesh.axis_ranks("site")[0]  # the first rank of each site
+        links = probe_site_links(mesh.world, firsts, _axis_timeouts(cfg).get("site"))
+        clusters, how = cluster_sites(links, count), f"measured: {describe_links(links)}"
+    else:
+        return None
+    if len(clusters) in (1, count):
+        return None
+    inside, leaders = mesh.site_tiers(clusters)
+    return SiteTiers(clusters, inside, leaders, how)
+
+
+def _given_clusters(given: list[list[int]], count: int) -> tuple[tuple[int, ...], ...]:
+    """``sites.clusters``' lists, each ascending, ordered by their first site; every site in
+    exactly one."""
+    named = sorted(site for cluster in given for site in cluster)
+    if named != list(range(count)) or not all(given):
+        raise ConfigError(
+            f"sites.clusters: {given} must name each of the {count} sites (0 to {count - 1}) "
+            "exactly once, in clusters of at least one site; or use auto"
+        )
+    return tuple(sorted(tuple(sorted(cluster)) for cluster in given))
 
 
 def _axis_timeouts(cfg: ZeroTrainConfig) -> dict[str, timedelta]:

@@ -57,8 +57,10 @@ import torch
 
 from zerotrain.comm import CollectiveError, Communicator
 from zerotrain.comm.link import PROBE, probe_link
-from zerotrain.compression import BucketShape, GradientCompression, make_codec
+from zerotrain.comm.site_clusters import SiteTiers
+from zerotrain.compression import BucketShape, GradientCodec, GradientCompression, make_codec
 from zerotrain.compression.auto import Policy, Traffic, policy_costs
+from zerotrain.compression.clustered import ClusteredCodec
 from zerotrain.compression.codec import Pending
 from zerotrain.fmt import quantity
 from zerotrain.zero.extension import Resume, StepExtension
@@ -86,6 +88,9 @@ class SiteOptions:
     mixing: float = 0.0  # a site's own parameters' weight when an overlapped exchange lands
     fragment_of: Mapping[int, int] = field(default_factory=dict)
     comm: Communicator | None = None
+    # the exchange in two tiers over clusters of sites (None: one over every site; see
+    # [Note: clusters of sites] in zerotrain/comm/site_clusters.py)
+    tiers: SiteTiers | None = None
     split: WorkSplit | None = None  # the sites' shares of the batch (None: equal)
     times_steps: bool = True  # this group's outer steps time the steps for ``split``
 
@@ -158,15 +163,17 @@ class OuterStep(StepExtension):
         self.timed_split = options.split if options.times_steps else None
         # the work split's step each fragment's change counts samples from (its last launch)
         self.windows = [self._split_steps()] * len(self.fragments)
-        world = self.comm.world_size
-        # each fragment's change as a bucket of one run of elements, padded to the sites
+        self.tiers = options.tiers
+        # the ranks a codec runs over: the sites', or the clusters' leaders
+        world = self.comm.world_size if self.tiers is None else len(self.tiers.clusters)
+        # each fragment's change as a bucket of one run of elements, padded to those ranks
         self.shapes = [
             BucketShape(-(-f.numel // world) * world, [(0, (f.numel,))]) for f in self.fragments
         ]
-        self.codec = make_codec(options.compression, self.comm, self.shapes)
+        self.codec = self._codec(options.compression)
         self.decision = ""  # what auto chose, and why (auto: made at the first outer step)
         self.loaded_codec: dict | None = None  # a checkpoint's, for the codec auto chooses
-        self.sent = 0  # bytes this rank sent in outer exchanges
+        self.sent_flat = 0  # bytes this rank sent in outer exchanges over every site
         self.busy = 0.0  # seconds its steps spent in them
         self.travelled = 0.0  # seconds from their launches to their landings
         self.launched = 0  # outer exchanges launched by this process
@@ -278,7 +285,7 @@ class OuterStep(StepExtension):
         """A call of an outer exchange: the bytes it sends counted (with overlap, other traffic
         runs between such calls), and its failure said to be a lost site's, with what goes
         on without it."""
-        sent = _sent(self.comm)
+        sent = self.comm.sent
         try:
             yield
         except CollectiveError as error:
@@ -289,7 +296,7 @@ class OuterStep(StepExtension):
                 f"in-memory snapshot (docs/sites.md). {error}"
             ) from error
         finally:
-            self.sent += _sent(self.comm) - sent
+            self.sent_flat += self.comm.sent - sent
 
     def _take(self, fragment: Fragment) -> torch.Tensor:
         """Fragment's elements of the masters, one fp32 vector."""
@@ -302,26 +309,49 @@ class OuterStep(StepExtension):
             self.masters[m][lo:hi].copy_(values[at : at + hi - lo])
             at += hi - lo
 
+    def _codec(self, choice: GradientCompression | None) -> GradientCodec | ClusteredCodec:
+        """The codec the change travels in: ``choice``'s over the sites, or over the clusters'
+        leaders in the tiers' exchange."""
+        if self.tiers is None:
+            return make_codec(choice, self.comm, self.shapes)
+        leaders = self.tiers.leaders
+        between = None if leaders is None else make_codec(choice, leaders, self.shapes)
+        return ClusteredCodec(self.tiers, between, self.shapes)
+
     def _choose_codec(self) -> None:
         """``sites.compression`` auto: the way the change travels that costs least on the
-        sites' link, measured now (its alpha and beta, and each codec run on this rank's
-        fragments over a communicator that sends nothing: compression/auto.py's
-        ``policy_costs``), the same on every rank of the group (the slowest rank's costs)."""
-        link = probe_link(self.comm)
+        sites' link (with clusters: the links between their leaders), measured now (its alpha
+        and beta, and each codec run on this rank's fragments over a communicator that sends
+        nothing: compression/auto.py's ``policy_costs``), the same on every rank of the group
+        (the slowest rank's costs)."""
+        if self.tiers is None:
+            best, self.decision = self._cheapest(self.comm)
+        elif self.tiers.leaders is not None:
+            best, self.decision = self.tiers.call(lambda: self._cheapest(self.tiers.leaders))
+        else:  # the cluster's leader chooses; this rank sends its change whole inside
+            best, self.decision = 0, "outer exchange whole inside the cluster"
+        self.codec = self._codec(self.options.choices[best])
+        if self.loaded_codec is not None:
+            self.codec.load_state_dict(self.loaded_codec, steps=0)
+
+    def _cheapest(self, comm: Communicator) -> tuple[int, str]:
+        """The choice that costs least over ``comm``, and the decision's text."""
+        link = probe_link(comm)
         policies = tuple(Policy(gradients=choice) for choice in self.options.choices)
         every = dict.fromkeys(range(len(self.shapes)), 1.0)
         traffic = Traffic("all_reduce", every, {}, torch.float32, torch.float32)
-        costs = policy_costs(policies, traffic, self.comm, self.shapes)
-        world = self.comm.world_size
+        costs = policy_costs(policies, traffic, comm, self.shapes)
+        world = comm.world_size
         seconds = torch.tensor([c.seconds(link, world) for c in costs], dtype=torch.float64)
-        self.comm.all_reduce(seconds, op="max", name=PROBE)
+        comm.all_reduce(seconds, op="max", name=PROBE)
         best = int(seconds.argmin())
-        self.codec = make_codec(self.options.choices[best], self.comm, self.shapes)
-        if self.loaded_codec is not None:
-            self.codec.load_state_dict(self.loaded_codec, steps=0)
         priced = zip(policies, seconds.tolist(), strict=True)
         predicted = ", ".join(f"{policy.name} {t:.2f} s" for policy, t in priced)
-        self.decision = f"outer exchange {policies[best].name} ({predicted}; {link.describe()})"
+        between = "" if self.tiers is None else " between the clusters"
+        return (
+            best,
+            f"outer exchange{between} {policies[best].name} ({predicted}; {link.describe()})",
+        )
 
     def progress(self) -> str:
         """The round and the outer exchanges so far (this rank's bytes sent, the time its
@@ -330,15 +360,28 @@ class OuterStep(StepExtension):
         inner = self.options.inner_steps
         text = f"sites: step {self.count % inner}/{inner} of the round"
         if self.launched:
-            sent = quantity(self.sent / self.launched, "B")
+            sent = f"{quantity(self.sent / self.launched, 'B')} sent each"
+            if isinstance(self.codec, ClusteredCodec):  # by tier
+                inside = quantity(self.codec.sent_inside / self.launched, "B")
+                between = quantity(self.codec.sent_between / self.launched, "B")
+                sent += f": {inside} inside the cluster, {between} between clusters"
             kind = "outer steps" if self.options.fragments == 1 else "outer steps of fragments"
             spent = f"{self.busy:.2f} s in them"
             if self.options.overlap_steps:
                 spent = f"{self.busy:.2f} s waited, {self.travelled:.2f} s travelling"
-            text += f", {self.landed} {kind} ({sent} sent each, {spent})"
+            text += f", {self.landed} {kind} ({sent}, {spent})"
         if self.split is not None:
             text += f", {self.split.describe()}"
+        if self.tiers is not None:
+            text += f", {self.tiers.describe()}"
         return f"{text}, {self.decision}" if self.decision else text
+
+    @property
+    def sent(self) -> int:
+        """Bytes this rank sent in outer exchanges (on both tiers, with clusters)."""
+        codec = self.codec
+        tiers = codec.sent_inside + codec.sent_between if isinstance(codec, ClusteredCodec) else 0
+        return self.sent_flat + tiers
 
     def _update(self, position: int, delta: torch.Tensor) -> torch.Tensor:
         """What fragment ``position``'s anchor moves by: torch.optim.SGD's step for the
@@ -463,11 +506,6 @@ def _fragments(
         for index, pieces in enumerate(held)
         if pieces
     ]
-
-
-def _sent(comm: Communicator) -> int:
-    """Bytes ``comm``'s engine has sent so far (its account, shared by its groups)."""
-    return sum(stats.sent for stats in comm.stats.values())
 
 
 def _copied(state: dict, device: torch.device | None = None) -> dict:
