@@ -694,6 +694,62 @@ def _resume_in_other_clusters(directory: str) -> tuple[list[dict], str]:
     return states, engine.optimizer.progress()[0]
 
 
+def _built_under_init(stage: int, with_sites: bool) -> dict:
+    """2 sites of 2 at ``stage``, the model built whole and under zero.Init (given the config,
+    with its sites section or without it; the second site's chunks moved off the first's):
+    the parameters after every step, both ways, or the refusal."""
+    import zerotrain
+
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    config = _config(stage, sites)
+    engine, *_ = zerotrain.initialize(model=model(), config=config)
+    out: dict = {"whole": _steps(engine, range(STEPS))}
+    given = config if with_sites else _config(stage, None)
+    with zerotrain.zero.Init(config_dict_or_path=given):
+        net = model()
+    out["chunks"] = [p.numel() for p in net.parameters()]
+    with zerotrain.zero.GatheredParameters(list(net.parameters())):  # over the site's ranks
+        out["gathered"] = [p.detach().clone() for p in net.parameters()]
+    if torch.distributed.get_rank() >= PER_SITE:  # built apart: the first site's is taken
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+    try:
+        engine, *_ = zerotrain.initialize(model=net, config=config)
+    except ConfigError as error:
+        out["refused"] = str(error)
+        return out
+    out["init"] = _steps(engine, range(STEPS))
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_built_under_zero_init_trains_across_sites(stage):
+    """zero.Init given the config partitions the model over each site's ranks (a site holds a
+    whole model, which GatheredParameters gathers there), the sites start from the first's
+    chunks, and training goes on bit for bit as with the model built whole."""
+    results = run_distributed(_built_under_init, SITES * PER_SITE, stage, True, timeout=300)
+    whole = sum(p.numel() for p in model().parameters())
+    for got in results:
+        for mine, theirs in zip(got["init"], got["whole"], strict=True):
+            assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    start = list(model().parameters())
+    for got in results:  # GatheredParameters gathers a chunk over the site's ranks
+        assert all(torch.equal(a, b) for a, b in zip(got["gathered"], start, strict=True))
+    # partitioned over a site's 2 ranks as it was built (each chunk padded to a whole half)
+    assert sum(results[0]["chunks"]) == sum(-(-p.numel() // PER_SITE) for p in model().parameters())
+    assert sum(results[0]["chunks"]) < whole
+
+
+def test_a_model_partitioned_over_every_site_is_refused_with_sites():
+    """zero.Init without the sites section partitions over every rank, which no site's shard
+    group gathers from: initialize says so, and how to build it."""
+    results = run_distributed(_built_under_init, SITES * PER_SITE, 3, False, timeout=300)
+    for got in results:
+        assert "zero.Init partitioned this model over ranks [0, 1, 2, 3]" in got["refused"]
+        assert "with its sites section" in got["refused"], got["refused"]
+
+
 def test_a_round_resumes_in_other_clusters(tmp_path):
     """A checkpoint saved with one grouping of the sites into clusters loads into another: the
     rank that becomes a leader starts its codec afresh, and the sites meet at the next outer
@@ -702,6 +758,42 @@ def test_a_round_resumes_in_other_clusters(tmp_path):
     last = [states[-1] for states, _ in results]
     assert all(torch.equal(last[0][k], other[k]) for other in last[1:] for k in last[0])
     assert "clusters [0] [1, 2] (sites.clusters)" in results[0][1], results[0][1]
+
+
+def _momenta(directory: str, load: bool) -> tuple[list, list[str]]:
+    """Sites of one rank at stage 1: a round and an outer step, then a save; or (``load``) a
+    load of that: the outer momentum after it, and the load's warnings."""
+    import warnings
+
+    import zerotrain
+
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": 1}
+    engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if load:
+            engine.load_checkpoint(directory)
+        else:
+            _steps(engine, range(INNER))
+            engine.save_checkpoint(directory)
+    (group,) = engine.optimizer.groups
+    momenta = [m.clone() for m in group.extensions["outer_step"].momenta]
+    return momenta, [str(w.message) for w in caught]
+
+
+def test_sites_joining_or_leaving_keep_the_outer_momentum(tmp_path):
+    """A checkpoint of 2 sites loaded by 3 (a site joined, through the elastic rendezvous),
+    and one of 3 by 2 (a site lost): every rank goes on with the outer momentum the saved
+    sites shared (the first site's rank at its place), the round starting again from the
+    first site's parameters."""
+    for saved_by, loaded_by in ((2, 3), (3, 2)):
+        directory = str(tmp_path / f"{saved_by}to{loaded_by}")
+        saved = run_distributed(_momenta, saved_by, directory, False, timeout=300)
+        loaded = run_distributed(_momenta, loaded_by, directory, True, timeout=300)
+        assert saved[0][0] and all(m is not None for m in saved[0][0])
+        for momenta, caught in loaded:
+            assert all(torch.equal(a, b) for a, b in zip(momenta, saved[0][0], strict=True))
+            assert any("with the outer momentum the sites shared" in w for w in caught), caught
 
 
 def _split_sites(tp: int, inner: int | None = 2) -> dict[str, torch.Tensor]:

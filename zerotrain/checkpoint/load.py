@@ -68,6 +68,8 @@ REQUIRE_RESUME_ENV = "ZEROTRAIN_REQUIRE_RESUME"
 class _Loaded:
     engine_state: dict | None = None
     rank_state: dict | None = None  # this rank's: random generators, gradient codecs
+    # the shard groups' state: this rank's, or the one the layout names (state_source)
+    groups_state: dict | None = None
     client_state: dict | None = None
 
     def engine(self) -> dict:
@@ -229,8 +231,7 @@ def _check(
     files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
     if not options.module_only:
         files.append(manifest.file("engine"))
-        if engine.comm.rank < manifest["world_size"]:
-            files.append(manifest.file("rank_state", engine.comm.rank))
+        files += [manifest.file("rank_state", r) for r in _rank_states(engine, manifest)]
         client_state = manifest.optional_file("client_state")
         if client_state:
             files.append(client_state)
@@ -246,8 +247,14 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions, held: He
         return torch.load(held.path(name), map_location="cpu", weights_only=weights_only)
 
     loaded.engine_state = read(manifest.file("engine"))
-    if engine.comm.rank < manifest["world_size"]:
-        loaded.rank_state = read(manifest.file("rank_state", engine.comm.rank))
+    own, source = _rank_states(engine, manifest, both=True)
+    if own is not None:
+        loaded.rank_state = read(manifest.file("rank_state", own))
+    if source is not None:
+        same = source == own
+        loaded.groups_state = (
+            loaded.rank_state if same else read(manifest.file("rank_state", source))
+        )
     client_state = manifest.optional_file("client_state")
     if client_state:
         # The one pickled file: the user's own objects (documented in docs/checkpoints.md).
@@ -292,6 +299,9 @@ def _apply(
     rank_state: dict[str, Any] = loaded.rank_state or {}
     if "python" in rank_state:  # written before the codecs' state: the generators alone
         rank_state = {"rng": rank_state}
+    groups_state: dict[str, Any] = loaded.groups_state or {}
+    if "python" in groups_state:
+        groups_state = {}
     if options.module_only:
         zero.publish_params()
         for group in zero.groups:  # the loaded parameters, every rank's alike, are the new start
@@ -312,7 +322,7 @@ def _apply(
         world_size=engine.world_size,
         optimizer_loaded=load_optimizer,
     )
-    for warning in load_group_states(zero, _group_states(rank_state, len(zero.groups)), resume):
+    for warning in load_group_states(zero, _group_states(groups_state, len(zero.groups)), resume):
         warnings.warn(f"load_checkpoint: {warning}", stacklevel=4)
     zero.publish_params()
     scheduler_state = state["lr_scheduler"]
@@ -352,6 +362,15 @@ def _conversions(manifest: Manifest, precision: PrecisionPolicy, with_state: boo
             f"{dtype_name(ours)}: {how}"
         )
     return out
+
+
+def _rank_states(engine, manifest: Manifest, both: bool = False):
+    """The ranks whose rank files this rank reads: its own (for its random generators) and
+    the one whose shard groups' state it continues from (the layout's ``state_source``);
+    None where there is none. ``both`` False: the set of them."""
+    own = engine.comm.rank if engine.comm.rank < manifest["world_size"] else None
+    source = engine.layout.state_source(manifest["world_size"])
+    return (own, source) if both else sorted({r for r in (own, source) if r is not None})
 
 
 def _group_states(rank_state: dict[str, Any], count: int) -> list[dict | None]:

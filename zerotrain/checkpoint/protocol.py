@@ -63,6 +63,13 @@ class ModelLayout(Protocol):
         only some ranks hold), not one rank's."""
         ...
 
+    def state_source(self, saved_world_size: int) -> int | None:
+        """The rank of a checkpoint saved by ``saved_world_size`` ranks whose shard groups'
+        state (codecs, step extensions) this rank continues from: its own (None: it had
+        none), or, where the sites of training across sites changed in number but not in
+        size, the first site's rank at this rank's place in its site."""
+        ...
+
     def micro_batch(self, configured: int) -> int:
         """The samples this rank takes in its next micro-step: ``configured``, or its site's
         share where training across sites splits the batch by the sites' speeds."""

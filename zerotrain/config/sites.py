@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from zerotrain.config.errors import fail
+from zerotrain.config.errors import ConfigError, fail
 from zerotrain.config.section import (
     Beta,
     Fraction,
@@ -151,6 +151,21 @@ class SitesConfig(Section):
                 "its next one leaves"
             )
         return self
+
+    def count(self, world_size: int, ranks_per_node: int) -> int:
+        """The sites ``world_size`` ranks split into (1: synchronous training), a site being
+        ``ranks_per_site`` ranks, or else a node's (``ranks_per_node``: torchrun's); a
+        ConfigError where they cannot be equal."""
+        if self.synchronous:
+            return 1
+        per_site = self.ranks_per_site or ranks_per_node
+        if world_size % per_site:
+            named = "ranks_per_site" if self.ranks_per_site else "torchrun's --nproc-per-node"
+            raise ConfigError(
+                f"sites.ranks_per_site: {world_size} ranks do not split into sites of "
+                f"{per_site} ({named}); make the ranks a multiple of the site's"
+            )
+        return world_size // per_site
 
     @property
     def synchronous(self) -> bool:

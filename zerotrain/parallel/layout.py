@@ -48,7 +48,7 @@ from zerotrain.tensor_parallel import TensorParallel, from_config, is_split
 from zerotrain.zero import GroupOptions
 from zerotrain.zero.group import ModelParallel
 from zerotrain.zero.host import local_ranks
-from zerotrain.zero.init import owner_of
+from zerotrain.zero.init import owner_of, partitioned_over
 from zerotrain.zero.layout import NamedParams
 from zerotrain.zero.optimizer import ShardGroupSpec
 from zerotrain.zero.outer_step import SiteOptions, fragments_of
@@ -111,6 +111,7 @@ class ParallelLayout:
             given={"sp": sequence_group} if sequence_group is not None else None,
             timeouts=_axis_timeouts(cfg),
         )
+        _check_init_partition(model, mesh)
         if mesh.sizes["site"] > 1:
             _start_sites_alike(model, mesh)
         check_axes(cfg, mesh.sizes)
@@ -162,6 +163,15 @@ class ParallelLayout:
     @property
     def data_parallel_size(self) -> int:
         return self.mesh.data.world_size
+
+    def state_source(self, saved_world_size: int) -> int | None:
+        world = self.mesh.world
+        per_site = world.world_size // self.mesh.sizes["site"]
+        if saved_world_size != world.world_size and self.mesh.sizes["site"] > 1:
+            # sites of this size, another number of them: the outer steps' state goes on
+            # (zerotrain/zero/outer_step.py: OuterStep.load_state_dict)
+            return world.rank % per_site if saved_world_size % per_site == 0 else None
+        return world.rank if world.rank < saved_world_size else None
 
     def micro_batch(self, configured: int) -> int:
         return configured if self.work_split is None else self.work_split.micro_batch()
@@ -325,17 +335,7 @@ class ParallelLayout:
 def _sites(cfg: ZeroTrainConfig, world_size: int) -> int:
     """The sites the ``sites`` section splits ``world_size`` ranks into (1: no section, or
     synchronous training); ConfigError where they cannot be equal."""
-    sites = cfg.sites
-    if sites is None or sites.synchronous:
-        return 1
-    per_site = sites.ranks_per_site or local_ranks()
-    if world_size % per_site:
-        named = "ranks_per_site" if sites.ranks_per_site else "torchrun's --nproc-per-node"
-        raise ConfigError(
-            f"sites.ranks_per_site: {world_size} ranks do not split into sites of {per_site} "
-            f"({named}); make the ranks a multiple of the site's"
-        )
-    return world_size // per_site
+    return 1 if cfg.sites is None else cfg.sites.count(world_size, local_ranks())
 
 
 def _place_stages(
@@ -435,12 +435,9 @@ def _start_sites_alike(model: nn.Module, mesh: Mesh) -> None:
     before the shard groups take the parameters: the outer steps average the sites' changes
     from one starting point ([Note: outer steps over shards] in zerotrain/zero/outer_step.py).
     Models built alike (the same seed) are left as they are: only their digests cross the
-    slow links, not the model (a 124M-parameter one in fp32 takes minutes at 10 Mbit/s)."""
-    if any(owner_of(p) is not None for p in model.parameters()):
-        raise ConfigError(
-            "sites: a model built under zero.Init holds only its shards at build time, which "
-            "the sites cannot start alike from yet; build it whole, or leave sites out"
-        )
+    slow links, not the model (a 124M-parameter one in fp32 takes minutes at 10 Mbit/s). A
+    model built under zero.Init compares and copies its chunks: a site's rank holds the chunk
+    the ranks at its place in the other sites hold (:func:`_check_init_partition`)."""
     sites = mesh.sites
     tensors = [*model.parameters(), *model.buffers()]
     digests = sites.all_gather_object(_digest(tensors))
@@ -448,6 +445,24 @@ def _start_sites_alike(model: nn.Module, mesh: Mesh) -> None:
         return
     for tensor in tensors:
         sites.broadcast(tensor.data, src=sites.root)
+
+
+def _check_init_partition(model: nn.Module, mesh: Mesh) -> None:
+    """A model built under zero.Init holds chunks of its parameters partitioned over the ranks
+    Init chose; the shard groups gather them over the ranks that shard the model (a site's
+    data-parallel ranks): those must be the same ranks, in order."""
+    chunks = {ranks for p in model.parameters() if (ranks := partitioned_over(p)) is not None}
+    if not chunks:
+        return
+    wanted = tuple(mesh.zero.members())
+    if chunks != {wanted}:
+        over = ", ".join(str(list(ranks)) for ranks in sorted(chunks))
+        raise ConfigError(
+            f"zero.Init partitioned this model over ranks {over}, and this run shards it over "
+            f"ranks {list(wanted)} (mesh {mesh.sizes}); pass zero.Init the config given to "
+            "initialize (config_dict_or_path=..., with its sites section: each site's ranks then "
+            "hold a whole model), or build the model whole"
+        )
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

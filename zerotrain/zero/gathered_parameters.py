@@ -8,14 +8,14 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from zerotrain.comm import Communicator
-from zerotrain.comm.functional import control_device
 from zerotrain.zero.init import (
     ParamOwner,
     gather_param,
     is_init_partitioned,
     owner_of,
+    partition_comm,
     partition_param,
+    partitioned_over,
 )
 
 
@@ -34,13 +34,15 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
     ``modifier_rank``, changes that rank makes *in place* (``p.data.normal_()``, ``p.copy_``)
     are broadcast and kept, fp32 master weights included; without it, changes are discarded
     where the parameter is partitioned. ``fwd_module`` is accepted for DeepSpeed compatibility.
+    An Init chunk partitioned over a site's ranks (Init given a ``sites`` section) is gathered
+    over them, and its changes are kept from the rank at ``modifier_rank``'s place in the site
+    (``initialize`` then starts every site from the first's).
     """
     del fwd_module
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     if not enabled or not params:
         yield
         return
-    comm = Communicator(device=control_device())  # NCCL: its collectives take GPU tensors
     init_params = [p for p in params if is_init_partitioned(p)]
     owners: dict[int, tuple[ParamOwner, list[nn.Parameter]]] = {}
     for param in params:
@@ -50,7 +52,7 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
     chunks = {}
     for param in init_params:
         chunks[id(param)] = param.data
-        param.data = gather_param(param, comm).clone()
+        param.data = gather_param(param, partition_comm(param)).clone()
     accesses = [(owner, owner.begin_access(ps)) for owner, ps in owners.values()]
     try:
         yield
@@ -61,4 +63,8 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
             if modifier_rank is None:
                 param.data = chunks[id(param)]
             else:
-                partition_param(param, comm, dtype=chunks[id(param)].dtype, src=modifier_rank)
+                # the modifier's place among the chunk's ranks (a site's: each site's rank there)
+                ranks = partitioned_over(param) or ()
+                src = ranks[modifier_rank % len(ranks)] if ranks else modifier_rank
+                comm = partition_comm(param)
+                partition_param(param, comm, dtype=chunks[id(param)].dtype, src=src)

@@ -37,7 +37,7 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -47,8 +47,15 @@ from zerotrain.comm import Communicator
 from zerotrain.comm.functional import control_device
 from zerotrain.precision import training_dtype
 from zerotrain.progress import progress
+from zerotrain.zero.host import local_ranks
+
+if TYPE_CHECKING:
+    from zerotrain.config import ZeroTrainConfig
 
 _FULL_SHAPE = "_zerotrain_full_shape"  # set on a parameter while it is an Init chunk
+_OVER = "_zerotrain_partitioned_over"  # and the default-group ranks it is a chunk among
+# those ranks' communicators, as the Init contexts made them (GatheredParameters' groups)
+_PARTITION_COMMS: dict[tuple[int, ...], Communicator] = {}
 _OWNER = "_zerotrain_owner"  # the ZeroOptimizer that manages a parameter after initialize
 _EXTERNAL = "_zerotrain_external_params"  # on a module: parameters its forward reads
 
@@ -217,12 +224,13 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 
 def partition_param(
-    param: nn.Parameter, comm: Communicator, dtype: torch.dtype | None, src: int = 0
+    param: nn.Parameter, comm: Communicator, dtype: torch.dtype | None, src: int | None = None
 ) -> None:
-    """Replace ``param``'s data by this rank's chunk of rank ``src``'s values (collective)."""
+    """Replace ``param``'s data by this rank's chunk of rank ``src``'s values (a default-group
+    rank; None: ``comm``'s first) (collective)."""
     full = param.data
     on_wire = full.to(comm.device)  # NCCL sends device tensors; the chunk stays on full's
-    comm.broadcast(on_wire, src=src)
+    comm.broadcast(on_wire, src=comm.root if src is None else src)
     flat = on_wire.reshape(-1)
     chunk = -(-flat.numel() // comm.world_size)
     # Copy only this rank's piece (no padded copy of the whole: memory is what Init is for).
@@ -231,7 +239,20 @@ def partition_param(
     mine[: piece.numel()] = piece
     param.data = mine.to(dtype) if dtype is not None else mine
     setattr(param, _FULL_SHAPE, full_shape(param) if is_init_partitioned(param) else full.shape)
+    setattr(param, _OVER, tuple(comm.members()))
     mark_partitioned(param, full_shape(param), comm.world_size, ZeroParamStatus.NOT_AVAILABLE)
+
+
+def partitioned_over(param: torch.Tensor) -> tuple[int, ...] | None:
+    """The default-group ranks an Init chunk is one of, in order (None: not a chunk)."""
+    return getattr(param, _OVER, None)
+
+
+def partition_comm(param: torch.Tensor) -> Communicator:
+    """The communicator over the ranks an Init chunk is one of (every rank's where no Init of
+    this process made one for them)."""
+    comm = _PARTITION_COMMS.get(partitioned_over(param) or ())
+    return comm if comm is not None else Communicator(device=control_device())
 
 
 def gather_param(param: nn.Parameter, comm: Communicator) -> torch.Tensor:
@@ -248,13 +269,15 @@ def unpartition_param(param: nn.Parameter, comm: Communicator) -> None:
     full = gather_param(param, comm).clone()
     param.data = full
     delattr(param, _FULL_SHAPE)
+    delattr(param, _OVER)
     _clear_partition_marks(param)
 
 
 def take_ownership(param: nn.Parameter, owner: ParamOwner) -> None:
     """Hand ``param`` to an engine's optimizer: it is no longer an Init chunk."""
-    if hasattr(param, _FULL_SHAPE):
-        delattr(param, _FULL_SHAPE)
+    for name in (_FULL_SHAPE, _OVER):
+        if hasattr(param, name):
+            delattr(param, name)
     _clear_partition_marks(param)
     setattr(param, _OWNER, owner)
 
@@ -280,9 +303,11 @@ class Init:
 
     DeepSpeed's signature. ``config_dict_or_path`` (or its old name ``config``): a config dict
     or path, checked at once (a ConfigError before any module is built), of which only the
-    precision is read (bf16 or fp16 enabled: the chunks take that dtype, as in DeepSpeed); a
-    config HuggingFace has not filled yet (``"auto"`` values) is fine. ``dtype`` overrides it; without either the dtype is unchanged. ``enabled=False`` is a
-    no-op; ``module`` partitions an existing module's parameters now. ``remote_device`` "cpu"
+    precision is read (bf16 or fp16 enabled: the chunks take that dtype, as in DeepSpeed) and
+    the ``sites`` section (each site's ranks hold a whole model: the parameters are partitioned
+    over the site's ranks, not every rank); a config HuggingFace has not filled yet
+    (``"auto"`` values) is fine. ``dtype`` overrides the precision; without either the dtype
+    is unchanged. ``enabled=False`` is a no-op; ``module`` partitions an existing module's parameters now. ``remote_device`` "cpu"
     asks for the chunks in CPU memory, where they are on a CPU-only run; from a GPU it is
     refused until zerotrain offloads. ``mem_efficient_linear`` and ``pin_memory`` tune
     DeepSpeed's kernels and copies and have no effect here; nor does ``tensor_overrides``: torch's
@@ -345,7 +370,9 @@ class Init:
             )
         self.enabled = enabled
         config = config if config is not None else config_dict_or_path
-        self.dtype = dtype if dtype is not None else _precision_dtype(config)
+        checked = _checked(config)
+        self.dtype = dtype if dtype is not None else _precision_dtype(checked)
+        self.sites = None if checked is None else checked[0].sites
         self._comm: Communicator | None = None
         self._depth: dict[int, int] = {}
         self._patched: list[tuple[type, object]] = []
@@ -358,8 +385,19 @@ class Init:
 
     @property
     def comm(self) -> Communicator:
+        """The ranks the parameters are partitioned over: every rank, or with a ``sites``
+        section its site's (each site holds a whole model: docs/sites.md); made the first
+        time a parameter is (collective)."""
         if self._comm is None:
-            self._comm = Communicator(device=control_device())
+            world = Communicator(device=control_device())
+            count = 1 if self.sites is None else self.sites.count(world.world_size, local_ranks())
+            per_site = world.world_size // count
+            if count == 1:
+                self._comm = world
+            else:
+                sites = [list(range(s * per_site, (s + 1) * per_site)) for s in range(count)]
+                self._comm = world.split(sites)
+            _PARTITION_COMMS[tuple(self._comm.members())] = self._comm
         return self._comm
 
     def _partition(self, module: nn.Module) -> None:
@@ -465,28 +503,38 @@ class Init:
         self._advance = lambda numel: None
 
 
-def _precision_dtype(config) -> torch.dtype | None:
-    """The training dtype a config asks for (None: neither bf16 nor fp16). A DeepSpeed dict or
-    file is checked first, so that a typo is reported before the model is built rather than at
-    ``initialize``; "auto" values (HuggingFace fills them later) are left out of the check and
-    count as not enabled."""
+def _checked(config) -> tuple[ZeroTrainConfig, dict | None] | None:
+    """A config given to Init, checked so that a typo is reported before the model is built
+    rather than at ``initialize``: the checked config, and the raw mapping (None: given
+    checked); "auto" values (HuggingFace fills them later) are left out of the check."""
     if config is None:
         return None
     from zerotrain.config import ConfigError, ZeroTrainConfig, check_config, read_config_file
 
     if isinstance(config, ZeroTrainConfig):
+        return config, None
+    raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"zero.Init(config_dict_or_path=...): expected a config dict or path, got "
+            f"{type(raw).__name__}"
+        )
+    return check_config(raw, unfilled=True), raw
+
+
+def _precision_dtype(checked: tuple[ZeroTrainConfig, dict | None] | None) -> torch.dtype | None:
+    """The training dtype a config asks for (None: neither bf16 nor fp16); "auto" counts as
+    not enabled."""
+    if checked is None:
+        return None
+    config, raw = checked
+    if raw is None:
         bf16, fp16 = config.bf16.enabled, config.fp16.enabled
     else:
-        raw = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"zero.Init(config_dict_or_path=...): expected a config dict or path, got "
-                f"{type(raw).__name__}"
-            )
-        check_config(raw, unfilled=True)
+        given = raw
 
         def enabled(*names: str) -> bool:
-            sections = [raw.get(name) for name in names]
+            sections = [given.get(name) for name in names]
             return any(isinstance(s, dict) and s.get("enabled") is True for s in sections)
 
         bf16, fp16 = enabled("bf16", "bfloat16"), enabled("fp16")

@@ -450,7 +450,13 @@ class OuterStep(StepExtension):
             if self.timed_split is not None:
                 self.timed_split.load_state_dict(None)  # measured again
             self.masters_set()
-            return None if state is None else _restarted_round(resume)
+            if state is None:
+                return None
+            if laid_out and resume.optimizer_loaded:  # other sites of the same size
+                device = self.anchors[0].device if self.anchors else None
+                self.momenta = [None if m is None else m.to(device) for m in state["momenta"]]
+                return _restarted_round(resume, kept=True)
+            return _restarted_round(resume, kept=False)
         if self.timed_split is not None:
             self.timed_split.load_state_dict(state.get("work_split"))
         self.windows = list(state.get("windows", self.windows))
@@ -516,7 +522,13 @@ def _copied(state: dict, device: torch.device | None = None) -> dict:
     }
 
 
-def _restarted_round(resume: Resume) -> str:
+def _restarted_round(resume: Resume, kept: bool) -> str:
+    if kept:  # sites of the same size joined or left (the parallel layout's state_source)
+        return (
+            f"the sites' round was saved by {resume.saved_world_size} ranks, and this run has "
+            f"{resume.world_size} in sites of the same size: the round starts again from the "
+            "loaded parameters, the first site's, with the outer momentum the sites shared"
+        )
     return (
         f"the sites' outer state was saved at world size {resume.saved_world_size}, and this "
         f"run has {resume.world_size} ranks (or other sites, or loads no optimizer state): the "
