@@ -741,6 +741,29 @@ def test_a_model_built_under_zero_init_trains_across_sites(stage):
     assert sum(results[0]["chunks"]) < whole
 
 
+def _modified_under_init() -> list[torch.Tensor]:
+    """2 sites of 2, built under zero.Init with the sites section; rank 2 (the second site's
+    first) sets the first weight to 0.5 inside GatheredParameters(modifier_rank=2): each
+    rank's gathered value of it after that."""
+    import zerotrain
+
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": PER_SITE}
+    with zerotrain.zero.Init(config_dict_or_path=_config(3, sites)):
+        net = model()
+    weight = next(net.parameters())
+    with zerotrain.zero.GatheredParameters(weight, modifier_rank=2):
+        if torch.distributed.get_rank() == 2:
+            weight.data.fill_(0.5)
+    with zerotrain.zero.GatheredParameters(weight):
+        return [weight.detach().clone()]
+
+
+def test_a_change_in_gathered_parameters_reaches_every_site():
+    """A modifier rank of another site than the first: its change is kept at every site."""
+    for (value,) in run_distributed(_modified_under_init, SITES * PER_SITE, timeout=300):
+        assert torch.equal(value, torch.full_like(value, 0.5))
+
+
 def test_a_model_partitioned_over_every_site_is_refused_with_sites():
     """zero.Init without the sites section partitions over every rank, which no site's shard
     group gathers from: initialize says so, and how to build it."""
@@ -760,14 +783,15 @@ def test_a_round_resumes_in_other_clusters(tmp_path):
     assert "clusters [0] [1, 2] (sites.clusters)" in results[0][1], results[0][1]
 
 
-def _momenta(directory: str, load: bool) -> tuple[list, list[str]]:
-    """Sites of one rank at stage 1: a round and an outer step, then a save; or (``load``) a
-    load of that: the outer momentum after it, and the load's warnings."""
+def _momenta(directory: str, load: bool, per_site: int) -> tuple[list, list[str]]:
+    """Sites of ``per_site`` ranks at stage 1: a round and an outer step, then a save; or
+    (``load``) a load of that: the outer momentum of this rank's shard after it, and the
+    load's warnings."""
     import warnings
 
     import zerotrain
 
-    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": 1}
+    sites = {"inner_steps": INNER, "outer_optimizer": OUTER, "ranks_per_site": per_site}
     engine, *_ = zerotrain.initialize(model=model(), config=_config(1, sites))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -783,17 +807,24 @@ def _momenta(directory: str, load: bool) -> tuple[list, list[str]]:
 
 def test_sites_joining_or_leaving_keep_the_outer_momentum(tmp_path):
     """A checkpoint of 2 sites loaded by 3 (a site joined, through the elastic rendezvous),
-    and one of 3 by 2 (a site lost): every rank goes on with the outer momentum the saved
-    sites shared (the first site's rank at its place), the round starting again from the
-    first site's parameters."""
-    for saved_by, loaded_by in ((2, 3), (3, 2)):
-        directory = str(tmp_path / f"{saved_by}to{loaded_by}")
-        saved = run_distributed(_momenta, saved_by, directory, False, timeout=300)
-        loaded = run_distributed(_momenta, loaded_by, directory, True, timeout=300)
-        assert saved[0][0] and all(m is not None for m in saved[0][0])
-        for momenta, caught in loaded:
-            assert all(torch.equal(a, b) for a, b in zip(momenta, saved[0][0], strict=True))
+    and one of 3 by 2 (a site lost), sites of one rank and (2 -> 3) of two: every rank goes
+    on with the outer momentum the saved sites shared, of its own shard (the first site's
+    rank at its place), the round starting again from the first site's parameters."""
+    for saved_sites, loaded_sites, per_site in ((2, 3, 1), (3, 2, 1), (2, 3, 2)):
+        directory = str(tmp_path / f"{saved_sites}to{loaded_sites}by{per_site}")
+        saved = run_distributed(
+            _momenta, saved_sites * per_site, directory, False, per_site, timeout=300
+        )
+        loaded = run_distributed(
+            _momenta, loaded_sites * per_site, directory, True, per_site, timeout=300
+        )
+        for rank, (momenta, caught) in enumerate(loaded):
+            theirs = saved[rank % per_site][0]  # the first site's rank at this place
+            assert theirs and all(m is not None for m in theirs)
+            assert all(torch.equal(a, b) for a, b in zip(momenta, theirs, strict=True))
             assert any("with the outer momentum the sites shared" in w for w in caught), caught
+        if per_site == 2:  # the places hold different shards
+            assert not torch.equal(saved[0][0][0], saved[1][0][0])
 
 
 def _split_sites(tp: int, inner: int | None = 2) -> dict[str, torch.Tensor]:

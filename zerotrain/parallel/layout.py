@@ -167,10 +167,11 @@ class ParallelLayout:
     def state_source(self, saved_world_size: int) -> int | None:
         world = self.mesh.world
         per_site = world.world_size // self.mesh.sizes["site"]
-        if saved_world_size != world.world_size and self.mesh.sizes["site"] > 1:
+        other_sites = saved_world_size != world.world_size and self.mesh.sizes["site"] > 1
+        if other_sites and saved_world_size % per_site == 0:
             # sites of this size, another number of them: the outer steps' state goes on
-            # (zerotrain/zero/outer_step.py: OuterStep.load_state_dict)
-            return world.rank % per_site if saved_world_size % per_site == 0 else None
+            # (OuterStep.load_state_dict checks the shards' layout is this run's)
+            return world.rank % per_site
         return world.rank if world.rank < saved_world_size else None
 
     def micro_batch(self, configured: int) -> int:
@@ -449,19 +450,23 @@ def _start_sites_alike(model: nn.Module, mesh: Mesh) -> None:
 
 def _check_init_partition(model: nn.Module, mesh: Mesh) -> None:
     """A model built under zero.Init holds chunks of its parameters partitioned over the ranks
-    Init chose; the shard groups gather them over the ranks that shard the model (a site's
-    data-parallel ranks): those must be the same ranks, in order."""
+    Init chose; the dense shard group gathers them over the ranks that shard the model (a
+    site's data-parallel ranks): those must be the same ranks, in order."""
     chunks = {ranks for p in model.parameters() if (ranks := partitioned_over(p)) is not None}
     if not chunks:
         return
     wanted = tuple(mesh.zero.members())
     if chunks != {wanted}:
         over = ", ".join(str(list(ranks)) for ranks in sorted(chunks))
+        fix = "build the model whole (zero.Init partitions over a site's ranks or every rank)"
+        if mesh.sizes["site"] > 1 and mesh.zero.world_size == mesh.in_site.world_size:
+            fix = (
+                "pass zero.Init the config given to initialize (config_dict_or_path=..., with "
+                "its sites section: each site's ranks then hold a whole model)"
+            )
         raise ConfigError(
             f"zero.Init partitioned this model over ranks {over}, and this run shards it over "
-            f"ranks {list(wanted)} (mesh {mesh.sizes}); pass zero.Init the config given to "
-            "initialize (config_dict_or_path=..., with its sites section: each site's ranks then "
-            "hold a whole model), or build the model whole"
+            f"ranks {list(wanted)} (mesh {mesh.sizes}); {fix}"
         )
 
 

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from zerotrain.comm import Communicator
+from zerotrain.comm.functional import control_device
 from zerotrain.zero.init import (
     ParamOwner,
     gather_param,
@@ -15,7 +17,6 @@ from zerotrain.zero.init import (
     owner_of,
     partition_comm,
     partition_param,
-    partitioned_over,
 )
 
 
@@ -35,14 +36,14 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
     are broadcast and kept, fp32 master weights included; without it, changes are discarded
     where the parameter is partitioned. ``fwd_module`` is accepted for DeepSpeed compatibility.
     An Init chunk partitioned over a site's ranks (Init given a ``sites`` section) is gathered
-    over them, and its changes are kept from the rank at ``modifier_rank``'s place in the site
-    (``initialize`` then starts every site from the first's).
+    over them; ``modifier_rank``'s changes reach every site (one broadcast over every rank).
     """
     del fwd_module
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     if not enabled or not params:
         yield
         return
+    everyone = Communicator(device=control_device())  # NCCL: its collectives take GPU tensors
     init_params = [p for p in params if is_init_partitioned(p)]
     owners: dict[int, tuple[ParamOwner, list[nn.Parameter]]] = {}
     for param in params:
@@ -63,8 +64,10 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name, used as a context mana
             if modifier_rank is None:
                 param.data = chunks[id(param)]
             else:
-                # the modifier's place among the chunk's ranks (a site's: each site's rank there)
-                ranks = partitioned_over(param) or ()
-                src = ranks[modifier_rank % len(ranks)] if ranks else modifier_rank
-                comm = partition_comm(param)
+                comm, src = partition_comm(param), modifier_rank
+                if comm.world_size < everyone.world_size:  # a site's chunk: the value to all
+                    on_wire = param.data.to(everyone.device)
+                    everyone.broadcast(on_wire, src=modifier_rank)
+                    param.data.copy_(on_wire)
+                    src = comm.root
                 partition_param(param, comm, dtype=chunks[id(param)].dtype, src=src)

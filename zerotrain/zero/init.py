@@ -249,10 +249,18 @@ def partitioned_over(param: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def partition_comm(param: torch.Tensor) -> Communicator:
-    """The communicator over the ranks an Init chunk is one of (every rank's where no Init of
-    this process made one for them)."""
-    comm = _PARTITION_COMMS.get(partitioned_over(param) or ())
-    return comm if comm is not None else Communicator(device=control_device())
+    """The communicator over the ranks an Init chunk is one of."""
+    ranks = partitioned_over(param) or ()
+    comm = _PARTITION_COMMS.get(ranks)
+    if comm is not None:
+        return comm
+    world = Communicator(device=control_device())
+    if ranks and list(ranks) != list(range(world.world_size)):
+        raise RuntimeError(
+            f"zero.Init: this chunk is partitioned over ranks {list(ranks)}, for which this "
+            "process has no group (built by another process, or copied?)"
+        )
+    return world
 
 
 def gather_param(param: nn.Parameter, comm: Communicator) -> torch.Tensor:
@@ -387,13 +395,19 @@ class Init:
     def comm(self) -> Communicator:
         """The ranks the parameters are partitioned over: every rank, or with a ``sites``
         section its site's (each site holds a whole model: docs/sites.md); made the first
-        time a parameter is (collective)."""
+        time a parameter is (collective; a ConfigError there where the ranks do not split
+        into the sites)."""
         if self._comm is None:
             world = Communicator(device=control_device())
             count = 1 if self.sites is None else self.sites.count(world.world_size, local_ranks())
             per_site = world.world_size // count
+            mine = tuple(
+                range(world.rank // per_site * per_site, (world.rank // per_site + 1) * per_site)
+            )
             if count == 1:
                 self._comm = world
+            elif mine in _PARTITION_COMMS:  # an earlier Init's (every rank finds its own)
+                self._comm = _PARTITION_COMMS[mine]
             else:
                 sites = [list(range(s * per_site, (s + 1) * per_site)) for s in range(count)]
                 self._comm = world.split(sites)

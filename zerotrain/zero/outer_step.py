@@ -527,7 +527,8 @@ def _restarted_round(resume: Resume, kept: bool) -> str:
         return (
             f"the sites' round was saved by {resume.saved_world_size} ranks, and this run has "
             f"{resume.world_size} in sites of the same size: the round starts again from the "
-            "loaded parameters, the first site's, with the outer momentum the sites shared"
+            "loaded parameters, the first site's, with the outer momentum the sites shared "
+            "(where the outer optimizer keeps one)"
         )
     return (
         f"the sites' outer state was saved at world size {resume.saved_world_size}, and this "
