@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TypeVar
 
 from zerotrain.comm.communicator import CollectiveError, Communicator
@@ -59,7 +60,7 @@ JOB_COLLECTIVES = 16
 
 
 def probe_site_links(
-    world: Communicator, firsts: list[int], timeout=None
+    world: Communicator, firsts: list[int], timeout: timedelta | None = None
 ) -> dict[tuple[int, int], Link]:
     """The link between every pair of sites ``(i, j)``, i < j, probed between their first ranks
     (``firsts``: each site's first default-group rank), one pair at a time; the same on every
@@ -128,8 +129,7 @@ class SiteTiers:
         """Run ``job`` on the tiers' thread, after every job submitted before it."""
         with self._lock:
             self._queued += 1
-        future = self._worker.submit(self._run, job)
-        return future
+        return self._worker.submit(self._run, job)
 
     def _run(self, job: Callable[[], T]) -> T:
         try:
