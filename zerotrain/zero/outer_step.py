@@ -398,10 +398,15 @@ class OuterStep(StepExtension):
             delta = delta.add(buffer, alpha=momentum) if self.options.nesterov else buffer
         return delta.mul(lr)
 
+    def settle(self) -> None:
+        """Complete the exchanges in flight (collective: every rank calls it at the same step);
+        each still lands at its step."""
+        for exchange in self.in_flight:
+            self._complete(exchange)
+
     def masters_set(self) -> None:
         """A load or a broadcast set the masters: the round starts again from them."""
-        for exchange in self.in_flight:  # every rank's collectives complete alike
-            self._complete(exchange)
+        self.settle()  # every rank's collectives complete alike
         self.in_flight = []
         self.anchors = [self._take(f) for f in self.fragments]
         self.count = 0
@@ -422,8 +427,7 @@ class OuterStep(StepExtension):
         """The round's state, the exchanges in flight completed (see [Note: a round in a
         checkpoint]); at the sites but the first, the site's own masters and inner optimizer
         state too."""
-        for exchange in self.in_flight:
-            self._complete(exchange)
+        self.settle()
         state: dict[str, Any] = {
             "anchors": [a.clone() for a in self.anchors],
             "momenta": [None if m is None else m.clone() for m in self.momenta],
