@@ -176,8 +176,8 @@ def worker(spec: dict, out: str) -> None:
     # none); the evaluations are left out of it. The bytes are the whole run's, the
     # evaluations' scalar all-reduces included (a few hundred bytes): an overlapped outer
     # exchange travels on through an evaluation, and leaving out what crossed the link
-    # meanwhile undercounted it (TCP payload) or overcounted it (the interface's counter,
-    # read at other moments): 4.4 and 13.9 bytes/token for the same exchanges as 8.6.
+    # meanwhile gave 4.4 (TCP payload) and 13.9 (the interface's counter) bytes/token for
+    # exchanges that are 8.6 unoverlapped (bench/README.md).
     evaluations, elapsed = [], 0.0
     mean(0.0)  # every site is here: what initialize sent across (a broadcast) has arrived
     sent, resent = _tx_bytes(interface), _retransmitted()
