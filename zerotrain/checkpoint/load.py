@@ -231,7 +231,8 @@ def _check(
     files = [manifest.file("shard", r) for r in sorted(ranks)] + [manifest.file("module")]
     if not options.module_only:
         files.append(manifest.file("engine"))
-        files += [manifest.file("rank_state", r) for r in _rank_states(engine, manifest)]
+        rank_files = {r for r in _rank_states(engine, manifest) if r is not None}
+        files += [manifest.file("rank_state", r) for r in sorted(rank_files)]
         client_state = manifest.optional_file("client_state")
         if client_state:
             files.append(client_state)
@@ -247,7 +248,7 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions, held: He
         return torch.load(held.path(name), map_location="cpu", weights_only=weights_only)
 
     loaded.engine_state = read(manifest.file("engine"))
-    own, source = _rank_states(engine, manifest, both=True)
+    own, source = _rank_states(engine, manifest)
     if own is not None:
         loaded.rank_state = read(manifest.file("rank_state", own))
     if source is not None:
@@ -364,13 +365,12 @@ def _conversions(manifest: Manifest, precision: PrecisionPolicy, with_state: boo
     return out
 
 
-def _rank_states(engine, manifest: Manifest, both: bool = False):
+def _rank_states(engine: TrainingState, manifest: Manifest) -> tuple[int | None, int | None]:
     """The ranks whose rank files this rank reads: its own (for its random generators) and
     the one whose shard groups' state it continues from (the layout's ``state_source``);
-    None where there is none. ``both`` False: the set of them."""
+    None where there is none."""
     own = engine.comm.rank if engine.comm.rank < manifest["world_size"] else None
-    source = engine.layout.state_source(manifest["world_size"])
-    return (own, source) if both else sorted({r for r in (own, source) if r is not None})
+    return own, engine.layout.state_source(manifest["world_size"])
 
 
 def _group_states(rank_state: dict[str, Any], count: int) -> list[dict | None]:
