@@ -152,6 +152,7 @@ def worker(spec: dict, out: str) -> None:
         model=GPT(config), config=_config(spec), training_data=train_set
     )
     world = engine.world_size
+    outer = engine.optimizer.groups[0].extensions.get("outer_step")  # sites' rows
     interface = os.environ["GLOO_SOCKET_IFNAME"]
     micro = spec["micro_batch"]
     batches = iter(loader)  # the same global order in every row, the shares as it says
@@ -182,7 +183,9 @@ def worker(spec: dict, out: str) -> None:
     mean(0.0)  # every site is here: what initialize sent across (a broadcast) has arrived
     sent, resent = _tx_bytes(interface), _retransmitted()
     packets = _tx_bytes(interface, "packets")
-    probes = -_probes_sent(engine)  # the link probes' bytes, in the steps (auto's, once a job)
+    probes = -_probes_sent(
+        engine, outer
+    )  # the link probes' bytes, in the steps (auto's, once a job)
     links = {link: -nbytes for link, nbytes in tcp_payload_by_link().items()}
     start = time.perf_counter()
     for step in range(spec["steps"]):
@@ -195,7 +198,6 @@ def worker(spec: dict, out: str) -> None:
             elapsed += time.perf_counter() - start
             evaluations.append([step, held_out(), elapsed])
             start = time.perf_counter()
-    outer = engine.optimizer.groups[0].extensions.get("outer_step")
     if outer is not None:  # an exchange launched at the last step, still travelling, arrives
         outer.settle()
     mean(0.0)  # every rank's has
@@ -204,7 +206,7 @@ def worker(spec: dict, out: str) -> None:
     sent = _tx_bytes(interface) - sent
     resent = _retransmitted() - resent  # the first site's namespace
     packets = _tx_bytes(interface, "packets") - packets
-    probes += _probes_sent(engine)
+    probes += _probes_sent(engine, outer)
     # each site's links, as its first rank's namespace counted them, by site
     site_of_rank = engine.global_rank // int(os.environ["LOCAL_WORLD_SIZE"])
     counted = links if int(os.environ["LOCAL_RANK"]) == 0 else None
@@ -231,13 +233,12 @@ def worker(spec: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _probes_sent(engine) -> int:
+def _probes_sent(engine, outer) -> int:
     """Bytes this rank's link probes sent so far (the engine's account, and the clusters'
-    leaders' where the sites are in clusters)."""
+    leaders' where ``outer``, the sites' outer step, exchanges in clusters)."""
     from zerotrain.comm.link import PROBE
 
     accounts = [engine.comm.stats]
-    outer = engine.optimizer.groups[0].extensions.get("outer_step")
     if outer is not None and outer.tiers is not None and outer.tiers.leaders is not None:
         accounts.append(outer.tiers.leaders.stats)
     return sum(account[PROBE].sent for account in accounts if PROBE in account)

@@ -248,14 +248,17 @@ def _read_small_files(engine, manifest: Manifest, options: LoadOptions, held: He
         return torch.load(held.path(name), map_location="cpu", weights_only=weights_only)
 
     loaded.engine_state = read(manifest.file("engine"))
+
+    def read_rank(rank: int) -> dict:
+        state = read(manifest.file("rank_state", rank))
+        # written before the codecs' state: the generators alone
+        return {"rng": state} if "python" in state else state
+
     own, source = _rank_states(engine, manifest)
     if own is not None:
-        loaded.rank_state = read(manifest.file("rank_state", own))
+        loaded.rank_state = read_rank(own)
     if source is not None:
-        same = source == own
-        loaded.groups_state = (
-            loaded.rank_state if same else read(manifest.file("rank_state", source))
-        )
+        loaded.groups_state = loaded.rank_state if source == own else read_rank(source)
     client_state = manifest.optional_file("client_state")
     if client_state:
         # The one pickled file: the user's own objects (documented in docs/checkpoints.md).
@@ -298,11 +301,7 @@ def _apply(
         state = loaded.engine()
         load_optimizer_groups(zero, state["optimizer_groups"], state["optimizer_scalar_state"])
     rank_state: dict[str, Any] = loaded.rank_state or {}
-    if "python" in rank_state:  # written before the codecs' state: the generators alone
-        rank_state = {"rng": rank_state}
     groups_state: dict[str, Any] = loaded.groups_state or {}
-    if "python" in groups_state:
-        groups_state = {}
     if options.module_only:
         zero.publish_params()
         for group in zero.groups:  # the loaded parameters, every rank's alike, are the new start

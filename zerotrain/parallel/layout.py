@@ -400,7 +400,7 @@ def _site_tiers(cfg: ZeroTrainConfig, mesh: Mesh) -> SiteTiers | None:
         clusters, how = _given_clusters(sites.clusters, count), "sites.clusters"
     elif sites.clusters == "auto" and count >= 3 and sites.compression.method == "auto":
         firsts = mesh.axis_ranks("site")[0]  # the first rank of each site
-        links = probe_site_links(mesh.world, firsts, _axis_timeouts(cfg).get("site"))
+        links = probe_site_links(mesh.world, firsts, mesh.sites.timeout)
         clusters, how = cluster_sites(links, count), f"measured: {describe_links(links)}"
     else:
         return None

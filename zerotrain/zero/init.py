@@ -315,8 +315,8 @@ class Init:
     the ``sites`` section (each site's ranks hold a whole model: the parameters are partitioned
     over the site's ranks, not every rank); a config HuggingFace has not filled yet
     (``"auto"`` values) is fine. ``dtype`` overrides the precision; without either the dtype
-    is unchanged. ``enabled=False`` is a no-op; ``module`` partitions an existing module's parameters now. ``remote_device`` "cpu"
-    asks for the chunks in CPU memory, where they are on a CPU-only run; from a GPU it is
+    is unchanged. ``enabled=False`` is a no-op; ``module`` partitions an existing module's
+    parameters now. ``remote_device`` "cpu" asks for the chunks in CPU memory, where they are on a CPU-only run; from a GPU it is
     refused until zerotrain offloads. ``mem_efficient_linear`` and ``pin_memory`` tune
     DeepSpeed's kernels and copies and have no effect here; nor does ``tensor_overrides``: torch's
     tensor constructors are wrapped inside the context as in DeepSpeed, through
@@ -401,15 +401,13 @@ class Init:
             world = Communicator(device=control_device())
             count = 1 if self.sites is None else self.sites.count(world.world_size, local_ranks())
             per_site = world.world_size // count
-            mine = tuple(
-                range(world.rank // per_site * per_site, (world.rank // per_site + 1) * per_site)
-            )
+            sites = [list(range(s * per_site, (s + 1) * per_site)) for s in range(count)]
+            mine = tuple(sites[world.rank // per_site])
             if count == 1:
                 self._comm = world
             elif mine in _PARTITION_COMMS:  # an earlier Init's (every rank finds its own)
                 self._comm = _PARTITION_COMMS[mine]
             else:
-                sites = [list(range(s * per_site, (s + 1) * per_site)) for s in range(count)]
                 self._comm = world.split(sites)
             _PARTITION_COMMS[tuple(self._comm.members())] = self._comm
         return self._comm
@@ -545,12 +543,12 @@ def _precision_dtype(checked: tuple[ZeroTrainConfig, dict | None] | None) -> tor
     if raw is None:
         bf16, fp16 = config.bf16.enabled, config.fp16.enabled
     else:
-        given = raw
-
-        def enabled(*names: str) -> bool:
-            sections = [given.get(name) for name in names]
-            return any(isinstance(s, dict) and s.get("enabled") is True for s in sections)
-
-        bf16, fp16 = enabled("bf16", "bfloat16"), enabled("fp16")
+        bf16, fp16 = _enabled(raw, "bf16", "bfloat16"), _enabled(raw, "fp16")
     dtype = training_dtype(bf16, fp16)
     return dtype if dtype != torch.float32 else None
+
+
+def _enabled(raw: dict, *names: str) -> bool:
+    """Whether a raw config enables one of the sections ``names`` (``"auto"``: not)."""
+    sections = [raw.get(name) for name in names]
+    return any(isinstance(s, dict) and s.get("enabled") is True for s in sections)
